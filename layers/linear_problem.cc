@@ -1,0 +1,147 @@
+#include "layers/linear_problem.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "comm/local_communicator.h"
+#include "layers/fp8.h"
+
+namespace tpserve {
+
+int64_t LinearProblem::OutputElements(int rank) const {
+  if (op == OverlapOp::kAllGatherGemm) return m * n_local();
+  return ShardRows(m, tp, rank).size() * n;
+}
+
+CpuLinearArgs LinearProblem::ArgsFor(int rank, BFloat16* y) const {
+  CpuLinearArgs a;
+  a.dtype = dtype;
+  a.n = n_local();
+  a.k = k_local();
+  a.x = x_local[rank].data();
+  a.x_scale = x_scale;
+  a.w = w_local[rank].data();
+  a.w_scale = w_scale;
+  a.y = y;
+  return a;
+}
+
+StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, int tp, int64_t m,
+                                                int64_t n, int64_t k, uint32_t seed) {
+  if (dtype != DataType::kFloat8E4M3 && dtype != DataType::kBFloat16) {
+    return InvalidArgumentError("linear problem: dtype must be fp8_e4m3 or bf16");
+  }
+  if (tp < 1 || m < 1 || n < 1 || k < 1) {
+    return InvalidArgumentError("linear problem: tp, m, n, k must be >= 1");
+  }
+  const bool ag = op == OverlapOp::kAllGatherGemm;
+  if ((ag ? n : k) % tp != 0) {
+    return InvalidArgumentError(std::string("linear problem: ") + (ag ? "n" : "k") + "=" +
+                                std::to_string(ag ? n : k) +
+                                " does not divide by tp=" + std::to_string(tp));
+  }
+  LinearProblem p;
+  p.op = op;
+  p.dtype = dtype;
+  p.tp = tp;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  const size_t e = DataTypeSize(dtype);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  if (dtype == DataType::kFloat8E4M3) {
+    p.x_scale = 4.0f / kFp8E4M3Max;
+    p.w_scale = 4.0f / kFp8E4M3Max;
+  }
+  auto fill = [&](std::vector<uint8_t>& buf, int64_t count, float scale) {
+    buf.resize(count * e);
+    for (int64_t i = 0; i < count; ++i) {
+      const float v = dist(rng);
+      if (dtype == DataType::kFloat8E4M3) {
+        buf[i] = FloatToFp8E4M3(v / scale);
+      } else {
+        const BFloat16 b = FloatToBFloat16(v);
+        std::memcpy(buf.data() + 2 * i, &b, 2);
+      }
+    }
+  };
+  fill(p.x, m * k, p.x_scale);
+  fill(p.w, n * k, p.w_scale);
+
+  const int64_t nl = p.n_local(), kl = p.k_local();
+  p.x_local.resize(tp);
+  p.w_local.resize(tp);
+  for (int r = 0; r < tp; ++r) {
+    if (ag) {
+      const RowRange s = ShardRows(m, tp, r);
+      p.x_local[r].assign(p.x.begin() + s.begin * k * e, p.x.begin() + s.end * k * e);
+      p.w_local[r].assign(p.w.begin() + r * nl * k * e, p.w.begin() + (r + 1) * nl * k * e);
+    } else {
+      p.x_local[r].resize(m * kl * e);
+      p.w_local[r].resize(n * kl * e);
+      for (int64_t i = 0; i < m; ++i) {
+        std::memcpy(&p.x_local[r][i * kl * e], &p.x[(i * k + r * kl) * e], kl * e);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        std::memcpy(&p.w_local[r][j * kl * e], &p.w[(j * k + r * kl) * e], kl * e);
+      }
+    }
+  }
+  p.reference.resize(m * n);
+  TP_RETURN_IF_ERROR(
+      ReferenceLinear(dtype, m, n, k, p.x.data(), p.x_scale, p.w.data(), p.w_scale, p.reference));
+  return p;
+}
+
+StatusOr<std::vector<std::vector<BFloat16>>> RunCpuLinearGroup(const LinearProblem& p,
+                                                               OverlapMode mode, int chunks) {
+  std::vector<std::vector<BFloat16>> y(p.tp);
+  for (int r = 0; r < p.tp; ++r) y[r].assign(p.OutputElements(r), BFloat16{kPoisonBf16});
+  TP_RETURN_IF_ERROR(RunOnLocalRanks(p.tp, [&](Communicator& c) -> Status {
+    TP_ASSIGN_OR_RETURN(OverlapPlan plan,
+                        MakeOverlapPlan({p.op, mode, p.tp, c.rank(), p.m, chunks}));
+    return RunCpuLinear(plan, c, p.ArgsFor(c.rank(), y[c.rank()].data()));
+  }));
+  return y;
+}
+
+StatusOr<LinearError> CompareWithReference(const LinearProblem& p,
+                                           const std::vector<std::vector<BFloat16>>& outputs) {
+  if (static_cast<int>(outputs.size()) != p.tp) {
+    return InvalidArgumentError("compare: " + std::to_string(outputs.size()) +
+                                " outputs for tp=" + std::to_string(p.tp));
+  }
+  for (int r = 0; r < p.tp; ++r) {
+    if (static_cast<int64_t>(outputs[r].size()) != p.OutputElements(r)) {
+      return InvalidArgumentError("compare: rank " + std::to_string(r) + " output has " +
+                                  std::to_string(outputs[r].size()) + " elements, expected " +
+                                  std::to_string(p.OutputElements(r)));
+    }
+  }
+  LinearError err;
+  double num = 0, den = 0;
+  const int64_t nl = p.n_local();
+  for (int r = 0; r < p.tp; ++r) {
+    const RowRange shard = ShardRows(p.m, p.tp, r);
+    for (size_t idx = 0; idx < outputs[r].size(); ++idx) {
+      const int64_t i = static_cast<int64_t>(idx) / nl, j = static_cast<int64_t>(idx) % nl;
+      const int64_t global =
+          p.op == OverlapOp::kAllGatherGemm ? i * p.n + r * nl + j : (shard.begin + i) * p.n + j;
+      const BFloat16 got = outputs[r][idx], want = p.reference[global];
+      if (got.bits == kPoisonBf16) ++err.unwritten;
+      if (got.bits != want.bits) ++err.differing;
+      const double g = BFloat16ToFloat(got), w = BFloat16ToFloat(want);
+      const double d = std::isnan(g) ? INFINITY : std::fabs(g - w);
+      err.max_abs = std::max(err.max_abs, d);
+      num += d * d;
+      den += w * w;
+    }
+  }
+  err.rel_frobenius = std::sqrt(num / std::max(den, 1e-30));
+  return err;
+}
+
+}  // namespace tpserve

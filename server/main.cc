@@ -1,0 +1,22 @@
+// tpserve: tensor-parallel FP8 inference server and its tools.
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+
+#include "server/cli.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "tpserve: tensor-parallel FP8 transformer inference with communication hidden under "
+      "the GEMMs.\nRun `tpserve <command> --help` for a command's flags."};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  tpserve::AddPlanCommand(app, &exit_code);
+  tpserve::AddLayerCommand(app, &exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return exit_code;
+}

@@ -1,0 +1,184 @@
+#include "comm/local_communicator.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <numeric>
+#include <vector>
+
+namespace tpserve {
+namespace {
+
+using std::chrono::milliseconds;
+
+class LocalCommTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(LocalCommTest, AllGatherPlacesEachRanksBlock) {
+  const int n = GetParam();
+  ASSERT_TRUE(RunOnLocalRanks(n, [&](Communicator& c) -> Status {
+                std::vector<int> send(3);
+                for (int i = 0; i < 3; ++i) send[i] = c.rank() * 100 + i;
+                std::vector<int> recv(3 * n, -1);
+                TP_RETURN_IF_ERROR(c.AllGather(send.data(), recv.data(), 3 * sizeof(int), nullptr));
+                for (int r = 0; r < n; ++r) {
+                  for (int i = 0; i < 3; ++i) {
+                    if (recv[r * 3 + i] != r * 100 + i) return InternalError("wrong element");
+                  }
+                }
+                return Status::Ok();
+              }).ok());
+}
+
+TEST_P(LocalCommTest, AllGatherInPlace) {
+  const int n = GetParam();
+  ASSERT_TRUE(RunOnLocalRanks(n, [&](Communicator& c) -> Status {
+                std::vector<int> buf(n, -1);
+                buf[c.rank()] = c.rank() + 7;
+                TP_RETURN_IF_ERROR(c.AllGather(&buf[c.rank()], buf.data(), sizeof(int), nullptr));
+                for (int r = 0; r < n; ++r) {
+                  if (buf[r] != r + 7) return InternalError("wrong element");
+                }
+                return Status::Ok();
+              }).ok());
+}
+
+TEST_P(LocalCommTest, ReduceScatterSumsFloat) {
+  const int n = GetParam();
+  ASSERT_TRUE(RunOnLocalRanks(n, [&](Communicator& c) -> Status {
+                const int count = 5;
+                std::vector<float> send(count * n);
+                for (int i = 0; i < count * n; ++i) send[i] = float(i + c.rank());
+                std::vector<float> recv(count, -1.0f);
+                TP_RETURN_IF_ERROR(
+                    c.ReduceScatter(send.data(), recv.data(), count, DataType::kFloat32, nullptr));
+                for (int i = 0; i < count; ++i) {
+                  const int idx = c.rank() * count + i;
+                  const float want = float(n * idx + n * (n - 1) / 2);
+                  if (recv[i] != want) return InternalError("wrong sum");
+                }
+                return Status::Ok();
+              }).ok());
+}
+
+TEST_P(LocalCommTest, ReduceScatterBf16RoundsOnceFromFp32Sum) {
+  const int n = GetParam();
+  ASSERT_TRUE(RunOnLocalRanks(n, [&](Communicator& c) -> Status {
+                // 1 + n * 2^-9: each 2^-9 alone would be lost adding in BF16
+                // (8 bits of mantissa), their FP32 sum is not for n >= 2.
+                std::vector<BFloat16> send(n);
+                for (int i = 0; i < n; ++i) send[i] = FloatToBFloat16(c.rank() == 0 ? 1.0f : 0.0f);
+                for (int i = 0; i < n; ++i) {
+                  if (c.rank() != 0) send[i] = FloatToBFloat16(1.0f / 512);
+                }
+                BFloat16 out;
+                TP_RETURN_IF_ERROR(
+                    c.ReduceScatter(send.data(), &out, 1, DataType::kBFloat16, nullptr));
+                const float want = 1.0f + float(n - 1) / 512;
+                if (BFloat16ToFloat(out) != BFloat16ToFloat(FloatToBFloat16(want))) {
+                  return InternalError("bf16 sum " + std::to_string(BFloat16ToFloat(out)));
+                }
+                return Status::Ok();
+              }).ok());
+}
+
+TEST_P(LocalCommTest, BroadcastFromEveryRoot) {
+  const int n = GetParam();
+  ASSERT_TRUE(RunOnLocalRanks(n, [&](Communicator& c) -> Status {
+                for (int root = 0; root < n; ++root) {
+                  int v = c.rank() == root ? 1000 + root : -1;
+                  TP_RETURN_IF_ERROR(c.Broadcast(&v, sizeof v, root, nullptr));
+                  if (v != 1000 + root) return InternalError("wrong broadcast value");
+                }
+                return Status::Ok();
+              }).ok());
+}
+
+TEST_P(LocalCommTest, SendRecvRing) {
+  const int n = GetParam();
+  if (n < 2) GTEST_SKIP() << "a ring needs two ranks";
+  ASSERT_TRUE(RunOnLocalRanks(n, [&](Communicator& c) -> Status {
+                const int next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+                int v = c.rank(), got = -1;
+                TP_RETURN_IF_ERROR(c.Send(&v, sizeof v, next, nullptr));
+                TP_RETURN_IF_ERROR(c.Recv(&got, sizeof got, prev, nullptr));
+                if (got != prev) return InternalError("got message from the wrong rank");
+                return c.Barrier();
+              }).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(GroupSizes, LocalCommTest, ::testing::Values(1, 2, 3, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& param_info) {
+                           return "ranks" + std::to_string(param_info.param);
+                         });
+
+TEST(LocalComm, RejectsBadGroupSize) {
+  EXPECT_EQ(MakeLocalCommunicators(0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LocalComm, RejectsStreamAndBadPeer) {
+  auto comms = MakeLocalCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  int v = 0;
+  int dummy_stream = 0;
+  EXPECT_EQ((*comms)[0]->Send(&v, sizeof v, 0, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*comms)[0]->Send(&v, sizeof v, 2, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*comms)[0]->Send(&v, sizeof v, 1, &dummy_stream).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LocalComm, RecvSizeMismatchIsAnError) {
+  Status s = RunOnLocalRanks(2, [](Communicator& c) -> Status {
+    if (c.rank() == 0) {
+      int v = 1;
+      return c.Send(&v, sizeof v, 1, nullptr);
+    }
+    int64_t w = 0;
+    return c.Recv(&w, sizeof w, 0, nullptr);
+  });
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("sent 4"), std::string::npos) << s.ToString();
+}
+
+TEST(LocalComm, MissingPeerTimesOutInsteadOfHanging) {
+  LocalCommOptions opts;
+  opts.timeout = milliseconds(100);
+  const auto start = std::chrono::steady_clock::now();
+  Status s = RunOnLocalRanks(
+      2,
+      [](Communicator& c) -> Status {
+        if (c.rank() == 1) return Status::Ok();  // never joins the barrier
+        return c.Barrier();
+      },
+      opts);
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(LocalComm, FailingRankAbortsTheOthers) {
+  LocalCommOptions opts;
+  opts.timeout = milliseconds(30000);  // the abort, not the timeout, must end it
+  const auto start = std::chrono::steady_clock::now();
+  Status s = RunOnLocalRanks(
+      3,
+      [](Communicator& c) -> Status {
+        if (c.rank() == 2) return InternalError("rank 2 failed");
+        return c.Barrier();
+      },
+      opts);
+  EXPECT_EQ(s.code(), StatusCode::kInternal);
+  EXPECT_EQ(s.message(), "rank 2 failed");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(LocalComm, OperationsAfterAbortReturnAborted) {
+  auto comms = MakeLocalCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  (*comms)[1]->Abort();
+  (*comms)[1]->Abort();  // idempotent
+  EXPECT_EQ((*comms)[0]->Barrier().code(), StatusCode::kAborted);
+  int v = 0;
+  EXPECT_EQ((*comms)[0]->Recv(&v, sizeof v, 1, nullptr).code(), StatusCode::kAborted);
+}
+
+}  // namespace
+}  // namespace tpserve
