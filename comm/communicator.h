@@ -46,6 +46,16 @@ class Communicator {
                                StreamHandle stream) = 0;
   virtual Status Send(const void* buf, size_t bytes, int peer, StreamHandle stream) = 0;
   virtual Status Recv(void* buf, size_t bytes, int peer, StreamHandle stream) = 0;
+  // One ring step: sends `send_bytes` to `send_peer` and receives `recv_bytes`
+  // from `recv_peer`, progressing both together so that a ring of SendRecv
+  // calls cannot deadlock. A peer of -1 skips that side. The default (Send,
+  // then Recv) suits implementations whose Send does not wait for the peer.
+  virtual Status SendRecv(const void* send_buf, size_t send_bytes, int send_peer, void* recv_buf,
+                          size_t recv_bytes, int recv_peer, StreamHandle stream) {
+    if (send_peer >= 0) TP_RETURN_IF_ERROR(Send(send_buf, send_bytes, send_peer, stream));
+    if (recv_peer >= 0) TP_RETURN_IF_ERROR(Recv(recv_buf, recv_bytes, recv_peer, stream));
+    return Status::Ok();
+  }
   virtual Status Broadcast(void* buf, size_t bytes, int root, StreamHandle stream) = 0;
   virtual Status Barrier() = 0;
 

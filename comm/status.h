@@ -120,15 +120,17 @@ class [[nodiscard]] StatusOr {
 #define TP_STATUS_CONCAT(a, b) TP_STATUS_CONCAT_INNER(a, b)
 
 // Evaluates `expr` (a Status); returns it from the current function if not OK.
-#define TP_RETURN_IF_ERROR(expr)             \
-  do {                                       \
-    ::tpserve::Status tp_status_ = (expr);   \
-    if (!tp_status_.ok()) return tp_status_; \
+#define TP_RETURN_IF_ERROR(expr) \
+  TP_RETURN_IF_ERROR_IMPL(TP_STATUS_CONCAT(tp_status_, __COUNTER__), expr)
+#define TP_RETURN_IF_ERROR_IMPL(var, expr) \
+  do {                                     \
+    ::tpserve::Status var = (expr);        \
+    if (!var.ok()) return var;             \
   } while (0)
 
 // `lhs` = value of `expr` (a StatusOr<T>), or returns its error.
 #define TP_ASSIGN_OR_RETURN(lhs, expr) \
-  TP_ASSIGN_OR_RETURN_IMPL(TP_STATUS_CONCAT(tp_statusor_, __LINE__), lhs, expr)
+  TP_ASSIGN_OR_RETURN_IMPL(TP_STATUS_CONCAT(tp_statusor_, __COUNTER__), lhs, expr)
 #define TP_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
   auto tmp = (expr);                             \
   if (!tmp.ok()) return tmp.status();            \

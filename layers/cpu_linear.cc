@@ -93,14 +93,10 @@ Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLi
         break;
       }
       case StepKind::kSendRecv:
-        if (s.send_peer >= 0) {
-          TP_RETURN_IF_ERROR(comm.Send(gathered.data() + s.send_rows.begin * row_bytes,
-                                       s.send_rows.size() * row_bytes, s.send_peer, nullptr));
-        }
-        if (s.recv_peer >= 0) {
-          TP_RETURN_IF_ERROR(comm.Recv(gathered.data() + s.recv_rows.begin * row_bytes,
-                                       s.recv_rows.size() * row_bytes, s.recv_peer, nullptr));
-        }
+        TP_RETURN_IF_ERROR(comm.SendRecv(gathered.data() + s.send_rows.begin * row_bytes,
+                                         s.send_rows.size() * row_bytes, s.send_peer,
+                                         gathered.data() + s.recv_rows.begin * row_bytes,
+                                         s.recv_rows.size() * row_bytes, s.recv_peer, nullptr));
         break;
       case StepKind::kGemm:
         for (RowRange r : s.rows) {
@@ -158,16 +154,11 @@ Status RunGemmReduceScatter(const OverlapPlan& plan, Communicator& comm, const C
         break;
       }
       case StepKind::kSendRecv:
-        if (s.send_peer >= 0) {
-          TP_RETURN_IF_ERROR(comm.Send(partial.data() + s.send_rows.begin * out_row,
-                                       s.send_rows.size() * out_row * sizeof(BFloat16), s.send_peer,
-                                       nullptr));
-        }
-        if (s.recv_peer >= 0) {
-          TP_RETURN_IF_ERROR(comm.Recv(received.data() + s.recv_rows.begin * out_row,
-                                       s.recv_rows.size() * out_row * sizeof(BFloat16), s.recv_peer,
-                                       nullptr));
-        }
+        TP_RETURN_IF_ERROR(comm.SendRecv(partial.data() + s.send_rows.begin * out_row,
+                                         s.send_rows.size() * out_row * sizeof(BFloat16),
+                                         s.send_peer, received.data() + s.recv_rows.begin * out_row,
+                                         s.recv_rows.size() * out_row * sizeof(BFloat16),
+                                         s.recv_peer, nullptr));
         break;
       case StepKind::kAllGather:
         return InternalError("cpu linear: allgather step in a gemm_rs plan");

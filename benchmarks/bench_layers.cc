@@ -1,0 +1,399 @@
+// tpserve-bench: times the TP linear layers on the GPUs of one host (ranks as
+// threads, one GPU each), every overlap method side by side with the GEMM
+// alone and the communication alone, in CUDA-graph replay mode with CUDA
+// events around each replay. Writes the records of benchmarks/README.md's
+// JSON schema (impl "tpserve"); benchmarks/run_overlap_bench.sh merges them
+// with the PyTorch peer's records of the same run.
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/nccl_thread_group.h"
+#include "layers/cublaslt_gemm.h"
+#include "layers/cuda_linear.h"
+#include "layers/quantize_kernels.h"
+#include "layers/random_fill.h"
+
+namespace tpserve {
+namespace {
+
+using json = nlohmann::json;
+
+struct ShapeCase {
+  std::string layer;  // e.g. "llama70b.gate_up"
+  OverlapOp op;
+  int64_t m, n, k;  // global problem
+};
+
+struct Method {
+  std::string method;  // gemm_only | comm_only | none | pipeline | ring | layer_gemm
+  LinearKnobs knobs;
+};
+
+struct Flags {
+  std::string shapes = "llama70b";
+  std::vector<int64_t> ms = {512, 2048, 8192, 16384};
+  std::vector<std::string> dtypes = {"fp8"};
+  std::vector<int> chunks = {2, 4};
+  std::vector<std::string> methods = {"gemm_only", "comm_only",   "none",      "pipeline",
+                                      "ring",      "pipeline_ce", "layer_gemm"};
+  int tp = 2;
+  int warmup = 5;
+  int rounds = 30;
+  bool check = true;
+  bool fast_accum = false;
+  std::string out = "bench.json";
+  std::string commit = "unknown";
+};
+
+std::vector<ShapeCase> MakeShapes(const Flags& f) {
+  std::vector<ShapeCase> out;
+  if (f.shapes == "llama70b") {
+    for (int64_t m : f.ms) {
+      out.push_back({"llama70b.qkv", OverlapOp::kAllGatherGemm, m, 10240, 8192});
+      out.push_back({"llama70b.o", OverlapOp::kGemmReduceScatter, m, 8192, 8192});
+      out.push_back({"llama70b.gate_up", OverlapOp::kAllGatherGemm, m, 57344, 8192});
+      out.push_back({"llama70b.down", OverlapOp::kGemmReduceScatter, m, 8192, 28672});
+    }
+  } else if (f.shapes == "seed") {
+    out.push_back({"seed.ag_gemm", OverlapOp::kAllGatherGemm, 65536, 1024LL * f.tp, 4096});
+  } else if (f.shapes == "small") {
+    for (int64_t m : f.ms) {
+      out.push_back({"small.ag", OverlapOp::kAllGatherGemm, m, 1024, 1024});
+      out.push_back({"small.rs", OverlapOp::kGemmReduceScatter, m, 1024, 1024});
+    }
+  }
+  return out;
+}
+
+std::vector<Method> MakeMethods(const Flags& f, OverlapOp op) {
+  std::vector<Method> out;
+  for (const std::string& name : f.methods) {
+    Method base;
+    base.knobs.fast_accum = f.fast_accum;
+    if (name == "gemm_only" || name == "comm_only" || name == "none" || name == "layer_gemm") {
+      base.method = name;
+      out.push_back(base);
+    } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce") {
+      if (name == "pipeline_ce" && op != OverlapOp::kAllGatherGemm) continue;
+      for (int c : f.chunks) {
+        Method m = base;
+        m.method = name == "ring" ? "ring" : "pipeline";
+        m.knobs.mode = name == "ring" ? OverlapMode::kRing : OverlapMode::kPipeline;
+        m.knobs.chunks = c;
+        if (name == "pipeline_ce") {
+          m.knobs.copy_engine = true;
+          m.knobs.comm.cta_policy = NcclCommConfig::CtaPolicy::kZero;
+        }
+        out.push_back(m);
+      }
+    }
+  }
+  return out;
+}
+
+json Stats(std::vector<float> t) {
+  std::sort(t.begin(), t.end());
+  const size_t n = t.size();
+  auto q = [&](double p) {
+    const double pos = p * (n - 1);
+    const size_t lo = static_cast<size_t>(pos);
+    const size_t hi = std::min(lo + 1, n - 1);
+    return t[lo] + (t[hi] - t[lo]) * (pos - lo);
+  };
+  double mean = 0;
+  for (float v : t) mean += v;
+  mean /= n;
+  double var = 0;
+  for (float v : t) var += (v - mean) * (v - mean);
+  return json{{"median_ms", q(0.5)},
+              {"min_ms", t.front()},
+              {"max_ms", t.back()},
+              {"mean_ms", mean},
+              {"stddev_ms", n > 1 ? std::sqrt(var / (n - 1)) : 0.0},
+              {"iqr_ms", q(0.75) - q(0.25)},
+              {"rounds", n}};
+}
+
+json KnobsJson(const LinearKnobs& k) {
+  return json{{"mode", OverlapModeName(k.mode)},
+              {"chunks", k.chunks},
+              {"min_ctas", k.comm.min_ctas},
+              {"max_ctas", k.comm.max_ctas},
+              {"cta_policy", CtaPolicyName(k.comm.cta_policy)},
+              {"copy_engine", k.copy_engine},
+              {"gemm_sm_count", k.gemm_sm_count},
+              {"fast_accum", k.fast_accum}};
+}
+
+// Captures body() into a graph (after eager warm-up runs) and times `rounds`
+// replays with events.
+StatusOr<std::vector<float>> TimeGraph(NcclCommunicator& comm, cudaStream_t stream,
+                                       const std::function<Status()>& body, int warmup,
+                                       int rounds) {
+  for (int i = 0; i < 2; ++i) TP_RETURN_IF_ERROR(body());
+  TP_RETURN_IF_ERROR(comm.WaitStream(stream));
+  TP_ASSIGN_OR_RETURN(CudaGraphExec graph,
+                      CudaGraphExec::Capture(stream, cudaStreamCaptureModeThreadLocal, body));
+  for (int i = 0; i < warmup; ++i) TP_RETURN_IF_ERROR(graph.Launch(stream));
+  std::vector<CudaEvent> events;
+  for (int i = 0; i < 2 * rounds; ++i) {
+    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(true));
+    events.push_back(std::move(e));
+  }
+  TP_RETURN_IF_ERROR(comm.WaitStream(stream));
+  for (int i = 0; i < rounds; ++i) {
+    TP_RETURN_IF_ERROR(events[2 * i].Record(stream));
+    TP_RETURN_IF_ERROR(graph.Launch(stream));
+    TP_RETURN_IF_ERROR(events[2 * i + 1].Record(stream));
+  }
+  TP_RETURN_IF_ERROR(comm.WaitStream(stream));
+  std::vector<float> ms(rounds);
+  for (int i = 0; i < rounds; ++i) {
+    TP_ASSIGN_OR_RETURN(ms[i], CudaEvent::ElapsedMs(events[2 * i], events[2 * i + 1]));
+  }
+  return ms;
+}
+
+// Relative Frobenius distance of two BF16 device tensors, on every 7th row.
+StatusOr<double> RelDiff(const void* a, const void* b, int64_t rows, int64_t cols) {
+  const int64_t step = 7, sampled = (rows + step - 1) / step;
+  std::vector<uint16_t> ha(sampled * cols), hb(sampled * cols);
+  const size_t pitch = cols * 2;
+  TP_CUDA_CHECK(
+      cudaMemcpy2D(ha.data(), pitch, a, pitch * step, pitch, sampled, cudaMemcpyDeviceToHost));
+  TP_CUDA_CHECK(
+      cudaMemcpy2D(hb.data(), pitch, b, pitch * step, pitch, sampled, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ha.size(); ++i) {
+    const double x = BFloat16ToFloat(BFloat16{ha[i]}), y = BFloat16ToFloat(BFloat16{hb[i]});
+    if (std::isnan(x) || std::isnan(y)) return INFINITY;
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, DataType dtype,
+               std::vector<json>& records) {
+  const int tp = group.size();
+  const bool ag = sc.op == OverlapOp::kAllGatherGemm;
+  const int64_t n_local = ag ? sc.n / tp : sc.n, k_local = ag ? sc.k : sc.k / tp;
+  const std::vector<Method> methods = MakeMethods(f, sc.op);
+  std::vector<std::vector<json>> rank_records(tp);
+  Status s = group.Run([&](int r) -> Status {
+    NcclCommPool& pool = group.pool(r);
+    NcclCommunicator& base = pool.base();
+    TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+    const size_t e = DataTypeSize(dtype);
+    const RowRange own = ShardRows(sc.m, tp, r);
+    // Operands: W_r, the full local X (for the GEMM alone), scales of 1/16.
+    TP_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(n_local * k_local * e, "bench.w"));
+    TP_ASSIGN_OR_RETURN(DeviceBuffer x_full,
+                        DeviceBuffer::Allocate(sc.m * k_local * e, "bench.x_full"));
+    TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(2 * sizeof(float), "scales"));
+    const float sc_host[2] = {1.0f / 16, 1.0f / 16};
+    TP_CUDA_CHECK(cudaMemcpy(scales.data(), sc_host, sizeof sc_host, cudaMemcpyHostToDevice));
+    const float* xs = scales.as<float>();
+    const float* ws = scales.as<float>() + 1;
+    const float amp = dtype == DataType::kFloat8E4M3 ? 16.0f : 1.0f;
+    TP_RETURN_IF_ERROR(
+        LaunchRandomUniform(w.data(), dtype, n_local * k_local, 1000 + r, amp, stream.get()));
+    TP_RETURN_IF_ERROR(LaunchRandomUniform(x_full.data(), dtype, sc.m * k_local,
+                                           2000 + (ag ? 0 : r), amp, stream.get()));
+    const int64_t out_rows = ag ? sc.m : own.size();
+    TP_ASSIGN_OR_RETURN(
+        DeviceBuffer y_ref,
+        DeviceBuffer::Allocate(std::max<int64_t>(out_rows, 1) * n_local * 2, "bench.y_ref"));
+    TP_ASSIGN_OR_RETURN(
+        DeviceBuffer y,
+        DeviceBuffer::Allocate(std::max<int64_t>(out_rows, 1) * n_local * 2, "bench.y"));
+    TP_ASSIGN_OR_RETURN(DeviceBuffer full_out,
+                        DeviceBuffer::Allocate(sc.m * n_local * 2, "bench.full_out"));
+    const bool fp8 = dtype == DataType::kFloat8E4M3;
+    bool have_ref = false;
+
+    for (const Method& m : methods) {
+      json rec{{"impl", "tpserve"},
+               {"layer", sc.layer},
+               {"op", OverlapOpName(sc.op)},
+               {"method", m.method},
+               {"dtype", fp8 ? "fp8" : "bf16"},
+               {"tp", tp},
+               {"m", sc.m},
+               {"n", sc.n},
+               {"k", sc.k},
+               {"chunks", m.knobs.chunks},
+               {"config", KnobsJson(m.knobs)}};
+      std::function<Status()> body;
+      std::unique_ptr<CudaLinear> layer;
+      CublasLtGemm gemm;
+      DeviceBuffer comm_in, comm_out;
+      GemmParams gp;
+      if (m.method == "gemm_only") {
+        TP_ASSIGN_OR_RETURN(gemm, CublasLtGemm::Create("bench.gemm_only"));
+        gp.m = sc.m;
+        gp.n = n_local;
+        gp.k = k_local;
+        gp.a_type = gp.b_type = dtype;
+        gp.d_type = DataType::kBFloat16;
+        gp.fast_accum = fp8 && f.fast_accum;
+        if (fp8) {
+          gp.a_scale = xs;
+          gp.b_scale = ws;
+        }
+        TP_RETURN_IF_ERROR(gemm.Prepare(gp));
+        body = [&] {
+          return gemm.Run(gp, x_full.data(), w.data(), nullptr, full_out.data(), stream.get());
+        };
+      } else if (m.method == "comm_only") {
+        if (ag) {
+          const size_t bytes = own.size() > 0 ? ShardRows(sc.m, tp, 0).size() * k_local * e : 0;
+          TP_ASSIGN_OR_RETURN(comm_in, DeviceBuffer::Allocate(bytes, "bench.comm_in"));
+          TP_ASSIGN_OR_RETURN(comm_out, DeviceBuffer::Allocate(bytes * tp, "bench.comm_out"));
+          body = [&, bytes] {
+            return base.AllGather(comm_in.data(), comm_out.data(), bytes, stream.get());
+          };
+        } else {
+          const size_t count = ShardRows(sc.m, tp, 0).size() * n_local;
+          TP_ASSIGN_OR_RETURN(comm_in, DeviceBuffer::Allocate(count * tp * 2, "bench.comm_in"));
+          TP_ASSIGN_OR_RETURN(comm_out, DeviceBuffer::Allocate(count * 2, "bench.comm_out"));
+          TP_RETURN_IF_ERROR(LaunchRandomUniform(comm_in.data(), DataType::kBFloat16, count * tp,
+                                                 3000 + r, 1.0f, stream.get()));
+          body = [&, count] {
+            return base.ReduceScatter(comm_in.data(), comm_out.data(), count, DataType::kBFloat16,
+                                      stream.get());
+          };
+        }
+      } else {
+        CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
+        TP_ASSIGN_OR_RETURN(layer, CudaLinear::Create("bench." + sc.layer, shape, m.knobs, pool));
+        TP_RETURN_IF_ERROR(layer->Prepare(sc.m));
+        // The layer's input is this rank's part of the same X.
+        const void* src =
+            static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
+        TP_CUDA_CHECK(cudaMemcpyAsync(layer->input(sc.m), src, layer->input_bytes(sc.m),
+                                      cudaMemcpyDeviceToDevice, stream.get()));
+        void* dst = m.method == "none" ? y_ref.data() : y.data();
+        if (m.method == "layer_gemm") {
+          body = [&, dst] { return layer->RunGemmOnly(sc.m, w.data(), xs, ws, dst, stream.get()); };
+        } else {
+          body = [&, dst] { return layer->Run(sc.m, w.data(), xs, ws, dst, stream.get()); };
+        }
+      }
+      TP_ASSIGN_OR_RETURN(std::vector<float> times,
+                          TimeGraph(base, stream.get(), body, f.warmup, f.rounds));
+      rec.update(Stats(times));
+      if (m.method == "none") have_ref = true;
+      if (f.check && layer && m.method != "none" && m.method != "layer_gemm" && have_ref &&
+          out_rows > 0) {
+        TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
+        rec["check_rel_diff_vs_none"] = d;
+        if (!(d <= 1e-2)) {
+          return InternalError(sc.layer + " " + m.method + " differs from mode none: rel " +
+                               std::to_string(d));
+        }
+      }
+      TP_RETURN_IF_ERROR(base.Barrier());
+      rank_records[r].push_back(rec);
+      layer.reset();
+    }
+    return Status::Ok();
+  });
+  TP_RETURN_IF_ERROR(s);
+  for (json& rec : rank_records[0]) {
+    spdlog::info("{:18} {:7} m={:5} {:10} chunks={} {:40} median {:.4f} ms",
+                 rec["layer"].get<std::string>(), rec["op"].get<std::string>(),
+                 rec["m"].get<int64_t>(), rec["method"].get<std::string>(),
+                 rec["chunks"].get<int>(), rec["config"].dump(), rec["median_ms"].get<double>());
+    records.push_back(rec);
+  }
+  return Status::Ok();
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{
+      "tpserve-bench: time TP linear layers (every overlap method, GEMM alone, "
+      "communication alone) on the GPUs of this host; writes JSON records"};
+  app.add_option("--shapes", f.shapes,
+                 "Shape preset: llama70b (QKV, O, gate_up, down at each "
+                 "--m), seed (m=65536 k=4096 n=1024*tp), small")
+      ->check(CLI::IsMember({"llama70b", "seed", "small"}))
+      ->capture_default_str();
+  app.add_option("--m", f.ms, "Global M values (tokens) for llama70b/small")->capture_default_str();
+  app.add_option("--dtype", f.dtypes, "Operand types: fp8, bf16")->capture_default_str();
+  app.add_option("--chunks", f.chunks, "Chunk counts for pipeline and ring")->capture_default_str();
+  app.add_option("--methods", f.methods,
+                 "Methods: gemm_only, comm_only, none, pipeline, ring, pipeline_ce (copy-engine "
+                 "AllGather), layer_gemm (the layer's GEMM steps without communication)")
+      ->capture_default_str();
+  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs, one thread each)")
+      ->capture_default_str();
+  app.add_option("--warmup", f.warmup, "Graph replays before timing")->capture_default_str();
+  app.add_option("--rounds", f.rounds, "Timed graph replays per case")->capture_default_str();
+  app.add_flag("!--no-check", f.check,
+               "Skip comparing each overlap method's output with mode none");
+  app.add_flag("--fast-accum", f.fast_accum, "FP8 fast accumulation in every GEMM");
+  app.add_option("--out", f.out, "JSON output file")->capture_default_str();
+  app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto group = NcclThreadGroup::Create(f.tp);
+  if (!group.ok()) {
+    spdlog::error("{}", group.status().ToString());
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  int nccl_version = 0;
+  ncclGetVersion(&nccl_version);
+  std::ostringstream cmd;
+  for (int i = 0; i < argc; ++i) cmd << (i ? " " : "") << argv[i];
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  json out{{"meta",
+            {{"commit", f.commit},
+             {"date", date},
+             {"device", std::to_string(f.tp) + "x " + prop.name},
+             {"nccl", nccl_version},
+             {"cublaslt", static_cast<int64_t>(cublasLtGetVersion())},
+             {"command", cmd.str()}}},
+           {"records", json::array()}};
+  std::vector<json> records;
+  int failures = 0;
+  for (const ShapeCase& sc : MakeShapes(f)) {
+    for (const std::string& d : f.dtypes) {
+      const DataType dtype = d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+      Status s = RunCase(**group, f, sc, dtype, records);
+      if (!s.ok()) {
+        spdlog::error("{} m={} {}: {}", sc.layer, sc.m, d, s.ToString());
+        ++failures;
+        if (s.code() == StatusCode::kAborted || s.code() == StatusCode::kDeadlineExceeded) break;
+      }
+    }
+  }
+  for (json& r : records) out["records"].push_back(r);
+  std::ofstream(f.out) << out.dump(1) << "\n";
+  spdlog::info("wrote {} records to {} ({} failed cases)", records.size(), f.out, failures);
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main(int argc, char** argv) { return tpserve::Main(argc, argv); }

@@ -1,0 +1,504 @@
+#include "layers/cublaslt_gemm.h"
+
+#include <cublasLt.h>
+
+#include <compare>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+
+namespace tpserve {
+namespace {
+
+// Every pointer, leading dimension and batch stride is promised to cuBLASLt at this alignment
+// (see the header); FP8 kernels on Hopper need it, and promising it for BF16 too lets one
+// cached algorithm serve every row-block offset of a shape.
+constexpr int64_t kAlignBytes = 16;
+constexpr int kMaxHeuristicResults = 8;
+
+struct DescDeleter {
+  void operator()(cublasLtMatmulDesc_t d) const noexcept {
+    TP_CUBLAS_LOG(cublasLtMatmulDescDestroy(d));
+  }
+};
+struct LayoutDeleter {
+  void operator()(cublasLtMatrixLayout_t l) const noexcept {
+    TP_CUBLAS_LOG(cublasLtMatrixLayoutDestroy(l));
+  }
+};
+struct PreferenceDeleter {
+  void operator()(cublasLtMatmulPreference_t p) const noexcept {
+    TP_CUBLAS_LOG(cublasLtMatmulPreferenceDestroy(p));
+  }
+};
+using DescPtr = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulDesc_t>, DescDeleter>;
+using LayoutPtr = std::unique_ptr<std::remove_pointer_t<cublasLtMatrixLayout_t>, LayoutDeleter>;
+using PreferencePtr =
+    std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, PreferenceDeleter>;
+
+bool IsFp8Gemm(const GemmParams& p) {
+  return p.a_type == DataType::kFloat8E4M3 && p.b_type == DataType::kFloat8E4M3;
+}
+bool UsesC(const GemmParams& p) { return p.beta != 0.0f; }
+
+int64_t Bytes(int64_t elements, DataType t) {
+  return elements * static_cast<int64_t>(DataTypeSize(t));
+}
+
+std::string Str(int64_t v) { return std::to_string(v); }
+std::string Str(DataType t) { return std::string(DataTypeName(t)); }
+
+// GemmParams with defaults filled in and the fields that do not matter zeroed, so that equal
+// problems get equal plan keys.
+GemmParams Resolve(const GemmParams& p) {
+  GemmParams r = p;
+  if (r.lda == 0) r.lda = r.k;
+  if (r.ldb == 0) r.ldb = r.k;
+  if (r.ldd == 0) r.ldd = r.n;
+  if (r.ldc == 0) r.ldc = r.ldd;
+  if (r.batch <= 1) r.stride_a = r.stride_b = r.stride_c = r.stride_d = 0;
+  if (!UsesC(r)) {
+    // C is not read: describe it like D so that no stray ldc splits the cache.
+    r.ldc = r.ldd;
+    r.stride_c = r.stride_d;
+  }
+  if (!IsFp8Gemm(r)) r.fast_accum = false;
+  return r;
+}
+
+// Everything in the resolved params that shapes the descriptors or the heuristic's answer.
+struct PlanKey {
+  int64_t m, n, k;
+  DataType a_type, b_type, d_type;
+  int64_t lda, ldb, ldc, ldd;
+  int batch;
+  int64_t stride_a, stride_b, stride_c, stride_d;
+  bool has_a_scale, has_b_scale, has_d_scale, has_amax, uses_c, fast_accum;
+  int sm_count_target;
+
+  auto operator<=>(const PlanKey&) const = default;
+};
+
+PlanKey KeyOf(const GemmParams& r) {
+  return PlanKey{r.m,
+                 r.n,
+                 r.k,
+                 r.a_type,
+                 r.b_type,
+                 r.d_type,
+                 r.lda,
+                 r.ldb,
+                 r.ldc,
+                 r.ldd,
+                 r.batch,
+                 r.stride_a,
+                 r.stride_b,
+                 r.stride_c,
+                 r.stride_d,
+                 r.a_scale != nullptr,
+                 r.b_scale != nullptr,
+                 r.d_quant_scale != nullptr,
+                 r.d_amax != nullptr,
+                 UsesC(r),
+                 r.fast_accum,
+                 r.sm_count_target};
+}
+
+std::string Describe(const std::string& name, const GemmParams& r) {
+  std::string s = "gemm '" + name + "' (m=" + Str(r.m) + " n=" + Str(r.n) + " k=" + Str(r.k) +
+                  ", " + Str(r.a_type) + " x " + Str(r.b_type) + " -> " + Str(r.d_type) +
+                  ", lda=" + Str(r.lda) + " ldb=" + Str(r.ldb) + " ldd=" + Str(r.ldd);
+  if (UsesC(r)) s += " ldc=" + Str(r.ldc);
+  if (r.batch > 1) {
+    s += ", batch=" + Str(r.batch) + " strides a/b/c/d=" + Str(r.stride_a) + "/" + Str(r.stride_b) +
+         "/" + Str(r.stride_c) + "/" + Str(r.stride_d);
+  }
+  if (r.fast_accum) s += ", fast_accum";
+  if (r.sm_count_target > 0) s += ", sm_count_target=" + Str(r.sm_count_target);
+  return s + ")";
+}
+
+cudaDataType_t CudaType(DataType t) {
+  switch (t) {
+    case DataType::kFloat8E4M3:
+      return CUDA_R_8F_E4M3;
+    case DataType::kBFloat16:
+      return CUDA_R_16BF;
+    default:
+      return CUDA_R_32F;  // not reached: ValidateGemmParams admits only the two above
+  }
+}
+
+Status CheckLeadingDim(const char* field, int64_t ld, const char* min_name, int64_t min,
+                       DataType t) {
+  if (ld < min) {
+    return InvalidArgumentError(std::string("GemmParams.") + field + " = " + Str(ld) +
+                                " is smaller than " + min_name + " = " + Str(min));
+  }
+  if (Bytes(ld, t) % kAlignBytes != 0) {
+    return InvalidArgumentError(std::string("GemmParams.") + field + " = " + Str(ld) + " (" +
+                                Str(t) + ") is " + Str(Bytes(ld, t)) +
+                                " bytes, not a multiple of 16 bytes (cuBLASLt alignment)");
+  }
+  return Status::Ok();
+}
+
+Status CheckStride(const char* field, int64_t stride, DataType t) {
+  if (stride < 0) {
+    return InvalidArgumentError(std::string("GemmParams.") + field + " = " + Str(stride) +
+                                " is negative");
+  }
+  if (Bytes(stride, t) % kAlignBytes != 0) {
+    return InvalidArgumentError(std::string("GemmParams.") + field + " = " + Str(stride) + " (" +
+                                Str(t) + ") is not a multiple of 16 bytes (cuBLASLt alignment)");
+  }
+  return Status::Ok();
+}
+
+Status CheckPointer(const char* what, const void* ptr, size_t alignment) {
+  if (reinterpret_cast<uintptr_t>(ptr) % alignment != 0) {
+    return InvalidArgumentError(std::string(what) + " pointer " +
+                                std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
+                                " is not aligned to " + std::to_string(alignment) + " bytes");
+  }
+  return Status::Ok();
+}
+
+template <class T>
+Status SetDescAttr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& v) {
+  TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &v, sizeof v));
+  return Status::Ok();
+}
+
+template <class T>
+Status SetLayoutAttr(cublasLtMatrixLayout_t l, cublasLtMatrixLayoutAttribute_t attr, const T& v) {
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, attr, &v, sizeof v));
+  return Status::Ok();
+}
+
+template <class T>
+Status SetPrefAttr(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
+                   const T& v) {
+  TP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &v, sizeof v));
+  return Status::Ok();
+}
+
+// A column-major cuBLASLt layout of rows×cols with leading dimension ld, batched if asked.
+StatusOr<LayoutPtr> MakeLayout(DataType t, int64_t rows, int64_t cols, int64_t ld, int batch,
+                               int64_t stride) {
+  cublasLtMatrixLayout_t raw = nullptr;
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, CudaType(t), static_cast<uint64_t>(rows),
+                                             static_cast<uint64_t>(cols), ld));
+  LayoutPtr layout(raw);
+  if (batch > 1) {
+    TP_RETURN_IF_ERROR(
+        SetLayoutAttr(raw, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, static_cast<int32_t>(batch)));
+    TP_RETURN_IF_ERROR(SetLayoutAttr(raw, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride));
+  }
+  return layout;
+}
+
+}  // namespace
+
+Status ValidateGemmParams(const GemmParams& p) {
+  if (p.m <= 0) return InvalidArgumentError("GemmParams.m = " + Str(p.m) + ": must be > 0");
+  if (p.n <= 0) return InvalidArgumentError("GemmParams.n = " + Str(p.n) + ": must be > 0");
+  if (p.k <= 0) return InvalidArgumentError("GemmParams.k = " + Str(p.k) + ": must be > 0");
+  if (p.batch < 1) {
+    return InvalidArgumentError("GemmParams.batch = " + Str(p.batch) + ": must be >= 1");
+  }
+  if (p.sm_count_target < 0) {
+    return InvalidArgumentError("GemmParams.sm_count_target = " + Str(p.sm_count_target) +
+                                ": must be >= 0 (0 = all SMs)");
+  }
+
+  const bool fp8 = IsFp8Gemm(p);
+  const bool bf16 = p.a_type == DataType::kBFloat16 && p.b_type == DataType::kBFloat16;
+  if (!fp8 && !bf16) {
+    return UnimplementedError("GemmParams.a_type = " + Str(p.a_type) +
+                              " with b_type = " + Str(p.b_type) +
+                              " is not supported; supported: both fp8_e4m3 or both bf16");
+  }
+  if (fp8 && p.d_type != DataType::kBFloat16 && p.d_type != DataType::kFloat8E4M3) {
+    return UnimplementedError("GemmParams.d_type = " + Str(p.d_type) +
+                              " is not supported for FP8 inputs; supported: bf16, fp8_e4m3");
+  }
+  if (bf16 && p.d_type != DataType::kBFloat16) {
+    return UnimplementedError("GemmParams.d_type = " + Str(p.d_type) +
+                              " is not supported for BF16 inputs; supported: bf16");
+  }
+  const bool fp8_out = p.d_type == DataType::kFloat8E4M3;
+
+  if (fp8) {
+    // cuBLASLt's FP8 kernels need 16-byte aligned K-major tiles of A and B ("TN").
+    if (p.k % 16 != 0) {
+      return InvalidArgumentError("GemmParams.k = " + Str(p.k) +
+                                  ": FP8 GEMMs need k % 16 == 0 (cuBLASLt FP8 on Hopper)");
+    }
+    if (p.n % 16 != 0) {
+      return InvalidArgumentError("GemmParams.n = " + Str(p.n) +
+                                  ": FP8 GEMMs need n % 16 == 0 (cuBLASLt FP8 on Hopper)");
+    }
+  } else {
+    if (p.a_scale != nullptr || p.b_scale != nullptr) {
+      return InvalidArgumentError(
+          "GemmParams.a_scale / b_scale must be nullptr for BF16 inputs (FP8 only)");
+    }
+  }
+  if (!fp8_out && (p.d_quant_scale != nullptr || p.d_amax != nullptr)) {
+    // cuBLASLt rejects amax for non-FP8 outputs of FP8 GEMMs (and D scaling is meaningless).
+    return InvalidArgumentError(
+        "GemmParams.d_quant_scale / d_amax need d_type = fp8_e4m3, got d_type = " + Str(p.d_type));
+  }
+  if (fp8_out && UsesC(p)) {
+    return UnimplementedError("GemmParams.beta = " + std::to_string(p.beta) +
+                              ": accumulating into C is not supported with an FP8 output");
+  }
+
+  const GemmParams r = Resolve(p);
+  TP_RETURN_IF_ERROR(CheckLeadingDim("lda", r.lda, "k", r.k, r.a_type));
+  TP_RETURN_IF_ERROR(CheckLeadingDim("ldb", r.ldb, "k", r.k, r.b_type));
+  TP_RETURN_IF_ERROR(CheckLeadingDim("ldd", r.ldd, "n", r.n, r.d_type));
+  if (UsesC(r)) TP_RETURN_IF_ERROR(CheckLeadingDim("ldc", r.ldc, "n", r.n, DataType::kBFloat16));
+
+  if (r.batch > 1) {
+    TP_RETURN_IF_ERROR(CheckStride("stride_a", r.stride_a, r.a_type));
+    TP_RETURN_IF_ERROR(CheckStride("stride_b", r.stride_b, r.b_type));
+    TP_RETURN_IF_ERROR(CheckStride("stride_d", r.stride_d, r.d_type));
+    if (UsesC(r)) TP_RETURN_IF_ERROR(CheckStride("stride_c", r.stride_c, DataType::kBFloat16));
+    if (r.stride_d < r.m * r.ldd) {
+      return InvalidArgumentError("GemmParams.stride_d = " + Str(r.stride_d) +
+                                  " is smaller than m * ldd = " + Str(r.m * r.ldd) +
+                                  ": batch items would overwrite each other");
+    }
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// Descriptors and algorithm for one PlanKey. cuBLAS names are column-major: its "A" is our
+// weight B (transposed), its "B" is our activations A.
+struct Plan {
+  DescPtr desc;
+  LayoutPtr weight_layout;  // cuBLAS A: k×n, ld = ldb, op T
+  LayoutPtr act_layout;     // cuBLAS B: k×m, ld = lda, op N
+  LayoutPtr c_layout;       // n×m, ld = ldc, BF16
+  LayoutPtr d_layout;       // n×m, ld = ldd
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// Sets the per-call pointer attributes. Host-side writes into the descriptor: no allocation,
+// nothing enqueued; cublasLtMatmul reads them when it enqueues.
+Status SetScalePointers(cublasLtMatmulDesc_t desc, const GemmParams& r) {
+  if (!IsFp8Gemm(r)) return Status::Ok();
+  // Swapped on purpose: cuBLAS's A is our B (the weight).
+  TP_RETURN_IF_ERROR(
+      SetDescAttr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(r.b_scale)));
+  TP_RETURN_IF_ERROR(
+      SetDescAttr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(r.a_scale)));
+  if (r.d_type == DataType::kFloat8E4M3) {
+    TP_RETURN_IF_ERROR(SetDescAttr(desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER,
+                                   static_cast<const void*>(r.d_quant_scale)));
+    TP_RETURN_IF_ERROR(
+        SetDescAttr(desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void*>(r.d_amax)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+struct CublasLtGemm::Impl {
+  std::string name;
+  cublasLtHandle_t handle = nullptr;
+  DeviceBuffer workspace;
+  // Node-based: a Plan stays where it is while others are added.
+  std::map<PlanKey, std::unique_ptr<Plan>> plans;
+
+  ~Impl() {
+    plans.clear();  // descriptors before the handle
+    if (handle != nullptr) TP_CUBLAS_LOG(cublasLtDestroy(handle));
+  }
+
+  StatusOr<std::unique_ptr<Plan>> BuildPlan(const GemmParams& r) const;
+  StatusOr<Plan*> FindOrBuildPlan(const GemmParams& r, const cudaStream_t* stream);
+};
+
+StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& r) const {
+  auto plan = std::make_unique<Plan>();
+
+  cublasLtMatmulDesc_t raw_desc = nullptr;
+  TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  plan->desc.reset(raw_desc);
+  TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T));
+  TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N));
+  if (IsFp8Gemm(r)) {
+    TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                   static_cast<int8_t>(r.fast_accum ? 1 : 0)));
+  }
+  if (r.sm_count_target > 0) {
+    TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                                   static_cast<int32_t>(r.sm_count_target)));
+  }
+  // The heuristic may depend on which scale/amax pointers are set (not on their values).
+  TP_RETURN_IF_ERROR(SetScalePointers(raw_desc, r));
+
+  TP_ASSIGN_OR_RETURN(plan->weight_layout,
+                      MakeLayout(r.b_type, r.k, r.n, r.ldb, r.batch, r.stride_b));
+  TP_ASSIGN_OR_RETURN(plan->act_layout, MakeLayout(r.a_type, r.k, r.m, r.lda, r.batch, r.stride_a));
+  TP_ASSIGN_OR_RETURN(plan->c_layout,
+                      MakeLayout(DataType::kBFloat16, r.n, r.m, r.ldc, r.batch, r.stride_c));
+  TP_ASSIGN_OR_RETURN(plan->d_layout, MakeLayout(r.d_type, r.n, r.m, r.ldd, r.batch, r.stride_d));
+
+  cublasLtMatmulPreference_t raw_pref = nullptr;
+  TP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
+  PreferencePtr pref(raw_pref);
+  TP_RETURN_IF_ERROR(SetPrefAttr(raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                 static_cast<uint64_t>(workspace.size())));
+  const uint32_t align = static_cast<uint32_t>(kAlignBytes);
+  TP_RETURN_IF_ERROR(SetPrefAttr(raw_pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align));
+  TP_RETURN_IF_ERROR(SetPrefAttr(raw_pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align));
+  TP_RETURN_IF_ERROR(SetPrefAttr(raw_pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align));
+  TP_RETURN_IF_ERROR(SetPrefAttr(raw_pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align));
+
+  cublasLtMatmulHeuristicResult_t results[kMaxHeuristicResults] = {};
+  int returned = 0;
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(
+      handle, raw_desc, plan->weight_layout.get(), plan->act_layout.get(), plan->c_layout.get(),
+      plan->d_layout.get(), raw_pref, kMaxHeuristicResults, results, &returned);
+  if (hs != CUBLAS_STATUS_SUCCESS) {
+    return CublasCallError(hs, "cublasLtMatmulAlgoGetHeuristic(...)", __FILE__, __LINE__)
+        .WithContext(Describe(name, r));
+  }
+  for (int i = 0; i < returned; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace.size()) {
+      plan->algo = results[i].algo;
+      return plan;
+    }
+  }
+  return UnimplementedError(Describe(name, r) + ": cuBLASLt has no algorithm for it within a " +
+                            std::to_string(workspace.size()) + "-byte workspace");
+}
+
+StatusOr<Plan*> CublasLtGemm::Impl::FindOrBuildPlan(const GemmParams& r,
+                                                    const cudaStream_t* stream) {
+  const PlanKey key = KeyOf(r);
+  if (auto it = plans.find(key); it != plans.end()) return it->second.get();
+  if (stream != nullptr) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TP_CUDA_CHECK(cudaStreamIsCapturing(*stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      return FailedPreconditionError(Describe(name, r) +
+                                     ": no plan for this shape while the stream is capturing a "
+                                     "CUDA graph; call Prepare() before capture");
+    }
+  }
+  TP_ASSIGN_OR_RETURN(std::unique_ptr<Plan> plan, BuildPlan(r));
+  Plan* p = plan.get();
+  plans.emplace(key, std::move(plan));
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+StatusOr<CublasLtGemm> CublasLtGemm::Create(std::string name, size_t workspace_bytes) {
+  auto impl = std::make_unique<Impl>();
+  impl->name = std::move(name);
+  TP_CUBLAS_CHECK(cublasLtCreate(&impl->handle));
+  TP_ASSIGN_OR_RETURN(impl->workspace,
+                      DeviceBuffer::Allocate(workspace_bytes, impl->name + ".cublaslt_workspace"));
+  return CublasLtGemm(std::move(impl));
+}
+
+CublasLtGemm::CublasLtGemm() = default;
+CublasLtGemm::CublasLtGemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CublasLtGemm::~CublasLtGemm() = default;
+CublasLtGemm::CublasLtGemm(CublasLtGemm&&) noexcept = default;
+CublasLtGemm& CublasLtGemm::operator=(CublasLtGemm&&) noexcept = default;
+
+size_t CublasLtGemm::num_plans() const { return impl_ ? impl_->plans.size() : 0; }
+
+const std::string& CublasLtGemm::name() const {
+  static const std::string kEmpty;
+  return impl_ ? impl_->name : kEmpty;
+}
+
+size_t CublasLtGemm::workspace_bytes() const { return impl_ ? impl_->workspace.size() : 0; }
+
+Status CublasLtGemm::Prepare(const GemmParams& p) {
+  if (!impl_) return FailedPreconditionError("CublasLtGemm::Prepare on an empty object");
+  if (Status s = ValidateGemmParams(p); !s.ok()) return s.WithContext("gemm '" + impl_->name + "'");
+  return impl_->FindOrBuildPlan(Resolve(p), nullptr).status();
+}
+
+namespace {
+
+// Run()'s pointer contract (see the header). Builds no strings unless something is wrong, so
+// the steady-state Run() does no host allocation either.
+Status CheckRunPointers(const GemmParams& r, const void* a, const void* b, const void* c,
+                        const void* d) {
+  if (a == nullptr || b == nullptr || d == nullptr) {
+    return InvalidArgumentError("A, B and D must not be null");
+  }
+  TP_RETURN_IF_ERROR(CheckPointer("A", a, kAlignBytes));
+  TP_RETURN_IF_ERROR(CheckPointer("B", b, kAlignBytes));
+  TP_RETURN_IF_ERROR(CheckPointer("D", d, kAlignBytes));
+  if (UsesC(r)) {
+    if (c == nullptr) {
+      return InvalidArgumentError("GemmParams.beta = " + std::to_string(r.beta) +
+                                  " needs a C pointer");
+    }
+    TP_RETURN_IF_ERROR(CheckPointer("C", c, kAlignBytes));
+    if (c == d && (r.d_type != DataType::kBFloat16 || r.ldc != r.ldd || r.stride_c != r.stride_d)) {
+      return InvalidArgumentError(
+          "in-place accumulation (C == D) needs d_type = bf16, ldc == ldd and "
+          "stride_c == stride_d");
+    }
+  }
+  TP_RETURN_IF_ERROR(CheckPointer("a_scale", r.a_scale, alignof(float)));
+  TP_RETURN_IF_ERROR(CheckPointer("b_scale", r.b_scale, alignof(float)));
+  TP_RETURN_IF_ERROR(CheckPointer("d_quant_scale", r.d_quant_scale, alignof(float)));
+  TP_RETURN_IF_ERROR(CheckPointer("d_amax", r.d_amax, alignof(float)));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status CublasLtGemm::Run(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
+                         cudaStream_t stream) {
+  if (!impl_) return FailedPreconditionError("CublasLtGemm::Run on an empty object");
+  const std::string& name = impl_->name;
+  if (Status s = ValidateGemmParams(p); !s.ok()) return s.WithContext("gemm '" + name + "'");
+  const GemmParams r = Resolve(p);
+  if (Status s = CheckRunPointers(r, a, b, c, d); !s.ok()) {
+    return s.WithContext("gemm '" + name + "'");
+  }
+
+  TP_ASSIGN_OR_RETURN(Plan * plan, impl_->FindOrBuildPlan(r, &stream));
+  TP_RETURN_IF_ERROR(SetScalePointers(plan->desc.get(), r));
+
+  // C is not read when beta == 0. cuBLASLt still wants a pointer for its layout: D itself when
+  // the types match (in place, identical layouts), else null (FP8 output: C would be BF16).
+  const void* c_arg = c;
+  if (!UsesC(r)) c_arg = r.d_type == DataType::kBFloat16 ? d : nullptr;
+
+  const cublasStatus_t st = cublasLtMatmul(
+      impl_->handle, plan->desc.get(), &r.alpha, /*A=*/b, plan->weight_layout.get(), /*B=*/a,
+      plan->act_layout.get(), &r.beta, c_arg, plan->c_layout.get(), d, plan->d_layout.get(),
+      &plan->algo, impl_->workspace.data(), impl_->workspace.size(), stream);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    return CublasCallError(st, "cublasLtMatmul(...)", __FILE__, __LINE__)
+        .WithContext(Describe(name, r));
+  }
+  return Status::Ok();
+}
+
+}  // namespace tpserve

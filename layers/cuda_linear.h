@@ -1,0 +1,104 @@
+// CudaLinear: one rank's TP linear layer on a GPU — cuBLASLt FP8 (or BF16)
+// GEMM with its NCCL communication overlapped as the layer's knobs say.
+//
+// The layer runs OverlapPlans (layers/overlap_plan.h): GEMM steps on the
+// caller's stream, communication steps on the layer's own high-priority comm
+// stream, dependencies as events. The comm stream forks from and joins back
+// into the caller's stream inside Run(), so a Run can be captured into a CUDA
+// graph (and a whole model of them into one).
+//
+// Buffers are allocated once, in Create(), for the largest M; Prepare(m)
+// builds the plan and the GEMM algorithms for one M ahead of time (host only).
+// Run() neither allocates nor synchronises.
+//
+// Data layout (row-major, device memory):
+//  - AG+GEMM: the caller writes this rank's row shard of X ([shard rows, k])
+//    at input(m); Run writes Y_r = X · W_r^T, [m, n], to y.
+//  - GEMM+RS: the caller writes X_r ([m, k], its K slice) at input(m); Run
+//    writes this rank's row shard of sum_r X_r · W_r^T, [shard rows, n].
+//  Rows are sharded as ShardRows(m, tp, rank). w is [n, k]. FP8: x_scale and
+//  w_scale are device pointers to per-tensor dequantization scales.
+//
+// Thread-safety: none; one object per rank, used by that rank's thread.
+// Shutdown: destroy graphs that captured Run() before the layer, and the
+// layer before its communicator.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_resources.h"
+#include "comm/nccl_communicator.h"
+#include "layers/cublaslt_gemm.h"
+#include "layers/linear_knobs.h"
+#include "layers/overlap_plan.h"
+
+namespace tpserve {
+
+struct CudaLinearShape {
+  OverlapOp op = OverlapOp::kAllGatherGemm;
+  DataType dtype = DataType::kFloat8E4M3;  // of X and W: kFloat8E4M3 or kBFloat16
+  int64_t max_m = 0;                       // largest global M that Run accepts
+  int64_t n = 0;  // local output features (AG: N / tp; RS: N); multiple of 16
+  int64_t k = 0;  // local input features (AG: K; RS: K / tp); multiple of 16
+};
+
+class CudaLinear {
+ public:
+  // Allocates the layer's buffers on the communicator's device and creates
+  // its streams and GEMM. `pool` provides the communicator variant named by
+  // knobs.comm (collective: all ranks create the same layers in the same
+  // order). `name` (e.g. "layers.3.mlp.down") appears in errors.
+  static StatusOr<std::unique_ptr<CudaLinear>> Create(std::string name,
+                                                      const CudaLinearShape& shape,
+                                                      const LinearKnobs& knobs, NcclCommPool& pool);
+  ~CudaLinear();
+
+  // Builds (once per m) the plan and the GEMM algorithms of every GEMM step.
+  // Host only; must precede Run(m) and its capture.
+  Status Prepare(int64_t m);
+
+  // Where the caller puts this rank's X for a run with `m` rows.
+  void* input(int64_t m) const;
+  // Bytes of X the caller writes at input(m).
+  size_t input_bytes(int64_t m) const;
+  // Elements of this rank's output for `m` rows.
+  int64_t output_elements(int64_t m) const;
+
+  // Enqueues the layer on `stream`. FAILED_PRECONDITION if Prepare(m) has not
+  // run; INVALID_ARGUMENT for m out of range or a missing pointer.
+  Status Run(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
+             cudaStream_t stream);
+
+  // For benchmarks: enqueue only the GEMM steps (skip communication), to
+  // measure the GEMM's cost inside the layer.
+  Status RunGemmOnly(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
+                     cudaStream_t stream);
+
+  const std::string& name() const { return name_; }
+  const LinearKnobs& knobs() const { return knobs_; }
+  const CudaLinearShape& shape() const { return shape_; }
+  int tp() const { return tp_; }
+  int rank() const { return rank_; }
+  // Device memory the layer owns (buffers + GEMM workspace).
+  size_t device_bytes() const;
+
+  struct Impl;  // prepared plans and buffers; defined in cuda_linear.cc
+
+ private:
+  CudaLinear() = default;
+  Status Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
+                 cudaStream_t stream, bool with_comm);
+
+  std::string name_;
+  CudaLinearShape shape_;
+  LinearKnobs knobs_;
+  int tp_ = 1;
+  int rank_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tpserve

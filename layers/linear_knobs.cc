@@ -1,0 +1,38 @@
+#include "layers/linear_knobs.h"
+
+namespace tpserve {
+
+std::string LinearKnobs::ToString() const {
+  return "mode=" + std::string(OverlapModeName(mode)) + " chunks=" + std::to_string(chunks) +
+         " comm{" + comm.Key() + "} copy_engine=" + std::to_string(copy_engine) +
+         " gemm_sm_count=" + std::to_string(gemm_sm_count) +
+         " fast_accum=" + std::to_string(fast_accum);
+}
+
+Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
+  if (knobs.chunks < 1 || knobs.chunks > 64) {
+    return InvalidArgumentError("chunks must be in [1, 64], got " + std::to_string(knobs.chunks));
+  }
+  if (knobs.mode == OverlapMode::kNone && knobs.chunks != 1) {
+    return InvalidArgumentError("chunks must be 1 with mode none, got " +
+                                std::to_string(knobs.chunks));
+  }
+  if (knobs.gemm_sm_count < 0) {
+    return InvalidArgumentError("gemm_sm_count must be >= 0 (0 = all SMs), got " +
+                                std::to_string(knobs.gemm_sm_count));
+  }
+  if (knobs.copy_engine) {
+    if (op != OverlapOp::kAllGatherGemm || knobs.mode == OverlapMode::kRing) {
+      return InvalidArgumentError(
+          "copy_engine needs an AllGather: op ag_gemm with mode none or pipeline (NCCL 2.28 has "
+          "no copy-engine ReduceScatter or send/recv)");
+    }
+    if (knobs.comm.cta_policy != NcclCommConfig::CtaPolicy::kZero) {
+      return InvalidArgumentError("copy_engine needs comm cta_policy zero, got " +
+                                  std::string(CtaPolicyName(knobs.comm.cta_policy)));
+    }
+  }
+  return knobs.comm.Validate().WithContext("comm");
+}
+
+}  // namespace tpserve

@@ -1,0 +1,42 @@
+// The per-layer knobs of a TP linear layer: how it overlaps communication
+// with its GEMM. Filled in from the overlap config file (or by hand / the
+// autotuner); validated once, before any buffer is allocated.
+#pragma once
+
+#include <string>
+
+#include "comm/nccl_config.h"
+#include "comm/status.h"
+#include "layers/overlap_plan.h"
+
+namespace tpserve {
+
+struct LinearKnobs {
+  // none: collective, then one GEMM; pipeline: chunk i's collective under
+  // chunk i-1's GEMM; ring: point-to-point ring steps under the GEMM of the
+  // chunk in hand.
+  OverlapMode mode = OverlapMode::kNone;
+  // Chunks per rank's row shard (mode none: 1). More chunks hide more of the
+  // communication but make each GEMM smaller (worse wave quantisation).
+  int chunks = 1;
+  // The communicator variant the layer's collectives run on (CTA limits and
+  // policy). NcclCommConfig{} is the base communicator.
+  NcclCommConfig comm;
+  // AllGather on copy engines: the gather buffers live in NCCL symmetric
+  // windows and the communicator uses CTA policy zero, so the AllGather takes
+  // no SMs from the GEMM. ag_gemm with mode none or pipeline only.
+  bool copy_engine = false;
+  // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
+  int gemm_sm_count = 0;
+  // FP8 fast accumulation (no periodic promotion to FP32 inside the GEMM).
+  bool fast_accum = false;
+
+  // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0".
+  std::string ToString() const;
+};
+
+// INVALID_ARGUMENT naming the field, for `op` (copy_engine needs ag_gemm and
+// an AllGather mode; chunks as MakeOverlapPlan allows; sm count >= 0).
+Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
+
+}  // namespace tpserve

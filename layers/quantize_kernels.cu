@@ -1,0 +1,308 @@
+// Kernels and launchers for layers/quantize_kernels.h. Plain CUDA C++17: host logic beyond
+// argument checks belongs in .cc files (nvcc 13.0's front end is fragile, see GPU_HOST.md).
+#include "layers/quantize_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "comm/cuda_check.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int kThreads = 256;
+// Grid-stride loops: enough blocks to fill an H200 (132 SMs x 8 blocks of 256 threads).
+constexpr size_t kMaxBlocks = 1056;
+
+unsigned GridFor(size_t work_items) {
+  size_t blocks = (work_items + kThreads - 1) / kThreads;
+  if (blocks < 1) blocks = 1;
+  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
+  return static_cast<unsigned>(blocks);
+}
+
+bool IsAligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+// BF16 travels as its raw bits (uint16_t) so that no operator overloads get in the way.
+__device__ __forceinline__ float ToFloat(uint16_t bf16_bits) {
+  return __uint_as_float(static_cast<uint32_t>(bf16_bits) << 16);
+}
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+
+__device__ __forceinline__ void FromFloat(float x, uint16_t* bf16_bits) {
+  *bf16_bits = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+__device__ __forceinline__ void FromFloat(float x, float* out) { *out = x; }
+
+__device__ __forceinline__ uint8_t QuantizeOne(float x, float scale) {
+  // __fdiv_rn: IEEE division whatever the compile flags, to match the CPU's x / scale.
+  return static_cast<uint8_t>(
+      __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float DecodeE4M3(uint8_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(code, __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__device__ __forceinline__ size_t GlobalThread() {
+  return static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ size_t GridThreads() {
+  return static_cast<size_t>(gridDim.x) * blockDim.x;
+}
+
+// in: 16-byte loads of kVec elements for the first vec_count groups, then scalars.
+template <typename In>
+__global__ void QuantizeKernel(const In* __restrict__ in, uint8_t* __restrict__ out, size_t count,
+                               size_t vec_count, const float* __restrict__ scale) {
+  constexpr int kVec = 16 / sizeof(In);
+  using OutVec = typename std::conditional<kVec == 8, uint2, uint32_t>::type;
+  static_assert(sizeof(OutVec) == kVec, "one output byte per input element");
+  const float s = *scale;
+  const size_t stride = GridThreads();
+  for (size_t v = GlobalThread(); v < vec_count; v += stride) {
+    const uint4 raw = reinterpret_cast<const uint4*>(in)[v];
+    In vals[kVec];
+    memcpy(vals, &raw, sizeof raw);
+    uint8_t q[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) q[i] = QuantizeOne(ToFloat(vals[i]), s);
+    OutVec o;
+    memcpy(&o, q, sizeof o);
+    reinterpret_cast<OutVec*>(out)[v] = o;
+  }
+  for (size_t i = vec_count * kVec + GlobalThread(); i < count; i += stride) {
+    out[i] = QuantizeOne(ToFloat(in[i]), s);
+  }
+}
+
+__device__ __forceinline__ float WarpMax(float m) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  }
+  return m;
+}
+
+// *amax must be 0 on entry. fmaxf skips NaN, like layers/fp8.h's Amax.
+template <typename In>
+__global__ void AbsMaxKernel(const In* __restrict__ in, size_t count, size_t vec_count,
+                             float* __restrict__ amax) {
+  constexpr int kVec = 16 / sizeof(In);
+  float m = 0.0f;
+  const size_t stride = GridThreads();
+  for (size_t v = GlobalThread(); v < vec_count; v += stride) {
+    const uint4 raw = reinterpret_cast<const uint4*>(in)[v];
+    In vals[kVec];
+    memcpy(vals, &raw, sizeof raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) m = fmaxf(m, fabsf(ToFloat(vals[i])));
+  }
+  for (size_t i = vec_count * kVec + GlobalThread(); i < count; i += stride) {
+    m = fmaxf(m, fabsf(ToFloat(in[i])));
+  }
+
+  __shared__ float warp_max[kThreads / 32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  m = WarpMax(m);
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kThreads / 32 ? warp_max[lane] : 0.0f;
+    m = WarpMax(m);
+    // Non-negative floats order like their bit patterns read as ints.
+    if (lane == 0 && m > 0.0f) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
+  }
+}
+
+// 16 codes per 16-byte load; their 16 outputs go out as 16-byte stores.
+template <typename Out>
+__global__ void DequantizeKernel(const uint8_t* __restrict__ in, Out* __restrict__ out,
+                                 size_t count, size_t vec_count, const float* __restrict__ scale) {
+  constexpr int kVec = 16;
+  constexpr int kOutPerStore = 16 / sizeof(Out);
+  const float s = *scale;
+  const size_t stride = GridThreads();
+  for (size_t v = GlobalThread(); v < vec_count; v += stride) {
+    const uint4 raw = reinterpret_cast<const uint4*>(in)[v];
+    uint8_t codes[kVec];
+    memcpy(codes, &raw, sizeof raw);
+    Out o[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) FromFloat(DecodeE4M3(codes[i]) * s, &o[i]);
+    uint4* dst = reinterpret_cast<uint4*>(out + v * kVec);
+#pragma unroll
+    for (int j = 0; j < kVec / kOutPerStore; ++j) {
+      uint4 w;
+      memcpy(&w, o + j * kOutPerStore, sizeof w);
+      dst[j] = w;
+    }
+  }
+  for (size_t i = vec_count * kVec + GlobalThread(); i < count; i += stride) {
+    FromFloat(DecodeE4M3(in[i]) * s, &out[i]);
+  }
+}
+
+template <typename T>
+__global__ void FillKernel(T* __restrict__ dst, size_t count, T value) {
+  const size_t stride = GridThreads();
+  for (size_t i = GlobalThread(); i < count; i += stride) dst[i] = value;
+}
+
+std::string TypeName(DataType t) { return std::string(DataTypeName(t)); }
+
+template <typename In>
+Status LaunchQuantizeTyped(const QuantizeFp8Params& p, cudaStream_t stream) {
+  constexpr size_t kVec = 16 / sizeof(In);
+  const In* in = static_cast<const In*>(p.input);
+  if (!IsAligned(in, sizeof(In))) {
+    return InvalidArgumentError("QuantizeFp8Params.input is not aligned to its element size");
+  }
+  const size_t vec_count = IsAligned(in, 16) && IsAligned(p.output, kVec) ? p.count / kVec : 0;
+  QuantizeKernel<In><<<GridFor(vec_count > 0 ? vec_count : p.count), kThreads, 0, stream>>>(
+      in, p.output, p.count, vec_count, p.scale);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+template <typename In>
+Status LaunchAbsMaxTyped(const AbsMaxParams& p, cudaStream_t stream) {
+  constexpr size_t kVec = 16 / sizeof(In);
+  const In* in = static_cast<const In*>(p.input);
+  const size_t vec_count = IsAligned(in, 16) ? p.count / kVec : 0;
+  AbsMaxKernel<In><<<GridFor(vec_count > 0 ? vec_count : p.count), kThreads, 0, stream>>>(
+      in, p.count, vec_count, p.amax);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+template <typename Out>
+Status LaunchDequantizeTyped(const DequantizeFp8Params& p, cudaStream_t stream) {
+  Out* out = static_cast<Out*>(p.output);
+  const size_t vec_count = IsAligned(p.input, 16) && IsAligned(out, 16) ? p.count / 16 : 0;
+  DequantizeKernel<Out><<<GridFor(vec_count > 0 ? vec_count : p.count), kThreads, 0, stream>>>(
+      p.input, out, p.count, vec_count, p.scale);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+template <typename T>
+Status LaunchFillTyped(void* dst, size_t count, T value, cudaStream_t stream) {
+  FillKernel<T><<<GridFor(count), kThreads, 0, stream>>>(static_cast<T*>(dst), count, value);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchQuantizeToFp8E4M3(const QuantizeFp8Params& p, cudaStream_t stream) {
+  if (p.count == 0) return Status::Ok();
+  if (p.input == nullptr || p.output == nullptr || p.scale == nullptr) {
+    return InvalidArgumentError("QuantizeFp8Params: input, output and scale must not be null");
+  }
+  if (!IsAligned(p.scale, alignof(float))) {
+    return InvalidArgumentError("QuantizeFp8Params.scale is not aligned to 4 bytes");
+  }
+  switch (p.input_type) {
+    case DataType::kBFloat16:
+      return LaunchQuantizeTyped<uint16_t>(p, stream);
+    case DataType::kFloat32:
+      return LaunchQuantizeTyped<float>(p, stream);
+    default:
+      return UnimplementedError("QuantizeFp8Params.input_type = " + TypeName(p.input_type) +
+                                " is not supported; supported: bf16, f32");
+  }
+}
+
+Status LaunchAbsMax(const AbsMaxParams& p, cudaStream_t stream) {
+  if (p.amax == nullptr) return InvalidArgumentError("AbsMaxParams.amax must not be null");
+  if (!IsAligned(p.amax, alignof(float))) {
+    return InvalidArgumentError("AbsMaxParams.amax is not aligned to 4 bytes");
+  }
+  if (p.count > 0 && p.input == nullptr) {
+    return InvalidArgumentError("AbsMaxParams.input must not be null");
+  }
+  if (p.input_type != DataType::kBFloat16 && p.input_type != DataType::kFloat32) {
+    return UnimplementedError("AbsMaxParams.input_type = " + TypeName(p.input_type) +
+                              " is not supported; supported: bf16, f32");
+  }
+  if (!IsAligned(p.input, DataTypeSize(p.input_type))) {
+    return InvalidArgumentError("AbsMaxParams.input is not aligned to its element size");
+  }
+  TP_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
+  if (p.count == 0) return Status::Ok();
+  if (p.input_type == DataType::kBFloat16) return LaunchAbsMaxTyped<uint16_t>(p, stream);
+  return LaunchAbsMaxTyped<float>(p, stream);
+}
+
+Status LaunchDequantizeFp8E4M3(const DequantizeFp8Params& p, cudaStream_t stream) {
+  if (p.count == 0) return Status::Ok();
+  if (p.input == nullptr || p.output == nullptr || p.scale == nullptr) {
+    return InvalidArgumentError("DequantizeFp8Params: input, output and scale must not be null");
+  }
+  if (!IsAligned(p.scale, alignof(float))) {
+    return InvalidArgumentError("DequantizeFp8Params.scale is not aligned to 4 bytes");
+  }
+  if (!IsAligned(p.output, DataTypeSize(p.output_type))) {
+    return InvalidArgumentError("DequantizeFp8Params.output is not aligned to its element size");
+  }
+  switch (p.output_type) {
+    case DataType::kBFloat16:
+      return LaunchDequantizeTyped<uint16_t>(p, stream);
+    case DataType::kFloat32:
+      return LaunchDequantizeTyped<float>(p, stream);
+    default:
+      return UnimplementedError("DequantizeFp8Params.output_type = " + TypeName(p.output_type) +
+                                " is not supported; supported: bf16, f32");
+  }
+}
+
+Status LaunchFillPattern(void* dst, size_t count, size_t element_bytes, uint32_t pattern,
+                         cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  if (dst == nullptr) return InvalidArgumentError("LaunchFillPattern: dst must not be null");
+  if (element_bytes != 1 && element_bytes != 2 && element_bytes != 4) {
+    return InvalidArgumentError("LaunchFillPattern: element_bytes = " +
+                                std::to_string(element_bytes) + "; must be 1, 2 or 4");
+  }
+  if (!IsAligned(dst, element_bytes)) {
+    return InvalidArgumentError("LaunchFillPattern: dst is not aligned to element_bytes = " +
+                                std::to_string(element_bytes));
+  }
+  switch (element_bytes) {
+    case 1:
+      TP_CUDA_CHECK(cudaMemsetAsync(dst, static_cast<int>(pattern & 0xFFu), count, stream));
+      return Status::Ok();
+    case 2:
+      return LaunchFillTyped<uint16_t>(dst, count, static_cast<uint16_t>(pattern), stream);
+    default:
+      return LaunchFillTyped<uint32_t>(dst, count, pattern, stream);
+  }
+}
+
+Status LaunchPoisonFill(void* dst, DataType type, size_t count, cudaStream_t stream) {
+  switch (type) {
+    case DataType::kBFloat16:
+      return LaunchFillPattern(dst, count, 2, kBf16PoisonBits, stream);
+    case DataType::kFloat8E4M3:
+      return LaunchFillPattern(dst, count, 1, kFp8E4M3PoisonBits, stream);
+    case DataType::kFloat32:
+      return LaunchFillPattern(dst, count, 4, kFp32PoisonBits, stream);
+    default:
+      return UnimplementedError("LaunchPoisonFill: type " + TypeName(type) +
+                                " has no poison pattern; supported: bf16, fp8_e4m3, f32");
+  }
+}
+
+}  // namespace tpserve

@@ -1,0 +1,24 @@
+// Random tensors generated on the GPU (benchmarks, random-weight models):
+// element i depends only on (seed, i), so every run and every launch
+// configuration gives the same tensor.
+//
+// Only compiled when TPSERVE_WITH_CUDA is on.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/dtype.h"
+#include "comm/status.h"
+
+namespace tpserve {
+
+// dst[i] = to_type(u_i * scale), u_i uniform in [-1, 1). FP8: converted with
+// saturation and RNE (dequantization scale 1 is implied: the codes hold the
+// values). Types: kFloat8E4M3, kBFloat16, kFloat32.
+Status LaunchRandomUniform(void* dst, DataType type, size_t count, uint64_t seed, float scale,
+                           cudaStream_t stream);
+
+}  // namespace tpserve

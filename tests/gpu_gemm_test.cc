@@ -1,0 +1,1071 @@
+// GPU tests for CublasLtGemm (layers/cublaslt_gemm.h), the FP8 element-wise kernels
+// (layers/quantize_kernels.h) and the CUDA RAII owners (comm/cuda_resources.h).
+//
+// Every result is checked against the CPU reference: layers/fp8.h's codec and a GEMM
+// accumulated in double. Inputs are fresh random data at awkward shapes; outputs are poisoned
+// with NaN patterns before each run, so an element the GPU did not write shows up as NaN, and
+// padding the GPU must not touch is checked to still hold the poison. Tolerances:
+//   BF16-output GEMMs:  relative Frobenius error ||out - ref|| / ||ref|| <= 1e-2.
+//   FP8-output GEMMs:   every element within one E4M3 ulp of ref * d_quant_scale, relative
+//                       Frobenius error <= 5e-2 (3 mantissa bits), amax within 1e-3 relative.
+//   Quantize, amax, dequantize kernels: bit-exact.
+// Every test skips when no CUDA device is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/dtype.h"
+#include "comm/status.h"
+#include "layers/cublaslt_gemm.h"
+#include "layers/fp8.h"
+#include "layers/quantize_kernels.h"
+
+namespace tpserve {
+namespace {
+
+#define TP_ASSERT_OK(expr)                                               \
+  do {                                                                   \
+    const ::tpserve::Status tp_assert_status_ = (expr);                  \
+    ASSERT_TRUE(tp_assert_status_.ok()) << tp_assert_status_.ToString(); \
+  } while (0)
+
+#define TP_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  TP_ASSERT_OK_AND_ASSIGN_IMPL(TP_STATUS_CONCAT(tp_assert_statusor_, __LINE__), lhs, expr)
+#define TP_ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                                 \
+  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();  \
+  lhs = std::move(tmp).value()
+
+// cudaError_t checks in test bodies and void helpers.
+#define TP_CUDA_CHECK_FOR_TEST(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+constexpr double kBf16OutputTolerance = 1e-2;
+constexpr double kFp8OutputFrobeniusTolerance = 5e-2;
+constexpr double kAmaxRelativeTolerance = 1e-3;
+
+bool HasCudaDevice() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HasCudaDevice()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    TP_ASSERT_OK_AND_ASSIGN(stream_, CudaStream::Create());
+  }
+
+  cudaStream_t stream() const { return stream_.get(); }
+
+  CudaStream stream_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Host <-> device helpers
+
+template <class T>
+StatusOr<DeviceBuffer> Upload(const std::vector<T>& host, const std::string& name) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(host.size() * sizeof(T), name));
+  if (!host.empty()) {
+    TP_CUDA_CHECK(
+        cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return before its DMA lands, and the tests' streams
+    // are non-blocking: wait, so that kernels on them see the data.
+    TP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return buf;
+}
+
+template <class T>
+StatusOr<std::vector<T>> Download(const void* src, size_t count) {
+  std::vector<T> host(count);
+  if (count > 0) {
+    TP_CUDA_CHECK(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
+  }
+  return host;
+}
+
+StatusOr<DeviceBuffer> DeviceScalar(float v, const std::string& name) {
+  return Upload(std::vector<float>{v}, name);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random data. Matrices are row-major rows x cols with row pitch ld; the padding columns hold
+// NaN codes, so a GEMM that reads them produces NaN.
+
+std::vector<uint8_t> RandomFp8Matrix(int64_t rows, int64_t cols, int64_t ld, float lo, float hi,
+                                     uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<uint8_t> m(static_cast<size_t>(rows * ld), kFp8E4M3PoisonBits);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) m[r * ld + c] = FloatToFp8E4M3(dist(rng));
+  }
+  return m;
+}
+
+std::vector<BFloat16> RandomBf16Matrix(int64_t rows, int64_t cols, int64_t ld, float lo, float hi,
+                                       uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<BFloat16> m(static_cast<size_t>(rows * ld), BFloat16{kBf16PoisonBits});
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) m[r * ld + c] = FloatToBFloat16(dist(rng));
+  }
+  return m;
+}
+
+std::vector<float> DecodeFp8(const std::vector<uint8_t>& codes) {
+  std::vector<float> f(codes.size());
+  for (size_t i = 0; i < codes.size(); ++i) f[i] = Fp8E4M3ToFloat(codes[i]);
+  return f;
+}
+
+std::vector<float> DecodeBf16(const std::vector<BFloat16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = BFloat16ToFloat(v[i]);
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU reference: out[i*n + j] = scale * sum_kk a[i*lda + kk] * b[j*ldb + kk], accumulated in
+// double (float products are exact in double). Rows in blocks of 4 so that each row of b is
+// read once per block; threads take interleaved blocks.
+
+std::vector<double> ReferenceGemm(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                  int64_t m, int64_t n, int64_t k, double scale) {
+  std::vector<double> out(static_cast<size_t>(m * n));
+  constexpr int64_t kRows = 4;
+  const unsigned threads = std::clamp(std::thread::hardware_concurrency(), 1u, 64u);
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int64_t i0 = t * kRows; i0 < m; i0 += static_cast<int64_t>(threads) * kRows) {
+        const float* rows[kRows];
+        for (int64_t r = 0; r < kRows; ++r) rows[r] = a + std::min(i0 + r, m - 1) * lda;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* bj = b + j * ldb;
+          double acc[kRows] = {0.0, 0.0, 0.0, 0.0};
+          for (int64_t kk = 0; kk < k; ++kk) {
+            const double bv = bj[kk];
+            for (int64_t r = 0; r < kRows; ++r) acc[r] += static_cast<double>(rows[r][kk]) * bv;
+          }
+          for (int64_t r = 0; r < kRows && i0 + r < m; ++r) out[(i0 + r) * n + j] = scale * acc[r];
+        }
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  return out;
+}
+
+struct Comparison {
+  size_t nan_count = 0;
+  double rel_frobenius = 0.0;
+};
+
+Comparison Compare(const std::vector<double>& got, const std::vector<double>& ref) {
+  Comparison c;
+  double err2 = 0.0;
+  double ref2 = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i])) {
+      ++c.nan_count;
+      continue;
+    }
+    err2 += (got[i] - ref[i]) * (got[i] - ref[i]);
+    ref2 += ref[i] * ref[i];
+  }
+  c.rel_frobenius = ref2 > 0.0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+  return c;
+}
+
+// The m x n block of a BF16 matrix with pitch ld, as doubles.
+std::vector<double> Bf16Block(const std::vector<BFloat16>& raw, size_t offset, int64_t m, int64_t n,
+                              int64_t ld) {
+  std::vector<double> v(static_cast<size_t>(m * n));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) v[i * n + j] = BFloat16ToFloat(raw[offset + i * ld + j]);
+  }
+  return v;
+}
+
+// Elements of raw[offset, offset + rows*ld) outside the m x n block that no longer hold the
+// poison (rows beyond m count as padding too).
+size_t CountTouchedPadding(const std::vector<BFloat16>& raw, size_t offset, int64_t rows, int64_t m,
+                           int64_t n, int64_t ld) {
+  size_t touched = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < ld; ++j) {
+      if (i < m && j < n) continue;
+      if (raw[offset + i * ld + j].bits != kBf16PoisonBits) ++touched;
+    }
+  }
+  return touched;
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 x FP8 -> BF16 on fresh data, checked against the reference. lda/ldb/ldd of p may be
+// padded; padding must be neither read (it holds NaN) nor written (it must stay poisoned).
+
+void CheckFp8Bf16Gemm(CublasLtGemm& gemm, GemmParams p, uint32_t seed, cudaStream_t stream) {
+  const int64_t lda = p.lda ? p.lda : p.k;
+  const int64_t ldb = p.ldb ? p.ldb : p.k;
+  const int64_t ldd = p.ldd ? p.ldd : p.n;
+  const float a_scale = 0.37f;
+  const float b_scale = 0.011f;
+  const std::vector<uint8_t> a = RandomFp8Matrix(p.m, p.k, lda, -4.0f, 4.0f, seed);
+  const std::vector<uint8_t> b = RandomFp8Matrix(p.n, p.k, ldb, -1.0f, 1.0f, seed + 1);
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(a_scale, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(b_scale, "b_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(p.m * ldd * 2, "D"));
+  TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, p.m * ldd, stream));
+
+  p.a_type = p.b_type = DataType::kFloat8E4M3;
+  p.d_type = DataType::kBFloat16;
+  p.a_scale = dsa.as<float>();
+  p.b_scale = dsb.as<float>();
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), p.m * ldd));
+  const std::vector<float> af = DecodeFp8(a);
+  const std::vector<float> bf = DecodeFp8(b);
+  const std::vector<double> ref = ReferenceGemm(af.data(), lda, bf.data(), ldb, p.m, p.n, p.k,
+                                                static_cast<double>(a_scale) * b_scale);
+  const Comparison c = Compare(Bf16Block(out, 0, p.m, p.n, ldd), ref);
+  EXPECT_EQ(c.nan_count, 0u) << "unwritten (poisoned) or NaN output elements";
+  EXPECT_LE(c.rel_frobenius, kBf16OutputTolerance);
+  EXPECT_EQ(CountTouchedPadding(out, 0, p.m, p.m, p.n, ldd), 0u) << "wrote into the ldd padding";
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 GEMM at awkward shapes.
+
+struct Shape {
+  int64_t m, n, k;
+};
+
+std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
+  return "m" + std::to_string(info.param.m) + "_n" + std::to_string(info.param.n) + "_k" +
+         std::to_string(info.param.k);
+}
+
+std::vector<Shape> Fp8Shapes() {
+  std::vector<Shape> shapes;
+  for (int64_t m : {37, 1002, 4099}) {
+    for (int64_t n : {64, 1040}) {
+      for (int64_t k : {256, 4096}) shapes.push_back({m, n, k});
+    }
+  }
+  return shapes;
+}
+
+class Fp8GemmShapeTest : public GpuTest, public ::testing::WithParamInterface<Shape> {};
+
+TEST_P(Fp8GemmShapeTest, Bf16OutputMatchesCpuReference) {
+  const Shape s = GetParam();
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_shape_test"));
+  GemmParams p;
+  p.m = s.m;
+  p.n = s.n;
+  p.k = s.k;
+  CheckFp8Bf16Gemm(gemm, p, /*seed=*/static_cast<uint32_t>(s.m * 31 + s.n * 7 + s.k), stream());
+}
+
+INSTANTIATE_TEST_SUITE_P(AwkwardShapes, Fp8GemmShapeTest, ::testing::ValuesIn(Fp8Shapes()),
+                         ShapeName);
+
+TEST_F(GpuTest, Fp8GemmPaddedLeadingDimsNeitherReadNorWritePadding) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_padded"));
+  GemmParams p;
+  p.m = 1002;
+  p.n = 1040;
+  p.k = 512;
+  p.lda = p.k + 16;
+  p.ldb = p.k + 48;
+  p.ldd = p.n + 24;
+  CheckFp8Bf16Gemm(gemm, p, 11, stream());
+}
+
+TEST_F(GpuTest, Fp8GemmFastAccumOnAndOffBothMatchReference) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_fast_accum"));
+  for (bool fast : {false, true}) {
+    SCOPED_TRACE(fast ? "fast_accum on" : "fast_accum off");
+    GemmParams p;
+    p.m = 1002;
+    p.n = 1040;
+    p.k = 4096;
+    p.fast_accum = fast;
+    CheckFp8Bf16Gemm(gemm, p, 21, stream());
+  }
+  EXPECT_EQ(gemm.num_plans(), 2u) << "fast_accum must be part of the plan key";
+}
+
+TEST_F(GpuTest, Fp8GemmWithSmCountTargetMatchesReference) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_sm_count"));
+  for (int sms : {8, 66, 132}) {
+    SCOPED_TRACE("sm_count_target " + std::to_string(sms));
+    GemmParams p;
+    p.m = 4099;
+    p.n = 1040;
+    p.k = 256;
+    p.sm_count_target = sms;
+    CheckFp8Bf16Gemm(gemm, p, 31, stream());
+  }
+  EXPECT_EQ(gemm.num_plans(), 3u) << "sm_count_target must be part of the plan key";
+}
+
+TEST_F(GpuTest, GemmPrepareRunsHeuristicOncePerShape) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("plan_cache"));
+  GemmParams p;
+  p.m = 37;
+  p.n = 64;
+  p.k = 256;
+  TP_ASSERT_OK(gemm.Prepare(p));
+  TP_ASSERT_OK(gemm.Prepare(p));
+  EXPECT_EQ(gemm.num_plans(), 1u);
+  p.lda = 256;  // the same as packed: same plan
+  TP_ASSERT_OK(gemm.Prepare(p));
+  EXPECT_EQ(gemm.num_plans(), 1u);
+  p.m = 38;
+  TP_ASSERT_OK(gemm.Prepare(p));
+  EXPECT_EQ(gemm.num_plans(), 2u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 output with D scale and amax.
+
+struct Fp8OutputResult {
+  std::vector<double> ref;  // before d_quant_scale
+  std::vector<uint8_t> out;
+  float amax = 0.0f;
+  float d_quant_scale = 0.0f;
+};
+
+void RunFp8OutputGemm(cudaStream_t stream, float amax_initial, Fp8OutputResult* result) {
+  const int64_t m = 1002, n = 1040, k = 4096;
+  const float a_scale = 0.37f, b_scale = 0.011f;
+  const std::vector<uint8_t> a = RandomFp8Matrix(m, k, k, -4.0f, 4.0f, 41);
+  const std::vector<uint8_t> b = RandomFp8Matrix(n, k, k, -1.0f, 1.0f, 42);
+  const std::vector<float> af = DecodeFp8(a);
+  const std::vector<float> bf = DecodeFp8(b);
+  result->ref =
+      ReferenceGemm(af.data(), k, bf.data(), k, m, n, k, static_cast<double>(a_scale) * b_scale);
+  double ref_amax = 0.0;
+  for (double v : result->ref) ref_amax = std::max(ref_amax, std::abs(v));
+  // Not a power of two, and maps the largest value to 300 < 448: no saturation.
+  result->d_quant_scale = static_cast<float>(300.0 / ref_amax);
+
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_out"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(a_scale, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(b_scale, "b_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsd, DeviceScalar(result->d_quant_scale, "d_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer damax, DeviceScalar(amax_initial, "amax"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(m * n, "D"));
+  TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kFloat8E4M3, m * n, stream));
+
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.d_type = DataType::kFloat8E4M3;
+  p.a_scale = dsa.as<float>();
+  p.b_scale = dsb.as<float>();
+  p.d_quant_scale = dsd.as<float>();
+  p.d_amax = damax.as<float>();
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(result->out, Download<uint8_t>(dd.data(), m * n));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<float> amax, Download<float>(damax.data(), 1));
+  result->amax = amax[0];
+}
+
+TEST_F(GpuTest, Fp8GemmFp8OutputAppliesDScaleAndReportsAmax) {
+  Fp8OutputResult r;
+  RunFp8OutputGemm(stream(), 0.0f, &r);
+  if (HasFatalFailure()) return;
+
+  // Each code must be the RNE rounding of ref * d_quant_scale, or its neighbour when the
+  // GPU's FP32 sum lands on the other side of a rounding boundary: within one E4M3 ulp,
+  // which is at most 2^-3 of the value (2^-9 absolute for subnormals).
+  size_t nan_codes = 0, off_by_more_than_ulp = 0;
+  std::vector<double> got(r.out.size());
+  for (size_t i = 0; i < r.out.size(); ++i) {
+    if ((r.out[i] & 0x7F) == 0x7F) {
+      ++nan_codes;
+      got[i] = std::numeric_limits<double>::quiet_NaN();
+      continue;
+    }
+    const double scaled_ref = r.ref[i] * r.d_quant_scale;
+    const double decoded = Fp8E4M3ToFloat(r.out[i]);
+    const double allowed = std::max(std::abs(scaled_ref) * 0.125, std::ldexp(1.0, -9));
+    if (std::abs(decoded - scaled_ref) > allowed) ++off_by_more_than_ulp;
+    got[i] = decoded / r.d_quant_scale;
+  }
+  EXPECT_EQ(nan_codes, 0u) << "unwritten (poisoned) or NaN output codes";
+  EXPECT_EQ(off_by_more_than_ulp, 0u)
+      << "codes further than one ulp from ref * d_quant_scale: is D_SCALE a multiplier?";
+  EXPECT_LE(Compare(got, r.ref).rel_frobenius, kFp8OutputFrobeniusTolerance);
+
+  double ref_amax = 0.0;
+  for (double v : r.ref) ref_amax = std::max(ref_amax, std::abs(v));
+  EXPECT_NEAR(r.amax, ref_amax, kAmaxRelativeTolerance * ref_amax)
+      << "amax must be max|result| before d_quant_scale";
+}
+
+// Whether callers must zero d_amax before each GEMM (inside a CUDA graph too).
+TEST_F(GpuTest, Fp8GemmAmaxIsOverwrittenNotAccumulated) {
+  Fp8OutputResult r;
+  RunFp8OutputGemm(stream(), 1e30f, &r);
+  if (HasFatalFailure()) return;
+  double ref_amax = 0.0;
+  for (double v : r.ref) ref_amax = std::max(ref_amax, std::abs(v));
+  EXPECT_NEAR(r.amax, ref_amax, kAmaxRelativeTolerance * ref_amax);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accumulation: D = A·B^T + beta * C.
+
+TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
+  const int64_t m = 1002, n = 1040, k = 256;
+  const int64_t ldc = n + 8;  // out of place: C's pitch differs from D's
+  const float a_scale = 0.37f, b_scale = 0.011f;
+  const std::vector<uint8_t> a = RandomFp8Matrix(m, k, k, -4.0f, 4.0f, 51);
+  const std::vector<uint8_t> b = RandomFp8Matrix(n, k, k, -1.0f, 1.0f, 52);
+  const std::vector<BFloat16> c = RandomBf16Matrix(m, n, ldc, -1.0f, 1.0f, 53);
+  const std::vector<float> af = DecodeFp8(a), bf = DecodeFp8(b);
+  std::vector<double> ref =
+      ReferenceGemm(af.data(), k, bf.data(), k, m, n, k, static_cast<double>(a_scale) * b_scale);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) ref[i * n + j] += BFloat16ToFloat(c[i * ldc + j]);
+  }
+
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_beta"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dc, Upload(c, "C"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(a_scale, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(b_scale, "b_scale"));
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a_scale = dsa.as<float>();
+  p.b_scale = dsb.as<float>();
+  p.beta = 1.0f;
+
+  {
+    SCOPED_TRACE("out of place, ldc != ldd");
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(m * n * 2, "D"));
+    TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, m * n, stream()));
+    p.ldc = ldc;
+    TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dc.data(), dd.data(), stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), m * n));
+    const Comparison cmp = Compare(Bf16Block(out, 0, m, n, n), ref);
+    EXPECT_EQ(cmp.nan_count, 0u);
+    EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
+  }
+  {
+    SCOPED_TRACE("in place, C == D");
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dcd, Upload(c, "C=D"));
+    p.ldc = ldc;
+    p.ldd = ldc;
+    TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dcd.data(), dcd.data(), stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dcd.data(), m * ldc));
+    const Comparison cmp = Compare(Bf16Block(out, 0, m, n, ldc), ref);
+    EXPECT_EQ(cmp.nan_count, 0u);
+    EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
+    EXPECT_EQ(CountTouchedPadding(out, 0, m, m, n, ldc), 0u);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strided batch: the AG+GEMM executor computes a chunk's tp row blocks, which sit at separate
+// offsets of the gathered buffer, with one launch.
+
+void CheckStridedBatchedFp8(cudaStream_t stream, int batch, bool shared_weight) {
+  const int64_t m = 37, n = 1040, k = 512;
+  // Gaps between items (NaN-poisoned in A, poison in D) catch reads and writes across items.
+  const int64_t a_rows = m + 5, d_rows = m + 3;
+  const int64_t stride_a = a_rows * k, stride_d = d_rows * n;
+  const int64_t stride_b = shared_weight ? 0 : n * k;
+  const float a_scale = 0.37f, b_scale = 0.011f;
+
+  const std::vector<uint8_t> a = RandomFp8Matrix(batch * a_rows, k, k, -4.0f, 4.0f, 61);
+  std::vector<uint8_t> a_gapped = a;
+  for (int bi = 0; bi < batch; ++bi) {
+    for (int64_t i = m; i < a_rows; ++i) {
+      std::fill_n(a_gapped.begin() + bi * stride_a + i * k, k, kFp8E4M3PoisonBits);
+    }
+  }
+  const int b_items = shared_weight ? 1 : batch;
+  const std::vector<uint8_t> b = RandomFp8Matrix(b_items * n, k, k, -1.0f, 1.0f, 62);
+
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_batched"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a_gapped, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(a_scale, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(b_scale, "b_scale"));
+  const size_t d_count = static_cast<size_t>(batch * stride_d);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(d_count * 2, "D"));
+  TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, d_count, stream));
+
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.batch = batch;
+  p.stride_a = stride_a;
+  p.stride_b = stride_b;
+  p.stride_d = stride_d;
+  p.a_scale = dsa.as<float>();
+  p.b_scale = dsb.as<float>();
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), d_count));
+
+  const std::vector<float> af = DecodeFp8(a_gapped), bf = DecodeFp8(b);
+  for (int bi = 0; bi < batch; ++bi) {
+    SCOPED_TRACE("batch item " + std::to_string(bi));
+    const std::vector<double> ref =
+        ReferenceGemm(af.data() + bi * stride_a, k, bf.data() + bi * stride_b, k, m, n, k,
+                      static_cast<double>(a_scale) * b_scale);
+    const size_t offset = static_cast<size_t>(bi * stride_d);
+    const Comparison cmp = Compare(Bf16Block(out, offset, m, n, n), ref);
+    EXPECT_EQ(cmp.nan_count, 0u);
+    EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
+    EXPECT_EQ(CountTouchedPadding(out, offset, d_rows, m, n, n), 0u) << "wrote into a gap";
+  }
+}
+
+TEST_F(GpuTest, Fp8GemmStridedBatchedRowBlocksWithSharedWeight) {
+  for (int batch : {2, 3}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    CheckStridedBatchedFp8(stream(), batch, /*shared_weight=*/true);
+  }
+}
+
+TEST_F(GpuTest, Fp8GemmStridedBatchedWithSeparateWeights) {
+  CheckStridedBatchedFp8(stream(), 3, /*shared_weight=*/false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// BF16 GEMM.
+
+TEST_F(GpuTest, Bf16GemmMatchesCpuReferenceAtAwkwardShapes) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("bf16"));
+  // BF16 needs only 16-byte rows: k and n multiples of 8.
+  const Shape shapes[] = {{37, 1000, 264}, {1002, 64, 4096}, {4099, 1040, 264}};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE("m=" + std::to_string(s.m) + " n=" + std::to_string(s.n) +
+                 " k=" + std::to_string(s.k));
+    const std::vector<BFloat16> a = RandomBf16Matrix(s.m, s.k, s.k, -2.0f, 2.0f, 71);
+    const std::vector<BFloat16> b = RandomBf16Matrix(s.n, s.k, s.k, -0.1f, 0.1f, 72);
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(s.m * s.n * 2, "D"));
+    TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, s.m * s.n, stream()));
+    GemmParams p;
+    p.m = s.m;
+    p.n = s.n;
+    p.k = s.k;
+    p.a_type = p.b_type = p.d_type = DataType::kBFloat16;
+    TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), s.m * s.n));
+    const std::vector<float> af = DecodeBf16(a), bf = DecodeBf16(b);
+    const std::vector<double> ref =
+        ReferenceGemm(af.data(), s.k, bf.data(), s.k, s.m, s.n, s.k, 1.0);
+    const Comparison cmp = Compare(Bf16Block(out, 0, s.m, s.n, s.n), ref);
+    EXPECT_EQ(cmp.nan_count, 0u);
+    EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
+  }
+}
+
+TEST_F(GpuTest, Bf16GemmAccumulatesInPlaceWithBeta) {
+  const int64_t m = 1002, n = 1040, k = 264;
+  const float alpha = 0.5f, beta = 1.0f;
+  const std::vector<BFloat16> a = RandomBf16Matrix(m, k, k, -2.0f, 2.0f, 81);
+  const std::vector<BFloat16> b = RandomBf16Matrix(n, k, k, -0.1f, 0.1f, 82);
+  const std::vector<BFloat16> c = RandomBf16Matrix(m, n, n, -1.0f, 1.0f, 83);
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("bf16_beta"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dcd, Upload(c, "C=D"));
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a_type = p.b_type = p.d_type = DataType::kBFloat16;
+  p.alpha = alpha;
+  p.beta = beta;
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dcd.data(), dcd.data(), stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dcd.data(), m * n));
+  const std::vector<float> af = DecodeBf16(a), bf = DecodeBf16(b);
+  std::vector<double> ref = ReferenceGemm(af.data(), k, bf.data(), k, m, n, k, alpha);
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] += beta * BFloat16ToFloat(c[i]);
+  const Comparison cmp = Compare(Bf16Block(out, 0, m, n, n), ref);
+  EXPECT_EQ(cmp.nan_count, 0u);
+  EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA graphs.
+
+TEST_F(GpuTest, GemmRunIsCapturableInCudaGraphAfterPrepare) {
+  const int64_t m = 1002, n = 1040, k = 512;
+  const std::vector<uint8_t> a = RandomFp8Matrix(m, k, k, -4.0f, 4.0f, 91);
+  const std::vector<uint8_t> b = RandomFp8Matrix(n, k, k, -1.0f, 1.0f, 92);
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("graph"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(0.37f, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(0.011f, "b_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer eager, DeviceBuffer::Allocate(m * n * 2, "D_eager"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer graphed, DeviceBuffer::Allocate(m * n * 2, "D_graph"));
+  TP_ASSERT_OK(LaunchPoisonFill(graphed.data(), DataType::kBFloat16, m * n, stream()));
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a_scale = dsa.as<float>();
+  p.b_scale = dsb.as<float>();
+
+  TP_ASSERT_OK(gemm.Prepare(p));
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, eager.data(), stream()));
+  TP_ASSERT_OK_AND_ASSIGN(CudaGraphExec graph,
+                          CudaGraphExec::Capture(stream(), cudaStreamCaptureModeThreadLocal, [&]() {
+                            return gemm.Run(p, da.data(), db.data(), nullptr, graphed.data(),
+                                            stream());
+                          }));
+  EXPECT_EQ(gemm.num_plans(), 1u);
+  TP_ASSERT_OK(graph.Launch(stream()));
+  TP_ASSERT_OK(graph.Launch(stream()));  // replays are idempotent
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> e, Download<BFloat16>(eager.data(), m * n));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> g, Download<BFloat16>(graphed.data(), m * n));
+  size_t differ = 0;
+  for (size_t i = 0; i < e.size(); ++i) differ += e[i].bits != g[i].bits;
+  EXPECT_EQ(differ, 0u) << "graph replay differs from the eager run with the same plan";
+  const std::vector<float> af = DecodeFp8(a), bf = DecodeFp8(b);
+  const std::vector<double> ref =
+      ReferenceGemm(af.data(), k, bf.data(), k, m, n, k, static_cast<double>(0.37f) * 0.011f);
+  const Comparison cmp = Compare(Bf16Block(g, 0, m, n, n), ref);
+  EXPECT_EQ(cmp.nan_count, 0u);
+  EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
+}
+
+TEST_F(GpuTest, GemmRunWithoutPrepareWhileCapturingFailsCleanly) {
+  const int64_t m = 64, n = 64, k = 64;
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("graph_unprepared"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, DeviceBuffer::Allocate(m * k, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, DeviceBuffer::Allocate(n * k, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(m * n * 2, "D"));
+  TP_CUDA_CHECK_FOR_TEST(cudaMemsetAsync(da.data(), 0, m * k, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaMemsetAsync(db.data(), 0, n * k, stream()));
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  const StatusOr<CudaGraphExec> graph = CudaGraphExec::Capture(
+      stream(), cudaStreamCaptureModeThreadLocal,
+      [&]() { return gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream()); });
+  ASSERT_FALSE(graph.ok());
+  EXPECT_EQ(graph.status().code(), StatusCode::kFailedPrecondition) << graph.status().ToString();
+  EXPECT_NE(graph.status().message().find("Prepare"), std::string::npos);
+  EXPECT_EQ(gemm.num_plans(), 0u);
+  // The stream left capture and still works.
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), m * n));
+  for (const BFloat16& v : out) ASSERT_EQ(v.bits, 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parameter validation: INVALID_ARGUMENT / UNIMPLEMENTED naming the field.
+
+void ExpectRejected(const Status& s, StatusCode code, const std::string& needle) {
+  EXPECT_EQ(s.code(), code) << s.ToString();
+  EXPECT_NE(s.message().find(needle), std::string::npos)
+      << "message should mention '" << needle << "': " << s.ToString();
+}
+
+TEST_F(GpuTest, GemmRejectsParamsCublasLtFp8CannotRun) {
+  GemmParams good;
+  good.m = 37;
+  good.n = 1040;
+  good.k = 256;
+  EXPECT_TRUE(ValidateGemmParams(good).ok()) << ValidateGemmParams(good).ToString();
+
+  GemmParams p = good;
+  p.k = 200;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.k");
+  p = good;
+  p.n = 1000;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.n");
+  p = good;
+  p.m = 0;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.m");
+  p = good;
+  p.lda = 128;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.lda");
+  p = good;
+  p.ldb = 264;  // 264 bytes of FP8: not a multiple of 16
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.ldb");
+  p = good;
+  p.ldd = 1044;  // 2088 bytes of BF16
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.ldd");
+  p = good;
+  p.batch = 2;
+  p.stride_d = 10 * 1040;  // < m * ldd
+  p.stride_a = 37 * 256;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.stride_d");
+  p = good;
+  p.d_amax = reinterpret_cast<float*>(uintptr_t{256});
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "d_amax");
+  p = good;
+  p.d_type = DataType::kFloat8E4M3;
+  p.beta = 1.0f;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kUnimplemented, "beta");
+  p = good;
+  p.b_type = DataType::kBFloat16;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kUnimplemented, "a_type");
+  p = good;
+  p.a_type = p.b_type = DataType::kBFloat16;
+  p.a_scale = reinterpret_cast<const float*>(uintptr_t{256});
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "a_scale");
+  p = good;
+  p.sm_count_target = -1;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "sm_count_target");
+}
+
+TEST_F(GpuTest, GemmRunRejectsMisalignedPointersAndMissingC) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("validation"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer buf, DeviceBuffer::Allocate(1 << 20, "scratch"));
+  char* base = buf.as<char>();
+  GemmParams p;
+  p.m = 37;
+  p.n = 64;
+  p.k = 256;
+  ExpectRejected(gemm.Run(p, base + 8, base, nullptr, base + 65536, stream()),
+                 StatusCode::kInvalidArgument, "A pointer");
+  ExpectRejected(gemm.Run(p, base, base + 4096, nullptr, base + 65536 + 2, stream()),
+                 StatusCode::kInvalidArgument, "D pointer");
+  p.beta = 1.0f;
+  ExpectRejected(gemm.Run(p, base, base + 4096, nullptr, base + 65536, stream()),
+                 StatusCode::kInvalidArgument, "C pointer");
+  EXPECT_EQ(gemm.num_plans(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantize / amax / dequantize kernels: bit-exact with layers/fp8.h.
+
+// Log-uniform magnitudes from 2^-14 to 2^10 times `scale`, so that x / scale covers E4M3
+// subnormals, normals and saturation; both signs.
+std::vector<float> LogUniformFloats(size_t count, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> exponent(-14.0f, 10.0f);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> v(count);
+  for (float& x : v) x = (negative(rng) ? -1.0f : 1.0f) * std::exp2(exponent(rng)) * scale;
+  return v;
+}
+
+// Values whose rounding is easy to get wrong, for scale 1: ties, the saturation boundary,
+// subnormal ties, signed zero, infinities, NaN.
+std::vector<float> TrickyFloats() {
+  const float inf = std::numeric_limits<float>::infinity();
+  return {1.0625f,
+          1.1875f,
+          -1.0625f,
+          464.0f,
+          -464.0f,
+          448.0f,
+          449.0f,
+          480.0f,
+          1e30f,
+          -1e30f,
+          std::ldexp(1.0f, -10),
+          std::ldexp(3.0f, -10),
+          std::ldexp(1.0f, -9),
+          std::ldexp(5.0f, -11),
+          0.0f,
+          -0.0f,
+          inf,
+          -inf,
+          std::nanf(""),
+          -std::nanf(""),
+          0.015625f,
+          0.0146484375f,
+          240.0f,
+          248.0f};
+}
+
+void CheckQuantize(cudaStream_t stream, DataType type, const std::vector<float>& values,
+                   float scale) {
+  // Offsets 0 (16-byte aligned: vector path) and 1 element (scalar path).
+  for (size_t offset : {size_t{0}, size_t{1}}) {
+    SCOPED_TRACE("offset " + std::to_string(offset));
+    const size_t count = values.size() - offset;
+    std::vector<float> input_f;  // what the GPU sees, as float
+    DeviceBuffer din;
+    if (type == DataType::kBFloat16) {
+      std::vector<BFloat16> in(values.size());
+      for (size_t i = 0; i < values.size(); ++i) in[i] = FloatToBFloat16(values[i]);
+      input_f = DecodeBf16(in);
+      TP_ASSERT_OK_AND_ASSIGN(din, Upload(in, "in"));
+    } else {
+      input_f = values;
+      TP_ASSERT_OK_AND_ASSIGN(din, Upload(values, "in"));
+    }
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dscale, DeviceScalar(scale, "scale"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dout, DeviceBuffer::Allocate(values.size(), "out"));
+    TP_ASSERT_OK(LaunchPoisonFill(dout.data(), DataType::kFloat8E4M3, values.size(), stream));
+    QuantizeFp8Params q;
+    q.input = din.as<char>() + offset * DataTypeSize(type);
+    q.input_type = type;
+    q.output = dout.as<uint8_t>() + offset;
+    q.count = count;
+    q.scale = dscale.as<float>();
+    TP_ASSERT_OK(LaunchQuantizeToFp8E4M3(q, stream));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+    TP_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> out,
+                            Download<uint8_t>(dout.data(), values.size()));
+
+    std::vector<uint8_t> expected(count);
+    QuantizeFp8(std::span<const float>(input_f).subspan(offset), scale, Fp8Format::kE4M3, expected);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < count; ++i) {
+      if (out[offset + i] != expected[i]) {
+        if (mismatches < 5) {
+          ADD_FAILURE() << "element " << i << ": x = " << input_f[offset + i] << ", scale " << scale
+                        << ": GPU code 0x" << std::hex << int{out[offset + i]} << ", CPU code 0x"
+                        << int{expected[i]};
+        }
+        ++mismatches;
+      }
+    }
+    EXPECT_EQ(mismatches, 0u);
+    if (offset == 1) {
+      EXPECT_EQ(out[0], kFp8E4M3PoisonBits) << "wrote before the output";
+    }
+  }
+}
+
+TEST_F(GpuTest, QuantizeBf16ToFp8IsBitExactWithCpuReference) {
+  const float scale = 0.0375f;
+  std::vector<float> values = LogUniformFloats(1002 * 37 + 5, scale, 101);
+  for (float t : TrickyFloats()) values.push_back(t * scale);
+  CheckQuantize(stream(), DataType::kBFloat16, values, scale);
+}
+
+TEST_F(GpuTest, QuantizeFp32ToFp8IsBitExactWithCpuReference) {
+  for (float scale : {1.0f, 0.0375f, 3.7f}) {
+    SCOPED_TRACE("scale " + std::to_string(scale));
+    std::vector<float> values = TrickyFloats();
+    for (float t : TrickyFloats()) values.push_back(t * scale);
+    const std::vector<float> random = LogUniformFloats(4099 * 3 + 7, scale, 102);
+    values.insert(values.end(), random.begin(), random.end());
+    CheckQuantize(stream(), DataType::kFloat32, values, scale);
+  }
+}
+
+void CheckAbsMax(cudaStream_t stream, DataType type) {
+  std::vector<float> values = LogUniformFloats(4099 * 37 + 3, 1.0f, 111);
+  values[12345] = -2000.5f;     // the largest magnitude is negative
+  values[777] = std::nanf("");  // skipped, as in the CPU Amax
+  for (size_t offset : {size_t{0}, size_t{1}}) {
+    SCOPED_TRACE("offset " + std::to_string(offset));
+    std::vector<float> input_f;
+    DeviceBuffer din;
+    if (type == DataType::kBFloat16) {
+      std::vector<BFloat16> in(values.size());
+      for (size_t i = 0; i < values.size(); ++i) in[i] = FloatToBFloat16(values[i]);
+      input_f = DecodeBf16(in);
+      TP_ASSERT_OK_AND_ASSIGN(din, Upload(in, "in"));
+    } else {
+      input_f = values;
+      TP_ASSERT_OK_AND_ASSIGN(din, Upload(values, "in"));
+    }
+    // Garbage in *amax: the launcher must zero it first.
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer damax, DeviceScalar(1e30f, "amax"));
+    AbsMaxParams p;
+    p.input = din.as<char>() + offset * DataTypeSize(type);
+    p.input_type = type;
+    p.count = values.size() - offset;
+    p.amax = damax.as<float>();
+    TP_ASSERT_OK(LaunchAbsMax(p, stream));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+    TP_ASSERT_OK_AND_ASSIGN(std::vector<float> amax, Download<float>(damax.data(), 1));
+    const float expected = Amax(std::span<const float>(input_f).subspan(offset));
+    EXPECT_EQ(amax[0], expected);
+  }
+  // Empty input: 0.
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer damax, DeviceScalar(1e30f, "amax"));
+  AbsMaxParams empty;
+  empty.input_type = type;
+  empty.amax = damax.as<float>();
+  TP_ASSERT_OK(LaunchAbsMax(empty, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<float> amax, Download<float>(damax.data(), 1));
+  EXPECT_EQ(amax[0], 0.0f);
+}
+
+TEST_F(GpuTest, AbsMaxBf16IsExact) { CheckAbsMax(stream(), DataType::kBFloat16); }
+TEST_F(GpuTest, AbsMaxFp32IsExact) { CheckAbsMax(stream(), DataType::kFloat32); }
+
+TEST_F(GpuTest, DequantizeFp8IsBitExactWithCpuReference) {
+  const float scale = 0.37f;
+  std::vector<uint8_t> codes(1003 * 4 + 9);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 7 + (i >> 8));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer din, Upload(codes, "codes"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dscale, DeviceScalar(scale, "scale"));
+  for (DataType out_type : {DataType::kBFloat16, DataType::kFloat32}) {
+    for (size_t offset : {size_t{0}, size_t{1}}) {
+      SCOPED_TRACE(std::string(DataTypeName(out_type)) + " offset " + std::to_string(offset));
+      const size_t count = codes.size() - offset;
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dout, DeviceBuffer::Allocate(codes.size() * 4, "out"));
+      DequantizeFp8Params p;
+      p.input = din.as<uint8_t>() + offset;
+      p.output = dout.as<char>() + offset * DataTypeSize(out_type);
+      p.output_type = out_type;
+      p.count = count;
+      p.scale = dscale.as<float>();
+      TP_ASSERT_OK(LaunchDequantizeFp8E4M3(p, stream()));
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      size_t mismatches = 0;
+      if (out_type == DataType::kBFloat16) {
+        TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out,
+                                Download<BFloat16>(dout.data(), codes.size()));
+        for (size_t i = 0; i < count; ++i) {
+          const float want = Fp8E4M3ToFloat(codes[offset + i]) * scale;
+          const BFloat16 got = out[offset + i];
+          if (std::isnan(want)) {
+            mismatches += !std::isnan(BFloat16ToFloat(got));
+          } else {
+            mismatches += got.bits != FloatToBFloat16(want).bits;
+          }
+        }
+      } else {
+        TP_ASSERT_OK_AND_ASSIGN(std::vector<float> out, Download<float>(dout.data(), codes.size()));
+        for (size_t i = 0; i < count; ++i) {
+          const float want = Fp8E4M3ToFloat(codes[offset + i]) * scale;
+          const float got = out[offset + i];
+          if (std::isnan(want)) {
+            mismatches += !std::isnan(got);
+          } else {
+            mismatches += std::memcmp(&want, &got, sizeof want) != 0;
+          }
+        }
+      }
+      EXPECT_EQ(mismatches, 0u);
+    }
+  }
+}
+
+TEST_F(GpuTest, PoisonFillWritesTheNanPatternOfEachType) {
+  const size_t count = 1001;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer buf, DeviceBuffer::Allocate(count * 4, "poison"));
+  TP_ASSERT_OK(LaunchPoisonFill(buf.data(), DataType::kBFloat16, count, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<uint16_t> u16, Download<uint16_t>(buf.data(), count));
+  for (uint16_t v : u16) ASSERT_EQ(v, kBf16PoisonBits);
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(BFloat16{kBf16PoisonBits})));
+
+  TP_ASSERT_OK(LaunchPoisonFill(buf.data(), DataType::kFloat8E4M3, count, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> u8, Download<uint8_t>(buf.data(), count));
+  for (uint8_t v : u8) ASSERT_EQ(v, kFp8E4M3PoisonBits);
+  EXPECT_TRUE(std::isnan(Fp8E4M3ToFloat(kFp8E4M3PoisonBits)));
+
+  TP_ASSERT_OK(LaunchPoisonFill(buf.data(), DataType::kFloat32, count, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<uint32_t> u32, Download<uint32_t>(buf.data(), count));
+  for (uint32_t v : u32) ASSERT_EQ(v, kFp32PoisonBits);
+
+  EXPECT_EQ(LaunchPoisonFill(buf.data(), DataType::kInt32, count, stream()).code(),
+            StatusCode::kUnimplemented);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RAII owners.
+
+TEST_F(GpuTest, DeviceBufferOutOfMemoryErrorNamesBufferAndSize) {
+  const size_t huge = size_t{1} << 50;  // 1 PiB
+  const StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(huge, "test.huge_activations");
+  ASSERT_FALSE(buf.ok());
+  EXPECT_EQ(buf.status().code(), StatusCode::kResourceExhausted) << buf.status().ToString();
+  EXPECT_NE(buf.status().message().find("test.huge_activations"), std::string::npos);
+  EXPECT_NE(buf.status().message().find(std::to_string(huge)), std::string::npos);
+  // The failure does not linger as the thread's last CUDA error.
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer small, DeviceBuffer::Allocate(256, "after_oom"));
+  EXPECT_EQ(small.size(), 256u);
+}
+
+TEST_F(GpuTest, DeviceBufferMoveTransfersOwnership) {
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a, DeviceBuffer::Allocate(1024, "a"));
+  void* p = a.data();
+  DeviceBuffer b = std::move(a);
+  EXPECT_EQ(b.data(), p);
+  EXPECT_EQ(b.size(), 1024u);
+  EXPECT_EQ(a.data(), nullptr);  // NOLINT(bugprone-use-after-move): checking moved-from state
+  EXPECT_EQ(a.size(), 0u);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer c, DeviceBuffer::Allocate(0, "empty"));
+  EXPECT_TRUE(c.empty());
+  EXPECT_EQ(c.data(), nullptr);
+}
+
+TEST_F(GpuTest, CudaEventsJoinStreamsAndTime) {
+  TP_ASSERT_OK_AND_ASSIGN(CudaStream side, CudaStream::Create(/*non_blocking=*/true, 0));
+  TP_ASSERT_OK_AND_ASSIGN(CudaEvent start, CudaEvent::Create(/*enable_timing=*/true));
+  TP_ASSERT_OK_AND_ASSIGN(CudaEvent stop, CudaEvent::Create(/*enable_timing=*/true));
+  TP_ASSERT_OK_AND_ASSIGN(CudaEvent fork, CudaEvent::Create());
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer buf, DeviceBuffer::Allocate(1 << 20, "buf"));
+  TP_ASSERT_OK(start.Record(stream()));
+  TP_ASSERT_OK(LaunchPoisonFill(buf.data(), DataType::kFloat32, (1 << 20) / 4, stream()));
+  TP_ASSERT_OK(fork.Record(stream()));
+  TP_ASSERT_OK(fork.WaitOn(side.get()));
+  TP_ASSERT_OK(LaunchFillPattern(buf.data(), 1 << 20, 1, 0, side.get()));
+  TP_ASSERT_OK(stop.Record(side.get()));
+  TP_ASSERT_OK(side.Synchronize());
+  TP_ASSERT_OK_AND_ASSIGN(bool done, stop.Query());
+  EXPECT_TRUE(done);
+  TP_ASSERT_OK_AND_ASSIGN(float ms, CudaEvent::ElapsedMs(start, stop));
+  EXPECT_GE(ms, 0.0f);
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> out, Download<uint8_t>(buf.data(), 1 << 20));
+  for (uint8_t v : out) ASSERT_EQ(v, 0u) << "side stream ran before the fork event";
+  EXPECT_EQ(CudaEvent::ElapsedMs(fork, stop).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaStream::Create(true, 1000).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tpserve

@@ -1,0 +1,228 @@
+// The CUDA TP linear layers against the CPU reference, on 2 GPUs (ranks as
+// threads). Skipped without 2 GPUs.
+//
+// Tolerance: cuBLASLt accumulates in FP32 in its own order and NCCL sums BF16
+// partials with per-step rounding, so outputs differ from the reference by
+// BF16 rounding: relative Frobenius error <= kRelTol, every element written.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/nccl_thread_group.h"
+#include "layers/cuda_linear.h"
+#include "layers/linear_problem.h"
+#include "layers/quantize_kernels.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int kTp = 2;
+constexpr double kRelTol = 1e-2;
+
+class GpuLinearTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (CudaDeviceCount() < kTp) return;
+    auto g = NcclThreadGroup::Create(kTp);
+    if (g.ok()) {
+      group_ = std::move(g).value();
+    } else {
+      init_error_ = g.status().ToString();
+    }
+  }
+  static void TearDownTestSuite() { group_.reset(); }
+
+  void SetUp() override {
+    if (CudaDeviceCount() < kTp) GTEST_SKIP() << "needs " << kTp << " GPUs";
+    ASSERT_NE(group_, nullptr) << "NCCL init failed: " << init_error_;
+  }
+
+  static std::unique_ptr<NcclThreadGroup> group_;
+  static std::string init_error_;
+};
+
+std::unique_ptr<NcclThreadGroup> GpuLinearTest::group_;
+std::string GpuLinearTest::init_error_;
+
+// One rank's device copies of a problem's operands.
+struct RankOperands {
+  DeviceBuffer w, scales;  // scales: [x_scale, w_scale]
+
+  static StatusOr<RankOperands> Upload(const LinearProblem& p, int rank) {
+    RankOperands o;
+    TP_ASSIGN_OR_RETURN(o.w, DeviceBuffer::Allocate(p.w_local[rank].size(), "test.w"));
+    TP_CUDA_CHECK(cudaMemcpy(o.w.data(), p.w_local[rank].data(), p.w_local[rank].size(),
+                             cudaMemcpyHostToDevice));
+    TP_ASSIGN_OR_RETURN(o.scales, DeviceBuffer::Allocate(2 * sizeof(float), "test.scales"));
+    const float s[2] = {p.x_scale, p.w_scale};
+    TP_CUDA_CHECK(cudaMemcpy(o.scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
+    return o;
+  }
+  const float* x_scale() const { return scales.as<float>(); }
+  const float* w_scale() const { return scales.as<float>() + 1; }
+};
+
+struct Config {
+  LinearKnobs knobs;
+  std::string label;
+};
+
+std::vector<Config> AllConfigs(OverlapOp op) {
+  std::vector<Config> out;
+  auto add = [&](OverlapMode mode, int chunks, bool ce) {
+    Config c;
+    c.knobs.mode = mode;
+    c.knobs.chunks = chunks;
+    if (ce) {
+      c.knobs.copy_engine = true;
+      c.knobs.comm.cta_policy = NcclCommConfig::CtaPolicy::kZero;
+    }
+    c.label = std::string(OverlapModeName(mode)) + "/chunks=" + std::to_string(chunks) +
+              (ce ? "/copy_engine" : "");
+    out.push_back(c);
+  };
+  add(OverlapMode::kNone, 1, false);
+  for (int chunks : {1, 2, 4, 8}) {
+    add(OverlapMode::kPipeline, chunks, false);
+    add(OverlapMode::kRing, chunks, false);
+  }
+  if (op == OverlapOp::kAllGatherGemm) {
+    add(OverlapMode::kNone, 1, true);
+    add(OverlapMode::kPipeline, 4, true);
+  }
+  return out;
+}
+
+// Runs `problem` through a CudaLinear with `knobs` on every rank; returns the
+// ranks' outputs (poisoned before the run).
+StatusOr<std::vector<std::vector<BFloat16>>> RunOnGpus(NcclThreadGroup& group,
+                                                       const LinearProblem& p,
+                                                       const LinearKnobs& knobs) {
+  std::vector<std::vector<BFloat16>> y(p.tp);
+  TP_RETURN_IF_ERROR(group.Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(p, r));
+    CudaLinearShape shape{p.op, p.dtype, p.m, p.n_local(), p.k_local()};
+    TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("test.layer", shape, knobs, group.pool(r)));
+    TP_RETURN_IF_ERROR(layer->Prepare(p.m));
+    TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+    TP_CUDA_CHECK(cudaMemcpy(layer->input(p.m), p.x_local[r].data(), p.x_local[r].size(),
+                             cudaMemcpyHostToDevice));
+    const int64_t out = layer->output_elements(p.m);
+    TP_ASSIGN_OR_RETURN(DeviceBuffer dy, DeviceBuffer::Allocate(out * 2 + 16, "test.y"));
+    TP_RETURN_IF_ERROR(LaunchPoisonFill(dy.data(), DataType::kBFloat16, out, stream.get()));
+    TP_RETURN_IF_ERROR(
+        layer->Run(p.m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get()));
+    TP_RETURN_IF_ERROR(group.pool(r).base().WaitStream(stream.get()));
+    y[r].resize(out);
+    TP_CUDA_CHECK(cudaMemcpy(y[r].data(), dy.data(), out * 2, cudaMemcpyDeviceToHost));
+    return Status::Ok();
+  }));
+  return y;
+}
+
+void CheckAllConfigs(NcclThreadGroup& group, OverlapOp op, DataType dtype) {
+  const bool ag = op == OverlapOp::kAllGatherGemm;
+  for (int64_t m : {37, 1002, 4099, 8192}) {
+    // Global N and K small enough for the CPU reference, multiples of 16 per rank.
+    const int64_t n = ag ? 64 * kTp : 96, k = ag ? 128 : 64 * kTp;
+    auto p = MakeRandomLinearProblem(op, dtype, kTp, m, n, k, static_cast<uint32_t>(m));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    for (const Config& c : AllConfigs(op)) {
+      SCOPED_TRACE("m=" + std::to_string(m) + " " + c.label);
+      auto y = RunOnGpus(group, *p, c.knobs);
+      ASSERT_TRUE(y.ok()) << y.status().ToString();
+      auto err = CompareWithReference(*p, *y);
+      ASSERT_TRUE(err.ok()) << err.status().ToString();
+      EXPECT_EQ(err->unwritten, 0);
+      EXPECT_LE(err->rel_frobenius, kRelTol) << "max_abs " << err->max_abs;
+    }
+  }
+}
+
+TEST_F(GpuLinearTest, AllGatherGemmFp8MatchesCpuReferenceInEveryMode) {
+  CheckAllConfigs(*group_, OverlapOp::kAllGatherGemm, DataType::kFloat8E4M3);
+}
+TEST_F(GpuLinearTest, AllGatherGemmBf16MatchesCpuReferenceInEveryMode) {
+  CheckAllConfigs(*group_, OverlapOp::kAllGatherGemm, DataType::kBFloat16);
+}
+TEST_F(GpuLinearTest, GemmReduceScatterFp8MatchesCpuReferenceInEveryMode) {
+  CheckAllConfigs(*group_, OverlapOp::kGemmReduceScatter, DataType::kFloat8E4M3);
+}
+TEST_F(GpuLinearTest, GemmReduceScatterBf16MatchesCpuReferenceInEveryMode) {
+  CheckAllConfigs(*group_, OverlapOp::kGemmReduceScatter, DataType::kBFloat16);
+}
+
+// Graph replay must reproduce eager execution bit for bit, 100 times, and
+// allocate nothing on the device while replaying.
+void CheckGraphReplay(NcclThreadGroup& group, OverlapOp op, OverlapMode mode, int chunks) {
+  const bool ag = op == OverlapOp::kAllGatherGemm;
+  const int64_t m = 4099, n = ag ? 256 * kTp : 256, k = ag ? 512 : 256 * kTp;
+  auto p = MakeRandomLinearProblem(op, DataType::kFloat8E4M3, kTp, m, n, k, 99);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  LinearKnobs knobs;
+  knobs.mode = mode;
+  knobs.chunks = chunks;
+  Status s = group.Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(*p, r));
+    CudaLinearShape shape{p->op, p->dtype, p->m, p->n_local(), p->k_local()};
+    TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("test.graph", shape, knobs, group.pool(r)));
+    TP_RETURN_IF_ERROR(layer->Prepare(m));
+    TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+    TP_CUDA_CHECK(cudaMemcpy(layer->input(m), p->x_local[r].data(), p->x_local[r].size(),
+                             cudaMemcpyHostToDevice));
+    const int64_t out = layer->output_elements(m);
+    TP_ASSIGN_OR_RETURN(DeviceBuffer dy, DeviceBuffer::Allocate(out * 2 + 16, "test.y"));
+    auto run = [&] {
+      return layer->Run(m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get());
+    };
+    // Eager first (also sets up NCCL's connections outside the graph).
+    TP_RETURN_IF_ERROR(LaunchPoisonFill(dy.data(), DataType::kBFloat16, out, stream.get()));
+    TP_RETURN_IF_ERROR(run());
+    TP_RETURN_IF_ERROR(group.pool(r).base().WaitStream(stream.get()));
+    std::vector<uint16_t> eager(out), replay(out);
+    TP_CUDA_CHECK(cudaMemcpy(eager.data(), dy.data(), out * 2, cudaMemcpyDeviceToHost));
+
+    TP_ASSIGN_OR_RETURN(
+        CudaGraphExec graph,
+        CudaGraphExec::Capture(stream.get(), cudaStreamCaptureModeThreadLocal, run));
+    size_t free_before = 0, free_after = 0, total = 0;
+    TP_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+    for (int i = 0; i < 100; ++i) {
+      TP_RETURN_IF_ERROR(LaunchPoisonFill(dy.data(), DataType::kBFloat16, out, stream.get()));
+      TP_RETURN_IF_ERROR(graph.Launch(stream.get()));
+      TP_RETURN_IF_ERROR(group.pool(r).base().WaitStream(stream.get()));
+      TP_CUDA_CHECK(cudaMemcpy(replay.data(), dy.data(), out * 2, cudaMemcpyDeviceToHost));
+      if (std::memcmp(replay.data(), eager.data(), out * 2) != 0) {
+        return InternalError("replay " + std::to_string(i) + " differs from eager execution");
+      }
+    }
+    TP_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+    if (free_after != free_before) {
+      return InternalError("device free memory changed during replays: " +
+                           std::to_string(free_before) + " -> " + std::to_string(free_after));
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+}
+
+TEST_F(GpuLinearTest, AllGatherGemmPipelineGraphReplayIsBitIdenticalAndAllocationFree) {
+  CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kPipeline, 4);
+}
+TEST_F(GpuLinearTest, AllGatherGemmRingGraphReplayIsBitIdenticalAndAllocationFree) {
+  CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kRing, 2);
+}
+TEST_F(GpuLinearTest, GemmReduceScatterPipelineGraphReplayIsBitIdenticalAndAllocationFree) {
+  CheckGraphReplay(*group_, OverlapOp::kGemmReduceScatter, OverlapMode::kPipeline, 4);
+}
+TEST_F(GpuLinearTest, GemmReduceScatterRingGraphReplayIsBitIdenticalAndAllocationFree) {
+  CheckGraphReplay(*group_, OverlapOp::kGemmReduceScatter, OverlapMode::kRing, 2);
+}
+
+}  // namespace
+}  // namespace tpserve
