@@ -203,11 +203,12 @@ Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, Data
     TP_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(n_local * k_local * e, "bench.w"));
     TP_ASSIGN_OR_RETURN(DeviceBuffer x_full,
                         DeviceBuffer::Allocate(sc.m * k_local * e, "bench.x_full"));
-    TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(2 * sizeof(float), "scales"));
-    const float sc_host[2] = {1.0f / 16, 1.0f / 16};
+    // x and w scales 16 bytes apart (cuBLASLt wants them 16-byte aligned).
+    TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(8 * sizeof(float), "scales"));
+    const float sc_host[8] = {1.0f / 16, 0, 0, 0, 1.0f / 16, 0, 0, 0};
     TP_CUDA_CHECK(cudaMemcpy(scales.data(), sc_host, sizeof sc_host, cudaMemcpyHostToDevice));
     const float* xs = scales.as<float>();
-    const float* ws = scales.as<float>() + 1;
+    const float* ws = scales.as<float>() + 4;
     const float amp = dtype == DataType::kFloat8E4M3 ? 16.0f : 1.0f;
     TP_RETURN_IF_ERROR(
         LaunchRandomUniform(w.data(), dtype, n_local * k_local, 1000 + r, amp, stream.get()));

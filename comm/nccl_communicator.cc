@@ -291,6 +291,12 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(const NcclCo
       return s;
     }
   }
+  // With a non-blocking parent, NCCL may store the child's handle from its
+  // background thread after the parent reports success (seen with NCCL
+  // 2.28.9 on the H200 host): wait for the store, within the deadline.
+  while (__atomic_load_n(&child->comm_, __ATOMIC_ACQUIRE) == nullptr && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   std::unique_lock child_lock(child->mu_);
   if (child->comm_ == nullptr) {
     return InternalError("ncclCommSplit reported success but returned no communicator (rank " +

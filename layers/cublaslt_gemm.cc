@@ -463,10 +463,10 @@ Status CheckRunPointers(const GemmParams& r, const void* a, const void* b, const
           "stride_c == stride_d");
     }
   }
-  TP_RETURN_IF_ERROR(CheckPointer("a_scale", r.a_scale, alignof(float)));
-  TP_RETURN_IF_ERROR(CheckPointer("b_scale", r.b_scale, alignof(float)));
-  TP_RETURN_IF_ERROR(CheckPointer("d_quant_scale", r.d_quant_scale, alignof(float)));
-  TP_RETURN_IF_ERROR(CheckPointer("d_amax", r.d_amax, alignof(float)));
+  TP_RETURN_IF_ERROR(CheckPointer("a_scale", r.a_scale, kAlignBytes));
+  TP_RETURN_IF_ERROR(CheckPointer("b_scale", r.b_scale, kAlignBytes));
+  TP_RETURN_IF_ERROR(CheckPointer("d_quant_scale", r.d_quant_scale, kAlignBytes));
+  TP_RETURN_IF_ERROR(CheckPointer("d_amax", r.d_amax, kAlignBytes));
   return Status::Ok();
 }
 

@@ -25,7 +25,9 @@
 // can be captured in a CUDA graph. A Run() that would need a new plan while its stream is
 // capturing fails with FAILED_PRECONDITION instead.
 //
-// Alignment contract: every matrix pointer is 16-byte aligned, and every leading dimension and
+// Alignment contract: every matrix pointer and every scale/amax pointer is 16-byte aligned
+// (cublasLtMatmul answered NOT_SUPPORTED for a scale pointer 4 bytes past an allocation's start
+// on the H200 host, 2026-11-29), and every leading dimension and
 // batch stride is a multiple of 16 bytes. The heuristic is told exactly that (not cuBLASLt's
 // default assumption of 256-byte alignment), so row-block offsets into a buffer are fine.
 //

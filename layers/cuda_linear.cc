@@ -146,8 +146,9 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   }
   // Scales of 1.0 used while planning GEMMs (only the pointers' presence
   // matters for the algorithm choice).
-  TP_RETURN_IF_ERROR(alloc(im.unit_scales, 2 * sizeof(float), "unit_scales"));
-  const float ones[2] = {1.0f, 1.0f};
+  // Two scales 16 bytes apart: cuBLASLt wants scale pointers 16-byte aligned.
+  TP_RETURN_IF_ERROR(alloc(im.unit_scales, 8 * sizeof(float), "unit_scales"));
+  const float ones[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
   TP_CUDA_CHECK(cudaMemcpy(im.unit_scales.data(), ones, sizeof ones, cudaMemcpyHostToDevice));
   spdlog::debug("{}: rank {}/{} {} knobs {} device bytes {}", layer->name_, layer->rank_, tp,
                 OverlapOpName(shape.op), knobs.ToString(), im.Bytes());
@@ -201,7 +202,7 @@ Status CudaLinear::Prepare(int64_t m) {
   base.sm_count_target = knobs_.gemm_sm_count;
   if (fp8) {
     base.a_scale = im.unit_scales.as<float>();
-    base.b_scale = im.unit_scales.as<float>() + 1;
+    base.b_scale = im.unit_scales.as<float>() + 4;
   }
   auto single = [&](int64_t rows, BufRef a, BufRef d) {
     GemmCall g;

@@ -51,20 +51,21 @@ std::string GpuLinearTest::init_error_;
 
 // One rank's device copies of a problem's operands.
 struct RankOperands {
-  DeviceBuffer w, scales;  // scales: [x_scale, w_scale]
+  DeviceBuffer w, scales;  // scales: x_scale at 0, w_scale at 16 bytes
 
   static StatusOr<RankOperands> Upload(const LinearProblem& p, int rank) {
     RankOperands o;
     TP_ASSIGN_OR_RETURN(o.w, DeviceBuffer::Allocate(p.w_local[rank].size(), "test.w"));
     TP_CUDA_CHECK(cudaMemcpy(o.w.data(), p.w_local[rank].data(), p.w_local[rank].size(),
                              cudaMemcpyHostToDevice));
-    TP_ASSIGN_OR_RETURN(o.scales, DeviceBuffer::Allocate(2 * sizeof(float), "test.scales"));
-    const float s[2] = {p.x_scale, p.w_scale};
+    // The scales 16 bytes apart, as cuBLASLt wants them aligned.
+    TP_ASSIGN_OR_RETURN(o.scales, DeviceBuffer::Allocate(8 * sizeof(float), "test.scales"));
+    const float s[8] = {p.x_scale, 0, 0, 0, p.w_scale, 0, 0, 0};
     TP_CUDA_CHECK(cudaMemcpy(o.scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
     return o;
   }
   const float* x_scale() const { return scales.as<float>(); }
-  const float* w_scale() const { return scales.as<float>() + 1; }
+  const float* w_scale() const { return scales.as<float>() + 4; }
 };
 
 struct Config {
