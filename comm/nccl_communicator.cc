@@ -563,6 +563,14 @@ StatusOr<NcclSymmetricBuffer> NcclSymmetricBuffer::Create(NcclCommunicator& comm
   Status s = comm.Issue(register_what, __LINE__, [&](ncclComm_t c) {
     return ncclCommWindowRegister(c, ptr, bytes, window, NCCL_WIN_COLL_SYMMETRIC);
   });
+  // As with ncclCommSplit, a non-blocking communicator may store the window
+  // handle from NCCL's background thread after the call reports success (seen
+  // with NCCL 2.28.9): wait for it here, while `buf` cannot move.
+  const auto deadline = NcclCommunicator::Clock::now() + comm.timeout();
+  while (s.ok() && __atomic_load_n(&buf.window_, __ATOMIC_ACQUIRE) == nullptr &&
+         NcclCommunicator::Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   if (s.ok() && buf.window_ == nullptr) {
     s = InternalError(register_what + " returned no window");
   }
