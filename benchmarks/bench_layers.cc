@@ -49,6 +49,8 @@ struct Flags {
   std::vector<int> chunks = {2, 4};
   std::vector<std::string> methods = {"gemm_only", "comm_only",   "none",      "pipeline",
                                       "ring",      "pipeline_ce", "layer_gemm"};
+  std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
+  std::vector<int> gemm_sms = {0};  // GEMM SM budgets to sweep (0 = all SMs)
   int tp = 2;
   int warmup = 5;
   int rounds = 30;
@@ -89,15 +91,22 @@ std::vector<Method> MakeMethods(const Flags& f, OverlapOp op) {
     } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce") {
       if (name == "pipeline_ce" && op != OverlapOp::kAllGatherGemm) continue;
       for (int c : f.chunks) {
-        Method m = base;
-        m.method = name == "ring" ? "ring" : "pipeline";
-        m.knobs.mode = name == "ring" ? OverlapMode::kRing : OverlapMode::kPipeline;
-        m.knobs.chunks = c;
-        if (name == "pipeline_ce") {
-          m.knobs.copy_engine = true;
-          m.knobs.comm.cta_policy = NcclCommConfig::CtaPolicy::kZero;
+        for (int ctas : f.max_ctas) {
+          if (name == "pipeline_ce" && ctas != 0) continue;  // copy engines use no CTAs
+          for (int sms : f.gemm_sms) {
+            Method m = base;
+            m.method = name == "ring" ? "ring" : "pipeline";
+            m.knobs.mode = name == "ring" ? OverlapMode::kRing : OverlapMode::kPipeline;
+            m.knobs.chunks = c;
+            m.knobs.comm.max_ctas = ctas;
+            m.knobs.gemm_sm_count = sms;
+            if (name == "pipeline_ce") {
+              m.knobs.copy_engine = true;
+              m.knobs.comm.cta_policy = NcclCommConfig::CtaPolicy::kZero;
+            }
+            out.push_back(m);
+          }
         }
-        out.push_back(m);
       }
     }
   }
@@ -138,34 +147,15 @@ json KnobsJson(const LinearKnobs& k) {
               {"fast_accum", k.fast_accum}};
 }
 
-// Captures body() into a graph (after eager warm-up runs) and times `rounds`
-// replays with events.
-StatusOr<std::vector<float>> TimeGraph(NcclCommunicator& comm, cudaStream_t stream,
-                                       const std::function<Status()>& body, int warmup,
-                                       int rounds) {
-  for (int i = 0; i < 2; ++i) TP_RETURN_IF_ERROR(body());
-  TP_RETURN_IF_ERROR(comm.WaitStream(stream));
-  TP_ASSIGN_OR_RETURN(CudaGraphExec graph,
-                      CudaGraphExec::Capture(stream, cudaStreamCaptureModeThreadLocal, body));
-  for (int i = 0; i < warmup; ++i) TP_RETURN_IF_ERROR(graph.Launch(stream));
-  std::vector<CudaEvent> events;
-  for (int i = 0; i < 2 * rounds; ++i) {
-    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(true));
-    events.push_back(std::move(e));
-  }
-  TP_RETURN_IF_ERROR(comm.WaitStream(stream));
-  for (int i = 0; i < rounds; ++i) {
-    TP_RETURN_IF_ERROR(events[2 * i].Record(stream));
-    TP_RETURN_IF_ERROR(graph.Launch(stream));
-    TP_RETURN_IF_ERROR(events[2 * i + 1].Record(stream));
-  }
-  TP_RETURN_IF_ERROR(comm.WaitStream(stream));
-  std::vector<float> ms(rounds);
-  for (int i = 0; i < rounds; ++i) {
-    TP_ASSIGN_OR_RETURN(ms[i], CudaEvent::ElapsedMs(events[2 * i], events[2 * i + 1]));
-  }
-  return ms;
-}
+// One method of one case on one rank, ready to replay.
+struct Prepared {
+  std::unique_ptr<CudaLinear> layer;
+  CublasLtGemm gemm;
+  GemmParams gemm_params;
+  DeviceBuffer comm_in, comm_out;
+  CudaGraphExec graph;
+  std::vector<float> times;
+};
 
 // Relative Frobenius distance of two BF16 device tensors, on every 7th row.
 StatusOr<double> RelDiff(const void* a, const void* b, int64_t rows, int64_t cols) {
@@ -197,9 +187,11 @@ Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, Data
     NcclCommPool& pool = group.pool(r);
     NcclCommunicator& base = pool.base();
     TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+    cudaStream_t st = stream.get();
     const size_t e = DataTypeSize(dtype);
     const RowRange own = ShardRows(sc.m, tp, r);
-    // Operands: W_r, the full local X (for the GEMM alone), scales of 1/16.
+    // Operands: W_r and the full local X (the GEMM alone reads all of it; the
+    // layers get their part), random, with dequantization scales of 1/16.
     TP_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(n_local * k_local * e, "bench.w"));
     TP_ASSIGN_OR_RETURN(DeviceBuffer x_full,
                         DeviceBuffer::Allocate(sc.m * k_local * e, "bench.x_full"));
@@ -209,24 +201,124 @@ Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, Data
     TP_CUDA_CHECK(cudaMemcpy(scales.data(), sc_host, sizeof sc_host, cudaMemcpyHostToDevice));
     const float* xs = scales.as<float>();
     const float* ws = scales.as<float>() + 4;
-    const float amp = dtype == DataType::kFloat8E4M3 ? 16.0f : 1.0f;
+    const bool fp8 = dtype == DataType::kFloat8E4M3;
+    const float amp = fp8 ? 16.0f : 1.0f;
+    TP_RETURN_IF_ERROR(LaunchRandomUniform(w.data(), dtype, n_local * k_local, 1000 + r, amp, st));
     TP_RETURN_IF_ERROR(
-        LaunchRandomUniform(w.data(), dtype, n_local * k_local, 1000 + r, amp, stream.get()));
-    TP_RETURN_IF_ERROR(LaunchRandomUniform(x_full.data(), dtype, sc.m * k_local,
-                                           2000 + (ag ? 0 : r), amp, stream.get()));
+        LaunchRandomUniform(x_full.data(), dtype, sc.m * k_local, 2000 + (ag ? 0 : r), amp, st));
     const int64_t out_rows = ag ? sc.m : own.size();
-    TP_ASSIGN_OR_RETURN(
-        DeviceBuffer y_ref,
-        DeviceBuffer::Allocate(std::max<int64_t>(out_rows, 1) * n_local * 2, "bench.y_ref"));
-    TP_ASSIGN_OR_RETURN(
-        DeviceBuffer y,
-        DeviceBuffer::Allocate(std::max<int64_t>(out_rows, 1) * n_local * 2, "bench.y"));
+    const size_t out_bytes = std::max<int64_t>(out_rows, 1) * n_local * 2;
+    TP_ASSIGN_OR_RETURN(DeviceBuffer y_ref, DeviceBuffer::Allocate(out_bytes, "bench.y_ref"));
+    TP_ASSIGN_OR_RETURN(DeviceBuffer y, DeviceBuffer::Allocate(out_bytes, "bench.y"));
     TP_ASSIGN_OR_RETURN(DeviceBuffer full_out,
                         DeviceBuffer::Allocate(sc.m * n_local * 2, "bench.full_out"));
-    const bool fp8 = dtype == DataType::kFloat8E4M3;
-    bool have_ref = false;
 
-    for (const Method& m : methods) {
+    // Build every method, check it against mode none, and capture its graph.
+    std::vector<Prepared> prepared(methods.size());
+    std::vector<std::function<Status()>> bodies(methods.size());
+    std::vector<json> checks(methods.size());
+    for (size_t i = 0; i < methods.size(); ++i) {
+      const Method& m = methods[i];
+      Prepared& p = prepared[i];
+      if (m.method == "gemm_only") {
+        TP_ASSIGN_OR_RETURN(p.gemm, CublasLtGemm::Create("bench.gemm_only"));
+        GemmParams& gp = p.gemm_params;
+        gp.m = sc.m;
+        gp.n = n_local;
+        gp.k = k_local;
+        gp.a_type = gp.b_type = dtype;
+        gp.d_type = DataType::kBFloat16;
+        gp.fast_accum = fp8 && f.fast_accum;
+        if (fp8) {
+          gp.a_scale = xs;
+          gp.b_scale = ws;
+        }
+        TP_RETURN_IF_ERROR(p.gemm.Prepare(gp));
+        bodies[i] = [&, i] {
+          return prepared[i].gemm.Run(prepared[i].gemm_params, x_full.data(), w.data(), nullptr,
+                                      full_out.data(), st);
+        };
+      } else if (m.method == "comm_only") {
+        // The layer's communication alone: AllGather of every rank's shard of
+        // X, or ReduceScatter of the [m, n] BF16 partial.
+        if (ag) {
+          const size_t bytes = ShardRows(sc.m, tp, 0).size() * k_local * e;
+          TP_ASSIGN_OR_RETURN(p.comm_in, DeviceBuffer::Allocate(bytes, "bench.comm_in"));
+          TP_ASSIGN_OR_RETURN(p.comm_out, DeviceBuffer::Allocate(bytes * tp, "bench.comm_out"));
+          bodies[i] = [&, i, bytes] {
+            return base.AllGather(prepared[i].comm_in.data(), prepared[i].comm_out.data(), bytes,
+                                  st);
+          };
+        } else {
+          const size_t count = ShardRows(sc.m, tp, 0).size() * n_local;
+          TP_ASSIGN_OR_RETURN(p.comm_in, DeviceBuffer::Allocate(count * tp * 2, "bench.comm_in"));
+          TP_ASSIGN_OR_RETURN(p.comm_out, DeviceBuffer::Allocate(count * 2, "bench.comm_out"));
+          TP_RETURN_IF_ERROR(LaunchRandomUniform(p.comm_in.data(), DataType::kBFloat16, count * tp,
+                                                 3000 + r, 1.0f, st));
+          bodies[i] = [&, i, count] {
+            return base.ReduceScatter(prepared[i].comm_in.data(), prepared[i].comm_out.data(),
+                                      count, DataType::kBFloat16, st);
+          };
+        }
+      } else {
+        CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
+        TP_ASSIGN_OR_RETURN(p.layer, CudaLinear::Create("bench." + sc.layer, shape, m.knobs, pool));
+        TP_RETURN_IF_ERROR(p.layer->Prepare(sc.m));
+        const void* src =
+            static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
+        TP_CUDA_CHECK(cudaMemcpyAsync(p.layer->input(sc.m), src, p.layer->input_bytes(sc.m),
+                                      cudaMemcpyDeviceToDevice, st));
+        void* dst = m.method == "none" ? y_ref.data() : y.data();
+        // One full run first: it fills the gather buffers that layer_gemm
+        // reads (a GEMM over never-written memory would time zeros).
+        TP_RETURN_IF_ERROR(p.layer->Run(sc.m, w.data(), xs, ws, dst, st));
+        TP_RETURN_IF_ERROR(base.WaitStream(st));
+        if (f.check && m.method != "none" && m.method != "layer_gemm" && out_rows > 0) {
+          TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
+          checks[i] = d;
+          if (!(d <= 1e-2)) {
+            return InternalError(sc.layer + " " + m.method + " " + m.knobs.ToString() +
+                                 " differs from mode none: rel " + std::to_string(d));
+          }
+        }
+        if (m.method == "layer_gemm") {
+          bodies[i] = [&, i, dst] {
+            return prepared[i].layer->RunGemmOnly(sc.m, w.data(), xs, ws, dst, st);
+          };
+        } else {
+          bodies[i] = [&, i, dst] {
+            return prepared[i].layer->Run(sc.m, w.data(), xs, ws, dst, st);
+          };
+        }
+      }
+      for (int k = 0; k < 2; ++k) TP_RETURN_IF_ERROR(bodies[i]());
+      TP_RETURN_IF_ERROR(base.WaitStream(st));
+      TP_ASSIGN_OR_RETURN(p.graph,
+                          CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, bodies[i]));
+    }
+
+    // Time the methods interleaved, round by round, so that clock and power
+    // drift over the run falls on all of them alike.
+    std::vector<CudaEvent> events;
+    for (size_t i = 0; i < 2 * methods.size(); ++i) {
+      TP_ASSIGN_OR_RETURN(CudaEvent ev, CudaEvent::Create(true));
+      events.push_back(std::move(ev));
+    }
+    for (int round = -f.warmup; round < f.rounds; ++round) {
+      for (size_t i = 0; i < methods.size(); ++i) {
+        TP_RETURN_IF_ERROR(events[2 * i].Record(st));
+        TP_RETURN_IF_ERROR(prepared[i].graph.Launch(st));
+        TP_RETURN_IF_ERROR(events[2 * i + 1].Record(st));
+      }
+      TP_RETURN_IF_ERROR(base.WaitStream(st));
+      if (round < 0) continue;
+      for (size_t i = 0; i < methods.size(); ++i) {
+        TP_ASSIGN_OR_RETURN(float ms, CudaEvent::ElapsedMs(events[2 * i], events[2 * i + 1]));
+        prepared[i].times.push_back(ms);
+      }
+    }
+    for (size_t i = 0; i < methods.size(); ++i) {
+      const Method& m = methods[i];
       json rec{{"impl", "tpserve"},
                {"layer", sc.layer},
                {"op", OverlapOpName(sc.op)},
@@ -238,87 +330,21 @@ Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, Data
                {"k", sc.k},
                {"chunks", m.knobs.chunks},
                {"config", KnobsJson(m.knobs)}};
-      std::function<Status()> body;
-      std::unique_ptr<CudaLinear> layer;
-      CublasLtGemm gemm;
-      DeviceBuffer comm_in, comm_out;
-      GemmParams gp;
-      if (m.method == "gemm_only") {
-        TP_ASSIGN_OR_RETURN(gemm, CublasLtGemm::Create("bench.gemm_only"));
-        gp.m = sc.m;
-        gp.n = n_local;
-        gp.k = k_local;
-        gp.a_type = gp.b_type = dtype;
-        gp.d_type = DataType::kBFloat16;
-        gp.fast_accum = fp8 && f.fast_accum;
-        if (fp8) {
-          gp.a_scale = xs;
-          gp.b_scale = ws;
-        }
-        TP_RETURN_IF_ERROR(gemm.Prepare(gp));
-        body = [&] {
-          return gemm.Run(gp, x_full.data(), w.data(), nullptr, full_out.data(), stream.get());
-        };
-      } else if (m.method == "comm_only") {
-        if (ag) {
-          const size_t bytes = own.size() > 0 ? ShardRows(sc.m, tp, 0).size() * k_local * e : 0;
-          TP_ASSIGN_OR_RETURN(comm_in, DeviceBuffer::Allocate(bytes, "bench.comm_in"));
-          TP_ASSIGN_OR_RETURN(comm_out, DeviceBuffer::Allocate(bytes * tp, "bench.comm_out"));
-          body = [&, bytes] {
-            return base.AllGather(comm_in.data(), comm_out.data(), bytes, stream.get());
-          };
-        } else {
-          const size_t count = ShardRows(sc.m, tp, 0).size() * n_local;
-          TP_ASSIGN_OR_RETURN(comm_in, DeviceBuffer::Allocate(count * tp * 2, "bench.comm_in"));
-          TP_ASSIGN_OR_RETURN(comm_out, DeviceBuffer::Allocate(count * 2, "bench.comm_out"));
-          TP_RETURN_IF_ERROR(LaunchRandomUniform(comm_in.data(), DataType::kBFloat16, count * tp,
-                                                 3000 + r, 1.0f, stream.get()));
-          body = [&, count] {
-            return base.ReduceScatter(comm_in.data(), comm_out.data(), count, DataType::kBFloat16,
-                                      stream.get());
-          };
-        }
-      } else {
-        CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
-        TP_ASSIGN_OR_RETURN(layer, CudaLinear::Create("bench." + sc.layer, shape, m.knobs, pool));
-        TP_RETURN_IF_ERROR(layer->Prepare(sc.m));
-        // The layer's input is this rank's part of the same X.
-        const void* src =
-            static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
-        TP_CUDA_CHECK(cudaMemcpyAsync(layer->input(sc.m), src, layer->input_bytes(sc.m),
-                                      cudaMemcpyDeviceToDevice, stream.get()));
-        void* dst = m.method == "none" ? y_ref.data() : y.data();
-        if (m.method == "layer_gemm") {
-          body = [&, dst] { return layer->RunGemmOnly(sc.m, w.data(), xs, ws, dst, stream.get()); };
-        } else {
-          body = [&, dst] { return layer->Run(sc.m, w.data(), xs, ws, dst, stream.get()); };
-        }
-      }
-      TP_ASSIGN_OR_RETURN(std::vector<float> times,
-                          TimeGraph(base, stream.get(), body, f.warmup, f.rounds));
-      rec.update(Stats(times));
-      if (m.method == "none") have_ref = true;
-      if (f.check && layer && m.method != "none" && m.method != "layer_gemm" && have_ref &&
-          out_rows > 0) {
-        TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
-        rec["check_rel_diff_vs_none"] = d;
-        if (!(d <= 1e-2)) {
-          return InternalError(sc.layer + " " + m.method + " differs from mode none: rel " +
-                               std::to_string(d));
-        }
-      }
-      TP_RETURN_IF_ERROR(base.Barrier());
+      rec.update(Stats(prepared[i].times));
+      if (!checks[i].is_null()) rec["check_rel_diff_vs_none"] = checks[i];
       rank_records[r].push_back(rec);
-      layer.reset();
     }
-    return Status::Ok();
+    // Graphs before the layers and communicators they captured.
+    for (Prepared& p : prepared) p.graph = CudaGraphExec();
+    TP_RETURN_IF_ERROR(base.WaitStream(st));
+    return base.Barrier();
   });
   TP_RETURN_IF_ERROR(s);
   for (json& rec : rank_records[0]) {
-    spdlog::info("{:18} {:7} m={:5} {:10} chunks={} {:40} median {:.4f} ms",
-                 rec["layer"].get<std::string>(), rec["op"].get<std::string>(),
-                 rec["m"].get<int64_t>(), rec["method"].get<std::string>(),
-                 rec["chunks"].get<int>(), rec["config"].dump(), rec["median_ms"].get<double>());
+    spdlog::info("{:17} m={:5} {:4} {:10} {:55} median {:.4f} ms", rec["layer"].get<std::string>(),
+                 rec["m"].get<int64_t>(), rec["dtype"].get<std::string>(),
+                 rec["method"].get<std::string>(), rec["config"].dump(),
+                 rec["median_ms"].get<double>());
     records.push_back(rec);
   }
   return Status::Ok();
@@ -340,6 +366,13 @@ int Main(int argc, char** argv) {
   app.add_option("--methods", f.methods,
                  "Methods: gemm_only, comm_only, none, pipeline, ring, pipeline_ce (copy-engine "
                  "AllGather), layer_gemm (the layer's GEMM steps without communication)")
+      ->capture_default_str();
+  app.add_option("--max-ctas", f.max_ctas,
+                 "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default)")
+      ->capture_default_str();
+  app.add_option("--gemm-sms", f.gemm_sms,
+                 "GEMM SM budgets (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) to sweep for "
+                 "pipeline/ring (0 = all SMs)")
       ->capture_default_str();
   app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs, one thread each)")
       ->capture_default_str();

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Merges tpserve-bench's JSON (impl "tpserve") and torch_peer.py's JSON
+(impl "torch") of one run into one results file (benchmarks/README.md):
+
+  python3 benchmarks/merge_results.py --ours A.json --peer B.json \
+      --commit SHA --date YYYY-MM-DD --device "2x NVIDIA H200" \
+      --command "benchmarks/run_overlap_bench.sh ..." \
+      --out benchmarks/results/<date>-<what>.json
+
+meta: commit, date, device and command from the arguments (defaults: the
+inputs' own); nccl and cublaslt from ours; torch from peer. records: ours,
+then peer's. Entries of peer's "skipped" list (methods that could not run)
+are kept under "skipped" when there are any. Needs only the standard library.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+
+REQUIRED = ("impl", "layer", "op", "method", "dtype", "tp", "m", "n", "k", "chunks",
+            "config", "median_ms", "min_ms", "max_ms", "mean_ms", "stddev_ms", "iqr_ms",
+            "rounds")
+
+
+def warn(msg):
+    sys.stderr.write("merge_results: warning: %s\n" % msg)
+
+
+def load(path, impl):
+    """The input's dict; its records checked (warnings, not errors)."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError("%s: not a results file (no \"records\" list)" % path)
+    if not isinstance(data.get("meta", {}), dict):
+        raise ValueError("%s: \"meta\" is not an object" % path)
+    for i, r in enumerate(data["records"]):
+        if not isinstance(r, dict):
+            raise ValueError("%s: record %d is not an object" % (path, i))
+        missing = [k for k in REQUIRED if k not in r]
+        if missing:
+            warn("%s: record %d lacks %s" % (path, i, ", ".join(missing)))
+        if r.get("impl") not in (None, impl):
+            warn("%s: record %d has impl %r, expected %r" % (path, i, r.get("impl"), impl))
+    return data
+
+
+def merge(ours, peer, commit=None, date=None, device=None, command=None):
+    """ours / peer: loaded inputs or None. Returns the merged dict."""
+    om = (ours or {}).get("meta", {})
+    pm = (peer or {}).get("meta", {})
+    if om.get("device") and pm.get("device") and om["device"] != pm["device"]:
+        warn("devices differ: ours %r, peer %r" % (om["device"], pm["device"]))
+    if command is None:
+        parts = [m["command"] for m in (om, pm) if m.get("command")]
+        command = " && ".join(parts) if parts else None
+    meta = {
+        "commit": commit or om.get("commit") or "unknown",
+        "date": date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "device": device or om.get("device") or pm.get("device"),
+        "nccl": om.get("nccl", pm.get("nccl")),
+        "cublaslt": om.get("cublaslt"),
+        "torch": pm.get("torch"),
+        "command": command,
+    }
+    records = list((ours or {}).get("records", [])) + list((peer or {}).get("records", []))
+    out = {"meta": meta, "records": records}
+    skipped = []
+    for data, impl in ((ours, "tpserve"), (peer, "torch")):
+        for s in (data or {}).get("skipped", []) or []:
+            entry = dict(s)
+            entry.setdefault("impl", impl)
+            skipped.append(entry)
+    if skipped:
+        out["skipped"] = skipped
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description="Merge tpserve-bench and torch_peer.py JSON results of one run "
+        "into one file (schema: benchmarks/README.md).")
+    p.add_argument("--ours", help="tpserve-bench --out file (impl tpserve)")
+    p.add_argument("--peer", help="torch_peer.py --out file (impl torch)")
+    p.add_argument("--commit", help="commit measured (default: ours' meta.commit)")
+    p.add_argument("--date", help="YYYY-MM-DD (default: today, UTC)")
+    p.add_argument("--device", help='e.g. "2x NVIDIA H200" (default: the inputs\')')
+    p.add_argument("--command", help="the command of the whole run (default: the "
+                   "inputs' commands joined)")
+    p.add_argument("--out", required=True, help="merged JSON file to write")
+    args = p.parse_args(argv)
+    if not args.ours and not args.peer:
+        p.error("give --ours, --peer or both")
+    if args.date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date):
+        p.error("--date must be YYYY-MM-DD, got %r" % args.date)
+    try:
+        ours = load(args.ours, "tpserve") if args.ours else None
+        peer = load(args.peer, "torch") if args.peer else None
+    except (OSError, ValueError) as e:
+        sys.stderr.write("merge_results: %s\n" % e)
+        return 1
+    if ours is None:
+        warn("no --ours: the file holds PyTorch records only")
+    if peer is None:
+        warn("no --peer: the file holds tpserve records only")
+    out = merge(ours, peer, args.commit, args.date, args.device, args.command)
+    d = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(d, exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, args.out)
+    n_ours = len((ours or {}).get("records", []))
+    n_peer = len((peer or {}).get("records", []))
+    print("wrote %s: %d tpserve + %d torch records%s" % (
+        args.out, n_ours, n_peer,
+        ", %d skipped" % len(out["skipped"]) if "skipped" in out else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Renders a results file (benchmarks/README.md's schema: a merged file, or
+one impl's file alone) as text tables, and optionally a PNG.
+
+  python3 benchmarks/render_results.py benchmarks/results/X.json [--png X.png]
+
+Per (layer, m, dtype): one row per record (impl, method, chunks, config),
+sorted by median, with Min / Max / Mean / StdDev / Median / IQR / Rounds and
+
+  vs seq             tpserve `none` median / this median (speedup over
+                     the sequential collective + GEMM)
+  vs max(gemm,comm)  max(tpserve gemm_only, comm_only median) / this median
+                     (1.0 = perfect overlap; the floor no overlap can beat)
+
+then a summary: per (layer, m, dtype) the best tpserve method, the best
+torch method, tpserve none, and the time ratios best-tpserve / none and
+best-tpserve / best-torch (< 1: tpserve faster). Records whose correctness
+check failed (rel diff > 1e-2) are marked "!" and never chosen as best.
+
+The PNG (matplotlib, imported only for --png) has one panel per layer (a row
+per dtype): x = m (log2), y = median ms (log) of each impl+method's best
+configuration, and the max(gemm_only, comm_only) floor dashed; --relative
+plots median / floor instead (linear, floor = 1).
+"""
+
+import argparse
+import json
+import sys
+
+# tpserve diagnostics: parts of a layer, not ways to run one.
+DIAGNOSTIC = ("gemm_only", "comm_only", "layer_gemm")
+CHECK_KEYS = ("check_rel_diff_vs_none", "check_rel_diff_vs_seq")
+CHECK_TOLERANCE = 1e-2
+DTYPE_ORDER = {"fp8": 0, "bf16": 1}
+IMPL_ORDER = {"tpserve": 0, "torch": 1}
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError("%s: not a results file (no \"records\" list)" % path)
+    return data
+
+
+def check_failed(r):
+    for key in CHECK_KEYS:
+        v = r.get(key)
+        if v is not None and not (v <= CHECK_TOLERANCE):
+            return True
+    return False
+
+
+def config_summary(r):
+    """A few words for the non-default knobs of a record's config."""
+    c = r.get("config") or {}
+    words = []
+    if c.get("copy_engine"):
+        words.append("ce")
+    policy = c.get("cta_policy")
+    if policy and policy != "default":
+        words.append("cta=%s" % policy)
+    lo, hi = c.get("min_ctas") or 0, c.get("max_ctas") or 0
+    if lo and hi:
+        words.append("ctas=%s-%s" % (lo, hi))
+    elif hi:
+        words.append("maxctas=%s" % hi)
+    elif lo:
+        words.append("minctas=%s" % lo)
+    if c.get("gemm_sm_count"):
+        words.append("sm=%s" % c["gemm_sm_count"])
+    if c.get("fast_accum"):
+        words.append("fast")
+    if c.get("graph") is False:
+        words.append("eager")
+    return " ".join(words)
+
+
+def variant(r):
+    """impl+method, with the copy-engine pipeline as its own method (the
+    bench's pipeline_ce)."""
+    name = "%s %s" % (r.get("impl", "?"), r.get("method", "?"))
+    if (r.get("config") or {}).get("copy_engine"):
+        name += "_ce"
+    return name
+
+
+def row_name(r):
+    name = variant(r)
+    method = r.get("method", "")
+    if r.get("chunks", 1) != 1 or method in ("pipeline", "ring", "torch_chunked"):
+        name += " c=%s" % r.get("chunks")
+    extra = config_summary(r)
+    # "ce" is already in the variant name.
+    extra = " ".join(w for w in extra.split() if w != "ce")
+    if extra:
+        name += " [%s]" % extra
+    if check_failed(r):
+        name += " !"
+    return name
+
+
+def group_key(r):
+    return (r.get("layer", "?"), r.get("m", 0), r.get("dtype", "?"), r.get("tp", 0))
+
+
+def groups(records):
+    """{key: [records]} in display order: layers in order of first
+    appearance, then m, dtype (fp8 first), tp."""
+    layer_order = {}
+    out = {}
+    for r in records:
+        layer_order.setdefault(r.get("layer", "?"), len(layer_order))
+        out.setdefault(group_key(r), []).append(r)
+
+    def order(k):
+        return (layer_order[k[0]], k[1], DTYPE_ORDER.get(k[2], 9), str(k[2]), k[3])
+
+    return {k: out[k] for k in sorted(out, key=order)}
+
+
+def median_of(recs, impl, method):
+    vals = [r["median_ms"] for r in recs
+            if r.get("impl") == impl and r.get("method") == method and "median_ms" in r]
+    return min(vals) if vals else None
+
+
+def references(recs, fallback=False):
+    """(none median, floor = max(gemm_only, comm_only) median) of tpserve.
+    fallback: without a tpserve none, torch_seq's median stands in."""
+    none = median_of(recs, "tpserve", "none")
+    if none is None and fallback:
+        none = median_of(recs, "torch", "torch_seq")
+    gemm = median_of(recs, "tpserve", "gemm_only")
+    comm = median_of(recs, "tpserve", "comm_only")
+    floor = max(gemm, comm) if gemm is not None and comm is not None else None
+    return none, floor
+
+
+def best(recs, impl):
+    cands = [r for r in recs if r.get("impl") == impl and r.get("method") not in DIAGNOSTIC
+             and "median_ms" in r and not check_failed(r)]
+    return min(cands, key=lambda r: r["median_ms"]) if cands else None
+
+
+def fmt(v, digits=4):
+    return "-" if v is None else "%.*f" % (digits, v)
+
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def table(headers, rows, align):
+    """Plain-text table; align: one of 'l'/'r' per column."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                         for c, w, a in zip(cells, widths, align)).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)
+
+
+def render_group(key, recs):
+    layer, m, dtype, tp = key
+    first = recs[0]
+    none, floor = references(recs, fallback=True)
+    title = "%s  %s  m=%s n=%s k=%s  %s  tp=%s" % (
+        layer, first.get("op", "?"), m, first.get("n", "?"), first.get("k", "?"), dtype, tp)
+    if median_of(recs, "tpserve", "none") is None and none is not None:
+        title += "  (no tpserve none: vs seq = vs torch_seq)"
+    rows = []
+    for r in sorted(recs, key=lambda r: (r.get("median_ms", float("inf")),
+                                         IMPL_ORDER.get(r.get("impl"), 9))):
+        med = r.get("median_ms")
+        rows.append([
+            row_name(r), fmt(r.get("min_ms")), fmt(r.get("max_ms")), fmt(r.get("mean_ms")),
+            fmt(r.get("stddev_ms")), fmt(med), fmt(r.get("iqr_ms")), str(r.get("rounds", "-")),
+            fmt(ratio(none, med), 2), fmt(ratio(floor, med), 2)])
+    headers = ["Name (time in ms)", "Min", "Max", "Mean", "StdDev", "Median", "IQR", "Rounds",
+               "vs seq", "vs max(gemm,comm)"]
+    body = table(headers, rows, "l" + "r" * 9)
+    bar = "-" * max(len(title) + 8, 40)
+    return "%s\n--- %s ---\n%s\n%s" % (bar, title, bar, body)
+
+
+def summary_rows(grouped):
+    rows = []
+    for key, recs in grouped.items():
+        layer, m, dtype, tp = key
+        none, floor = references(recs)
+        bt, bp = best(recs, "tpserve"), best(recs, "torch")
+        bt_med = bt["median_ms"] if bt else None
+        bp_med = bp["median_ms"] if bp else None
+        rows.append([
+            layer, str(m), dtype,
+            row_name(bt) if bt else "-", fmt(bt_med),
+            row_name(bp) if bp else "-", fmt(bp_med),
+            fmt(none), fmt(floor),
+            fmt(ratio(bt_med, none), 3), fmt(ratio(bt_med, bp_med), 3)])
+    return rows
+
+
+def render_text(data):
+    records = data["records"]
+    grouped = groups(records)
+    parts = []
+    meta = data.get("meta") or {}
+    if meta:
+        head = "meta: " + ", ".join("%s=%s" % (k, meta[k]) for k in meta if k != "command")
+        if meta.get("command"):
+            head += "\ncommand: %s" % meta["command"]
+        parts.append(head)
+    for key, recs in grouped.items():
+        parts.append(render_group(key, recs))
+    if any(check_failed(r) for r in records):
+        parts.append("! = output differs from the reference by more than %g (relative "
+                     "Frobenius norm): not a valid run of the layer, never chosen as best"
+                     % CHECK_TOLERANCE)
+    headers = ["layer", "m", "dtype", "best tpserve", "median", "best torch", "median",
+               "tpserve none", "max(gemm,comm)", "best/none", "best/torch"]
+    parts.append("=== summary (medians in ms; ratios are times: < 1 means best tpserve is "
+                 "faster) ===\n" + table(headers, summary_rows(grouped),
+                                          "llllrlrrrrr"))
+    skipped = data.get("skipped") or []
+    if skipped:
+        lines = ["=== skipped (%d) ===" % len(skipped)]
+        for s in skipped:
+            lines.append("%s %s m=%s %s %s chunks=%s: %s" % (
+                s.get("impl", "?"), s.get("layer", "?"), s.get("m", "?"), s.get("dtype", "?"),
+                s.get("method", "?"), s.get("chunks", "?"), s.get("reason", "")))
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def plot_series(records):
+    """{dtype: {layer: {"lines": {variant: {m: best median}}, "floor": {m: v}}}}
+    with layers in order of first appearance."""
+    out = {}
+    for key, recs in groups(records).items():
+        layer, m, dtype, _ = key
+        panel = out.setdefault(dtype, {}).setdefault(layer, {"lines": {}, "floor": {}})
+        _, floor = references(recs)
+        if floor is not None:
+            panel["floor"][m] = floor
+        for r in recs:
+            if r.get("method") in DIAGNOSTIC or "median_ms" not in r or check_failed(r):
+                continue
+            line = panel["lines"].setdefault(variant(r), {})
+            line[m] = min(line.get(m, float("inf")), r["median_ms"])
+    return out
+
+
+def render_png(data, path, relative=False):
+    """relative: y = median / max(gemm_only, comm_only) (the floor at 1.0),
+    linear, instead of the median in ms on a log axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    series = plot_series(data["records"])
+    if not series:
+        raise ValueError("no records to plot")
+    dtypes = sorted(series, key=lambda d: (DTYPE_ORDER.get(d, 9), d))
+    layers = []
+    for d in dtypes:
+        for layer in series[d]:
+            if layer not in layers:
+                layers.append(layer)
+    variants = sorted({v for d in dtypes for p in series[d].values() for v in p["lines"]},
+                      key=lambda v: (IMPL_ORDER.get(v.split()[0], 9), v))
+    cmap = plt.get_cmap("tab10" if len(variants) <= 10 else "tab20")
+    colors = {v: cmap(i % cmap.N) for i, v in enumerate(variants)}
+    nrows, ncols = len(dtypes), len(layers)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.8 * nrows), squeeze=False)
+    handles = {}
+    for i, d in enumerate(dtypes):
+        for j, layer in enumerate(layers):
+            ax = axes[i][j]
+            panel = series[d].get(layer)
+            ax.set_title("%s  %s" % (layer, d), fontsize=10)
+            if panel is None:
+                ax.set_axis_off()
+                continue
+            ms = set(panel["floor"])
+            for v in variants:
+                pts = panel["lines"].get(v)
+                if relative and pts:
+                    pts = {x: y / panel["floor"][x] for x, y in pts.items()
+                           if panel["floor"].get(x)}
+                if not pts:
+                    continue
+                xs = sorted(pts)
+                ms.update(xs)
+                torch_line = v.startswith("torch ")
+                (h,) = ax.plot(xs, [pts[x] for x in xs], color=colors[v],
+                               linestyle=":" if torch_line else "-",
+                               marker="s" if torch_line else "o", markersize=4, linewidth=1.4)
+                handles.setdefault(v, h)
+            if panel["floor"]:
+                xs = sorted(panel["floor"])
+                ys = [1.0 if relative else panel["floor"][x] for x in xs]
+                (h,) = ax.plot(xs, ys, color="black", linestyle="--", linewidth=1.2)
+                handles.setdefault("max(gemm_only, comm_only)", h)
+            ax.set_xscale("log", base=2)
+            if not relative:
+                ax.set_yscale("log")
+                ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+                ax.yaxis.set_minor_formatter(NullFormatter())
+            if ms:
+                ticks = sorted(ms)
+                ax.set_xticks(ticks)
+                ax.set_xticklabels([str(t) for t in ticks], fontsize=8)
+                ax.minorticks_off()
+            ax.set_xlabel("m (tokens)", fontsize=9)
+            if j == 0:
+                ax.set_ylabel("median / max(gemm, comm)" if relative else "median ms",
+                              fontsize=9)
+            ax.grid(True, which="major", alpha=0.3)
+    meta = data.get("meta") or {}
+    fig.suptitle("TP linear layers: %s per impl+method's best config (%s%s)" % (
+        "median / max(gemm_only, comm_only)" if relative else "median time",
+        meta.get("device") or "?", (", " + str(meta.get("commit"))[:10])
+        if meta.get("commit") else ""), fontsize=11)
+    names = list(handles)
+    fig.legend([handles[n] for n in names], names, loc="lower center",
+               ncol=min(len(names), 5), fontsize=8, frameon=False)
+    rows_of_legend = (len(names) + 4) // 5
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * rows_of_legend, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description="Render a benchmarks/results JSON file as tables (and a PNG).")
+    p.add_argument("file", help="results JSON (merged, or one impl's)")
+    p.add_argument("--png", help="also draw the medians into this PNG (needs matplotlib)")
+    p.add_argument("--relative", action="store_true",
+                   help="PNG: plot median / max(gemm_only, comm_only) instead of ms")
+    args = p.parse_args(argv)
+    try:
+        data = load(args.file)
+    except (OSError, ValueError) as e:
+        sys.stderr.write("render_results: %s\n" % e)
+        return 1
+    sys.stdout.write(render_text(data))
+    if args.png:
+        try:
+            render_png(data, args.png, relative=args.relative)
+        except ImportError as e:
+            sys.stderr.write("render_results: no PNG (matplotlib missing: %s)\n" % e)
+            return 1
+        print("wrote %s" % args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
