@@ -160,7 +160,8 @@ TEST_F(GpuLinearTest, GemmReduceScatterBf16MatchesCpuReferenceInEveryMode) {
 
 // Graph replay must reproduce eager execution bit for bit, 100 times, and
 // allocate nothing on the device while replaying.
-void CheckGraphReplay(NcclThreadGroup& group, OverlapOp op, OverlapMode mode, int chunks) {
+void CheckGraphReplay(NcclThreadGroup& group, OverlapOp op, OverlapMode mode, int chunks,
+                      bool copy_engine = false) {
   const bool ag = op == OverlapOp::kAllGatherGemm;
   const int64_t m = 4099, n = ag ? 256 * kTp : 256, k = ag ? 512 : 256 * kTp;
   auto p = MakeRandomLinearProblem(op, DataType::kFloat8E4M3, kTp, m, n, k, 99);
@@ -168,6 +169,10 @@ void CheckGraphReplay(NcclThreadGroup& group, OverlapOp op, OverlapMode mode, in
   LinearKnobs knobs;
   knobs.mode = mode;
   knobs.chunks = chunks;
+  if (copy_engine) {
+    knobs.copy_engine = true;
+    knobs.comm.cta_policy = NcclCommConfig::CtaPolicy::kZero;
+  }
   Status s = group.Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(*p, r));
     CudaLinearShape shape{p->op, p->dtype, p->m, p->n_local(), p->k_local()};
@@ -214,6 +219,10 @@ void CheckGraphReplay(NcclThreadGroup& group, OverlapOp op, OverlapMode mode, in
 
 TEST_F(GpuLinearTest, AllGatherGemmPipelineGraphReplayIsBitIdenticalAndAllocationFree) {
   CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kPipeline, 4);
+}
+TEST_F(GpuLinearTest, AllGatherGemmCopyEngineGraphReplayIsBitIdenticalAndAllocationFree) {
+  CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kPipeline, 4,
+                   /*copy_engine=*/true);
 }
 TEST_F(GpuLinearTest, AllGatherGemmRingGraphReplayIsBitIdenticalAndAllocationFree) {
   CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kRing, 2);
