@@ -581,14 +581,13 @@ Status CaptureAndReplayAllGather(NcclCommunicator& comm, void* send, void* recv,
   return Status::Ok();
 }
 
-// DISABLED: on the 2xH200 host (2026-11-29, runs 3 and 5 of benchmarks/results/
-// 2026-11-29-gpu-tests.md) one rank fails right after the CTA-policy-zero
-// split, with no message before the other rank's 60 s deadline, and the
-// process then hangs in teardown. The same path inside the layers (copy-engine
-// AllGather on symmetric windows) passes in GpuLinearTest, eagerly against the
-// CPU reference and captured and replayed 100 times, and in tpserve-bench's
-// replay checks; this test needs a
-// debugging run of its own (NCCL_DEBUG=INFO) before it is enabled again.
+// DISABLED: in two runs on the 2xH200 host (2026-11-29) one rank failed
+// right after the CTA-policy-zero split, without a message before the other
+// rank's 60 s deadline, and the process then hung in teardown. The same path
+// inside the layers (copy-engine AllGather on symmetric windows) passes in
+// GpuLinearTest, eagerly against the CPU reference and captured and replayed
+// 100 times, and in tpserve-bench's replay checks. This test needs a debugging
+// run of its own (NCCL_DEBUG=INFO) before it is enabled again.
 TEST_F(GpuNcclTest, DISABLED_AllGatherInCapturedGraph) {
   const size_t count = 1002 * 37;
   const size_t bytes = count * sizeof(float);
