@@ -108,38 +108,59 @@ StatusOr<std::vector<std::vector<BFloat16>>> RunCpuLinearGroup(const LinearProbl
   return y;
 }
 
+namespace {
+
+// Adds rank r's output to `err` and to the Frobenius sums.
+Status AccumulateRank(const LinearProblem& p, int r, const std::vector<BFloat16>& out,
+                      LinearError& err, double& num, double& den) {
+  if (r < 0 || r >= p.tp) {
+    return InvalidArgumentError("compare: rank " + std::to_string(r) +
+                                " outside tp=" + std::to_string(p.tp));
+  }
+  if (static_cast<int64_t>(out.size()) != p.OutputElements(r)) {
+    return InvalidArgumentError("compare: rank " + std::to_string(r) + " output has " +
+                                std::to_string(out.size()) + " elements, expected " +
+                                std::to_string(p.OutputElements(r)));
+  }
+  const int64_t nl = p.n_local();
+  const RowRange shard = ShardRows(p.m, p.tp, r);
+  for (size_t idx = 0; idx < out.size(); ++idx) {
+    const int64_t i = static_cast<int64_t>(idx) / nl, j = static_cast<int64_t>(idx) % nl;
+    const int64_t global =
+        p.op == OverlapOp::kAllGatherGemm ? i * p.n + r * nl + j : (shard.begin + i) * p.n + j;
+    const BFloat16 got = out[idx], want = p.reference[global];
+    if (got.bits == kPoisonBf16) ++err.unwritten;
+    if (got.bits != want.bits) ++err.differing;
+    const double g = BFloat16ToFloat(got), w = BFloat16ToFloat(want);
+    const double d = std::isnan(g) ? INFINITY : std::fabs(g - w);
+    err.max_abs = std::max(err.max_abs, d);
+    num += d * d;
+    den += w * w;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<LinearError> CompareWithReference(const LinearProblem& p,
                                            const std::vector<std::vector<BFloat16>>& outputs) {
   if (static_cast<int>(outputs.size()) != p.tp) {
     return InvalidArgumentError("compare: " + std::to_string(outputs.size()) +
                                 " outputs for tp=" + std::to_string(p.tp));
   }
-  for (int r = 0; r < p.tp; ++r) {
-    if (static_cast<int64_t>(outputs[r].size()) != p.OutputElements(r)) {
-      return InvalidArgumentError("compare: rank " + std::to_string(r) + " output has " +
-                                  std::to_string(outputs[r].size()) + " elements, expected " +
-                                  std::to_string(p.OutputElements(r)));
-    }
-  }
   LinearError err;
   double num = 0, den = 0;
-  const int64_t nl = p.n_local();
-  for (int r = 0; r < p.tp; ++r) {
-    const RowRange shard = ShardRows(p.m, p.tp, r);
-    for (size_t idx = 0; idx < outputs[r].size(); ++idx) {
-      const int64_t i = static_cast<int64_t>(idx) / nl, j = static_cast<int64_t>(idx) % nl;
-      const int64_t global =
-          p.op == OverlapOp::kAllGatherGemm ? i * p.n + r * nl + j : (shard.begin + i) * p.n + j;
-      const BFloat16 got = outputs[r][idx], want = p.reference[global];
-      if (got.bits == kPoisonBf16) ++err.unwritten;
-      if (got.bits != want.bits) ++err.differing;
-      const double g = BFloat16ToFloat(got), w = BFloat16ToFloat(want);
-      const double d = std::isnan(g) ? INFINITY : std::fabs(g - w);
-      err.max_abs = std::max(err.max_abs, d);
-      num += d * d;
-      den += w * w;
-    }
-  }
+  for (int r = 0; r < p.tp; ++r)
+    TP_RETURN_IF_ERROR(AccumulateRank(p, r, outputs[r], err, num, den));
+  err.rel_frobenius = std::sqrt(num / std::max(den, 1e-30));
+  return err;
+}
+
+StatusOr<LinearError> CompareRankWithReference(const LinearProblem& p, int rank,
+                                               const std::vector<BFloat16>& output) {
+  LinearError err;
+  double num = 0, den = 0;
+  TP_RETURN_IF_ERROR(AccumulateRank(p, rank, output, err, num, den));
   err.rel_frobenius = std::sqrt(num / std::max(den, 1e-30));
   return err;
 }

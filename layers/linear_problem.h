@@ -58,4 +58,9 @@ struct LinearError {
 StatusOr<LinearError> CompareWithReference(const LinearProblem& p,
                                            const std::vector<std::vector<BFloat16>>& outputs);
 
+// Compares one rank's output with its part of the reference (what a process
+// that holds only its own output can check).
+StatusOr<LinearError> CompareRankWithReference(const LinearProblem& p, int rank,
+                                               const std::vector<BFloat16>& output);
+
 }  // namespace tpserve

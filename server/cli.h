@@ -4,10 +4,12 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <string>
+#include <vector>
 
 namespace tpserve {
 
 void AddPlanCommand(CLI::App& app, int* exit_code);
-void AddLayerCommand(CLI::App& app, int* exit_code);
+void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::string>& argv);
 
 }  // namespace tpserve

@@ -9,32 +9,20 @@
 
 #include "layers/linear_problem.h"
 #include "server/cli.h"
+#include "server/cli_layer.h"
 
 namespace tpserve {
 namespace {
 
-struct LayerFlags {
-  std::string backend = "cpu";
-  std::string op = "ag_gemm";
-  std::string mode = "pipeline";
-  std::string dtype = "fp8";
-  int tp = 2;
-  int64_t m = 1002;
-  int64_t n = 256;
-  int64_t k = 256;
-  int chunks = 4;
-  uint32_t seed = 1;
-  int iters = 3;
-  double tolerance = 1e-2;
-};
-
-int RunLayer(const LayerFlags& f) {
-  if (f.backend != "cpu") {
-    std::fprintf(stderr,
-                 "error: --backend %s: only the cpu backend runs layers in this build "
-                 "(the CUDA executor is issue 3)\n",
-                 f.backend.c_str());
+int RunLayer(const LayerFlags& f, const std::vector<std::string>& argv) {
+  if (f.backend == "cuda") {
+#if TPSERVE_WITH_CUDA
+    return RunLayerCuda(f, argv);
+#else
+    (void)argv;
+    std::fprintf(stderr, "error: --backend cuda: this build has no CUDA backend\n");
     return 2;
+#endif
   }
   auto op = ParseOverlapOp(f.op);
   auto mode = ParseOverlapMode(f.mode);
@@ -82,13 +70,15 @@ int RunLayer(const LayerFlags& f) {
 
 }  // namespace
 
-void AddLayerCommand(CLI::App& app, int* exit_code) {
+void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::string>& argv) {
   auto f = std::make_shared<LayerFlags>();
   CLI::App* cmd = app.add_subcommand(
       "layer",
       "Run one TP linear layer (AllGather+GEMM or GEMM+ReduceScatter) on random data, check it "
       "against the unsharded reference GEMM and print the timing");
-  cmd->add_option("--backend", f->backend, "Executor: cpu (ranks are threads, FP8 emulated)")
+  cmd->add_option("--backend", f->backend,
+                  "Executor: cpu (ranks are threads, FP8 emulated) or cuda (one process per GPU: "
+                  "this process is rank 0 and starts the others)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--op", f->op, "ag_gemm (column-parallel) or gemm_rs (row-parallel)")
@@ -116,13 +106,29 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_option("--seed", f->seed, "Random seed of the operands")->capture_default_str();
-  cmd->add_option("--iters", f->iters, "Timed iterations (the best is reported)")
+  cmd->add_option("--iters", f->iters,
+                  "Timed iterations (cpu: the best is reported; cuda: the median graph replay)")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
   cmd->add_option("--tolerance", f->tolerance,
                   "Largest relative Frobenius error vs the reference that passes")
       ->capture_default_str();
-  cmd->callback([f, exit_code] { *exit_code = RunLayer(*f); });
+  cmd->add_option("--max-ctas", f->max_ctas,
+                  "cuda: NCCL max CTAs of the layer's communicator (0 = NCCL's default)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  cmd->add_option("--cta-policy", f->cta_policy,
+                  "cuda: NCCL CTA policy: default, efficiency, zero (zero + --copy-engine: "
+                  "AllGather on copy engines)")
+      ->check(CLI::IsMember({"default", "efficiency", "zero"}))
+      ->capture_default_str();
+  cmd->add_flag("--copy-engine", f->copy_engine,
+                "cuda: gather buffers in NCCL symmetric windows (ag_gemm, none/pipeline; needs "
+                "--cta-policy zero)");
+  cmd->add_option("--gemm-sms", f->gemm_sm_count, "cuda: GEMM SM budget (0 = all SMs)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->callback([f, exit_code, argv] { *exit_code = RunLayer(*f, argv); });
 }
 
 }  // namespace tpserve

@@ -12,7 +12,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int exit_code = 0;
   tpserve::AddPlanCommand(app, &exit_code);
-  tpserve::AddLayerCommand(app, &exit_code);
+  tpserve::AddLayerCommand(app, &exit_code, std::vector<std::string>(argv, argv + argc));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

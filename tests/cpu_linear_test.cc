@@ -70,6 +70,29 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<2>(param_info.param) == DataType::kBFloat16 ? "bf16" : "fp8");
     });
 
+TEST(CpuLinear, PerRankComparisonAddsUpToTheGroupComparison) {
+  auto p =
+      MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, DataType::kBFloat16, 3, 37, 32, 48, 5);
+  ASSERT_TRUE(p.ok());
+  auto y = RunCpuLinearGroup(*p, OverlapMode::kRing, 2);
+  ASSERT_TRUE(y.ok());
+  (*y)[1][3].bits = kPoisonBf16;  // one unwritten element on rank 1
+  auto all = CompareWithReference(*p, *y);
+  ASSERT_TRUE(all.ok());
+  int64_t unwritten = 0, differing = 0;
+  for (int r = 0; r < 3; ++r) {
+    auto one = CompareRankWithReference(*p, r, (*y)[r]);
+    ASSERT_TRUE(one.ok());
+    unwritten += one->unwritten;
+    differing += one->differing;
+  }
+  EXPECT_EQ(all->unwritten, 1);
+  EXPECT_EQ(unwritten, all->unwritten);
+  EXPECT_EQ(differing, all->differing);
+  EXPECT_FALSE(CompareRankWithReference(*p, 3, (*y)[0]).ok());
+  EXPECT_FALSE(CompareRankWithReference(*p, 0, (*y)[1]).ok());  // wrong size for rank 0
+}
+
 TEST(CpuLinear, Fp8ScalesMultiplyTheProduct) {
   // x = 2 (code of 2.0) with scale 0.5 -> 1; w = 3 with scale 2 -> 6; k = 16.
   const int64_t m = 1, n = 1, k = 16;

@@ -1,0 +1,194 @@
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/nccl_bootstrap.h"
+#include "comm/nccl_communicator.h"
+#include "layers/cuda_linear.h"
+#include "layers/linear_problem.h"
+#include "layers/quantize_kernels.h"
+#include "server/cli_layer.h"
+
+namespace tpserve {
+namespace {
+
+struct RankResult {
+  LinearError err;
+  float median_ms = 0;
+};
+
+// One rank's whole run: communicator, layer, check, timed graph replays.
+StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncclUniqueId& id) {
+  SetCurrentRank(who.rank);
+  TP_ASSIGN_OR_RETURN(OverlapOp op, ParseOverlapOp(f.op));
+  TP_ASSIGN_OR_RETURN(OverlapMode mode, ParseOverlapMode(f.mode));
+  LinearKnobs knobs;
+  knobs.mode = mode;
+  knobs.chunks = f.chunks;
+  knobs.comm.max_ctas = f.max_ctas;
+  TP_ASSIGN_OR_RETURN(knobs.comm.cta_policy, ParseCtaPolicy(f.cta_policy));
+  knobs.copy_engine = f.copy_engine;
+  knobs.gemm_sm_count = f.gemm_sm_count;
+  const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+
+  spdlog::info("rank {}/{}: preparing operands and the CPU reference", who.rank, f.tp);
+  TP_ASSIGN_OR_RETURN(LinearProblem p,
+                      MakeRandomLinearProblem(op, dtype, f.tp, f.m, f.n, f.k, f.seed));
+  TP_ASSIGN_OR_RETURN(auto base,
+                      NcclCommunicator::Create(id, f.tp, who.rank, who.local_rank, NcclCommConfig{},
+                                               std::chrono::seconds(120)));
+  NcclCommPool pool(std::move(base));
+  TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  cudaStream_t st = stream.get();
+  const int r = who.rank;
+  CudaLinearShape shape{op, dtype, f.m, p.n_local(), p.k_local()};
+  TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("cli.layer", shape, knobs, pool));
+  TP_RETURN_IF_ERROR(layer->Prepare(f.m));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(p.w_local[r].size(), "cli.w"));
+  TP_CUDA_CHECK(
+      cudaMemcpy(w.data(), p.w_local[r].data(), p.w_local[r].size(), cudaMemcpyHostToDevice));
+  // The two scales 16 bytes apart: cuBLASLt wants them 16-byte aligned.
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(8 * sizeof(float), "scales"));
+  const float sc[8] = {p.x_scale, 0, 0, 0, p.w_scale, 0, 0, 0};
+  TP_CUDA_CHECK(cudaMemcpy(scales.data(), sc, sizeof sc, cudaMemcpyHostToDevice));
+  TP_CUDA_CHECK(cudaMemcpy(layer->input(f.m), p.x_local[r].data(), p.x_local[r].size(),
+                           cudaMemcpyHostToDevice));
+  const int64_t out = layer->output_elements(f.m);
+  TP_ASSIGN_OR_RETURN(DeviceBuffer y, DeviceBuffer::Allocate(std::max<int64_t>(out, 1) * 2, "y"));
+  TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st));
+  auto run = [&] {
+    return layer->Run(f.m, w.data(), scales.as<float>(), scales.as<float>() + 4, y.data(), st);
+  };
+  TP_RETURN_IF_ERROR(run());
+  NcclCommunicator& comm = pool.base();
+  TP_RETURN_IF_ERROR(comm.WaitStream(st));
+  std::vector<BFloat16> host(out);
+  TP_CUDA_CHECK(cudaMemcpy(host.data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
+  RankResult res;
+  TP_ASSIGN_OR_RETURN(res.err, CompareRankWithReference(p, r, host));
+
+  TP_ASSIGN_OR_RETURN(CudaGraphExec graph,
+                      CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, run));
+  std::vector<float> times;
+  TP_ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(true));
+  TP_ASSIGN_OR_RETURN(CudaEvent stop, CudaEvent::Create(true));
+  for (int i = 0; i < f.iters; ++i) {
+    TP_RETURN_IF_ERROR(start.Record(st));
+    TP_RETURN_IF_ERROR(graph.Launch(st));
+    TP_RETURN_IF_ERROR(stop.Record(st));
+    TP_RETURN_IF_ERROR(comm.WaitStream(st));
+    TP_ASSIGN_OR_RETURN(float ms, CudaEvent::ElapsedMs(start, stop));
+    times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  res.median_ms = times[times.size() / 2];
+  graph = CudaGraphExec();  // graphs before the layer and its communicators
+  TP_RETURN_IF_ERROR(comm.Barrier());
+  return res;
+}
+
+// Waits for the workers (at most `timeout`), then kills what is left.
+bool ReapWorkers(const std::vector<pid_t>& pids, std::chrono::seconds timeout) {
+  bool ok = true;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<bool> done(pids.size(), false);
+  size_t left = pids.size();
+  while (left > 0 && std::chrono::steady_clock::now() < deadline) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (done[i]) continue;
+      int status = 0;
+      if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        done[i] = true;
+        --left;
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+          spdlog::error("rank {} (pid {}) ended with status {}", i + 1, pids[i], status);
+          ok = false;
+        }
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (size_t i = 0; i < pids.size(); ++i) {
+    if (done[i]) continue;
+    spdlog::error("rank {} (pid {}) did not finish in time; killing it", i + 1, pids[i]);
+    kill(pids[i], SIGKILL);
+    waitpid(pids[i], nullptr, 0);
+    ok = false;
+  }
+  return ok;
+}
+
+}  // namespace
+
+int RunLayerCuda(const LayerFlags& f, const std::vector<std::string>& argv) {
+  RankInfo who;
+  ncclUniqueId id{};
+  std::vector<pid_t> workers;
+  auto env_rank = RankInfoFromEnv();
+  if (env_rank.ok()) {
+    who = *env_rank;
+    if (who.world_size != f.tp) {
+      spdlog::error("rank {}: the launcher says {} ranks but --tp is {}", who.rank, who.world_size,
+                    f.tp);
+      return 2;
+    }
+    auto env_id = UniqueIdFromEnv();
+    if (!env_id.ok()) {
+      spdlog::error("rank {}: {}", who.rank, env_id.status().ToString());
+      return 2;
+    }
+    id = *env_id;
+  } else if (env_rank.status().code() == StatusCode::kNotFound) {
+    // The leader: rank 0, starts the other ranks on this node.
+    who.rank = 0;
+    who.world_size = f.tp;
+    who.local_rank = 0;
+    if (ncclGetUniqueId(&id) != ncclSuccess) {
+      spdlog::error("ncclGetUniqueId failed");
+      return 1;
+    }
+    std::vector<std::string> child_argv = argv;
+    child_argv[0] = "/proc/self/exe";
+    auto pids = SpawnLocalWorkers(child_argv, f.tp, id);
+    if (!pids.ok()) {
+      spdlog::error("{}", pids.status().ToString());
+      return 1;
+    }
+    workers = *pids;
+    spdlog::info("rank 0 started {} worker process(es)", workers.size());
+  } else {
+    spdlog::error("{}", env_rank.status().ToString());
+    return 2;
+  }
+
+  auto res = RunRank(f, who, id);
+  bool pass = res.ok() && res->err.unwritten == 0 && res->err.rel_frobenius <= f.tolerance;
+  if (!res.ok()) {
+    spdlog::error("rank {}: {}", who.rank, res.status().ToString());
+  } else {
+    std::printf(
+        "rank %d/%d %s %s %s m=%lld n=%lld k=%lld chunks=%d backend=cuda: graph replay median "
+        "%.4f ms over %d; vs CPU reference: rel_frobenius=%.3g max_abs=%.3g unwritten=%lld -> "
+        "%s (tolerance %.g)\n",
+        who.rank, f.tp, f.op.c_str(), f.mode.c_str(), f.dtype.c_str(), static_cast<long long>(f.m),
+        static_cast<long long>(f.n), static_cast<long long>(f.k), f.chunks, res->median_ms, f.iters,
+        res->err.rel_frobenius, res->err.max_abs, static_cast<long long>(res->err.unwritten),
+        pass ? "PASS" : "FAIL", f.tolerance);
+    std::fflush(stdout);
+  }
+  if (!res.ok()) {
+    // The workers would wait for this rank until their NCCL deadline.
+    for (pid_t pid : workers) kill(pid, SIGTERM);
+  }
+  if (!workers.empty() && !ReapWorkers(workers, std::chrono::seconds(180))) pass = false;
+  return pass ? 0 : 1;
+}
+
+}  // namespace tpserve
