@@ -1,0 +1,223 @@
+#include "layers/overlap_config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace tpserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kExample[] = R"(version: 1
+tp: 2
+defaults:
+  mode: pipeline
+  chunks: 2
+layers:
+  - match: "layers.*.mlp.down"
+    comm: {max_ctas: 8}
+    m_ranges:
+      - {m_min: 1, m_max: 1024, mode: none}
+      - {m_min: 1025, m_max: 8192, mode: ring, chunks: 4}
+      - {m_min: 8193, mode: ring, chunks: 8, gemm_sm_count: 120}
+  - match: "layers.?.self_attn.o_proj"
+    mode: auto
+  - match: "layers.*.mlp.gate_up"
+    mode: pipeline
+    chunks: 2
+    copy_engine: true
+    comm: {cta_policy: zero}
+tuned:
+  - {op: gemm_rs, n: 8192, k: 8192, m: 2048, mode: pipeline, chunks: 4, median_ms: 0.2, none_ms: 0.21}
+  - {op: gemm_rs, n: 8192, k: 8192, m: 8192, mode: ring, chunks: 2, median_ms: 0.6, none_ms: 0.7}
+)";
+
+OverlapConfig MustParse(const std::string& text) {
+  auto cfg = OverlapConfig::Parse(text, "test.yaml");
+  EXPECT_TRUE(cfg.ok()) << cfg.status().ToString();
+  return cfg.ok() ? *cfg : OverlapConfig();
+}
+
+Status ParseError(const std::string& text) {
+  return OverlapConfig::Parse(text, "bad.yaml").status();
+}
+
+TEST(GlobMatch, StarsAndQuestionMarks) {
+  EXPECT_TRUE(GlobMatch("layers.*.mlp.down", "layers.3.mlp.down"));
+  EXPECT_TRUE(GlobMatch("layers.*.mlp.down", "layers.71.mlp.down"));
+  EXPECT_TRUE(GlobMatch("*", ""));
+  EXPECT_TRUE(GlobMatch("layers.?.x", "layers.3.x"));
+  EXPECT_FALSE(GlobMatch("layers.?.x", "layers.13.x"));
+  EXPECT_FALSE(GlobMatch("layers.*.mlp.down", "layers.3.mlp.gate_up"));
+  EXPECT_TRUE(GlobMatch("*down", "layers.3.mlp.down"));
+  EXPECT_FALSE(GlobMatch("down", "layers.3.mlp.down"));
+}
+
+TEST(OverlapConfig, EmptyConfigGivesModeNone) {
+  OverlapConfig cfg;
+  auto k = cfg.Resolve("layers.0.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 28672, 4096, 2);
+  ASSERT_TRUE(k.ok());
+  EXPECT_EQ(k->mode, OverlapMode::kNone);
+}
+
+TEST(OverlapConfig, ResolvesRulesByNameAndMRangeWithInheritance) {
+  const OverlapConfig cfg = MustParse(kExample);
+  const auto down = [&](int64_t m) {
+    return *cfg.Resolve("layers.3.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 28672, m, 2);
+  };
+  EXPECT_EQ(down(512).mode, OverlapMode::kNone);
+  EXPECT_EQ(down(512).chunks, 1);  // mode none: chunks do not apply
+  EXPECT_EQ(down(1024).mode, OverlapMode::kNone);
+  EXPECT_EQ(down(1025).mode, OverlapMode::kRing);
+  EXPECT_EQ(down(1025).chunks, 4);
+  EXPECT_EQ(down(1025).comm.max_ctas, 8);  // inherited from the rule
+  EXPECT_EQ(down(100000).chunks, 8);
+  EXPECT_EQ(down(100000).gemm_sm_count, 120);
+  // No rule: the defaults.
+  auto qkv =
+      cfg.Resolve("layers.3.self_attn.qkv_proj", OverlapOp::kAllGatherGemm, 10240, 8192, 4096, 2);
+  ASSERT_TRUE(qkv.ok());
+  EXPECT_EQ(qkv->mode, OverlapMode::kPipeline);
+  EXPECT_EQ(qkv->chunks, 2);
+  auto gate = cfg.Resolve("layers.0.mlp.gate_up", OverlapOp::kAllGatherGemm, 57344, 8192, 64, 2);
+  ASSERT_TRUE(gate.ok());
+  EXPECT_TRUE(gate->copy_engine);
+  EXPECT_EQ(gate->comm.cta_policy, NcclCommConfig::CtaPolicy::kZero);
+}
+
+TEST(OverlapConfig, AutoUsesTheTunedTableAndFallsBackToNone) {
+  const OverlapConfig cfg = MustParse(kExample);
+  auto o = [&](int64_t m, int64_t n = 8192) {
+    return *cfg.Resolve("layers.3.self_attn.o_proj", OverlapOp::kGemmReduceScatter, n, 8192, m, 2);
+  };
+  EXPECT_EQ(o(512).mode, OverlapMode::kPipeline);  // below every entry: the smallest
+  EXPECT_EQ(o(2048).chunks, 4);
+  EXPECT_EQ(o(4096).mode, OverlapMode::kPipeline);  // largest tuned m <= 4096 is 2048
+  EXPECT_EQ(o(8192).mode, OverlapMode::kRing);
+  EXPECT_EQ(o(65536).mode, OverlapMode::kRing);
+  EXPECT_EQ(o(2048, 4096).mode, OverlapMode::kNone);  // no entry for this shape
+  // The glob's '?' matches one character only: layer 13 gets the defaults.
+  auto l13 =
+      cfg.Resolve("layers.13.self_attn.o_proj", OverlapOp::kGemmReduceScatter, 8192, 8192, 2048, 2);
+  EXPECT_EQ(l13->chunks, 2);
+}
+
+TEST(OverlapConfig, RejectsAConfigMadeForAnotherTpSize) {
+  const OverlapConfig cfg = MustParse(kExample);
+  auto k = cfg.Resolve("layers.0.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 28672, 64, 8);
+  EXPECT_EQ(k.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(k.status().message(), HasSubstr("made for tp=2"));
+}
+
+TEST(OverlapConfig, CopyEngineOnARowParallelLayerIsAnErrorNamingTheRule) {
+  const OverlapConfig cfg = MustParse(kExample);
+  auto k = cfg.Resolve("layers.0.mlp.gate_up", OverlapOp::kGemmReduceScatter, 8192, 8192, 64, 2);
+  ASSERT_FALSE(k.ok());
+  EXPECT_THAT(k.status().message(), HasSubstr("test.yaml:15 (match 'layers.*.mlp.gate_up')"));
+  EXPECT_THAT(k.status().message(), HasSubstr("copy_engine needs an AllGather"));
+}
+
+TEST(OverlapConfig, RoundTripsThroughYaml) {
+  const OverlapConfig cfg = MustParse(kExample);
+  const std::string text = cfg.ToYaml();
+  const OverlapConfig back = MustParse(text);
+  EXPECT_EQ(back.tp(), 2);
+  ASSERT_EQ(back.rules().size(), cfg.rules().size());
+  ASSERT_EQ(back.tuned().size(), 2u);
+  for (int64_t m : {1, 512, 1025, 4096, 8192, 100000}) {
+    for (const char* name :
+         {"layers.3.mlp.down", "layers.3.self_attn.o_proj", "layers.0.mlp.gate_up"}) {
+      const OverlapOp op = std::string(name).find("gate_up") != std::string::npos
+                               ? OverlapOp::kAllGatherGemm
+                               : OverlapOp::kGemmReduceScatter;
+      auto a = cfg.Resolve(name, op, 8192, 8192, m, 2);
+      auto b = back.Resolve(name, op, 8192, 8192, m, 2);
+      ASSERT_TRUE(a.ok() && b.ok()) << name;
+      EXPECT_EQ(a->ToString(), b->ToString()) << name << " m=" << m;
+    }
+  }
+}
+
+TEST(OverlapConfig, AddTunedReplacesTheSameShapeAndM) {
+  OverlapConfig cfg;
+  OverlapConfig::Tuned t;
+  t.op = OverlapOp::kAllGatherGemm;
+  t.n = 1024;
+  t.k = 1024;
+  t.m = 64;
+  t.knobs.mode = OverlapMode::kPipeline;
+  t.knobs.chunks = 2;
+  cfg.AddTuned(t);
+  t.knobs.chunks = 4;
+  cfg.AddTuned(t);
+  ASSERT_EQ(cfg.tuned().size(), 1u);
+  EXPECT_EQ(cfg.tuned()[0].knobs.chunks, 4);
+}
+
+TEST(OverlapConfig, LoadFileReportsAMissingFile) {
+  auto cfg = OverlapConfig::LoadFile("/nonexistent/overlap.yaml");
+  EXPECT_EQ(cfg.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(cfg.status().message(), HasSubstr("/nonexistent/overlap.yaml"));
+}
+
+TEST(OverlapConfig, LoadFileReadsWhatWasWritten) {
+  const std::string path = ::testing::TempDir() + "/overlap_config_test.yaml";
+  std::ofstream(path) << kExample;
+  auto cfg = OverlapConfig::LoadFile(path);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  EXPECT_EQ(cfg->source(), path);
+  std::remove(path.c_str());
+}
+
+struct BadCase {
+  const char* yaml;
+  const char* expect;  // substring of the error
+};
+
+TEST(OverlapConfig, StrictLoaderNamesFileLineKeyAndAllowedValues) {
+  const BadCase cases[] = {
+      {"", "bad.yaml:"},
+      {"version: 2\n", "bad.yaml:1: version: 2 is not supported (allowed: 1)"},
+      {"tp: 2\n", "version: missing"},
+      {"version: 1\nextra: 3\n", "bad.yaml:2: (top).extra: unknown key (allowed: version, tp"},
+      {"version: 1\ndefaults:\n  mode: fast\n",
+       "bad.yaml:3: defaults.mode: 'fast' (allowed: none, pipeline, ring, auto)"},
+      {"version: 1\ndefaults:\n  chunks: 0\n", "bad.yaml:3: defaults.chunks: 0 is outside [1, 64]"},
+      {"version: 1\ndefaults:\n  chunks: many\n",
+       "defaults.chunks: must be an integer, got 'many'"},
+      {"version: 1\ndefaults:\n  copy_engine: maybe\n", "copy_engine: must be true or false"},
+      {"version: 1\ndefaults:\n  comm: {max_ctas: 99}\n", "defaults.comm.max_ctas: 99 is outside"},
+      {"version: 1\ndefaults:\n  comm: {cta_policy: greedy}\n",
+       "'greedy' (allowed: default, efficiency, zero)"},
+      {"version: 1\ndefaults:\n  comm: {min_ctas: 8, max_ctas: 4}\n", "above max_ctas"},
+      {"version: 1\ndefaults:\n  comm: {ctas: 4}\n", "defaults.comm.ctas: unknown key"},
+      {"version: 1\nlayers:\n  - mode: ring\n", "bad.yaml:3: layers[0].match: missing"},
+      {"version: 1\nlayers:\n  - match: x\n    chunk: 2\n",
+       "bad.yaml:4: layers[0].chunk: unknown key (allowed: match, m_ranges, mode, chunks"},
+      {"version: 1\nlayers:\n  - match: x\n    m_ranges:\n      - {m_min: 1, m_max: 100}\n"
+       "      - {m_min: 50}\n",
+       "bad.yaml:6: layers[0].m_ranges[1]: M range [50, inf] overlaps [1, 100] of the same rule"},
+      {"version: 1\nlayers:\n  - match: x\n    m_ranges:\n      - {m_min: 10, m_max: 5}\n",
+       "m_max 5 is below m_min 10"},
+      {"version: 1\nlayers: {match: x}\n", "layers: must be a list of rules"},
+      {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: auto}\n",
+       "a tuned entry cannot be auto"},
+      {"version: 1\ntuned:\n  - {op: rs, n: 8, k: 8, m: 8}\n", "'rs' (allowed: ag_gemm, gemm_rs)"},
+      {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8}\n", "needs op, n, k and m"},
+      {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, copy_engine: true}\n",
+       "copy_engine needs an AllGather"},
+      {"version: 1\ndefaults: [1, 2\n", "YAML syntax error"},
+  };
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.yaml);
+    Status s = ParseError(c.yaml);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr(c.expect));
+  }
+}
+
+}  // namespace
+}  // namespace tpserve
