@@ -23,6 +23,7 @@
 #include "comm/nccl_thread_group.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
+#include "layers/overlap_config.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
 
@@ -47,8 +48,12 @@ struct Flags {
   std::vector<int64_t> ms = {512, 2048, 8192, 16384};
   std::vector<std::string> dtypes = {"fp8"};
   std::vector<int> chunks = {2, 4};
+#ifdef TPSERVE_TUNE_MAIN
+  std::vector<std::string> methods = {"none", "pipeline", "ring", "pipeline_ce"};
+#else
   std::vector<std::string> methods = {"gemm_only", "comm_only",   "none",      "pipeline",
                                       "ring",      "pipeline_ce", "layer_gemm"};
+#endif
   std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
   std::vector<int> gemm_sms = {0};  // GEMM SM budgets to sweep (0 = all SMs)
   int tp = 2;
@@ -58,6 +63,11 @@ struct Flags {
   bool fast_accum = false;
   std::string out = "bench.json";
   std::string commit = "unknown";
+#ifdef TPSERVE_TUNE_MAIN
+  std::string tune_out = "overlap.yaml";  // tpserve-tune: the tuned overlap config
+#else
+  std::string tune_out;  // write the tuned overlap config (YAML) here
+#endif
 };
 
 std::vector<ShapeCase> MakeShapes(const Flags& f) {
@@ -374,9 +384,16 @@ Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, Data
 
 int Main(int argc, char** argv) {
   Flags f;
+#ifdef TPSERVE_TUNE_MAIN
   CLI::App app{
-      "tpserve-bench: time TP linear layers (every overlap method, GEMM alone, "
-      "communication alone) on the GPUs of this host; writes JSON records"};
+      "tpserve-tune: sweep every overlap method and knob (chunks, NCCL CTAs, GEMM SMs, copy "
+      "engines) per TP layer shape and M on this host's GPUs, and write the overlap config "
+      "(YAML) that mode auto reads; also writes the measurements as JSON (--out)"};
+#else
+  CLI::App app{
+      "tpserve-bench: time TP linear layers (every overlap method, GEMM alone, communication "
+      "alone) on the GPUs of this host; writes JSON records"};
+#endif
   app.add_option("--shapes", f.shapes,
                  "Shape preset: llama70b (QKV, O, gate_up, down at each "
                  "--m), seed (m=65536 k=4096 n=1024*tp), small")
@@ -404,6 +421,9 @@ int Main(int argc, char** argv) {
                "Skip comparing each overlap method's output with mode none");
   app.add_flag("--fast-accum", f.fast_accum, "FP8 fast accumulation in every GEMM");
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();
+  app.add_option("--tune-out", f.tune_out,
+                 "Autotune: write an overlap config (YAML) with the fastest layer method per "
+                 "shape and M (needs exactly one --dtype)");
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -430,22 +450,86 @@ int Main(int argc, char** argv) {
              {"cublaslt", static_cast<int64_t>(cublasLtGetVersion())},
              {"command", cmd.str()}}},
            {"records", json::array()}};
+  if (!f.tune_out.empty() && f.dtypes.size() != 1) {
+    spdlog::error("--tune-out tunes one operand type: give exactly one --dtype");
+    return 2;
+  }
+  OverlapConfig tuned;
+  tuned.set_tp(f.tp);
+  {
+    // Every layer takes the measured best of its shape at the nearest M.
+    OverlapConfig::Rule all;
+    all.match = "*";
+    OverlapConfig::Setting auto_setting;
+    auto_setting.auto_mode = true;
+    all.settings.push_back(auto_setting);
+    tuned.mutable_rules().push_back(all);
+  }
   std::vector<json> records;
   int failures = 0;
-  for (const ShapeCase& sc : MakeShapes(f)) {
+  const std::vector<ShapeCase> shapes = MakeShapes(f);
+  size_t done = 0;
+  for (const ShapeCase& sc : shapes) {
     for (const std::string& d : f.dtypes) {
       const DataType dtype = d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+      const size_t first = records.size();
       Status s = RunCase(**group, f, sc, dtype, records);
+      ++done;
       if (!s.ok()) {
         spdlog::error("{} m={} {}: {}", sc.layer, sc.m, d, s.ToString());
         ++failures;
         if (s.code() == StatusCode::kAborted || s.code() == StatusCode::kDeadlineExceeded) break;
+        continue;
+      }
+      // The fastest layer method of this case, if it beats mode none by 1 %.
+      const std::vector<Method> methods = MakeMethods(f, sc.op);
+      double none_ms = 0, best_ms = 0;
+      LinearKnobs best;
+      for (size_t i = 0; i < methods.size() && first + i < records.size(); ++i) {
+        const std::string& name = methods[i].method;
+        if (name != "none" && name != "pipeline" && name != "ring") continue;
+        const double ms = records[first + i]["median_ms"].get<double>();
+        if (name == "none") none_ms = ms;
+        if (best_ms == 0 || ms < best_ms) {
+          best_ms = ms;
+          best = methods[i].knobs;
+        }
+      }
+      if (none_ms > 0 && !(best_ms < 0.99 * none_ms)) {
+        best = LinearKnobs{};
+        best_ms = none_ms;
+      }
+      if (best_ms > 0) {
+        OverlapConfig::Tuned t;
+        t.op = sc.op;
+        t.n = sc.n;
+        t.k = sc.k;
+        t.m = sc.m;
+        t.knobs = best;
+        t.median_ms = best_ms;
+        t.none_ms = none_ms;
+        tuned.AddTuned(t);
+        spdlog::info("[{}/{}] {} m={} {}: best {} {:.4f} ms (none {:.4f} ms)", done,
+                     shapes.size() * f.dtypes.size(), sc.layer, sc.m, d, best.ToString(), best_ms,
+                     none_ms);
       }
     }
   }
   for (json& r : records) out["records"].push_back(r);
   std::ofstream(f.out) << out.dump(1) << "\n";
   spdlog::info("wrote {} records to {} ({} failed cases)", records.size(), f.out, failures);
+  if (!f.tune_out.empty()) {
+    std::ofstream yaml(f.tune_out);
+    yaml << "# Overlap config tuned by tpserve-bench --tune-out on "
+         << out["meta"]["device"].get<std::string>() << ", " << date << ", commit " << f.commit
+         << ".\n# Command: " << cmd.str()
+         << "\n# tuned: the fastest measured knobs per layer shape (global n, k) and M; "
+            "mode auto picks the\n# entry with the largest m <= M (else the smallest) and "
+            "none for shapes not listed.\n"
+         << tuned.ToYaml();
+    spdlog::info("wrote the tuned overlap config ({} entries) to {}", tuned.tuned().size(),
+                 f.tune_out);
+  }
   return failures == 0 ? 0 : 1;
 }
 
