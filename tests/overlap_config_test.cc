@@ -219,5 +219,32 @@ TEST(OverlapConfig, StrictLoaderNamesFileLineKeyAndAllowedValues) {
   }
 }
 
+// The example files under deploy/ must load and resolve every Llama-3-70B
+// TP layer at every M without error.
+TEST(OverlapConfig, DeployExamplesLoadAndResolveEveryLayer) {
+  struct Layer {
+    const char* name;
+    OverlapOp op;
+    int64_t n, k;
+  };
+  const Layer layers[] = {{"layers.0.attn.qkv", OverlapOp::kAllGatherGemm, 10240, 8192},
+                          {"layers.0.attn.o", OverlapOp::kGemmReduceScatter, 8192, 8192},
+                          {"layers.79.mlp.gate_up", OverlapOp::kAllGatherGemm, 57344, 8192},
+                          {"layers.79.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 28672}};
+  for (const auto& [file, tp] : {std::pair<const char*, int>{"overlap-llama3-70b-tp2.yaml", 2},
+                                 std::pair<const char*, int>{"overlap-llama3-70b-tp8.yaml", 8}}) {
+    SCOPED_TRACE(file);
+    auto cfg = OverlapConfig::LoadFile(std::string(TPSERVE_SOURCE_DIR) + "/deploy/" + file);
+    ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+    EXPECT_EQ(cfg->tp(), tp);
+    for (const Layer& l : layers) {
+      for (int64_t m : {1, 512, 1000, 2048, 4096, 8192, 16384, 100000}) {
+        auto k = cfg->Resolve(l.name, l.op, l.n, l.k, m, tp);
+        ASSERT_TRUE(k.ok()) << l.name << " m=" << m << ": " << k.status().ToString();
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tpserve
