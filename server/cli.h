@@ -10,6 +10,7 @@
 namespace tpserve {
 
 void AddPlanCommand(CLI::App& app, int* exit_code);
+void AddModelCommands(CLI::App& app, int* exit_code);
 void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::string>& argv);
 
 }  // namespace tpserve

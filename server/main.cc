@@ -1,4 +1,5 @@
 // tpserve: tensor-parallel FP8 inference server and its tools.
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -6,12 +7,15 @@
 #include "server/cli.h"
 
 int main(int argc, char** argv) {
+  // Logs go to stderr: stdout carries results (e.g. `tpserve run --json`).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("tpserve"));
   CLI::App app{
       "tpserve: tensor-parallel FP8 transformer inference with communication hidden under "
       "the GEMMs.\nRun `tpserve <command> --help` for a command's flags."};
   app.require_subcommand(1);
   int exit_code = 0;
   tpserve::AddPlanCommand(app, &exit_code);
+  tpserve::AddModelCommands(app, &exit_code);
   tpserve::AddLayerCommand(app, &exit_code, std::vector<std::string>(argv, argv + argc));
   try {
     app.parse(argc, argv);

@@ -1,0 +1,192 @@
+#include "engine/cpu_model.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "comm/local_communicator.h"
+#include "engine/cpu_ops.h"
+#include "layers/cpu_linear.h"
+#include "layers/fp8.h"
+
+namespace tpserve {
+
+StatusOr<TokenBatch> PackSequences(const std::vector<std::vector<int32_t>>& sequences,
+                                   int64_t vocab, int64_t max_positions) {
+  if (sequences.empty()) return InvalidArgumentError("batch has no sequences");
+  TokenBatch b;
+  b.cu_seqlens.push_back(0);
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    const auto& seq = sequences[s];
+    if (seq.empty()) return InvalidArgumentError("sequence " + std::to_string(s) + " is empty");
+    if (static_cast<int64_t>(seq.size()) > max_positions) {
+      return InvalidArgumentError("sequence " + std::to_string(s) + " has " +
+                                  std::to_string(seq.size()) + " tokens, the model takes at most " +
+                                  std::to_string(max_positions));
+    }
+    for (size_t i = 0; i < seq.size(); ++i) {
+      if (seq[i] < 0 || seq[i] >= vocab) {
+        return InvalidArgumentError("sequence " + std::to_string(s) + " token " +
+                                    std::to_string(i) + " has id " + std::to_string(seq[i]) +
+                                    ", outside [0, " + std::to_string(vocab) + ")");
+      }
+      b.ids.push_back(seq[i]);
+      b.positions.push_back(static_cast<int32_t>(i));
+    }
+    b.cu_seqlens.push_back(static_cast<int32_t>(b.ids.size()));
+  }
+  return b;
+}
+
+StatusOr<std::unique_ptr<CpuModel>> CpuModel::Create(const ModelConfig& config, RankWeights weights,
+                                                     const OverlapConfig* overlap,
+                                                     Communicator& comm) {
+  TP_RETURN_IF_ERROR(config.ValidateForTp(comm.size()));
+  if (weights.tp != comm.size() || weights.rank != comm.rank()) {
+    return InvalidArgumentError("weights are rank " + std::to_string(weights.rank) + " of " +
+                                std::to_string(weights.tp) + ", the communicator is rank " +
+                                std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
+  }
+  if (static_cast<int64_t>(weights.layers.size()) != config.num_hidden_layers) {
+    return InvalidArgumentError("weights have " + std::to_string(weights.layers.size()) +
+                                " layers, the config " + std::to_string(config.num_hidden_layers));
+  }
+  return std::unique_ptr<CpuModel>(new CpuModel(config, std::move(weights), overlap, comm));
+}
+
+Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeight& w,
+                        int64_t global_n, int64_t global_k, int64_t m, const std::vector<float>& x,
+                        std::vector<float>* y) {
+  LinearKnobs knobs;
+  if (overlap_ != nullptr) {
+    TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(name, op, global_n, global_k, m, comm_.size()));
+  }
+  TP_ASSIGN_OR_RETURN(OverlapPlan plan, MakeOverlapPlan({op, knobs.mode, comm_.size(), comm_.rank(),
+                                                         m, knobs.chunks}));
+  // Activations in the layer's operand type.
+  std::vector<uint8_t> xq;
+  if (w.dtype == DataType::kFloat8E4M3) {
+    xq.resize(x.size());
+    QuantizeFp8(x, w.input_scale, Fp8Format::kE4M3, xq);
+  } else {
+    xq.resize(x.size() * 2);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const BFloat16 b = FloatToBFloat16(x[i]);
+      std::memcpy(xq.data() + 2 * i, &b.bits, 2);
+    }
+  }
+  const int64_t out_rows =
+      op == OverlapOp::kAllGatherGemm ? m : ShardRows(m, comm_.size(), comm_.rank()).size();
+  std::vector<BFloat16> out(out_rows * w.n);
+  CpuLinearArgs a{w.dtype,        w.n,       w.k, xq.data(), w.input_scale, w.data.data(),
+                  w.weight_scale, out.data()};
+  TP_RETURN_IF_ERROR(RunCpuLinear(plan, comm_, a).WithContext("layer " + name));
+  y->resize(out.size());
+  for (size_t i = 0; i < out.size(); ++i) (*y)[i] = BFloat16ToFloat(out[i]);
+  return Status::Ok();
+}
+
+StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
+  const ModelConfig& c = config_;
+  const int tp = comm_.size(), rank = comm_.rank();
+  const int64_t m = batch.tokens(), h = c.hidden_size, hd = c.head_dim();
+  const int64_t nh_l = c.num_attention_heads / tp, nkv_l = c.num_key_value_heads / tp;
+  const int64_t inter_l = c.intermediate_size / tp;
+  const RowRange shard = ShardRows(m, tp, rank);
+  const int64_t rows = shard.size();
+
+  // The residual stream: this rank's rows.
+  std::vector<float> x(rows * h);
+  TP_RETURN_IF_ERROR(EmbeddingLookup(w_.embed.data(), c.vocab_size, h,
+                                     batch.ids.data() + shard.begin, rows, x.data()));
+  std::vector<float> normed(rows * h), qkv, attn(m * nh_l * hd), mlp_in, mlp_act(m * inter_l), proj;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& lw = w_.layers[l];
+    const std::string p = "layers." + std::to_string(l);
+    RmsNorm(x.data(), lw.input_norm.data(), rows, h, c.rms_norm_eps, normed.data());
+    const int64_t qkv_n = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
+    TP_RETURN_IF_ERROR(
+        Linear(p + ".attn.qkv", OverlapOp::kAllGatherGemm, lw.qkv, qkv_n, h, m, normed, &qkv));
+    // Split the fused rows into q, k, v of this rank's heads.
+    const int64_t row_n = lw.qkv.n, qn = nh_l * hd, kn = nkv_l * hd;
+    std::vector<float> q(m * qn), k(m * kn), v(m * kn);
+    for (int64_t i = 0; i < m; ++i) {
+      std::copy_n(qkv.data() + i * row_n, qn, q.data() + i * qn);
+      std::copy_n(qkv.data() + i * row_n + qn, kn, k.data() + i * kn);
+      std::copy_n(qkv.data() + i * row_n + qn + kn, kn, v.data() + i * kn);
+    }
+    TP_RETURN_IF_ERROR(ApplyRope(q.data(), m, nh_l, hd, batch.positions.data(), c.rope_theta));
+    TP_RETURN_IF_ERROR(ApplyRope(k.data(), m, nkv_l, hd, batch.positions.data(), c.rope_theta));
+    TP_RETURN_IF_ERROR(CausalAttentionVarlen(q.data(), k.data(), v.data(), m, nh_l, nkv_l, hd,
+                                             batch.cu_seqlens, attn.data()));
+    TP_RETURN_IF_ERROR(Linear(p + ".attn.o", OverlapOp::kGemmReduceScatter, lw.o, h,
+                              c.num_attention_heads * hd, m, attn, &proj));
+    for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[i];
+
+    RmsNorm(x.data(), lw.post_norm.data(), rows, h, c.rms_norm_eps, normed.data());
+    TP_RETURN_IF_ERROR(Linear(p + ".mlp.gate_up", OverlapOp::kAllGatherGemm, lw.gate_up,
+                              2 * c.intermediate_size, h, m, normed, &mlp_in));
+    SwiGlu(mlp_in.data(), m, inter_l, mlp_act.data());
+    TP_RETURN_IF_ERROR(Linear(p + ".mlp.down", OverlapOp::kGemmReduceScatter, lw.down, h,
+                              c.intermediate_size, m, mlp_act, &proj));
+    for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[i];
+  }
+  RmsNorm(x.data(), w_.final_norm.data(), rows, h, c.rms_norm_eps, normed.data());
+
+  // Gather the normed rows (padded to the largest shard), keep each
+  // sequence's last token, and multiply by this rank's vocabulary slice.
+  const int64_t max_rows = ShardRows(m, tp, 0).size();
+  std::vector<float> mine(max_rows * h, 0.0f), all(max_rows * h * tp);
+  std::copy(normed.begin(), normed.end(), mine.begin());
+  TP_RETURN_IF_ERROR(
+      comm_.AllGather(mine.data(), all.data(), mine.size() * sizeof(float), nullptr));
+  const int64_t seqs = batch.sequences();
+  std::vector<uint8_t> last(seqs * h * 2);
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t row = batch.cu_seqlens[s + 1] - 1;
+    int owner = 0;
+    while (!(ShardRows(m, tp, owner).begin <= row && row < ShardRows(m, tp, owner).end)) ++owner;
+    const float* src = all.data() + (owner * max_rows + row - ShardRows(m, tp, owner).begin) * h;
+    for (int64_t j = 0; j < h; ++j) {
+      const BFloat16 b = FloatToBFloat16(src[j]);
+      std::memcpy(last.data() + 2 * (s * h + j), &b.bits, 2);
+    }
+  }
+  const int64_t v_l = w_.lm_head.n;
+  std::vector<BFloat16> logits_l(seqs * v_l);
+  TP_RETURN_IF_ERROR(ReferenceLinear(DataType::kBFloat16, seqs, v_l, h, last.data(), 1.0f,
+                                     w_.lm_head.data.data(), 1.0f, logits_l));
+  std::vector<float> local(seqs * v_l), gathered(seqs * v_l * tp);
+  for (size_t i = 0; i < local.size(); ++i) local[i] = BFloat16ToFloat(logits_l[i]);
+  TP_RETURN_IF_ERROR(
+      comm_.AllGather(local.data(), gathered.data(), local.size() * sizeof(float), nullptr));
+  std::vector<float> logits(seqs * c.vocab_size);
+  for (int r = 0; r < tp; ++r) {
+    for (int64_t s = 0; s < seqs; ++s) {
+      std::copy_n(gathered.data() + (r * seqs + s) * v_l, v_l,
+                  logits.data() + s * c.vocab_size + r * v_l);
+    }
+  }
+  return logits;
+}
+
+StatusOr<std::vector<float>> RunCpuModel(const ModelConfig& config, int tp, DataType dtype,
+                                         uint64_t seed, const std::string& checkpoint_dir,
+                                         const OverlapConfig* overlap, const TokenBatch& batch) {
+  TP_RETURN_IF_ERROR(config.ValidateForTp(tp));
+  std::vector<float> result;
+  TP_RETURN_IF_ERROR(RunOnLocalRanks(tp, [&](Communicator& comm) -> Status {
+    RankWeights w;
+    if (checkpoint_dir.empty()) {
+      TP_ASSIGN_OR_RETURN(w, MakeRandomRankWeights(config, dtype, tp, comm.rank(), seed));
+    } else {
+      TP_ASSIGN_OR_RETURN(w, LoadRankWeights(checkpoint_dir, config, tp, comm.rank()));
+    }
+    TP_ASSIGN_OR_RETURN(auto model, CpuModel::Create(config, std::move(w), overlap, comm));
+    TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(batch));
+    if (comm.rank() == 0) result = std::move(logits);
+    return Status::Ok();
+  }));
+  return result;
+}
+
+}  // namespace tpserve

@@ -1,0 +1,78 @@
+// CpuModel: one rank of a Llama-family transformer on the CPU reference
+// executor (ranks are threads with a LocalCommunicator). The numeric
+// reference for the GPU engine and the server's backend without GPUs.
+//
+// Per block, with sequence parallelism between blocks (each rank holds its
+// row shard of the residual stream, ShardRows(M, tp, rank)):
+//   RMSNorm -> attn.qkv (AG+GEMM) -> RoPE -> causal attention over packed
+//   sequences -> attn.o (GEMM+RS) -> +residual -> RMSNorm -> mlp.gate_up
+//   (AG+GEMM) -> SwiGLU -> mlp.down (GEMM+RS) -> +residual
+// then the final RMSNorm, and the LM head on the last token of each sequence.
+// The four TP layers run the overlap plans chosen by the overlap config for
+// their name ("layers.3.attn.qkv", "layers.3.attn.o", "layers.3.mlp.gate_up",
+// "layers.3.mlp.down") at the batch's M. FP8 activations use the layer's
+// static input scale.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "engine/model_config.h"
+#include "engine/model_weights.h"
+#include "layers/overlap_config.h"
+
+namespace tpserve {
+
+// Packed sequences: token ids back to back, sequence s owning rows
+// [cu_seqlens[s], cu_seqlens[s+1]); positions restart at 0 per sequence.
+struct TokenBatch {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> cu_seqlens;
+  std::vector<int32_t> positions;
+
+  int64_t tokens() const { return static_cast<int64_t>(ids.size()); }
+  int64_t sequences() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }
+};
+
+// INVALID_ARGUMENT for no sequences, an empty sequence, an id outside
+// [0, vocab) or a sequence longer than max_positions (naming which).
+StatusOr<TokenBatch> PackSequences(const std::vector<std::vector<int32_t>>& sequences,
+                                   int64_t vocab, int64_t max_positions);
+
+class CpuModel {
+ public:
+  // `overlap` may be null (every layer: mode none). Not thread-safe; one
+  // object per rank thread.
+  static StatusOr<std::unique_ptr<CpuModel>> Create(const ModelConfig& config, RankWeights weights,
+                                                    const OverlapConfig* overlap,
+                                                    Communicator& comm);
+
+  // Logits of the last token of every sequence, [sequences, vocab], on every
+  // rank. Collective: all ranks call it with the same batch.
+  StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
+
+ private:
+  CpuModel(const ModelConfig& config, RankWeights weights, const OverlapConfig* overlap,
+           Communicator& comm)
+      : config_(config), w_(std::move(weights)), overlap_(overlap), comm_(comm) {}
+
+  // y = x · W^T through the TP layer `name` (AG+GEMM or GEMM+RS).
+  Status Linear(const std::string& name, OverlapOp op, const LinearWeight& w, int64_t global_n,
+                int64_t global_k, int64_t m, const std::vector<float>& x, std::vector<float>* y);
+
+  ModelConfig config_;
+  RankWeights w_;
+  const OverlapConfig* overlap_;
+  Communicator& comm_;
+};
+
+// Runs Forward on `tp` threads (LocalCommunicator) with random weights from
+// `seed`, or loaded from `checkpoint_dir` when it is non-empty; returns the
+// logits [sequences, vocab].
+StatusOr<std::vector<float>> RunCpuModel(const ModelConfig& config, int tp, DataType dtype,
+                                         uint64_t seed, const std::string& checkpoint_dir,
+                                         const OverlapConfig* overlap, const TokenBatch& batch);
+
+}  // namespace tpserve

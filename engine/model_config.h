@@ -1,0 +1,92 @@
+// ModelConfig: the shape of a Llama-family model, read from a HuggingFace
+// `config.json` (or taken from a built-in preset), validated once at start-up.
+//
+// Parsing is lenient about keys it does not use (HF files carry dozens:
+// bos_token_id, torch_dtype, quantization_config, ...) and strict about the
+// ones it does: a wrong type is an error, not a default. Errors name the
+// source (file name) and the key.
+//
+// Plain value type; thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "comm/status.h"
+
+namespace tpserve {
+
+struct ModelConfig {
+  // Preset name, or the directory the config.json came from (the `source`
+  // given to ParseModelConfigJson when parsed from text).
+  std::string name;
+
+  int64_t hidden_size = 0;          // model width (residual stream)
+  int64_t intermediate_size = 0;    // MLP width (gate and up each have this many columns)
+  int64_t num_attention_heads = 0;  // query heads
+  int64_t num_key_value_heads = 0;  // K/V heads (grouped-query attention); == query heads for MHA
+  int64_t num_hidden_layers = 0;    // transformer blocks
+  int64_t vocab_size = 0;           // embedding rows and LM-head columns
+
+  double rms_norm_eps = 1e-5;              // epsilon inside every RMSNorm
+  double rope_theta = 500000.0;            // RoPE base (Llama 3: 500000, Llama 2: 10000)
+  int64_t max_position_embeddings = 8192;  // longest sequence the model supports
+
+  // Per-head width: hidden_size / num_attention_heads unless the json gives
+  // "head_dim" (stored in head_dim_override).
+  int64_t head_dim() const;
+  // 0 = derived from hidden_size / num_attention_heads. A json head_dim equal
+  // to the derived value is stored as 0, so such files compare equal to the
+  // ones that leave it out.
+  int64_t head_dim_override = 0;
+
+  // Model-only checks: positive sizes, attention heads divide hidden_size
+  // (unless head_dim is given), attention heads a multiple of KV heads, even
+  // head_dim (RoPE rotates pairs), vocab_size fits the int32 token ids,
+  // positive eps / theta. INVALID_ARGUMENT naming the field and its value.
+  Status Validate() const;
+
+  // Validate() plus the divisibility that a TP degree of `tp` needs: query
+  // heads, KV heads (KV-head replication for tp > num_key_value_heads is not
+  // supported yet), intermediate_size and vocab_size divisible by tp.
+  // INVALID_ARGUMENT naming the field, its value and tp.
+  Status ValidateForTp(int tp) const;
+
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
+};
+
+// Parses the text of a HuggingFace Llama config.json. `source` names the
+// text in errors and becomes ModelConfig::name.
+//   required: hidden_size, intermediate_size, num_attention_heads,
+//             num_hidden_layers, vocab_size (integers)
+//   optional: num_key_value_heads (default: num_attention_heads),
+//             rms_norm_eps, rope_theta (numbers), max_position_embeddings,
+//             head_dim (integers); a JSON null means "absent", as in HF
+//   checked if present: model_type must be "llama"; rope_scaling must be
+//             null (Llama 3.1 rope scaling is not implemented)
+//   everything else: ignored.
+// Errors: INVALID_ARGUMENT (syntax, missing key, wrong type, unsupported
+// model_type, failed Validate()), UNIMPLEMENTED (rope_scaling).
+StatusOr<ModelConfig> ParseModelConfigJson(std::string_view json_text, const std::string& source);
+
+// Reads and parses `path`: a config.json file, or a model directory holding
+// one. ModelConfig::name is the directory. NOT_FOUND naming the path when
+// there is no such file.
+StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
+
+// HF-style config.json text ("model_type": "llama", "architectures":
+// ["LlamaForCausalLM"], ...) that ParseModelConfigJson reads back to an equal
+// config (name aside: that comes from the source).
+std::string ModelConfigToJson(const ModelConfig& config);
+
+// Built-in shapes for tests and benchmarks with random weights:
+//   "tiny"       256 hidden, 512 inter, 8 heads, 4 KV heads, 2 layers, 1024 vocab
+//   "llama3-8b"  Meta-Llama-3-8B
+//   "llama3-70b" Meta-Llama-3-70B
+// NOT_FOUND listing the presets for any other name.
+StatusOr<ModelConfig> ModelPreset(std::string_view name);
+std::vector<std::string> ModelPresetNames();
+
+}  // namespace tpserve

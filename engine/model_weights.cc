@@ -1,0 +1,383 @@
+#include "engine/model_weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+
+#include "engine/safetensors.h"
+#include "layers/fp8.h"
+
+namespace tpserve {
+namespace {
+
+namespace fs = std::filesystem;
+
+// FP8 static input scale when a checkpoint gives none: activations up to 8
+// in magnitude (RMSNorm outputs and attention/SwiGLU outputs of Llama-scale
+// models sit well inside) keep their full E4M3 resolution.
+constexpr float kDefaultInputScale = 8.0f / kFp8E4M3Max;
+
+// A checkpoint's tensors by HuggingFace name, from files or made in memory.
+class Checkpoint {
+ public:
+  void AddOwned(std::string name, StDtype dtype, std::vector<int64_t> shape,
+                std::vector<uint8_t> bytes) {
+    owned_.push_back(std::make_unique<std::vector<uint8_t>>(std::move(bytes)));
+    TensorView v;
+    v.name = name;
+    v.dtype = dtype;
+    v.shape = std::move(shape);
+    v.data = owned_.back()->data();
+    v.bytes = owned_.back()->size();
+    views_[name] = v;
+  }
+  void AddFile(SafetensorsFile file) {
+    files_.push_back(std::make_unique<SafetensorsFile>(std::move(file)));
+    for (const TensorView& v : files_.back()->tensors()) {
+      views_[v.name] = v;
+      where_[v.name] = files_.back()->path();
+    }
+  }
+  const TensorView* Find(const std::string& name) const {
+    auto it = views_.find(name);
+    return it == views_.end() ? nullptr : &it->second;
+  }
+  StatusOr<const TensorView*> Get(const std::string& name) const {
+    if (const TensorView* v = Find(name)) return v;
+    return NotFoundError(source_ + ": tensor '" + name + "' is missing");
+  }
+  std::string Where(const std::string& name) const {
+    auto it = where_.find(name);
+    return (it == where_.end() ? source_ : it->second) + ": tensor '" + name + "'";
+  }
+  const std::map<std::string, TensorView>& views() const { return views_; }
+  void set_source(std::string s) { source_ = std::move(s); }
+
+ private:
+  std::string source_ = "random weights";
+  std::vector<std::unique_ptr<std::vector<uint8_t>>> owned_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, TensorView> views_;
+  std::map<std::string, std::string> where_;
+};
+
+StatusOr<std::vector<float>> ToFloats(const Checkpoint& ck, const TensorView& v,
+                                      int64_t expected_numel) {
+  if (v.numel() != expected_numel) {
+    return InvalidArgumentError(ck.Where(v.name) + " has " + std::to_string(v.numel()) +
+                                " elements, the config implies " + std::to_string(expected_numel));
+  }
+  std::vector<float> out(v.numel());
+  switch (v.dtype) {
+    case StDtype::kF32:
+      std::memcpy(out.data(), v.data, v.bytes);
+      break;
+    case StDtype::kBF16:
+      for (int64_t i = 0; i < v.numel(); ++i) {
+        BFloat16 b;
+        std::memcpy(&b.bits, v.data + 2 * i, 2);
+        out[i] = BFloat16ToFloat(b);
+      }
+      break;
+    case StDtype::kF8E4M3:
+      for (int64_t i = 0; i < v.numel(); ++i) out[i] = Fp8E4M3ToFloat(v.data[i]);
+      break;
+    default:
+      return UnimplementedError(ck.Where(v.name) + " has dtype " +
+                                std::string(StDtypeName(v.dtype)) +
+                                " (supported here: F32, BF16, F8_E4M3)");
+  }
+  return out;
+}
+
+StatusOr<float> Scalar(const Checkpoint& ck, const std::string& name) {
+  TP_ASSIGN_OR_RETURN(const TensorView* v, ck.Get(name));
+  if (v->dtype != StDtype::kF32 || v->numel() != 1) {
+    return InvalidArgumentError(ck.Where(name) + " must be one F32 value, got " +
+                                std::string(StDtypeName(v->dtype)) + " with " +
+                                std::to_string(v->numel()) + " elements");
+  }
+  float f;
+  std::memcpy(&f, v->data, 4);
+  if (!(f > 0) || !std::isfinite(f)) {
+    return InvalidArgumentError(ck.Where(name) + " must be a positive finite scale, got " +
+                                std::to_string(f));
+  }
+  return f;
+}
+
+// A block of rows [row_begin, row_end) and columns [col_begin, col_end) of a
+// 2-D weight, dequantized to float.
+struct Block {
+  std::vector<float> values;  // rows x cols
+  int64_t rows = 0, cols = 0;
+  // The whole tensor's FP8 scale (the checkpoint's weight_scale, or its amax
+  // over 448 for a BF16/F32 weight): the same on every rank, so that shards
+  // quantize identically whatever the TP size.
+  float scale = 1.0f;
+  float input_scale = kDefaultInputScale;
+};
+
+StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t full_rows,
+                          int64_t full_cols, int64_t row_begin, int64_t row_end, int64_t col_begin,
+                          int64_t col_end) {
+  const std::string wname = base + ".weight";
+  TP_ASSIGN_OR_RETURN(const TensorView* w, ck.Get(wname));
+  if (w->shape != std::vector<int64_t>{full_rows, full_cols}) {
+    std::string got;
+    for (int64_t d : w->shape) got += (got.empty() ? "" : ",") + std::to_string(d);
+    return InvalidArgumentError(ck.Where(wname) + " has shape [" + got + "], the config implies [" +
+                                std::to_string(full_rows) + "," + std::to_string(full_cols) + "]");
+  }
+  float scale = 1.0f;
+  if (w->dtype == StDtype::kF8E4M3) {
+    TP_ASSIGN_OR_RETURN(scale, Scalar(ck, base + ".weight_scale"));
+  } else if (w->dtype != StDtype::kBF16 && w->dtype != StDtype::kF32) {
+    return UnimplementedError(ck.Where(wname) + " has dtype " + std::string(StDtypeName(w->dtype)) +
+                              " (supported: F8_E4M3 with weight_scale, BF16, F32)");
+  }
+  Block b;
+  b.rows = row_end - row_begin;
+  b.cols = col_end - col_begin;
+  b.values.resize(b.rows * b.cols);
+  const size_t esize = StDtypeSize(w->dtype);
+  for (int64_t r = 0; r < b.rows; ++r) {
+    const uint8_t* row = w->data + ((row_begin + r) * full_cols + col_begin) * esize;
+    for (int64_t c = 0; c < b.cols; ++c) {
+      float v;
+      if (w->dtype == StDtype::kF8E4M3) {
+        v = Fp8E4M3ToFloat(row[c]) * scale;
+      } else if (w->dtype == StDtype::kBF16) {
+        BFloat16 h;
+        std::memcpy(&h.bits, row + 2 * c, 2);
+        v = BFloat16ToFloat(h);
+      } else {
+        std::memcpy(&v, row + 4 * c, 4);
+      }
+      b.values[r * b.cols + c] = v;
+    }
+  }
+  if (w->dtype == StDtype::kF8E4M3) {
+    b.scale = scale;
+  } else {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < full_rows * full_cols; ++i) {
+      float v;
+      if (w->dtype == StDtype::kBF16) {
+        BFloat16 hv;
+        std::memcpy(&hv.bits, w->data + 2 * i, 2);
+        v = BFloat16ToFloat(hv);
+      } else {
+        std::memcpy(&v, w->data + 4 * i, 4);
+      }
+      amax = std::max(amax, std::fabs(v));
+    }
+    b.scale = ScaleFromAmax(amax, Fp8Format::kE4M3);
+  }
+  if (ck.Find(base + ".input_scale") != nullptr) {
+    TP_ASSIGN_OR_RETURN(b.input_scale, Scalar(ck, base + ".input_scale"));
+  }
+  return b;
+}
+
+// Stacks blocks along rows into one LinearWeight of `dtype`. FP8: one
+// per-tensor scale, the largest of the parts' whole-tensor scales; a part
+// with that scale keeps its codes exactly, the others are requantized.
+LinearWeight Fuse(const std::vector<Block>& parts, DataType dtype) {
+  LinearWeight lw;
+  lw.dtype = dtype;
+  lw.k = parts.front().cols;
+  float scale = 0.0f, input_scale = 0.0f;
+  for (const Block& b : parts) {
+    lw.n += b.rows;
+    scale = std::max(scale, b.scale);
+    input_scale = std::max(input_scale, b.input_scale);
+  }
+  lw.input_scale = input_scale;
+  std::vector<float> all;
+  all.reserve(lw.n * lw.k);
+  for (const Block& b : parts) all.insert(all.end(), b.values.begin(), b.values.end());
+  if (dtype == DataType::kFloat8E4M3) {
+    lw.weight_scale = scale;
+    lw.data.resize(all.size());
+    QuantizeFp8(all, lw.weight_scale, Fp8Format::kE4M3, lw.data);
+  } else {
+    lw.data.resize(all.size() * 2);
+    for (size_t i = 0; i < all.size(); ++i) {
+      const BFloat16 h = FloatToBFloat16(all[i]);
+      std::memcpy(lw.data.data() + 2 * i, &h.bits, 2);
+    }
+  }
+  return lw;
+}
+
+StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType dtype, int tp,
+                            int rank) {
+  TP_RETURN_IF_ERROR(c.ValidateForTp(tp));
+  if (rank < 0 || rank >= tp) {
+    return InvalidArgumentError("rank " + std::to_string(rank) +
+                                " outside tp=" + std::to_string(tp));
+  }
+  const int64_t h = c.hidden_size, hd = c.head_dim(), nh = c.num_attention_heads,
+                nkv = c.num_key_value_heads, inter = c.intermediate_size, v = c.vocab_size;
+  const int64_t nh_l = nh / tp, nkv_l = nkv / tp, inter_l = inter / tp, v_l = v / tp;
+  RankWeights w;
+  w.tp = tp;
+  w.rank = rank;
+  w.dtype = dtype;
+  TP_ASSIGN_OR_RETURN(const TensorView* embed, ck.Get("model.embed_tokens.weight"));
+  TP_ASSIGN_OR_RETURN(w.embed, ToFloats(ck, *embed, v * h));
+  TP_ASSIGN_OR_RETURN(const TensorView* norm, ck.Get("model.norm.weight"));
+  TP_ASSIGN_OR_RETURN(w.final_norm, ToFloats(ck, *norm, h));
+  // Tied embeddings: no lm_head tensor means the embedding table.
+  const std::string head = ck.Find("lm_head.weight") ? "lm_head" : "model.embed_tokens";
+  TP_ASSIGN_OR_RETURN(Block lm, ReadBlock(ck, head, v, h, rank * v_l, (rank + 1) * v_l, 0, h));
+  w.lm_head = Fuse({lm}, DataType::kBFloat16);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = HfLayerPrefix(i);
+    LayerWeights l;
+    TP_ASSIGN_OR_RETURN(const TensorView* in_norm, ck.Get(p + ".input_layernorm.weight"));
+    TP_ASSIGN_OR_RETURN(l.input_norm, ToFloats(ck, *in_norm, h));
+    TP_ASSIGN_OR_RETURN(const TensorView* post, ck.Get(p + ".post_attention_layernorm.weight"));
+    TP_ASSIGN_OR_RETURN(l.post_norm, ToFloats(ck, *post, h));
+    TP_ASSIGN_OR_RETURN(Block q, ReadBlock(ck, p + ".self_attn.q_proj", nh * hd, h,
+                                           rank * nh_l * hd, (rank + 1) * nh_l * hd, 0, h));
+    TP_ASSIGN_OR_RETURN(Block kk, ReadBlock(ck, p + ".self_attn.k_proj", nkv * hd, h,
+                                            rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
+    TP_ASSIGN_OR_RETURN(Block vv, ReadBlock(ck, p + ".self_attn.v_proj", nkv * hd, h,
+                                            rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
+    l.qkv = Fuse({q, kk, vv}, dtype);
+    TP_ASSIGN_OR_RETURN(Block o, ReadBlock(ck, p + ".self_attn.o_proj", h, nh * hd, 0, h,
+                                           rank * nh_l * hd, (rank + 1) * nh_l * hd));
+    l.o = Fuse({o}, dtype);
+    TP_ASSIGN_OR_RETURN(Block gate, ReadBlock(ck, p + ".mlp.gate_proj", inter, h, rank * inter_l,
+                                              (rank + 1) * inter_l, 0, h));
+    TP_ASSIGN_OR_RETURN(Block up, ReadBlock(ck, p + ".mlp.up_proj", inter, h, rank * inter_l,
+                                            (rank + 1) * inter_l, 0, h));
+    l.gate_up = Fuse({gate, up}, dtype);
+    TP_ASSIGN_OR_RETURN(Block down, ReadBlock(ck, p + ".mlp.down_proj", h, inter, 0, h,
+                                              rank * inter_l, (rank + 1) * inter_l));
+    l.down = Fuse({down}, dtype);
+    w.layers.push_back(std::move(l));
+  }
+  return w;
+}
+
+uint64_t Mix(uint64_t seed, const std::string& name) {
+  uint64_t hsh = seed ^ 0x9E3779B97F4A7C15ull;
+  for (unsigned char ch : name) hsh = (hsh ^ ch) * 0x100000001B3ull;
+  return hsh;
+}
+
+// The full random checkpoint in memory (HF names, ModelOpt FP8 layout).
+Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t seed) {
+  Checkpoint ck;
+  const int64_t h = c.hidden_size, hd = c.head_dim();
+  auto normal = [&](const std::string& name, int64_t count, float sd) {
+    std::mt19937_64 rng(Mix(seed, name));
+    std::normal_distribution<float> dist(0.0f, sd);
+    std::vector<float> out(count);
+    for (float& x : out) x = dist(rng);
+    return out;
+  };
+  auto f32 = [&](const std::string& name, std::vector<int64_t> shape, const std::vector<float>& x) {
+    std::vector<uint8_t> bytes(x.size() * 4);
+    std::memcpy(bytes.data(), x.data(), bytes.size());
+    ck.AddOwned(name, StDtype::kF32, std::move(shape), std::move(bytes));
+  };
+  auto bf16 = [&](const std::string& name, std::vector<int64_t> shape,
+                  const std::vector<float>& x) {
+    std::vector<uint8_t> bytes(x.size() * 2);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const BFloat16 b = FloatToBFloat16(x[i]);
+      std::memcpy(bytes.data() + 2 * i, &b.bits, 2);
+    }
+    ck.AddOwned(name, StDtype::kBF16, std::move(shape), std::move(bytes));
+  };
+  auto linear = [&](const std::string& base, int64_t rows, int64_t cols) {
+    const std::vector<float> x = normal(base, rows * cols, 0.02f);
+    if (dtype == DataType::kFloat8E4M3) {
+      const float scale = ScaleFromAmax(Amax(x), Fp8Format::kE4M3);
+      std::vector<uint8_t> codes(x.size());
+      QuantizeFp8(x, scale, Fp8Format::kE4M3, codes);
+      ck.AddOwned(base + ".weight", StDtype::kF8E4M3, {rows, cols}, std::move(codes));
+      f32(base + ".weight_scale", {}, {scale});
+      f32(base + ".input_scale", {}, {kDefaultInputScale});
+    } else {
+      bf16(base + ".weight", {rows, cols}, x);
+    }
+  };
+  bf16("model.embed_tokens.weight", {c.vocab_size, h}, normal("embed", c.vocab_size * h, 1.0f));
+  f32("model.norm.weight", {h}, std::vector<float>(h, 1.0f));
+  bf16("lm_head.weight", {c.vocab_size, h}, normal("lm_head", c.vocab_size * h, 0.02f));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = HfLayerPrefix(i);
+    f32(p + ".input_layernorm.weight", {h}, std::vector<float>(h, 1.0f));
+    f32(p + ".post_attention_layernorm.weight", {h}, std::vector<float>(h, 1.0f));
+    linear(p + ".self_attn.q_proj", c.num_attention_heads * hd, h);
+    linear(p + ".self_attn.k_proj", c.num_key_value_heads * hd, h);
+    linear(p + ".self_attn.v_proj", c.num_key_value_heads * hd, h);
+    linear(p + ".self_attn.o_proj", h, c.num_attention_heads * hd);
+    linear(p + ".mlp.gate_proj", c.intermediate_size, h);
+    linear(p + ".mlp.up_proj", c.intermediate_size, h);
+    linear(p + ".mlp.down_proj", h, c.intermediate_size);
+  }
+  return ck;
+}
+
+}  // namespace
+
+std::string HfLayerPrefix(int64_t layer) { return "model.layers." + std::to_string(layer); }
+
+StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType dtype, int tp,
+                                            int rank, uint64_t seed) {
+  TP_RETURN_IF_ERROR(config.ValidateForTp(tp));
+  return Shard(MakeRandomCheckpoint(config, dtype, seed), config, dtype, tp, rank);
+}
+
+Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t seed,
+                             const std::string& dir) {
+  TP_RETURN_IF_ERROR(config.Validate());
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return UnavailableError("cannot create directory " + dir + ": " + ec.message());
+  const Checkpoint ck = MakeRandomCheckpoint(config, dtype, seed);
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, v] : ck.views()) {
+    tensors.push_back({name, v.dtype, v.shape, v.data, v.bytes});
+  }
+  TP_RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors,
+                                      {{"format", "pt"}, {"producer", "tpserve make-checkpoint"}}));
+  std::ofstream out(dir + "/config.json");
+  out << ModelConfigToJson(config) << "\n";
+  if (!out) return UnavailableError("cannot write " + dir + "/config.json");
+  return Status::Ok();
+}
+
+StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig& config, int tp,
+                                      int rank) {
+  Checkpoint ck;
+  ck.set_source(dir);
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  }
+  if (ec) return NotFoundError("model directory " + dir + ": " + ec.message());
+  if (files.empty()) return NotFoundError("model directory " + dir + ": no *.safetensors files");
+  std::sort(files.begin(), files.end());
+  for (const std::string& f : files) {
+    TP_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(f));
+    ck.AddFile(std::move(file));
+  }
+  // FP8 checkpoints run in FP8; BF16/F32 ones are quantized to FP8 on load.
+  return Shard(ck, config, DataType::kFloat8E4M3, tp, rank);
+}
+
+}  // namespace tpserve

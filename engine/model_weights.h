@@ -1,0 +1,64 @@
+// One rank's shard of a Llama-family model's weights, laid out as the TP
+// layers take them:
+//   attn.qkv   column-parallel, [q | k | v] rows of this rank's heads   [(nh + 2 nkv)/tp * hd, H]
+//   attn.o     row-parallel, this rank's head columns                   [H, nh/tp * hd]
+//   mlp.gate_up column-parallel, [gate | up] rows                       [2 I/tp, H]
+//   mlp.down   row-parallel, this rank's intermediate columns           [H, I/tp]
+//   lm_head    column-parallel over the vocabulary, BF16                [V/tp, H]
+// Sources: random from a seed (every rank draws the same full tensors and
+// keeps its shard), or a HuggingFace-style safetensors checkpoint with FP8
+// `weight` + `weight_scale` (+ `input_scale`) per linear layer, as NVIDIA
+// ModelOpt writes them, or BF16 `weight`s (quantized on load).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/dtype.h"
+#include "comm/status.h"
+#include "engine/model_config.h"
+
+namespace tpserve {
+
+struct LinearWeight {
+  DataType dtype = DataType::kFloat8E4M3;  // kFloat8E4M3 or kBFloat16
+  int64_t n = 0, k = 0;                    // this rank's [n, k]
+  std::vector<uint8_t> data;               // row-major elements of dtype
+  float weight_scale = 1.0f;               // FP8 dequantization scale of the weight
+  float input_scale = 1.0f;                // FP8 static dequantization scale of the input
+};
+
+struct LayerWeights {
+  std::vector<float> input_norm, post_norm;  // [H]
+  LinearWeight qkv, o, gate_up, down;
+};
+
+struct RankWeights {
+  int tp = 1, rank = 0;
+  DataType dtype = DataType::kFloat8E4M3;  // of the four TP layers
+  std::vector<float> embed;                // [V, H] (replicated)
+  std::vector<float> final_norm;           // [H]
+  LinearWeight lm_head;                    // BF16 [V/tp, H]
+  std::vector<LayerWeights> layers;
+};
+
+// HuggingFace tensor names of layer `i` (e.g. "model.layers.3.mlp.down_proj").
+std::string HfLayerPrefix(int64_t layer);
+
+// Random weights from `seed`: N(0, 0.02) linear weights (FP8: quantized with
+// per-tensor scales from their amax), norms of 1, FP8 input scales 8/448.
+StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType dtype, int tp,
+                                            int rank, uint64_t seed);
+
+// Writes a random checkpoint (config.json + model.safetensors) into `dir`
+// (created if missing) in the ModelOpt FP8 layout (or BF16).
+Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t seed,
+                             const std::string& dir);
+
+// Loads this rank's shard from `dir` (config.json + *.safetensors). Errors
+// name the file and tensor.
+StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig& config, int tp,
+                                      int rank);
+
+}  // namespace tpserve

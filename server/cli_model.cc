@@ -1,0 +1,164 @@
+// `tpserve run` (one forward pass of a model) and `tpserve make-checkpoint`.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/cpu_model.h"
+#include "server/cli.h"
+
+namespace tpserve {
+namespace {
+
+struct ModelFlags {
+  std::string model = "tiny";
+  int tp = 2;
+  std::string backend = "cpu";
+  std::string ids = "1,2,3";
+  std::string overlap_config;
+  std::string dtype = "fp8";
+  uint64_t seed = 7;
+  bool json = false;
+  std::string out;
+};
+
+// A preset name, or a directory with config.json (+ safetensors for `run`).
+StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir) {
+  *from_dir = std::filesystem::is_directory(model);
+  if (*from_dir) return LoadModelConfig(model);
+  return ModelPreset(model);
+}
+
+StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      size_t used = 0;
+      const long v = std::stol(item, &used);
+      if (used != item.size() || v < INT32_MIN || v > INT32_MAX) throw std::invalid_argument(item);
+      ids.push_back(static_cast<int32_t>(v));
+    } catch (const std::exception&) {
+      return InvalidArgumentError("--ids: '" + item + "' is not a token id");
+    }
+  }
+  if (ids.empty()) return InvalidArgumentError("--ids: no token ids given");
+  return ids;
+}
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
+}
+
+int RunModel(const ModelFlags& f) {
+  if (f.backend == "cuda") {
+    return Fail(UnimplementedError(
+        "--backend cuda: the GPU engine is not built yet (issue 5); use --backend cpu"));
+  }
+  bool from_dir = false;
+  auto config = ResolveModel(f.model, &from_dir);
+  if (!config.ok()) return Fail(config.status());
+  auto ids = ParseIds(f.ids);
+  if (!ids.ok()) return Fail(ids.status());
+  auto batch = PackSequences({*ids}, config->vocab_size, config->max_position_embeddings);
+  if (!batch.ok()) return Fail(batch.status().WithContext("--ids"));
+  std::unique_ptr<OverlapConfig> overlap;
+  if (!f.overlap_config.empty()) {
+    auto cfg = OverlapConfig::LoadFile(f.overlap_config);
+    if (!cfg.ok()) return Fail(cfg.status());
+    overlap = std::make_unique<OverlapConfig>(std::move(cfg).value());
+  }
+  const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  spdlog::info("{}: {} layers, hidden {}, tp {}, {} weights, {} tokens", config->name,
+               config->num_hidden_layers, config->hidden_size, f.tp,
+               from_dir ? "checkpoint" : "random", ids->size());
+  auto logits =
+      RunCpuModel(*config, f.tp, dtype, f.seed, from_dir ? f.model : "", overlap.get(), *batch);
+  if (!logits.ok()) return Fail(logits.status());
+  std::vector<int32_t> order(logits->size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::partial_sort(order.begin(), order.begin() + std::min<size_t>(10, order.size()), order.end(),
+                    [&](int32_t a, int32_t b) {
+                      return (*logits)[a] > (*logits)[b] || ((*logits)[a] == (*logits)[b] && a < b);
+                    });
+  order.resize(std::min<size_t>(10, order.size()));
+  if (f.json) {
+    nlohmann::json j;
+    j["next_token_id"] = order.front();
+    j["top_logits"] = nlohmann::json::array();
+    for (int32_t id : order) j["top_logits"].push_back({id, (*logits)[id]});
+    j["logits"] = *logits;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("next token id: %d\ntop logits:\n", order.front());
+    for (int32_t id : order) std::printf("  %8d  %.5f\n", id, (*logits)[id]);
+  }
+  return 0;
+}
+
+int MakeCheckpoint(const ModelFlags& f) {
+  bool from_dir = false;
+  auto config = ResolveModel(f.model, &from_dir);
+  if (!config.ok()) return Fail(config.status());
+  const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  spdlog::info("writing a random {} checkpoint of {} ({} layers) to {}", f.dtype, config->name,
+               config->num_hidden_layers, f.out);
+  const Status s = WriteRandomCheckpoint(*config, dtype, f.seed, f.out);
+  if (!s.ok()) return Fail(s);
+  std::printf("wrote %s/config.json and %s/model.safetensors\n", f.out.c_str(), f.out.c_str());
+  return 0;
+}
+
+void AddModelFlag(CLI::App* cmd, ModelFlags* f) {
+  cmd->add_option("--model", f->model,
+                  "A preset (tiny, llama3-8b, llama3-70b: random weights) or a directory with a "
+                  "HuggingFace config.json and *.safetensors")
+      ->capture_default_str();
+  cmd->add_option("--seed", f->seed, "Seed of the random weights")->capture_default_str();
+  cmd->add_option("--dtype", f->dtype, "Weights of the TP layers: fp8 (E4M3) or bf16")
+      ->check(CLI::IsMember({"fp8", "bf16"}))
+      ->capture_default_str();
+}
+
+}  // namespace
+
+void AddModelCommands(CLI::App& app, int* exit_code) {
+  auto f = std::make_shared<ModelFlags>();
+  CLI::App* run = app.add_subcommand(
+      "run",
+      "One forward pass of a model over one prompt: prints the next-token id and the top "
+      "logits of the last position");
+  AddModelFlag(run, f.get());
+  run->add_option("--tp", f->tp, "Tensor-parallel size (ranks)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  run->add_option("--backend", f->backend, "cpu (ranks are threads) or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  run->add_option("--ids", f->ids, "Prompt token ids, comma-separated")->capture_default_str();
+  run->add_option("--overlap-config", f->overlap_config,
+                  "Overlap config (YAML) choosing each TP layer's mode by name and M");
+  run->add_flag("--json", f->json,
+                "Print one JSON object: next_token_id, top_logits ([[id, value], ...], 10), "
+                "logits (the whole last-position vector)");
+  run->callback([f, exit_code] { *exit_code = RunModel(*f); });
+
+  auto g = std::make_shared<ModelFlags>();
+  CLI::App* mk = app.add_subcommand(
+      "make-checkpoint",
+      "Write a random checkpoint (config.json + model.safetensors, ModelOpt FP8 layout: weight, "
+      "weight_scale, input_scale) of a model config");
+  AddModelFlag(mk, g.get());
+  mk->add_option("--out", g->out, "Directory to write (created if missing)")->required();
+  mk->callback([g, exit_code] { *exit_code = MakeCheckpoint(*g); });
+}
+
+}  // namespace tpserve

@@ -1,0 +1,138 @@
+// The CPU reference model: TP invariance, batch independence, checkpoints.
+#include "engine/cpu_model.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "engine/safetensors.h"
+
+namespace tpserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+ModelConfig Tiny() { return *ModelPreset("tiny"); }
+
+double RelDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+const std::vector<std::vector<int32_t>> kSeqs = {
+    {1, 2, 3, 4, 5}, {17}, {100, 200, 300, 400, 500, 600, 700, 800, 900}};
+
+TokenBatch Batch(const std::vector<std::vector<int32_t>>& seqs) {
+  auto b = PackSequences(seqs, 1024, 2048);
+  EXPECT_TRUE(b.ok()) << b.status().ToString();
+  return *b;
+}
+
+std::vector<float> Logits(int tp, const TokenBatch& b, const OverlapConfig* overlap = nullptr,
+                          const std::string& dir = "") {
+  auto logits = RunCpuModel(Tiny(), tp, DataType::kFloat8E4M3, 7, dir, overlap, b);
+  EXPECT_TRUE(logits.ok()) << logits.status().ToString();
+  return logits.ok() ? *logits : std::vector<float>{};
+}
+
+TEST(CpuModel, LogitsHaveOneRowPerSequenceAndAreFinite) {
+  const std::vector<float> l = Logits(2, Batch(kSeqs));
+  ASSERT_EQ(l.size(), 3u * 1024);
+  for (float v : l) ASSERT_TRUE(std::isfinite(v));
+  // Random weights, different prompts: different logits.
+  EXPECT_GT(RelDiff({l.begin(), l.begin() + 1024}, {l.begin() + 1024, l.begin() + 2048}), 0.1);
+}
+
+// Sharding only changes the order of the row-parallel sums (BF16 partials).
+TEST(CpuModel, TensorParallelSizesAgree) {
+  const TokenBatch b = Batch(kSeqs);
+  const std::vector<float> tp1 = Logits(1, b);
+  for (int tp : {2, 4}) {
+    SCOPED_TRACE("tp=" + std::to_string(tp));
+    EXPECT_LE(RelDiff(Logits(tp, b), tp1), 2e-2);
+  }
+}
+
+// A sequence's logits do not depend on its batch-mates: every per-token step
+// and every sum happens in the same order wherever the token sits.
+TEST(CpuModel, SequenceResultDoesNotDependOnBatchMates) {
+  const std::vector<float> packed = Logits(2, Batch(kSeqs));
+  for (size_t s = 0; s < kSeqs.size(); ++s) {
+    const std::vector<float> alone = Logits(2, Batch({kSeqs[s]}));
+    for (int64_t j = 0; j < 1024; ++j) {
+      ASSERT_EQ(alone[j], packed[s * 1024 + j]) << "sequence " << s << " logit " << j;
+    }
+  }
+}
+
+TEST(CpuModel, OverlapModesFromTheConfigGiveTheSameLogits) {
+  const TokenBatch b = Batch(kSeqs);
+  const std::vector<float> none = Logits(2, b);
+  auto cfg = OverlapConfig::Parse(R"(version: 1
+layers:
+  - match: "layers.*.attn.*"
+    mode: pipeline
+    chunks: 3
+  - match: "layers.*.mlp.*"
+    mode: ring
+    chunks: 2
+)",
+                                  "test-overlap.yaml");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  EXPECT_LE(RelDiff(Logits(2, b, &*cfg), none), 1e-2);
+}
+
+TEST(CpuModel, CheckpointOnDiskGivesTheSameLogitsAsRandomWeights) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_tiny_ckpt";
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir).ok());
+  auto file = SafetensorsFile::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  const TensorView* w = file->Find("model.layers.1.mlp.down_proj.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->dtype, StDtype::kF8E4M3);
+  EXPECT_NE(file->Find("model.layers.1.mlp.down_proj.weight_scale"), nullptr);
+  auto cfg = LoadModelConfig(dir);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  EXPECT_EQ(cfg->hidden_size, Tiny().hidden_size);
+  const TokenBatch b = Batch(kSeqs);
+  EXPECT_EQ(Logits(2, b, nullptr, dir), Logits(2, b));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CpuModel, LoadingReportsTheMissingTensorAndFile) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_bad_ckpt";
+  std::filesystem::create_directories(dir);
+  float one = 1.0f;
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
+                               {{"model.norm.weight", StDtype::kF32, {1}, &one, 4}})
+                  .ok());
+  auto w = LoadRankWeights(dir, Tiny(), 2, 0);
+  EXPECT_EQ(w.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(w.status().message(), HasSubstr("model.embed_tokens.weight"));
+  EXPECT_THAT(w.status().message(), HasSubstr(dir));
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(LoadRankWeights(dir, Tiny(), 2, 0).status().code(), StatusCode::kNotFound);
+}
+
+TEST(PackSequences, RejectsBadInputNamingWhatIsWrong) {
+  EXPECT_THAT(PackSequences({}, 10, 10).status().message(), HasSubstr("no sequences"));
+  EXPECT_THAT(PackSequences({{1}, {}}, 10, 10).status().message(),
+              HasSubstr("sequence 1 is empty"));
+  EXPECT_THAT(PackSequences({{1, 10}}, 10, 10).status().message(),
+              HasSubstr("sequence 0 token 1 has id 10, outside [0, 10)"));
+  EXPECT_THAT(PackSequences({{-1}}, 10, 10).status().message(), HasSubstr("id -1"));
+  EXPECT_THAT(PackSequences({{1, 2, 3}}, 10, 2).status().message(), HasSubstr("at most 2"));
+  auto b = PackSequences({{1, 2}, {3}}, 10, 10);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->cu_seqlens, (std::vector<int32_t>{0, 2, 3}));
+  EXPECT_EQ(b->positions, (std::vector<int32_t>{0, 1, 0}));
+}
+
+}  // namespace
+}  // namespace tpserve
