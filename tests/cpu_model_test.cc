@@ -7,7 +7,10 @@
 #include <cmath>
 #include <filesystem>
 
+#include "engine/cpu_engine.h"
 #include "engine/safetensors.h"
+
+#include <thread>
 
 namespace tpserve {
 namespace {
@@ -118,6 +121,47 @@ TEST(CpuModel, LoadingReportsTheMissingTensorAndFile) {
   EXPECT_THAT(w.status().message(), HasSubstr(dir));
   std::filesystem::remove_all(dir);
   EXPECT_EQ(LoadRankWeights(dir, Tiny(), 2, 0).status().code(), StatusCode::kNotFound);
+}
+
+TEST(CpuEngine, ServesRepeatedAndConcurrentForwardsLikeAOneShotRun) {
+  CpuEngineOptions o;
+  o.config = Tiny();
+  o.tp = 2;
+  auto engine = CpuEngine::Start(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const TokenBatch b = Batch(kSeqs);
+  const std::vector<float> want = Logits(2, b);
+  for (int i = 0; i < 3; ++i) {
+    auto got = (*engine)->Forward(b);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, want);
+  }
+  std::vector<std::thread> callers;
+  std::vector<std::vector<float>> results(4);
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      const TokenBatch mine = Batch({kSeqs[t % 3]});
+      auto got = (*engine)->Forward(mine);
+      if (got.ok()) results[t] = *got;
+    });
+  }
+  for (auto& c : callers) c.join();
+  for (int t = 0; t < 4; ++t) {
+    const std::vector<float> expect(want.begin() + (t % 3) * 1024,
+                                    want.begin() + (t % 3 + 1) * 1024);
+    EXPECT_EQ(results[t], expect) << "caller " << t;
+  }
+  EXPECT_TRUE((*engine)->healthy());
+}
+
+TEST(CpuEngine, StartFailsCleanlyOnABadCheckpoint) {
+  CpuEngineOptions o;
+  o.config = Tiny();
+  o.tp = 2;
+  o.checkpoint_dir = "/nonexistent/model";
+  auto engine = CpuEngine::Start(o);
+  EXPECT_FALSE(engine.ok());
+  EXPECT_THAT(engine.status().message(), HasSubstr("/nonexistent/model"));
 }
 
 TEST(PackSequences, RejectsBadInputNamingWhatIsWrong) {

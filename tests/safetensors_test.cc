@@ -143,12 +143,11 @@ std::string SmallValidFile() {
   std::vector<uint8_t> b = {0x38, 0x40, 0xb8, 0x00, 0x7e};
   std::vector<int64_t> c = {-7};
   std::vector<uint8_t> empty;
-  Status s = WriteSafetensors(path,
-                              {ToWrite("a", StDtype::kF32, {3}, Bytes(a)),
-                               ToWrite("b.weight", StDtype::kF8E4M3, {5}, b),
-                               ToWrite("c", StDtype::kI64, {}, Bytes(c)),
-                               ToWrite("e", StDtype::kBF16, {0, 2}, empty)},
-                              {{"format", "pt"}});
+  Status s = WriteSafetensors(
+      path,
+      {ToWrite("a", StDtype::kF32, {3}, Bytes(a)), ToWrite("b.weight", StDtype::kF8E4M3, {5}, b),
+       ToWrite("c", StDtype::kI64, {}, Bytes(c)), ToWrite("e", StDtype::kBF16, {0, 2}, empty)},
+      {{"format", "pt"}});
   EXPECT_TRUE(s.ok()) << s.ToString();
   return ReadAll(path);
 }
@@ -158,12 +157,12 @@ std::string SmallValidFile() {
 
 TEST(StDtypeTest, NamesSizesAndParsing) {
   const std::vector<std::pair<StDtype, std::pair<std::string, size_t>>> cases = {
-      {StDtype::kF32, {"F32", 4}},    {StDtype::kF16, {"F16", 2}},
-      {StDtype::kBF16, {"BF16", 2}},  {StDtype::kF8E4M3, {"F8_E4M3", 1}},
+      {StDtype::kF32, {"F32", 4}},        {StDtype::kF16, {"F16", 2}},
+      {StDtype::kBF16, {"BF16", 2}},      {StDtype::kF8E4M3, {"F8_E4M3", 1}},
       {StDtype::kF8E5M2, {"F8_E5M2", 1}}, {StDtype::kI8, {"I8", 1}},
-      {StDtype::kU8, {"U8", 1}},      {StDtype::kI16, {"I16", 2}},
-      {StDtype::kI32, {"I32", 4}},    {StDtype::kI64, {"I64", 8}},
-      {StDtype::kBool, {"BOOL", 1}},  {StDtype::kF64, {"F64", 8}},
+      {StDtype::kU8, {"U8", 1}},          {StDtype::kI16, {"I16", 2}},
+      {StDtype::kI32, {"I32", 4}},        {StDtype::kI64, {"I64", 8}},
+      {StDtype::kBool, {"BOOL", 1}},      {StDtype::kF64, {"F64", 8}},
   };
   for (const auto& [dtype, name_size] : cases) {
     EXPECT_EQ(StDtypeName(dtype), name_size.first);
@@ -182,8 +181,9 @@ TEST(SafetensorsRoundTripTest, SeveralDtypesScalarsEmptyTensorAndMetadata) {
   const std::string path = TempPath();
   std::vector<float> f32 = {1.0f, -2.5f, 3.0f, 0.0f, 1e-3f, 7.0f};
   std::vector<uint16_t> bf16 = {0x3f80, 0xc000, 0x7fc0, 0x0001};
-  std::vector<uint8_t> fp8 = {0x00, 0x38, 0x7e, 0xfe, 0x01, 0x02, 0x03, 0x04, 0x05,
-                              0x06, 0x07, 0x08, 0x09, 0x0a, 0x0b};  // 15: misaligns what follows
+  std::vector<uint8_t> fp8 = {
+      0x00, 0x38, 0x7e, 0xfe, 0x01, 0x02, 0x03, 0x04,
+      0x05, 0x06, 0x07, 0x08, 0x09, 0x0a, 0x0b};  // 15: misaligns what follows
   std::vector<int64_t> i64_scalar = {-123456789012345};
   std::vector<uint8_t> boolean = {1, 0, 1};
   std::vector<uint8_t> empty;
@@ -245,9 +245,9 @@ TEST(SafetensorsRoundTripTest, SeveralDtypesScalarsEmptyTensorAndMetadata) {
 TEST(SafetensorsRoundTripTest, WriterPacksDataInGivenOrderWithoutGaps) {
   const std::string path = TempPath();
   std::vector<uint8_t> z = {1, 2, 3}, a = {4, 5, 6, 7, 8}, m = {9, 10};
-  ASSERT_TRUE(WriteSafetensors(path, {ToWrite("z", StDtype::kU8, {3}, z),
-                                      ToWrite("a", StDtype::kI8, {5}, a),
-                                      ToWrite("m", StDtype::kU8, {2}, m)})
+  ASSERT_TRUE(WriteSafetensors(
+                  path, {ToWrite("z", StDtype::kU8, {3}, z), ToWrite("a", StDtype::kI8, {5}, a),
+                         ToWrite("m", StDtype::kU8, {2}, m)})
                   .ok());
   StatusOr<SafetensorsFile> f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
@@ -423,8 +423,8 @@ TEST(SafetensorsMalformedTest, HeaderLengthOverLimit) {
 }
 
 TEST(SafetensorsMalformedTest, HeaderLengthPastEndOfFile) {
-  ExpectOpenInvalid(LengthPrefix(100) + "{}", {"header length 100 runs past the end of the file",
-                                               "2 bytes follow"});
+  ExpectOpenInvalid(LengthPrefix(100) + "{}",
+                    {"header length 100 runs past the end of the file", "2 bytes follow"});
 }
 
 TEST(SafetensorsMalformedTest, HeaderNotJson) {
@@ -457,9 +457,8 @@ TEST(SafetensorsMalformedTest, EntryNotObject) {
 }
 
 TEST(SafetensorsMalformedTest, EntryUnknownKey) {
-  ExpectEntryInvalid(
-      R"({"dtype":"F32","shape":[4],"data_offsets":[0,16],"scale":1.0})",
-      {"unknown key \"scale\"", "allowed: dtype, shape, data_offsets"});
+  ExpectEntryInvalid(R"({"dtype":"F32","shape":[4],"data_offsets":[0,16],"scale":1.0})",
+                     {"unknown key \"scale\"", "allowed: dtype, shape, data_offsets"});
 }
 
 TEST(SafetensorsMalformedTest, EntryMissingKey) {
@@ -469,9 +468,10 @@ TEST(SafetensorsMalformedTest, EntryMissingKey) {
 }
 
 TEST(SafetensorsMalformedTest, UnknownDtypeListsAllowedOnes) {
-  ExpectEntryInvalid(R"({"dtype":"F128","shape":[1],"data_offsets":[0,16]})",
-                     {"unknown dtype \"F128\"",
-                      "allowed: F32, F16, BF16, F8_E4M3, F8_E5M2, I8, U8, I16, I32, I64, BOOL, F64"});
+  ExpectEntryInvalid(
+      R"({"dtype":"F128","shape":[1],"data_offsets":[0,16]})",
+      {"unknown dtype \"F128\"",
+       "allowed: F32, F16, BF16, F8_E4M3, F8_E5M2, I8, U8, I16, I32, I64, BOOL, F64"});
   ExpectEntryInvalid(R"({"dtype":"f32","shape":[4],"data_offsets":[0,16]})",
                      {"unknown dtype \"f32\""});
   ExpectEntryInvalid(R"({"dtype":4,"shape":[4],"data_offsets":[0,16]})",
@@ -507,7 +507,10 @@ TEST(SafetensorsMalformedTest, ShapeProductOverflows) {
 TEST(SafetensorsMalformedTest, ZeroDimensionMakesHugeShapeEmpty) {
   // Not an overflow: the product is 0 however large the other dimensions are.
   const std::string path = TempPath();
-  WriteAll(path, RawFile(R"({"w":{"dtype":"F64","shape":[4611686018427387904,0,4611686018427387904],"data_offsets":[0,0]}})"));
+  WriteAll(
+      path,
+      RawFile(
+          R"({"w":{"dtype":"F64","shape":[4611686018427387904,0,4611686018427387904],"data_offsets":[0,0]}})"));
   StatusOr<SafetensorsFile> f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
   EXPECT_EQ(f->Find("w")->numel(), 0);
@@ -543,19 +546,18 @@ TEST(SafetensorsMalformedTest, DataOffsetsEndBeyondBuffer) {
 }
 
 TEST(SafetensorsMalformedTest, DataOffsetsSizeDisagreesWithShape) {
-  ExpectEntryInvalid(R"({"dtype":"F32","shape":[2,2],"data_offsets":[0,12]})",
-                     {"data_offsets [0, 12] cover 12 bytes, but F32 [2, 2] needs 16",
-                      "4 elements of 4 bytes"});
+  ExpectEntryInvalid(
+      R"({"dtype":"F32","shape":[2,2],"data_offsets":[0,12]})",
+      {"data_offsets [0, 12] cover 12 bytes, but F32 [2, 2] needs 16", "4 elements of 4 bytes"});
   ExpectEntryInvalid(R"({"dtype":"BF16","shape":[],"data_offsets":[0,4]})",
                      {"cover 4 bytes, but BF16 [] needs 2"});
 }
 
 TEST(SafetensorsMalformedTest, OverlappingTensors) {
-  ExpectOpenInvalid(
-      RawFile(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-              R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-              std::string(16, '\0')),
-      {"tensors \"a\" [0, 8] and \"b\" [4, 12] overlap"});
+  ExpectOpenInvalid(RawFile(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                            R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                            std::string(16, '\0')),
+                    {"tensors \"a\" [0, 8] and \"b\" [4, 12] overlap"});
   // Same range twice; and one range inside another.
   ExpectOpenInvalid(RawFile(R"({"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
                             R"("y":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}})",
@@ -570,11 +572,12 @@ TEST(SafetensorsMalformedTest, OverlappingTensors) {
 
 TEST(SafetensorsMalformedTest, GapsTrailingBytesAndEmptyTensorsInsideOthersAreAllowed) {
   const std::string path = TempPath();
-  WriteAll(path, RawFile(R"({"b":{"dtype":"U8","shape":[2],"data_offsets":[10,12]},)"
-                         R"("a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]},)"
-                         R"("e":{"dtype":"F32","shape":[0],"data_offsets":[11,11]}})"
-                         "   ",  // unpadded header length, trailing spaces
-                         std::string("\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d", 14)));
+  WriteAll(path,
+           RawFile(R"({"b":{"dtype":"U8","shape":[2],"data_offsets":[10,12]},)"
+                   R"("a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]},)"
+                   R"("e":{"dtype":"F32","shape":[0],"data_offsets":[11,11]}})"
+                   "   ",  // unpadded header length, trailing spaces
+                   std::string("\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d", 14)));
   StatusOr<SafetensorsFile> f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
   ASSERT_EQ(f->tensors().size(), 3u);
@@ -609,7 +612,8 @@ TEST(SafetensorsMalformedTest, TooManyTensors) {
   std::string header = "{";
   for (int i = 0; i < 3; ++i) {
     if (i > 0) header += ",";
-    header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}";
+    header +=
+        "\"t" + std::to_string(i) + "\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}";
   }
   header += ",\"__metadata__\":{}}";
   SafetensorsLimits limits;

@@ -1,0 +1,102 @@
+#include "engine/cpu_engine.h"
+
+#include <spdlog/spdlog.h>
+
+#include "comm/local_communicator.h"
+
+namespace tpserve {
+
+StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Start(CpuEngineOptions options) {
+  TP_RETURN_IF_ERROR(options.config.ValidateForTp(options.tp));
+  auto engine = std::unique_ptr<CpuEngine>(new CpuEngine(std::move(options)));
+  TP_ASSIGN_OR_RETURN(engine->comms_, MakeLocalCommunicators(engine->options_.tp));
+  for (int r = 0; r < engine->options_.tp; ++r) {
+    engine->threads_.emplace_back(&CpuEngine::RankLoop, engine.get(), r, engine->comms_[r].get());
+  }
+  // Wait until every rank has its weights (or one failed).
+  std::unique_lock lock(engine->mu_);
+  engine->cv_.wait(lock,
+                   [&] { return engine->started_ == engine->options_.tp || engine->broken_; });
+  if (engine->broken_) {
+    Status s = engine->first_error_;
+    lock.unlock();
+    return s.WithContext("starting the CPU engine");  // the destructor joins the threads
+  }
+  return engine;
+}
+
+CpuEngine::~CpuEngine() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& c : comms_) c->Abort();  // ranks blocked in a collective return at once
+  for (auto& t : threads_) t.join();
+}
+
+bool CpuEngine::healthy() const {
+  std::lock_guard lock(mu_);
+  return !broken_;
+}
+
+void CpuEngine::RankLoop(int rank, Communicator* comm) {
+  auto fail = [&](const Status& s) {
+    spdlog::error("CPU engine rank {}: {}", rank, s.ToString());
+    comm->Abort();
+    std::lock_guard lock(mu_);
+    if (!broken_) first_error_ = s;
+    broken_ = true;
+    cv_.notify_all();
+  };
+  const CpuEngineOptions& o = options_;
+  StatusOr<RankWeights> w = o.checkpoint_dir.empty()
+                                ? MakeRandomRankWeights(o.config, o.dtype, o.tp, rank, o.seed)
+                                : LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank);
+  if (!w.ok()) return fail(w.status());
+  auto model = CpuModel::Create(o.config, std::move(w).value(), o.overlap.get(), *comm);
+  if (!model.ok()) return fail(model.status());
+  uint64_t seen = 0;
+  {
+    std::lock_guard lock(mu_);
+    ++started_;
+  }
+  cv_.notify_all();
+  while (true) {
+    const TokenBatch* job = nullptr;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || broken_ || generation_ != seen; });
+      if (stop_ || broken_) return;
+      seen = generation_;
+      job = job_;
+    }
+    auto logits = (*model)->Forward(*job);
+    if (!logits.ok()) return fail(logits.status());
+    {
+      std::lock_guard lock(mu_);
+      if (rank == 0) logits_ = std::move(logits).value();
+      ++finished_;
+    }
+    cv_.notify_all();
+  }
+}
+
+StatusOr<std::vector<float>> CpuEngine::Forward(const TokenBatch& batch) {
+  std::lock_guard one_at_a_time(forward_mu_);
+  std::unique_lock lock(mu_);
+  if (broken_) {
+    return UnavailableError("CPU engine is down after an earlier failure: " +
+                            first_error_.ToString());
+  }
+  job_ = &batch;
+  finished_ = 0;
+  ++generation_;
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return finished_ == options_.tp || broken_; });
+  job_ = nullptr;
+  if (broken_) return UnavailableError("CPU engine failed: " + first_error_.ToString());
+  return std::move(logits_);
+}
+
+}  // namespace tpserve

@@ -1,0 +1,64 @@
+// CpuEngine: a model served by `tp` rank threads on the CPU executor. The
+// weights are loaded once at Start(); Forward() then runs one packed batch on
+// all ranks. The serving backend on machines without GPUs.
+//
+// Thread-safety: Forward() may be called from any thread; calls are
+// serialised. Failure: a rank that fails aborts the group (no rank waits for
+// it); the engine then answers every later Forward() with UNAVAILABLE.
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "engine/cpu_model.h"
+
+namespace tpserve {
+
+struct CpuEngineOptions {
+  ModelConfig config;                            // the model's shape
+  int tp = 1;                                    // ranks (threads)
+  DataType dtype = DataType::kFloat8E4M3;        // of random weights (checkpoints bring their own)
+  uint64_t seed = 7;                             // of random weights
+  std::string checkpoint_dir;                    // empty: random weights
+  std::shared_ptr<const OverlapConfig> overlap;  // may be null: every layer mode none
+};
+
+class CpuEngine {
+ public:
+  static StatusOr<std::unique_ptr<CpuEngine>> Start(CpuEngineOptions options);
+  ~CpuEngine();  // stops the rank threads
+
+  // Logits [sequences, vocab] of the last token of every sequence.
+  StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
+
+  const ModelConfig& config() const { return options_.config; }
+  int tp() const { return options_.tp; }
+  bool healthy() const;
+
+ private:
+  explicit CpuEngine(CpuEngineOptions options) : options_(std::move(options)) {}
+  void RankLoop(int rank, Communicator* comm);
+
+  CpuEngineOptions options_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+  std::vector<std::thread> threads_;
+
+  std::mutex forward_mu_;  // one Forward at a time
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t generation_ = 0;  // bumped per job
+  int started_ = 0;          // ranks that finished loading
+  int finished_ = 0;         // ranks done with the current job
+  bool stop_ = false;
+  bool broken_ = false;
+  Status first_error_;
+  const TokenBatch* job_ = nullptr;
+  std::vector<float> logits_;
+};
+
+}  // namespace tpserve

@@ -1,0 +1,120 @@
+#include "server/batcher.h"
+
+#include <spdlog/spdlog.h>
+
+namespace tpserve {
+
+TokenBatcher::TokenBatcher(BatcherOptions options, int64_t vocab, BatchForward forward)
+    : options_(options), vocab_(vocab), forward_(std::move(forward)) {
+  worker_ = std::thread(&TokenBatcher::Loop, this);
+}
+
+TokenBatcher::~TokenBatcher() {
+  Stop();
+  if (worker_.joinable()) worker_.join();
+}
+
+void TokenBatcher::Stop() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+}
+
+size_t TokenBatcher::queued() const {
+  std::lock_guard lock(mu_);
+  return queue_.size();
+}
+
+StatusOr<std::future<StatusOr<BatchResult>>> TokenBatcher::Submit(
+    std::vector<int32_t> ids, Clock::time_point deadline,
+    std::shared_ptr<std::atomic<bool>> cancelled) {
+  Item item;
+  item.ids = std::move(ids);
+  item.enqueued = Clock::now();
+  item.deadline = deadline;
+  item.cancelled = std::move(cancelled);
+  auto future = item.promise.get_future();
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return UnavailableError("the server is shutting down");
+    if (queue_.size() >= options_.max_queue_size) {
+      return ResourceExhaustedError("the request queue is full (" +
+                                    std::to_string(options_.max_queue_size) +
+                                    " requests waiting); retry later");
+    }
+    queue_.push_back(std::move(item));
+  }
+  cv_.notify_all();
+  return future;
+}
+
+void TokenBatcher::Loop() {
+  while (true) {
+    std::vector<Item> batch;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      // Wait for batch-mates until the token budget fills or the oldest
+      // request has waited max_queue_delay (no wait when draining).
+      const auto flush_at = queue_.front().enqueued + options_.max_queue_delay;
+      cv_.wait_until(lock, flush_at, [&] {
+        if (stopping_) return true;
+        int64_t tokens = 0;
+        for (const Item& it : queue_) tokens += static_cast<int64_t>(it.ids.size());
+        return tokens >= options_.max_batch_tokens;
+      });
+      int64_t tokens = 0;
+      const auto now = Clock::now();
+      while (!queue_.empty()) {
+        Item& it = queue_.front();
+        if (it.cancelled && it.cancelled->load()) {
+          it.promise.set_value(CancelledError("the client cancelled the request"));
+          queue_.pop_front();
+          continue;
+        }
+        if (it.deadline <= now) {
+          it.promise.set_value(DeadlineExceededError("the deadline passed while queued"));
+          queue_.pop_front();
+          continue;
+        }
+        const int64_t n = static_cast<int64_t>(it.ids.size());
+        if (!batch.empty() && tokens + n > options_.max_batch_tokens) break;
+        tokens += n;
+        batch.push_back(std::move(it));
+        queue_.pop_front();
+      }
+    }
+    if (batch.empty()) continue;
+    TokenBatch tb;
+    tb.cu_seqlens.push_back(0);
+    for (const Item& it : batch) {
+      for (size_t i = 0; i < it.ids.size(); ++i) {
+        tb.ids.push_back(it.ids[i]);
+        tb.positions.push_back(static_cast<int32_t>(i));
+      }
+      tb.cu_seqlens.push_back(static_cast<int32_t>(tb.ids.size()));
+    }
+    const auto start = Clock::now();
+    StatusOr<std::vector<float>> logits = forward_(tb);
+    const auto end = Clock::now();
+    batches_.fetch_add(1);
+    for (size_t s = 0; s < batch.size(); ++s) {
+      if (!logits.ok()) {
+        batch[s].promise.set_value(logits.status());
+        continue;
+      }
+      BatchResult r;
+      r.logits.assign(logits->begin() + s * vocab_, logits->begin() + (s + 1) * vocab_);
+      r.queue_ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(start - batch[s].enqueued).count();
+      r.compute_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
+      r.batch_sequences = static_cast<int>(batch.size());
+      batch[s].promise.set_value(std::move(r));
+    }
+  }
+}
+
+}  // namespace tpserve

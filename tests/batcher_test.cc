@@ -1,0 +1,127 @@
+#include "server/batcher.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+namespace tpserve {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = TokenBatcher::Clock;
+
+constexpr int64_t kVocab = 4;
+
+// A fake engine: logits of sequence s = [first id, length, batch size, call#].
+struct FakeEngine {
+  std::atomic<int> calls{0};
+  std::atomic<int> max_batch{0};
+  std::chrono::milliseconds delay{0};
+  Status fail;
+  StatusOr<std::vector<float>> operator()(const TokenBatch& b) {
+    const int call = ++calls;
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    if (!fail.ok()) return fail;
+    max_batch = std::max<int>(max_batch, b.sequences());
+    std::vector<float> out;
+    for (int64_t s = 0; s < b.sequences(); ++s) {
+      out.push_back(b.ids[b.cu_seqlens[s]]);
+      out.push_back(b.cu_seqlens[s + 1] - b.cu_seqlens[s]);
+      out.push_back(b.sequences());
+      out.push_back(call);
+    }
+    return out;
+  }
+};
+
+BatchForward Forward(FakeEngine& e) {
+  return [&e](const TokenBatch& b) { return e(b); };
+}
+
+Clock::time_point Far() { return Clock::now() + 60s; }
+
+TEST(TokenBatcher, PacksConcurrentRequestsIntoOneBatchAndRoutesResults) {
+  FakeEngine e;
+  TokenBatcher b({8192, 100ms, 64}, kVocab, Forward(e));
+  std::vector<std::future<StatusOr<BatchResult>>> futures;
+  for (int i = 0; i < 5; ++i) {
+    auto f = b.Submit(std::vector<int32_t>(i + 1, 10 * i), Far(), nullptr);
+    ASSERT_TRUE(f.ok());
+    futures.push_back(std::move(f).value());
+  }
+  for (int i = 0; i < 5; ++i) {
+    auto r = futures[i].get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->logits[0], 10 * i);  // its own first token
+    EXPECT_EQ(r->logits[1], i + 1);   // its own length
+    EXPECT_EQ(r->batch_sequences, 5);
+  }
+  EXPECT_EQ(e.calls.load(), 1);
+}
+
+TEST(TokenBatcher, RespectsTheTokenBudget) {
+  FakeEngine e;
+  TokenBatcher b({10, 50ms, 64}, kVocab, Forward(e));
+  std::vector<std::future<StatusOr<BatchResult>>> futures;
+  for (int i = 0; i < 4; ++i)
+    futures.push_back(*b.Submit(std::vector<int32_t>(4, i), Far(), nullptr));
+  for (auto& f : futures) ASSERT_TRUE(f.get().ok());
+  EXPECT_EQ(e.max_batch.load(), 2);  // 4 + 4 <= 10 < 12
+  EXPECT_EQ(e.calls.load(), 2);
+}
+
+TEST(TokenBatcher, FullQueueIsResourceExhausted) {
+  FakeEngine e;
+  e.delay = 200ms;
+  TokenBatcher b({8192, 0ms, 2}, kVocab, Forward(e));
+  auto first = b.Submit({1}, Far(), nullptr);  // taken by the worker at once
+  ASSERT_TRUE(first.ok());
+  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(b.Submit({2}, Far(), nullptr).ok());
+  ASSERT_TRUE(b.Submit({3}, Far(), nullptr).ok());
+  auto over = b.Submit({4}, Far(), nullptr);
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.status().message(), ::testing::HasSubstr("queue is full"));
+}
+
+TEST(TokenBatcher, ExpiredAndCancelledRequestsAreAnsweredWithoutComputing) {
+  FakeEngine e;
+  e.delay = 100ms;
+  TokenBatcher b({8192, 0ms, 64}, kVocab, Forward(e));
+  auto busy = *b.Submit({1}, Far(), nullptr);  // occupies the engine
+  std::this_thread::sleep_for(20ms);
+  auto expired = *b.Submit({2}, Clock::now() + 10ms, nullptr);
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  auto cancelled = *b.Submit({3}, Far(), flag);
+  flag->store(true);
+  EXPECT_EQ(expired.get().status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cancelled.get().status().code(), StatusCode::kCancelled);
+  EXPECT_TRUE(busy.get().ok());
+  EXPECT_EQ(e.calls.load(), 1);
+}
+
+TEST(TokenBatcher, StopDrainsWhatIsQueuedThenRefuses) {
+  FakeEngine e;
+  e.delay = 30ms;
+  TokenBatcher b({4, 0ms, 64}, kVocab, Forward(e));
+  std::vector<std::future<StatusOr<BatchResult>>> futures;
+  for (int i = 0; i < 6; ++i) futures.push_back(*b.Submit({i, i, i}, Far(), nullptr));
+  b.Stop();
+  EXPECT_EQ(b.Submit({9}, Far(), nullptr).status().code(), StatusCode::kUnavailable);
+  for (auto& f : futures) EXPECT_TRUE(f.get().ok());  // none lost
+}
+
+TEST(TokenBatcher, EngineErrorsReachEveryRequestOfTheBatch) {
+  FakeEngine e;
+  e.fail = UnavailableError("engine down");
+  TokenBatcher b({8192, 20ms, 64}, kVocab, Forward(e));
+  auto a = *b.Submit({1}, Far(), nullptr);
+  auto c = *b.Submit({2}, Far(), nullptr);
+  EXPECT_EQ(a.get().status().message(), "engine down");
+  EXPECT_EQ(c.get().status().code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace tpserve
