@@ -11,6 +11,7 @@ namespace tpserve {
 
 void AddPlanCommand(CLI::App& app, int* exit_code);
 void AddModelCommands(CLI::App& app, int* exit_code);
+void AddServeCommand(CLI::App& app, int* exit_code);
 void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::string>& argv);
 
 }  // namespace tpserve

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   tpserve::AddPlanCommand(app, &exit_code);
   tpserve::AddModelCommands(app, &exit_code);
+  tpserve::AddServeCommand(app, &exit_code);
   tpserve::AddLayerCommand(app, &exit_code, std::vector<std::string>(argv, argv + argc));
   try {
     app.parse(argc, argv);

@@ -1,0 +1,388 @@
+#include "server/inference_server.h"
+
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include "proto/grpc_service.grpc.pb.h"
+
+namespace tpserve {
+namespace {
+
+constexpr char kInput[] = "input_ids";
+constexpr char kLogits[] = "logits";
+constexpr char kNextToken[] = "next_token_id";
+constexpr char kVersion[] = "1";
+
+grpc::Status ToGrpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
+}
+
+std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
+  std::string s = "[";
+  for (int i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+uint64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A validated request: the token ids and how to answer.
+struct ParsedRequest {
+  std::vector<int32_t> ids;
+  bool batched_shape = false;  // input was [1, n]: outputs get a leading 1
+  bool want_logits = true, want_next = true;
+};
+
+}  // namespace
+
+class InferenceService final : public inference::GRPCInferenceService::Service {
+ public:
+  InferenceService(const ServerOptions& options, const ModelConfig& config, TokenBatcher& batcher)
+      : options_(options), config_(config), batcher_(batcher) {}
+
+  void set_serving(bool serving) { serving_ = serving; }
+
+  grpc::Status ServerLive(grpc::ServerContext*, const inference::ServerLiveRequest*,
+                          inference::ServerLiveResponse* r) override {
+    r->set_live(true);
+    return grpc::Status::OK;
+  }
+  grpc::Status ServerReady(grpc::ServerContext*, const inference::ServerReadyRequest*,
+                           inference::ServerReadyResponse* r) override {
+    r->set_ready(serving_.load());
+    return grpc::Status::OK;
+  }
+  grpc::Status ModelReady(grpc::ServerContext*, const inference::ModelReadyRequest* q,
+                          inference::ModelReadyResponse* r) override {
+    if (Status s = CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
+    r->set_ready(serving_.load());
+    return grpc::Status::OK;
+  }
+  grpc::Status ServerMetadata(grpc::ServerContext*, const inference::ServerMetadataRequest*,
+                              inference::ServerMetadataResponse* r) override {
+    r->set_name("tpserve");
+    r->set_version("0.1.0");
+    r->add_extensions("statistics");
+    r->add_extensions("health");
+    return grpc::Status::OK;
+  }
+  grpc::Status ModelMetadata(grpc::ServerContext*, const inference::ModelMetadataRequest* q,
+                             inference::ModelMetadataResponse* r) override {
+    if (Status s = CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
+    r->set_name(options_.model_name);
+    r->add_versions(kVersion);
+    r->set_platform("tpserve_llama");
+    auto* in = r->add_inputs();
+    in->set_name(kInput);
+    in->set_datatype("INT32");
+    in->add_shape(-1);  // [n]; [1, n] is accepted too
+    auto* logits = r->add_outputs();
+    logits->set_name(kLogits);
+    logits->set_datatype("FP32");
+    logits->add_shape(config_.vocab_size);
+    auto* next = r->add_outputs();
+    next->set_name(kNextToken);
+    next->set_datatype("INT32");
+    next->add_shape(1);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ModelInfer(grpc::ServerContext* ctx, const inference::ModelInferRequest* q,
+                          inference::ModelInferResponse* r) override {
+    const Status s = Infer(ctx, *q, r);
+    if (!s.ok()) {
+      ++fail_count_;
+      spdlog::debug("ModelInfer {}: {}", q->id(), s.ToString());
+    }
+    return ToGrpc(s);
+  }
+
+  grpc::Status ModelStreamInfer(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<inference::ModelStreamInferResponse, inference::ModelInferRequest>*
+          stream) override {
+    inference::ModelInferRequest q;
+    while (stream->Read(&q)) {
+      inference::ModelStreamInferResponse out;
+      const Status s = Infer(ctx, q, out.mutable_infer_response());
+      if (!s.ok()) {
+        ++fail_count_;
+        out.clear_infer_response();
+        out.set_error_message(s.ToString());
+      }
+      if (!stream->Write(out)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ModelStatistics(grpc::ServerContext*, const inference::ModelStatisticsRequest* q,
+                               inference::ModelStatisticsResponse* r) override {
+    if (!q->name().empty()) {
+      if (Status s = CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
+    }
+    auto* m = r->add_model_stats();
+    m->set_name(options_.model_name);
+    m->set_version(kVersion);
+    m->set_last_inference(last_inference_ms_.load());
+    m->set_inference_count(success_count_.load());
+    m->set_execution_count(batcher_.batches());
+    auto* st = m->mutable_inference_stats();
+    st->mutable_success()->set_count(success_count_.load());
+    st->mutable_success()->set_ns(success_ns_.load());
+    st->mutable_fail()->set_count(fail_count_.load());
+    st->mutable_queue()->set_count(success_count_.load());
+    st->mutable_queue()->set_ns(queue_ns_.load());
+    st->mutable_compute_infer()->set_count(success_count_.load());
+    st->mutable_compute_infer()->set_ns(compute_ns_.load());
+    return grpc::Status::OK;
+  }
+
+  std::string MetricsText() const {
+    std::ostringstream o;
+    const std::string labels = "{model=\"" + options_.model_name + "\",version=\"1\"}";
+    auto metric = [&](const char* name, const char* type, const char* help, uint64_t v) {
+      o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n"
+        << name << labels << " " << v << "\n";
+    };
+    metric("nv_inference_request_success", "counter", "Number of successful inference requests",
+           success_count_.load());
+    metric("nv_inference_request_failure", "counter", "Number of failed inference requests",
+           fail_count_.load());
+    metric("nv_inference_count", "counter", "Number of inferences performed",
+           success_count_.load());
+    metric("nv_inference_exec_count", "counter", "Number of engine batches executed",
+           batcher_.batches());
+    metric("nv_inference_request_duration_us", "counter",
+           "Cumulative inference request duration in microseconds", success_ns_.load() / 1000);
+    metric("nv_inference_queue_duration_us", "counter",
+           "Cumulative time requests spent queued, in microseconds", queue_ns_.load() / 1000);
+    metric("nv_inference_compute_infer_duration_us", "counter",
+           "Cumulative engine time of the requests' batches, in microseconds",
+           compute_ns_.load() / 1000);
+    metric("nv_inference_pending_request_count", "gauge", "Requests waiting in the queue",
+           batcher_.queued());
+    return o.str();
+  }
+
+ private:
+  Status CheckModel(const std::string& name, const std::string& version) const {
+    if (name != options_.model_name) {
+      return NotFoundError("unknown model '" + name + "' (this server serves '" +
+                           options_.model_name + "')");
+    }
+    if (!version.empty() && version != kVersion) {
+      return NotFoundError("model '" + name + "' has no version '" + version + "' (available: 1)");
+    }
+    return Status::Ok();
+  }
+
+  StatusOr<ParsedRequest> Parse(const inference::ModelInferRequest& q) const {
+    TP_RETURN_IF_ERROR(CheckModel(q.model_name(), q.model_version()));
+    if (q.inputs_size() != 1 || q.inputs(0).name() != kInput) {
+      std::string names;
+      for (const auto& in : q.inputs()) names += (names.empty() ? "'" : ", '") + in.name() + "'";
+      return InvalidArgumentError("expected exactly one input named 'input_ids', got " +
+                                  std::to_string(q.inputs_size()) + " input(s)" +
+                                  (names.empty() ? "" : ": " + names));
+    }
+    const auto& in = q.inputs(0);
+    const bool i32 = in.datatype() == "INT32", i64 = in.datatype() == "INT64";
+    if (!i32 && !i64) {
+      return InvalidArgumentError("input 'input_ids': datatype must be INT32 or INT64, got '" +
+                                  in.datatype() + "'");
+    }
+    ParsedRequest p;
+    int64_t n = -1;
+    if (in.shape_size() == 1 && in.shape(0) >= 1) {
+      n = in.shape(0);
+    } else if (in.shape_size() == 2 && in.shape(0) == 1 && in.shape(1) >= 1) {
+      n = in.shape(1);
+      p.batched_shape = true;
+    }
+    if (n < 1) {
+      return InvalidArgumentError(
+          "input 'input_ids': shape must be [n] or [1, n] with n >= 1, got " +
+          ShapeString(in.shape()));
+    }
+    if (n > options_.max_tokens_per_request || n > config_.max_position_embeddings) {
+      return InvalidArgumentError("input 'input_ids': " + std::to_string(n) + " tokens, at most " +
+                                  std::to_string(std::min(options_.max_tokens_per_request,
+                                                          config_.max_position_embeddings)) +
+                                  " per request");
+    }
+    const size_t elem = i32 ? 4 : 8;
+    const bool typed =
+        i32 ? in.contents().int_contents_size() > 0 : in.contents().int64_contents_size() > 0;
+    if (q.raw_input_contents_size() > 0) {
+      if (typed) {
+        return InvalidArgumentError(
+            "input 'input_ids': give raw_input_contents or typed contents, not both");
+      }
+      if (q.raw_input_contents_size() != 1) {
+        return InvalidArgumentError("raw_input_contents has " +
+                                    std::to_string(q.raw_input_contents_size()) +
+                                    " entries for 1 input");
+      }
+      const std::string& raw = q.raw_input_contents(0);
+      if (raw.size() != static_cast<size_t>(n) * elem) {
+        return InvalidArgumentError("input 'input_ids': raw contents hold " +
+                                    std::to_string(raw.size()) + " bytes, shape " +
+                                    ShapeString(in.shape()) + " of " + in.datatype() + " needs " +
+                                    std::to_string(n * elem));
+      }
+      p.ids.resize(n);
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t v = 0;
+        if (i32) {
+          int32_t x;
+          std::memcpy(&x, raw.data() + 4 * i, 4);
+          v = x;
+        } else {
+          std::memcpy(&v, raw.data() + 8 * i, 8);
+        }
+        p.ids[i] = static_cast<int32_t>(std::clamp<int64_t>(v, -1, INT32_MAX));
+        if (v < 0 || v >= config_.vocab_size) return BadId(i, v);
+      }
+    } else {
+      const int64_t count =
+          i32 ? in.contents().int_contents_size() : in.contents().int64_contents_size();
+      if (count != n) {
+        return InvalidArgumentError("input 'input_ids': contents hold " + std::to_string(count) +
+                                    " values, shape " + ShapeString(in.shape()) + " needs " +
+                                    std::to_string(n));
+      }
+      p.ids.resize(n);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t v = i32 ? in.contents().int_contents(i) : in.contents().int64_contents(i);
+        if (v < 0 || v >= config_.vocab_size) return BadId(i, v);
+        p.ids[i] = static_cast<int32_t>(v);
+      }
+    }
+    if (q.outputs_size() > 0) {
+      p.want_logits = p.want_next = false;
+      for (const auto& o : q.outputs()) {
+        if (o.name() == kLogits) {
+          p.want_logits = true;
+        } else if (o.name() == kNextToken) {
+          p.want_next = true;
+        } else {
+          return InvalidArgumentError("unknown requested output '" + o.name() +
+                                      "' (outputs: logits, next_token_id)");
+        }
+      }
+    }
+    return p;
+  }
+
+  Status BadId(int64_t i, int64_t v) const {
+    return InvalidArgumentError("input 'input_ids': token " + std::to_string(i) + " has id " +
+                                std::to_string(v) + ", outside [0, " +
+                                std::to_string(config_.vocab_size) + ")");
+  }
+
+  Status Infer(grpc::ServerContext* ctx, const inference::ModelInferRequest& q,
+               inference::ModelInferResponse* r) {
+    const auto start = std::chrono::steady_clock::now();
+    TP_ASSIGN_OR_RETURN(ParsedRequest p, Parse(q));
+    const auto deadline =
+        ctx->deadline() == std::chrono::system_clock::time_point::max()
+            ? TokenBatcher::Clock::time_point::max()
+            : TokenBatcher::Clock::now() + (ctx->deadline() - std::chrono::system_clock::now());
+    auto cancelled = std::make_shared<std::atomic<bool>>(false);
+    TP_ASSIGN_OR_RETURN(auto future, batcher_.Submit(p.ids, deadline, cancelled));
+    while (future.wait_for(std::chrono::milliseconds(5)) != std::future_status::ready) {
+      if (ctx->IsCancelled()) cancelled->store(true);
+    }
+    TP_ASSIGN_OR_RETURN(BatchResult result, future.get());
+    r->set_model_name(options_.model_name);
+    r->set_model_version(kVersion);
+    r->set_id(q.id());
+    if (p.want_logits) {
+      auto* o = r->add_outputs();
+      o->set_name(kLogits);
+      o->set_datatype("FP32");
+      if (p.batched_shape) o->add_shape(1);
+      o->add_shape(config_.vocab_size);
+      r->add_raw_output_contents(std::string(reinterpret_cast<const char*>(result.logits.data()),
+                                             result.logits.size() * sizeof(float)));
+    }
+    if (p.want_next) {
+      const int32_t next = static_cast<int32_t>(
+          std::max_element(result.logits.begin(), result.logits.end()) - result.logits.begin());
+      auto* o = r->add_outputs();
+      o->set_name(kNextToken);
+      o->set_datatype("INT32");
+      if (p.batched_shape) o->add_shape(1);
+      o->add_shape(1);
+      r->add_raw_output_contents(std::string(reinterpret_cast<const char*>(&next), sizeof next));
+    }
+    ++success_count_;
+    success_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now() - start)
+                       .count();
+    queue_ns_ += result.queue_ns;
+    compute_ns_ += result.compute_ns;
+    last_inference_ms_ = NowNs() / 1000000;
+    return Status::Ok();
+  }
+
+  const ServerOptions options_;
+  const ModelConfig config_;
+  TokenBatcher& batcher_;
+  std::atomic<bool> serving_{false};
+  std::atomic<uint64_t> success_count_{0}, fail_count_{0}, success_ns_{0}, queue_ns_{0},
+      compute_ns_{0}, last_inference_ms_{0};
+};
+
+StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(
+    ServerOptions options, std::shared_ptr<CpuEngine> engine) {
+  if (!engine) return InvalidArgumentError("no engine to serve");
+  auto s = std::unique_ptr<InferenceServer>(new InferenceServer());
+  s->engine_ = std::move(engine);
+  CpuEngine* eng = s->engine_.get();
+  s->batcher_ =
+      std::make_unique<TokenBatcher>(options.batcher, eng->config().vocab_size,
+                                     [eng](const TokenBatch& b) { return eng->Forward(b); });
+  s->service_ = std::make_unique<InferenceService>(options, eng->config(), *s->batcher_);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || s->port_ == 0) {
+    return UnavailableError("cannot listen on " + options.grpc_address +
+                            " (address in use or not valid?)");
+  }
+  s->service_->set_serving(true);
+  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  spdlog::info("serving model '{}' over gRPC on port {}", options.model_name, s->port_);
+  return s;
+}
+
+InferenceServer::~InferenceServer() { Shutdown(std::chrono::system_clock::now()); }
+
+void InferenceServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  if (stopped_.exchange(true)) return;
+  if (server_) {
+    service_->set_serving(false);
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(deadline);  // waits for in-flight RPCs (the batcher still runs)
+    server_->Wait();
+  }
+  if (batcher_) batcher_->Stop();
+  batcher_.reset();
+}
+
+std::string InferenceServer::MetricsText() const { return service_->MetricsText(); }
+
+}  // namespace tpserve

@@ -1,0 +1,66 @@
+// InferenceServer: the KServe v2 (Open Inference Protocol) gRPC server in
+// front of an engine, with the token batcher, grpc.health.v1 and statistics.
+//
+// Model interface (model name = ServerOptions::model_name, version "1"):
+//   input  `input_ids`     INT32 (INT64 accepted), shape [n] or [1, n]
+//   output `logits`        FP32, the last position, shape [vocab] or [1, vocab]
+//   output `next_token_id` INT32, shape [1] or [1, 1] (argmax of the logits)
+// Outputs follow the input's rank; requested outputs are honoured (default:
+// both); input contents may be raw (raw_input_contents) or typed; outputs are
+// returned as raw_output_contents.
+//
+// Errors: unknown model or version -> NOT_FOUND; malformed input ->
+// INVALID_ARGUMENT naming the input, expected and actual; full queue ->
+// RESOURCE_EXHAUSTED; client deadline/cancellation honoured; shutting down ->
+// UNAVAILABLE. Nothing a client sends can crash the server.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "engine/cpu_engine.h"
+#include "server/batcher.h"
+
+namespace tpserve {
+
+struct ServerOptions {
+  std::string model_name = "tpserve";           // the name clients address
+  std::string grpc_address = "127.0.0.1:8001";  // host:port; port 0 picks a free port
+  int64_t max_tokens_per_request = 4096;
+  BatcherOptions batcher;
+};
+
+class InferenceService;
+
+class InferenceServer {
+ public:
+  // Starts serving `engine` (kept alive by the server). Health is SERVING
+  // once this returns.
+  static StatusOr<std::unique_ptr<InferenceServer>> Start(ServerOptions options,
+                                                          std::shared_ptr<CpuEngine> engine);
+  ~InferenceServer();  // Shutdown(now) if still running
+
+  int port() const { return port_; }
+
+  // Graceful stop: health NOT_SERVING, no new RPCs, accepted requests finish
+  // (the batcher drains) until `deadline`, after which the rest is cancelled.
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+
+  // Prometheus text exposition of the server's counters.
+  std::string MetricsText() const;
+
+ private:
+  InferenceServer() = default;
+  std::shared_ptr<CpuEngine> engine_;
+  std::unique_ptr<TokenBatcher> batcher_;
+  std::unique_ptr<InferenceService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace tpserve

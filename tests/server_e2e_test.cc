@@ -1,0 +1,308 @@
+// End to end: a real gRPC server (CPU backend, tiny model, TP=2) and a gRPC
+// client over loopback. Every RPC, the model interface, each bad input's
+// status, batch invariance under 64 concurrent requests, deadlines, and a
+// graceful shutdown that loses no accepted request.
+#include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "proto/grpc_service.grpc.pb.h"
+#include "server/inference_server.h"
+
+namespace tpserve {
+namespace {
+
+using ::testing::HasSubstr;
+using Stub = inference::GRPCInferenceService::Stub;
+
+class ServerE2eTest : public ::testing::Test {
+ protected:
+  void Start(BatcherOptions batcher = {}) {
+    CpuEngineOptions o;
+    o.config = *ModelPreset("tiny");
+    o.tp = 2;
+    auto engine = CpuEngine::Start(o);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    engine_ = std::shared_ptr<CpuEngine>(std::move(engine).value());
+    ServerOptions so;
+    so.model_name = "tiny";
+    so.grpc_address = "127.0.0.1:0";
+    so.max_tokens_per_request = 64;
+    so.batcher = batcher;
+    auto server = InferenceServer::Start(so, engine_);
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = inference::GRPCInferenceService::NewStub(channel_);
+  }
+  void TearDown() override {
+    server_.reset();
+    engine_.reset();
+  }
+
+  // The engine's own answer for one sequence.
+  std::vector<float> Direct(const std::vector<int32_t>& ids) {
+    auto b = PackSequences({ids}, 1024, 2048);
+    auto l = engine_->Forward(*b);
+    EXPECT_TRUE(l.ok());
+    return *l;
+  }
+
+  static inference::ModelInferRequest Request(const std::vector<int32_t>& ids) {
+    inference::ModelInferRequest q;
+    q.set_model_name("tiny");
+    auto* in = q.add_inputs();
+    in->set_name("input_ids");
+    in->set_datatype("INT32");
+    in->add_shape(static_cast<int64_t>(ids.size()));
+    q.add_raw_input_contents(
+        std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4));
+    return q;
+  }
+
+  grpc::Status Infer(const inference::ModelInferRequest& q, inference::ModelInferResponse* r,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    return stub_->ModelInfer(&ctx, q, r);
+  }
+
+  static std::vector<float> LogitsOf(const inference::ModelInferResponse& r) {
+    for (int i = 0; i < r.outputs_size(); ++i) {
+      if (r.outputs(i).name() == "logits") {
+        const std::string& raw = r.raw_output_contents(i);
+        std::vector<float> v(raw.size() / 4);
+        std::memcpy(v.data(), raw.data(), raw.size());
+        return v;
+      }
+    }
+    return {};
+  }
+
+  std::shared_ptr<CpuEngine> engine_;
+  std::unique_ptr<InferenceServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<Stub> stub_;
+};
+
+TEST_F(ServerE2eTest, HealthAndMetadataRpcs) {
+  Start();
+  grpc::ClientContext c1, c2, c3, c4, c5, c6;
+  inference::ServerLiveResponse live;
+  ASSERT_TRUE(stub_->ServerLive(&c1, {}, &live).ok());
+  EXPECT_TRUE(live.live());
+  inference::ServerReadyResponse ready;
+  ASSERT_TRUE(stub_->ServerReady(&c2, {}, &ready).ok());
+  EXPECT_TRUE(ready.ready());
+  inference::ModelReadyRequest mr;
+  mr.set_name("tiny");
+  inference::ModelReadyResponse mready;
+  ASSERT_TRUE(stub_->ModelReady(&c3, mr, &mready).ok());
+  EXPECT_TRUE(mready.ready());
+  inference::ServerMetadataResponse sm;
+  ASSERT_TRUE(stub_->ServerMetadata(&c4, {}, &sm).ok());
+  EXPECT_EQ(sm.name(), "tpserve");
+  inference::ModelMetadataRequest mm;
+  mm.set_name("tiny");
+  inference::ModelMetadataResponse meta;
+  ASSERT_TRUE(stub_->ModelMetadata(&c5, mm, &meta).ok());
+  ASSERT_EQ(meta.inputs_size(), 1);
+  EXPECT_EQ(meta.inputs(0).name(), "input_ids");
+  EXPECT_EQ(meta.inputs(0).datatype(), "INT32");
+  ASSERT_EQ(meta.outputs_size(), 2);
+  EXPECT_EQ(meta.outputs(0).shape(0), 1024);
+  mm.set_name("other");
+  grpc::ClientContext c7;
+  EXPECT_EQ(stub_->ModelMetadata(&c7, mm, &meta).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // grpc.health.v1.Health/Check with an empty HealthCheckRequest: SERVING is
+  // field 1 = 1 (bytes 08 01).
+  grpc::GenericStub generic(channel_);
+  grpc::ClientContext hc;
+  grpc::ByteBuffer req, resp;
+  grpc::Slice empty("");
+  req = grpc::ByteBuffer(&empty, 1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status hs;
+  generic.UnaryCall(&hc, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                    [&](grpc::Status s) {
+                      std::lock_guard lock(mu);
+                      hs = s;
+                      done = true;
+                      cv.notify_all();
+                    });
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return done; });
+  ASSERT_TRUE(hs.ok()) << hs.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(resp.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& s : slices) bytes += std::string(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+}
+
+TEST_F(ServerE2eTest, InferReturnsTheEnginesLogitsAndArgmax) {
+  Start();
+  const std::vector<int32_t> ids = {3, 1, 4, 1, 5, 9, 2, 6};
+  inference::ModelInferResponse r;
+  ASSERT_TRUE(Infer(Request(ids), &r).ok());
+  ASSERT_EQ(r.outputs_size(), 2);
+  EXPECT_EQ(r.outputs(0).datatype(), "FP32");
+  EXPECT_EQ(r.outputs(0).shape_size(), 1);
+  const std::vector<float> logits = LogitsOf(r);
+  EXPECT_EQ(logits, Direct(ids));
+  int32_t next;
+  std::memcpy(&next, r.raw_output_contents(1).data(), 4);
+  EXPECT_EQ(next, std::max_element(logits.begin(), logits.end()) - logits.begin());
+
+  // INT64 typed contents, shape [1, n], only next_token_id requested.
+  inference::ModelInferRequest q;
+  q.set_model_name("tiny");
+  auto* in = q.add_inputs();
+  in->set_name("input_ids");
+  in->set_datatype("INT64");
+  in->add_shape(1);
+  in->add_shape(static_cast<int64_t>(ids.size()));
+  for (int32_t id : ids) in->mutable_contents()->add_int64_contents(id);
+  q.add_outputs()->set_name("next_token_id");
+  inference::ModelInferResponse r2;
+  ASSERT_TRUE(Infer(q, &r2).ok());
+  ASSERT_EQ(r2.outputs_size(), 1);
+  EXPECT_EQ(r2.outputs(0).name(), "next_token_id");
+  EXPECT_EQ(r2.outputs(0).shape_size(), 2);
+  int32_t next2;
+  std::memcpy(&next2, r2.raw_output_contents(0).data(), 4);
+  EXPECT_EQ(next2, next);
+
+  grpc::ClientContext sc;
+  inference::ModelStatisticsRequest sq;
+  inference::ModelStatisticsResponse st;
+  ASSERT_TRUE(stub_->ModelStatistics(&sc, sq, &st).ok());
+  ASSERT_EQ(st.model_stats_size(), 1);
+  EXPECT_EQ(st.model_stats(0).inference_count(), 2u);
+  EXPECT_THAT(server_->MetricsText(),
+              HasSubstr("nv_inference_request_success{model=\"tiny\",version=\"1\"} 2"));
+}
+
+TEST_F(ServerE2eTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
+  Start();
+  struct Case {
+    std::function<void(inference::ModelInferRequest&)> mutate;
+    grpc::StatusCode code;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& q) { q.set_model_name("gpt"); }, grpc::StatusCode::NOT_FOUND,
+       "unknown model 'gpt'"},
+      {[](auto& q) { q.set_model_version("7"); }, grpc::StatusCode::NOT_FOUND, "no version '7'"},
+      {[](auto& q) { q.mutable_inputs(0)->set_name("tokens"); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "'tokens'"},
+      {[](auto& q) { q.mutable_inputs(0)->set_datatype("FP32"); },
+       grpc::StatusCode::INVALID_ARGUMENT, "datatype must be INT32 or INT64, got 'FP32'"},
+      {[](auto& q) { q.mutable_inputs(0)->add_shape(2); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "shape must be [n] or [1, n]"},
+      {[](auto& q) { q.mutable_inputs(0)->set_shape(0, 0); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "shape must be [n] or [1, n] with n >= 1, got [0]"},
+      {[](auto& q) { q.mutable_raw_input_contents(0)->pop_back(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "raw contents hold 11 bytes"},
+      {[](auto& q) { q.mutable_inputs(0)->mutable_contents()->add_int_contents(1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "not both"},
+      {[](auto& q) { q.clear_raw_input_contents(); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "contents hold 0 values"},
+      {[](auto& q) {
+         int32_t bad = 1024;
+         std::memcpy(q.mutable_raw_input_contents(0)->data() + 4, &bad, 4);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "token 1 has id 1024, outside [0, 1024)"},
+      {[](auto& q) {
+         int32_t bad = -5;
+         std::memcpy(q.mutable_raw_input_contents(0)->data(), &bad, 4);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "id -5"},
+      {[](auto& q) { q.add_outputs()->set_name("probs"); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "unknown requested output 'probs'"},
+      {[](auto& q) { q = Request(std::vector<int32_t>(65, 1)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "65 tokens, at most 64"},
+  };
+  for (const Case& c : cases) {
+    inference::ModelInferRequest q = Request({1, 2, 3});
+    c.mutate(q);
+    inference::ModelInferResponse r;
+    const grpc::Status s = Infer(q, &r);
+    EXPECT_EQ(s.error_code(), c.code) << c.message << " / got: " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message));
+  }
+  inference::ModelInferResponse r;
+  EXPECT_TRUE(Infer(Request({1, 2, 3}), &r).ok());  // still serving
+}
+
+TEST_F(ServerE2eTest, SixtyFourConcurrentRequestsAreBatchInvariant) {
+  Start({8192, std::chrono::milliseconds(5), 1024});
+  std::mt19937 rng(4);
+  std::vector<std::vector<int32_t>> prompts(64);
+  for (auto& p : prompts) {
+    p.resize(1 + rng() % 40);
+    for (auto& id : p) id = static_cast<int32_t>(rng() % 1024);
+  }
+  std::vector<std::vector<float>> got(64);
+  std::vector<grpc::Status> status(64);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 64; ++i) {
+    threads.emplace_back([&, i] {
+      inference::ModelInferResponse r;
+      status[i] = Infer(Request(prompts[i]), &r);
+      got[i] = LogitsOf(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 64; ++i) {
+    ASSERT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
+    EXPECT_EQ(got[i], Direct(prompts[i])) << "request " << i;
+  }
+}
+
+TEST_F(ServerE2eTest, DeadlineExpiringInTheQueueIsDeadlineExceeded) {
+  Start({8192, std::chrono::milliseconds(500), 1024});
+  inference::ModelInferResponse r;
+  const grpc::Status s = Infer(Request({1, 2}), &r, std::chrono::milliseconds(50));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+}
+
+TEST_F(ServerE2eTest, ShutdownFinishesEveryAcceptedRequest) {
+  // Requests wait 300 ms for batch-mates, so all 16 are queued when the
+  // shutdown starts.
+  Start({8192, std::chrono::milliseconds(300), 1024});
+  std::vector<grpc::Status> status(16);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 16; ++i) {
+    threads.emplace_back([&, i] {
+      inference::ModelInferResponse r;
+      status[i] = Infer(Request({i + 1, 2, 3}), &r);
+    });
+  }
+  for (int tries = 0; tries < 200; ++tries) {
+    if (server_->MetricsText().find(
+            "nv_inference_pending_request_count{model=\"tiny\",version=\"1\"} 16") !=
+        std::string::npos) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 16; ++i)
+    EXPECT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
+  inference::ModelInferResponse r;
+  EXPECT_FALSE(Infer(Request({1}), &r, std::chrono::milliseconds(500)).ok());  // no longer serving
+}
+
+}  // namespace
+}  // namespace tpserve
