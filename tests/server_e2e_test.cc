@@ -244,6 +244,28 @@ TEST_F(ServerE2eTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   EXPECT_TRUE(Infer(Request({1, 2, 3}), &r).ok());  // still serving
 }
 
+TEST_F(ServerE2eTest, StreamInferAnswersEachRequestAndReportsErrorsInBand) {
+  Start();
+  grpc::ClientContext ctx;
+  auto stream = stub_->ModelStreamInfer(&ctx);
+  inference::ModelInferRequest bad = Request({1, 2});
+  bad.set_model_name("nope");
+  ASSERT_TRUE(stream->Write(Request({7, 8, 9})));
+  ASSERT_TRUE(stream->Write(bad));
+  ASSERT_TRUE(stream->Write(Request({5})));
+  stream->WritesDone();
+  inference::ModelStreamInferResponse r;
+  ASSERT_TRUE(stream->Read(&r));
+  EXPECT_TRUE(r.error_message().empty());
+  EXPECT_EQ(LogitsOf(r.infer_response()), Direct({7, 8, 9}));
+  ASSERT_TRUE(stream->Read(&r));
+  EXPECT_THAT(r.error_message(), HasSubstr("unknown model 'nope'"));
+  ASSERT_TRUE(stream->Read(&r));
+  EXPECT_EQ(LogitsOf(r.infer_response()), Direct({5}));
+  EXPECT_FALSE(stream->Read(&r));
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 TEST_F(ServerE2eTest, SixtyFourConcurrentRequestsAreBatchInvariant) {
   Start({8192, std::chrono::milliseconds(5), 1024});
   std::mt19937 rng(4);
