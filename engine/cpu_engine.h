@@ -16,6 +16,7 @@
 
 #include "comm/communicator.h"
 #include "engine/cpu_model.h"
+#include "engine/engine.h"
 
 namespace tpserve {
 
@@ -28,17 +29,17 @@ struct CpuEngineOptions {
   std::shared_ptr<const OverlapConfig> overlap;  // may be null: every layer mode none
 };
 
-class CpuEngine {
+class CpuEngine final : public Engine {
  public:
   static StatusOr<std::unique_ptr<CpuEngine>> Start(CpuEngineOptions options);
-  ~CpuEngine();  // stops the rank threads
+  ~CpuEngine() override;  // stops the rank threads
 
   // Logits [sequences, vocab] of the last token of every sequence.
-  StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
+  StatusOr<std::vector<float>> Forward(const TokenBatch& batch) override;
 
-  const ModelConfig& config() const { return options_.config; }
+  const ModelConfig& config() const override { return options_.config; }
   int tp() const { return options_.tp; }
-  bool healthy() const;
+  bool healthy() const override;
 
  private:
   explicit CpuEngine(CpuEngineOptions options) : options_(std::move(options)) {}

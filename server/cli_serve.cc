@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "comm/nccl_config.h"
+#include "engine/cpu_engine.h"
 #include "server/cli.h"
 #include "server/inference_server.h"
 

@@ -46,8 +46,8 @@ struct ParsedRequest {
 
 class InferenceService final : public inference::GRPCInferenceService::Service {
  public:
-  InferenceService(const ServerOptions& options, const ModelConfig& config, TokenBatcher& batcher)
-      : options_(options), config_(config), batcher_(batcher) {}
+  InferenceService(const ServerOptions& options, const Engine& engine, TokenBatcher& batcher)
+      : options_(options), engine_(engine), config_(engine.config()), batcher_(batcher) {}
 
   void set_serving(bool serving) { serving_ = serving; }
 
@@ -58,13 +58,13 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   }
   grpc::Status ServerReady(grpc::ServerContext*, const inference::ServerReadyRequest*,
                            inference::ServerReadyResponse* r) override {
-    r->set_ready(serving_.load());
+    r->set_ready(serving_.load() && engine_.healthy());
     return grpc::Status::OK;
   }
   grpc::Status ModelReady(grpc::ServerContext*, const inference::ModelReadyRequest* q,
                           inference::ModelReadyResponse* r) override {
     if (Status s = CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
-    r->set_ready(serving_.load());
+    r->set_ready(serving_.load() && engine_.healthy());
     return grpc::Status::OK;
   }
   grpc::Status ServerMetadata(grpc::ServerContext*, const inference::ServerMetadataRequest*,
@@ -336,6 +336,7 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   }
 
   const ServerOptions options_;
+  const Engine& engine_;
   const ModelConfig config_;
   TokenBatcher& batcher_;
   std::atomic<bool> serving_{false};
@@ -343,16 +344,16 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
       compute_ns_{0}, last_inference_ms_{0};
 };
 
-StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(
-    ServerOptions options, std::shared_ptr<CpuEngine> engine) {
+StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions options,
+                                                                  std::shared_ptr<Engine> engine) {
   if (!engine) return InvalidArgumentError("no engine to serve");
   auto s = std::unique_ptr<InferenceServer>(new InferenceServer());
   s->engine_ = std::move(engine);
-  CpuEngine* eng = s->engine_.get();
+  Engine* eng = s->engine_.get();
   s->batcher_ =
       std::make_unique<TokenBatcher>(options.batcher, eng->config().vocab_size,
                                      [eng](const TokenBatch& b) { return eng->Forward(b); });
-  s->service_ = std::make_unique<InferenceService>(options, eng->config(), *s->batcher_);
+  s->service_ = std::make_unique<InferenceService>(options, *eng, *s->batcher_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &s->port_);

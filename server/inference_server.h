@@ -22,7 +22,7 @@
 #include <memory>
 #include <string>
 
-#include "engine/cpu_engine.h"
+#include "engine/engine.h"
 #include "server/batcher.h"
 
 namespace tpserve {
@@ -41,7 +41,7 @@ class InferenceServer {
   // Starts serving `engine` (kept alive by the server). Health is SERVING
   // once this returns.
   static StatusOr<std::unique_ptr<InferenceServer>> Start(ServerOptions options,
-                                                          std::shared_ptr<CpuEngine> engine);
+                                                          std::shared_ptr<Engine> engine);
   ~InferenceServer();  // Shutdown(now) if still running
 
   int port() const { return port_; }
@@ -55,7 +55,7 @@ class InferenceServer {
 
  private:
   InferenceServer() = default;
-  std::shared_ptr<CpuEngine> engine_;
+  std::shared_ptr<Engine> engine_;
   std::unique_ptr<TokenBatcher> batcher_;
   std::unique_ptr<InferenceService> service_;
   std::unique_ptr<grpc::Server> server_;

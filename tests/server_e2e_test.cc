@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "engine/cpu_engine.h"
 #include "proto/grpc_service.grpc.pb.h"
 #include "server/inference_server.h"
 
@@ -85,7 +86,7 @@ class ServerE2eTest : public ::testing::Test {
     return {};
   }
 
-  std::shared_ptr<CpuEngine> engine_;
+  std::shared_ptr<CpuEngine> engine_;  // also called directly for reference answers
   std::unique_ptr<InferenceServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Stub> stub_;
