@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "proto/grpc_service.grpc.pb.h"
+#include "server/request_validation.h"
 
 namespace tpserve {
 namespace {
@@ -23,24 +24,11 @@ grpc::Status ToGrpc(const Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
 }
 
-std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
-  std::string s = "[";
-  for (int i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
-
-// A validated request: the token ids and how to answer.
-struct ParsedRequest {
-  std::vector<int32_t> ids;
-  bool batched_shape = false;  // input was [1, n]: outputs get a leading 1
-  bool want_logits = true, want_next = true;
-};
 
 }  // namespace
 
@@ -185,114 +173,11 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
     return Status::Ok();
   }
 
-  StatusOr<ParsedRequest> Parse(const inference::ModelInferRequest& q) const {
-    TP_RETURN_IF_ERROR(CheckModel(q.model_name(), q.model_version()));
-    if (q.inputs_size() != 1 || q.inputs(0).name() != kInput) {
-      std::string names;
-      for (const auto& in : q.inputs()) names += (names.empty() ? "'" : ", '") + in.name() + "'";
-      return InvalidArgumentError("expected exactly one input named 'input_ids', got " +
-                                  std::to_string(q.inputs_size()) + " input(s)" +
-                                  (names.empty() ? "" : ": " + names));
-    }
-    const auto& in = q.inputs(0);
-    const bool i32 = in.datatype() == "INT32", i64 = in.datatype() == "INT64";
-    if (!i32 && !i64) {
-      return InvalidArgumentError("input 'input_ids': datatype must be INT32 or INT64, got '" +
-                                  in.datatype() + "'");
-    }
-    ParsedRequest p;
-    int64_t n = -1;
-    if (in.shape_size() == 1 && in.shape(0) >= 1) {
-      n = in.shape(0);
-    } else if (in.shape_size() == 2 && in.shape(0) == 1 && in.shape(1) >= 1) {
-      n = in.shape(1);
-      p.batched_shape = true;
-    }
-    if (n < 1) {
-      return InvalidArgumentError(
-          "input 'input_ids': shape must be [n] or [1, n] with n >= 1, got " +
-          ShapeString(in.shape()));
-    }
-    if (n > options_.max_tokens_per_request || n > config_.max_position_embeddings) {
-      return InvalidArgumentError("input 'input_ids': " + std::to_string(n) + " tokens, at most " +
-                                  std::to_string(std::min(options_.max_tokens_per_request,
-                                                          config_.max_position_embeddings)) +
-                                  " per request");
-    }
-    const size_t elem = i32 ? 4 : 8;
-    const bool typed =
-        i32 ? in.contents().int_contents_size() > 0 : in.contents().int64_contents_size() > 0;
-    if (q.raw_input_contents_size() > 0) {
-      if (typed) {
-        return InvalidArgumentError(
-            "input 'input_ids': give raw_input_contents or typed contents, not both");
-      }
-      if (q.raw_input_contents_size() != 1) {
-        return InvalidArgumentError("raw_input_contents has " +
-                                    std::to_string(q.raw_input_contents_size()) +
-                                    " entries for 1 input");
-      }
-      const std::string& raw = q.raw_input_contents(0);
-      if (raw.size() != static_cast<size_t>(n) * elem) {
-        return InvalidArgumentError("input 'input_ids': raw contents hold " +
-                                    std::to_string(raw.size()) + " bytes, shape " +
-                                    ShapeString(in.shape()) + " of " + in.datatype() + " needs " +
-                                    std::to_string(n * elem));
-      }
-      p.ids.resize(n);
-      for (int64_t i = 0; i < n; ++i) {
-        int64_t v = 0;
-        if (i32) {
-          int32_t x;
-          std::memcpy(&x, raw.data() + 4 * i, 4);
-          v = x;
-        } else {
-          std::memcpy(&v, raw.data() + 8 * i, 8);
-        }
-        p.ids[i] = static_cast<int32_t>(std::clamp<int64_t>(v, -1, INT32_MAX));
-        if (v < 0 || v >= config_.vocab_size) return BadId(i, v);
-      }
-    } else {
-      const int64_t count =
-          i32 ? in.contents().int_contents_size() : in.contents().int64_contents_size();
-      if (count != n) {
-        return InvalidArgumentError("input 'input_ids': contents hold " + std::to_string(count) +
-                                    " values, shape " + ShapeString(in.shape()) + " needs " +
-                                    std::to_string(n));
-      }
-      p.ids.resize(n);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t v = i32 ? in.contents().int_contents(i) : in.contents().int64_contents(i);
-        if (v < 0 || v >= config_.vocab_size) return BadId(i, v);
-        p.ids[i] = static_cast<int32_t>(v);
-      }
-    }
-    if (q.outputs_size() > 0) {
-      p.want_logits = p.want_next = false;
-      for (const auto& o : q.outputs()) {
-        if (o.name() == kLogits) {
-          p.want_logits = true;
-        } else if (o.name() == kNextToken) {
-          p.want_next = true;
-        } else {
-          return InvalidArgumentError("unknown requested output '" + o.name() +
-                                      "' (outputs: logits, next_token_id)");
-        }
-      }
-    }
-    return p;
-  }
-
-  Status BadId(int64_t i, int64_t v) const {
-    return InvalidArgumentError("input 'input_ids': token " + std::to_string(i) + " has id " +
-                                std::to_string(v) + ", outside [0, " +
-                                std::to_string(config_.vocab_size) + ")");
-  }
-
   Status Infer(grpc::ServerContext* ctx, const inference::ModelInferRequest& q,
                inference::ModelInferResponse* r) {
     const auto start = std::chrono::steady_clock::now();
-    TP_ASSIGN_OR_RETURN(ParsedRequest p, Parse(q));
+    TP_RETURN_IF_ERROR(CheckModel(q.model_name(), q.model_version()));
+    TP_ASSIGN_OR_RETURN(ParsedRequest p, ValidateInferRequest(q, limits_));
     const auto deadline =
         ctx->deadline() == std::chrono::system_clock::time_point::max()
             ? TokenBatcher::Clock::time_point::max()
@@ -338,6 +223,8 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   const ServerOptions options_;
   const Engine& engine_;
   const ModelConfig config_;
+  const RequestLimits limits_{config_.vocab_size, std::min(options_.max_tokens_per_request,
+                                                           config_.max_position_embeddings)};
   TokenBatcher& batcher_;
   std::atomic<bool> serving_{false};
   std::atomic<uint64_t> success_count_{0}, fail_count_{0}, success_ns_{0}, queue_ns_{0},

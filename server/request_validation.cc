@@ -1,0 +1,121 @@
+#include "server/request_validation.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace tpserve {
+namespace {
+
+constexpr char kInput[] = "input_ids";
+constexpr char kLogits[] = "logits";
+constexpr char kNextToken[] = "next_token_id";
+
+std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
+  std::string s = "[";
+  for (int i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+Status BadId(int64_t i, int64_t v, int64_t vocab) {
+  return InvalidArgumentError("input 'input_ids': token " + std::to_string(i) + " has id " +
+                              std::to_string(v) + ", outside [0, " + std::to_string(vocab) + ")");
+}
+
+}  // namespace
+
+StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest& q,
+                                             const RequestLimits& limits) {
+  if (q.inputs_size() != 1 || q.inputs(0).name() != kInput) {
+    std::string names;
+    for (const auto& in : q.inputs()) names += (names.empty() ? "'" : ", '") + in.name() + "'";
+    return InvalidArgumentError("expected exactly one input named 'input_ids', got " +
+                                std::to_string(q.inputs_size()) + " input(s)" +
+                                (names.empty() ? "" : ": " + names));
+  }
+  const auto& in = q.inputs(0);
+  const bool i32 = in.datatype() == "INT32", i64 = in.datatype() == "INT64";
+  if (!i32 && !i64) {
+    return InvalidArgumentError("input 'input_ids': datatype must be INT32 or INT64, got '" +
+                                in.datatype() + "'");
+  }
+  ParsedRequest p;
+  int64_t n = -1;
+  if (in.shape_size() == 1 && in.shape(0) >= 1) {
+    n = in.shape(0);
+  } else if (in.shape_size() == 2 && in.shape(0) == 1 && in.shape(1) >= 1) {
+    n = in.shape(1);
+    p.batched_shape = true;
+  }
+  if (n < 1) {
+    return InvalidArgumentError("input 'input_ids': shape must be [n] or [1, n] with n >= 1, got " +
+                                ShapeString(in.shape()));
+  }
+  if (n > limits.max_tokens) {
+    return InvalidArgumentError("input 'input_ids': " + std::to_string(n) + " tokens, at most " +
+                                std::to_string(limits.max_tokens) + " per request");
+  }
+  const size_t elem = i32 ? 4 : 8;
+  const bool typed =
+      i32 ? in.contents().int_contents_size() > 0 : in.contents().int64_contents_size() > 0;
+  if (q.raw_input_contents_size() > 0) {
+    if (typed) {
+      return InvalidArgumentError(
+          "input 'input_ids': give raw_input_contents or typed contents, not both");
+    }
+    if (q.raw_input_contents_size() != 1) {
+      return InvalidArgumentError("raw_input_contents has " +
+                                  std::to_string(q.raw_input_contents_size()) +
+                                  " entries for 1 input");
+    }
+    const std::string& raw = q.raw_input_contents(0);
+    if (raw.size() != static_cast<size_t>(n) * elem) {
+      return InvalidArgumentError(
+          "input 'input_ids': raw contents hold " + std::to_string(raw.size()) + " bytes, shape " +
+          ShapeString(in.shape()) + " of " + in.datatype() + " needs " + std::to_string(n * elem));
+    }
+    p.ids.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t v = 0;
+      if (i32) {
+        int32_t x;
+        std::memcpy(&x, raw.data() + 4 * i, 4);
+        v = x;
+      } else {
+        std::memcpy(&v, raw.data() + 8 * i, 8);
+      }
+      p.ids[i] = static_cast<int32_t>(std::clamp<int64_t>(v, -1, INT32_MAX));
+      if (v < 0 || v >= limits.vocab) return BadId(i, v, limits.vocab);
+    }
+  } else {
+    const int64_t count =
+        i32 ? in.contents().int_contents_size() : in.contents().int64_contents_size();
+    if (count != n) {
+      return InvalidArgumentError("input 'input_ids': contents hold " + std::to_string(count) +
+                                  " values, shape " + ShapeString(in.shape()) + " needs " +
+                                  std::to_string(n));
+    }
+    p.ids.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t v = i32 ? in.contents().int_contents(i) : in.contents().int64_contents(i);
+      if (v < 0 || v >= limits.vocab) return BadId(i, v, limits.vocab);
+      p.ids[i] = static_cast<int32_t>(v);
+    }
+  }
+  if (q.outputs_size() > 0) {
+    p.want_logits = p.want_next = false;
+    for (const auto& o : q.outputs()) {
+      if (o.name() == kLogits) {
+        p.want_logits = true;
+      } else if (o.name() == kNextToken) {
+        p.want_next = true;
+      } else {
+        return InvalidArgumentError("unknown requested output '" + o.name() +
+                                    "' (outputs: logits, next_token_id)");
+      }
+    }
+  }
+  return p;
+}
+
+}  // namespace tpserve
