@@ -253,6 +253,19 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
   }
   s->service_->set_serving(true);
   s->server_->GetHealthCheckService()->SetServingStatus(true);
+  InferenceServer* self = s.get();
+  s->health_watch_ = std::thread([self] {
+    std::unique_lock lock(self->watch_mu_);
+    while (!self->stopped_.load()) {
+      self->watch_cv_.wait_for(lock, std::chrono::milliseconds(200));
+      if (!self->stopped_.load() && !self->engine_->healthy()) {
+        spdlog::error("the engine failed: health NOT_SERVING");
+        self->service_->set_serving(false);
+        self->server_->GetHealthCheckService()->SetServingStatus(false);
+        return;
+      }
+    }
+  });
   spdlog::info("serving model '{}' over gRPC on port {}", options.model_name, s->port_);
   return s;
 }
@@ -261,6 +274,8 @@ InferenceServer::~InferenceServer() { Shutdown(std::chrono::system_clock::now())
 
 void InferenceServer::Shutdown(std::chrono::system_clock::time_point deadline) {
   if (stopped_.exchange(true)) return;
+  watch_cv_.notify_all();
+  if (health_watch_.joinable()) health_watch_.join();
   if (server_) {
     service_->set_serving(false);
     server_->GetHealthCheckService()->SetServingStatus(false);

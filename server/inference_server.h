@@ -19,8 +19,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "engine/engine.h"
 #include "server/batcher.h"
@@ -61,6 +64,10 @@ class InferenceServer {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::atomic<bool> stopped_{false};
+  // Turns health NOT_SERVING when the engine fails between requests.
+  std::thread health_watch_;
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
 };
 
 }  // namespace tpserve

@@ -327,5 +327,57 @@ TEST_F(ServerE2eTest, ShutdownFinishesEveryAcceptedRequest) {
   EXPECT_FALSE(Infer(Request({1}), &r, std::chrono::milliseconds(500)).ok());  // no longer serving
 }
 
+// An engine that fails on demand, to see the server notice.
+class BreakableEngine final : public Engine {
+ public:
+  StatusOr<std::vector<float>> Forward(const TokenBatch& b) override {
+    if (broken) return UnavailableError("rank 1 died");
+    return std::vector<float>(b.sequences() * config_.vocab_size, 0.5f);
+  }
+  const ModelConfig& config() const override { return config_; }
+  bool healthy() const override { return !broken; }
+  std::atomic<bool> broken{false};
+
+ private:
+  ModelConfig config_ = *ModelPreset("tiny");
+};
+
+TEST(ServerHealth, AFailedEngineTurnsTheServerNotReadyAndRequestsUnavailable) {
+  auto engine = std::make_shared<BreakableEngine>();
+  ServerOptions so;
+  so.model_name = "tiny";
+  so.grpc_address = "127.0.0.1:0";
+  auto server = InferenceServer::Start(so, engine);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
+  auto ready = [&] {
+    grpc::ClientContext ctx;
+    inference::ServerReadyResponse r;
+    EXPECT_TRUE(stub->ServerReady(&ctx, {}, &r).ok());
+    return r.ready();
+  };
+  EXPECT_TRUE(ready());
+  engine->broken = true;
+  bool turned = false;
+  for (int i = 0; i < 100 && !turned; ++i) {
+    turned = !ready();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(turned);
+  inference::ModelInferRequest q;
+  q.set_model_name("tiny");
+  auto* in = q.add_inputs();
+  in->set_name("input_ids");
+  in->set_datatype("INT32");
+  in->add_shape(1);
+  in->mutable_contents()->add_int_contents(5);
+  grpc::ClientContext ctx;
+  inference::ModelInferResponse r;
+  const grpc::Status s = stub->ModelInfer(&ctx, q, &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("rank 1 died"));
+}
+
 }  // namespace
 }  // namespace tpserve
