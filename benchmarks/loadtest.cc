@@ -1,0 +1,768 @@
+// tpserve-loadtest: a load generator for the KServe v2 gRPC API
+// (inference.GRPCInferenceService/ModelInfer).
+//
+// Closed loop (--concurrency-range): N requests always outstanding. Open loop
+// (--request-rate-range): a scheduler thread issues requests at target times
+// (constant spacing or exponential gaps) with async calls, so a slow server
+// does not slow the arrival process. All calls are async on one
+// CompletionQueue drained by one polling thread.
+//
+// Each step runs a warmup, then measurement windows until 3 consecutive
+// windows' requests/s agree within --stability percent (or --max-trials); the
+// step reports the last (up to) 3 windows together.
+//
+// Exit: 0 run completed (errors are counted and reported), 1 every request
+// failed, 2 usage error or unreachable server.
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proto/grpc_service.grpc.pb.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+const char* StatusName(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    default:
+      return "UNKNOWN";
+  }
+}
+
+struct Flags {
+  std::string url = "127.0.0.1:8001";
+  std::string model = "tiny";
+  std::string input_name = "input_ids";
+  std::string datatype = "INT32";
+  int64_t prompt_len = 16;
+  std::string prompt_len_range;
+  std::string prompt_file;
+  int64_t vocab = 1024;
+  uint64_t seed = 1;
+  std::string concurrency_range;
+  std::string request_rate_range;
+  std::string distribution = "constant";
+  double duration_s = 2;
+  int64_t requests = 0;
+  double warmup_s = 1;
+  double stability_pct = 10;
+  int max_trials = 5;
+  int64_t timeout_ms = 10000;
+  std::string csv;
+  std::string json;
+};
+
+std::vector<std::string> Split(const std::string& s, char sep) {
+  std::vector<std::string> parts;
+  std::string cur;
+  for (char c : s) {
+    if (c == sep) {
+      parts.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  parts.push_back(cur);
+  return parts;
+}
+
+bool ParseDouble(const std::string& s, double* out) {
+  try {
+    size_t pos = 0;
+    *out = std::stod(s, &pos);
+    return pos == s.size() && std::isfinite(*out);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// "start:end:step" (also "start" and "start:end", step 1) into the list of
+// values start, start+step, ... <= end.
+std::optional<std::vector<double>> ParseRange(const std::string& s) {
+  auto parts = Split(s, ':');
+  if (parts.empty() || parts.size() > 3) return std::nullopt;
+  double start = 0, end = 0, step = 1;
+  if (!ParseDouble(parts[0], &start)) return std::nullopt;
+  end = start;
+  if (parts.size() >= 2 && !ParseDouble(parts[1], &end)) return std::nullopt;
+  if (parts.size() == 3 && !ParseDouble(parts[2], &step)) return std::nullopt;
+  if (start <= 0 || end < start || step <= 0) return std::nullopt;
+  std::vector<double> values;
+  for (int i = 0;; ++i) {
+    const double v = start + i * step;
+    if (v > end + 1e-9 || values.size() >= 10000) break;
+    values.push_back(v);
+  }
+  return values;
+}
+
+// A request ready to send and the number of prompt tokens in it.
+struct Prompt {
+  inference::ModelInferRequest request;
+  int64_t tokens = 0;
+};
+
+Prompt MakePrompt(const Flags& f, const std::vector<int64_t>& ids) {
+  Prompt p;
+  p.tokens = static_cast<int64_t>(ids.size());
+  p.request.set_model_name(f.model);
+  auto* in = p.request.add_inputs();
+  in->set_name(f.input_name);
+  in->set_datatype(f.datatype);
+  in->add_shape(p.tokens);
+  std::string raw;
+  if (f.datatype == "INT64") {
+    raw.resize(ids.size() * sizeof(int64_t));
+    std::memcpy(raw.data(), ids.data(), raw.size());
+  } else {
+    std::vector<int32_t> ids32(ids.begin(), ids.end());
+    raw.resize(ids32.size() * sizeof(int32_t));
+    std::memcpy(raw.data(), ids32.data(), raw.size());
+  }
+  p.request.add_raw_input_contents(std::move(raw));
+  return p;
+}
+
+// The prompts: from --prompt-file, else random ids of a fixed or uniformly
+// drawn length. Returns an error message on failure.
+std::string BuildPrompts(const Flags& f, std::vector<Prompt>* prompts) {
+  if (!f.prompt_file.empty()) {
+    std::ifstream in(f.prompt_file);
+    if (!in) return "cannot read --prompt-file " + f.prompt_file;
+    std::string line;
+    int lineno = 0;
+    while (std::getline(in, line)) {
+      ++lineno;
+      std::replace(line.begin(), line.end(), ',', ' ');
+      std::istringstream ss(line);
+      std::vector<int64_t> ids;
+      std::string tok;
+      while (ss >> tok) {
+        try {
+          size_t pos = 0;
+          const long long v = std::stoll(tok, &pos);
+          if (pos != tok.size()) throw std::invalid_argument(tok);
+          ids.push_back(v);
+        } catch (const std::exception&) {
+          return f.prompt_file + ":" + std::to_string(lineno) + ": bad token id '" + tok + "'";
+        }
+      }
+      if (!ids.empty()) prompts->push_back(MakePrompt(f, ids));
+    }
+    if (prompts->empty()) return "--prompt-file " + f.prompt_file + " has no prompts";
+    return "";
+  }
+  int64_t lo = f.prompt_len, hi = f.prompt_len;
+  if (!f.prompt_len_range.empty()) {
+    auto parts = Split(f.prompt_len_range, ':');
+    double a = 0, b = 0;
+    if (parts.size() != 2 || !ParseDouble(parts[0], &a) || !ParseDouble(parts[1], &b) || a < 1 ||
+        b < a) {
+      return "--prompt-len-range must be MIN:MAX with 1 <= MIN <= MAX, got '" + f.prompt_len_range +
+             "'";
+    }
+    lo = static_cast<int64_t>(a);
+    hi = static_cast<int64_t>(b);
+  }
+  if (lo < 1) return "--prompt-len must be >= 1";
+  if (f.vocab < 1) return "--vocab must be >= 1";
+  std::mt19937_64 rng(f.seed);
+  std::uniform_int_distribution<int64_t> len(lo, hi), id(0, f.vocab - 1);
+  for (int i = 0; i < 512; ++i) {
+    std::vector<int64_t> ids(static_cast<size_t>(len(rng)));
+    for (auto& v : ids) v = id(rng);
+    prompts->push_back(MakePrompt(f, ids));
+  }
+  return "";
+}
+
+// What one measurement window saw.
+struct Window {
+  double seconds = 0;
+  int64_t ok = 0, failed = 0, tokens = 0;
+  std::vector<double> latencies_ms;  // successful requests only
+  std::map<std::string, int64_t> errors;
+  bool have_server = false;
+  uint64_t server_count = 0, server_queue_ns = 0, server_compute_ns = 0;
+};
+
+// Drives the load: issues async ModelInfer calls and collects completions.
+class Driver {
+ public:
+  Driver(std::shared_ptr<grpc::Channel> channel, const std::vector<Prompt>* prompts,
+         int64_t timeout_ms)
+      : stub_(inference::GRPCInferenceService::NewStub(channel)),
+        prompts_(prompts),
+        timeout_ms_(timeout_ms) {
+    poller_ = std::thread([this] { Poll(); });
+  }
+  ~Driver() {
+    StopLoad();
+    cq_.Shutdown();
+    poller_.join();
+  }
+
+  void StartConcurrency(int n) {
+    concurrency_mode_ = true;
+    loading_ = true;
+    for (int i = 0; i < n; ++i) Issue();
+  }
+
+  void StartRate(double rate, bool poisson, uint64_t seed) {
+    concurrency_mode_ = false;
+    loading_ = true;
+    scheduler_ = std::thread([this, rate, poisson, seed] {
+      std::mt19937_64 rng(seed);
+      std::exponential_distribution<double> gap_dist(rate);
+      auto next = Clock::now();
+      while (loading_) {
+        for (auto now = Clock::now(); now < next && loading_; now = Clock::now()) {
+          std::this_thread::sleep_for(
+              std::min<Clock::duration>(next - now, std::chrono::milliseconds(20)));
+        }
+        if (!loading_) break;
+        Issue();
+        const double gap = poisson ? gap_dist(rng) : 1.0 / rate;
+        next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap));
+      }
+    });
+  }
+
+  // Stops issuing and waits for every outstanding request to finish.
+  void StopLoad() {
+    loading_ = false;
+    if (scheduler_.joinable()) scheduler_.join();
+    std::unique_lock<std::mutex> lock(mu_);
+    while (outstanding_ > 0) cv_.wait_for(lock, std::chrono::milliseconds(50));
+  }
+
+  void BeginWindow() {
+    std::lock_guard<std::mutex> lock(mu_);
+    window_ = Window{};
+    collecting_ = true;
+    window_start_ = Clock::now();
+  }
+
+  Window EndWindow() {
+    std::lock_guard<std::mutex> lock(mu_);
+    collecting_ = false;
+    window_.seconds = std::chrono::duration<double>(Clock::now() - window_start_).count();
+    return std::move(window_);
+  }
+
+  // Completions so far in the current window: (ok, failed).
+  std::pair<int64_t, int64_t> WindowCounts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {window_.ok, window_.failed};
+  }
+
+  // Waits up to `d` for the window to reach `n` completions.
+  void WaitForCompletions(int64_t n, Clock::duration d) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, d, [&] { return window_.ok + window_.failed >= n; });
+  }
+
+  int64_t total_ok() const { return total_ok_; }
+  int64_t total_failed() const { return total_failed_; }
+
+ private:
+  struct Call {
+    grpc::ClientContext ctx;
+    inference::ModelInferResponse response;
+    grpc::Status status;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<inference::ModelInferResponse>> reader;
+    Clock::time_point start;
+    int64_t tokens = 0;
+  };
+
+  void Issue() {
+    const Prompt& p = (*prompts_)[next_prompt_.fetch_add(1) % prompts_->size()];
+    auto* call = new Call;
+    call->tokens = p.tokens;
+    call->ctx.set_deadline(std::chrono::system_clock::now() +
+                           std::chrono::milliseconds(timeout_ms_));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++outstanding_;
+    }
+    call->start = Clock::now();
+    call->reader = stub_->PrepareAsyncModelInfer(&call->ctx, p.request, &cq_);
+    call->reader->StartCall();
+    call->reader->Finish(&call->response, &call->status, call);
+  }
+
+  void Poll() {
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+      std::unique_ptr<Call> call(static_cast<Call*>(tag));
+      const double ms =
+          std::chrono::duration<double, std::milli>(Clock::now() - call->start).count();
+      const bool success = ok && call->status.ok();
+      // Closed loop: replace the finished request before counting it done.
+      if (concurrency_mode_ && loading_) Issue();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (success) {
+          ++total_ok_;
+        } else {
+          ++total_failed_;
+        }
+        if (collecting_) {
+          if (success) {
+            ++window_.ok;
+            window_.tokens += call->tokens;
+            window_.latencies_ms.push_back(ms);
+          } else {
+            ++window_.failed;
+            ++window_.errors[ok ? StatusName(call->status.error_code()) : "CANCELLED"];
+          }
+        }
+        --outstanding_;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
+  const std::vector<Prompt>* prompts_;
+  const int64_t timeout_ms_;
+  grpc::CompletionQueue cq_;
+  std::thread poller_, scheduler_;
+  std::atomic<bool> loading_{false}, concurrency_mode_{true};
+  std::atomic<uint64_t> next_prompt_{0};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t outstanding_ = 0;  // guarded by mu_
+  std::atomic<int64_t> total_ok_{0}, total_failed_{0};
+  bool collecting_ = false;  // guarded by mu_
+  Window window_;            // guarded by mu_
+  Clock::time_point window_start_;
+};
+
+struct ServerStats {
+  uint64_t count = 0, queue_ns = 0, compute_ns = 0;
+};
+
+std::optional<ServerStats> GetServerStats(inference::GRPCInferenceService::Stub* stub,
+                                          const std::string& model) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  inference::ModelStatisticsRequest req;
+  req.set_name(model);
+  inference::ModelStatisticsResponse resp;
+  if (!stub->ModelStatistics(&ctx, req, &resp).ok()) return std::nullopt;
+  for (const auto& m : resp.model_stats()) {
+    if (m.name() != model && resp.model_stats_size() > 1) continue;
+    const auto& s = m.inference_stats();
+    return ServerStats{s.success().count(), s.queue().ns(), s.compute_infer().ns()};
+  }
+  return std::nullopt;
+}
+
+double RequestsPerSec(const Window& w) { return w.seconds > 0 ? w.ok / w.seconds : 0; }
+
+// True when every value is within pct percent of their mean.
+bool Stable(const std::vector<double>& values, double pct) {
+  if (values.empty()) return false;
+  double mean = 0;
+  for (double v : values) mean += v;
+  mean /= static_cast<double>(values.size());
+  for (double v : values) {
+    if (mean == 0 ? v != 0 : std::abs(v - mean) > mean * pct / 100.0) return false;
+  }
+  return true;
+}
+
+Json NumberOrNull(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
+
+// One step's result from its reported windows.
+Json StepResult(const std::string& key, double value, const std::vector<Window>& windows,
+                size_t trials, bool stable) {
+  Window all;
+  bool have_server = true;
+  for (const auto& w : windows) {
+    all.seconds += w.seconds;
+    all.ok += w.ok;
+    all.failed += w.failed;
+    all.tokens += w.tokens;
+    all.latencies_ms.insert(all.latencies_ms.end(), w.latencies_ms.begin(), w.latencies_ms.end());
+    for (const auto& [name, n] : w.errors) all.errors[name] += n;
+    have_server = have_server && w.have_server;
+    all.server_count += w.server_count;
+    all.server_queue_ns += w.server_queue_ns;
+    all.server_compute_ns += w.server_compute_ns;
+  }
+  auto& lat = all.latencies_ms;
+  std::sort(lat.begin(), lat.end());
+  auto pct = [&](double p) {
+    if (lat.empty()) return std::nan("");
+    size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(lat.size())));
+    return lat[std::clamp<size_t>(rank, 1, lat.size()) - 1];
+  };
+  const double secs = all.seconds > 0 ? all.seconds : std::nan("");
+  Json r;
+  r[key] = (key == "concurrency") ? Json(static_cast<int64_t>(std::llround(value))) : Json(value);
+  r["requests_per_sec"] = NumberOrNull(all.ok / secs);
+  r["tokens_per_sec"] = NumberOrNull(all.tokens / secs);
+  r["p50_ms"] = NumberOrNull(pct(50));
+  r["p90_ms"] = NumberOrNull(pct(90));
+  r["p95_ms"] = NumberOrNull(pct(95));
+  r["p99_ms"] = NumberOrNull(pct(99));
+  r["max_ms"] = NumberOrNull(lat.empty() ? std::nan("") : lat.back());
+  r["requests"] = all.ok;
+  r["error_count"] = all.failed;
+  r["errors"] = Json::object();
+  for (const auto& [name, n] : all.errors) r["errors"][name] = n;
+  const double n = (have_server && all.server_count > 0) ? all.server_count : std::nan("");
+  r["server_queue_ms"] = NumberOrNull(all.server_queue_ns / n / 1e6);
+  r["server_compute_ms"] = NumberOrNull(all.server_compute_ns / n / 1e6);
+  r["window_s"] = all.seconds;
+  r["trials"] = trials;
+  r["stable"] = stable;
+  return r;
+}
+
+std::string Fmt(const Json& v, int prec = 2) {
+  if (v.is_null()) return "-";
+  if (v.is_boolean()) return v.get<bool>() ? "yes" : "no";
+  if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
+  if (v.is_number()) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.*f", prec, v.get<double>());
+    return buf;
+  }
+  return v.dump();
+}
+
+std::string ErrorsString(const Json& errors) {
+  std::string s;
+  for (const auto& [name, n] : errors.items()) {
+    s += (s.empty() ? "" : ";") + name + ":" + std::to_string(n.get<int64_t>());
+  }
+  return s;
+}
+
+const std::vector<std::string> kScalarFields = {"requests_per_sec",
+                                                "tokens_per_sec",
+                                                "p50_ms",
+                                                "p90_ms",
+                                                "p95_ms",
+                                                "p99_ms",
+                                                "max_ms",
+                                                "requests",
+                                                "error_count",
+                                                "server_queue_ms",
+                                                "server_compute_ms",
+                                                "window_s",
+                                                "trials",
+                                                "stable"};
+
+std::string UtcNow() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+int Run(const Flags& f, const std::string& command) {
+  std::vector<double> levels;
+  const bool rate_mode = !f.request_rate_range.empty();
+  {
+    const std::string& spec =
+        rate_mode ? f.request_rate_range
+                  : (f.concurrency_range.empty() ? std::string("1") : f.concurrency_range);
+    auto r = ParseRange(spec);
+    if (!r || r->empty()) {
+      std::cerr << "error: " << (rate_mode ? "--request-rate-range" : "--concurrency-range")
+                << " must be start[:end[:step]] with 0 < start <= end and step > 0, got '" << spec
+                << "'\n";
+      return 2;
+    }
+    levels = *r;
+  }
+  if (f.duration_s <= 0 && f.requests <= 0) {
+    std::cerr << "error: --duration must be > 0\n";
+    return 2;
+  }
+  if (f.max_trials < 1 || f.timeout_ms < 1 || f.stability_pct < 0 || f.warmup_s < 0) {
+    std::cerr << "error: --max-trials and --timeout-ms must be >= 1, --stability and --warmup "
+                 ">= 0\n";
+    return 2;
+  }
+  std::vector<Prompt> prompts;
+  if (auto err = BuildPrompts(f, &prompts); !err.empty()) {
+    std::cerr << "error: " << err << "\n";
+    return 2;
+  }
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(f.url, grpc::InsecureChannelCredentials(), args);
+  auto stub = inference::GRPCInferenceService::NewStub(channel);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    inference::ServerLiveResponse live;
+    grpc::Status s = stub->ServerLive(&ctx, inference::ServerLiveRequest(), &live);
+    if (!s.ok() || !live.live()) {
+      std::cerr << "cannot reach the server at " << f.url << ": "
+                << (s.ok() ? std::string("server is not live")
+                           : std::string(StatusName(s.error_code())) + ": " + s.error_message())
+                << "\n";
+      return 2;
+    }
+  }
+
+  const bool tty = isatty(STDOUT_FILENO) != 0;
+  const std::string key = rate_mode ? "request_rate" : "concurrency";
+  Json steps = Json::array();
+  Driver driver(channel, &prompts, f.timeout_ms);
+  uint64_t step_seed = f.seed;
+  for (double level : levels) {
+    if (rate_mode) {
+      driver.StartRate(level, f.distribution == "poisson", ++step_seed);
+    } else {
+      driver.StartConcurrency(static_cast<int>(std::llround(level)));
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(f.warmup_s));
+    std::vector<Window> windows;
+    std::vector<double> rps;
+    bool stable = false;
+    for (int trial = 1; trial <= f.max_trials; ++trial) {
+      auto before = GetServerStats(stub.get(), f.model);
+      driver.BeginWindow();
+      const auto start = Clock::now();
+      const auto end = start + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(f.duration_s));
+      for (;;) {
+        const auto now = Clock::now();
+        if (f.requests > 0) {
+          auto [ok, failed] = driver.WindowCounts();
+          if (ok + failed >= f.requests) break;
+          driver.WaitForCompletions(f.requests, std::chrono::milliseconds(250));
+        } else {
+          if (now >= end) break;
+          std::this_thread::sleep_for(
+              std::min<Clock::duration>(end - now, std::chrono::milliseconds(250)));
+        }
+        if (tty) {
+          auto [ok, failed] = driver.WindowCounts();
+          const double el = std::chrono::duration<double>(Clock::now() - start).count();
+          std::printf("\r\033[K%s %g  trial %d/%d  %.1fs  %lld ok  %lld errors  %.1f req/s",
+                      key.c_str(), level, trial, f.max_trials, el, static_cast<long long>(ok),
+                      static_cast<long long>(failed), el > 0 ? ok / el : 0.0);
+          std::fflush(stdout);
+        }
+      }
+      Window w = driver.EndWindow();
+      auto after = GetServerStats(stub.get(), f.model);
+      if (before && after && after->count >= before->count) {
+        w.have_server = true;
+        w.server_count = after->count - before->count;
+        w.server_queue_ns = after->queue_ns - before->queue_ns;
+        w.server_compute_ns = after->compute_ns - before->compute_ns;
+      }
+      rps.push_back(RequestsPerSec(w));
+      windows.push_back(std::move(w));
+      const size_t need = static_cast<size_t>(std::min(3, f.max_trials));
+      if (rps.size() >= need &&
+          Stable(std::vector<double>(rps.end() - static_cast<std::ptrdiff_t>(need), rps.end()),
+                 f.stability_pct)) {
+        stable = true;
+        break;
+      }
+    }
+    driver.StopLoad();
+    if (tty) std::printf("\r\033[K");
+    const size_t keep = std::min<size_t>(3, windows.size());
+    std::vector<Window> last(windows.end() - static_cast<std::ptrdiff_t>(keep), windows.end());
+    Json r = StepResult(key, level, last, windows.size(), stable);
+    std::printf(
+        "%s %s: %s req/s, %s tok/s, p50 %s ms, p90 %s ms, p95 %s ms, p99 %s ms, max %s ms, "
+        "server queue %s ms, compute %s ms, errors %s, %s after %zu trials\n",
+        key.c_str(), Fmt(r[key]).c_str(), Fmt(r["requests_per_sec"], 1).c_str(),
+        Fmt(r["tokens_per_sec"], 1).c_str(), Fmt(r["p50_ms"], 3).c_str(),
+        Fmt(r["p90_ms"], 3).c_str(), Fmt(r["p95_ms"], 3).c_str(), Fmt(r["p99_ms"], 3).c_str(),
+        Fmt(r["max_ms"], 3).c_str(), Fmt(r["server_queue_ms"], 3).c_str(),
+        Fmt(r["server_compute_ms"], 3).c_str(), r["errors"].dump().c_str(),
+        stable ? "stable" : "NOT stable", windows.size());
+    std::fflush(stdout);
+    steps.push_back(std::move(r));
+  }
+  driver.StopLoad();
+
+  // Summary table.
+  std::printf("\n%12s %10s %11s %9s %9s %9s %9s %9s %9s %9s %7s %6s\n", key.c_str(), "req/s",
+              "tok/s", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms", "queue_ms", "comp_ms",
+              "errors", "stable");
+  for (const auto& r : steps) {
+    std::printf("%12s %10s %11s %9s %9s %9s %9s %9s %9s %9s %7s %6s\n", Fmt(r[key]).c_str(),
+                Fmt(r["requests_per_sec"], 1).c_str(), Fmt(r["tokens_per_sec"], 1).c_str(),
+                Fmt(r["p50_ms"], 3).c_str(), Fmt(r["p90_ms"], 3).c_str(),
+                Fmt(r["p95_ms"], 3).c_str(), Fmt(r["p99_ms"], 3).c_str(),
+                Fmt(r["max_ms"], 3).c_str(), Fmt(r["server_queue_ms"], 3).c_str(),
+                Fmt(r["server_compute_ms"], 3).c_str(), Fmt(r["error_count"]).c_str(),
+                Fmt(r["stable"]).c_str());
+  }
+  std::fflush(stdout);
+
+  int rc = 0;
+  if (!f.json.empty()) {
+    Json doc;
+    doc["meta"] = {{"url", f.url}, {"model", f.model}, {"command", command}, {"date", UtcNow()}};
+    doc["steps"] = steps;
+    std::ofstream out(f.json);
+    out << doc.dump(2) << "\n";
+    if (!out) {
+      std::cerr << "error: cannot write " << f.json << "\n";
+      rc = 2;
+    }
+  }
+  if (!f.csv.empty()) {
+    std::ofstream out(f.csv);
+    out << key;
+    for (const auto& name : kScalarFields) out << "," << name;
+    out << ",errors\n";
+    for (const auto& r : steps) {
+      out << Fmt(r[key], 6);
+      for (const auto& name : kScalarFields) {
+        const Json& v = r[name];
+        out << "," << (v.is_null() ? std::string() : v.is_boolean() ? v.dump() : Fmt(v, 6));
+      }
+      out << "," << ErrorsString(r["errors"]) << "\n";
+    }
+    if (!out) {
+      std::cerr << "error: cannot write " << f.csv << "\n";
+      rc = 2;
+    }
+  }
+  if (rc != 0) return rc;
+  if (driver.total_ok() == 0) {
+    std::cerr << "error: every request failed (" << driver.total_failed() << " requests)\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"tpserve-loadtest: load generator for the KServe v2 gRPC API (ModelInfer)"};
+  app.add_option("-u,--url", f.url, "server address HOST:PORT")->capture_default_str();
+  app.add_option("-m,--model-name", f.model, "model to call")->capture_default_str();
+  app.add_option("--input-name", f.input_name, "name of the token-id input tensor")
+      ->capture_default_str();
+  app.add_option("--datatype", f.datatype, "datatype of the input tensor")
+      ->check(CLI::IsMember({"INT32", "INT64"}))
+      ->capture_default_str();
+  auto* len = app.add_option("--prompt-len", f.prompt_len, "tokens per prompt (random ids)")
+                  ->capture_default_str();
+  auto* range = app.add_option("--prompt-len-range", f.prompt_len_range,
+                               "MIN:MAX tokens per prompt, uniformly drawn (random ids)");
+  auto* file = app.add_option("--prompt-file", f.prompt_file,
+                              "file with one prompt per line: comma- or space-separated token ids");
+  len->excludes(range)->excludes(file);
+  range->excludes(file);
+  app.add_option("--vocab", f.vocab, "random ids are drawn from [0, vocab)")->capture_default_str();
+  app.add_option("--seed", f.seed, "random seed (prompts, poisson arrivals)")
+      ->capture_default_str();
+  auto* conc = app.add_option("--concurrency-range", f.concurrency_range,
+                              "closed loop: start:end:step outstanding requests (default 1)");
+  auto* rate = app.add_option("--request-rate-range", f.request_rate_range,
+                              "open loop: start:end:step requests per second");
+  conc->excludes(rate);
+  app.add_option("--distribution", f.distribution,
+                 "arrival process of --request-rate-range: constant or poisson")
+      ->check(CLI::IsMember({"constant", "poisson"}))
+      ->capture_default_str();
+  auto* dur = app.add_option("--duration", f.duration_s, "seconds per measurement window")
+                  ->capture_default_str();
+  auto* reqs =
+      app.add_option("--requests", f.requests, "completed requests per measurement window");
+  dur->excludes(reqs);
+  app.add_option("--warmup", f.warmup_s, "seconds of load before measuring, per step")
+      ->capture_default_str();
+  app.add_option("--stability", f.stability_pct,
+                 "3 consecutive windows' requests/s must agree within this percent")
+      ->capture_default_str();
+  app.add_option("--max-trials", f.max_trials, "most measurement windows per step")
+      ->capture_default_str();
+  app.add_option("--timeout-ms", f.timeout_ms, "deadline of each request in milliseconds")
+      ->capture_default_str();
+  app.add_option("--csv", f.csv, "write one CSV row per step to FILE");
+  app.add_option("--json", f.json, "write the results as JSON to FILE");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  std::string command;
+  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+  return Run(f, command);
+}

@@ -1,0 +1,149 @@
+"""End-to-end test of tpserve-loadtest against a local tpserve (CTest label e2e).
+
+Run by CTest with TPSERVE_BIN and LOADTEST_BIN pointing at the built binaries.
+"""
+import csv
+import json
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+TPSERVE = os.environ.get("TPSERVE_BIN", "build/bin/tpserve")
+LOADTEST = os.environ.get("LOADTEST_BIN", "build/bin/tpserve-loadtest")
+
+STEP_FIELDS = ["requests_per_sec", "tokens_per_sec", "p50_ms", "p90_ms", "p95_ms", "p99_ms",
+               "max_ms", "errors", "server_queue_ms", "server_compute_ms", "stable"]
+
+
+def loadtest(*args, timeout=60):
+    return subprocess.run([LOADTEST, *args], capture_output=True, text=True, timeout=timeout)
+
+
+class LoadTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.server = subprocess.Popen(
+            [TPSERVE, "serve", "--model", "tiny", "--tp", "2", "--grpc-port", "0",
+             "--metrics-port", "0", "--host", "127.0.0.1"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.addCleanup(self._kill_server)
+        ready, _, _ = select.select([self.server.stdout], [], [], 30)
+        self.assertTrue(ready, "tpserve printed nothing within 30 s")
+        line = self.server.stdout.readline()
+        self.assertIn("on gRPC port", line)
+        self.port = int(line.strip().rsplit(" ", 1)[1])
+        self.url = f"127.0.0.1:{self.port}"
+
+    def _kill_server(self):
+        if self.server.poll() is None:
+            self.server.kill()
+            self.server.wait()
+        self.server.stdout.close()
+
+    def path(self, name):
+        return os.path.join(self.tmp.name, name)
+
+    def check_steps(self, doc, key, n):
+        self.assertEqual(doc["meta"]["url"], self.url)
+        self.assertEqual(doc["meta"]["model"], "tiny")
+        self.assertIn("date", doc["meta"])
+        self.assertIn(LOADTEST, doc["meta"]["command"])
+        self.assertEqual(len(doc["steps"]), n, doc)
+        for step in doc["steps"]:
+            for field in [key] + STEP_FIELDS:
+                self.assertIn(field, step, step)
+            self.assertEqual(step["errors"], {}, step)
+            self.assertGreater(step["requests_per_sec"], 0, step)
+            self.assertGreater(step["tokens_per_sec"], 0, step)
+            self.assertIsInstance(step["stable"], bool)
+            self.assertLessEqual(step["p50_ms"], step["p90_ms"])
+            self.assertLessEqual(step["p90_ms"], step["p95_ms"])
+            self.assertLessEqual(step["p95_ms"], step["p99_ms"])
+            self.assertLessEqual(step["p99_ms"], step["max_ms"])
+            self.assertGreaterEqual(step["server_queue_ms"], 0)
+            self.assertGreater(step["server_compute_ms"], 0)
+
+    def test_sweeps_then_unreachable_server(self):
+        # Closed loop: concurrency 1 and 4.
+        out_json, out_csv = self.path("out.json"), self.path("out.csv")
+        p = loadtest("-u", self.url, "--concurrency-range", "1:4:3", "--duration", "1",
+                     "--warmup", "0.5", "--max-trials", "3", "--prompt-len-range", "4:16",
+                     "--json", out_json, "--csv", out_csv)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        print(p.stdout)
+        with open(out_json) as f:
+            doc = json.load(f)
+        self.check_steps(doc, "concurrency", 2)
+        self.assertEqual([s["concurrency"] for s in doc["steps"]], [1, 4])
+        with open(out_csv) as f:
+            rows = list(csv.DictReader(f))
+        self.assertEqual(len(rows), 2)
+        self.assertEqual(rows[1]["concurrency"], "4")
+        for field in ["requests_per_sec", "tokens_per_sec", "p99_ms", "server_queue_ms",
+                      "server_compute_ms", "stable"]:
+            self.assertIn(field, rows[0])
+        self.assertGreater(float(rows[0]["requests_per_sec"]), 0)
+
+        # Open loop: Poisson arrivals at 40 requests/s, INT64 ids.
+        out_json = self.path("rate.json")
+        p = loadtest("-u", self.url, "--request-rate-range", "40", "--distribution", "poisson",
+                     "--duration", "1", "--warmup", "0.5", "--max-trials", "3",
+                     "--prompt-len", "8", "--datatype", "INT64", "--json", out_json)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        print(p.stdout)
+        with open(out_json) as f:
+            doc = json.load(f)
+        self.check_steps(doc, "request_rate", 1)
+        self.assertEqual(doc["steps"][0]["request_rate"], 40)
+        self.assertAlmostEqual(doc["steps"][0]["tokens_per_sec"],
+                               8 * doc["steps"][0]["requests_per_sec"], delta=1e-6)
+
+        # Stop the server: it drains and exits 0.
+        self.server.send_signal(signal.SIGTERM)
+        self.assertEqual(self.server.wait(timeout=30), 0)
+
+        # Now nothing listens on the port: exit 2 at once with a clear message.
+        start = time.monotonic()
+        p = loadtest("-u", self.url, "--duration", "1", timeout=10)
+        self.assertLess(time.monotonic() - start, 10)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn(f"cannot reach the server at {self.url}", p.stderr)
+
+    def test_errors_are_counted_and_all_failed_exits_1(self):
+        out_json = self.path("bad.json")
+        p = loadtest("-u", self.url, "-m", "no-such-model", "--requests", "5", "--warmup", "0",
+                     "--max-trials", "1", "--json", out_json)
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        with open(out_json) as f:
+            step = json.load(f)["steps"][0]
+        self.assertGreaterEqual(step["errors"].get("NOT_FOUND", 0), 5, step)
+        self.assertEqual(step["requests_per_sec"], 0)
+
+    def test_prompt_file(self):
+        prompts = self.path("prompts.txt")
+        with open(prompts, "w") as f:
+            f.write("1,2,3\n\n4 5 6 7\n")
+        out_json = self.path("file.json")
+        p = loadtest("-u", self.url, "--prompt-file", prompts, "--requests", "20", "--warmup",
+                     "0", "--max-trials", "1", "--json", out_json)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        with open(out_json) as f:
+            step = json.load(f)["steps"][0]
+        self.assertGreaterEqual(step["requests"], 20)
+        self.assertEqual(step["errors"], {})
+
+    def test_usage_errors_exit_2(self):
+        for args in (["--concurrency-range", "1", "--request-rate-range", "5"],
+                     ["--concurrency-range", "4:1"], ["--datatype", "FP32"],
+                     ["--prompt-file", self.path("missing.txt")]):
+            p = loadtest("-u", self.url, *args, timeout=10)
+            self.assertEqual(p.returncode, 2, (args, p.stdout, p.stderr))
+
+
+if __name__ == "__main__":
+    unittest.main()
