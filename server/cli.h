@@ -7,7 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "engine/model_config.h"
+
 namespace tpserve {
+
+// A --model value: a preset name (random weights) or a directory holding a
+// HuggingFace config.json and *.safetensors (*from_dir is set to which).
+StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir);
 
 void AddPlanCommand(CLI::App& app, int* exit_code);
 void AddModelCommands(CLI::App& app, int* exit_code);

@@ -28,13 +28,6 @@ struct ModelFlags {
   std::string out;
 };
 
-// A preset name, or a directory with config.json (+ safetensors for `run`).
-StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir) {
-  *from_dir = std::filesystem::is_directory(model);
-  if (*from_dir) return LoadModelConfig(model);
-  return ModelPreset(model);
-}
-
 StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
   std::vector<int32_t> ids;
   std::stringstream ss(text);
@@ -129,6 +122,12 @@ void AddModelFlag(CLI::App* cmd, ModelFlags* f) {
 }
 
 }  // namespace
+
+StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir) {
+  *from_dir = std::filesystem::is_directory(model);
+  if (*from_dir) return LoadModelConfig(model);
+  return ModelPreset(model);
+}
 
 void AddModelCommands(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<ModelFlags>();

@@ -51,8 +51,8 @@ int Serve(const ServeFlags& f) {
     return 2;
   }
   // auto: the GPU engine does not exist yet, so the CPU reference backend.
-  const bool from_dir = std::filesystem::is_directory(f.model);
-  auto config = from_dir ? LoadModelConfig(f.model) : ModelPreset(f.model);
+  bool from_dir = false;
+  auto config = ResolveModel(f.model, &from_dir);
   if (!config.ok()) {
     spdlog::error("{}", config.status().ToString());
     return 2;
