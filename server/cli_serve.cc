@@ -35,6 +35,7 @@ struct ServeFlags {
   int64_t max_queue_size = 1024;
   int64_t max_tokens_per_request = 4096;
   double exit_timeout_s = 30;
+  std::string tls_cert, tls_key, tls_client_ca;
 };
 
 int Serve(const ServeFlags& f) {
@@ -84,6 +85,9 @@ int Serve(const ServeFlags& f) {
                       : f.model_name;
   so.grpc_address = f.host + ":" + std::to_string(f.grpc_port);
   so.max_tokens_per_request = f.max_tokens_per_request;
+  so.tls_cert_file = f.tls_cert;
+  so.tls_key_file = f.tls_key;
+  so.tls_client_ca_file = f.tls_client_ca;
   so.batcher.max_batch_tokens = f.max_batch_tokens;
   so.batcher.max_queue_delay = std::chrono::microseconds(f.max_queue_delay_us);
   so.batcher.max_queue_size = static_cast<size_t>(f.max_queue_size);
@@ -181,6 +185,10 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                   "Seconds to finish accepted requests after SIGTERM")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--tls-cert", f->tls_cert, "PEM certificate chain: serve gRPC over TLS");
+  cmd->add_option("--tls-key", f->tls_key, "PEM private key of --tls-cert");
+  cmd->add_option("--tls-client-ca", f->tls_client_ca,
+                  "PEM CA bundle: require client certificates signed by it (mutual TLS)");
   cmd->callback([f, exit_code] { *exit_code = Serve(*f); });
 }
 

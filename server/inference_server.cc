@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <sstream>
 
@@ -28,6 +29,39 @@ uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
+}
+
+StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
+  std::ifstream in(path);
+  if (!in) return InvalidArgumentError(std::string(what) + " " + path + ": cannot read the file");
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN") == std::string::npos) {
+    return InvalidArgumentError(std::string(what) + " " + path + ": not a PEM file");
+  }
+  return text.str();
+}
+
+StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const ServerOptions& o) {
+  if (o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+    if (!o.tls_client_ca_file.empty()) {
+      return InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (o.tls_cert_file.empty() || o.tls_key_file.empty()) {
+    return InvalidArgumentError("TLS needs both --tls-cert and --tls-key");
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  TP_ASSIGN_OR_RETURN(pair.cert_chain, ReadPem(o.tls_cert_file, "TLS certificate"));
+  TP_ASSIGN_OR_RETURN(pair.private_key, ReadPem(o.tls_key_file, "TLS key"));
+  ssl.pem_key_cert_pairs.push_back(pair);
+  if (!o.tls_client_ca_file.empty()) {
+    TP_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(o.tls_client_ca_file, "TLS client CA"));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
 }
 
 }  // namespace
@@ -241,9 +275,10 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
       std::make_unique<TokenBatcher>(options.batcher, eng->config().vocab_size,
                                      [eng](const TokenBatch& b) { return eng->Forward(b); });
   s->service_ = std::make_unique<InferenceService>(options, *eng, *s->batcher_);
+  TP_ASSIGN_OR_RETURN(auto credentials, MakeCredentials(options));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(options.grpc_address, credentials, &s->port_);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(64 << 20);
   s->server_ = builder.BuildAndStart();

@@ -35,6 +35,9 @@ struct ServerOptions {
   std::string grpc_address = "127.0.0.1:8001";  // host:port; port 0 picks a free port
   int64_t max_tokens_per_request = 4096;
   BatcherOptions batcher;
+  // TLS: PEM files. Certificate and key together turn TLS on; a client CA
+  // additionally requires and verifies client certificates (mutual TLS).
+  std::string tls_cert_file, tls_key_file, tls_client_ca_file;
 };
 
 class InferenceService;

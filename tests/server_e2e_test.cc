@@ -7,8 +7,13 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "engine/cpu_engine.h"
@@ -377,6 +382,91 @@ TEST(ServerHealth, AFailedEngineTurnsTheServerNotReadyAndRequestsUnavailable) {
   const grpc::Status s = stub->ModelInfer(&ctx, q, &r);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("rank 1 died"));
+}
+
+// TLS and mutual TLS with throwaway self-signed certificates (openssl CLI).
+class ServerTlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::system("openssl version > /dev/null 2>&1") != 0) GTEST_SKIP() << "needs openssl";
+    dir_ = ::testing::TempDir() + "/tpserve_tls_" + std::to_string(::getpid());
+    ASSERT_EQ(std::system(("mkdir -p " + dir_).c_str()), 0);
+    for (const char* who : {"server", "client"}) {
+      const std::string cmd =
+          "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+          "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+          dir_ + "/" + who + ".key -out " + dir_ + "/" + who + ".crt > /dev/null 2>&1";
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    }
+  }
+  void TearDown() override {
+    server_.reset();
+    if (!dir_.empty()) std::system(("rm -rf " + dir_).c_str());
+  }
+  std::string Read(const std::string& name) {
+    std::ifstream in(dir_ + "/" + name);
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  }
+  void Start(bool mutual) {
+    ServerOptions so;
+    so.model_name = "tiny";
+    so.grpc_address = "127.0.0.1:0";
+    so.tls_cert_file = dir_ + "/server.crt";
+    so.tls_key_file = dir_ + "/server.key";
+    if (mutual) so.tls_client_ca_file = dir_ + "/client.crt";
+    auto server = InferenceServer::Start(so, std::make_shared<BreakableEngine>());
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+  }
+  bool Live(std::shared_ptr<grpc::ChannelCredentials> creds) {
+    grpc::ChannelArguments args;
+    args.SetSslTargetNameOverride("localhost");
+    auto stub = inference::GRPCInferenceService::NewStub(
+        grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server_->port()), creds, args));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    inference::ServerLiveResponse r;
+    return stub->ServerLive(&ctx, {}, &r).ok() && r.live();
+  }
+  std::string dir_;
+  std::unique_ptr<InferenceServer> server_;
+};
+
+TEST_F(ServerTlsTest, TlsServesVerifiedClientsAndRefusesPlaintext) {
+  Start(/*mutual=*/false);
+  grpc::SslCredentialsOptions ok;
+  ok.pem_root_certs = Read("server.crt");
+  EXPECT_TRUE(Live(grpc::SslCredentials(ok)));
+  EXPECT_FALSE(Live(grpc::InsecureChannelCredentials()));
+  grpc::SslCredentialsOptions wrong_root;
+  wrong_root.pem_root_certs = Read("client.crt");  // does not sign the server's certificate
+  EXPECT_FALSE(Live(grpc::SslCredentials(wrong_root)));
+}
+
+TEST_F(ServerTlsTest, MutualTlsRequiresAClientCertificate) {
+  Start(/*mutual=*/true);
+  grpc::SslCredentialsOptions with_cert;
+  with_cert.pem_root_certs = Read("server.crt");
+  with_cert.pem_private_key = Read("client.key");
+  with_cert.pem_cert_chain = Read("client.crt");
+  EXPECT_TRUE(Live(grpc::SslCredentials(with_cert)));
+  grpc::SslCredentialsOptions without;
+  without.pem_root_certs = Read("server.crt");
+  EXPECT_FALSE(Live(grpc::SslCredentials(without)));
+}
+
+TEST(ServerTlsOptions, BadTlsSettingsAreClearErrors) {
+  ServerOptions so;
+  so.grpc_address = "127.0.0.1:0";
+  so.tls_cert_file = "/nonexistent/server.crt";
+  auto s1 = InferenceServer::Start(so, std::make_shared<BreakableEngine>());
+  EXPECT_THAT(s1.status().message(), HasSubstr("both --tls-cert and --tls-key"));
+  so.tls_key_file = "/nonexistent/server.key";
+  auto s2 = InferenceServer::Start(so, std::make_shared<BreakableEngine>());
+  EXPECT_EQ(s2.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s2.status().message(), HasSubstr("/nonexistent/server.crt"));
 }
 
 }  // namespace
