@@ -53,7 +53,11 @@ class Parser {
                    std::initializer_list<const char*> more = {}) const {
     TP_RETURN_IF_ERROR(CheckMap(node, path));
     for (const auto& kv : node) {
-      const std::string key = kv.first.as<std::string>();
+      if (!kv.first.IsScalar()) {
+        return Error(kv.first, path,
+                     "keys must be plain strings (allowed: " + Join(allowed, more) + ")");
+      }
+      const std::string key = kv.first.Scalar();
       if (!In(key, allowed) && !In(key, more)) {
         return Error(kv.first, path + "." + key,
                      "unknown key (allowed: " + Join(allowed, more) + ")");
@@ -325,7 +329,15 @@ StatusOr<OverlapConfig> OverlapConfig::Parse(std::string_view yaml, const std::s
                                 ": YAML syntax error: " + e.msg);
   }
   Parser parser(source);
-  TP_ASSIGN_OR_RETURN(OverlapConfig cfg, parser.Run(root));
+  StatusOr<OverlapConfig> parsed = InternalError("not parsed");
+  try {
+    parsed = parser.Run(root);
+  } catch (const YAML::Exception& e) {
+    // The parser checks types before converting; this is the backstop that
+    // keeps any conversion it missed an error instead of a crash.
+    return InvalidArgumentError(source + ":" + std::to_string(e.mark.line + 1) + ": " + e.msg);
+  }
+  TP_ASSIGN_OR_RETURN(OverlapConfig cfg, std::move(parsed));
   cfg.source_ = source;
   return cfg;
 }

@@ -210,6 +210,9 @@ TEST(OverlapConfig, StrictLoaderNamesFileLineKeyAndAllowedValues) {
       {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, copy_engine: true}\n",
        "copy_engine needs an AllGather"},
       {"version: 1\ndefaults: [1, 2\n", "YAML syntax error"},
+      // Found by fuzz_overlap_config: a mapping used as a key.
+      {"version: 1\ndefaults:\n  ? {a: 1}\n  : 2\n", "keys must be plain strings"},
+      {"version: 1\n? [x]\n: 1\n", "keys must be plain strings"},
   };
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.yaml);
