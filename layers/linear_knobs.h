@@ -24,7 +24,11 @@ struct LinearKnobs {
   NcclCommConfig comm;
   // AllGather on copy engines: the gather buffers live in NCCL symmetric
   // windows and the communicator uses CTA policy zero, so the AllGather takes
-  // no SMs from the GEMM. ag_gemm with mode none or pipeline only.
+  // no SMs from the GEMM. ag_gemm with mode none or pipeline only. Eager use
+  // is verified against the CPU reference; inside a CUDA graph a captured
+  // copy-engine AllGather was seen to leave a peer's block unwritten (see
+  // DISABLED_AllGatherInCapturedGraph in tests/gpu_nccl_test.cc): do not
+  // capture layers with this knob until that is resolved.
   bool copy_engine = false;
   // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
   int gemm_sm_count = 0;
