@@ -49,15 +49,16 @@ struct Flags {
   std::vector<std::string> dtypes = {"fp8"};
   std::vector<int> chunks = {2, 4};
 #ifdef TPSERVE_TUNE_MAIN
-  std::vector<std::string> methods = {"none", "pipeline", "ring", "pipeline_ce"};
+  std::vector<std::string> methods = {"none", "pipeline", "ring", "pipeline_ce", "ring_ce"};
 #else
-  std::vector<std::string> methods = {"gemm_only", "comm_only",   "none",      "pipeline",
-                                      "ring",      "pipeline_ce", "layer_gemm"};
+  std::vector<std::string> methods = {"gemm_only", "comm_only",   "none",    "pipeline",
+                                      "ring",      "pipeline_ce", "ring_ce", "layer_gemm"};
 #endif
   std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
   std::vector<int> gemm_sms = {0};  // GEMM SM budgets to sweep (0 = all SMs)
   int tp = 2;
   int warmup = 5;
+  int timeout_s = 120;  // bound on every wait for the GPUs (then abort, not hang)
   int rounds = 30;
   bool check = true;
   bool fast_accum = false;
@@ -98,22 +99,21 @@ std::vector<Method> MakeMethods(const Flags& f, OverlapOp op) {
     if (name == "gemm_only" || name == "comm_only" || name == "none" || name == "layer_gemm") {
       base.method = name;
       out.push_back(base);
-    } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce") {
+    } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce") {
+      const bool ce = name.ends_with("_ce");
+      const bool ring = name.starts_with("ring");
       if (name == "pipeline_ce" && op != OverlapOp::kAllGatherGemm) continue;
       for (int c : f.chunks) {
         for (int ctas : f.max_ctas) {
-          if (name == "pipeline_ce" && ctas != 0) continue;  // copy engines use no CTAs
+          if (ce && ctas != 0) continue;  // copy engines use no NCCL CTAs
           for (int sms : f.gemm_sms) {
             Method m = base;
-            m.method = name == "ring" ? "ring" : "pipeline";
-            m.knobs.mode = name == "ring" ? OverlapMode::kRing : OverlapMode::kPipeline;
+            m.method = ring ? "ring" : "pipeline";
+            m.knobs.mode = ring ? OverlapMode::kRing : OverlapMode::kPipeline;
             m.knobs.chunks = c;
             m.knobs.comm.max_ctas = ctas;
             m.knobs.gemm_sm_count = sms;
-            if (name == "pipeline_ce") {
-              m.knobs.copy_engine = true;
-              m.knobs.comm.cta_policy = NcclCommConfig::CtaPolicy::kZero;
-            }
+            m.knobs.copy_engine = ce;
             out.push_back(m);
           }
         }
@@ -305,6 +305,10 @@ Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, Data
       TP_RETURN_IF_ERROR(base.WaitStream(st));
       TP_ASSIGN_OR_RETURN(p.graph,
                           CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, bodies[i]));
+      if (r == 0) {
+        spdlog::info("{} m={} {}: prepared {} {} ({}/{})", sc.layer, sc.m, fp8 ? "fp8" : "bf16",
+                     m.method, m.knobs.ToString(), i + 1, methods.size());
+      }
     }
 
     // Time the methods interleaved, round by round, so that clock and power
@@ -403,8 +407,9 @@ int Main(int argc, char** argv) {
   app.add_option("--dtype", f.dtypes, "Operand types: fp8, bf16")->capture_default_str();
   app.add_option("--chunks", f.chunks, "Chunk counts for pipeline and ring")->capture_default_str();
   app.add_option("--methods", f.methods,
-                 "Methods: gemm_only, comm_only, none, pipeline, ring, pipeline_ce (copy-engine "
-                 "AllGather), layer_gemm (the layer's GEMM steps without communication)")
+                 "Methods: gemm_only, comm_only, none, pipeline, ring, pipeline_ce and ring_ce "
+                 "(copy-engine pulls instead of NCCL kernels; pipeline_ce for ag_gemm only), "
+                 "layer_gemm (the layer's GEMM steps without communication)")
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,
                  "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default)")
@@ -417,6 +422,11 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--warmup", f.warmup, "Graph replays before timing")->capture_default_str();
   app.add_option("--rounds", f.rounds, "Timed graph replays per case")->capture_default_str();
+  app.add_option("--timeout-s", f.timeout_s,
+                 "Seconds any wait for the GPUs may take before the run aborts with an error "
+                 "(NCCL work, copy-engine signals)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_flag("!--no-check", f.check,
                "Skip comparing each overlap method's output with mode none");
   app.add_flag("--fast-accum", f.fast_accum, "FP8 fast accumulation in every GEMM");
@@ -428,7 +438,7 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  auto group = NcclThreadGroup::Create(f.tp);
+  auto group = NcclThreadGroup::Create(f.tp, std::chrono::seconds(f.timeout_s));
   if (!group.ok()) {
     spdlog::error("{}", group.status().ToString());
     return 1;

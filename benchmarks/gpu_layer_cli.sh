@@ -13,7 +13,9 @@ while read -r args; do
 done <<'CASES' | tee "$out/layer_cli.log"
 --op ag_gemm --mode pipeline --chunks 4
 --op ag_gemm --mode ring --chunks 2 --dtype bf16
---op ag_gemm --mode pipeline --chunks 2 --cta-policy zero --copy-engine
+--op ag_gemm --mode pipeline --chunks 2 --copy-engine
+--op ag_gemm --mode ring --chunks 2 --copy-engine
+--op gemm_rs --mode ring --chunks 4 --copy-engine
 --op gemm_rs --mode pipeline --chunks 4 --max-ctas 8
 --op gemm_rs --mode ring --chunks 2 --gemm-sms 120
 --op gemm_rs --mode none --chunks 1 --dtype bf16

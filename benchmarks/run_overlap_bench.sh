@@ -12,11 +12,16 @@ commit=${COMMIT:-unknown}
 date=$(date -u +%Y-%m-%d)
 rounds=${ROUNDS:-30}
 ms=${MS:-512 2048 8192 16384}
+dtypes=${DTYPES:-fp8 bf16}
+chunks=${CHUNKS:-2 4 8}
+presets=${PRESETS:-llama70b seed}
+methods=${METHODS:-gemm_only comm_only none pipeline ring pipeline_ce ring_ce layer_gemm}
 rc=0
 log="$out/bench.log"
 : > "$log"
 
-echo "== gpu tests (layers, GEMM)"
+if [ -z "${SKIP_TESTS:-}" ]; then
+echo "== gpu tests (layers, GEMM, kernels)"
 timeout ${TEST_TIMEOUT:-240} .gpu/bin/tpserve_gpu_tests --gtest_filter='-GpuNcclTest.*' \
   > "$out/gpu_tests.log" 2>&1 || rc=1
 grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_tests.log" | tail -12
@@ -24,11 +29,26 @@ echo "== gpu tests (NCCL communicator)"
 timeout ${NCCL_TEST_TIMEOUT:-150} .gpu/bin/tpserve_gpu_tests --gtest_filter='GpuNcclTest.*' \
   > "$out/gpu_nccl_tests.log" 2>&1 || rc=1
 grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_nccl_tests.log" | tail -12
+fi
+
+# Copy-engine methods first on their own, briefly: a copy-engine failure must
+# not take the whole sweep down with it (a failed case aborts the
+# communicators, and every later case fails too).
+if [[ " $methods " == *_ce* ]]; then
+  echo "== copy-engine smoke test"
+  if ! timeout ${SMOKE_TIMEOUT:-60} .gpu/bin/tpserve-bench --shapes llama70b --m 8192 --dtype fp8 \
+      --chunks 2 --methods none ring_ce pipeline_ce --rounds 3 --timeout-s 20 \
+      --out /tmp/smoke.json > "$out/smoke.log" 2>&1; then
+    echo "copy-engine smoke test failed (see smoke.log): sweeping without copy engines"
+    methods=$(for x in $methods; do [[ $x == *_ce ]] || printf '%s ' "$x"; done)
+    rc=1
+  fi
+fi
 
 run_preset() {  # preset, extra args for tpserve-bench
   local preset=$1; shift
-  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype fp8 bf16 --chunks 2 4 8 --rounds $rounds --commit $commit $*"
-  local cmd_peer="python3 benchmarks/torch_peer.py --tp 2 --shapes $preset --m $ms --dtype fp8 bf16 --chunks 2 4 8 --rounds $rounds --timeout 300"
+  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit $*"
+  local cmd_peer="python3 benchmarks/torch_peer.py --tp 2 --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
   echo "== $preset: $cmd_ours" | tee -a "$log"
   timeout ${BENCH_TIMEOUT:-240} $cmd_ours --out "/tmp/ours-$preset.json" >> "$log" 2>&1 || rc=1
   echo "== $preset: $cmd_peer" | tee -a "$log"
@@ -41,7 +61,12 @@ run_preset() {  # preset, extra args for tpserve-bench
   python3 benchmarks/render_results.py "$merged" --png "$out/$date-$preset-tp2.png" \
     >> "$out/tables.txt" 2>&1 || rc=1
 }
-run_preset llama70b --max-ctas 0 8 --methods gemm_only comm_only none pipeline ring pipeline_ce layer_gemm
-ms="65536" run_preset seed --max-ctas 0 8
+for preset in $presets; do
+  if [ "$preset" = seed ]; then
+    ms="65536" run_preset seed --max-ctas 0 8 --methods $methods
+  else
+    run_preset "$preset" --max-ctas 0 8 --methods $methods
+  fi
+done
 grep -A40 -i "summary" "$out/tables.txt" | head -80
 exit $rc

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "comm/cuda_check.h"
+#include "comm/peer_memory.h"
 
 namespace tpserve {
 namespace {
@@ -27,8 +28,22 @@ struct CommCall {
   size_t send_bytes = 0;  // AllGather: bytes per rank; ReduceScatter: elements per rank
   size_t recv_bytes = 0;  // SendRecv only
   int send_peer = -1, recv_peer = -1;
-  BufRef copy_src, copy_dst;  // ReduceScatter with a short own chunk: scratch -> y
-  size_t copy_bytes = 0;
+  BufRef copy_src, copy_dst;  // ReduceScatter with a short own chunk: scratch -> y;
+  size_t copy_bytes = 0;      // copy-engine AllGather: own rows input -> gather slot
+
+  // Copy-engine transfers (knobs.copy_engine): this rank pulls each message
+  // from the sender's PeerBuffer. The sender signals `ready` when the data is
+  // in place; the receiver waits, pulls, and signals `done`; the sender waits
+  // for every `done` before its Run ends (then the caller may overwrite it).
+  struct Pull {
+    int peer = -1;
+    BufRef src;  // in `peer`'s copy of the buffer
+    BufRef dst;  // local
+    size_t bytes = 0;
+  };
+  bool copy_engine = false;
+  std::vector<PeerSignals::Flag> ready_to, ready_from, done_to;
+  std::vector<Pull> pulls;
 };
 
 struct PreparedStep {
@@ -43,6 +58,7 @@ struct PreparedStep {
 struct Prepared {
   OverlapPlan plan;
   std::vector<PreparedStep> steps;
+  std::vector<PeerSignals::Flag> done_from;  // copy engine: waited for at the end of Run
 };
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -55,16 +71,27 @@ struct CudaLinear::Impl {
   CudaStream comm_stream;
   CudaEvent fork, join;
   std::vector<CudaEvent> step_events;
-  // Plain buffers, or symmetric NCCL windows for copy-engine AllGather.
+  // Plain buffers; with copy engines, the buffers that peers pull from are
+  // PeerBuffers instead (mapped on every rank).
   DeviceBuffer input, gather, partial, received, scratch, unit_scales;
-  NcclSymmetricBuffer sym_input, sym_gather;
+  PeerBuffer peer_input, peer_gather, peer_partial;
+  PeerSignals signals;
   std::map<int64_t, Prepared> prepared;
 
-  void* InputBase() const { return sym_input.data() ? sym_input.data() : input.data(); }
-  void* GatherBase() const { return sym_gather.data() ? sym_gather.data() : gather.data(); }
+  void* InputBase() const { return peer_input.data() ? peer_input.data() : input.data(); }
+  void* GatherBase() const { return peer_gather.data() ? peer_gather.data() : gather.data(); }
+  void* PartialBase() const { return peer_partial.data() ? peer_partial.data() : partial.data(); }
+  // A buffer of rank `peer`, as this device addresses it (copy engine only).
+  char* PeerBase(BufRef::Base base, int peer) const {
+    const PeerBuffer* b = base == BufRef::kInput     ? &peer_input
+                          : base == BufRef::kGather  ? &peer_gather
+                          : base == BufRef::kPartial ? &peer_partial
+                                                     : nullptr;
+    return b != nullptr && b->data() != nullptr ? static_cast<char*>(b->peer(peer)) : nullptr;
+  }
   size_t Bytes() const {
     return input.size() + gather.size() + partial.size() + received.size() + scratch.size() +
-           sym_input.bytes() + sym_gather.bytes() + gemm.workspace_bytes();
+           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() + gemm.workspace_bytes();
   }
 };
 
@@ -117,32 +144,47 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
     TP_ASSIGN_OR_RETURN(buf, DeviceBuffer::Allocate(bytes, layer->name_ + "." + what));
     return Status::Ok();
   };
+  const bool ce = knobs.copy_engine && tp > 1;
+  auto alloc_peer = [&](PeerBuffer& buf, size_t bytes, const char* what) -> Status {
+    TP_ASSIGN_OR_RETURN(buf, PeerBuffer::Create(*im.comm, bytes, layer->name_ + "." + what));
+    return Status::Ok();
+  };
   if (shape.op == OverlapOp::kAllGatherGemm) {
     if (ring) {
-      TP_RETURN_IF_ERROR(alloc(im.gather, shape.max_m * row_x, "gather"));
+      if (ce) {
+        TP_RETURN_IF_ERROR(alloc_peer(im.peer_gather, shape.max_m * row_x, "gather"));
+      } else {
+        TP_RETURN_IF_ERROR(alloc(im.gather, shape.max_m * row_x, "gather"));
+      }
     } else {
       // One row of slack: a short chunk is sent padded to its step's size.
       const size_t input_bytes = (shard_max + 1) * row_x;
-      const size_t gather_bytes = tp * (shard_max + chunks) * row_x;
-      if (knobs.copy_engine) {
-        TP_ASSIGN_OR_RETURN(im.sym_input, NcclSymmetricBuffer::Create(*im.comm, input_bytes,
-                                                                      layer->name_ + ".input"));
-        TP_ASSIGN_OR_RETURN(im.sym_gather, NcclSymmetricBuffer::Create(*im.comm, gather_bytes,
-                                                                       layer->name_ + ".gather"));
+      if (ce) {
+        TP_RETURN_IF_ERROR(alloc_peer(im.peer_input, input_bytes, "input"));
       } else {
         TP_RETURN_IF_ERROR(alloc(im.input, input_bytes, "input"));
-        TP_RETURN_IF_ERROR(alloc(im.gather, gather_bytes, "gather"));
       }
+      TP_RETURN_IF_ERROR(alloc(im.gather, tp * (shard_max + chunks) * row_x, "gather"));
     }
   } else {
     TP_RETURN_IF_ERROR(alloc(im.input, shape.max_m * row_x, "input"));
     if (ring) {
-      TP_RETURN_IF_ERROR(alloc(im.partial, shape.max_m * row_y, "partial"));
+      if (ce) {
+        TP_RETURN_IF_ERROR(alloc_peer(im.peer_partial, shape.max_m * row_y, "partial"));
+      } else {
+        TP_RETURN_IF_ERROR(alloc(im.partial, shape.max_m * row_y, "partial"));
+      }
       TP_RETURN_IF_ERROR(alloc(im.received, shape.max_m * row_y, "received"));
     } else {
       TP_RETURN_IF_ERROR(alloc(im.partial, tp * (shard_max + chunks) * row_y, "partial"));
       TP_RETURN_IF_ERROR(alloc(im.scratch, (CeilDiv(shard_max, chunks) + 1) * row_y, "scratch"));
     }
+  }
+  if (ce) {
+    // Messages between one pair of ranks per Run: at most chunks per
+    // AllGather step, or (tp - 1) * chunks ring steps.
+    TP_ASSIGN_OR_RETURN(im.signals, PeerSignals::Create(*im.comm, chunks * std::max(1, tp - 1),
+                                                        layer->name_ + ".signals"));
   }
   // Scales of 1.0 used while planning GEMMs (only the pointers' presence
   // matters for the algorithm choice).
@@ -250,6 +292,19 @@ Status CudaLinear::Prepare(int64_t m) {
   std::vector<size_t> region(plan.steps.size(), 0);
   std::vector<int64_t> slot_rows_of(plan.steps.size(), 0);
   size_t next_region = 0;
+  // Copy engine: messages so far to / from each peer. The k-th message from
+  // a to b uses flag slot k on both sides (plans issue matching sends and
+  // receives in the same order: ValidatePlanGroup).
+  const bool ce = knobs_.copy_engine && tp_ > 1;
+  std::vector<int> sent(tp_, 0), received(tp_, 0);
+  auto next_slot = [&](std::vector<int>& seq, int peer) -> StatusOr<int> {
+    if (seq[peer] >= im.signals.slots()) {
+      return InternalError("layer " + name_ + ": copy-engine plan for m=" + std::to_string(m) +
+                           " needs more than " + std::to_string(im.signals.slots()) +
+                           " messages to/from rank " + std::to_string(peer));
+    }
+    return seq[peer]++;
+  };
 
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const PlanStep& s = plan.steps[i];
@@ -268,6 +323,32 @@ Status CudaLinear::Prepare(int64_t m) {
         ps.comm.send = {BufRef::kInput, (s.rows[rank_].begin - own.begin) * row_x};
         ps.comm.recv = {BufRef::kGather, region[i]};
         ps.comm.send_bytes = slot_rows * row_x;
+        if (ce) {
+          CommCall& c = ps.comm;
+          c.copy_engine = true;
+          for (int p = 0; p < tp_; ++p) {
+            const size_t slot_offset = region[i] + p * slot_rows * row_x;
+            if (p == rank_) {
+              c.copy_src = c.send;
+              c.copy_dst = {BufRef::kGather, slot_offset};
+              c.copy_bytes = s.rows[p].size() * row_x;
+              continue;
+            }
+            TP_ASSIGN_OR_RETURN(int out_slot, next_slot(sent, p));
+            c.ready_to.push_back({p, out_slot});
+            prep.done_from.push_back({p, out_slot});
+            TP_ASSIGN_OR_RETURN(int in_slot, next_slot(received, p));
+            c.ready_from.push_back({p, in_slot});
+            c.done_to.push_back({p, in_slot});
+            if (!s.rows[p].empty()) {
+              const size_t src = (s.rows[p].begin - ShardRows(m, tp_, p).begin) * row_x;
+              c.pulls.push_back({p,
+                                 {BufRef::kInput, src},
+                                 {BufRef::kGather, slot_offset},
+                                 static_cast<size_t>(s.rows[p].size()) * row_x});
+            }
+          }
+        }
         break;
       }
       case StepKind::kReduceScatter: {
@@ -300,6 +381,25 @@ Status CudaLinear::Prepare(int64_t m) {
         ps.comm.recv = {dst, s.recv_rows.begin * row};
         ps.comm.recv_bytes = s.recv_rows.size() * row;
         ps.comm.recv_peer = s.recv_peer;
+        if (ce) {
+          CommCall& c = ps.comm;
+          c.copy_engine = true;
+          if (c.send_peer >= 0) {
+            TP_ASSIGN_OR_RETURN(int out_slot, next_slot(sent, c.send_peer));
+            c.ready_to.push_back({c.send_peer, out_slot});
+            prep.done_from.push_back({c.send_peer, out_slot});
+          }
+          if (c.recv_peer >= 0) {
+            TP_ASSIGN_OR_RETURN(int in_slot, next_slot(received, c.recv_peer));
+            c.ready_from.push_back({c.recv_peer, in_slot});
+            c.done_to.push_back({c.recv_peer, in_slot});
+            // The sender's copy of the same buffer holds the rows at the
+            // same offset (ring buffers are indexed by global row).
+            if (c.recv_bytes > 0) {
+              c.pulls.push_back({c.recv_peer, {src, c.recv.offset}, c.recv, c.recv_bytes});
+            }
+          }
+        }
         break;
       }
       case StepKind::kGemm: {
@@ -381,6 +481,31 @@ Status CudaLinear::Prepare(int64_t m) {
   return Status::Ok();
 }
 
+namespace {
+
+// A copy-engine step on the comm stream `s`: signal this rank's messages
+// ready, copy its own rows (AllGather), wait for the peers' messages and pull
+// them.
+template <typename Resolve>
+Status EnqueuePeerTransfer(const CudaLinear::Impl& im, const CommCall& c, const Resolve& resolve,
+                           cudaStream_t s) {
+  TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kReady, c.ready_to, s));
+  if (c.copy_bytes > 0) {
+    TP_CUDA_CHECK(cudaMemcpyAsync(resolve(c.copy_dst), resolve(c.copy_src), c.copy_bytes,
+                                  cudaMemcpyDeviceToDevice, s));
+  }
+  TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kReady, c.ready_from, s));
+  for (const CommCall::Pull& p : c.pulls) {
+    const char* src = im.PeerBase(p.src.base, p.peer);
+    if (src == nullptr) return InternalError("copy-engine pull from a buffer peers cannot map");
+    TP_CUDA_CHECK(
+        cudaMemcpyAsync(resolve(p.dst), src + p.src.offset, p.bytes, cudaMemcpyDeviceToDevice, s));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status CudaLinear::Run(int64_t m, const void* w, const float* x_scale, const float* w_scale,
                        void* y, cudaStream_t stream) {
   return Enqueue(m, w, x_scale, w_scale, y, stream, /*with_comm=*/true);
@@ -419,7 +544,7 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
         base = static_cast<char*>(im.GatherBase());
         break;
       case BufRef::kPartial:
-        base = im.partial.as<char>();
+        base = static_cast<char*>(im.PartialBase());
         break;
       case BufRef::kReceived:
         base = im.received.as<char>();
@@ -457,6 +582,12 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
         }
         TP_RETURN_IF_ERROR(im.gemm.Run(p, resolve(call.a), w, resolve(call.c), resolve(call.d), s));
       }
+    } else if (ps.comm.copy_engine) {
+      TP_RETURN_IF_ERROR(EnqueuePeerTransfer(im, ps.comm, resolve, s));
+      // GEMMs may start once the data is here; the `done` signal follows.
+      if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
+      TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, ps.comm.done_to, s));
+      continue;
     } else {
       const CommCall& c = ps.comm;
       switch (c.kind) {
@@ -480,6 +611,10 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
       }
     }
     if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
+  }
+  if (with_comm && !prep.done_from.empty()) {
+    // Peers have pulled everything this rank sent: the caller may overwrite it.
+    TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kDone, prep.done_from, side));
   }
   TP_RETURN_IF_ERROR(im.join.Record(side));
   return im.join.WaitOn(stream);

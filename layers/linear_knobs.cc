@@ -21,16 +21,12 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
     return InvalidArgumentError("gemm_sm_count must be >= 0 (0 = all SMs), got " +
                                 std::to_string(knobs.gemm_sm_count));
   }
-  if (knobs.copy_engine) {
-    if (op != OverlapOp::kAllGatherGemm || knobs.mode == OverlapMode::kRing) {
-      return InvalidArgumentError(
-          "copy_engine needs an AllGather: op ag_gemm with mode none or pipeline (NCCL 2.28 has "
-          "no copy-engine ReduceScatter or send/recv)");
-    }
-    if (knobs.comm.cta_policy != NcclCommConfig::CtaPolicy::kZero) {
-      return InvalidArgumentError("copy_engine needs comm cta_policy zero, got " +
-                                  std::string(CtaPolicyName(knobs.comm.cta_policy)));
-    }
+  if (knobs.copy_engine && op == OverlapOp::kGemmReduceScatter &&
+      knobs.mode != OverlapMode::kRing) {
+    return InvalidArgumentError(
+        "copy_engine with op gemm_rs needs mode ring (a ReduceScatter adds partials, which copy "
+        "engines cannot; the ring adds them in the GEMM), got mode " +
+        std::string(OverlapModeName(knobs.mode)));
   }
   return knobs.comm.Validate().WithContext("comm");
 }

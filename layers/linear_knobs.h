@@ -22,13 +22,12 @@ struct LinearKnobs {
   // The communicator variant the layer's collectives run on (CTA limits and
   // policy). NcclCommConfig{} is the base communicator.
   NcclCommConfig comm;
-  // AllGather on copy engines: the gather buffers live in NCCL symmetric
-  // windows and the communicator uses CTA policy zero, so the AllGather takes
-  // no SMs from the GEMM. ag_gemm with mode none or pipeline only. Eager use
-  // is verified against the CPU reference; inside a CUDA graph a captured
-  // copy-engine AllGather was seen to leave a peer's block unwritten (see
-  // DISABLED_AllGatherInCapturedGraph in tests/gpu_nccl_test.cc): do not
-  // capture layers with this knob until that is resolved.
+  // Move data with copy engines instead of NCCL kernels: ranks pull each
+  // other's rows from peer-mapped buffers (comm/peer_memory.h: CUDA IPC, flag
+  // kernels of one thread), so the transfer takes no SMs from the GEMM.
+  // ag_gemm: any mode (the AllGather, or the ring's send/recv, becomes pulls);
+  // gemm_rs: mode ring only (each ring step's partial is pulled and added by
+  // the next GEMM). All ranks on one node. Captures into CUDA graphs.
   bool copy_engine = false;
   // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
   int gemm_sm_count = 0;
@@ -39,8 +38,8 @@ struct LinearKnobs {
   std::string ToString() const;
 };
 
-// INVALID_ARGUMENT naming the field, for `op` (copy_engine needs ag_gemm and
-// an AllGather mode; chunks as MakeOverlapPlan allows; sm count >= 0).
+// INVALID_ARGUMENT naming the field, for `op` (copy_engine with gemm_rs needs
+// mode ring; chunks as MakeOverlapPlan allows; sm count >= 0).
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

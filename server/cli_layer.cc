@@ -118,13 +118,12 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   cmd->add_option("--cta-policy", f->cta_policy,
-                  "cuda: NCCL CTA policy: default, efficiency, zero (zero + --copy-engine: "
-                  "AllGather on copy engines)")
+                  "cuda: NCCL CTA policy of the layer's communicator: default, efficiency, zero")
       ->check(CLI::IsMember({"default", "efficiency", "zero"}))
       ->capture_default_str();
   cmd->add_flag("--copy-engine", f->copy_engine,
-                "cuda: gather buffers in NCCL symmetric windows (ag_gemm, none/pipeline; needs "
-                "--cta-policy zero)");
+                "cuda: move data with copy engines (peers pull from CUDA-IPC-mapped buffers; "
+                "no SMs): ag_gemm any mode, gemm_rs mode ring; all ranks on one node");
   cmd->add_option("--gemm-sms", f->gemm_sm_count, "cuda: GEMM SM budget (0 = all SMs)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();

@@ -117,7 +117,7 @@ TEST(OverlapConfig, CopyEngineOnARowParallelLayerIsAnErrorNamingTheRule) {
   auto k = cfg.Resolve("layers.0.mlp.gate_up", OverlapOp::kGemmReduceScatter, 8192, 8192, 64, 2);
   ASSERT_FALSE(k.ok());
   EXPECT_THAT(k.status().message(), HasSubstr("test.yaml:15 (match 'layers.*.mlp.gate_up')"));
-  EXPECT_THAT(k.status().message(), HasSubstr("copy_engine needs an AllGather"));
+  EXPECT_THAT(k.status().message(), HasSubstr("copy_engine with op gemm_rs needs mode ring"));
 }
 
 TEST(OverlapConfig, RoundTripsThroughYaml) {
@@ -208,7 +208,7 @@ TEST(OverlapConfig, StrictLoaderNamesFileLineKeyAndAllowedValues) {
       {"version: 1\ntuned:\n  - {op: rs, n: 8, k: 8, m: 8}\n", "'rs' (allowed: ag_gemm, gemm_rs)"},
       {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8}\n", "needs op, n, k and m"},
       {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, copy_engine: true}\n",
-       "copy_engine needs an AllGather"},
+       "copy_engine with op gemm_rs needs mode ring"},
       {"version: 1\ndefaults: [1, 2\n", "YAML syntax error"},
       // Found by fuzz_overlap_config: a mapping used as a key.
       {"version: 1\ndefaults:\n  ? {a: 1}\n  : 2\n", "keys must be plain strings"},

@@ -1,0 +1,297 @@
+#include "comm/peer_memory.h"
+
+#include <cuda.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <utility>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+
+namespace tpserve {
+namespace {
+
+// What each rank tells the others about its copy of a PeerBuffer.
+struct Exported {
+  cudaIpcMemHandle_t handle;
+  uint64_t ptr;
+  uint64_t offset;  // of ptr in its allocation (what the IPC handle maps)
+  uint64_t host_hash;
+  int32_t pid;
+  int32_t device;
+};
+
+uint64_t HostHash() {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  return std::hash<std::string>{}(name);
+}
+
+// Lets `device` (current) access `peer_device`'s memory; already enabled is fine.
+Status EnablePeerAccess(int device, int peer_device, const std::string& what) {
+  if (device == peer_device) return Status::Ok();
+  int can = 0;
+  TP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
+  if (!can) {
+    return FailedPreconditionError(what + ": device " + std::to_string(device) +
+                                   " cannot access device " + std::to_string(peer_device) +
+                                   " directly (no peer-to-peer path)");
+  }
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();  // clear the sticky-free error
+    return Status::Ok();
+  }
+  TP_CUDA_CHECK(e);
+  return Status::Ok();
+}
+
+// The driver's stream memory operations, looked up through the runtime (so
+// that nothing links libcuda directly).
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+StreamValueFn g_write_value = nullptr;
+StreamValueFn g_wait_value = nullptr;
+
+Status LoadStreamMemOps() {
+  static const Status loaded = [] {
+    for (auto [name, fn] : {std::pair{"cuStreamWriteValue32", &g_write_value},
+                            std::pair{"cuStreamWaitValue32", &g_wait_value}}) {
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      const cudaError_t e =
+          cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
+      if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+        (void)cudaGetLastError();
+        return UnimplementedError(std::string("the CUDA driver has no ") + name +
+                                  " (stream memory operations), needed for copy-engine transfers");
+      }
+      *fn = reinterpret_cast<StreamValueFn>(p);
+    }
+    return Status::Ok();
+  }();
+  return loaded;
+}
+
+Status DriverCheck(CUresult r, const char* what);
+
+StatusOr<uint64_t> OffsetInAllocation(void* ptr) {
+  using RangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static RangeFn range = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<RangeFn>(p);
+  }();
+  if (range == nullptr) return UnimplementedError("the CUDA driver has no cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  TP_RETURN_IF_ERROR(
+      DriverCheck(range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)), "cuMemGetAddressRange"));
+  return static_cast<uint64_t>(reinterpret_cast<CUdeviceptr>(ptr) - base);
+}
+
+Status DriverCheck(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return Status::Ok();
+  return InternalError(std::string(what) + " failed with CUresult " + std::to_string(r));
+}
+
+Status WriteValue(cudaStream_t stream, uint32_t* addr, uint32_t value) {
+  // Default flags: the write is preceded by a memory fence.
+  return DriverCheck(g_write_value(reinterpret_cast<CUstream>(stream),
+                                   reinterpret_cast<CUdeviceptr>(addr), value, 0),
+                     "cuStreamWriteValue32");
+}
+
+Status WaitValueEq(cudaStream_t stream, uint32_t* addr, uint32_t value) {
+  return DriverCheck(
+      g_wait_value(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
+                   CU_STREAM_WAIT_VALUE_EQ),
+      "cuStreamWaitValue32");
+}
+
+}  // namespace
+
+StatusOr<PeerBuffer> PeerBuffer::Create(NcclCommunicator& comm, size_t bytes, std::string name) {
+  const std::string what = "peer buffer '" + name + "' (" + std::to_string(bytes) + " bytes)";
+  if (bytes == 0) return InvalidArgumentError(what + ": size must be positive");
+  TP_CUDA_CHECK(cudaSetDevice(comm.device()));
+  PeerBuffer buf;
+  buf.name_ = std::move(name);
+  buf.bytes_ = bytes;
+  buf.device_ = comm.device();
+  const int n = comm.size(), me = comm.rank();
+  buf.peers_.assign(n, nullptr);
+  buf.ipc_opened_.assign(n, false);
+  buf.ipc_bases_.assign(n, nullptr);
+  {
+    const cudaError_t e = cudaMalloc(&buf.local_, bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      buf.local_ = nullptr;
+      return Status(StatusCode::kResourceExhausted, "allocating " + what + " on device " +
+                                                        std::to_string(buf.device_) +
+                                                        " failed: " + cudaGetErrorString(e));
+    }
+  }
+  buf.peers_[me] = buf.local_;
+
+  Exported mine{};
+  TP_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, buf.local_));
+  mine.ptr = reinterpret_cast<uint64_t>(buf.local_);
+  // cudaMalloc may carve small requests out of a larger allocation, and an
+  // IPC handle maps that allocation from its start.
+  TP_ASSIGN_OR_RETURN(mine.offset, OffsetInAllocation(buf.local_));
+  mine.host_hash = HostHash();
+  mine.pid = static_cast<int32_t>(getpid());
+  mine.device = buf.device_;
+
+  // Exchange over the communicator (a device AllGather; this is set-up, not
+  // the serving path, so the synchronous copies are fine).
+  TP_ASSIGN_OR_RETURN(DeviceBuffer dev,
+                      DeviceBuffer::Allocate(sizeof(Exported) * (n + 1), buf.name_ + ".handles"));
+  TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  char* send = dev.as<char>() + sizeof(Exported) * n;
+  TP_CUDA_CHECK(cudaMemcpy(send, &mine, sizeof mine, cudaMemcpyHostToDevice));
+  TP_RETURN_IF_ERROR(comm.AllGather(send, dev.data(), sizeof(Exported), stream.get()));
+  TP_RETURN_IF_ERROR(comm.WaitStream(stream.get()).WithContext(what));
+  std::vector<Exported> all(n);
+  TP_CUDA_CHECK(cudaMemcpy(all.data(), dev.data(), sizeof(Exported) * n, cudaMemcpyDeviceToHost));
+
+  for (int r = 0; r < n; ++r) {
+    if (r == me) continue;
+    const Exported& e = all[r];
+    if (e.host_hash != mine.host_hash) {
+      return FailedPreconditionError(what + ": rank " + std::to_string(r) +
+                                     " is on another node; copy-engine transfers need all ranks "
+                                     "of the communicator on one node");
+    }
+    TP_RETURN_IF_ERROR(EnablePeerAccess(buf.device_, e.device, what));
+    if (e.pid == mine.pid) {
+      buf.peers_[r] = reinterpret_cast<void*>(e.ptr);  // same process: one address space
+    } else {
+      void* p = nullptr;
+      const cudaError_t err = cudaIpcOpenMemHandle(&p, e.handle, cudaIpcMemLazyEnablePeerAccess);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return InternalError(what + ": mapping rank " + std::to_string(r) +
+                             "'s copy (cudaIpcOpenMemHandle) failed: " + cudaGetErrorString(err));
+      }
+      buf.peers_[r] = static_cast<char*>(p) + e.offset;
+      buf.ipc_opened_[r] = true;
+      buf.ipc_bases_[r] = p;
+    }
+  }
+  spdlog::debug("{}: rank {}/{} mapped {} peers", what, me, n, n - 1);
+  return buf;
+}
+
+PeerBuffer::PeerBuffer(PeerBuffer&& other) noexcept
+    : device_(std::exchange(other.device_, -1)),
+      local_(std::exchange(other.local_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      peers_(std::move(other.peers_)),
+      ipc_opened_(std::move(other.ipc_opened_)),
+      ipc_bases_(std::move(other.ipc_bases_)),
+      name_(std::move(other.name_)) {}
+
+PeerBuffer& PeerBuffer::operator=(PeerBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    device_ = std::exchange(other.device_, -1);
+    local_ = std::exchange(other.local_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    peers_ = std::move(other.peers_);
+    ipc_opened_ = std::move(other.ipc_opened_);
+    ipc_bases_ = std::move(other.ipc_bases_);
+    name_ = std::move(other.name_);
+  }
+  return *this;
+}
+
+PeerBuffer::~PeerBuffer() { Reset(); }
+
+void PeerBuffer::Reset() noexcept {
+  if (device_ >= 0) {
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    if (previous != device_) TP_CUDA_LOG(cudaSetDevice(device_));
+    for (size_t r = 0; r < peers_.size(); ++r) {
+      if (ipc_opened_[r]) TP_CUDA_LOG(cudaIpcCloseMemHandle(ipc_bases_[r]));
+    }
+    if (local_ != nullptr) TP_CUDA_LOG(cudaFree(local_));
+    if (previous >= 0 && previous != device_) TP_CUDA_LOG(cudaSetDevice(previous));
+  }
+  peers_.clear();
+  ipc_opened_.clear();
+  ipc_bases_.clear();
+  local_ = nullptr;
+  bytes_ = 0;
+  device_ = -1;
+}
+
+StatusOr<PeerSignals> PeerSignals::Create(NcclCommunicator& comm, int slots, std::string name) {
+  TP_RETURN_IF_ERROR(LoadStreamMemOps());
+  if (slots < 1) {
+    return InvalidArgumentError("peer signals '" + name + "': slots must be >= 1, got " +
+                                std::to_string(slots));
+  }
+  PeerSignals s;
+  s.slots_ = slots;
+  s.rank_ = comm.rank();
+  s.size_ = comm.size();
+  const size_t bytes = sizeof(uint32_t) * 2 * s.size_ * slots;
+  TP_ASSIGN_OR_RETURN(s.flags_, PeerBuffer::Create(comm, bytes, std::move(name)));
+  {
+    // On a private stream: a device-wide synchronisation here could wait for
+    // NCCL work that needs a peer which is itself blocked in set-up.
+    TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+    TP_CUDA_CHECK(cudaMemsetAsync(s.flags_.data(), 0, bytes, stream.get()));
+    TP_RETURN_IF_ERROR(stream.Synchronize());
+  }
+  TP_RETURN_IF_ERROR(comm.Barrier());  // zeroed everywhere before any peer may signal
+  return s;
+}
+
+uint32_t* PeerSignals::FlagOn(int owner, Kind kind, int sender, int slot) const {
+  // Layout on each rank: [kind][sender][slot].
+  return static_cast<uint32_t*>(flags_.peer(owner)) +
+         (static_cast<size_t>(kind) * size_ + sender) * slots_ + slot;
+}
+
+Status PeerSignals::CheckFlag(const Flag& f, const char* what) const {
+  if (f.peer < 0 || f.peer >= size_ || f.peer == rank_ || f.slot < 0 || f.slot >= slots_) {
+    return InvalidArgumentError(std::string(what) + " rank " + std::to_string(f.peer) + " slot " +
+                                std::to_string(f.slot) + " out of range (" + std::to_string(size_) +
+                                " ranks, own rank " + std::to_string(rank_) + ", " +
+                                std::to_string(slots_) + " slots)");
+  }
+  return Status::Ok();
+}
+
+Status PeerSignals::Signal(Kind kind, const std::vector<Flag>& to, cudaStream_t stream) const {
+  for (const Flag& f : to) {
+    TP_RETURN_IF_ERROR(CheckFlag(f, "peer signal to"));
+    TP_RETURN_IF_ERROR(WriteValue(stream, FlagOn(f.peer, kind, rank_, f.slot), 1));
+  }
+  return Status::Ok();
+}
+
+Status PeerSignals::Wait(Kind kind, const std::vector<Flag>& from, cudaStream_t stream) const {
+  for (const Flag& f : from) {
+    TP_RETURN_IF_ERROR(CheckFlag(f, "peer wait for"));
+    uint32_t* flag = FlagOn(rank_, kind, f.peer, f.slot);
+    TP_RETURN_IF_ERROR(WaitValueEq(stream, flag, 1));
+    TP_RETURN_IF_ERROR(WriteValue(stream, flag, 0));
+  }
+  return Status::Ok();
+}
+
+}  // namespace tpserve

@@ -1,0 +1,116 @@
+// Peer memory for copy-engine transfers between the GPUs of one node.
+//
+// PeerBuffer: device memory that every rank of a communicator can address —
+// its own copy plus a pointer to each peer's copy. Across processes the
+// peers' copies are mapped with CUDA IPC (cudaIpcOpenMemHandle); when ranks
+// are threads of one process the peer's own pointer is used, with peer access
+// enabled. cudaMemcpyAsync between a local and a peer pointer runs on a copy
+// engine over NVLink and takes no SM from the GEMMs.
+//
+// PeerSignals: one-word flags in a PeerBuffer that order such transfers
+// across GPUs. Signal() writes 1 into a flag in a peer's memory; Wait() holds
+// the stream until this rank's flag is 1, then writes it back to 0. Both are
+// CUDA stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32):
+// the GPU's front end executes them, so they occupy no SM. (A first version
+// used one-thread spin kernels; a spinning block holding an SM can deadlock a
+// GEMM whose CTAs must all be resident, and did: see benchmarks/NOTES.md.)
+// They capture into CUDA graphs; the flags return to zero after every matched
+// Signal/Wait pair, so a replayed graph starts from the state it was captured
+// in.
+//
+// A Wait whose Signal never comes (a peer process died) holds its stream:
+// the host notices through the communicator's deadline (WaitStream aborts and
+// reports DEADLINE_EXCEEDED); the process must then restart.
+//
+// Only compiled when TPSERVE_WITH_CUDA is on. All ranks must be on one node
+// (Create returns FAILED_PRECONDITION otherwise). Not thread-safe; one object
+// per rank. Destroy on every rank together, after the graphs that use it and
+// before the communicator.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/nccl_communicator.h"
+#include "comm/status.h"
+
+namespace tpserve {
+
+class PeerBuffer {
+ public:
+  // Allocates `bytes` (> 0, same on every rank) on comm's device and maps
+  // every peer's copy. Collective over `comm` (exchanges handles with an
+  // AllGather); all ranks create their PeerBuffers in the same order. Errors
+  // name the buffer.
+  static StatusOr<PeerBuffer> Create(NcclCommunicator& comm, size_t bytes, std::string name);
+
+  PeerBuffer() = default;
+  PeerBuffer(PeerBuffer&& other) noexcept;
+  PeerBuffer& operator=(PeerBuffer&& other) noexcept;
+  PeerBuffer(const PeerBuffer&) = delete;
+  PeerBuffer& operator=(const PeerBuffer&) = delete;
+  ~PeerBuffer();
+
+  void* data() const { return local_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(local_);
+  }
+  // Rank `rank`'s copy as addressed from this device; peer(own rank) == data().
+  void* peer(int rank) const { return peers_.at(rank); }
+  size_t bytes() const { return bytes_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  void Reset() noexcept;
+
+  int device_ = -1;
+  void* local_ = nullptr;
+  size_t bytes_ = 0;
+  std::vector<void*> peers_;
+  std::vector<bool> ipc_opened_;  // peers_[r] came from cudaIpcOpenMemHandle
+  std::vector<void*> ipc_bases_;  // what it returned (to close)
+  std::string name_;
+};
+
+class PeerSignals {
+ public:
+  // `slots` flags per (sender, kind) pair. Collective over `comm`.
+  static StatusOr<PeerSignals> Create(NcclCommunicator& comm, int slots, std::string name);
+
+  PeerSignals() = default;
+
+  // What a flag means; each kind has its own slots.
+  enum Kind : int { kReady = 0, kDone = 1 };
+  struct Flag {
+    int peer = 0;  // Signal: the rank signalled; Wait: the rank that signals
+    int slot = 0;
+  };
+
+  // Enqueues on `stream`: set flag (kind, this rank, slot) on each listed
+  // peer. Work enqueued earlier on `stream` is complete and visible to the
+  // peers before the flags are set (the write is preceded by a fence).
+  Status Signal(Kind kind, const std::vector<Flag>& to, cudaStream_t stream) const;
+  // Enqueues on `stream`: wait until each listed peer has signalled (kind,
+  // slot) to this rank, then re-arm those flags.
+  Status Wait(Kind kind, const std::vector<Flag>& from, cudaStream_t stream) const;
+
+  int slots() const { return slots_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ private:
+  uint32_t* FlagOn(int owner, Kind kind, int sender, int slot) const;
+  Status CheckFlag(const Flag& f, const char* what) const;
+
+  PeerBuffer flags_;
+  int slots_ = 0;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace tpserve

@@ -1,0 +1,791 @@
+// Kernels and launchers for engine/cuda_ops.h. Plain CUDA C++17: host logic beyond argument
+// checks belongs in .cc files (nvcc 13.0's front end is fragile, see GPU_HOST.md).
+//
+// BF16 travels as its raw bits (uint16_t), eight to a 16-byte vector, so that no operator
+// overloads get in the way.
+#include "engine/cuda_ops.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "comm/cuda_check.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int kThreads = 256;
+// Grid-stride loops: enough blocks to fill an H200 (132 SMs x 8 blocks of 256 threads).
+constexpr int64_t kMaxBlocks = 1056;
+constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1
+constexpr int64_t kMaxGridY = 65535;
+
+unsigned GridFor(int64_t work_items) {
+  int64_t blocks = (work_items + kThreads - 1) / kThreads;
+  if (blocks < 1) blocks = 1;
+  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
+  return static_cast<unsigned>(blocks);
+}
+
+bool IsAligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+// "RmsNormParams.dim (12) must be a multiple of 8".
+Status BadField(const char* params, const char* field, int64_t value, const std::string& what) {
+  return InvalidArgumentError(std::string(params) + "." + field + " (" + Str(value) + ") " + what);
+}
+Status NullField(const char* params, const char* field, const std::string& when = "") {
+  return InvalidArgumentError(std::string(params) + "." + field + " must not be null" +
+                              (when.empty() ? "" : " " + when));
+}
+Status MisalignedField(const char* params, const char* field, size_t alignment) {
+  return InvalidArgumentError(std::string(params) + "." + field + " is not aligned to " +
+                              std::to_string(alignment) + " bytes");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+__device__ __forceinline__ float Bf16ToFloat(uint32_t bits) { return __uint_as_float(bits << 16); }
+
+__device__ __forceinline__ uint32_t FloatToBf16(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+// Two floats as a bf16x2 word, the lower index in the low half (the MMA operand order too).
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  return FloatToBf16(lo) | (FloatToBf16(hi) << 16);
+}
+
+__device__ __forceinline__ void UnpackBf16x8(const uint4& raw, float (&f)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ uint4 PackBf16x8(const float (&f)[8]) {
+  return make_uint4(PackBf16x2(f[0], f[1]), PackBf16x2(f[2], f[3]), PackBf16x2(f[4], f[5]),
+                    PackBf16x2(f[6], f[7]));
+}
+
+__device__ __forceinline__ uint8_t QuantizeE4M3(float x, float scale) {
+  // __fdiv_rn: IEEE division whatever the compile flags, as in layers/quantize_kernels.cu.
+  return static_cast<uint8_t>(
+      __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3));
+}
+
+// Eight codes: one 8-byte store when aligned, bytes otherwise.
+__device__ __forceinline__ void StoreFp8x8(uint8_t* dst, const float (&f)[8], float scale) {
+  uint8_t q[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) q[i] = QuantizeE4M3(f[i], scale);
+  if ((reinterpret_cast<uintptr_t>(dst) & 7u) == 0) {
+    uint2 w;
+    memcpy(&w, q, sizeof w);
+    *reinterpret_cast<uint2*>(dst) = w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = q[i];
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+__device__ float BlockSum(float v) {
+  __shared__ float warp_sums[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  v = WarpSum(v);
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < warps ? warp_sums[lane] : 0.0f;
+    v = WarpSum(v);
+    if (lane == 0) warp_sums[0] = v;
+  }
+  __syncthreads();
+  return warp_sums[0];
+}
+
+__device__ __forceinline__ int64_t GlobalThread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t GridThreads() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: one block per row, each thread holding up to kRmsVecsPerThread vectors of 8 in
+// registers between the sum of squares and the output.
+
+constexpr int kRmsVecsPerThread = 2;
+constexpr int kRmsMaxThreads = 1024;
+constexpr int64_t kRmsMaxDim = 8 * kRmsVecsPerThread * kRmsMaxThreads;  // 16384
+
+__global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p) {
+  const int64_t row = blockIdx.x;
+  const int vecs = static_cast<int>(p.dim / 8);
+  const int64_t offset = row * p.dim;
+  const uint4* in = reinterpret_cast<const uint4*>(p.input + offset);
+
+  float h[kRmsVecsPerThread][8];
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kRmsVecsPerThread; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    if (v >= vecs) continue;
+    UnpackBf16x8(in[v], h[k]);
+    if (p.residual != nullptr) {
+      float r[8];
+      UnpackBf16x8(reinterpret_cast<const uint4*>(p.residual + offset)[v], r);
+      // h = bf16(x + residual): the residual stream is BF16, and the norm sees what is stored.
+#pragma unroll
+      for (int i = 0; i < 8; ++i) h[k][i] = Bf16ToFloat(FloatToBf16(h[k][i] + r[i]));
+      reinterpret_cast<uint4*>(p.residual_out + offset)[v] = PackBf16x8(h[k]);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum_sq += h[k][i] * h[k][i];
+  }
+  sum_sq = BlockSum(sum_sq);
+  const float inv_rms = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
+  const float fp8_scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
+#pragma unroll
+  for (int k = 0; k < kRmsVecsPerThread; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    if (v >= vecs) continue;
+    float w[8];
+    UnpackBf16x8(weight[v], w);
+    float y[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = h[k][i] * inv_rms * w[i];
+    if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + offset)[v] = PackBf16x8(y);
+    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8_scale);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE: one block per row. The block first tabulates cos/sin of the row's head_dim/2 angles
+// (in double, like the reference), then every head of q and k uses the table.
+
+constexpr int kRopeThreads = 128;
+constexpr int64_t kRopeMaxHeadDim = 512;
+
+template <int kVec>
+__global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p) {
+  __shared__ float2 cos_sin[kRopeMaxHeadDim / 2];
+  const int64_t row = blockIdx.x;
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int half = head_dim / 2;
+  const double position = static_cast<double>(p.positions[row]);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const double inv_freq =
+        pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    double s, c;
+    sincos(position * inv_freq, &s, &c);
+    cos_sin[i] = make_float2(static_cast<float>(c), static_cast<float>(s));
+  }
+  __syncthreads();
+
+  const int groups = half / kVec;  // per head
+  const int64_t q_items = p.q_heads * groups;
+  const int64_t items = q_items + (p.k != nullptr ? p.kv_heads * groups : 0);
+  for (int64_t item = threadIdx.x; item < items; item += blockDim.x) {
+    const bool is_q = item < q_items;
+    const int64_t local = is_q ? item : item - q_items;
+    const int64_t head = local / groups;
+    const int i0 = static_cast<int>(local % groups) * kVec;
+    uint16_t* x = reinterpret_cast<uint16_t*>(is_q ? p.q + row * p.q_row_stride + head * head_dim
+                                                   : p.k + row * p.k_row_stride + head * head_dim);
+    float a[kVec], b[kVec];
+    if constexpr (kVec == 8) {
+      UnpackBf16x8(*reinterpret_cast<const uint4*>(x + i0), a);
+      UnpackBf16x8(*reinterpret_cast<const uint4*>(x + i0 + half), b);
+    } else {
+      a[0] = Bf16ToFloat(x[i0]);
+      b[0] = Bf16ToFloat(x[i0 + half]);
+    }
+    float ra[kVec], rb[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float2 cs = cos_sin[i0 + j];
+      ra[j] = a[j] * cs.x - b[j] * cs.y;
+      rb[j] = b[j] * cs.x + a[j] * cs.y;
+    }
+    if constexpr (kVec == 8) {
+      *reinterpret_cast<uint4*>(x + i0) = PackBf16x8(ra);
+      *reinterpret_cast<uint4*>(x + i0 + half) = PackBf16x8(rb);
+    } else {
+      x[i0] = static_cast<uint16_t>(FloatToBf16(ra[0]));
+      x[i0 + half] = static_cast<uint16_t>(FloatToBf16(rb[0]));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal varlen attention, flash-attention-2 style on mma.sync m16n8k16 (BF16 in, FP32
+// accumulate). A block owns one (sequence, query head) and a tile of kAttnBr query rows; each
+// of its warps owns 16 of those rows and keeps their Q fragments, O accumulators and softmax
+// state in registers. K and V tiles of kAttnBc keys are staged through shared memory.
+//
+// Fragment layouts (PTX ISA, "mma.m16n8k16" for .bf16), g = lane / 4, t = lane % 4:
+//   A (16x16, row-major) regs 0..3: (row g, cols 2t..2t+1), (row g+8, cols 2t..), (row g,
+//     cols 2t+8..), (row g+8, cols 2t+8..)
+//   B (16x8, "col"): regs 0..1: (k rows 2t..2t+1, col g), (k rows 2t+8..2t+9, col g)
+//   C (16x8 FP32): c0, c1: (row g, cols 2t, 2t+1); c2, c3: (row g+8, same cols)
+// so the C fragments of two adjacent n8 tiles of S are exactly the A fragment of P for the
+// next product, without a trip through shared memory.
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = 32 * kAttnWarps;
+constexpr int kAttnBr = 16 * kAttnWarps;  // query rows per tile
+constexpr int kAttnBc = 64;               // keys per tile
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the launcher documents sm_80+; the default build is sm_90a only
+#endif
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kAttnThreads)
+    CausalAttentionKernel(AttentionParams p, float scale_log2) {
+  // Rows padded by 8 BF16 (16 bytes): rows stay 16-byte aligned for the vector stores, and
+  // the fragment reads below hit 32 distinct banks.
+  constexpr int kPitch = kHeadDim + 8;
+  constexpr int kVecsPerRow = kHeadDim / 8;
+  constexpr int kKSteps = kHeadDim / 16;   // k-steps of Q.K^T
+  constexpr int kDimTiles = kHeadDim / 8;  // n8 tiles of O
+  constexpr int kKeyTiles = kAttnBc / 8;   // n8 tiles of S
+  __shared__ __align__(16) uint16_t k_tile[kAttnBc * kPitch];
+  __shared__ __align__(16) uint16_t v_tile[kAttnBc * kPitch];
+
+  const int64_t seq = blockIdx.x / p.q_heads;
+  const int64_t head = blockIdx.x % p.q_heads;
+  const int64_t kv_head = head / (p.q_heads / p.kv_heads);
+  // Clamped, so that a corrupt cu_seqlens cannot send a block outside [0, tokens).
+  int64_t begin = p.cu_seqlens[seq];
+  int64_t end = p.cu_seqlens[seq + 1];
+  begin = begin < 0 ? 0 : (begin > p.tokens ? p.tokens : begin);
+  end = end < begin ? begin : (end > p.tokens ? p.tokens : end);
+  const int64_t len = end - begin;
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+
+  const uint16_t* q_base =
+      reinterpret_cast<const uint16_t*>(p.q) + begin * p.q_row_stride + head * kHeadDim;
+  const uint16_t* k_base =
+      reinterpret_cast<const uint16_t*>(p.k) + begin * p.k_row_stride + kv_head * kHeadDim;
+  const uint16_t* v_base =
+      reinterpret_cast<const uint16_t*>(p.v) + begin * p.v_row_stride + kv_head * kHeadDim;
+  uint16_t* out_base =
+      reinterpret_cast<uint16_t*>(p.out) + begin * p.out_row_stride + head * kHeadDim;
+
+  // Tiles from the last (the most keys) down, so the heaviest are scheduled first (blockIdx.y
+  // varies slowest). Every condition below is uniform over the block, so the __syncthreads
+  // inside are safe.
+  const int64_t num_tiles = (len + kAttnBr - 1) / kAttnBr;
+  for (int64_t tile = num_tiles - 1 - blockIdx.y; tile >= 0; tile -= gridDim.y) {
+    const int64_t q0 = tile * kAttnBr;
+    const int64_t row_lo = q0 + warp * 16 + g;  // this thread's two query rows
+    const int64_t row_hi = row_lo + 8;
+
+    uint32_t q_frag[kKSteps][4];
+    {
+      const uint32_t* q_lo =
+          row_lo < len ? reinterpret_cast<const uint32_t*>(q_base + row_lo * p.q_row_stride)
+                       : nullptr;
+      const uint32_t* q_hi =
+          row_hi < len ? reinterpret_cast<const uint32_t*>(q_base + row_hi * p.q_row_stride)
+                       : nullptr;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const int word = ks * 8 + t;  // BF16 column ks*16 + 2t
+        q_frag[ks][0] = q_lo != nullptr ? q_lo[word] : 0u;
+        q_frag[ks][1] = q_hi != nullptr ? q_hi[word] : 0u;
+        q_frag[ks][2] = q_lo != nullptr ? q_lo[word + 4] : 0u;
+        q_frag[ks][3] = q_hi != nullptr ? q_hi[word + 4] : 0u;
+      }
+    }
+
+    float o[kDimTiles][4];
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY};  // running max of the scaled (log2) scores
+    float row_sum[2] = {0.0f, 0.0f};            // this thread's share of the denominators
+
+    // Causal: the tile's last row is q0 + kAttnBr - 1, so no key at or beyond kv_end matters.
+    const int64_t kv_end = q0 + kAttnBr < len ? q0 + kAttnBr : len;
+    for (int64_t kv0 = 0; kv0 < kv_end; kv0 += kAttnBc) {
+      __syncthreads();  // everyone is done with the previous tile
+      for (int idx = threadIdx.x; idx < kAttnBc * kVecsPerRow; idx += kAttnThreads) {
+        const int r = idx / kVecsPerRow;
+        const int c = (idx % kVecsPerRow) * 8;
+        uint4 kv = make_uint4(0, 0, 0, 0);
+        uint4 vv = make_uint4(0, 0, 0, 0);
+        // Zeros past kv_end: such keys are masked, and 0 * V must not meet a NaN there.
+        if (kv0 + r < kv_end) {
+          kv = *reinterpret_cast<const uint4*>(k_base + (kv0 + r) * p.k_row_stride + c);
+          vv = *reinterpret_cast<const uint4*>(v_base + (kv0 + r) * p.v_row_stride + c);
+        }
+        *reinterpret_cast<uint4*>(k_tile + r * kPitch + c) = kv;
+        *reinterpret_cast<uint4*>(v_tile + r * kPitch + c) = vv;
+      }
+      __syncthreads();
+
+      // S = Q K^T for this warp's 16 rows and the tile's kAttnBc keys.
+      float s[kKeyTiles][4];
+#pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+          // B[k = dim][n = key] = K[key][dim]: two adjacent dims of one key row per register.
+          const uint16_t* k_row = k_tile + (nt * 8 + g) * kPitch + ks * 16 + 2 * t;
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(k_row);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(k_row + 8);
+          MmaBf16(s[nt], q_frag[ks], b0, b1);
+        }
+      }
+
+      // Scale into log2 units, mask, and the tile's row maxima (over the 4 lanes of a row).
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = kv0 + nt * 8 + 2 * t + (e & 1);
+          const int64_t row = e < 2 ? row_lo : row_hi;
+          float x = s[nt][e] * scale_log2;
+          if (key > row || key >= len) x = -INFINITY;
+          s[nt][e] = x;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+        }
+      }
+      float alpha[2];
+      float base[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+        const float new_max = fmaxf(row_max[i], tile_max[i]);
+        // A row with no visible key yet keeps max -inf; subtracting 0 instead keeps
+        // exp2(-inf - -inf) = NaN out (every p and alpha is then 0).
+        base[i] = new_max == -INFINITY ? 0.0f : new_max;
+        alpha[i] = exp2f(row_max[i] - base[i]);
+        row_max[i] = new_max;
+      }
+      float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pr = exp2f(s[nt][e] - base[e >> 1]);
+          s[nt][e] = pr;
+          tile_sum[e >> 1] += pr;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) row_sum[i] = row_sum[i] * alpha[i] + tile_sum[i];
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
+      }
+
+      // O += P V, P (BF16) straight from the S accumulators.
+#pragma unroll
+      for (int kk = 0; kk < kAttnBc / 16; ++kk) {
+        const uint32_t p_frag[4] = {PackBf16x2(s[2 * kk][0], s[2 * kk][1]),
+                                    PackBf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                    PackBf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    PackBf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dt = 0; dt < kDimTiles; ++dt) {
+          // B[k = key][n = dim] = V[key][dim]: two keys (rows) of one dim per register.
+          const uint16_t* v_col = v_tile + (kk * 16 + 2 * t) * kPitch + dt * 8 + g;
+          const uint32_t b0 =
+              static_cast<uint32_t>(v_col[0]) | (static_cast<uint32_t>(v_col[kPitch]) << 16);
+          const uint32_t b1 = static_cast<uint32_t>(v_col[8 * kPitch]) |
+                              (static_cast<uint32_t>(v_col[9 * kPitch]) << 16);
+          MmaBf16(o[dt], p_frag, b0, b1);
+        }
+      }
+    }
+
+    float inv_sum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+      // Every real row sees its own key, so its sum is >= 1; rows past len are not stored.
+      inv_sum[i] = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;
+    }
+    if (row_lo < len) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_base + row_lo * p.out_row_stride);
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        dst[dt * 4 + t] = PackBf16x2(o[dt][0] * inv_sum[0], o[dt][1] * inv_sum[0]);
+      }
+    }
+    if (row_hi < len) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out_base + row_hi * p.out_row_stride);
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        dst[dt * 4 + t] = PackBf16x2(o[dt][2] * inv_sum[1], o[dt][3] * inv_sum[1]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU
+
+__device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
+
+__global__ void SwiGluVecKernel(SwiGluParams p) {
+  const int64_t vecs_per_row = p.inter / 8;
+  const int64_t total = p.rows * vecs_per_row;
+  const float scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  const uint4* in = reinterpret_cast<const uint4*>(p.gate_up);
+  for (int64_t v = GlobalThread(); v < total; v += GridThreads()) {
+    const int64_t r = v / vecs_per_row;
+    const int64_t c = v % vecs_per_row;
+    float gate[8], up[8], y[8];
+    UnpackBf16x8(in[r * 2 * vecs_per_row + c], gate);
+    UnpackBf16x8(in[r * 2 * vecs_per_row + vecs_per_row + c], up);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = Silu(gate[i]) * up[i];
+    if (p.out != nullptr) reinterpret_cast<uint4*>(p.out)[v] = PackBf16x8(y);
+    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + 8 * v, y, scale);
+  }
+}
+
+__global__ void SwiGluScalarKernel(SwiGluParams p) {
+  const int64_t total = p.rows * p.inter;
+  const float scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(p.gate_up);
+  for (int64_t i = GlobalThread(); i < total; i += GridThreads()) {
+    const int64_t r = i / p.inter;
+    const int64_t c = i % p.inter;
+    const float gate = Bf16ToFloat(in[r * 2 * p.inter + c]);
+    const float up = Bf16ToFloat(in[r * 2 * p.inter + p.inter + c]);
+    const float y = Silu(gate) * up;
+    if (p.out != nullptr) reinterpret_cast<uint16_t*>(p.out)[i] = FloatToBf16(y);
+    if (p.out_fp8 != nullptr) p.out_fp8[i] = QuantizeE4M3(y, scale);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding lookup
+
+// *flag = min(*flag, value) where 0 means "unset".
+__device__ void RecordFirstBadPosition(int32_t* flag, int32_t value) {
+  int old = atomicCAS(flag, 0, value);
+  while (old != 0 && old > value) {
+    const int prev = atomicCAS(flag, old, value);
+    if (prev == old) break;
+    old = prev;
+  }
+}
+
+template <int kVec>
+__global__ void EmbeddingKernel(EmbeddingParams p) {
+  using Chunk = typename std::conditional<kVec == 8, uint4, uint16_t>::type;
+  const int64_t chunks_per_row = p.dim / kVec;
+  const int64_t total = p.n * chunks_per_row;
+  const Chunk* table = reinterpret_cast<const Chunk*>(p.table);
+  Chunk* out = reinterpret_cast<Chunk*>(p.out);
+  for (int64_t i = GlobalThread(); i < total; i += GridThreads()) {
+    const int64_t row = i / chunks_per_row;
+    const int64_t c = i % chunks_per_row;
+    const int32_t id = p.ids[row];
+    if (id >= 0 && id < p.vocab) {
+      out[i] = table[static_cast<int64_t>(id) * chunks_per_row + c];
+    } else {
+      out[i] = Chunk{};
+      if (c == 0) RecordFirstBadPosition(p.error_flag, static_cast<int32_t>(row + 1));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gather of each sequence's last token
+
+__global__ void GatherLastTokensKernel(GatherLastTokensParams p) {
+  const int64_t total = p.num_seqs * p.dim;
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(p.input);
+  for (int64_t i = GlobalThread(); i < total; i += GridThreads()) {
+    const int64_t s = i / p.dim;
+    const int64_t j = i % p.dim;
+    const int64_t begin = p.cu_seqlens[s];
+    const int64_t row = static_cast<int64_t>(p.cu_seqlens[s + 1]) - 1;
+    const bool valid = row >= begin && row >= 0 && row < p.tokens;
+    p.out[i] = valid ? Bf16ToFloat(in[row * p.input_row_stride + j]) : 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks shared by the launchers
+
+Status CheckScale(const char* params, const char* field, const float* scale) {
+  if (!IsAligned(scale, alignof(float))) return MisalignedField(params, field, alignof(float));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "RmsNormParams";
+  if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
+  if (p.rows > kMaxGridX) return BadField(kP, "rows", p.rows, "exceeds 2^31 - 1");
+  if (p.dim < 8 || p.dim > kRmsMaxDim || p.dim % 8 != 0) {
+    return BadField(kP, "dim", p.dim, "must be a multiple of 8 in [8, 16384]");
+  }
+  if (!(p.eps >= 0.0f) || !std::isfinite(p.eps)) {
+    return InvalidArgumentError(std::string(kP) + ".eps (" + std::to_string(p.eps) +
+                                ") must be finite and >= 0");
+  }
+  if (p.out == nullptr && p.out_fp8 == nullptr) {
+    return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
+  }
+  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
+    return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
+  }
+  if ((p.residual == nullptr) != (p.residual_out == nullptr)) {
+    return InvalidArgumentError(std::string(kP) +
+                                ": residual and residual_out must be both set or both null");
+  }
+  if (p.rows == 0) return Status::Ok();
+  if (p.input == nullptr) return NullField(kP, "input");
+  if (p.weight == nullptr) return NullField(kP, "weight");
+  const struct {
+    const char* name;
+    const void* ptr;
+  } vectors[] = {{"input", p.input},
+                 {"residual", p.residual},
+                 {"residual_out", p.residual_out},
+                 {"weight", p.weight},
+                 {"out", p.out}};
+  for (const auto& v : vectors) {
+    if (!IsAligned(v.ptr, 16)) return MisalignedField(kP, v.name, 16);
+  }
+  if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
+
+  const int64_t vecs = p.dim / 8;
+  const int64_t per_thread = (vecs + kRmsVecsPerThread - 1) / kRmsVecsPerThread;
+  const int threads = static_cast<int>((per_thread + 31) / 32 * 32);
+  RmsNormKernel<<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "RopeParams";
+  if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
+  if (p.rows > kMaxGridX) return BadField(kP, "rows", p.rows, "exceeds 2^31 - 1");
+  if (p.head_dim < 2 || p.head_dim > kRopeMaxHeadDim || p.head_dim % 2 != 0) {
+    return BadField(kP, "head_dim", p.head_dim, "must be even, in [2, 512]");
+  }
+  if (!(p.theta > 0.0) || !std::isfinite(p.theta)) {
+    return InvalidArgumentError(std::string(kP) + ".theta (" + std::to_string(p.theta) +
+                                ") must be a positive finite number");
+  }
+  if (p.q_heads < 1) return BadField(kP, "q_heads", p.q_heads, "must be >= 1");
+  if (p.q_row_stride < p.q_heads * p.head_dim) {
+    return BadField(kP, "q_row_stride", p.q_row_stride, "must be >= q_heads * head_dim");
+  }
+  if (p.k != nullptr) {
+    if (p.kv_heads < 1) return BadField(kP, "kv_heads", p.kv_heads, "must be >= 1 when k is set");
+    if (p.k_row_stride < p.kv_heads * p.head_dim) {
+      return BadField(kP, "k_row_stride", p.k_row_stride, "must be >= kv_heads * head_dim");
+    }
+  }
+  if (p.rows == 0) return Status::Ok();
+  if (p.q == nullptr) return NullField(kP, "q");
+  if (p.positions == nullptr) return NullField(kP, "positions");
+  if (!IsAligned(p.q, 2)) return MisalignedField(kP, "q", 2);
+  if (!IsAligned(p.k, 2)) return MisalignedField(kP, "k", 2);
+  if (!IsAligned(p.positions, 4)) return MisalignedField(kP, "positions", 4);
+
+  const bool vec = (p.head_dim / 2) % 8 == 0 && IsAligned(p.q, 16) && p.q_row_stride % 8 == 0 &&
+                   (p.k == nullptr || (IsAligned(p.k, 16) && p.k_row_stride % 8 == 0));
+  const unsigned grid = static_cast<unsigned>(p.rows);
+  if (vec) {
+    RopeKernel<8><<<grid, kRopeThreads, 0, stream>>>(p);
+  } else {
+    RopeKernel<1><<<grid, kRopeThreads, 0, stream>>>(p);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "AttentionParams";
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return UnimplementedError(std::string(kP) + ".head_dim = " + Str(p.head_dim) +
+                              " is unsupported; supported: 64, 128");
+  }
+  if (p.kv_heads < 1) return BadField(kP, "kv_heads", p.kv_heads, "must be >= 1");
+  if (p.q_heads < 1 || p.q_heads % p.kv_heads != 0) {
+    return BadField(kP, "q_heads", p.q_heads,
+                    "must be a positive multiple of kv_heads (" + Str(p.kv_heads) + ")");
+  }
+  if (p.num_seqs < 0) return BadField(kP, "num_seqs", p.num_seqs, "must be >= 0");
+  if (p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max()) {
+    return BadField(kP, "tokens", p.tokens, "must be in [0, 2^31 - 1] (cu_seqlens are int32)");
+  }
+  const struct {
+    const char* name;
+    int64_t stride;
+    int64_t min;
+  } strides[] = {{"q_row_stride", p.q_row_stride, p.q_heads * p.head_dim},
+                 {"k_row_stride", p.k_row_stride, p.kv_heads * p.head_dim},
+                 {"v_row_stride", p.v_row_stride, p.kv_heads * p.head_dim},
+                 {"out_row_stride", p.out_row_stride, p.q_heads * p.head_dim}};
+  for (const auto& s : strides) {
+    if (s.stride < s.min || s.stride % 8 != 0) {
+      return BadField(kP, s.name, s.stride,
+                      "must be a multiple of 8 and >= heads * head_dim (" + Str(s.min) + ")");
+    }
+  }
+  if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
+  if (p.max_seqlen < 1) return BadField(kP, "max_seqlen", p.max_seqlen, "must be >= 1");
+  if (p.num_seqs * p.q_heads > kMaxGridX) {
+    return InvalidArgumentError(std::string(kP) + ": num_seqs * q_heads (" +
+                                Str(p.num_seqs * p.q_heads) + ") exceeds 2^31 - 1");
+  }
+  const struct {
+    const char* name;
+    const void* ptr;
+  } tensors[] = {{"q", p.q}, {"k", p.k}, {"v", p.v}, {"out", p.out}};
+  for (const auto& t : tensors) {
+    if (t.ptr == nullptr) return NullField(kP, t.name);
+    if (!IsAligned(t.ptr, 16)) return MisalignedField(kP, t.name, 16);
+  }
+  if (p.cu_seqlens == nullptr) return NullField(kP, "cu_seqlens");
+  if (!IsAligned(p.cu_seqlens, 4)) return MisalignedField(kP, "cu_seqlens", 4);
+
+  const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
+  int64_t tiles = (longest + kAttnBr - 1) / kAttnBr;
+  if (tiles > kMaxGridY) tiles = kMaxGridY;  // blocks loop over the remaining tiles
+  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
+  constexpr double kLog2E = 1.4426950408889634;  // exp(x) = exp2(x * log2(e))
+  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
+  if (p.head_dim == 64) {
+    CausalAttentionKernel<64><<<grid, kAttnThreads, 0, stream>>>(p, scale_log2);
+  } else {
+    CausalAttentionKernel<128><<<grid, kAttnThreads, 0, stream>>>(p, scale_log2);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "SwiGluParams";
+  if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
+  if (p.inter < 1) return BadField(kP, "inter", p.inter, "must be >= 1");
+  if (p.out == nullptr && p.out_fp8 == nullptr) {
+    return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
+  }
+  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
+    return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
+  }
+  if (p.rows == 0) return Status::Ok();
+  if (p.gate_up == nullptr) return NullField(kP, "gate_up");
+  if (!IsAligned(p.gate_up, 2)) return MisalignedField(kP, "gate_up", 2);
+  if (!IsAligned(p.out, 2)) return MisalignedField(kP, "out", 2);
+  if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
+
+  const int64_t total = p.rows * p.inter;
+  if (p.inter % 8 == 0 && IsAligned(p.gate_up, 16) && IsAligned(p.out, 16)) {
+    SwiGluVecKernel<<<GridFor(total / 8), kThreads, 0, stream>>>(p);
+  } else {
+    SwiGluScalarKernel<<<GridFor(total), kThreads, 0, stream>>>(p);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchEmbeddingLookup(const EmbeddingParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "EmbeddingParams";
+  if (p.vocab < 1 || p.vocab > std::numeric_limits<int32_t>::max()) {
+    return BadField(kP, "vocab", p.vocab, "must be in [1, 2^31 - 1]");
+  }
+  if (p.dim < 1) return BadField(kP, "dim", p.dim, "must be >= 1");
+  if (p.n < 0 || p.n > std::numeric_limits<int32_t>::max() - 1) {
+    return BadField(kP, "n", p.n, "must be in [0, 2^31 - 2]");
+  }
+  if (p.error_flag == nullptr) return NullField(kP, "error_flag");
+  if (!IsAligned(p.error_flag, 4)) return MisalignedField(kP, "error_flag", 4);
+  if (p.n > 0) {
+    if (p.table == nullptr) return NullField(kP, "table");
+    if (p.ids == nullptr) return NullField(kP, "ids");
+    if (p.out == nullptr) return NullField(kP, "out");
+    if (!IsAligned(p.table, 2)) return MisalignedField(kP, "table", 2);
+    if (!IsAligned(p.out, 2)) return MisalignedField(kP, "out", 2);
+    if (!IsAligned(p.ids, 4)) return MisalignedField(kP, "ids", 4);
+  }
+  TP_CUDA_CHECK(cudaMemsetAsync(p.error_flag, 0, sizeof(int32_t), stream));
+  if (p.n == 0) return Status::Ok();
+  if (p.dim % 8 == 0 && IsAligned(p.table, 16) && IsAligned(p.out, 16)) {
+    EmbeddingKernel<8><<<GridFor(p.n * p.dim / 8), kThreads, 0, stream>>>(p);
+  } else {
+    EmbeddingKernel<1><<<GridFor(p.n * p.dim), kThreads, 0, stream>>>(p);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchGatherLastTokens(const GatherLastTokensParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "GatherLastTokensParams";
+  if (p.num_seqs < 0) return BadField(kP, "num_seqs", p.num_seqs, "must be >= 0");
+  if (p.tokens < 0) return BadField(kP, "tokens", p.tokens, "must be >= 0");
+  if (p.dim < 1) return BadField(kP, "dim", p.dim, "must be >= 1");
+  if (p.input_row_stride < p.dim) {
+    return BadField(kP, "input_row_stride", p.input_row_stride, "must be >= dim");
+  }
+  if (p.num_seqs == 0) return Status::Ok();
+  if (p.cu_seqlens == nullptr) return NullField(kP, "cu_seqlens");
+  if (p.out == nullptr) return NullField(kP, "out");
+  if (p.tokens > 0 && p.input == nullptr) return NullField(kP, "input");
+  if (!IsAligned(p.input, 2)) return MisalignedField(kP, "input", 2);
+  if (!IsAligned(p.cu_seqlens, 4)) return MisalignedField(kP, "cu_seqlens", 4);
+  if (!IsAligned(p.out, 4)) return MisalignedField(kP, "out", 4);
+  GatherLastTokensKernel<<<GridFor(p.num_seqs * p.dim), kThreads, 0, stream>>>(p);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace tpserve

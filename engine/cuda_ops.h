@@ -1,0 +1,164 @@
+// CUDA kernels for the non-GEMM ops of a Llama block: RMSNorm (with fused residual add and
+// FP8 quantization), RoPE, causal varlen attention, SwiGLU, the embedding lookup and the
+// gather of each sequence's last token. The CPU reference they are tested against is
+// engine/cpu_ops.h.
+//
+// Launchers only; the kernels live in cuda_ops.cu, so .cc files can include this. Each
+// launcher checks its arguments (INVALID_ARGUMENT naming the field), enqueues onto `stream`
+// and returns. None allocates, synchronises or reads device memory on the host, so all can be
+// captured in a CUDA graph; values that live on the device (positions, ids, cu_seqlens) are
+// therefore not validated by the launcher, and the kernels stay in bounds whatever they hold
+// (see each op). Pointers are device pointers; row strides are in elements.
+//
+// Unless an op says otherwise, BF16 tensors must be 16-byte aligned and their row strides
+// multiples of 8 elements (the kernels move 8 BF16 values per load); cudaMalloc'd buffers and
+// column slices of them at multiples of 8 elements qualify. FP8 outputs use a per-tensor
+// *dequantization* scale read from device memory, as in layers/quantize_kernels.h:
+// code = saturate_e4m3(x / *scale), round to nearest even, +-448 on overflow.
+//
+// All math is FP32. Only compiled when TPSERVE_WITH_CUDA is on.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "comm/dtype.h"
+#include "comm/status.h"
+
+namespace tpserve {
+
+// Llama's "add & norm": with a residual, h = bf16(input + residual) is written to
+// residual_out and then normalised; without one, h = input.
+//   y[r, i] = h[r, i] * rsqrt(mean_i(h[r, :]^2) + eps) * weight[i]    (FP32)
+//   out[r, i] = bf16(y[r, i]);  out_fp8[r, i] = saturate_e4m3(y[r, i] / *out_fp8_scale)
+// The FP8 output quantizes the FP32 y (not its BF16 rounding). At least one of out and out_fp8
+// is required. In place is fine when pointers are equal: out may be input, and residual_out may
+// be residual or (when out is not) input. Other overlaps are not allowed. All tensors are
+// [rows, dim], contiguous.
+struct RmsNormParams {
+  const BFloat16* input = nullptr;
+  const BFloat16* residual = nullptr;    // optional; needs residual_out
+  BFloat16* residual_out = nullptr;      // required iff residual is set
+  const BFloat16* weight = nullptr;      // [dim]
+  BFloat16* out = nullptr;               // optional
+  uint8_t* out_fp8 = nullptr;            // optional; any alignment
+  const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
+  int64_t rows = 0;                      // >= 0; 0 launches nothing
+  int64_t dim = 0;                       // multiple of 8, 8..16384
+  float eps = 1e-5f;                     // >= 0
+};
+Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
+
+// Rotary position embedding in place on q and (optionally) k, the rotate_half convention of
+// engine/cpu_ops.h's ApplyRope: within a head, element i pairs with i + head_dim/2 and the
+// pair is rotated by positions[r] * theta^(-2i / head_dim).
+// q: [rows, q_heads, head_dim] with row stride q_row_stride; k likewise with kv_heads, so both
+// can be slices of a fused QKV output [rows, (q_heads + 2 kv_heads) * head_dim].
+// The angle, its cosine and its sine are computed in double on the device (as the reference
+// does) and rounded to FP32 once; the rotation itself is FP32.
+// Any 2-byte alignment works; 16-byte aligned tensors whose row strides and head_dim/2 are
+// multiples of 8 take the vectorised path. A negative position (the launcher cannot check device
+// data) is rotated as the formula says, which is harmless but wrong; callers validate positions
+// when they build the batch.
+struct RopeParams {
+  BFloat16* q = nullptr;
+  int64_t q_row_stride = 0;  // >= q_heads * head_dim
+  int64_t q_heads = 0;       // >= 1
+  BFloat16* k = nullptr;     // optional: nullptr rotates q only (kv_heads is then ignored)
+  int64_t k_row_stride = 0;  // >= kv_heads * head_dim
+  int64_t kv_heads = 0;      // >= 1 when k is set
+  int64_t head_dim = 0;      // even, 2..512
+  const int32_t* positions = nullptr;  // [rows]
+  int64_t rows = 0;                    // >= 0; 0 launches nothing
+  double theta = 10000.0;              // finite, > 0
+};
+Status LaunchRope(const RopeParams& p, cudaStream_t stream);
+
+// Causal grouped-query attention over packed variable-length sequences (flash-attn "varlen"
+// layout), as engine/cpu_ops.h's CausalAttentionVarlen: sequence s owns token rows
+// cu_seqlens[s] .. cu_seqlens[s+1]-1, query head h reads kv head h / (q_heads / kv_heads),
+// scores are scaled by 1/sqrt(head_dim) and row i attends to rows 0..i of its own sequence.
+//   q: [tokens, q_heads, head_dim], row stride q_row_stride
+//   k, v: [tokens, kv_heads, head_dim], row strides k_row_stride, v_row_stride
+//   out: [tokens, q_heads, head_dim], row stride out_row_stride; must not overlap q, k or v
+// Flash-attention-2 style: tensor-core BF16 MMAs with FP32 accumulation, online softmax in
+// FP32, the probabilities rounded to BF16 for the P.V product. Memory is O(tokens): no
+// [seq, seq] matrix exists anywhere.
+// cu_seqlens ([num_seqs + 1], on the device) must be non-decreasing from 0 to tokens; the
+// launcher cannot check it. max_seqlen only sizes the grid: blocks loop over the query tiles
+// of their sequence, so an underestimate is slower but still correct. Sequence lengths are
+// clamped to [0, tokens] and rows outside [0, tokens) are never touched, so a corrupt
+// cu_seqlens gives wrong numbers, never an out-of-bounds access.
+// head_dim 64 or 128 (UNIMPLEMENTED otherwise). Needs sm_80 or newer; tokens < 2^31 (the
+// cu_seqlens are int32).
+struct AttentionParams {
+  const BFloat16* q = nullptr;
+  int64_t q_row_stride = 0;  // >= q_heads * head_dim
+  const BFloat16* k = nullptr;
+  int64_t k_row_stride = 0;  // >= kv_heads * head_dim
+  const BFloat16* v = nullptr;
+  int64_t v_row_stride = 0;  // >= kv_heads * head_dim
+  BFloat16* out = nullptr;
+  int64_t out_row_stride = 0;           // >= q_heads * head_dim
+  const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
+  int64_t num_seqs = 0;                 // >= 0; 0 launches nothing
+  int64_t tokens = 0;                   // >= 0; 0 launches nothing
+  int64_t max_seqlen = 0;               // longest sequence (>= 1 when tokens > 0)
+  int64_t q_heads = 0;                  // multiple of kv_heads
+  int64_t kv_heads = 0;                 // >= 1
+  int64_t head_dim = 0;                 // 64 or 128
+};
+Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream);
+
+// out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j], silu(g) = g / (1 + exp(-g)), as
+// engine/cpu_ops.h's SwiGlu. gate_up: [rows, 2 * inter]; out: [rows, inter] BF16 and/or
+// out_fp8: [rows, inter] E4M3 codes of the FP32 product (fused quantize for the down
+// projection). At least one output is required; outputs must not overlap gate_up (unlike the
+// CPU reference, rows are not written in order). Any inter >= 1 and 2-byte alignment work;
+// inter a multiple of 8 with 16-byte aligned tensors takes the vectorised path.
+struct SwiGluParams {
+  const BFloat16* gate_up = nullptr;
+  BFloat16* out = nullptr;               // optional
+  uint8_t* out_fp8 = nullptr;            // optional
+  const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
+  int64_t rows = 0;                      // >= 0; 0 launches nothing
+  int64_t inter = 0;                     // >= 1
+};
+Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
+
+// out[t, :] = table[ids[t], :]. table: [vocab, dim]; ids: [n] (device); out: [n, dim].
+// Ids cannot be checked on the host, so the kernel does it: a row whose id is outside
+// [0, vocab) is written as zeros (the table is never read out of bounds) and *error_flag
+// becomes the smallest such position + 1. The launcher zeroes *error_flag first (an async
+// memset on `stream`), so after the work completes 0 means every id was valid; read it back
+// to turn a bad id into an INVALID_ARGUMENT. Any dim >= 1 and 2-byte alignment work; dim a
+// multiple of 8 with 16-byte aligned tensors takes the vectorised path.
+struct EmbeddingParams {
+  const BFloat16* table = nullptr;
+  int64_t vocab = 0;  // 1 .. 2^31 - 1
+  int64_t dim = 0;    // >= 1
+  const int32_t* ids = nullptr;
+  int64_t n = 0;  // 0 .. 2^31 - 2 (the flag holds position + 1); 0 only zeroes the flag
+  BFloat16* out = nullptr;
+  int32_t* error_flag = nullptr;  // one int32; required
+};
+Status LaunchEmbeddingLookup(const EmbeddingParams& p, cudaStream_t stream);
+
+// out[s, :] = float(input[cu_seqlens[s+1] - 1, :]): each sequence's last token, widened to
+// FP32 (the rows whose logits a request needs). input: [tokens, dim] with row stride
+// input_row_stride; out: [num_seqs, dim] contiguous. An empty sequence, or a row outside
+// [0, tokens) from a corrupt cu_seqlens, gives a row of zeros. Any alignment (2 bytes for
+// input, 4 for out) works.
+struct GatherLastTokensParams {
+  const BFloat16* input = nullptr;
+  int64_t input_row_stride = 0;         // >= dim
+  int64_t tokens = 0;                   // >= 0
+  int64_t dim = 0;                      // >= 1
+  const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
+  int64_t num_seqs = 0;                 // >= 0; 0 launches nothing
+  float* out = nullptr;
+};
+Status LaunchGatherLastTokens(const GatherLastTokensParams& p, cudaStream_t stream);
+
+}  // namespace tpserve

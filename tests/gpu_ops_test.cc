@@ -1,0 +1,843 @@
+// GPU tests for the non-GEMM Llama ops (engine/cuda_ops.h), checked against the CPU reference
+// in engine/cpu_ops.h run on the same BF16 inputs widened to float.
+//
+// Inputs are random from fixed seeds at awkward shapes; outputs are poisoned with NaN
+// patterns first, so an element the GPU did not write fails every comparison, and padding
+// that must stay untouched is checked to still hold the poison. Tolerances (ref = the CPU
+// reference in FP32, computed in double; BF16 output rounding alone is 2^-9 relative):
+//   RMSNorm, SwiGLU (BF16 out): |gpu - ref| <= 2^-8 |ref| + 1e-6 (FP32 math, one rounding).
+//   RoPE (inputs in [-2, 2]):   |gpu - ref| <= 2^-8 |ref| + 1e-5 (the rotation's FP32
+//                               cancellation error is ~2^-23 (|a| + |b|)).
+//   FP8 outputs:                the E4M3 code of ref / scale, or an adjacent code (the FP32
+//                               value may sit on the other side of a rounding boundary), with
+//                               at most 0.1% of codes adjacent rather than equal.
+//   Attention (|v| <= 1):       |gpu - ref| <= 2^-8 |ref| + 2^-8: the output's BF16 rounding
+//                               (2^-9 |ref|) plus P rounded to BF16 for P.V (<= 2^-9 sum p|v|),
+//                               with a factor 2 of margin; and ||gpu - ref|| / ||ref|| <= 1e-2.
+//   The residual sum, the embedding lookup and the last-token gather: bit-exact.
+// Tests that launch kernels skip when no CUDA device is present; the argument checks run
+// everywhere (they return before touching CUDA).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/dtype.h"
+#include "comm/status.h"
+#include "engine/cpu_ops.h"
+#include "engine/cuda_ops.h"
+#include "layers/fp8.h"
+#include "layers/quantize_kernels.h"
+
+namespace tpserve {
+namespace {
+
+#define TP_ASSERT_OK(expr)                                               \
+  do {                                                                   \
+    const ::tpserve::Status tp_assert_status_ = (expr);                  \
+    ASSERT_TRUE(tp_assert_status_.ok()) << tp_assert_status_.ToString(); \
+  } while (0)
+
+#define TP_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  TP_ASSERT_OK_AND_ASSIGN_IMPL(TP_STATUS_CONCAT(tp_assert_statusor_, __LINE__), lhs, expr)
+#define TP_ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                                 \
+  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();  \
+  lhs = std::move(tmp).value()
+
+#define TP_CUDA_CHECK_FOR_TEST(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// First statement of every test that launches kernels.
+#define TP_SKIP_WITHOUT_GPU()           \
+  do {                                  \
+    if (!has_device_) {                 \
+      GTEST_SKIP() << "no CUDA device"; \
+    }                                   \
+  } while (0)
+
+const double kBf16Rel = std::ldexp(1.0, -8);
+
+bool HasCudaDevice() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+class GpuOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    has_device_ = HasCudaDevice();
+    if (!has_device_) return;
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    TP_ASSERT_OK_AND_ASSIGN(stream_, CudaStream::Create());
+  }
+
+  cudaStream_t stream() const { return stream_.get(); }
+
+  bool has_device_ = false;
+  CudaStream stream_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Host <-> device helpers
+
+template <class T>
+StatusOr<DeviceBuffer> Upload(const std::vector<T>& host, const std::string& name) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(host.size() * sizeof(T), name));
+  if (!host.empty()) {
+    TP_CUDA_CHECK(
+        cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return before its DMA lands, and the tests' streams
+    // are non-blocking: wait, so that kernels on them see the data.
+    TP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return buf;
+}
+
+template <class T>
+StatusOr<std::vector<T>> Download(const void* src, size_t count) {
+  std::vector<T> host(count);
+  if (count > 0) {
+    TP_CUDA_CHECK(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
+  }
+  return host;
+}
+
+// A device buffer of `count` elements of `type`, filled with its poison pattern on `stream`.
+StatusOr<DeviceBuffer> PoisonedBuffer(DataType type, size_t count, const std::string& name,
+                                      cudaStream_t stream) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(count * DataTypeSize(type), name));
+  TP_RETURN_IF_ERROR(LaunchPoisonFill(buf.data(), type, count, stream));
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data and comparisons
+
+std::vector<BFloat16> RandomBf16(size_t count, float lo, float hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<BFloat16> v(count);
+  for (auto& x : v) x = FloatToBFloat16(dist(rng));
+  return v;
+}
+
+std::vector<float> Widen(const std::vector<BFloat16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = BFloat16ToFloat(v[i]);
+  return f;
+}
+
+float MaxAbs(const std::vector<float>& v) {
+  float m = 0.0f;
+  for (float x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Every element within abs_tol + rel_tol * |ref|; NaN (an unwritten poison) fails.
+void ExpectBf16Near(const std::vector<BFloat16>& gpu, const std::vector<float>& ref, double rel_tol,
+                    double abs_tol, const std::string& what) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  size_t bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = BFloat16ToFloat(gpu[i]);
+    const double err = std::fabs(g - ref[i]);
+    if (!(err <= abs_tol + rel_tol * std::fabs(ref[i]))) {
+      if (++bad <= 5) {
+        ADD_FAILURE() << what << ": element " << i << " gpu " << g << " ref " << ref[i]
+                      << " (bits 0x" << std::hex << gpu[i].bits << std::dec << ")";
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": elements out of tolerance, of " << ref.size();
+}
+
+// The GPU's E4M3 codes against FloatToFp8E4M3(ref / scale): equal or adjacent, and rarely
+// adjacent.
+void ExpectFp8Near(const std::vector<uint8_t>& gpu, const std::vector<float>& ref, float scale,
+                   const std::string& what) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  size_t adjacent = 0, bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const uint8_t want = FloatToFp8E4M3(ref[i] / scale);
+    const uint8_t got = gpu[i];
+    if (got == want) continue;
+    const int got_mag = got & 0x7F, want_mag = want & 0x7F;
+    const bool same_sign = (got & 0x80) == (want & 0x80);
+    const bool both_tiny = got_mag <= 1 && want_mag <= 1;
+    if (got_mag != 0x7F && ((same_sign && std::abs(got_mag - want_mag) == 1) || both_tiny)) {
+      ++adjacent;
+    } else if (++bad <= 5) {
+      ADD_FAILURE() << what << ": element " << i << " code 0x" << std::hex << int{got} << " want 0x"
+                    << int{want} << std::dec << " (ref / scale = " << ref[i] / scale << ")";
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what;
+  EXPECT_LE(adjacent, ref.size() / 1000 + 1) << what << ": too many codes one step off";
+}
+
+// A scale under which the largest quarter of |ref|'s range saturates, to cover clamping.
+float SaturatingScale(const std::vector<float>& ref) {
+  const float amax = MaxAbs(ref);
+  return amax > 0 ? amax * 0.75f / kFp8E4M3Max : 1.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_residual,
+                  uint32_t seed) {
+  const std::string what = "rms_norm rows=" + std::to_string(rows) + " dim=" + std::to_string(dim) +
+                           (with_residual ? " +residual" : "");
+  const size_t n = static_cast<size_t>(rows * dim);
+  const std::vector<BFloat16> x = RandomBf16(n, -2.0f, 2.0f, seed);
+  const std::vector<BFloat16> residual = RandomBf16(n, -2.0f, 2.0f, seed + 1);
+  const std::vector<BFloat16> weight = RandomBf16(static_cast<size_t>(dim), 0.5f, 1.5f, seed + 2);
+  const float eps = 1e-5f;
+
+  // h = bf16(x + residual), the FP32 sum rounded once, like the kernel.
+  std::vector<BFloat16> h_bits(n);
+  for (size_t i = 0; i < n; ++i) {
+    h_bits[i] = with_residual
+                    ? FloatToBFloat16(BFloat16ToFloat(x[i]) + BFloat16ToFloat(residual[i]))
+                    : x[i];
+  }
+  const std::vector<float> h = Widen(h_bits);
+  const std::vector<float> w = Widen(weight);
+  std::vector<float> ref(n);
+  RmsNorm(h.data(), w.data(), rows, dim, eps, ref.data());
+  const float scale = SaturatingScale(ref);
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_x, Upload(x, "x"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_res, Upload(residual, "residual"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_w, Upload(weight, "weight"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scale, Upload(std::vector<float>{scale}, "scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
+                          PoisonedBuffer(DataType::kBFloat16, n, "out", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_res_out,
+                          PoisonedBuffer(DataType::kBFloat16, n, "residual_out", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8,
+                          PoisonedBuffer(DataType::kFloat8E4M3, n, "out_fp8", stream));
+
+  RmsNormParams p;
+  p.input = d_x.as<BFloat16>();
+  if (with_residual) {
+    p.residual = d_res.as<BFloat16>();
+    p.residual_out = d_res_out.as<BFloat16>();
+  }
+  p.weight = d_w.as<BFloat16>();
+  p.out = d_out.as<BFloat16>();
+  p.out_fp8 = d_fp8.as<uint8_t>();
+  p.out_fp8_scale = d_scale.as<float>();
+  p.rows = rows;
+  p.dim = dim;
+  p.eps = eps;
+  TP_ASSERT_OK(LaunchRmsNorm(p, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), n));
+  TP_ASSERT_OK_AND_ASSIGN(auto fp8, Download<uint8_t>(d_fp8.data(), n));
+  ExpectBf16Near(out, ref, kBf16Rel, 1e-6, what);
+  ExpectFp8Near(fp8, ref, scale, what + " fp8");
+  if (with_residual) {
+    TP_ASSERT_OK_AND_ASSIGN(auto res_out, Download<BFloat16>(d_res_out.data(), n));
+    size_t mismatches = 0;
+    for (size_t i = 0; i < n; ++i) mismatches += res_out[i].bits != h_bits[i].bits;
+    EXPECT_EQ(mismatches, 0u) << what << ": residual_out is not bf16(x + residual)";
+  }
+}
+
+TEST_F(GpuOpsTest, RmsNormMatchesReference) {
+  TP_SKIP_WITHOUT_GPU();
+  uint32_t seed = 100;
+  for (int64_t rows : {1, 37, 1002}) {
+    for (int64_t dim : {256, 8192}) {
+      for (bool residual : {false, true}) CheckRmsNorm(stream(), rows, dim, residual, seed += 3);
+    }
+  }
+  // The extremes of dim: one vector per row, and two per thread of a full block.
+  CheckRmsNorm(stream(), 37, 8, true, 7);
+  CheckRmsNorm(stream(), 37, 16384, true, 8);
+  CheckRmsNorm(stream(), 5, 8200, false, 9);  // not a multiple of a warp's vectors
+}
+
+TEST_F(GpuOpsTest, RmsNormInPlaceOnTheResidualStream) {
+  TP_SKIP_WITHOUT_GPU();
+  // The decoder layer's use: residual_out == residual (the stream is updated in place) and
+  // out == input (the sublayer's output buffer is reused for the normalised input).
+  const int64_t rows = 37, dim = 4096;
+  const size_t n = rows * dim;
+  const std::vector<BFloat16> x = RandomBf16(n, -2.0f, 2.0f, 21);
+  const std::vector<BFloat16> residual = RandomBf16(n, -2.0f, 2.0f, 22);
+  const std::vector<BFloat16> weight = RandomBf16(dim, 0.5f, 1.5f, 23);
+  std::vector<BFloat16> h_bits(n);
+  for (size_t i = 0; i < n; ++i) {
+    h_bits[i] = FloatToBFloat16(BFloat16ToFloat(x[i]) + BFloat16ToFloat(residual[i]));
+  }
+  const std::vector<float> h = Widen(h_bits), w = Widen(weight);
+  std::vector<float> ref(n);
+  RmsNorm(h.data(), w.data(), rows, dim, 1e-6, ref.data());
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_x, Upload(x, "x"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_res, Upload(residual, "residual"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_w, Upload(weight, "weight"));
+  RmsNormParams p;
+  p.input = d_x.as<BFloat16>();
+  p.out = d_x.as<BFloat16>();
+  p.residual = d_res.as<BFloat16>();
+  p.residual_out = d_res.as<BFloat16>();
+  p.weight = d_w.as<BFloat16>();
+  p.rows = rows;
+  p.dim = dim;
+  p.eps = 1e-6f;
+  TP_ASSERT_OK(LaunchRmsNorm(p, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_x.data(), n));
+  TP_ASSERT_OK_AND_ASSIGN(auto res_out, Download<BFloat16>(d_res.data(), n));
+  ExpectBf16Near(out, ref, kBf16Rel, 1e-6, "in-place rms_norm");
+  size_t mismatches = 0;
+  for (size_t i = 0; i < n; ++i) mismatches += res_out[i].bits != h_bits[i].bits;
+  EXPECT_EQ(mismatches, 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE, on the q and k slices of a fused QKV buffer
+
+void CheckRope(cudaStream_t stream, int64_t rows, int64_t q_heads, int64_t kv_heads,
+               int64_t head_dim, double theta, bool rotate_k, uint32_t seed) {
+  const std::string what = "rope rows=" + std::to_string(rows) +
+                           " heads=" + std::to_string(q_heads) + "/" + std::to_string(kv_heads) +
+                           " head_dim=" + std::to_string(head_dim) + (rotate_k ? "" : " q only");
+  const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t stride = q_width + 2 * kv_width;
+  const std::vector<BFloat16> qkv = RandomBf16(rows * stride, -2.0f, 2.0f, seed);
+  std::vector<int32_t> positions(rows);
+  std::mt19937 rng(seed + 1);
+  std::uniform_int_distribution<int32_t> pos_dist(0, 131071);
+  for (auto& pos : positions) pos = pos_dist(rng);
+  positions[0] = 0;  // the identity rotation
+  if (rows > 1) positions[rows - 1] = 1000000;
+
+  std::vector<float> q_ref(rows * q_width), k_ref(rows * kv_width);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < q_width; ++j)
+      q_ref[r * q_width + j] = BFloat16ToFloat(qkv[r * stride + j]);
+    for (int64_t j = 0; j < kv_width; ++j) {
+      k_ref[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + j]);
+    }
+  }
+  TP_ASSERT_OK(ApplyRope(q_ref.data(), rows, q_heads, head_dim, positions.data(), theta));
+  if (rotate_k) {
+    TP_ASSERT_OK(ApplyRope(k_ref.data(), rows, kv_heads, head_dim, positions.data(), theta));
+  }
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_pos, Upload(positions, "positions"));
+  RopeParams p;
+  p.q = d_qkv.as<BFloat16>();
+  p.q_row_stride = stride;
+  p.q_heads = q_heads;
+  if (rotate_k) {
+    p.k = d_qkv.as<BFloat16>() + q_width;
+    p.k_row_stride = stride;
+    p.kv_heads = kv_heads;
+  }
+  p.head_dim = head_dim;
+  p.positions = d_pos.as<int32_t>();
+  p.rows = rows;
+  p.theta = theta;
+  TP_ASSERT_OK(LaunchRope(p, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_qkv.data(), qkv.size()));
+
+  std::vector<BFloat16> q_gpu(rows * q_width), k_gpu(rows * kv_width);
+  size_t v_changed = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < q_width; ++j) q_gpu[r * q_width + j] = out[r * stride + j];
+    for (int64_t j = 0; j < kv_width; ++j) {
+      k_gpu[r * kv_width + j] = out[r * stride + q_width + j];
+      const int64_t vj = r * stride + q_width + kv_width + j;
+      v_changed += out[vj].bits != qkv[vj].bits;
+    }
+  }
+  ExpectBf16Near(q_gpu, q_ref, kBf16Rel, 1e-5, what + " q");
+  ExpectBf16Near(k_gpu, k_ref, kBf16Rel, 1e-5, what + " k");
+  EXPECT_EQ(v_changed, 0u) << what << ": the v slice was modified";
+}
+
+TEST_F(GpuOpsTest, RopeMatchesReference) {
+  TP_SKIP_WITHOUT_GPU();
+  CheckRope(stream(), 37, 64, 8, 128, 500000.0, true, 200);   // Llama 3 70B, whole model
+  CheckRope(stream(), 1002, 8, 1, 128, 500000.0, true, 201);  // the same at TP 8
+  CheckRope(stream(), 1, 4, 2, 64, 10000.0, true, 202);
+  CheckRope(stream(), 37, 3, 1, 36, 10000.0, true, 203);  // head_dim/2 = 18: scalar path
+  CheckRope(stream(), 5, 2, 1, 64, 10000.0, false, 204);  // k untouched when not given
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal varlen attention, on the slices of a fused QKV buffer
+
+struct AttentionCase {
+  std::vector<int32_t> seqlens;
+  int64_t q_heads, kv_heads, head_dim;
+  float q_range;           // q uniform in [-q_range, q_range]; k, v in [-1, 1]
+  int64_t max_seqlen = 0;  // 0: the true maximum
+};
+
+void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) {
+  std::vector<int32_t> cu_seqlens{0};
+  int64_t longest = 0;
+  for (int32_t len : c.seqlens) {
+    cu_seqlens.push_back(cu_seqlens.back() + len);
+    longest = std::max<int64_t>(longest, len);
+  }
+  const int64_t tokens = cu_seqlens.back();
+  const int64_t num_seqs = static_cast<int64_t>(c.seqlens.size());
+  const int64_t hd = c.head_dim;
+  const int64_t q_width = c.q_heads * hd, kv_width = c.kv_heads * hd;
+  const int64_t stride = q_width + 2 * kv_width;
+  const int64_t out_stride = q_width + 8;  // padding that must stay poisoned
+  std::string what = "attention heads=" + std::to_string(c.q_heads) + "/" +
+                     std::to_string(c.kv_heads) + " head_dim=" + std::to_string(hd) + " seqlens=";
+  for (int32_t len : c.seqlens) what += std::to_string(len) + ",";
+
+  std::vector<BFloat16> qkv(tokens * stride);
+  {
+    const std::vector<BFloat16> q = RandomBf16(tokens * q_width, -c.q_range, c.q_range, seed);
+    const std::vector<BFloat16> kv = RandomBf16(tokens * 2 * kv_width, -1.0f, 1.0f, seed + 1);
+    for (int64_t r = 0; r < tokens; ++r) {
+      std::copy_n(q.begin() + r * q_width, q_width, qkv.begin() + r * stride);
+      std::copy_n(kv.begin() + r * 2 * kv_width, 2 * kv_width, qkv.begin() + r * stride + q_width);
+    }
+  }
+  std::vector<float> q_f(tokens * q_width), k_f(tokens * kv_width), v_f(tokens * kv_width);
+  for (int64_t r = 0; r < tokens; ++r) {
+    for (int64_t j = 0; j < q_width; ++j)
+      q_f[r * q_width + j] = BFloat16ToFloat(qkv[r * stride + j]);
+    for (int64_t j = 0; j < kv_width; ++j) {
+      k_f[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + j]);
+      v_f[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + kv_width + j]);
+    }
+  }
+  std::vector<float> ref(tokens * q_width);
+  TP_ASSERT_OK(CausalAttentionVarlen(q_f.data(), k_f.data(), v_f.data(), tokens, c.q_heads,
+                                     c.kv_heads, hd, cu_seqlens, ref.data()));
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu_seqlens, "cu_seqlens"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
+                          PoisonedBuffer(DataType::kBFloat16,
+                                         std::max<int64_t>(tokens * out_stride, 1), "out", stream));
+  AttentionParams p;
+  p.q = d_qkv.as<BFloat16>();
+  p.q_row_stride = stride;
+  p.k = d_qkv.as<BFloat16>() + q_width;
+  p.k_row_stride = stride;
+  p.v = d_qkv.as<BFloat16>() + q_width + kv_width;
+  p.v_row_stride = stride;
+  p.out = d_out.as<BFloat16>();
+  p.out_row_stride = out_stride;
+  p.cu_seqlens = d_cu.as<int32_t>();
+  p.num_seqs = num_seqs;
+  p.tokens = tokens;
+  p.max_seqlen = c.max_seqlen > 0 ? c.max_seqlen : longest;
+  p.q_heads = c.q_heads;
+  p.kv_heads = c.kv_heads;
+  p.head_dim = hd;
+  TP_ASSERT_OK(LaunchCausalAttention(p, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), tokens * out_stride));
+
+  std::vector<BFloat16> gpu(tokens * q_width);
+  size_t padding_written = 0;
+  for (int64_t r = 0; r < tokens; ++r) {
+    std::copy_n(out.begin() + r * out_stride, q_width, gpu.begin() + r * q_width);
+    for (int64_t j = q_width; j < out_stride; ++j) {
+      padding_written += out[r * out_stride + j].bits != kBf16PoisonBits;
+    }
+  }
+  EXPECT_EQ(padding_written, 0u) << what << ": wrote past q_heads * head_dim";
+  const double v_max = MaxAbs(v_f);
+  ExpectBf16Near(gpu, ref, kBf16Rel, std::ldexp(v_max, -8), what);
+  double err_sq = 0, ref_sq = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = BFloat16ToFloat(gpu[i]) - ref[i];
+    err_sq += d * d;
+    ref_sq += static_cast<double>(ref[i]) * ref[i];
+  }
+  if (ref_sq > 0) {
+    EXPECT_LE(std::sqrt(err_sq / ref_sq), 1e-2) << what;
+  }
+}
+
+TEST_F(GpuOpsTest, CausalAttentionGqaMatchesReference) {
+  TP_SKIP_WITHOUT_GPU();
+  // Llama 3 70B's heads (64 q / 8 kv at head_dim 128); lengths around the 64-row tiles,
+  // an empty sequence and a single token.
+  CheckAttention(stream(), {{1, 37, 0, 500, 129}, 64, 8, 128, 2.0f}, 300);
+  // Small: group 2 at head_dim 64, with peaky softmax (large q) so each key matters.
+  CheckAttention(stream(), {{1, 37, 0, 500, 129}, 4, 2, 64, 6.0f}, 301);
+}
+
+TEST_F(GpuOpsTest, CausalAttentionTileBoundariesAndEmptySequences) {
+  TP_SKIP_WITHOUT_GPU();
+  CheckAttention(stream(), {{0, 64, 65, 63, 1, 128, 0}, 8, 8, 64, 3.0f}, 310);
+  CheckAttention(stream(), {{0, 64, 65, 63, 1, 128, 0}, 4, 1, 128, 3.0f}, 311);
+}
+
+TEST_F(GpuOpsTest, CausalAttentionWithUnderestimatedMaxSeqlenIsStillCorrect) {
+  TP_SKIP_WITHOUT_GPU();
+  // max_seqlen only sizes the grid: one query tile per block here, looping over 17.
+  CheckAttention(stream(), {{1030, 7}, 2, 1, 128, 3.0f, /*max_seqlen=*/64}, 320);
+  CheckAttention(stream(), {{1030, 7}, 2, 2, 64, 3.0f, /*max_seqlen=*/1}, 321);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU
+
+void CheckSwiGlu(cudaStream_t stream, int64_t rows, int64_t inter, uint32_t seed) {
+  const std::string what =
+      "swiglu rows=" + std::to_string(rows) + " inter=" + std::to_string(inter);
+  const std::vector<BFloat16> gate_up = RandomBf16(rows * 2 * inter, -6.0f, 6.0f, seed);
+  const std::vector<float> gate_up_f = Widen(gate_up);
+  std::vector<float> ref(rows * inter);
+  SwiGlu(gate_up_f.data(), rows, inter, ref.data());
+  const float scale = SaturatingScale(ref);
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_in, Upload(gate_up, "gate_up"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scale, Upload(std::vector<float>{scale}, "scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
+                          PoisonedBuffer(DataType::kBFloat16, rows * inter, "out", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8,
+                          PoisonedBuffer(DataType::kFloat8E4M3, rows * inter, "out_fp8", stream));
+  SwiGluParams p;
+  p.gate_up = d_in.as<BFloat16>();
+  p.out = d_out.as<BFloat16>();
+  p.out_fp8 = d_fp8.as<uint8_t>();
+  p.out_fp8_scale = d_scale.as<float>();
+  p.rows = rows;
+  p.inter = inter;
+  TP_ASSERT_OK(LaunchSwiGlu(p, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), rows * inter));
+  TP_ASSERT_OK_AND_ASSIGN(auto fp8, Download<uint8_t>(d_fp8.data(), rows * inter));
+  ExpectBf16Near(out, ref, kBf16Rel, 1e-6, what);
+  ExpectFp8Near(fp8, ref, scale, what + " fp8");
+}
+
+TEST_F(GpuOpsTest, SwiGluMatchesReference) {
+  TP_SKIP_WITHOUT_GPU();
+  uint32_t seed = 400;
+  for (int64_t rows : {1, 37, 1002}) {
+    for (int64_t inter : {256, 8192}) CheckSwiGlu(stream(), rows, inter, ++seed);
+  }
+  CheckSwiGlu(stream(), 37, 3584, 410);  // Llama 3 70B's 28672 at TP 8
+  CheckSwiGlu(stream(), 37, 37, 411);    // scalar path
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding lookup
+
+struct EmbeddingRun {
+  std::vector<BFloat16> out;
+  int32_t error_flag = -1;
+};
+
+StatusOr<EmbeddingRun> RunEmbedding(cudaStream_t stream, const std::vector<BFloat16>& table,
+                                    int64_t vocab, int64_t dim, const std::vector<int32_t>& ids) {
+  const int64_t n = static_cast<int64_t>(ids.size());
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_table, Upload(table, "table"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_ids, Upload(ids, "ids"));
+  // The flag starts non-zero, to see the launcher reset it.
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_flag, Upload(std::vector<int32_t>{12345}, "error_flag"));
+  TP_ASSIGN_OR_RETURN(
+      DeviceBuffer d_out,
+      PoisonedBuffer(DataType::kBFloat16, std::max<int64_t>(n * dim, 1), "out", stream));
+  EmbeddingParams p;
+  p.table = d_table.as<BFloat16>();
+  p.vocab = vocab;
+  p.dim = dim;
+  p.ids = d_ids.as<int32_t>();
+  p.n = n;
+  p.out = d_out.as<BFloat16>();
+  p.error_flag = d_flag.as<int32_t>();
+  TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(p, stream));
+  TP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EmbeddingRun run;
+  TP_ASSIGN_OR_RETURN(run.out, Download<BFloat16>(d_out.data(), n * dim));
+  TP_ASSIGN_OR_RETURN(std::vector<int32_t> flag, Download<int32_t>(d_flag.data(), 1));
+  run.error_flag = flag[0];
+  return run;
+}
+
+TEST_F(GpuOpsTest, EmbeddingLookupCopiesRows) {
+  TP_SKIP_WITHOUT_GPU();
+  const int64_t vocab = 1000;
+  for (int64_t dim : {256, 8192, 7}) {  // 7: scalar path
+    for (int64_t n : {1, 37, 1002}) {
+      const std::vector<BFloat16> table = RandomBf16(vocab * dim, -1.0f, 1.0f, 500 + dim);
+      std::vector<int32_t> ids(n);
+      std::mt19937 rng(501 + n);
+      std::uniform_int_distribution<int32_t> id_dist(0, vocab - 1);
+      for (auto& id : ids) id = id_dist(rng);
+      ids[0] = static_cast<int32_t>(vocab - 1);
+      TP_ASSERT_OK_AND_ASSIGN(EmbeddingRun run, RunEmbedding(stream(), table, vocab, dim, ids));
+      EXPECT_EQ(run.error_flag, 0);
+      std::vector<float> ref(n * dim);
+      const std::vector<float> table_f = Widen(table);
+      TP_ASSERT_OK(EmbeddingLookup(table_f.data(), vocab, dim, ids.data(), n, ref.data()));
+      ExpectBf16Near(run.out, ref, 0.0, 0.0, "embedding dim=" + std::to_string(dim));
+    }
+  }
+}
+
+TEST_F(GpuOpsTest, EmbeddingLookupFlagsOutOfRangeIdsAndZeroesTheirRows) {
+  TP_SKIP_WITHOUT_GPU();
+  const int64_t vocab = 100, dim = 64, n = 37;
+  const std::vector<BFloat16> table = RandomBf16(vocab * dim, -1.0f, 1.0f, 510);
+  std::vector<int32_t> ids(n);
+  for (int64_t t = 0; t < n; ++t) ids[t] = static_cast<int32_t>((t * 7) % vocab);
+  ids[30] = std::numeric_limits<int32_t>::min();
+  ids[20] = static_cast<int32_t>(vocab);
+  ids[5] = -1;  // the first bad position
+  TP_ASSERT_OK_AND_ASSIGN(EmbeddingRun run, RunEmbedding(stream(), table, vocab, dim, ids));
+  EXPECT_EQ(run.error_flag, 6) << "first bad position + 1";
+  for (int64_t t = 0; t < n; ++t) {
+    const bool bad = t == 5 || t == 20 || t == 30;
+    for (int64_t j = 0; j < dim; ++j) {
+      const uint16_t want = bad ? 0 : table[ids[t] * dim + j].bits;
+      ASSERT_EQ(run.out[t * dim + j].bits, want) << "row " << t << " col " << j;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Last-token gather
+
+TEST_F(GpuOpsTest, GatherLastTokensPicksEachSequencesLastRow) {
+  TP_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> cu_seqlens{0, 1, 38, 38, 538, 667};
+  const int64_t tokens = 667, dim = 250, stride = 264, seqs = 5;
+  const std::vector<BFloat16> input = RandomBf16(tokens * stride, -4.0f, 4.0f, 600);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_in, Upload(input, "input"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu_seqlens, "cu_seqlens"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
+                          PoisonedBuffer(DataType::kFloat32, seqs * dim, "out", stream()));
+  GatherLastTokensParams p;
+  p.input = d_in.as<BFloat16>();
+  p.input_row_stride = stride;
+  p.tokens = tokens;
+  p.dim = dim;
+  p.cu_seqlens = d_cu.as<int32_t>();
+  p.num_seqs = seqs;
+  p.out = d_out.as<float>();
+  TP_ASSERT_OK(LaunchGatherLastTokens(p, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<float>(d_out.data(), seqs * dim));
+  for (int64_t s = 0; s < seqs; ++s) {
+    const bool empty = cu_seqlens[s + 1] == cu_seqlens[s];
+    const int64_t row = cu_seqlens[s + 1] - 1;
+    for (int64_t j = 0; j < dim; ++j) {
+      const float want = empty ? 0.0f : BFloat16ToFloat(input[row * stride + j]);
+      ASSERT_EQ(out[s * dim + j], want) << "sequence " << s << " col " << j;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks: they return before any CUDA call, so this runs without a GPU too. The
+// pointers are never dereferenced; they only need the alignment the checks look at.
+
+template <class T>
+T* FakeDevicePointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void ExpectRejected(const Status& s, StatusCode code, const std::string& field) {
+  EXPECT_EQ(s.code(), code) << s.ToString();
+  EXPECT_NE(s.message().find(field), std::string::npos)
+      << "message does not name " << field << ": " << s.ToString();
+}
+
+TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
+  constexpr auto kInvalid = StatusCode::kInvalidArgument;
+  BFloat16* bf = FakeDevicePointer<BFloat16>(0x10000);
+  BFloat16* bf_misaligned = FakeDevicePointer<BFloat16>(0x10002);
+  uint8_t* bytes = FakeDevicePointer<uint8_t>(0x20000);
+  float* scale = FakeDevicePointer<float>(0x30000);
+  int32_t* ints = FakeDevicePointer<int32_t>(0x40000);
+
+  RmsNormParams norm;
+  norm.input = bf;
+  norm.weight = bf;
+  norm.out = bf;
+  norm.rows = 3;
+  norm.dim = 256;
+  {
+    RmsNormParams p = norm;
+    p.dim = 12;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "dim");
+    p.dim = 16392;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "dim");
+  }
+  {
+    RmsNormParams p = norm;
+    p.out = nullptr;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "out_fp8");
+    p.out_fp8 = bytes;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "out_fp8_scale");
+  }
+  {
+    RmsNormParams p = norm;
+    p.residual = bf;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "residual_out");
+  }
+  {
+    RmsNormParams p = norm;
+    p.input = bf_misaligned;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "input");
+    p.input = bf;
+    p.eps = -1.0f;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "eps");
+    p.eps = 1e-5f;
+    p.rows = -1;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "rows");
+  }
+
+  RopeParams rope;
+  rope.q = bf;
+  rope.q_row_stride = 8 * 128;
+  rope.q_heads = 8;
+  rope.head_dim = 128;
+  rope.positions = ints;
+  rope.rows = 3;
+  {
+    RopeParams p = rope;
+    p.head_dim = 127;
+    ExpectRejected(LaunchRope(p, nullptr), kInvalid, "head_dim");
+  }
+  {
+    RopeParams p = rope;
+    p.q_row_stride = 100;
+    ExpectRejected(LaunchRope(p, nullptr), kInvalid, "q_row_stride");
+    p.q_row_stride = rope.q_row_stride;
+    p.theta = 0.0;
+    ExpectRejected(LaunchRope(p, nullptr), kInvalid, "theta");
+    p.theta = 10000.0;
+    p.positions = nullptr;
+    ExpectRejected(LaunchRope(p, nullptr), kInvalid, "positions");
+    p.positions = ints;
+    p.k = bf;
+    ExpectRejected(LaunchRope(p, nullptr), kInvalid, "kv_heads");
+  }
+
+  AttentionParams attn;
+  attn.q = bf;
+  attn.k = bf;
+  attn.v = bf;
+  attn.out = bf;
+  attn.q_row_stride = attn.out_row_stride = 8 * 128;
+  attn.k_row_stride = attn.v_row_stride = 128;
+  attn.cu_seqlens = ints;
+  attn.num_seqs = 2;
+  attn.tokens = 10;
+  attn.max_seqlen = 7;
+  attn.q_heads = 8;
+  attn.kv_heads = 1;
+  attn.head_dim = 128;
+  {
+    AttentionParams p = attn;
+    p.head_dim = 96;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), StatusCode::kUnimplemented, "head_dim");
+  }
+  {
+    AttentionParams p = attn;
+    p.kv_heads = 3;
+    p.k_row_stride = p.v_row_stride = 3 * 128;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "q_heads");
+  }
+  {
+    AttentionParams p = attn;
+    p.k_row_stride = 100;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "k_row_stride");
+    p.k_row_stride = 132;  // >= 128 but not a multiple of 8
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "k_row_stride");
+  }
+  {
+    AttentionParams p = attn;
+    p.max_seqlen = 0;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "max_seqlen");
+    p.max_seqlen = 7;
+    p.cu_seqlens = nullptr;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "cu_seqlens");
+    p.cu_seqlens = ints;
+    p.v = bf_misaligned;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "v");
+  }
+
+  SwiGluParams swiglu;
+  swiglu.gate_up = bf;
+  swiglu.out = bf;
+  swiglu.rows = 3;
+  swiglu.inter = 256;
+  {
+    SwiGluParams p = swiglu;
+    p.inter = 0;
+    ExpectRejected(LaunchSwiGlu(p, nullptr), kInvalid, "inter");
+    p.inter = 256;
+    p.out = nullptr;
+    ExpectRejected(LaunchSwiGlu(p, nullptr), kInvalid, "out_fp8");
+    p.out_fp8 = bytes;
+    ExpectRejected(LaunchSwiGlu(p, nullptr), kInvalid, "out_fp8_scale");
+  }
+
+  EmbeddingParams embed;
+  embed.table = bf;
+  embed.vocab = 100;
+  embed.dim = 64;
+  embed.ids = ints;
+  embed.n = 3;
+  embed.out = bf;
+  {
+    EmbeddingParams p = embed;  // error_flag left null
+    ExpectRejected(LaunchEmbeddingLookup(p, nullptr), kInvalid, "error_flag");
+    p.error_flag = ints;
+    p.vocab = 0;
+    ExpectRejected(LaunchEmbeddingLookup(p, nullptr), kInvalid, "vocab");
+  }
+
+  GatherLastTokensParams gather;
+  gather.input = bf;
+  gather.input_row_stride = 10;
+  gather.tokens = 4;
+  gather.dim = 16;
+  gather.cu_seqlens = ints;
+  gather.num_seqs = 1;
+  gather.out = scale;
+  ExpectRejected(LaunchGatherLastTokens(gather, nullptr), kInvalid, "input_row_stride");
+
+  // Empty work is OK and launches nothing, null pointers included.
+  EXPECT_TRUE(LaunchRmsNorm({.out = bf, .rows = 0, .dim = 256}, nullptr).ok());
+  EXPECT_TRUE(LaunchRope({.q_row_stride = 64, .q_heads = 1, .head_dim = 64}, nullptr).ok());
+  AttentionParams empty_attn = attn;
+  empty_attn.tokens = 0;
+  empty_attn.num_seqs = 0;
+  EXPECT_TRUE(LaunchCausalAttention(empty_attn, nullptr).ok());
+  EXPECT_TRUE(LaunchSwiGlu({.out = bf, .rows = 0, .inter = 8}, nullptr).ok());
+}
+
+}  // namespace
+}  // namespace tpserve
