@@ -49,10 +49,11 @@ struct Flags {
   std::vector<std::string> dtypes = {"fp8"};
   std::vector<int> chunks = {2, 4};
 #ifdef TPSERVE_TUNE_MAIN
-  std::vector<std::string> methods = {"none", "pipeline", "ring", "pipeline_ce", "ring_ce"};
+  std::vector<std::string> methods = {"none", "pipeline", "ring"};
 #else
-  std::vector<std::string> methods = {"gemm_only", "comm_only",   "none",    "pipeline",
-                                      "ring",      "pipeline_ce", "ring_ce", "layer_gemm"};
+  // pipeline_ce / ring_ce on request only: see LinearKnobs::copy_engine.
+  std::vector<std::string> methods = {"gemm_only", "comm_only", "none",
+                                      "pipeline",  "ring",      "layer_gemm"};
 #endif
   std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
   std::vector<int> gemm_sms = {0};  // GEMM SM budgets to sweep (0 = all SMs)
@@ -408,7 +409,9 @@ int Main(int argc, char** argv) {
   app.add_option("--chunks", f.chunks, "Chunk counts for pipeline and ring")->capture_default_str();
   app.add_option("--methods", f.methods,
                  "Methods: gemm_only, comm_only, none, pipeline, ring, pipeline_ce and ring_ce "
-                 "(copy-engine pulls instead of NCCL kernels; pipeline_ce for ag_gemm only), "
+                 "(copy-engine pulls instead of NCCL kernels; pipeline_ce for ag_gemm only; "
+                 "experimental: hangs were seen with ranks as threads, so bound the run with "
+                 "--timeout-s), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,

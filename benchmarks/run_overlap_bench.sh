@@ -15,7 +15,7 @@ ms=${MS:-512 2048 8192 16384}
 dtypes=${DTYPES:-fp8 bf16}
 chunks=${CHUNKS:-2 4 8}
 presets=${PRESETS:-llama70b seed}
-methods=${METHODS:-gemm_only comm_only none pipeline ring pipeline_ce ring_ce layer_gemm}
+methods=${METHODS:-gemm_only comm_only none pipeline ring layer_gemm}
 rc=0
 log="$out/bench.log"
 : > "$log"

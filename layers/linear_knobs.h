@@ -28,6 +28,10 @@ struct LinearKnobs {
   // ag_gemm: any mode (the AllGather, or the ring's send/recv, becomes pulls);
   // gemm_rs: mode ring only (each ring step's partial is pulled and added by
   // the next GEMM). All ranks on one node. Captures into CUDA graphs.
+  // Experimental: with one process per GPU (CUDA IPC) it passes the layer
+  // check; with ranks as threads of one process (tpserve-bench, the GPU
+  // tests) runs were seen to hang on a peer signal that never arrived, not
+  // yet understood. The tuner and the shipped configs do not use it.
   bool copy_engine = false;
   // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
   int gemm_sm_count = 0;
