@@ -1,0 +1,413 @@
+#include "engine/cuda_model.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "comm/cuda_check.h"
+#include "comm/nccl_thread_group.h"
+#include "engine/cuda_ops.h"
+#include "engine/gather_rows.h"
+#include "layers/quantize_kernels.h"
+
+namespace tpserve {
+
+struct CudaModel::Linear {
+  DeviceBuffer w;
+  DeviceBuffer scales;  // input (x) scale at 0, weight scale at 16 bytes (cuBLASLt alignment)
+  int64_t n = 0, k = 0;
+  const float* x_scale() const { return scales.as<float>(); }
+  const float* w_scale() const { return scales.as<float>() + 4; }
+};
+
+struct CudaModel::Layer {
+  DeviceBuffer input_norm, post_norm;  // BF16 [H]
+  Linear qkv, o, gate_up, down;
+};
+
+namespace {
+
+int64_t RoundUp(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+StatusOr<DeviceBuffer> UploadBf16(const std::vector<float>& v, const std::string& name) {
+  std::vector<BFloat16> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = FloatToBFloat16(v[i]);
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::Allocate(h.size() * 2, name));
+  TP_CUDA_CHECK(cudaMemcpy(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+StatusOr<DeviceBuffer> Alloc(int64_t bytes, const std::string& name) {
+  return DeviceBuffer::Allocate(static_cast<size_t>(std::max<int64_t>(bytes, 16)), name);
+}
+
+}  // namespace
+
+CudaModel::~CudaModel() = default;
+
+StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
+                                                       const RankWeights& weights,
+                                                       const OverlapConfig* overlap,
+                                                       NcclCommPool& pool,
+                                                       const CudaModelOptions& options) {
+  NcclCommunicator& comm = pool.base();
+  const int tp = comm.size(), rank = comm.rank();
+  TP_RETURN_IF_ERROR(config.ValidateForTp(tp));
+  const int64_t hd = config.head_dim();
+  if (hd != 64 && hd != 128) {
+    return UnimplementedError(
+        "the CUDA attention kernel supports head_dim 64 and 128; the model "
+        "has " +
+        std::to_string(hd));
+  }
+  if (weights.tp != tp || weights.rank != rank) {
+    return InvalidArgumentError("weights are rank " + std::to_string(weights.rank) + " of " +
+                                std::to_string(weights.tp) + ", the communicator is rank " +
+                                std::to_string(rank) + " of " + std::to_string(tp));
+  }
+  if (static_cast<int64_t>(weights.layers.size()) != config.num_hidden_layers) {
+    return InvalidArgumentError("weights have " + std::to_string(weights.layers.size()) +
+                                " layers, the config " + std::to_string(config.num_hidden_layers));
+  }
+  if (options.max_tokens < 1 || options.max_seqs < 1) {
+    return InvalidArgumentError("max_tokens and max_seqs must be >= 1");
+  }
+  TP_CUDA_CHECK(cudaSetDevice(comm.device()));
+  auto model = std::unique_ptr<CudaModel>(new CudaModel());
+  CudaModel& md = *model;
+  md.config_ = config;
+  md.options_ = options;
+  md.overlap_ = overlap;
+  md.pool_ = &pool;
+  md.tp_ = tp;
+  md.rank_ = rank;
+  md.dtype_ = weights.dtype;
+  md.max_m_ = RoundUp(options.max_tokens, tp);
+  TP_ASSIGN_OR_RETURN(md.stream_, CudaStream::Create());
+
+  auto upload_linear = [&](const LinearWeight& lw, const std::string& name, Linear* out) -> Status {
+    if (lw.dtype != weights.dtype) {
+      return InvalidArgumentError(name + ": mixed weight types are not supported");
+    }
+    out->n = lw.n;
+    out->k = lw.k;
+    TP_ASSIGN_OR_RETURN(out->w, Alloc(static_cast<int64_t>(lw.data.size()), name + ".weight"));
+    TP_CUDA_CHECK(
+        cudaMemcpy(out->w.data(), lw.data.data(), lw.data.size(), cudaMemcpyHostToDevice));
+    TP_ASSIGN_OR_RETURN(out->scales, DeviceBuffer::Allocate(8 * sizeof(float), name + ".scales"));
+    const float s[8] = {lw.input_scale, 0, 0, 0, lw.weight_scale, 0, 0, 0};
+    TP_CUDA_CHECK(cudaMemcpy(out->scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
+    md.weight_bytes_ += lw.data.size();
+    return Status::Ok();
+  };
+  TP_ASSIGN_OR_RETURN(md.embed_, UploadBf16(weights.embed, "embed"));
+  TP_ASSIGN_OR_RETURN(md.final_norm_, UploadBf16(weights.final_norm, "final_norm"));
+  if (weights.lm_head.dtype != DataType::kBFloat16) {
+    return InvalidArgumentError("lm_head must be BF16");
+  }
+  TP_ASSIGN_OR_RETURN(md.lm_head_,
+                      Alloc(static_cast<int64_t>(weights.lm_head.data.size()), "lm_head"));
+  TP_CUDA_CHECK(cudaMemcpy(md.lm_head_.data(), weights.lm_head.data.data(),
+                           weights.lm_head.data.size(), cudaMemcpyHostToDevice));
+  md.weight_bytes_ += md.embed_.size() + weights.lm_head.data.size();
+  md.layers_.resize(weights.layers.size());
+  for (size_t l = 0; l < weights.layers.size(); ++l) {
+    const LayerWeights& lw = weights.layers[l];
+    Layer& dl = md.layers_[l];
+    const std::string p = "layers." + std::to_string(l);
+    TP_ASSIGN_OR_RETURN(dl.input_norm, UploadBf16(lw.input_norm, p + ".input_norm"));
+    TP_ASSIGN_OR_RETURN(dl.post_norm, UploadBf16(lw.post_norm, p + ".post_norm"));
+    TP_RETURN_IF_ERROR(upload_linear(lw.qkv, p + ".attn.qkv", &dl.qkv));
+    TP_RETURN_IF_ERROR(upload_linear(lw.o, p + ".attn.o", &dl.o));
+    TP_RETURN_IF_ERROR(upload_linear(lw.gate_up, p + ".mlp.gate_up", &dl.gate_up));
+    TP_RETURN_IF_ERROR(upload_linear(lw.down, p + ".mlp.down", &dl.down));
+  }
+
+  const int64_t h = config.hidden_size, m = md.max_m_, rows = m / tp;
+  const int64_t seqs = options.max_seqs + 1;  // + the padding sequence
+  const int64_t qkv_n = md.layers_.empty() ? 0 : md.layers_[0].qkv.n;
+  const int64_t attn_n = config.num_attention_heads / tp * hd;
+  const int64_t inter_l = config.intermediate_size / tp;
+  const int64_t vocab_l = weights.lm_head.n;
+  TP_ASSIGN_OR_RETURN(md.ids_, Alloc(m * 4, "ids"));
+  TP_ASSIGN_OR_RETURN(md.positions_, Alloc(m * 4, "positions"));
+  TP_ASSIGN_OR_RETURN(md.cu_seqlens_, Alloc((seqs + 1) * 4, "cu_seqlens"));
+  TP_ASSIGN_OR_RETURN(md.error_flag_, Alloc(4, "error_flag"));
+  TP_ASSIGN_OR_RETURN(md.x_, Alloc(rows * h * 2, "residual"));
+  TP_ASSIGN_OR_RETURN(md.o_out_, Alloc(rows * h * 2, "o_out"));
+  TP_ASSIGN_OR_RETURN(md.down_out_, Alloc(rows * h * 2, "down_out"));
+  TP_ASSIGN_OR_RETURN(md.normed_, Alloc(rows * h * 2, "normed"));
+  TP_ASSIGN_OR_RETURN(md.qkv_out_, Alloc(m * qkv_n * 2, "qkv_out"));
+  TP_ASSIGN_OR_RETURN(md.attn_, Alloc(m * attn_n * 2, "attn"));
+  TP_ASSIGN_OR_RETURN(md.gate_up_out_, Alloc(m * 2 * inter_l * 2, "gate_up_out"));
+  TP_ASSIGN_OR_RETURN(md.full_, Alloc(m * h * 2, "full_normed"));
+  TP_ASSIGN_OR_RETURN(md.last_, Alloc(seqs * h * 2, "last_rows"));
+  TP_ASSIGN_OR_RETURN(md.logits_local_, Alloc(seqs * vocab_l * 2, "logits_local"));
+  TP_ASSIGN_OR_RETURN(md.logits_all_, Alloc(tp * seqs * vocab_l * 2, "logits_all"));
+  TP_ASSIGN_OR_RETURN(md.lm_gemm_, CublasLtGemm::Create("lm_head"));
+  spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank, tp,
+               md.layers_.size(), md.weight_bytes_ / 1048576.0, comm.device());
+  return model;
+}
+
+size_t CudaModel::device_bytes() const {
+  size_t total = weight_bytes_;
+  for (const DeviceBuffer* b :
+       {&ids_, &positions_, &cu_seqlens_, &x_, &o_out_, &down_out_, &normed_, &qkv_out_, &attn_,
+        &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_}) {
+    total += b->size();
+  }
+  for (const auto& [key, layer] : linears_) total += layer->device_bytes();
+  return total;
+}
+
+StatusOr<CudaLinear*> CudaModel::LayerFor(const std::string& name, OverlapOp op, int64_t n_global,
+                                          int64_t k_global, int64_t n_local, int64_t k_local,
+                                          int64_t m) {
+  LinearKnobs knobs;
+  if (overlap_ != nullptr) {
+    TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(name, op, n_global, k_global, m, tp_));
+  }
+  const std::string key = std::string(OverlapOpName(op)) + " " + std::to_string(n_local) + "x" +
+                          std::to_string(k_local) + " " + knobs.ToString();
+  auto it = linears_.find(key);
+  if (it == linears_.end()) {
+    CudaLinearShape shape{op, dtype_, max_m_, n_local, k_local};
+    TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("model." + key, shape, knobs, *pool_));
+    it = linears_.emplace(key, std::move(layer)).first;
+  }
+  TP_RETURN_IF_ERROR(it->second->Prepare(m));
+  return it->second.get();
+}
+
+Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y) {
+  const bool fp8 = dtype_ == DataType::kFloat8E4M3;
+  return layer.Run(m, w.w.data(), fp8 ? w.x_scale() : nullptr, fp8 ? w.w_scale() : nullptr, y,
+                   stream_.get());
+}
+
+StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
+  const ModelConfig& c = config_;
+  const int64_t tokens = batch.tokens(), seqs = batch.sequences();
+  if (tokens < 1 || seqs < 1 || tokens > options_.max_tokens || seqs > options_.max_seqs) {
+    return InvalidArgumentError("batch of " + std::to_string(tokens) + " tokens in " +
+                                std::to_string(seqs) +
+                                " sequences is outside this model's "
+                                "limits (1.." +
+                                std::to_string(options_.max_tokens) + " tokens, 1.." +
+                                std::to_string(options_.max_seqs) + " sequences)");
+  }
+  // Pad to a multiple of tp with a padding sequence.
+  const int64_t m = RoundUp(tokens, tp_), pad = m - tokens;
+  std::vector<int32_t> ids = batch.ids, positions = batch.positions, cu = batch.cu_seqlens;
+  for (int64_t i = 0; i < pad; ++i) {
+    ids.push_back(0);
+    positions.push_back(static_cast<int32_t>(i));
+  }
+  if (pad > 0) cu.push_back(static_cast<int32_t>(m));
+  const int64_t all_seqs = static_cast<int64_t>(cu.size()) - 1;
+  int64_t max_seqlen = 1;
+  for (int64_t s = 0; s < all_seqs; ++s)
+    max_seqlen = std::max<int64_t>(max_seqlen, cu[s + 1] - cu[s]);
+
+  TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
+  cudaStream_t st = stream_.get();
+  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), ids.data(), m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(positions_.data(), positions.data(), m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(cu_seqlens_.data(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice, st));
+
+  const int64_t h = c.hidden_size, hd = c.head_dim();
+  const int64_t nh_l = c.num_attention_heads / tp_, nkv_l = c.num_key_value_heads / tp_;
+  const int64_t inter_l = c.intermediate_size / tp_;
+  const int64_t qkv_n_global = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
+  const int64_t qkv_n_l = qkv_n_global / tp_;
+  const RowRange shard = ShardRows(m, tp_, rank_);
+  const int64_t rows = shard.size();
+  const bool fp8 = dtype_ == DataType::kFloat8E4M3;
+  auto* x = x_.as<BFloat16>();
+
+  EmbeddingParams emb;
+  emb.table = embed_.as<BFloat16>();
+  emb.vocab = c.vocab_size;
+  emb.dim = h;
+  emb.ids = ids_.as<int32_t>() + shard.begin;
+  emb.n = rows;
+  emb.out = x;
+  emb.error_flag = error_flag_.as<int32_t>();
+  TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, st));
+
+  // add & norm into a TP layer's input: FP8 with the layer's input scale, or BF16.
+  auto add_norm = [&](const BFloat16* residual, const DeviceBuffer& weight, CudaLinear& next,
+                      const Linear& next_w) {
+    RmsNormParams p;
+    p.input = x;
+    p.residual = residual;
+    p.residual_out = residual != nullptr ? x : nullptr;
+    p.weight = weight.as<BFloat16>();
+    if (fp8) {
+      p.out_fp8 = static_cast<uint8_t*>(next.input(m));
+      p.out_fp8_scale = next_w.x_scale();
+    } else {
+      p.out = static_cast<BFloat16*>(next.input(m));
+    }
+    p.rows = rows;
+    p.dim = h;
+    p.eps = static_cast<float>(c.rms_norm_eps);
+    return LaunchRmsNorm(p, st);
+  };
+
+  const BFloat16* pending = nullptr;  // the block output still to be added to x
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& lw = layers_[l];
+    const std::string p = "layers." + std::to_string(l);
+    TP_ASSIGN_OR_RETURN(CudaLinear * qkv, LayerFor(p + ".attn.qkv", OverlapOp::kAllGatherGemm,
+                                                   qkv_n_global, h, lw.qkv.n, lw.qkv.k, m));
+    TP_ASSIGN_OR_RETURN(CudaLinear * o, LayerFor(p + ".attn.o", OverlapOp::kGemmReduceScatter, h,
+                                                 c.num_attention_heads * hd, lw.o.n, lw.o.k, m));
+    TP_ASSIGN_OR_RETURN(CudaLinear * gate_up,
+                        LayerFor(p + ".mlp.gate_up", OverlapOp::kAllGatherGemm,
+                                 2 * c.intermediate_size, h, lw.gate_up.n, lw.gate_up.k, m));
+    TP_ASSIGN_OR_RETURN(CudaLinear * down,
+                        LayerFor(p + ".mlp.down", OverlapOp::kGemmReduceScatter, h,
+                                 c.intermediate_size, lw.down.n, lw.down.k, m));
+
+    TP_RETURN_IF_ERROR(add_norm(pending, lw.input_norm, *qkv, lw.qkv));
+    auto* qkv_y = qkv_out_.as<BFloat16>();
+    TP_RETURN_IF_ERROR(RunLinear(*qkv, lw.qkv, m, qkv_y));
+
+    RopeParams rope;
+    rope.q = qkv_y;
+    rope.q_row_stride = qkv_n_l;
+    rope.q_heads = nh_l;
+    rope.k = qkv_y + nh_l * hd;
+    rope.k_row_stride = qkv_n_l;
+    rope.kv_heads = nkv_l;
+    rope.head_dim = hd;
+    rope.positions = positions_.as<int32_t>();
+    rope.rows = m;
+    rope.theta = c.rope_theta;
+    TP_RETURN_IF_ERROR(LaunchRope(rope, st));
+
+    AttentionParams at;
+    at.q = qkv_y;
+    at.q_row_stride = qkv_n_l;
+    at.k = qkv_y + nh_l * hd;
+    at.k_row_stride = qkv_n_l;
+    at.v = qkv_y + (nh_l + nkv_l) * hd;
+    at.v_row_stride = qkv_n_l;
+    // BF16 layers read the attention output straight from o's input.
+    at.out = fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m));
+    at.out_row_stride = nh_l * hd;
+    at.cu_seqlens = cu_seqlens_.as<int32_t>();
+    at.num_seqs = all_seqs;
+    at.tokens = m;
+    at.max_seqlen = max_seqlen;
+    at.q_heads = nh_l;
+    at.kv_heads = nkv_l;
+    at.head_dim = hd;
+    TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
+    if (fp8) {
+      QuantizeFp8Params q;
+      q.input = attn_.data();
+      q.input_type = DataType::kBFloat16;
+      q.output = static_cast<uint8_t*>(o->input(m));
+      q.count = static_cast<size_t>(m * nh_l * hd);
+      q.scale = lw.o.x_scale();
+      TP_RETURN_IF_ERROR(LaunchQuantizeToFp8E4M3(q, st));
+    }
+    TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data()));
+
+    TP_RETURN_IF_ERROR(add_norm(o_out_.as<BFloat16>(), lw.post_norm, *gate_up, lw.gate_up));
+    TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
+    SwiGluParams sw;
+    sw.gate_up = gate_up_out_.as<BFloat16>();
+    if (fp8) {
+      sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
+      sw.out_fp8_scale = lw.down.x_scale();
+    } else {
+      sw.out = static_cast<BFloat16*>(down->input(m));
+    }
+    sw.rows = m;
+    sw.inter = inter_l;
+    TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
+    TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data()));
+    pending = down_out_.as<BFloat16>();
+  }
+
+  // Final add & norm, then the LM head on each sequence's last row.
+  RmsNormParams fin;
+  fin.input = x;
+  fin.residual = pending;
+  fin.residual_out = pending != nullptr ? x : nullptr;
+  fin.weight = final_norm_.as<BFloat16>();
+  fin.out = normed_.as<BFloat16>();
+  fin.rows = rows;
+  fin.dim = h;
+  fin.eps = static_cast<float>(c.rms_norm_eps);
+  TP_RETURN_IF_ERROR(LaunchRmsNorm(fin, st));
+  NcclCommunicator& comm = pool_->base();
+  TP_RETURN_IF_ERROR(comm.AllGather(normed_.data(), full_.data(), rows * h * 2, st));
+  GatherRowsParams g;
+  g.input = full_.as<BFloat16>();
+  g.input_row_stride = h;
+  g.tokens = m;
+  g.dim = h;
+  g.cu_seqlens = cu_seqlens_.as<int32_t>();
+  g.num_seqs = seqs;
+  g.out = last_.as<BFloat16>();
+  TP_RETURN_IF_ERROR(LaunchGatherLastRowsBf16(g, st));
+  const int64_t vocab_l = c.vocab_size / tp_;
+  GemmParams lm;
+  lm.m = seqs;
+  lm.n = vocab_l;
+  lm.k = h;
+  lm.a_type = lm.b_type = lm.d_type = DataType::kBFloat16;
+  TP_RETURN_IF_ERROR(lm_gemm_.Prepare(lm));
+  TP_RETURN_IF_ERROR(
+      lm_gemm_.Run(lm, last_.data(), lm_head_.data(), nullptr, logits_local_.data(), st));
+  TP_RETURN_IF_ERROR(
+      comm.AllGather(logits_local_.data(), logits_all_.data(), seqs * vocab_l * 2, st));
+  TP_RETURN_IF_ERROR(comm.WaitStream(st));
+
+  int32_t bad = 0;
+  TP_CUDA_CHECK(cudaMemcpy(&bad, error_flag_.data(), 4, cudaMemcpyDeviceToHost));
+  if (bad != 0) {
+    return InvalidArgumentError("token id at position " + std::to_string(shard.begin + bad - 1) +
+                                " is outside [0, " + std::to_string(c.vocab_size) + ")");
+  }
+  std::vector<BFloat16> all(static_cast<size_t>(tp_ * seqs * vocab_l));
+  TP_CUDA_CHECK(cudaMemcpy(all.data(), logits_all_.data(), all.size() * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> logits(static_cast<size_t>(seqs * c.vocab_size));
+  for (int r = 0; r < tp_; ++r) {
+    for (int64_t s = 0; s < seqs; ++s) {
+      for (int64_t j = 0; j < vocab_l; ++j) {
+        logits[s * c.vocab_size + r * vocab_l + j] =
+            BFloat16ToFloat(all[(r * seqs + s) * vocab_l + j]);
+      }
+    }
+  }
+  return logits;
+}
+
+StatusOr<std::vector<float>> RunCudaModel(const ModelConfig& config, NcclThreadGroup& group,
+                                          DataType dtype, uint64_t seed,
+                                          const OverlapConfig* overlap, const TokenBatch& batch) {
+  std::vector<float> result;
+  CudaModelOptions options;
+  options.max_tokens = batch.tokens();
+  options.max_seqs = batch.sequences();
+  TP_RETURN_IF_ERROR(group.Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(config, dtype, group.size(), r, seed));
+    TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(config, w, overlap, group.pool(r), options));
+    TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(batch));
+    if (r == 0) result = std::move(logits);
+    return Status::Ok();
+  }));
+  return result;
+}
+
+}  // namespace tpserve

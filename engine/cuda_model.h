@@ -1,0 +1,112 @@
+// CudaModel: one rank of a Llama-family transformer on one GPU — the same
+// model as CpuModel (engine/cpu_model.h), built from the overlapped TP layers
+// (layers/cuda_linear.h) and the block's kernels (engine/cuda_ops.h).
+//
+// Per block, with sequence parallelism between blocks (each rank holds its
+// row shard of the residual stream in BF16):
+//   add & RMSNorm -> FP8 -> attn.qkv (AG+GEMM) -> RoPE -> causal varlen
+//   attention -> FP8 -> attn.o (GEMM+RS) -> add & RMSNorm -> FP8 ->
+//   mlp.gate_up (AG+GEMM) -> SwiGLU -> FP8 -> mlp.down (GEMM+RS)
+// then add & RMSNorm, an AllGather of the normed rows, each sequence's last
+// row, the LM head (BF16, vocabulary split over ranks) and an AllGather of
+// the logits. Residual adds are fused into the next RMSNorm. FP8
+// activations use each layer's static input scale, as the CPU model does.
+//
+// Differences from CpuModel that show in the numbers: activations between
+// ops are BF16 (CPU: FP32), attention uses BF16 probabilities; tests compare
+// logits with a stated tolerance.
+//
+// M handling: the batch is padded to a multiple of tp with a padding
+// sequence (token 0, its own positions), so that every rank's shard has the
+// same rows (NCCL collectives need equal sizes); the padding sequence's
+// logits are dropped. TP layers are created on first use, one per distinct
+// (op, shape, knobs) — layers of the same shape share one CudaLinear, since
+// weights are passed per call — and prepared per padded M.
+//
+// Thread-safety: none; one object per rank, used by that rank's thread (or
+// process). Forward is collective: all ranks call it with the same batch.
+// Shutdown: destroy before the NcclCommPool.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_resources.h"
+#include "comm/nccl_communicator.h"
+#include "engine/cpu_model.h"
+#include "engine/model_config.h"
+#include "engine/model_weights.h"
+#include "layers/cublaslt_gemm.h"
+#include "layers/cuda_linear.h"
+#include "layers/overlap_config.h"
+
+namespace tpserve {
+
+struct CudaModelOptions {
+  int64_t max_tokens = 8192;  // most tokens per batch (before padding to a multiple of tp)
+  int64_t max_seqs = 64;      // most sequences per batch
+};
+
+class CudaModel {
+ public:
+  // Uploads this rank's weights to the communicator's device and allocates
+  // the activation buffers for options.max_tokens. `overlap` may be null
+  // (every layer mode none) and must outlive the model. UNIMPLEMENTED for a
+  // head_dim the attention kernel lacks (64 and 128 exist).
+  static StatusOr<std::unique_ptr<CudaModel>> Create(const ModelConfig& config,
+                                                     const RankWeights& weights,
+                                                     const OverlapConfig* overlap,
+                                                     NcclCommPool& pool,
+                                                     const CudaModelOptions& options = {});
+  ~CudaModel();
+
+  // Logits [sequences, vocab] of the last token of every sequence, on every
+  // rank. INVALID_ARGUMENT for a batch over the options' limits.
+  StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
+
+  const ModelConfig& config() const { return config_; }
+  // Device memory held (weights, activations, TP layers).
+  size_t device_bytes() const;
+
+  struct Linear;  // one TP layer's weights on the device
+  struct Layer;   // one block's weights on the device
+
+ private:
+  CudaModel() = default;
+  // The TP layer for (name, op, global n, k) at padded M `m`, made on first use.
+  StatusOr<CudaLinear*> LayerFor(const std::string& name, OverlapOp op, int64_t n_global,
+                                 int64_t k_global, int64_t n_local, int64_t k_local, int64_t m);
+  Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y);
+
+  ModelConfig config_;
+  CudaModelOptions options_;
+  const OverlapConfig* overlap_ = nullptr;
+  NcclCommPool* pool_ = nullptr;
+  int tp_ = 1, rank_ = 0;
+  DataType dtype_ = DataType::kFloat8E4M3;
+  int64_t max_m_ = 0;
+
+  CudaStream stream_;
+  std::vector<Layer> layers_;
+  DeviceBuffer embed_, final_norm_, lm_head_;
+  // Batch metadata and activations.
+  DeviceBuffer ids_, positions_, cu_seqlens_, error_flag_;
+  DeviceBuffer x_, o_out_, down_out_, normed_, qkv_out_, attn_, gate_up_out_, full_, last_,
+      logits_local_, logits_all_;
+  CublasLtGemm lm_gemm_;
+  std::map<std::string, std::unique_ptr<CudaLinear>> linears_;  // by op/shape/knobs
+  size_t weight_bytes_ = 0;
+};
+
+// Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random
+// weights from `seed` (as RunCpuModel does, so the two are comparable);
+// returns rank 0's logits.
+class NcclThreadGroup;
+StatusOr<std::vector<float>> RunCudaModel(const ModelConfig& config, NcclThreadGroup& group,
+                                          DataType dtype, uint64_t seed,
+                                          const OverlapConfig* overlap, const TokenBatch& batch);
+
+}  // namespace tpserve

@@ -1,0 +1,144 @@
+// The CUDA model (engine/cuda_model.h) against the CPU reference model on the
+// same random weights, on 2 GPUs (ranks as threads). Skipped without 2 GPUs.
+//
+// Tolerance: the GPU keeps activations in BF16 between ops (the CPU model in
+// FP32) and attention multiplies BF16 probabilities, so logits differ by a
+// few BF16 roundings per layer, amplified through FP8 requantization: relative
+// Frobenius error <= 5e-2 over all logits, and the top-1 token of every
+// sequence equal unless the reference's top two are within 2 % of the
+// reference's largest |logit| of each other.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/nccl_thread_group.h"
+#include "engine/cpu_model.h"
+#include "engine/cuda_model.h"
+#include "layers/overlap_config.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int kTp = 2;
+
+ModelConfig SmallConfig() {
+  // The "tiny" preset's sizes with head_dim 64 (the attention kernel's
+  // smallest): hidden 256 = 4 heads of 64, 2 KV heads.
+  ModelConfig c;
+  c.hidden_size = 256;
+  c.intermediate_size = 512;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.num_hidden_layers = 2;
+  c.vocab_size = 1024;
+  c.max_position_embeddings = 2048;
+  c.rope_theta = 10000.0;
+  return c;
+}
+
+struct Comparison {
+  double rel_frobenius = 0;
+  int top1_mismatches = 0;  // outside near-ties
+};
+
+Comparison Compare(const std::vector<float>& gpu, const std::vector<float>& ref, int64_t seqs,
+                   int64_t vocab) {
+  Comparison out;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(gpu[i]) - ref[i];
+    num += std::isfinite(d) ? d * d : 1e30;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  out.rel_frobenius = std::sqrt(num / std::max(den, 1e-30));
+  for (int64_t s = 0; s < seqs; ++s) {
+    const float* r = ref.data() + s * vocab;
+    const float* g = gpu.data() + s * vocab;
+    std::vector<int64_t> idx(vocab);
+    for (int64_t j = 0; j < vocab; ++j) idx[j] = j;
+    std::partial_sort(idx.begin(), idx.begin() + 2, idx.end(),
+                      [&](int64_t a, int64_t b) { return r[a] > r[b]; });
+    const int64_t gpu_top = std::max_element(g, g + vocab) - g;
+    float scale = 0;
+    for (int64_t j = 0; j < vocab; ++j) scale = std::max(scale, std::fabs(r[j]));
+    const bool near_tie = r[idx[0]] - r[idx[1]] < 0.02f * scale;
+    if (gpu_top != idx[0] && !near_tie) ++out.top1_mismatches;
+  }
+  return out;
+}
+
+class GpuModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() < kTp) GTEST_SKIP() << "needs " << kTp << " GPUs";
+    auto g = NcclThreadGroup::Create(kTp);
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    group_ = std::move(g).value();
+  }
+  void TearDown() override { group_.reset(); }
+
+  void CheckAgainstCpu(DataType dtype, const OverlapConfig* overlap) {
+    const ModelConfig c = SmallConfig();
+    ASSERT_TRUE(c.ValidateForTp(kTp).ok());
+    // Awkward lengths; 37 + 5 + 100 + 1 = 143 tokens (odd: padded to 144).
+    auto batch = PackSequences(
+        {std::vector<int32_t>(37, 3), {1, 2, 3, 4, 5}, std::vector<int32_t>(100, 0), {1023}},
+        c.vocab_size, c.max_position_embeddings);
+    ASSERT_TRUE(batch.ok()) << batch.status().ToString();
+    for (int64_t i = 0; i < batch->tokens(); ++i) batch->ids[i] = (i * 7919 + 13) % c.vocab_size;
+    auto ref = RunCpuModel(c, kTp, dtype, /*seed=*/11, "", overlap, *batch);
+    ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+    auto gpu = RunCudaModel(c, *group_, dtype, /*seed=*/11, overlap, *batch);
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    ASSERT_EQ(gpu->size(), ref->size());
+    const Comparison cmp = Compare(*gpu, *ref, batch->sequences(), c.vocab_size);
+    EXPECT_LE(cmp.rel_frobenius, 5e-2);
+    EXPECT_EQ(cmp.top1_mismatches, 0);
+    std::printf("[ model    ] %s: rel_frobenius %.3g, top-1 mismatches %d of %lld\n",
+                DataTypeName(dtype).data(), cmp.rel_frobenius, cmp.top1_mismatches,
+                static_cast<long long>(batch->sequences()));
+  }
+
+  std::unique_ptr<NcclThreadGroup> group_;
+};
+
+TEST_F(GpuModelTest, Fp8LogitsMatchCpuReference) {
+  CheckAgainstCpu(DataType::kFloat8E4M3, nullptr);
+}
+
+TEST_F(GpuModelTest, Bf16LogitsMatchCpuReference) { CheckAgainstCpu(DataType::kBFloat16, nullptr); }
+
+TEST_F(GpuModelTest, OverlappedLayersGiveTheSameLogitsAsModeNone) {
+  // Every layer ring with 2 chunks (AG+GEMM and GEMM+RS), from a config file.
+  auto overlap = OverlapConfig::Parse("version: 1\ndefaults:\n  mode: ring\n  chunks: 2\n",
+                                      "test-overlap.yaml");
+  ASSERT_TRUE(overlap.ok()) << overlap.status().ToString();
+  CheckAgainstCpu(DataType::kFloat8E4M3, &*overlap);
+}
+
+TEST_F(GpuModelTest, BatchOverTheLimitsIsRejected) {
+  const ModelConfig c = SmallConfig();
+  Status s = group_->Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, 1));
+    CudaModelOptions o;
+    o.max_tokens = 8;
+    o.max_seqs = 2;
+    TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group_->pool(r), o));
+    TP_ASSIGN_OR_RETURN(TokenBatch b, PackSequences({std::vector<int32_t>(9, 1)}, c.vocab_size,
+                                                    c.max_position_embeddings));
+    auto logits = model->Forward(b);
+    if (logits.ok() || logits.status().code() != StatusCode::kInvalidArgument) {
+      return InternalError("a 9-token batch on an 8-token model was not rejected");
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(s.ok()) << s.ToString();
+}
+
+}  // namespace
+}  // namespace tpserve
