@@ -131,6 +131,8 @@ StatusOr<PeerBuffer> PeerBuffer::Create(NcclCommunicator& comm, size_t bytes, st
   buf.peers_.assign(n, nullptr);
   buf.ipc_opened_.assign(n, false);
   buf.ipc_bases_.assign(n, nullptr);
+  buf.peer_devices_.assign(n, buf.device_);
+  buf.own_rank_ = me;
   {
     const cudaError_t e = cudaMalloc(&buf.local_, bytes);
     if (e != cudaSuccess) {
@@ -174,6 +176,7 @@ StatusOr<PeerBuffer> PeerBuffer::Create(NcclCommunicator& comm, size_t bytes, st
                                      "of the communicator on one node");
     }
     TP_RETURN_IF_ERROR(EnablePeerAccess(buf.device_, e.device, what));
+    buf.peer_devices_[r] = e.device;
     if (e.pid == mine.pid) {
       buf.peers_[r] = reinterpret_cast<void*>(e.ptr);  // same process: one address space
     } else {
@@ -200,6 +203,8 @@ PeerBuffer::PeerBuffer(PeerBuffer&& other) noexcept
       peers_(std::move(other.peers_)),
       ipc_opened_(std::move(other.ipc_opened_)),
       ipc_bases_(std::move(other.ipc_bases_)),
+      peer_devices_(std::move(other.peer_devices_)),
+      own_rank_(other.own_rank_),
       name_(std::move(other.name_)) {}
 
 PeerBuffer& PeerBuffer::operator=(PeerBuffer&& other) noexcept {
@@ -211,6 +216,8 @@ PeerBuffer& PeerBuffer::operator=(PeerBuffer&& other) noexcept {
     peers_ = std::move(other.peers_);
     ipc_opened_ = std::move(other.ipc_opened_);
     ipc_bases_ = std::move(other.ipc_bases_);
+    peer_devices_ = std::move(other.peer_devices_);
+    own_rank_ = other.own_rank_;
     name_ = std::move(other.name_);
   }
   return *this;
@@ -235,6 +242,27 @@ void PeerBuffer::Reset() noexcept {
   local_ = nullptr;
   bytes_ = 0;
   device_ = -1;
+}
+
+Status PeerBuffer::CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes,
+                                cudaStream_t stream) const {
+  if (offset + bytes > bytes_) {
+    return InvalidArgumentError("copy of " + std::to_string(bytes) + " bytes at offset " +
+                                std::to_string(offset) + " from peer buffer '" + name_ + "' (" +
+                                std::to_string(bytes_) + " bytes)");
+  }
+  const char* src = static_cast<const char*>(peer(rank)) + offset;
+  if (same_process(rank)) {
+    // Another device's memory of this process: a plain cudaMemcpyAsync from
+    // it may be ordered against work on that device (copy-engine layers with
+    // ranks as threads hung, while the same layers across processes did
+    // not); cudaMemcpyPeerAsync is documented as asynchronous with respect to
+    // all work on other devices.
+    TP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, device_, src, peer_devices_[rank], bytes, stream));
+  } else {
+    TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  return Status::Ok();
 }
 
 StatusOr<PeerSignals> PeerSignals::Create(NcclCommunicator& comm, int slots, std::string name) {

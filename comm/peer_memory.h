@@ -62,6 +62,17 @@ class PeerBuffer {
   }
   // Rank `rank`'s copy as addressed from this device; peer(own rank) == data().
   void* peer(int rank) const { return peers_.at(rank); }
+  // The CUDA device that holds rank `rank`'s copy.
+  int peer_device(int rank) const { return peer_devices_.at(rank); }
+  // Whether rank `rank`'s copy belongs to another device of this process
+  // (ranks as threads) rather than being mapped into this device's context
+  // by CUDA IPC. Copies from such memory must go through cudaMemcpyPeerAsync
+  // (see CopyFromPeer).
+  bool same_process(int rank) const { return rank != own_rank_ && !ipc_opened_.at(rank); }
+
+  // Enqueues a copy of `bytes` from rank `rank`'s copy at `offset` to `dst`
+  // (this device) on `stream`, on a copy engine.
+  Status CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes, cudaStream_t stream) const;
   size_t bytes() const { return bytes_; }
   const std::string& name() const { return name_; }
 
@@ -74,6 +85,8 @@ class PeerBuffer {
   std::vector<void*> peers_;
   std::vector<bool> ipc_opened_;  // peers_[r] came from cudaIpcOpenMemHandle
   std::vector<void*> ipc_bases_;  // what it returned (to close)
+  std::vector<int> peer_devices_;
+  int own_rank_ = 0;
   std::string name_;
 };
 

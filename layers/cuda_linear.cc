@@ -81,13 +81,13 @@ struct CudaLinear::Impl {
   void* InputBase() const { return peer_input.data() ? peer_input.data() : input.data(); }
   void* GatherBase() const { return peer_gather.data() ? peer_gather.data() : gather.data(); }
   void* PartialBase() const { return peer_partial.data() ? peer_partial.data() : partial.data(); }
-  // A buffer of rank `peer`, as this device addresses it (copy engine only).
-  char* PeerBase(BufRef::Base base, int peer) const {
+  // The peer-mapped buffer behind `base` (copy engine only), or null.
+  const PeerBuffer* PeerOf(BufRef::Base base) const {
     const PeerBuffer* b = base == BufRef::kInput     ? &peer_input
                           : base == BufRef::kGather  ? &peer_gather
                           : base == BufRef::kPartial ? &peer_partial
                                                      : nullptr;
-    return b != nullptr && b->data() != nullptr ? static_cast<char*>(b->peer(peer)) : nullptr;
+    return b != nullptr && b->data() != nullptr ? b : nullptr;
   }
   size_t Bytes() const {
     return input.size() + gather.size() + partial.size() + received.size() + scratch.size() +
@@ -496,10 +496,9 @@ Status EnqueuePeerTransfer(const CudaLinear::Impl& im, const CommCall& c, const 
   }
   TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kReady, c.ready_from, s));
   for (const CommCall::Pull& p : c.pulls) {
-    const char* src = im.PeerBase(p.src.base, p.peer);
+    const PeerBuffer* src = im.PeerOf(p.src.base);
     if (src == nullptr) return InternalError("copy-engine pull from a buffer peers cannot map");
-    TP_CUDA_CHECK(
-        cudaMemcpyAsync(resolve(p.dst), src + p.src.offset, p.bytes, cudaMemcpyDeviceToDevice, s));
+    TP_RETURN_IF_ERROR(src->CopyFromPeer(p.peer, p.src.offset, resolve(p.dst), p.bytes, s));
   }
   return Status::Ok();
 }
