@@ -14,6 +14,7 @@
 #include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -39,7 +40,7 @@ struct ShapeCase {
 };
 
 struct Method {
-  std::string method;  // gemm_only | comm_only | none | pipeline | ring | layer_gemm
+  std::string method;  // gemm_only | comm_only | none | pipeline | ring | auto | layer_gemm
   LinearKnobs knobs;
 };
 
@@ -60,6 +61,7 @@ struct Flags {
   int tp = 2;
   int warmup = 5;
   int timeout_s = 120;  // bound on every wait for the GPUs (then abort, not hang)
+  std::string overlap;  // overlap config (YAML) for method auto
   int rounds = 30;
   bool check = true;
   bool fast_accum = false;
@@ -92,11 +94,28 @@ std::vector<ShapeCase> MakeShapes(const Flags& f) {
   return out;
 }
 
-std::vector<Method> MakeMethods(const Flags& f, OverlapOp op) {
+// `overlap`: the config that method "auto" resolves (null: no auto).
+std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const OverlapConfig* overlap) {
+  const OverlapOp op = sc.op;
   std::vector<Method> out;
   for (const std::string& name : f.methods) {
     Method base;
     base.knobs.fast_accum = f.fast_accum;
+    if (name == "auto") {
+      if (overlap == nullptr) continue;
+      // The layer's knobs as a served model would get them: by name, then
+      // the tuned table at this M (falling back to none).
+      auto knobs = overlap->Resolve(sc.layer, op, sc.n, sc.k, sc.m, f.tp);
+      if (!knobs.ok()) {
+        spdlog::error("{} m={}: method auto: {}", sc.layer, sc.m, knobs.status().ToString());
+        continue;
+      }
+      base.method = "auto";
+      base.knobs = *knobs;
+      base.knobs.fast_accum = base.knobs.fast_accum || f.fast_accum;
+      out.push_back(base);
+      continue;
+    }
     if (name == "gemm_only" || name == "comm_only" || name == "none" || name == "layer_gemm") {
       base.method = name;
       out.push_back(base);
@@ -187,12 +206,12 @@ StatusOr<double> RelDiff(const void* a, const void* b, int64_t rows, int64_t col
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc, DataType dtype,
-               std::vector<json>& records) {
+Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc,
+               const OverlapConfig* overlap, DataType dtype, std::vector<json>& records) {
   const int tp = group.size();
   const bool ag = sc.op == OverlapOp::kAllGatherGemm;
   const int64_t n_local = ag ? sc.n / tp : sc.n, k_local = ag ? sc.k : sc.k / tp;
-  const std::vector<Method> methods = MakeMethods(f, sc.op);
+  const std::vector<Method> methods = MakeMethods(f, sc, overlap);
   std::vector<std::vector<json>> rank_records(tp);
   Status s = group.Run([&](int r) -> Status {
     NcclCommPool& pool = group.pool(r);
@@ -408,7 +427,8 @@ int Main(int argc, char** argv) {
   app.add_option("--dtype", f.dtypes, "Operand types: fp8, bf16")->capture_default_str();
   app.add_option("--chunks", f.chunks, "Chunk counts for pipeline and ring")->capture_default_str();
   app.add_option("--methods", f.methods,
-                 "Methods: gemm_only, comm_only, none, pipeline, ring, pipeline_ce and ring_ce "
+                 "Methods: gemm_only, comm_only, none, pipeline, ring, auto (the knobs --overlap "
+                 "gives the layer at this M), pipeline_ce and ring_ce "
                  "(copy-engine pulls instead of NCCL kernels; pipeline_ce for ag_gemm only; "
                  "experimental: hangs were seen with ranks as threads, so bound the run with "
                  "--timeout-s), "
@@ -425,6 +445,10 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--warmup", f.warmup, "Graph replays before timing")->capture_default_str();
   app.add_option("--rounds", f.rounds, "Timed graph replays per case")->capture_default_str();
+  app.add_option("--overlap", f.overlap,
+                 "Overlap config (YAML, e.g. deploy/overlap-llama3-70b-tp2.yaml) that method "
+                 "auto resolves per layer and M, as the server would; needed for --methods auto")
+      ->check(CLI::ExistingFile);
   app.add_option("--timeout-s", f.timeout_s,
                  "Seconds any wait for the GPUs may take before the run aborts with an error "
                  "(NCCL work, copy-engine signals)")
@@ -478,6 +502,22 @@ int Main(int argc, char** argv) {
     all.settings.push_back(auto_setting);
     tuned.mutable_rules().push_back(all);
   }
+  // Method auto: the overlap config as the server would load it.
+  std::optional<OverlapConfig> overlap;
+  const bool wants_auto = std::find(f.methods.begin(), f.methods.end(), "auto") != f.methods.end();
+  if (wants_auto && f.overlap.empty()) {
+    spdlog::error("--methods auto needs --overlap FILE (the config auto resolves)");
+    return 2;
+  }
+  if (!f.overlap.empty()) {
+    auto loaded = OverlapConfig::LoadFile(f.overlap);
+    if (!loaded.ok()) {
+      spdlog::error("{}", loaded.status().ToString());
+      return 2;
+    }
+    overlap = std::move(loaded).value();
+  }
+  const OverlapConfig* overlap_ptr = overlap ? &*overlap : nullptr;
   std::vector<json> records;
   int failures = 0;
   const std::vector<ShapeCase> shapes = MakeShapes(f);
@@ -486,7 +526,7 @@ int Main(int argc, char** argv) {
     for (const std::string& d : f.dtypes) {
       const DataType dtype = d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
       const size_t first = records.size();
-      Status s = RunCase(**group, f, sc, dtype, records);
+      Status s = RunCase(**group, f, sc, overlap_ptr, dtype, records);
       ++done;
       if (!s.ok()) {
         spdlog::error("{} m={} {}: {}", sc.layer, sc.m, d, s.ToString());
@@ -495,7 +535,7 @@ int Main(int argc, char** argv) {
         continue;
       }
       // The fastest layer method of this case, if it beats mode none by 1 %.
-      const std::vector<Method> methods = MakeMethods(f, sc.op);
+      const std::vector<Method> methods = MakeMethods(f, sc, overlap_ptr);
       double none_ms = 0, best_ms = 0;
       LinearKnobs best;
       for (size_t i = 0; i < methods.size() && first + i < records.size(); ++i) {

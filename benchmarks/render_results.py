@@ -25,6 +25,7 @@ plots median / floor instead (linear, floor = 1).
 
 import argparse
 import json
+import math
 import sys
 
 # tpserve diagnostics: parts of a layer, not ways to run one.
@@ -206,6 +207,54 @@ def summary_rows(grouped):
     return rows
 
 
+def criteria(grouped, dtype="fp8"):
+    """The overlap criteria of the project (issue 4), for records of `dtype`:
+    (name, passed or None when unmeasured, detail). Ratios are times."""
+    over_torch, speedups, over_floor, auto_over_none = [], [], [], []
+    for key, recs in grouped.items():
+        layer, m, d, tp = key
+        if d != dtype:
+            continue
+        none, floor = references(recs)
+        bt, bp = best(recs, "tpserve"), best(recs, "torch")
+        name = "%s m=%s" % (layer, m)
+        if bt and bp:
+            over_torch.append((bt["median_ms"] / bp["median_ms"], name))
+            speedups.append(bp["median_ms"] / bt["median_ms"])
+        if bt and floor and int(m) >= 4096:
+            over_floor.append((bt["median_ms"] / floor, name))
+        auto = median_of(recs, "tpserve", "auto")
+        if auto is not None and none:
+            auto_over_none.append((auto / none, name))
+
+    def worst(pairs, limit, what):
+        if not pairs:
+            return (what, None, "not measured")
+        bad = [(r, n) for r, n in pairs if r > limit]
+        top = max(pairs)
+        return (what, not bad, "%d of %d cases above %.2f; worst %.3f (%s)" % (
+            len(bad), len(pairs), limit, top[0], top[1]))
+
+    out = [worst(over_torch, 1.02, "best tpserve <= 1.02 x best PyTorch, every shape")]
+    if speedups:
+        geo = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
+        out.append(("geometric-mean speedup over best PyTorch >= 1.10", geo >= 1.10,
+                    "%.3f over %d shapes" % (geo, len(speedups))))
+    else:
+        out.append(("geometric-mean speedup over best PyTorch >= 1.10", None, "not measured"))
+    out.append(worst(over_floor, 1.05, "m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"))
+    out.append(worst(auto_over_none, 1.02, "auto <= 1.02 x none, every shape"))
+    return out
+
+
+def render_criteria(grouped, dtype="fp8"):
+    lines = ["=== criteria (%s) ===" % dtype]
+    for what, ok, detail in criteria(grouped, dtype):
+        mark = "n/a " if ok is None else ("PASS" if ok else "FAIL")
+        lines.append("%s  %s: %s" % (mark, what, detail))
+    return "\n".join(lines)
+
+
 def render_text(data):
     records = data["records"]
     grouped = groups(records)
@@ -227,6 +276,7 @@ def render_text(data):
     parts.append("=== summary (medians in ms; ratios are times: < 1 means best tpserve is "
                  "faster) ===\n" + table(headers, summary_rows(grouped),
                                           "llllrlrrrrr"))
+    parts.append(render_criteria(grouped))
     skipped = data.get("skipped") or []
     if skipped:
         lines = ["=== skipped (%d) ===" % len(skipped)]

@@ -15,7 +15,8 @@ ms=${MS:-512 2048 8192 16384}
 dtypes=${DTYPES:-fp8 bf16}
 chunks=${CHUNKS:-2 4 8}
 presets=${PRESETS:-llama70b seed}
-methods=${METHODS:-gemm_only comm_only none pipeline ring layer_gemm}
+methods=${METHODS:-gemm_only comm_only none pipeline ring auto layer_gemm}
+overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}  # what method auto resolves
 rc=0
 log="$out/bench.log"
 : > "$log"
@@ -47,7 +48,7 @@ fi
 
 run_preset() {  # preset, extra args for tpserve-bench
   local preset=$1; shift
-  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit $*"
+  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --overlap $overlap --commit $commit $*"
   local cmd_peer="python3 benchmarks/torch_peer.py --tp 2 --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
   echo "== $preset: $cmd_ours" | tee -a "$log"
   timeout ${BENCH_TIMEOUT:-240} $cmd_ours --out "/tmp/ours-$preset.json" >> "$log" 2>&1 || rc=1

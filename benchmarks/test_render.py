@@ -1,0 +1,65 @@
+"""Tests of render_results.criteria (no GPU): the issue-4 checks computed from
+a results file's records."""
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import render_results  # noqa: E402
+
+
+def rec(impl, method, median, layer="llama70b.qkv", m=8192, dtype="fp8"):
+    return {"impl": impl, "layer": layer, "op": "ag_gemm", "method": method, "dtype": dtype,
+            "tp": 2, "m": m, "n": 10240, "k": 8192, "chunks": 1, "config": {},
+            "median_ms": median}
+
+
+def by_name(results):
+    return {what: (ok, detail) for what, ok, detail in results}
+
+
+class CriteriaTest(unittest.TestCase):
+
+    def test_passing_case(self):
+        records = [rec("tpserve", "none", 1.0), rec("tpserve", "ring", 0.80),
+                   rec("tpserve", "auto", 0.81), rec("tpserve", "gemm_only", 0.78),
+                   rec("tpserve", "comm_only", 0.30), rec("torch", "torch_symm_mem", 0.95)]
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        self.assertTrue(got["best tpserve <= 1.02 x best PyTorch, every shape"][0])
+        self.assertTrue(got["geometric-mean speedup over best PyTorch >= 1.10"][0])
+        self.assertIn("1.187", got["geometric-mean speedup over best PyTorch >= 1.10"][1])
+        self.assertTrue(got["m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"][0])
+        self.assertTrue(got["auto <= 1.02 x none, every shape"][0])
+
+    def test_failures_name_the_worst_case(self):
+        records = [rec("tpserve", "none", 1.0), rec("tpserve", "auto", 1.10),
+                   rec("tpserve", "gemm_only", 0.5), rec("tpserve", "comm_only", 0.3),
+                   rec("torch", "torch_seq", 0.8),
+                   rec("tpserve", "none", 0.2, m=512), rec("torch", "torch_seq", 0.21, m=512)]
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        ok, detail = got["best tpserve <= 1.02 x best PyTorch, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("1 of 2 cases above 1.02", detail)
+        self.assertIn("llama70b.qkv m=8192", detail)
+        # m=512 is not in the floor criterion (m >= 4096 only).
+        ok, detail = got["m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"]
+        self.assertFalse(ok)
+        self.assertIn("1 of 1 cases", detail)
+        self.assertFalse(got["auto <= 1.02 x none, every shape"][0])
+
+    def test_unmeasured_criteria_are_not_passes(self):
+        records = [rec("tpserve", "none", 1.0)]
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        for what, (ok, detail) in got.items():
+            self.assertIsNone(ok, what)
+            self.assertEqual(detail, "not measured")
+
+    def test_other_dtypes_are_left_out(self):
+        records = [rec("tpserve", "none", 1.0, dtype="bf16"), rec("torch", "torch_seq", 0.5,
+                                                                   dtype="bf16")]
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        self.assertIsNone(got["best tpserve <= 1.02 x best PyTorch, every shape"][0])
+
+
+if __name__ == "__main__":
+    unittest.main()
