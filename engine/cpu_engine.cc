@@ -10,6 +10,11 @@ StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Start(CpuEngineOptions options) 
   TP_RETURN_IF_ERROR(options.config.ValidateForTp(options.tp));
   auto engine = std::unique_ptr<CpuEngine>(new CpuEngine(std::move(options)));
   TP_ASSIGN_OR_RETURN(engine->comms_, MakeLocalCommunicators(engine->options_.tp));
+  // Create spdlog's default logger here, before the rank threads log
+  // concurrently: its lazy creation inside the library is then ordered before
+  // them (thread creation), for TSan too, which cannot see the guard in
+  // Debian's uninstrumented libspdlog.
+  spdlog::default_logger_raw()->should_log(spdlog::level::info);
   for (int r = 0; r < engine->options_.tp; ++r) {
     engine->threads_.emplace_back(&CpuEngine::RankLoop, engine.get(), r, engine->comms_[r].get());
   }

@@ -105,7 +105,7 @@ ModelConfig MakePreset(std::string name, int64_t hidden, int64_t inter, int64_t 
 
 const std::vector<ModelConfig>& Presets() {
   static const std::vector<ModelConfig> presets = {
-      MakePreset("tiny", 256, 512, 8, 4, 2, 1024, 2048, 10000.0),
+      MakePreset("tiny", 512, 512, 8, 4, 2, 1024, 2048, 10000.0),
       MakePreset("llama3-8b", 4096, 14336, 32, 8, 32, 128256, 8192, 500000.0),
       MakePreset("llama3-70b", 8192, 28672, 64, 8, 80, 128256, 8192, 500000.0),
   };

@@ -82,7 +82,7 @@ StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
 std::string ModelConfigToJson(const ModelConfig& config);
 
 // Built-in shapes for tests and benchmarks with random weights:
-//   "tiny"       256 hidden, 512 inter, 8 heads, 4 KV heads, 2 layers, 1024 vocab
+//   "tiny"       512 hidden, 512 inter, 8 heads of 64, 4 KV heads, 2 layers, 1024 vocab
 //   "llama3-8b"  Meta-Llama-3-8B
 //   "llama3-70b" Meta-Llama-3-70B
 // NOT_FOUND listing the presets for any other name.

@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 namespace tpserve {
 
 TokenBatcher::TokenBatcher(BatcherOptions options, int64_t vocab, BatchForward forward)
@@ -60,8 +62,10 @@ void TokenBatcher::Loop() {
       // Wait for batch-mates until the token budget fills or the oldest
       // request has waited max_queue_delay (no wait when draining).
       const auto flush_at = queue_.front().enqueued + options_.max_queue_delay;
+      const int64_t max_sequences = std::max<int64_t>(1, options_.max_batch_sequences);
       cv_.wait_until(lock, flush_at, [&] {
         if (stopping_) return true;
+        if (static_cast<int64_t>(queue_.size()) >= max_sequences) return true;
         int64_t tokens = 0;
         for (const Item& it : queue_) tokens += static_cast<int64_t>(it.ids.size());
         return tokens >= options_.max_batch_tokens;
@@ -82,6 +86,7 @@ void TokenBatcher::Loop() {
         }
         const int64_t n = static_cast<int64_t>(it.ids.size());
         if (!batch.empty() && tokens + n > options_.max_batch_tokens) break;
+        if (static_cast<int64_t>(batch.size()) >= max_sequences) break;
         tokens += n;
         batch.push_back(std::move(it));
         queue_.pop_front();

@@ -30,7 +30,9 @@ namespace tpserve {
 struct BatcherOptions {
   int64_t max_batch_tokens = 8192;  // tokens per engine batch (a request is never split)
   std::chrono::microseconds max_queue_delay{2000};  // longest wait for batch-mates
-  size_t max_queue_size = 1024;  // queued requests beyond this: RESOURCE_EXHAUSTED
+  size_t max_queue_size = 1024;       // queued requests beyond this: RESOURCE_EXHAUSTED
+  int64_t max_batch_sequences = 256;  // requests per engine batch (the GPU engine sizes its
+                                      // per-sequence buffers, e.g. logits, by it)
 };
 
 struct BatchResult {

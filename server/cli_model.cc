@@ -11,6 +11,10 @@
 #include <vector>
 
 #include "engine/cpu_model.h"
+#if TPSERVE_WITH_CUDA
+#include "comm/nccl_thread_group.h"
+#include "engine/cuda_model.h"
+#endif
 #include "server/cli.h"
 
 namespace tpserve {
@@ -52,10 +56,6 @@ int Fail(const Status& s) {
 }
 
 int RunModel(const ModelFlags& f) {
-  if (f.backend == "cuda") {
-    return Fail(UnimplementedError(
-        "--backend cuda: the GPU engine is not built yet (issue 5); use --backend cpu"));
-  }
   bool from_dir = false;
   auto config = ResolveModel(f.model, &from_dir);
   if (!config.ok()) return Fail(config.status());
@@ -73,8 +73,25 @@ int RunModel(const ModelFlags& f) {
   spdlog::info("{}: {} layers, hidden {}, tp {}, {} weights, {} tokens", config->name,
                config->num_hidden_layers, config->hidden_size, f.tp,
                from_dir ? "checkpoint" : "random", ids->size());
-  auto logits =
-      RunCpuModel(*config, f.tp, dtype, f.seed, from_dir ? f.model : "", overlap.get(), *batch);
+  StatusOr<std::vector<float>> logits = UnimplementedError("unreachable");
+  if (f.backend == "cuda") {
+#if TPSERVE_WITH_CUDA
+    // Ranks as threads of this process, one GPU each.
+    if (from_dir) {
+      return Fail(
+          UnimplementedError("--backend cuda runs random weights only so far; the "
+                             "checkpoint path is served by `tpserve serve`"));
+    }
+    auto group = NcclThreadGroup::Create(f.tp);
+    if (!group.ok()) return Fail(group.status());
+    logits = RunCudaModel(*config, **group, dtype, f.seed, overlap.get(), *batch);
+#else
+    return Fail(InvalidArgumentError("--backend cuda: this build has no CUDA"));
+#endif
+  } else {
+    logits =
+        RunCpuModel(*config, f.tp, dtype, f.seed, from_dir ? f.model : "", overlap.get(), *batch);
+  }
   if (!logits.ok()) return Fail(logits.status());
   std::vector<int32_t> order(logits->size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
@@ -139,7 +156,9 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   run->add_option("--tp", f->tp, "Tensor-parallel size (ranks)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  run->add_option("--backend", f->backend, "cpu (ranks are threads) or cuda")
+  run->add_option("--backend", f->backend,
+                  "cpu (ranks are threads on the CPU reference) or cuda (ranks are threads, "
+                  "one GPU each; random weights)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   run->add_option("--ids", f->ids, "Prompt token ids, comma-separated")->capture_default_str();

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -12,6 +13,10 @@
 
 #include "comm/nccl_config.h"
 #include "engine/cpu_engine.h"
+#if TPSERVE_WITH_CUDA
+#include "comm/nccl_thread_group.h"
+#include "engine/cuda_engine.h"
+#endif
 #include "server/cli.h"
 #include "server/inference_server.h"
 
@@ -33,10 +38,83 @@ struct ServeFlags {
   int64_t max_batch_tokens = 8192;
   int64_t max_queue_delay_us = 2000;
   int64_t max_queue_size = 1024;
+  int64_t max_batch_sequences = 256;
+  double rank_timeout_s = 300;
   int64_t max_tokens_per_request = 4096;
   double exit_timeout_s = 30;
   std::string tls_cert, tls_key, tls_client_ca;
 };
+
+#if TPSERVE_WITH_CUDA
+// What both rank 0 and the workers build the CUDA engine from.
+CudaEngineOptions CudaOptions(const ServeFlags& f, const ModelConfig& config, bool from_dir,
+                              std::shared_ptr<const OverlapConfig> overlap) {
+  CudaEngineOptions eo;
+  eo.config = config;
+  eo.tp = f.tp;
+  eo.dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  eo.seed = f.seed;
+  if (from_dir) eo.checkpoint_dir = f.model;
+  eo.overlap = std::move(overlap);
+  eo.model.max_tokens = f.max_batch_tokens;
+  eo.model.max_seqs = f.max_batch_sequences;
+  eo.timeout = std::chrono::milliseconds(static_cast<int64_t>(f.rank_timeout_s * 1000));
+  return eo;
+}
+#endif
+
+// cpu, cuda, or auto (cuda when this build has CUDA and the node has --tp GPUs).
+StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelConfig& config,
+                                              bool from_dir,
+                                              std::shared_ptr<const OverlapConfig> overlap) {
+  std::string backend = f.backend;
+#if TPSERVE_WITH_CUDA
+  if (backend == "auto") backend = CudaDeviceCount() >= f.tp ? "cuda" : "cpu";
+  if (backend == "cuda") {
+    if (CudaDeviceCount() < f.tp) {
+      return InvalidArgumentError("--backend cuda --tp " + std::to_string(f.tp) + " needs " +
+                                  std::to_string(f.tp) + " GPUs; this node has " +
+                                  std::to_string(CudaDeviceCount()));
+    }
+    CudaEngineOptions eo = CudaOptions(f, config, from_dir, std::move(overlap));
+    // Rank 0 starts the workers as `tpserve worker` with the same model flags.
+    eo.worker_argv = {"/proc/self/exe",     "worker",  "--model", f.model,  "--tp",
+                      std::to_string(f.tp), "--dtype", f.dtype,   "--seed", std::to_string(f.seed)};
+    for (auto [flag, value] : {std::pair<const char*, std::string>{
+                                   "--max-batch-tokens", std::to_string(f.max_batch_tokens)},
+                               {"--max-batch-sequences", std::to_string(f.max_batch_sequences)},
+                               {"--rank-timeout-s", std::to_string(f.rank_timeout_s)}}) {
+      eo.worker_argv.push_back(flag);
+      eo.worker_argv.push_back(value);
+    }
+    if (!f.overlap_config.empty()) {
+      eo.worker_argv.push_back("--overlap-config");
+      eo.worker_argv.push_back(f.overlap_config);
+    }
+    spdlog::info("loading {} ({} layers, hidden {}) on the CUDA backend, tp={}", config.name,
+                 config.num_hidden_layers, config.hidden_size, f.tp);
+    TP_ASSIGN_OR_RETURN(auto engine, CudaEngine::Start(std::move(eo)));
+    return std::shared_ptr<Engine>(std::move(engine));
+  }
+#else
+  if (backend == "cuda") {
+    return InvalidArgumentError(
+        "--backend cuda: this build has no CUDA (configure with a CUDA "
+        "toolkit); use --backend cpu");
+  }
+#endif
+  CpuEngineOptions eo;
+  eo.config = config;
+  eo.tp = f.tp;
+  eo.dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  eo.seed = f.seed;
+  if (from_dir) eo.checkpoint_dir = f.model;
+  eo.overlap = std::move(overlap);
+  spdlog::info("loading {} ({} layers, hidden {}) on the CPU backend, tp={}", config.name,
+               config.num_hidden_layers, config.hidden_size, f.tp);
+  TP_ASSIGN_OR_RETURN(auto engine, CpuEngine::Start(eo));
+  return std::shared_ptr<Engine>(std::move(engine));
+}
 
 int Serve(const ServeFlags& f) {
   // Signals are taken by a waiting thread, not a handler: block them in
@@ -45,39 +123,28 @@ int Serve(const ServeFlags& f) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGUSR1);  // from the engine watcher below: the engine failed
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  if (f.backend == "cuda") {
-    spdlog::error("--backend cuda: the GPU engine is not built yet (issue 5); use cpu");
-    return 2;
-  }
-  // auto: the GPU engine does not exist yet, so the CPU reference backend.
   bool from_dir = false;
   auto config = ResolveModel(f.model, &from_dir);
   if (!config.ok()) {
     spdlog::error("{}", config.status().ToString());
     return 2;
   }
-  CpuEngineOptions eo;
-  eo.config = *config;
-  eo.tp = f.tp;
-  eo.dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
-  eo.seed = f.seed;
-  if (from_dir) eo.checkpoint_dir = f.model;
+  std::shared_ptr<const OverlapConfig> overlap;
   if (!f.overlap_config.empty()) {
     auto cfg = OverlapConfig::LoadFile(f.overlap_config);
     if (!cfg.ok()) {
       spdlog::error("{}", cfg.status().ToString());
       return 2;
     }
-    eo.overlap = std::make_shared<OverlapConfig>(std::move(cfg).value());
+    overlap = std::make_shared<OverlapConfig>(std::move(cfg).value());
   }
-  spdlog::info("loading {} ({} layers, hidden {}) on the CPU backend, tp={}", config->name,
-               config->num_hidden_layers, config->hidden_size, f.tp);
-  auto engine = CpuEngine::Start(eo);
+  auto engine = StartEngine(f, *config, from_dir, overlap);
   if (!engine.ok()) {
     spdlog::error("{}", engine.status().ToString());
-    return 1;
+    return engine.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   ServerOptions so;
   so.model_name = f.model_name.empty()
@@ -91,7 +158,8 @@ int Serve(const ServeFlags& f) {
   so.batcher.max_batch_tokens = f.max_batch_tokens;
   so.batcher.max_queue_delay = std::chrono::microseconds(f.max_queue_delay_us);
   so.batcher.max_queue_size = static_cast<size_t>(f.max_queue_size);
-  auto server = InferenceServer::Start(so, std::shared_ptr<CpuEngine>(std::move(engine).value()));
+  so.batcher.max_batch_sequences = f.max_batch_sequences;
+  auto server = InferenceServer::Start(so, *engine);
   if (!server.ok()) {
     spdlog::error("{}", server.status().ToString());
     return 1;
@@ -114,10 +182,34 @@ int Serve(const ServeFlags& f) {
   std::printf("tpserve: serving '%s' on gRPC port %d\n", so.model_name.c_str(), srv->port());
   std::fflush(stdout);
 
+  // An engine that fails (a GPU rank lost) cannot recover in this process:
+  // the server reports NOT_SERVING (its health watcher), answers what it
+  // holds with UNAVAILABLE while draining, and exits non-zero so that the
+  // orchestrator restarts it.
+  std::atomic<bool> watching{true};
+  std::shared_ptr<Engine> watched = *engine;
+  std::thread engine_watch([&] {
+    while (watching.load()) {
+      if (!watched->healthy()) {
+        kill(getpid(), SIGUSR1);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
   int sig = 0;
   sigwait(&signals, &sig);
-  spdlog::info("{} received: draining (up to {} s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-               f.exit_timeout_s);
+  watching = false;
+  engine_watch.join();
+  watched.reset();
+  const bool engine_failed = sig == SIGUSR1;
+  if (engine_failed) {
+    spdlog::error("the engine failed: draining (up to {} s), then exiting with status 1",
+                  f.exit_timeout_s);
+  } else {
+    spdlog::info("{} received: draining (up to {} s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                 f.exit_timeout_s);
+  }
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(f.exit_timeout_s * 1000));
   srv->Shutdown(deadline);
@@ -127,7 +219,37 @@ int Serve(const ServeFlags& f) {
   }
   server->reset();  // engine threads stop after the server
   spdlog::info("stopped");
+  return engine_failed ? 1 : 0;
+}
+
+int Worker(const ServeFlags& f) {
+#if TPSERVE_WITH_CUDA
+  bool from_dir = false;
+  auto config = ResolveModel(f.model, &from_dir);
+  if (!config.ok()) {
+    spdlog::error("{}", config.status().ToString());
+    return 2;
+  }
+  std::shared_ptr<const OverlapConfig> overlap;
+  if (!f.overlap_config.empty()) {
+    auto cfg = OverlapConfig::LoadFile(f.overlap_config);
+    if (!cfg.ok()) {
+      spdlog::error("{}", cfg.status().ToString());
+      return 2;
+    }
+    overlap = std::make_shared<OverlapConfig>(std::move(cfg).value());
+  }
+  Status s = RunCudaWorker(CudaOptions(f, *config, from_dir, overlap));
+  if (!s.ok()) {
+    spdlog::error("worker: {}", s.ToString());
+    return 1;
+  }
   return 0;
+#else
+  (void)f;
+  spdlog::error("tpserve worker: this build has no CUDA");
+  return 2;
+#endif
 }
 
 }  // namespace
@@ -148,8 +270,9 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_option("--backend", f->backend,
-                  "auto (cuda when GPUs exist, else cpu; the GPU engine is not built yet, so "
-                  "cpu), cuda, or cpu (ranks are threads)")
+                  "auto (cuda when this build has CUDA and the node has --tp GPUs, else cpu), "
+                  "cuda (one process per GPU: this process is rank 0 and starts the others as "
+                  "`tpserve worker`), or cpu (ranks are threads)")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
       ->capture_default_str();
   cmd->add_option("--overlap-config", f->overlap_config,
@@ -167,6 +290,16 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
   cmd->add_option("--max-batch-tokens", f->max_batch_tokens, "Tokens per engine batch")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--max-batch-sequences", f->max_batch_sequences,
+                  "Requests per engine batch (the GPU engine sizes its per-sequence buffers "
+                  "by it)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--rank-timeout-s", f->rank_timeout_s,
+                  "cuda: seconds a collective may take before the engine declares a rank lost "
+                  "(then every request gets UNAVAILABLE and health turns NOT_SERVING)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--max-queue-delay-us", f->max_queue_delay_us,
@@ -190,6 +323,33 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--tls-client-ca", f->tls_client_ca,
                   "PEM CA bundle: require client certificates signed by it (mutual TLS)");
   cmd->callback([f, exit_code] { *exit_code = Serve(*f); });
+
+  // The worker ranks of `serve --backend cuda`: started by rank 0 with the
+  // same model flags and the rank and NCCL id in the environment.
+  auto w = std::make_shared<ServeFlags>();
+  CLI::App* wcmd = app.add_subcommand(
+      "worker",
+      "Internal: one GPU rank of `serve --backend cuda`, started by rank 0 (reads TPSERVE_RANK, "
+      "TPSERVE_WORLD_SIZE, TPSERVE_LOCAL_RANK and TPSERVE_NCCL_ID); exits when rank 0 stops it "
+      "or exits");
+  wcmd->add_option("--model", w->model, "As serve --model")->capture_default_str();
+  wcmd->add_option("--tp", w->tp, "As serve --tp")->check(CLI::Range(1, 64))->capture_default_str();
+  wcmd->add_option("--dtype", w->dtype, "As serve --dtype")
+      ->check(CLI::IsMember({"fp8", "bf16"}))
+      ->capture_default_str();
+  wcmd->add_option("--seed", w->seed, "As serve --seed")->capture_default_str();
+  wcmd->add_option("--overlap-config", w->overlap_config, "As serve --overlap-config");
+  wcmd->add_option("--max-batch-tokens", w->max_batch_tokens, "As serve --max-batch-tokens")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  wcmd->add_option("--max-batch-sequences", w->max_batch_sequences,
+                   "As serve --max-batch-sequences")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  wcmd->add_option("--rank-timeout-s", w->rank_timeout_s, "As serve --rank-timeout-s")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  wcmd->callback([w, exit_code] { *exit_code = Worker(*w); });
 }
 
 }  // namespace tpserve

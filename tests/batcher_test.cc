@@ -72,6 +72,19 @@ TEST(TokenBatcher, RespectsTheTokenBudget) {
   EXPECT_EQ(e.calls.load(), 2);
 }
 
+TEST(TokenBatcher, RespectsTheSequenceLimit) {
+  FakeEngine e;
+  BatcherOptions o{8192, 50ms, 64};
+  o.max_batch_sequences = 3;
+  TokenBatcher b(o, kVocab, Forward(e));
+  std::vector<std::future<StatusOr<BatchResult>>> futures;
+  for (int i = 0; i < 7; ++i)
+    futures.push_back(*b.Submit(std::vector<int32_t>(2, i), Far(), nullptr));
+  for (auto& f : futures) ASSERT_TRUE(f.get().ok());
+  EXPECT_EQ(e.max_batch.load(), 3);  // 7 two-token requests: at most 3 per batch
+  EXPECT_GE(e.calls.load(), 3);
+}
+
 TEST(TokenBatcher, FullQueueIsResourceExhausted) {
   FakeEngine e;
   e.delay = 200ms;

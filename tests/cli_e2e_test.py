@@ -41,7 +41,7 @@ class RunCommand(unittest.TestCase):
             run("make-checkpoint", "--model", "tiny", "--out", d, "--seed", "7")
             self.assertTrue(os.path.exists(os.path.join(d, "model.safetensors")))
             with open(os.path.join(d, "config.json")) as f:
-                self.assertEqual(json.load(f)["hidden_size"], 256)
+                self.assertEqual(json.load(f)["hidden_size"], 512)
             a = json.loads(run("run", "--model", d, "--ids", "9,8,7", "--json").stdout)
             b = json.loads(run("run", "--model", "tiny", "--seed", "7", "--ids", "9,8,7",
                                "--json").stdout)

@@ -33,7 +33,7 @@ class Interop(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.pb = compile_messages(cls.tmp.name)
         cls.server = subprocess.Popen(
-            [BIN, "serve", "--model", "tiny", "--tp", "2", "--grpc-port", "0",
+            [BIN, "serve", "--model", "tiny", "--tp", "2", "--backend", "cpu", "--grpc-port", "0",
              "--metrics-port", "0", "--host", "127.0.0.1"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = cls.server.stdout.readline()

@@ -28,7 +28,7 @@ class LoadTest(unittest.TestCase):
         self.tmp = tempfile.TemporaryDirectory()
         self.addCleanup(self.tmp.cleanup)
         self.server = subprocess.Popen(
-            [TPSERVE, "serve", "--model", "tiny", "--tp", "2", "--grpc-port", "0",
+            [TPSERVE, "serve", "--model", "tiny", "--tp", "2", "--backend", "cpu", "--grpc-port", "0",
              "--metrics-port", "0", "--host", "127.0.0.1"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.addCleanup(self._kill_server)

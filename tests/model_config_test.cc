@@ -335,7 +335,7 @@ TEST(ModelConfig, Presets) {
     EXPECT_TRUE(c->Validate().ok()) << name;
   }
   const ModelConfig t = Tiny();
-  EXPECT_EQ(t.hidden_size, 256);
+  EXPECT_EQ(t.hidden_size, 512);
   EXPECT_EQ(t.intermediate_size, 512);
   EXPECT_EQ(t.num_attention_heads, 8);
   EXPECT_EQ(t.num_key_value_heads, 4);
@@ -343,7 +343,7 @@ TEST(ModelConfig, Presets) {
   EXPECT_EQ(t.vocab_size, 1024);
   EXPECT_EQ(t.max_position_embeddings, 2048);
   EXPECT_EQ(t.rope_theta, 10000.0);
-  EXPECT_EQ(t.head_dim(), 32);
+  EXPECT_EQ(t.head_dim(), 64);  // what the CUDA attention kernel supports
 
   auto l70 = ModelPreset("llama3-70b");
   ASSERT_TRUE(l70.ok());

@@ -1,0 +1,313 @@
+#include "engine/cuda_engine.h"
+
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "comm/cuda_check.h"
+#include "comm/nccl_bootstrap.h"
+
+namespace tpserve {
+namespace {
+
+// Header words broadcast before every batch.
+enum HeaderWord { kWhat = 0, kTokens = 1, kSequences = 2, kHeaderWords = 4 };
+enum What : int64_t { kForward = 1, kStop = 2 };
+
+struct RankState {
+  std::unique_ptr<NcclCommPool> pool;
+  std::unique_ptr<CudaModel> model;
+  DeviceBuffer header, payload;
+  CudaStream stream;
+};
+
+size_t PayloadBytes(const CudaModelOptions& m) {
+  return sizeof(int32_t) * (2 * m.max_tokens + m.max_seqs + 1);
+}
+
+StatusOr<RankState> SetUpRank(const CudaEngineOptions& o, const ncclUniqueId& id, int rank,
+                              int device) {
+  RankState st;
+  TP_ASSIGN_OR_RETURN(
+      auto comm, NcclCommunicator::Create(id, o.tp, rank, device, NcclCommConfig{}, o.timeout));
+  st.pool = std::make_unique<NcclCommPool>(std::move(comm));
+  RankWeights w;
+  if (o.checkpoint_dir.empty()) {
+    TP_ASSIGN_OR_RETURN(w, MakeRandomRankWeights(o.config, o.dtype, o.tp, rank, o.seed));
+  } else {
+    TP_ASSIGN_OR_RETURN(w, LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank));
+  }
+  TP_ASSIGN_OR_RETURN(st.model, CudaModel::Create(o.config, w, o.overlap.get(), *st.pool, o.model));
+  TP_ASSIGN_OR_RETURN(st.header, DeviceBuffer::Allocate(kHeaderWords * 8, "batch.header"));
+  TP_ASSIGN_OR_RETURN(st.payload, DeviceBuffer::Allocate(PayloadBytes(o.model), "batch.payload"));
+  TP_ASSIGN_OR_RETURN(st.stream, CudaStream::Create());
+  return st;
+}
+
+// Rank 0: the header, then (for a forward) ids | positions | cu_seqlens.
+Status SendBatch(NcclCommunicator& comm, DeviceBuffer& header, DeviceBuffer& payload,
+                 cudaStream_t stream, const TokenBatch* batch) {
+  int64_t h[kHeaderWords] = {batch != nullptr ? kForward : kStop, 0, 0, 0};
+  std::vector<int32_t> flat;
+  if (batch != nullptr) {
+    h[kTokens] = batch->tokens();
+    h[kSequences] = batch->sequences();
+    flat.reserve(2 * batch->ids.size() + batch->cu_seqlens.size());
+    flat.insert(flat.end(), batch->ids.begin(), batch->ids.end());
+    flat.insert(flat.end(), batch->positions.begin(), batch->positions.end());
+    flat.insert(flat.end(), batch->cu_seqlens.begin(), batch->cu_seqlens.end());
+  }
+  TP_CUDA_CHECK(cudaMemcpyAsync(header.data(), h, sizeof h, cudaMemcpyHostToDevice, stream));
+  TP_RETURN_IF_ERROR(comm.Broadcast(header.data(), sizeof h, 0, stream));
+  if (!flat.empty()) {
+    TP_CUDA_CHECK(cudaMemcpyAsync(payload.data(), flat.data(), flat.size() * 4,
+                                  cudaMemcpyHostToDevice, stream));
+    TP_RETURN_IF_ERROR(comm.Broadcast(payload.data(), flat.size() * 4, 0, stream));
+  }
+  return comm.WaitStream(stream);  // `h` and `flat` must outlive the copies
+}
+
+// Workers: the next batch, or nullopt for a stop. Waits for rank 0 without a
+// deadline (a server may be idle for hours); rank 0's death ends the process
+// through PR_SET_PDEATHSIG.
+StatusOr<std::optional<TokenBatch>> ReceiveBatch(NcclCommunicator& comm, DeviceBuffer& header,
+                                                 DeviceBuffer& payload, cudaStream_t stream,
+                                                 const CudaModelOptions& limits) {
+  int64_t h[kHeaderWords] = {};
+  TP_RETURN_IF_ERROR(comm.Broadcast(header.data(), sizeof h, 0, stream));
+  TP_RETURN_IF_ERROR(comm.WaitStream(stream, NcclCommunicator::Clock::time_point::max()));
+  TP_CUDA_CHECK(cudaMemcpy(h, header.data(), sizeof h, cudaMemcpyDeviceToHost));
+  if (h[kWhat] == kStop) return std::optional<TokenBatch>();
+  const int64_t tokens = h[kTokens], seqs = h[kSequences];
+  if (h[kWhat] != kForward || tokens < 1 || seqs < 1 || tokens > limits.max_tokens ||
+      seqs > limits.max_seqs) {
+    return InternalError("bad batch header from rank 0: what=" + std::to_string(h[kWhat]) +
+                         " tokens=" + std::to_string(tokens) +
+                         " sequences=" + std::to_string(seqs));
+  }
+  const size_t words = static_cast<size_t>(2 * tokens + seqs + 1);
+  TP_RETURN_IF_ERROR(comm.Broadcast(payload.data(), words * 4, 0, stream));
+  TP_RETURN_IF_ERROR(comm.WaitStream(stream));
+  std::vector<int32_t> flat(words);
+  TP_CUDA_CHECK(cudaMemcpy(flat.data(), payload.data(), words * 4, cudaMemcpyDeviceToHost));
+  TokenBatch b;
+  b.ids.assign(flat.begin(), flat.begin() + tokens);
+  b.positions.assign(flat.begin() + tokens, flat.begin() + 2 * tokens);
+  b.cu_seqlens.assign(flat.begin() + 2 * tokens, flat.end());
+  return std::optional<TokenBatch>(std::move(b));
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions options) {
+  TP_RETURN_IF_ERROR(options.config.ValidateForTp(options.tp));
+  if (options.tp > 1 && options.worker_argv.empty()) {
+    return InvalidArgumentError("CudaEngine with tp > 1 needs worker_argv");
+  }
+  auto engine = std::unique_ptr<CudaEngine>(new CudaEngine(std::move(options)));
+  const CudaEngineOptions& o = engine->options_;
+  ncclUniqueId id{};
+  TP_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
+  TP_ASSIGN_OR_RETURN(engine->workers_, SpawnLocalWorkers(o.worker_argv, o.tp, id));
+  spdlog::info("CudaEngine: started {} worker process(es); loading rank 0",
+               engine->workers_.size());
+  auto rank0 = SetUpRank(o, id, 0, 0);
+  Status ready = rank0.status();
+  if (ready.ok()) {
+    engine->pool_ = std::move(rank0->pool);
+    engine->model_ = std::move(rank0->model);
+    engine->header_ = std::move(rank0->header);
+    engine->payload_ = std::move(rank0->payload);
+    engine->stream_ = std::move(rank0->stream);
+    // Every rank has its weights once this returns.
+    ready = engine->pool_->base().Barrier();
+  }
+  if (!ready.ok()) {
+    engine->broken_ = true;  // the destructor kills the workers
+    return ready.WithContext("starting the CUDA engine");
+  }
+  spdlog::info("CudaEngine: {} ranks ready ({} MiB on rank 0's GPU)", o.tp,
+               engine->model_->device_bytes() >> 20);
+  if (!engine->workers_.empty()) {
+    engine->monitor_ = std::thread(&CudaEngine::MonitorWorkers, engine.get());
+  }
+  return engine;
+}
+
+void CudaEngine::MonitorWorkers() {
+  // Blocks until a child exits (WNOWAIT: StopWorkers reaps it later).
+  siginfo_t info{};
+  while (waitid(P_ALL, 0, &info, WEXITED | WNOWAIT) != 0) {
+    if (errno != EINTR) return;  // no children left
+  }
+  std::lock_guard lock(monitor_mu_);
+  if (stopping_) return;
+  int rank = 0;
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (workers_[i] == info.si_pid) rank = static_cast<int>(i) + 1;
+  }
+  lost_ = "worker rank " + std::to_string(rank) + " (pid " + std::to_string(info.si_pid) + ") " +
+          (info.si_code == CLD_EXITED ? "exited with status " + std::to_string(info.si_status)
+                                      : "was killed by signal " + std::to_string(info.si_status));
+  spdlog::error("CudaEngine: {}; aborting the communicators", lost_);
+  if (pool_ != nullptr) pool_->Abort();  // a Forward in flight returns ABORTED now
+}
+
+std::string CudaEngine::LostWorker() const {
+  std::lock_guard lock(monitor_mu_);
+  return lost_;
+}
+
+CudaEngine::~CudaEngine() {
+  {
+    std::lock_guard lock(monitor_mu_);
+    stopping_ = true;
+  }
+  std::lock_guard lock(mu_);
+  bool graceful = !broken_ && pool_ != nullptr;
+  if (graceful) {
+    Status s = SendBatch(pool_->base(), header_, payload_, stream_.get(), nullptr);
+    if (!s.ok()) {
+      spdlog::warn("CudaEngine: telling the workers to stop failed: {}", s.ToString());
+      graceful = false;
+    }
+  }
+  if (!graceful && pool_ != nullptr) pool_->Abort();
+  model_.reset();
+  stream_ = CudaStream();
+  header_ = DeviceBuffer();
+  payload_ = DeviceBuffer();
+  pool_.reset();  // collective with the workers' own teardown when graceful
+  StopWorkers(graceful);
+  if (monitor_.joinable()) monitor_.join();  // woken by the workers' exit
+}
+
+void CudaEngine::StopWorkers(bool graceful) {
+  // Give stopping workers time to exit, then make sure.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(graceful ? 30 : 0);
+  for (pid_t& pid : workers_) {
+    if (pid <= 0) continue;
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() >= give_up) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    pid = -1;
+  }
+}
+
+void CudaEngine::Fail(const Status& why) {
+  if (!broken_) {
+    broken_ = true;
+    first_error_ = why;
+    spdlog::error("CudaEngine: {}; the engine stops serving", why.ToString());
+    if (pool_ != nullptr) pool_->Abort();
+  }
+}
+
+namespace {
+
+// The first worker that has exited, described; empty when all run. Does not
+// reap (WNOWAIT): the destructor does.
+std::string ExitedWorker(const std::vector<pid_t>& workers) {
+  for (size_t i = 0; i < workers.size(); ++i) {
+    const pid_t pid = workers[i];
+    if (pid <= 0) continue;
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == pid) {
+      return "worker rank " + std::to_string(i + 1) + " (pid " + std::to_string(pid) + ") " +
+             (info.si_code == CLD_EXITED
+                  ? "exited with status " + std::to_string(info.si_status)
+                  : "was killed by signal " + std::to_string(info.si_status));
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+bool CudaEngine::healthy() const {
+  // Not under mu_: a Forward in flight holds it, and health must answer now.
+  if (!LostWorker().empty()) return false;
+  std::unique_lock lock(mu_, std::try_to_lock);
+  if (lock.owns_lock() && broken_) return false;
+  return ExitedWorker(workers_).empty();
+}
+
+StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
+  std::lock_guard lock(mu_);
+  if (broken_) {
+    return UnavailableError("the CUDA engine failed earlier: " + first_error_.ToString());
+  }
+  const CudaModelOptions& lim = options_.model;
+  if (batch.tokens() < 1 || batch.sequences() < 1 || batch.tokens() > lim.max_tokens ||
+      batch.sequences() > lim.max_seqs || batch.positions.size() != batch.ids.size()) {
+    // Refused before anything reaches the workers.
+    return InvalidArgumentError("batch of " + std::to_string(batch.tokens()) + " tokens in " +
+                                std::to_string(batch.sequences()) +
+                                " sequences is outside the engine's limits (" +
+                                std::to_string(lim.max_tokens) + " tokens, " +
+                                std::to_string(lim.max_seqs) + " sequences)");
+  }
+  // A worker that died between batches: fail now instead of at the deadline.
+  if (const std::string gone = ExitedWorker(workers_); !gone.empty()) {
+    Fail(UnavailableError(gone));
+    return UnavailableError("the CUDA engine failed: " + gone);
+  }
+  Status sent = SendBatch(pool_->base(), header_, payload_, stream_.get(), &batch);
+  StatusOr<std::vector<float>> logits = sent;
+  if (sent.ok()) logits = model_->Forward(batch);
+  if (!logits.ok()) {
+    // Name the lost worker when that was the cause (the abort is the symptom).
+    const std::string lost = LostWorker();
+    Status why = lost.empty() ? logits.status() : UnavailableError(lost);
+    Fail(why);
+    return UnavailableError("the CUDA engine failed: " + why.ToString());
+  }
+  return logits;
+}
+
+Status RunCudaWorker(const CudaEngineOptions& options) {
+  // Exit with rank 0: a worker must not outlive the server that started it.
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() == 1) return UnavailableError("rank 0 exited before this worker started");
+  TP_ASSIGN_OR_RETURN(RankInfo info, RankInfoFromEnv());
+  TP_ASSIGN_OR_RETURN(ncclUniqueId id, UniqueIdFromEnv());
+  if (info.world_size != options.tp) {
+    return InvalidArgumentError("TPSERVE_WORLD_SIZE=" + std::to_string(info.world_size) +
+                                " but the worker was started with --tp " +
+                                std::to_string(options.tp));
+  }
+  spdlog::info("worker rank {}/{} ({}): loading on GPU {}", info.rank, info.world_size, info.source,
+               info.local_rank);
+  TP_ASSIGN_OR_RETURN(RankState st, SetUpRank(options, id, info.rank, info.local_rank));
+  NcclCommunicator& comm = st.pool->base();
+  TP_RETURN_IF_ERROR(comm.Barrier());
+  int64_t batches = 0;
+  while (true) {
+    TP_ASSIGN_OR_RETURN(std::optional<TokenBatch> batch,
+                        ReceiveBatch(comm, st.header, st.payload, st.stream.get(), options.model));
+    if (!batch.has_value()) break;
+    TP_ASSIGN_OR_RETURN(std::vector<float> ignored, st.model->Forward(*batch));
+    (void)ignored;  // rank 0 returns the logits
+    ++batches;
+  }
+  spdlog::info("worker rank {}: stop after {} batches", info.rank, batches);
+  st.model.reset();
+  st.pool.reset();
+  return Status::Ok();
+}
+
+}  // namespace tpserve

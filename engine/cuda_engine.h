@@ -1,0 +1,97 @@
+// CudaEngine: a model served by one process per GPU on this node. The server
+// process is rank 0; it starts ranks 1..tp-1 as worker processes (the same
+// executable, `tpserve worker ...`, found by the caller's worker_argv) and
+// hands them the NCCL unique id through the environment
+// (comm/nccl_bootstrap.h). Every rank loads its own weight shard and builds a
+// CudaModel.
+//
+// Per batch, rank 0 broadcasts a header (what to do, tokens, sequences) and
+// then the batch (token ids, positions, sequence boundaries) over NCCL; every
+// rank runs CudaModel::Forward; rank 0 returns the logits. A stop header ends
+// the workers' loops.
+//
+// Failure: a monitor thread waits for the worker processes; a worker that
+// exits while the engine runs makes it abort the communicators at once, so a
+// Forward() in flight returns within moments instead of at the deadline. A
+// rank that hangs instead makes rank 0's collective miss its deadline
+// (options.timeout), with the same outcome. Either way this and every later
+// Forward() answers UNAVAILABLE and healthy() turns false (the server then
+// reports NOT_SERVING and exits non-zero). Workers exit when rank 0 dies
+// (PR_SET_PDEATHSIG) or its collectives fail.
+//
+// Thread-safety: Forward() may be called from any thread; calls are
+// serialised. Only compiled when TPSERVE_WITH_CUDA is on.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/nccl_communicator.h"
+#include "engine/cuda_model.h"
+#include "engine/engine.h"
+
+namespace tpserve {
+
+struct CudaEngineOptions {
+  ModelConfig config;                            // the model's shape
+  int tp = 1;                                    // ranks = GPUs = processes
+  DataType dtype = DataType::kFloat8E4M3;        // of random weights
+  uint64_t seed = 7;                             // of random weights
+  std::string checkpoint_dir;                    // empty: random weights
+  std::shared_ptr<const OverlapConfig> overlap;  // may be null: every layer mode none
+  CudaModelOptions model;                        // batch limits (tokens, sequences)
+  // Rank 0 only: the command line of a worker (argv[0] an executable path,
+  // e.g. "/proc/self/exe"); RunCudaWorker must be what it runs.
+  std::vector<std::string> worker_argv;
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);  // any collective
+};
+
+class CudaEngine final : public Engine {
+ public:
+  // Rank 0: starts the workers, loads its shard, and returns once every rank
+  // is ready (or with the first error; the workers are then stopped).
+  static StatusOr<std::unique_ptr<CudaEngine>> Start(CudaEngineOptions options);
+  ~CudaEngine() override;  // stops and reaps the workers
+
+  StatusOr<std::vector<float>> Forward(const TokenBatch& batch) override;
+  const ModelConfig& config() const override { return options_.config; }
+  bool healthy() const override;
+
+ private:
+  explicit CudaEngine(CudaEngineOptions options) : options_(std::move(options)) {}
+  void Fail(const Status& why);  // under mu_
+  void StopWorkers(bool graceful);
+  void MonitorWorkers();           // the monitor thread
+  std::string LostWorker() const;  // what the monitor saw ("" if nothing)
+
+  CudaEngineOptions options_;
+  std::vector<pid_t> workers_;
+  std::unique_ptr<NcclCommPool> pool_;
+  std::unique_ptr<CudaModel> model_;
+  DeviceBuffer header_, payload_;  // broadcast staging (device)
+  CudaStream stream_;
+
+  mutable std::mutex mu_;  // one Forward at a time; guards broken_
+  bool broken_ = false;
+  Status first_error_;
+
+  mutable std::mutex monitor_mu_;  // guards stopping_, lost_ and the monitor's use of pool_
+  bool stopping_ = false;
+  std::string lost_;
+  std::thread monitor_;
+};
+
+// A worker rank's whole life: reads its rank and the unique id from the
+// environment (TPSERVE_RANK, TPSERVE_WORLD_SIZE, TPSERVE_LOCAL_RANK,
+// TPSERVE_NCCL_ID), loads its shard, then serves rank 0's batches until a
+// stop header. `options` must describe the same model as rank 0's (worker_argv
+// is ignored). OK after a stop; the first error otherwise.
+Status RunCudaWorker(const CudaEngineOptions& options);
+
+}  // namespace tpserve
