@@ -16,26 +16,13 @@
 #include <type_traits>
 
 #include "comm/cuda_check.h"
+#include "layers/kernel_grid.h"
 
 namespace tpserve {
 namespace {
 
-constexpr int kThreads = 256;
-// Grid-stride loops: enough blocks to fill an H200 (132 SMs x 8 blocks of 256 threads).
-constexpr int64_t kMaxBlocks = 1056;
 constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1
 constexpr int64_t kMaxGridY = 65535;
-
-unsigned GridFor(int64_t work_items) {
-  int64_t blocks = (work_items + kThreads - 1) / kThreads;
-  if (blocks < 1) blocks = 1;
-  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
-  return static_cast<unsigned>(blocks);
-}
-
-bool IsAligned(const void* p, size_t alignment) {
-  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
-}
 
 std::string Str(int64_t v) { return std::to_string(v); }
 

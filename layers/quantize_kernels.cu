@@ -13,24 +13,10 @@
 #include <type_traits>
 
 #include "comm/cuda_check.h"
+#include "layers/kernel_grid.h"
 
 namespace tpserve {
 namespace {
-
-constexpr int kThreads = 256;
-// Grid-stride loops: enough blocks to fill an H200 (132 SMs x 8 blocks of 256 threads).
-constexpr size_t kMaxBlocks = 1056;
-
-unsigned GridFor(size_t work_items) {
-  size_t blocks = (work_items + kThreads - 1) / kThreads;
-  if (blocks < 1) blocks = 1;
-  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
-  return static_cast<unsigned>(blocks);
-}
-
-bool IsAligned(const void* p, size_t alignment) {
-  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
-}
 
 // BF16 travels as its raw bits (uint16_t) so that no operator overloads get in the way.
 __device__ __forceinline__ float ToFloat(uint16_t bf16_bits) {

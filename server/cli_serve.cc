@@ -45,17 +45,37 @@ struct ServeFlags {
   std::string tls_cert, tls_key, tls_client_ca;
 };
 
-#if TPSERVE_WITH_CUDA
-// What both rank 0 and the workers build the CUDA engine from.
-CudaEngineOptions CudaOptions(const ServeFlags& f, const ModelConfig& config, bool from_dir,
-                              std::shared_ptr<const OverlapConfig> overlap) {
-  CudaEngineOptions eo;
+// The model (--model) and the overlap config (--overlap-config, may be
+// absent) that serve and worker load alike.
+StatusOr<ModelConfig> LoadModelFlags(const ServeFlags& f, bool* from_dir,
+                                     std::shared_ptr<const OverlapConfig>* overlap) {
+  TP_ASSIGN_OR_RETURN(ModelConfig config, ResolveModel(f.model, from_dir));
+  if (!f.overlap_config.empty()) {
+    TP_ASSIGN_OR_RETURN(OverlapConfig cfg, OverlapConfig::LoadFile(f.overlap_config));
+    *overlap = std::make_shared<OverlapConfig>(std::move(cfg));
+  }
+  return config;
+}
+
+// The fields CpuEngineOptions and CudaEngineOptions share.
+template <class Options>
+Options CommonEngineOptions(const ServeFlags& f, const ModelConfig& config, bool from_dir,
+                            std::shared_ptr<const OverlapConfig> overlap) {
+  Options eo;
   eo.config = config;
   eo.tp = f.tp;
   eo.dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
   eo.seed = f.seed;
   if (from_dir) eo.checkpoint_dir = f.model;
   eo.overlap = std::move(overlap);
+  return eo;
+}
+
+#if TPSERVE_WITH_CUDA
+// What both rank 0 and the workers build the CUDA engine from.
+CudaEngineOptions CudaOptions(const ServeFlags& f, const ModelConfig& config, bool from_dir,
+                              std::shared_ptr<const OverlapConfig> overlap) {
+  auto eo = CommonEngineOptions<CudaEngineOptions>(f, config, from_dir, std::move(overlap));
   eo.model.max_tokens = f.max_batch_tokens;
   eo.model.max_seqs = f.max_batch_sequences;
   eo.timeout = std::chrono::milliseconds(static_cast<int64_t>(f.rank_timeout_s * 1000));
@@ -103,13 +123,7 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelCo
         "toolkit); use --backend cpu");
   }
 #endif
-  CpuEngineOptions eo;
-  eo.config = config;
-  eo.tp = f.tp;
-  eo.dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
-  eo.seed = f.seed;
-  if (from_dir) eo.checkpoint_dir = f.model;
-  eo.overlap = std::move(overlap);
+  auto eo = CommonEngineOptions<CpuEngineOptions>(f, config, from_dir, std::move(overlap));
   spdlog::info("loading {} ({} layers, hidden {}) on the CPU backend, tp={}", config.name,
                config.num_hidden_layers, config.hidden_size, f.tp);
   TP_ASSIGN_OR_RETURN(auto engine, CpuEngine::Start(eo));
@@ -127,19 +141,11 @@ int Serve(const ServeFlags& f) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   bool from_dir = false;
-  auto config = ResolveModel(f.model, &from_dir);
+  std::shared_ptr<const OverlapConfig> overlap;
+  auto config = LoadModelFlags(f, &from_dir, &overlap);
   if (!config.ok()) {
     spdlog::error("{}", config.status().ToString());
     return 2;
-  }
-  std::shared_ptr<const OverlapConfig> overlap;
-  if (!f.overlap_config.empty()) {
-    auto cfg = OverlapConfig::LoadFile(f.overlap_config);
-    if (!cfg.ok()) {
-      spdlog::error("{}", cfg.status().ToString());
-      return 2;
-    }
-    overlap = std::make_shared<OverlapConfig>(std::move(cfg).value());
   }
   auto engine = StartEngine(f, *config, from_dir, overlap);
   if (!engine.ok()) {
@@ -225,19 +231,11 @@ int Serve(const ServeFlags& f) {
 int Worker(const ServeFlags& f) {
 #if TPSERVE_WITH_CUDA
   bool from_dir = false;
-  auto config = ResolveModel(f.model, &from_dir);
+  std::shared_ptr<const OverlapConfig> overlap;
+  auto config = LoadModelFlags(f, &from_dir, &overlap);
   if (!config.ok()) {
     spdlog::error("{}", config.status().ToString());
     return 2;
-  }
-  std::shared_ptr<const OverlapConfig> overlap;
-  if (!f.overlap_config.empty()) {
-    auto cfg = OverlapConfig::LoadFile(f.overlap_config);
-    if (!cfg.ok()) {
-      spdlog::error("{}", cfg.status().ToString());
-      return 2;
-    }
-    overlap = std::make_shared<OverlapConfig>(std::move(cfg).value());
   }
   Status s = RunCudaWorker(CudaOptions(f, *config, from_dir, overlap));
   if (!s.ok()) {

@@ -32,22 +32,10 @@
 #include "layers/cublaslt_gemm.h"
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
+#include "tests/gpu_test_util.h"
 
 namespace tpserve {
 namespace {
-
-#define TP_ASSERT_OK(expr)                                               \
-  do {                                                                   \
-    const ::tpserve::Status tp_assert_status_ = (expr);                  \
-    ASSERT_TRUE(tp_assert_status_.ok()) << tp_assert_status_.ToString(); \
-  } while (0)
-
-#define TP_ASSERT_OK_AND_ASSIGN(lhs, expr) \
-  TP_ASSERT_OK_AND_ASSIGN_IMPL(TP_STATUS_CONCAT(tp_assert_statusor_, __LINE__), lhs, expr)
-#define TP_ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr) \
-  auto tmp = (expr);                                 \
-  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();  \
-  lhs = std::move(tmp).value()
 
 // cudaError_t checks in test bodies and void helpers.
 #define TP_CUDA_CHECK_FOR_TEST(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
@@ -55,15 +43,6 @@ namespace {
 constexpr double kBf16OutputTolerance = 1e-2;
 constexpr double kFp8OutputFrobeniusTolerance = 5e-2;
 constexpr double kAmaxRelativeTolerance = 1e-3;
-
-bool HasCudaDevice() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
 
 class GpuTest : public ::testing::Test {
  protected:
@@ -81,27 +60,7 @@ class GpuTest : public ::testing::Test {
 // ---------------------------------------------------------------------------------------------
 // Host <-> device helpers
 
-template <class T>
-StatusOr<DeviceBuffer> Upload(const std::vector<T>& host, const std::string& name) {
-  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(host.size() * sizeof(T), name));
-  if (!host.empty()) {
-    TP_CUDA_CHECK(
-        cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-    // From pageable memory cudaMemcpy may return before its DMA lands, and the tests' streams
-    // are non-blocking: wait, so that kernels on them see the data.
-    TP_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  return buf;
-}
-
-template <class T>
-StatusOr<std::vector<T>> Download(const void* src, size_t count) {
-  std::vector<T> host(count);
-  if (count > 0) {
-    TP_CUDA_CHECK(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
-  }
-  return host;
-}
+// Upload / Download: tests/gpu_test_util.h.
 
 StatusOr<DeviceBuffer> DeviceScalar(float v, const std::string& name) {
   return Upload(std::vector<float>{v}, name);

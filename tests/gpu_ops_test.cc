@@ -38,22 +38,10 @@
 #include "engine/cuda_ops.h"
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
+#include "tests/gpu_test_util.h"
 
 namespace tpserve {
 namespace {
-
-#define TP_ASSERT_OK(expr)                                               \
-  do {                                                                   \
-    const ::tpserve::Status tp_assert_status_ = (expr);                  \
-    ASSERT_TRUE(tp_assert_status_.ok()) << tp_assert_status_.ToString(); \
-  } while (0)
-
-#define TP_ASSERT_OK_AND_ASSIGN(lhs, expr) \
-  TP_ASSERT_OK_AND_ASSIGN_IMPL(TP_STATUS_CONCAT(tp_assert_statusor_, __LINE__), lhs, expr)
-#define TP_ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr) \
-  auto tmp = (expr);                                 \
-  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();  \
-  lhs = std::move(tmp).value()
 
 #define TP_CUDA_CHECK_FOR_TEST(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
@@ -66,15 +54,6 @@ namespace {
   } while (0)
 
 const double kBf16Rel = std::ldexp(1.0, -8);
-
-bool HasCudaDevice() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
 
 class GpuOpsTest : public ::testing::Test {
  protected:
@@ -94,27 +73,7 @@ class GpuOpsTest : public ::testing::Test {
 // ---------------------------------------------------------------------------------------------
 // Host <-> device helpers
 
-template <class T>
-StatusOr<DeviceBuffer> Upload(const std::vector<T>& host, const std::string& name) {
-  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(host.size() * sizeof(T), name));
-  if (!host.empty()) {
-    TP_CUDA_CHECK(
-        cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-    // From pageable memory cudaMemcpy may return before its DMA lands, and the tests' streams
-    // are non-blocking: wait, so that kernels on them see the data.
-    TP_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  return buf;
-}
-
-template <class T>
-StatusOr<std::vector<T>> Download(const void* src, size_t count) {
-  std::vector<T> host(count);
-  if (count > 0) {
-    TP_CUDA_CHECK(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
-  }
-  return host;
-}
+// Upload / Download: tests/gpu_test_util.h.
 
 // A device buffer of `count` elements of `type`, filled with its poison pattern on `stream`.
 StatusOr<DeviceBuffer> PoisonedBuffer(DataType type, size_t count, const std::string& name,

@@ -24,7 +24,7 @@ import unittest
 
 import grpc
 
-from grpc_interop_test import BIN, compile_messages
+from grpc_interop_test import BIN, compile_messages, start_server
 
 VOCAB = 1024  # the tiny preset
 
@@ -53,16 +53,10 @@ class ServeCuda(unittest.TestCase):
         import tempfile
         cls.tmp = tempfile.TemporaryDirectory()
         cls.pb = compile_messages(cls.tmp.name)
-        cls.server = subprocess.Popen(
-            [BIN, "serve", "--model", "tiny", "--tp", "2", "--backend", "cuda", "--grpc-port",
-             "0", "--metrics-port", "0", "--host", "127.0.0.1", "--rank-timeout-s", "20"],
-            stdout=subprocess.PIPE, stderr=open(os.path.join(cls.tmp.name, "server.log"), "w"),
-            text=True)
-        line = cls.server.stdout.readline()
-        if "gRPC port" not in line:
-            cls.server.kill()
-            raise RuntimeError(f"server did not start: {line!r}")
-        cls.port = int(line.rsplit(" ", 1)[1])
+        log = open(os.path.join(cls.tmp.name, "server.log"), "w")
+        cls.server, cls.port = start_server(
+            ["--model", "tiny", "--tp", "2", "--backend", "cuda", "--rank-timeout-s", "20"],
+            stderr=log)
         cls.channel = grpc.insecure_channel(f"127.0.0.1:{cls.port}")
 
     @classmethod

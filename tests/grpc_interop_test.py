@@ -27,20 +27,25 @@ def compile_messages(out_dir):
     return grpc_service_pb2
 
 
+def start_server(args, stderr=subprocess.DEVNULL):
+    """Starts `tpserve serve ARGS --grpc-port 0 ...` on loopback; returns (process, port) once
+    it prints its port."""
+    server = subprocess.Popen(
+        [BIN, "serve", *args, "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line = server.stdout.readline()
+    if "gRPC port" not in line:
+        server.kill()
+        raise RuntimeError(f"server did not start: {line!r}")
+    return server, int(line.rsplit(" ", 1)[1])
+
+
 class Interop(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.pb = compile_messages(cls.tmp.name)
-        cls.server = subprocess.Popen(
-            [BIN, "serve", "--model", "tiny", "--tp", "2", "--backend", "cpu", "--grpc-port", "0",
-             "--metrics-port", "0", "--host", "127.0.0.1"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = cls.server.stdout.readline()
-        if "gRPC port" not in line:
-            cls.server.kill()
-            raise RuntimeError(f"server did not start: {line!r}")
-        cls.port = int(line.rsplit(" ", 1)[1])
+        cls.server, cls.port = start_server(["--model", "tiny", "--tp", "2", "--backend", "cpu"])
         cls.channel = grpc.insecure_channel(f"127.0.0.1:{cls.port}")
 
     @classmethod

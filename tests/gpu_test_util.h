@@ -1,0 +1,55 @@
+// Helpers shared by the GPU tests: Status assertions, host <-> device copies.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/nccl_thread_group.h"
+
+// ASSERT that a Status is OK / that a StatusOr is OK and move its value out.
+#define TP_ASSERT_OK(expr)                                               \
+  do {                                                                   \
+    const ::tpserve::Status tp_assert_status_ = (expr);                  \
+    ASSERT_TRUE(tp_assert_status_.ok()) << tp_assert_status_.ToString(); \
+  } while (0)
+
+#define TP_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  TP_ASSERT_OK_AND_ASSIGN_IMPL(TP_STATUS_CONCAT(tp_assert_statusor_, __LINE__), lhs, expr)
+#define TP_ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                                 \
+  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();  \
+  lhs = std::move(tmp).value()
+
+namespace tpserve {
+
+// Whether any CUDA device is visible (tests skip without one).
+inline bool HasCudaDevice() { return CudaDeviceCount() > 0; }
+
+template <class T>
+StatusOr<DeviceBuffer> Upload(const std::vector<T>& host, const std::string& name) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(host.size() * sizeof(T), name));
+  if (!host.empty()) {
+    TP_CUDA_CHECK(
+        cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return before its DMA lands, and the tests' streams
+    // are non-blocking: wait, so that kernels on them see the data.
+    TP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return buf;
+}
+
+template <class T>
+StatusOr<std::vector<T>> Download(const void* src, size_t count) {
+  std::vector<T> host(count);
+  if (count > 0) {
+    TP_CUDA_CHECK(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
+  }
+  return host;
+}
+
+}  // namespace tpserve
