@@ -45,6 +45,9 @@ StatusOr<RankState> SetUpRank(const CudaEngineOptions& o, const ncclUniqueId& id
     TP_ASSIGN_OR_RETURN(w, LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank));
   }
   TP_ASSIGN_OR_RETURN(st.model, CudaModel::Create(o.config, w, o.overlap.get(), *st.pool, o.model));
+  // Every bucket's graph before the first request (collective: all ranks
+  // warm up the same buckets in the same order).
+  TP_RETURN_IF_ERROR(st.model->WarmUp());
   TP_ASSIGN_OR_RETURN(st.header, DeviceBuffer::Allocate(kHeaderWords * 8, "batch.header"));
   TP_ASSIGN_OR_RETURN(st.payload, DeviceBuffer::Allocate(PayloadBytes(o.model), "batch.payload"));
   TP_ASSIGN_OR_RETURN(st.stream, CudaStream::Create());

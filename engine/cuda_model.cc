@@ -85,6 +85,18 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
   md.rank_ = rank;
   md.dtype_ = weights.dtype;
   md.max_m_ = RoundUp(options.max_tokens, tp);
+  std::vector<int64_t> buckets = options.buckets;
+  if (buckets.empty()) {
+    for (int64_t b = 256; b < md.max_m_; b *= 2) buckets.push_back(b);
+  }
+  for (int64_t& b : buckets) {
+    if (b < 1) return InvalidArgumentError("token buckets must be >= 1, got " + std::to_string(b));
+    b = std::min(RoundUp(b, tp), md.max_m_);
+  }
+  buckets.push_back(md.max_m_);
+  std::sort(buckets.begin(), buckets.end());
+  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  md.buckets_ = std::move(buckets);
   TP_ASSIGN_OR_RETURN(md.stream_, CudaStream::Create());
 
   auto upload_linear = [&](const LinearWeight& lw, const std::string& name, Linear* out) -> Status {
@@ -188,44 +200,23 @@ Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void*
                    stream_.get());
 }
 
-StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
+StatusOr<int64_t> CudaModel::BucketFor(int64_t tokens) const {
+  for (int64_t b : buckets_) {
+    if (b >= tokens) return b;
+  }
+  return InvalidArgumentError("no token bucket holds " + std::to_string(tokens) + " tokens");
+}
+
+Status CudaModel::Enqueue(int64_t m) {
   const ModelConfig& c = config_;
-  const int64_t tokens = batch.tokens(), seqs = batch.sequences();
-  if (tokens < 1 || seqs < 1 || tokens > options_.max_tokens || seqs > options_.max_seqs) {
-    return InvalidArgumentError("batch of " + std::to_string(tokens) + " tokens in " +
-                                std::to_string(seqs) +
-                                " sequences is outside this model's "
-                                "limits (1.." +
-                                std::to_string(options_.max_tokens) + " tokens, 1.." +
-                                std::to_string(options_.max_seqs) + " sequences)");
-  }
-  // Pad to a multiple of tp with a padding sequence.
-  const int64_t m = RoundUp(tokens, tp_), pad = m - tokens;
-  std::vector<int32_t> ids = batch.ids, positions = batch.positions, cu = batch.cu_seqlens;
-  for (int64_t i = 0; i < pad; ++i) {
-    ids.push_back(0);
-    positions.push_back(static_cast<int32_t>(i));
-  }
-  if (pad > 0) cu.push_back(static_cast<int32_t>(m));
-  const int64_t all_seqs = static_cast<int64_t>(cu.size()) - 1;
-  int64_t max_seqlen = 1;
-  for (int64_t s = 0; s < all_seqs; ++s)
-    max_seqlen = std::max<int64_t>(max_seqlen, cu[s + 1] - cu[s]);
-
-  TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
-  cudaStream_t st = stream_.get();
-  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), ids.data(), m * 4, cudaMemcpyHostToDevice, st));
-  TP_CUDA_CHECK(
-      cudaMemcpyAsync(positions_.data(), positions.data(), m * 4, cudaMemcpyHostToDevice, st));
-  TP_CUDA_CHECK(
-      cudaMemcpyAsync(cu_seqlens_.data(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice, st));
-
+  const int64_t seq_slots = options_.max_seqs + 1;
   const int64_t h = c.hidden_size, hd = c.head_dim();
   const int64_t nh_l = c.num_attention_heads / tp_, nkv_l = c.num_key_value_heads / tp_;
   const int64_t inter_l = c.intermediate_size / tp_;
   const int64_t qkv_n_global = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
   const int64_t qkv_n_l = qkv_n_global / tp_;
   const RowRange shard = ShardRows(m, tp_, rank_);
+  cudaStream_t st = stream_.get();
   const int64_t rows = shard.size();
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
   auto* x = x_.as<BFloat16>();
@@ -303,9 +294,9 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
     at.out = fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m));
     at.out_row_stride = nh_l * hd;
     at.cu_seqlens = cu_seqlens_.as<int32_t>();
-    at.num_seqs = all_seqs;
+    at.num_seqs = seq_slots;
     at.tokens = m;
-    at.max_seqlen = max_seqlen;
+    at.max_seqlen = m;  // fixed per bucket: a graph cannot depend on the batch
     at.q_heads = nh_l;
     at.kv_heads = nkv_l;
     at.head_dim = hd;
@@ -357,40 +348,141 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   g.tokens = m;
   g.dim = h;
   g.cu_seqlens = cu_seqlens_.as<int32_t>();
-  g.num_seqs = seqs;
+  g.num_seqs = seq_slots;
   g.out = last_.as<BFloat16>();
   TP_RETURN_IF_ERROR(LaunchGatherLastRowsBf16(g, st));
   const int64_t vocab_l = c.vocab_size / tp_;
   GemmParams lm;
-  lm.m = seqs;
+  lm.m = seq_slots;
   lm.n = vocab_l;
   lm.k = h;
   lm.a_type = lm.b_type = lm.d_type = DataType::kBFloat16;
-  TP_RETURN_IF_ERROR(lm_gemm_.Prepare(lm));
   TP_RETURN_IF_ERROR(
       lm_gemm_.Run(lm, last_.data(), lm_head_.data(), nullptr, logits_local_.data(), st));
   TP_RETURN_IF_ERROR(
-      comm.AllGather(logits_local_.data(), logits_all_.data(), seqs * vocab_l * 2, st));
-  TP_RETURN_IF_ERROR(comm.WaitStream(st));
+      comm.AllGather(logits_local_.data(), logits_all_.data(), seq_slots * vocab_l * 2, st));
+  return Status::Ok();
+}
 
+Status CudaModel::PrepareBucket(int64_t m) {
+  // Everything that allocates or plans, ahead of any capture: the TP layers
+  // of every block at this M, and the LM head GEMM.
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden_size, hd = c.head_dim();
+  const int64_t qkv_n_global = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& lw = layers_[l];
+    const std::string p = "layers." + std::to_string(l);
+    TP_RETURN_IF_ERROR(
+        LayerFor(p + ".attn.qkv", OverlapOp::kAllGatherGemm, qkv_n_global, h, lw.qkv.n, lw.qkv.k, m)
+            .status());
+    TP_RETURN_IF_ERROR(LayerFor(p + ".attn.o", OverlapOp::kGemmReduceScatter, h,
+                                c.num_attention_heads * hd, lw.o.n, lw.o.k, m)
+                           .status());
+    TP_RETURN_IF_ERROR(LayerFor(p + ".mlp.gate_up", OverlapOp::kAllGatherGemm,
+                                2 * c.intermediate_size, h, lw.gate_up.n, lw.gate_up.k, m)
+                           .status());
+    TP_RETURN_IF_ERROR(LayerFor(p + ".mlp.down", OverlapOp::kGemmReduceScatter, h,
+                                c.intermediate_size, lw.down.n, lw.down.k, m)
+                           .status());
+  }
+  GemmParams lm;
+  lm.m = options_.max_seqs + 1;
+  lm.n = c.vocab_size / tp_;
+  lm.k = h;
+  lm.a_type = lm.b_type = lm.d_type = DataType::kBFloat16;
+  return lm_gemm_.Prepare(lm);
+}
+
+StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
+  const ModelConfig& c = config_;
+  const int64_t tokens = batch.tokens(), seqs = batch.sequences();
+  if (tokens < 1 || seqs < 1 || tokens > options_.max_tokens || seqs > options_.max_seqs) {
+    return InvalidArgumentError("batch of " + std::to_string(tokens) + " tokens in " +
+                                std::to_string(seqs) +
+                                " sequences is outside this model's "
+                                "limits (1.." +
+                                std::to_string(options_.max_tokens) + " tokens, 1.." +
+                                std::to_string(options_.max_seqs) + " sequences)");
+  }
+  // Pad to the bucket with a padding sequence (token 0, its own positions),
+  // and the sequence boundaries to the fixed slot count with empty sequences.
+  TP_ASSIGN_OR_RETURN(const int64_t m, BucketFor(tokens));
+  const int64_t pad = m - tokens, seq_slots = options_.max_seqs + 1;
+  std::vector<int32_t> ids = batch.ids, positions = batch.positions, cu = batch.cu_seqlens;
+  for (int64_t i = 0; i < pad; ++i) {
+    ids.push_back(0);
+    positions.push_back(static_cast<int32_t>(i));
+  }
+  while (static_cast<int64_t>(cu.size()) < seq_slots + 1) cu.push_back(static_cast<int32_t>(m));
+
+  TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
+  cudaStream_t st = stream_.get();
+  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), ids.data(), m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(positions_.data(), positions.data(), m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(cu_seqlens_.data(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice, st));
+
+  auto graph = graphs_.find(m);
+  if (graph != graphs_.end()) {
+    TP_RETURN_IF_ERROR(graph->second.Launch(st));
+  } else {
+    // First batch of this bucket: plan, run eagerly (which also sets up
+    // NCCL's connections), then capture the bucket's graph for the next ones.
+    TP_RETURN_IF_ERROR(PrepareBucket(m));
+    TP_RETURN_IF_ERROR(Enqueue(m));
+  }
+  NcclCommunicator& comm = pool_->base();
+  TP_RETURN_IF_ERROR(comm.WaitStream(st));
+  if (graph == graphs_.end() && options_.cuda_graphs) {
+    TP_ASSIGN_OR_RETURN(
+        CudaGraphExec exec,
+        CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, [&] { return Enqueue(m); }));
+    graphs_.emplace(m, std::move(exec));
+  }
+
+  const RowRange shard = ShardRows(m, tp_, rank_);
   int32_t bad = 0;
   TP_CUDA_CHECK(cudaMemcpy(&bad, error_flag_.data(), 4, cudaMemcpyDeviceToHost));
   if (bad != 0) {
     return InvalidArgumentError("token id at position " + std::to_string(shard.begin + bad - 1) +
                                 " is outside [0, " + std::to_string(c.vocab_size) + ")");
   }
-  std::vector<BFloat16> all(static_cast<size_t>(tp_ * seqs * vocab_l));
+  const int64_t vocab_l = c.vocab_size / tp_;
+  std::vector<BFloat16> all(static_cast<size_t>(tp_ * seq_slots * vocab_l));
   TP_CUDA_CHECK(cudaMemcpy(all.data(), logits_all_.data(), all.size() * 2, cudaMemcpyDeviceToHost));
   std::vector<float> logits(static_cast<size_t>(seqs * c.vocab_size));
   for (int r = 0; r < tp_; ++r) {
     for (int64_t s = 0; s < seqs; ++s) {
       for (int64_t j = 0; j < vocab_l; ++j) {
         logits[s * c.vocab_size + r * vocab_l + j] =
-            BFloat16ToFloat(all[(r * seqs + s) * vocab_l + j]);
+            BFloat16ToFloat(all[(r * seq_slots + s) * vocab_l + j]);
       }
     }
   }
   return logits;
+}
+
+Status CudaModel::WarmUp() {
+  // A batch that fills each bucket: plans, eager run, capture (collective).
+  for (int64_t m : buckets_) {
+    const int64_t tokens = std::min(m, options_.max_tokens);
+    int64_t len = std::min(tokens, config_.max_position_embeddings);
+    if ((tokens + len - 1) / len > options_.max_seqs) {
+      len = (tokens + options_.max_seqs - 1) / options_.max_seqs;
+    }
+    TokenBatch b;
+    b.cu_seqlens.push_back(0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      b.ids.push_back(static_cast<int32_t>(t % config_.vocab_size));
+      b.positions.push_back(static_cast<int32_t>(t % len));
+      if (t % len == len - 1 || t == tokens - 1)
+        b.cu_seqlens.push_back(static_cast<int32_t>(t + 1));
+    }
+    TP_RETURN_IF_ERROR(Forward(b).status().WithContext("warming up bucket " + std::to_string(m)));
+  }
+  return Status::Ok();
 }
 
 StatusOr<std::vector<float>> RunCudaModel(const ModelConfig& config, NcclThreadGroup& group,

@@ -16,12 +16,19 @@
 // ops are BF16 (CPU: FP32), attention uses BF16 probabilities; tests compare
 // logits with a stated tolerance.
 //
-// M handling: the batch is padded to a multiple of tp with a padding
-// sequence (token 0, its own positions), so that every rank's shard has the
-// same rows (NCCL collectives need equal sizes); the padding sequence's
-// logits are dropped. TP layers are created on first use, one per distinct
-// (op, shape, knobs) — layers of the same shape share one CudaLinear, since
-// weights are passed per call — and prepared per padded M.
+// Token buckets and CUDA graphs: a batch is padded up to the smallest token
+// bucket that holds it (buckets are multiples of tp, so every rank's shard
+// has the same rows, as NCCL needs) with a padding sequence (token 0, its
+// own positions), and its sequence boundaries to max_seqs + 1 slots with
+// empty sequences; the padding's logits are dropped. Everything that
+// depends on the batch's contents (ids, positions, boundaries) lives in
+// device buffers, so one CUDA graph per bucket serves every batch that fits
+// it: the first batch of a bucket runs eagerly (planning the TP layers and
+// setting up NCCL's connections), then the bucket's graph is captured and
+// replayed from then on (WarmUp() does this for every bucket at start). TP
+// layers are created on first use, one per distinct (op, shape, knobs) —
+// layers of the same shape share one CudaLinear, since weights are passed
+// per call — and prepared per bucket.
 //
 // Thread-safety: none; one object per rank, used by that rank's thread (or
 // process). Forward is collective: all ranks call it with the same batch.
@@ -46,8 +53,12 @@
 namespace tpserve {
 
 struct CudaModelOptions {
-  int64_t max_tokens = 8192;  // most tokens per batch (before padding to a multiple of tp)
+  int64_t max_tokens = 8192;  // most tokens per batch (before padding to a bucket)
   int64_t max_seqs = 64;      // most sequences per batch
+  // Token buckets (each rounded up to a multiple of tp; the largest is
+  // always max_tokens rounded up). Empty: 256 tokens doubling up to that.
+  std::vector<int64_t> buckets;
+  bool cuda_graphs = true;  // replay a captured graph per bucket (false: always eager)
 };
 
 class CudaModel {
@@ -67,6 +78,12 @@ class CudaModel {
   // rank. INVALID_ARGUMENT for a batch over the options' limits.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
 
+  // Runs one batch per bucket (eager, then capture): every graph exists
+  // before the first request. Collective.
+  Status WarmUp();
+
+  const std::vector<int64_t>& buckets() const { return buckets_; }
+
   const ModelConfig& config() const { return config_; }
   // Device memory held (weights, activations, TP layers).
   size_t device_bytes() const;
@@ -80,6 +97,12 @@ class CudaModel {
   StatusOr<CudaLinear*> LayerFor(const std::string& name, OverlapOp op, int64_t n_global,
                                  int64_t k_global, int64_t n_local, int64_t k_local, int64_t m);
   Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y);
+  StatusOr<int64_t> BucketFor(int64_t tokens) const;
+  // Plans what bucket m needs (layers, GEMMs); allocates on first use.
+  Status PrepareBucket(int64_t m);
+  // Enqueues the whole forward pass of bucket m on stream_: no allocation,
+  // no synchronisation (what a graph captures). PrepareBucket(m) first.
+  Status Enqueue(int64_t m);
 
   ModelConfig config_;
   CudaModelOptions options_;
@@ -88,6 +111,7 @@ class CudaModel {
   int tp_ = 1, rank_ = 0;
   DataType dtype_ = DataType::kFloat8E4M3;
   int64_t max_m_ = 0;
+  std::vector<int64_t> buckets_;
 
   CudaStream stream_;
   std::vector<Layer> layers_;
@@ -99,6 +123,8 @@ class CudaModel {
   CublasLtGemm lm_gemm_;
   std::map<std::string, std::unique_ptr<CudaLinear>> linears_;  // by op/shape/knobs
   size_t weight_bytes_ = 0;
+  // Last member: destroyed first, before the layers and buffers it uses.
+  std::map<int64_t, CudaGraphExec> graphs_;  // by bucket
 };
 
 // Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random
