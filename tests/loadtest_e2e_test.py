@@ -8,12 +8,15 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
 
 TPSERVE = os.environ.get("TPSERVE_BIN", "build/bin/tpserve")
 LOADTEST = os.environ.get("LOADTEST_BIN", "build/bin/tpserve-loadtest")
+RENDERER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
+                        "render_loadtest.py")
 
 STEP_FIELDS = ["requests_per_sec", "tokens_per_sec", "p50_ms", "p90_ms", "p95_ms", "p99_ms",
                "max_ms", "errors", "server_queue_ms", "server_compute_ms", "stable"]
@@ -88,6 +91,13 @@ class LoadTest(unittest.TestCase):
                       "server_compute_ms", "stable"]:
             self.assertIn(field, rows[0])
         self.assertGreater(float(rows[0]["requests_per_sec"]), 0)
+        # The latency-vs-load picture of this very report.
+        png = self.path("out.png")
+        r = subprocess.run([sys.executable, RENDERER, out_json, "--png", png],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        with open(png, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
         # Open loop: Poisson arrivals at 40 requests/s, INT64 ids.
         out_json = self.path("rate.json")

@@ -1,0 +1,87 @@
+"""Tests of render_loadtest.py (no GPU, no matplotlib needed): the built-in
+rasteriser writes a valid PNG with the series drawn, and bad input is an
+error naming the file."""
+import json
+import os
+import struct
+import sys
+import tempfile
+import unittest
+import zlib
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import render_loadtest  # noqa: E402
+
+
+def read_png(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        tag = data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, tag
+        chunks.setdefault(tag, b"")
+        chunks[tag] += body
+        pos += 12 + n
+    w, h = struct.unpack(">II", chunks[b"IHDR"][:8])
+    raw = zlib.decompress(chunks[b"IDAT"])
+    rows = [raw[y * (w * 3 + 1) + 1:(y + 1) * (w * 3 + 1)] for y in range(h)]
+    return w, h, rows
+
+
+def count(rows, rgb):
+    target = bytes(rgb)
+    return sum(1 for row in rows for i in range(0, len(row), 3) if row[i:i + 3] == target)
+
+
+class RenderLoadtestTest(unittest.TestCase):
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+
+    def report(self, steps):
+        path = os.path.join(self.tmp.name, "report.json")
+        with open(path, "w") as f:
+            json.dump({"meta": {"model": "tiny"}, "steps": steps}, f)
+        return path
+
+    def test_builtin_png_has_every_series(self):
+        steps = [{"concurrency": c, "tokens_per_sec": 1000.0 * c, "p50_ms": 5.0 + c,
+                  "p90_ms": 6.0 + 2 * c, "p99_ms": 7.0 + 3 * c, "error_count": 0}
+                 for c in (1, 2, 4, 8, 16)]
+        png = os.path.join(self.tmp.name, "out.png")
+        self.assertEqual(render_loadtest.main([self.report(steps), "--png", png, "--builtin"]),
+                         0)
+        w, h, rows = read_png(png)
+        self.assertEqual((w, h), (1000, 420))
+        for _, _, rgb in render_loadtest.SERIES:
+            self.assertGreater(count(rows, rgb), 100, rgb)  # a drawn line, not a stray pixel
+        self.assertGreater(count(rows, render_loadtest.THROUGHPUT[2]), 100)
+
+    def test_request_rate_reports_and_nulls(self):
+        steps = [{"request_rate": 10.0, "tokens_per_sec": 500.0, "p50_ms": 3.0, "p90_ms": None,
+                  "p99_ms": 4.0, "error_count": 1},
+                 {"request_rate": 20.0, "tokens_per_sec": 900.0, "p50_ms": 3.5, "p90_ms": 5.0,
+                  "p99_ms": 6.0, "error_count": 0}]
+        png = os.path.join(self.tmp.name, "rate.png")
+        self.assertEqual(render_loadtest.main([self.report(steps), "--png", png, "--builtin"]),
+                         0)
+        _, _, rows = read_png(png)
+        self.assertGreater(count(rows, (220, 0, 0)), 5)  # the error tick
+
+    def test_not_a_report_is_an_error(self):
+        path = os.path.join(self.tmp.name, "bad.json")
+        with open(path, "w") as f:
+            json.dump({"records": []}, f)
+        png = os.path.join(self.tmp.name, "x.png")
+        self.assertEqual(render_loadtest.main([path, "--png", png]), 2)
+        self.assertFalse(os.path.exists(png))
+
+
+if __name__ == "__main__":
+    unittest.main()
