@@ -38,13 +38,19 @@ StatusOr<RankState> SetUpRank(const CudaEngineOptions& o, const ncclUniqueId& id
   TP_ASSIGN_OR_RETURN(
       auto comm, NcclCommunicator::Create(id, o.tp, rank, device, NcclCommConfig{}, o.timeout));
   st.pool = std::make_unique<NcclCommPool>(std::move(comm));
-  RankWeights w;
-  if (o.checkpoint_dir.empty()) {
-    TP_ASSIGN_OR_RETURN(w, MakeRandomRankWeights(o.config, o.dtype, o.tp, rank, o.seed));
+  if (o.checkpoint_dir.empty() && o.device_random_weights) {
+    TP_ASSIGN_OR_RETURN(st.model, CudaModel::CreateRandom(o.config, o.dtype, o.seed,
+                                                          o.overlap.get(), *st.pool, o.model));
   } else {
-    TP_ASSIGN_OR_RETURN(w, LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank));
+    RankWeights w;
+    if (o.checkpoint_dir.empty()) {
+      TP_ASSIGN_OR_RETURN(w, MakeRandomRankWeights(o.config, o.dtype, o.tp, rank, o.seed));
+    } else {
+      TP_ASSIGN_OR_RETURN(w, LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank));
+    }
+    TP_ASSIGN_OR_RETURN(st.model,
+                        CudaModel::Create(o.config, w, o.overlap.get(), *st.pool, o.model));
   }
-  TP_ASSIGN_OR_RETURN(st.model, CudaModel::Create(o.config, w, o.overlap.get(), *st.pool, o.model));
   // Every bucket's graph before the first request (collective: all ranks
   // warm up the same buckets in the same order).
   TP_RETURN_IF_ERROR(st.model->WarmUp());

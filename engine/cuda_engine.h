@@ -39,11 +39,15 @@
 namespace tpserve {
 
 struct CudaEngineOptions {
-  ModelConfig config;                            // the model's shape
-  int tp = 1;                                    // ranks = GPUs = processes
-  DataType dtype = DataType::kFloat8E4M3;        // of random weights
-  uint64_t seed = 7;                             // of random weights
-  std::string checkpoint_dir;                    // empty: random weights
+  ModelConfig config;                      // the model's shape
+  int tp = 1;                              // ranks = GPUs = processes
+  DataType dtype = DataType::kFloat8E4M3;  // of random weights
+  uint64_t seed = 7;                       // of random weights
+  std::string checkpoint_dir;              // empty: random weights
+  // Random weights generated on the GPUs (CudaModel::CreateRandom: seconds
+  // for llama3-70b shapes) instead of the host's MakeRandomRankWeights (the
+  // weights the CPU backend uses, so logits compare; slow for large models).
+  bool device_random_weights = false;
   std::shared_ptr<const OverlapConfig> overlap;  // may be null: every layer mode none
   CudaModelOptions model;                        // batch limits (tokens, sequences)
   // Rank 0 only: the command line of a worker (argv[0] an executable path,

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -11,6 +12,7 @@
 #include "engine/cuda_ops.h"
 #include "engine/gather_rows.h"
 #include "layers/quantize_kernels.h"
+#include "layers/random_fill.h"
 
 namespace tpserve {
 
@@ -47,11 +49,10 @@ StatusOr<DeviceBuffer> Alloc(int64_t bytes, const std::string& name) {
 
 CudaModel::~CudaModel() = default;
 
-StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
-                                                       const RankWeights& weights,
-                                                       const OverlapConfig* overlap,
-                                                       NcclCommPool& pool,
-                                                       const CudaModelOptions& options) {
+StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& config, DataType dtype,
+                                                         const OverlapConfig* overlap,
+                                                         NcclCommPool& pool,
+                                                         const CudaModelOptions& options) {
   NcclCommunicator& comm = pool.base();
   const int tp = comm.size(), rank = comm.rank();
   TP_RETURN_IF_ERROR(config.ValidateForTp(tp));
@@ -62,14 +63,9 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
         "has " +
         std::to_string(hd));
   }
-  if (weights.tp != tp || weights.rank != rank) {
-    return InvalidArgumentError("weights are rank " + std::to_string(weights.rank) + " of " +
-                                std::to_string(weights.tp) + ", the communicator is rank " +
-                                std::to_string(rank) + " of " + std::to_string(tp));
-  }
-  if (static_cast<int64_t>(weights.layers.size()) != config.num_hidden_layers) {
-    return InvalidArgumentError("weights have " + std::to_string(weights.layers.size()) +
-                                " layers, the config " + std::to_string(config.num_hidden_layers));
+  if (dtype != DataType::kFloat8E4M3 && dtype != DataType::kBFloat16) {
+    return InvalidArgumentError("weights must be fp8_e4m3 or bf16, got " +
+                                std::string(DataTypeName(dtype)));
   }
   if (options.max_tokens < 1 || options.max_seqs < 1) {
     return InvalidArgumentError("max_tokens and max_seqs must be >= 1");
@@ -83,7 +79,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
   md.pool_ = &pool;
   md.tp_ = tp;
   md.rank_ = rank;
-  md.dtype_ = weights.dtype;
+  md.dtype_ = dtype;
   md.max_m_ = RoundUp(options.max_tokens, tp);
   std::vector<int64_t> buckets = options.buckets;
   if (buckets.empty()) {
@@ -98,7 +94,56 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
   buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
   md.buckets_ = std::move(buckets);
   TP_ASSIGN_OR_RETURN(md.stream_, CudaStream::Create());
+  md.layers_.resize(config.num_hidden_layers);
+  return model;
+}
 
+Status CudaModel::AllocateActivations() {
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden_size, hd = c.head_dim(), m = max_m_, rows = m / tp_;
+  const int64_t seqs = options_.max_seqs + 1;  // + the padding sequence
+  const int64_t qkv_n = (c.num_attention_heads + 2 * c.num_key_value_heads) / tp_ * hd;
+  const int64_t attn_n = c.num_attention_heads / tp_ * hd;
+  const int64_t inter_l = c.intermediate_size / tp_;
+  const int64_t vocab_l = c.vocab_size / tp_;
+  TP_ASSIGN_OR_RETURN(ids_, Alloc(m * 4, "ids"));
+  TP_ASSIGN_OR_RETURN(positions_, Alloc(m * 4, "positions"));
+  TP_ASSIGN_OR_RETURN(cu_seqlens_, Alloc((seqs + 1) * 4, "cu_seqlens"));
+  TP_ASSIGN_OR_RETURN(error_flag_, Alloc(4, "error_flag"));
+  TP_ASSIGN_OR_RETURN(x_, Alloc(rows * h * 2, "residual"));
+  TP_ASSIGN_OR_RETURN(o_out_, Alloc(rows * h * 2, "o_out"));
+  TP_ASSIGN_OR_RETURN(down_out_, Alloc(rows * h * 2, "down_out"));
+  TP_ASSIGN_OR_RETURN(normed_, Alloc(rows * h * 2, "normed"));
+  TP_ASSIGN_OR_RETURN(qkv_out_, Alloc(m * qkv_n * 2, "qkv_out"));
+  TP_ASSIGN_OR_RETURN(attn_, Alloc(m * attn_n * 2, "attn"));
+  TP_ASSIGN_OR_RETURN(gate_up_out_, Alloc(m * 2 * inter_l * 2, "gate_up_out"));
+  TP_ASSIGN_OR_RETURN(full_, Alloc(m * h * 2, "full_normed"));
+  TP_ASSIGN_OR_RETURN(last_, Alloc(seqs * h * 2, "last_rows"));
+  TP_ASSIGN_OR_RETURN(logits_local_, Alloc(seqs * vocab_l * 2, "logits_local"));
+  TP_ASSIGN_OR_RETURN(logits_all_, Alloc(tp_ * seqs * vocab_l * 2, "logits_all"));
+  TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
+  spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank_, tp_,
+               layers_.size(), weight_bytes_ / 1048576.0, pool_->base().device());
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
+                                                       const RankWeights& weights,
+                                                       const OverlapConfig* overlap,
+                                                       NcclCommPool& pool,
+                                                       const CudaModelOptions& options) {
+  const int tp = pool.base().size(), rank = pool.base().rank();
+  if (weights.tp != tp || weights.rank != rank) {
+    return InvalidArgumentError("weights are rank " + std::to_string(weights.rank) + " of " +
+                                std::to_string(weights.tp) + ", the communicator is rank " +
+                                std::to_string(rank) + " of " + std::to_string(tp));
+  }
+  if (static_cast<int64_t>(weights.layers.size()) != config.num_hidden_layers) {
+    return InvalidArgumentError("weights have " + std::to_string(weights.layers.size()) +
+                                " layers, the config " + std::to_string(config.num_hidden_layers));
+  }
+  TP_ASSIGN_OR_RETURN(auto model, NewShell(config, weights.dtype, overlap, pool, options));
+  CudaModel& md = *model;
   auto upload_linear = [&](const LinearWeight& lw, const std::string& name, Linear* out) -> Status {
     if (lw.dtype != weights.dtype) {
       return InvalidArgumentError(name + ": mixed weight types are not supported");
@@ -108,23 +153,20 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
     TP_ASSIGN_OR_RETURN(out->w, Alloc(static_cast<int64_t>(lw.data.size()), name + ".weight"));
     TP_CUDA_CHECK(
         cudaMemcpy(out->w.data(), lw.data.data(), lw.data.size(), cudaMemcpyHostToDevice));
-    TP_ASSIGN_OR_RETURN(out->scales, DeviceBuffer::Allocate(8 * sizeof(float), name + ".scales"));
-    const float s[8] = {lw.input_scale, 0, 0, 0, lw.weight_scale, 0, 0, 0};
-    TP_CUDA_CHECK(cudaMemcpy(out->scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
+    TP_RETURN_IF_ERROR(md.SetScales(out, lw.input_scale, lw.weight_scale, name));
     md.weight_bytes_ += lw.data.size();
     return Status::Ok();
   };
   TP_ASSIGN_OR_RETURN(md.embed_, UploadBf16(weights.embed, "embed"));
   TP_ASSIGN_OR_RETURN(md.final_norm_, UploadBf16(weights.final_norm, "final_norm"));
-  if (weights.lm_head.dtype != DataType::kBFloat16) {
-    return InvalidArgumentError("lm_head must be BF16");
+  if (weights.lm_head.dtype != DataType::kBFloat16 || weights.lm_head.n != config.vocab_size / tp) {
+    return InvalidArgumentError("lm_head must be BF16 [vocab / tp, hidden]");
   }
   TP_ASSIGN_OR_RETURN(md.lm_head_,
                       Alloc(static_cast<int64_t>(weights.lm_head.data.size()), "lm_head"));
   TP_CUDA_CHECK(cudaMemcpy(md.lm_head_.data(), weights.lm_head.data.data(),
                            weights.lm_head.data.size(), cudaMemcpyHostToDevice));
   md.weight_bytes_ += md.embed_.size() + weights.lm_head.data.size();
-  md.layers_.resize(weights.layers.size());
   for (size_t l = 0; l < weights.layers.size(); ++l) {
     const LayerWeights& lw = weights.layers[l];
     Layer& dl = md.layers_[l];
@@ -136,31 +178,69 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
     TP_RETURN_IF_ERROR(upload_linear(lw.gate_up, p + ".mlp.gate_up", &dl.gate_up));
     TP_RETURN_IF_ERROR(upload_linear(lw.down, p + ".mlp.down", &dl.down));
   }
+  TP_RETURN_IF_ERROR(md.AllocateActivations());
+  return model;
+}
 
-  const int64_t h = config.hidden_size, m = md.max_m_, rows = m / tp;
-  const int64_t seqs = options.max_seqs + 1;  // + the padding sequence
-  const int64_t qkv_n = md.layers_.empty() ? 0 : md.layers_[0].qkv.n;
-  const int64_t attn_n = config.num_attention_heads / tp * hd;
-  const int64_t inter_l = config.intermediate_size / tp;
-  const int64_t vocab_l = weights.lm_head.n;
-  TP_ASSIGN_OR_RETURN(md.ids_, Alloc(m * 4, "ids"));
-  TP_ASSIGN_OR_RETURN(md.positions_, Alloc(m * 4, "positions"));
-  TP_ASSIGN_OR_RETURN(md.cu_seqlens_, Alloc((seqs + 1) * 4, "cu_seqlens"));
-  TP_ASSIGN_OR_RETURN(md.error_flag_, Alloc(4, "error_flag"));
-  TP_ASSIGN_OR_RETURN(md.x_, Alloc(rows * h * 2, "residual"));
-  TP_ASSIGN_OR_RETURN(md.o_out_, Alloc(rows * h * 2, "o_out"));
-  TP_ASSIGN_OR_RETURN(md.down_out_, Alloc(rows * h * 2, "down_out"));
-  TP_ASSIGN_OR_RETURN(md.normed_, Alloc(rows * h * 2, "normed"));
-  TP_ASSIGN_OR_RETURN(md.qkv_out_, Alloc(m * qkv_n * 2, "qkv_out"));
-  TP_ASSIGN_OR_RETURN(md.attn_, Alloc(m * attn_n * 2, "attn"));
-  TP_ASSIGN_OR_RETURN(md.gate_up_out_, Alloc(m * 2 * inter_l * 2, "gate_up_out"));
-  TP_ASSIGN_OR_RETURN(md.full_, Alloc(m * h * 2, "full_normed"));
-  TP_ASSIGN_OR_RETURN(md.last_, Alloc(seqs * h * 2, "last_rows"));
-  TP_ASSIGN_OR_RETURN(md.logits_local_, Alloc(seqs * vocab_l * 2, "logits_local"));
-  TP_ASSIGN_OR_RETURN(md.logits_all_, Alloc(tp * seqs * vocab_l * 2, "logits_all"));
-  TP_ASSIGN_OR_RETURN(md.lm_gemm_, CublasLtGemm::Create("lm_head"));
-  spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank, tp,
-               md.layers_.size(), md.weight_bytes_ / 1048576.0, comm.device());
+Status CudaModel::SetScales(Linear* out, float input_scale, float weight_scale,
+                            const std::string& name) {
+  TP_ASSIGN_OR_RETURN(out->scales, DeviceBuffer::Allocate(8 * sizeof(float), name + ".scales"));
+  const float s[8] = {input_scale, 0, 0, 0, weight_scale, 0, 0, 0};
+  TP_CUDA_CHECK(cudaMemcpy(out->scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& config,
+                                                             DataType dtype, uint64_t seed,
+                                                             const OverlapConfig* overlap,
+                                                             NcclCommPool& pool,
+                                                             const CudaModelOptions& options) {
+  TP_ASSIGN_OR_RETURN(auto model, NewShell(config, dtype, overlap, pool, options));
+  CudaModel& md = *model;
+  const ModelConfig& c = config;
+  const int tp = md.tp_;
+  const int64_t h = c.hidden_size, hd = c.head_dim();
+  cudaStream_t st = md.stream_.get();
+  // Weights ~ U(-a, a) with a = 0.02 * sqrt(3) (std 0.02, as HF initialises
+  // Llama); FP8 holds uniform codes in [-448, 448) with the matching
+  // dequantization scale. Every tensor of every rank gets its own seed.
+  const float a = 0.02f * std::sqrt(3.0f);
+  uint64_t next_seed = seed * 1000003u + static_cast<uint64_t>(md.rank_) * 7919u;
+  auto random = [&](DeviceBuffer* buf, DataType type, int64_t count, float scale,
+                    const std::string& name) -> Status {
+    TP_ASSIGN_OR_RETURN(*buf, Alloc(count * static_cast<int64_t>(DataTypeSize(type)), name));
+    md.weight_bytes_ += buf->size();
+    return LaunchRandomUniform(buf->data(), type, static_cast<size_t>(count), next_seed++, scale,
+                               st);
+  };
+  auto ones = [&](DeviceBuffer* buf, const std::string& name) -> Status {
+    TP_ASSIGN_OR_RETURN(*buf, Alloc(h * 2, name));
+    return LaunchFillPattern(buf->data(), static_cast<size_t>(h), 2, 0x3F80u, st);  // BF16 1.0
+  };
+  auto linear = [&](Linear* out, int64_t n, int64_t k, const std::string& name) -> Status {
+    out->n = n;
+    out->k = k;
+    const bool fp8 = dtype == DataType::kFloat8E4M3;
+    TP_RETURN_IF_ERROR(random(&out->w, dtype, n * k, fp8 ? 448.0f : a, name + ".weight"));
+    return md.SetScales(out, 8.0f / 448.0f, fp8 ? a / 448.0f : 1.0f, name);
+  };
+  TP_RETURN_IF_ERROR(random(&md.embed_, DataType::kBFloat16, c.vocab_size * h, 1.0f, "embed"));
+  TP_RETURN_IF_ERROR(ones(&md.final_norm_, "final_norm"));
+  TP_RETURN_IF_ERROR(
+      random(&md.lm_head_, DataType::kBFloat16, c.vocab_size / tp * h, a, "lm_head"));
+  const int64_t qkv_n = (c.num_attention_heads + 2 * c.num_key_value_heads) / tp * hd;
+  for (size_t l = 0; l < md.layers_.size(); ++l) {
+    Layer& dl = md.layers_[l];
+    const std::string p = "layers." + std::to_string(l);
+    TP_RETURN_IF_ERROR(ones(&dl.input_norm, p + ".input_norm"));
+    TP_RETURN_IF_ERROR(ones(&dl.post_norm, p + ".post_norm"));
+    TP_RETURN_IF_ERROR(linear(&dl.qkv, qkv_n, h, p + ".attn.qkv"));
+    TP_RETURN_IF_ERROR(linear(&dl.o, h, c.num_attention_heads / tp * hd, p + ".attn.o"));
+    TP_RETURN_IF_ERROR(linear(&dl.gate_up, 2 * c.intermediate_size / tp, h, p + ".mlp.gate_up"));
+    TP_RETURN_IF_ERROR(linear(&dl.down, h, c.intermediate_size / tp, p + ".mlp.down"));
+  }
+  TP_RETURN_IF_ERROR(md.stream_.Synchronize());
+  TP_RETURN_IF_ERROR(md.AllocateActivations());
   return model;
 }
 
@@ -424,7 +504,7 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   TP_CUDA_CHECK(
       cudaMemcpyAsync(cu_seqlens_.data(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice, st));
 
-  auto graph = graphs_.find(m);
+  auto graph = graphs_.find({overlap_, m});
   if (graph != graphs_.end()) {
     TP_RETURN_IF_ERROR(graph->second.Launch(st));
   } else {
@@ -439,7 +519,7 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
     TP_ASSIGN_OR_RETURN(
         CudaGraphExec exec,
         CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, [&] { return Enqueue(m); }));
-    graphs_.emplace(m, std::move(exec));
+    graphs_.emplace(std::make_pair(overlap_, m), std::move(exec));
   }
 
   const RowRange shard = ShardRows(m, tp_, rank_);
@@ -463,6 +543,8 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   }
   return logits;
 }
+
+void CudaModel::SetOverlap(const OverlapConfig* overlap) { overlap_ = overlap; }
 
 Status CudaModel::WarmUp() {
   // A batch that fills each bucket: plans, eager run, capture (collective).

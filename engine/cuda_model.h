@@ -39,6 +39,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/cuda_resources.h"
@@ -72,6 +73,16 @@ class CudaModel {
                                                      const OverlapConfig* overlap,
                                                      NcclCommPool& pool,
                                                      const CudaModelOptions& options = {});
+  // The same model with random weights generated on the device (seconds,
+  // also for llama3-70b shapes, where host-side generation and upload would
+  // take minutes): norms 1, weights ~ U(-0.035, 0.035) (std 0.02), FP8 input
+  // scales 8/448. Not the weights MakeRandomRankWeights draws: for benchmarks
+  // and load tests, not for comparisons with the CPU model.
+  static StatusOr<std::unique_ptr<CudaModel>> CreateRandom(const ModelConfig& config,
+                                                           DataType dtype, uint64_t seed,
+                                                           const OverlapConfig* overlap,
+                                                           NcclCommPool& pool,
+                                                           const CudaModelOptions& options = {});
   ~CudaModel();
 
   // Logits [sequences, vocab] of the last token of every sequence, on every
@@ -84,6 +95,13 @@ class CudaModel {
 
   const std::vector<int64_t>& buckets() const { return buckets_; }
 
+  // Switches every layer's overlap settings (may be null: mode none; must
+  // outlive the model). Graphs are kept per (settings, bucket), so switching
+  // back and forth captures each once. For benchmarks comparing
+  // configurations on one set of weights. Collective (all ranks alike); not
+  // while a Forward runs.
+  void SetOverlap(const OverlapConfig* overlap);
+
   const ModelConfig& config() const { return config_; }
   // Device memory held (weights, activations, TP layers).
   size_t device_bytes() const;
@@ -93,6 +111,13 @@ class CudaModel {
 
  private:
   CudaModel() = default;
+  // Validates, and sets up everything but the weights and activations.
+  static StatusOr<std::unique_ptr<CudaModel>> NewShell(const ModelConfig& config, DataType dtype,
+                                                       const OverlapConfig* overlap,
+                                                       NcclCommPool& pool,
+                                                       const CudaModelOptions& options);
+  Status AllocateActivations();
+  Status SetScales(Linear* out, float input_scale, float weight_scale, const std::string& name);
   // The TP layer for (name, op, global n, k) at padded M `m`, made on first use.
   StatusOr<CudaLinear*> LayerFor(const std::string& name, OverlapOp op, int64_t n_global,
                                  int64_t k_global, int64_t n_local, int64_t k_local, int64_t m);
@@ -124,7 +149,7 @@ class CudaModel {
   std::map<std::string, std::unique_ptr<CudaLinear>> linears_;  // by op/shape/knobs
   size_t weight_bytes_ = 0;
   // Last member: destroyed first, before the layers and buffers it uses.
-  std::map<int64_t, CudaGraphExec> graphs_;  // by bucket
+  std::map<std::pair<const OverlapConfig*, int64_t>, CudaGraphExec> graphs_;  // by settings, bucket
 };
 
 // Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random

@@ -40,6 +40,7 @@ struct ServeFlags {
   int64_t max_queue_size = 1024;
   int64_t max_batch_sequences = 256;
   double rank_timeout_s = 300;
+  bool device_random_weights = false;
   int64_t max_tokens_per_request = 4096;
   double exit_timeout_s = 30;
   std::string tls_cert, tls_key, tls_client_ca;
@@ -79,6 +80,7 @@ CudaEngineOptions CudaOptions(const ServeFlags& f, const ModelConfig& config, bo
   eo.model.max_tokens = f.max_batch_tokens;
   eo.model.max_seqs = f.max_batch_sequences;
   eo.timeout = std::chrono::milliseconds(static_cast<int64_t>(f.rank_timeout_s * 1000));
+  eo.device_random_weights = f.device_random_weights;
   return eo;
 }
 #endif
@@ -107,6 +109,7 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelCo
       eo.worker_argv.push_back(flag);
       eo.worker_argv.push_back(value);
     }
+    if (f.device_random_weights) eo.worker_argv.push_back("--device-random-weights");
     if (!f.overlap_config.empty()) {
       eo.worker_argv.push_back("--overlap-config");
       eo.worker_argv.push_back(f.overlap_config);
@@ -300,6 +303,10 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                   "(then every request gets UNAVAILABLE and health turns NOT_SERVING)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  cmd->add_flag("--device-random-weights", f->device_random_weights,
+                "cuda, preset models: generate the random weights on the GPUs (seconds, also "
+                "for llama3-70b) instead of on the host (what the CPU backend uses, so logits "
+                "compare; minutes for large models)");
   cmd->add_option("--max-queue-delay-us", f->max_queue_delay_us,
                   "Longest wait for batch-mates, microseconds")
       ->check(CLI::NonNegativeNumber)
@@ -344,6 +351,8 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                    "As serve --max-batch-sequences")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  wcmd->add_flag("--device-random-weights", w->device_random_weights,
+                 "As serve --device-random-weights");
   wcmd->add_option("--rank-timeout-s", w->rank_timeout_s, "As serve --rank-timeout-s")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

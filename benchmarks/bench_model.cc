@@ -1,0 +1,251 @@
+// tpserve-bench-model: prefill throughput of the CUDA model (engine/cuda_model.h)
+// on this host's GPUs, ranks as threads, with each overlap setting side by side
+// on one set of random weights (generated on the GPUs).
+//
+// For every --batches entry (SEQSxLEN: SEQS sequences of LEN tokens) and
+// every overlap setting (none, and each --overlap FILE), the model runs the
+// batch once (planning the layers, capturing the bucket's CUDA graph), then
+// --rounds more times, settings interleaved round by round; each round is
+// timed on the host around Forward() (upload of the batch, graph replay,
+// download of the logits: what a server pays per batch) after lining the
+// ranks up with a barrier. Writes one JSON record per (batch, setting) with
+// the schema of benchmarks/README.md's model section (impl "tpserve").
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comm/nccl_thread_group.h"
+#include "engine/cuda_model.h"
+#include "engine/model_config.h"
+#include "layers/overlap_config.h"
+
+namespace tpserve {
+namespace {
+
+using json = nlohmann::json;
+
+struct Flags {
+  std::string model = "llama3-70b";
+  int layers = 8;  // blocks to build (0 = the model's own count)
+  int tp = 2;
+  std::string dtype = "fp8";
+  std::vector<std::string> batches = {"8x1024", "16x1024"};
+  std::vector<std::string> overlaps;  // overlap config files, besides mode none
+  int warmup = 2;
+  int rounds = 10;
+  uint64_t seed = 7;
+  std::string out = "model.json";
+  std::string commit = "unknown";
+};
+
+struct BatchShape {
+  int64_t seqs = 0, len = 0;
+};
+
+StatusOr<BatchShape> ParseBatch(const std::string& text) {
+  BatchShape b;
+  char x = 0;
+  std::istringstream in(text);
+  if (!(in >> b.seqs >> x >> b.len) || x != 'x' || !in.eof() || b.seqs < 1 || b.len < 1) {
+    return InvalidArgumentError("--batches: '" + text + "' is not SEQSxLEN (e.g. 8x1024)");
+  }
+  return b;
+}
+
+TokenBatch MakeBatch(const BatchShape& b, int64_t vocab, uint64_t seed) {
+  TokenBatch t;
+  t.cu_seqlens.push_back(0);
+  for (int64_t s = 0; s < b.seqs; ++s) {
+    for (int64_t i = 0; i < b.len; ++i) {
+      t.ids.push_back(static_cast<int32_t>((seed + 7919 * (s * b.len + i)) % vocab));
+      t.positions.push_back(static_cast<int32_t>(i));
+    }
+    t.cu_seqlens.push_back(static_cast<int32_t>(t.ids.size()));
+  }
+  return t;
+}
+
+json Stats(std::vector<double> t) {
+  std::sort(t.begin(), t.end());
+  const size_t n = t.size();
+  auto q = [&](double p) {
+    const double pos = p * static_cast<double>(n - 1);
+    const size_t lo = static_cast<size_t>(pos);
+    const size_t hi = std::min(lo + 1, n - 1);
+    return t[lo] + (t[hi] - t[lo]) * (pos - static_cast<double>(lo));
+  };
+  double mean = 0;
+  for (double v : t) mean += v;
+  mean /= static_cast<double>(n);
+  return json{{"median_ms", q(0.5)}, {"min_ms", t.front()},         {"max_ms", t.back()},
+              {"mean_ms", mean},     {"iqr_ms", q(0.75) - q(0.25)}, {"rounds", n}};
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{
+      "tpserve-bench-model: prefill tokens/s of the CUDA model (random weights generated on the "
+      "GPUs) with mode none and each --overlap config, side by side; writes JSON records"};
+  app.add_option("--model", f.model, "Preset: tiny, llama3-8b, llama3-70b")
+      ->check(CLI::IsMember({"tiny", "llama3-8b", "llama3-70b"}))
+      ->capture_default_str();
+  app.add_option("--layers", f.layers,
+                 "Transformer blocks to build (0 = all of the preset's); fewer than the full "
+                 "model when the weights would not fit")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs, one thread each)")
+      ->capture_default_str();
+  app.add_option("--dtype", f.dtype, "Weights and activations of the TP layers: fp8 or bf16")
+      ->check(CLI::IsMember({"fp8", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--batches", f.batches, "Batch shapes SEQSxLEN (sequences x tokens each)")
+      ->capture_default_str();
+  app.add_option("--overlap", f.overlaps,
+                 "Overlap config files (YAML) to time besides mode none (e.g. "
+                 "deploy/overlap-llama3-70b-tp2.yaml)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--warmup", f.warmup, "Untimed rounds after the capture")->capture_default_str();
+  app.add_option("--rounds", f.rounds, "Timed rounds per (batch, setting)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seed", f.seed, "Seed of the random weights and token ids")
+      ->capture_default_str();
+  app.add_option("--out", f.out, "JSON output")->capture_default_str();
+  app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto preset = ModelPreset(f.model);
+  if (!preset.ok()) {
+    spdlog::error("{}", preset.status().ToString());
+    return 2;
+  }
+  ModelConfig config = *preset;
+  if (f.layers > 0)
+    config.num_hidden_layers = std::min<int64_t>(f.layers, config.num_hidden_layers);
+  std::vector<BatchShape> shapes;
+  int64_t max_tokens = 0, max_seqs = 0;
+  for (const std::string& b : f.batches) {
+    auto s = ParseBatch(b);
+    if (!s.ok()) {
+      spdlog::error("{}", s.status().ToString());
+      return 2;
+    }
+    shapes.push_back(*s);
+    max_tokens = std::max(max_tokens, s->seqs * s->len);
+    max_seqs = std::max(max_seqs, s->seqs);
+  }
+  // Settings: mode none, then each config file.
+  std::vector<std::string> names = {"none"};
+  std::vector<std::unique_ptr<OverlapConfig>> configs;
+  configs.push_back(nullptr);
+  for (const std::string& path : f.overlaps) {
+    auto cfg = OverlapConfig::LoadFile(path);
+    if (!cfg.ok()) {
+      spdlog::error("{}", cfg.status().ToString());
+      return 2;
+    }
+    configs.push_back(std::make_unique<OverlapConfig>(std::move(cfg).value()));
+    names.push_back(path);
+  }
+
+  auto group = NcclThreadGroup::Create(f.tp);
+  if (!group.ok()) {
+    spdlog::error("{}", group.status().ToString());
+    return 1;
+  }
+  const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  CudaModelOptions options;
+  options.max_tokens = max_tokens;
+  options.max_seqs = max_seqs;
+  for (const BatchShape& b : shapes) options.buckets.push_back(b.seqs * b.len);
+
+  // times[batch][setting]
+  std::vector<std::vector<std::vector<double>>> times(
+      shapes.size(), std::vector<std::vector<double>>(configs.size()));
+  Status s = (*group)->Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(config, dtype, f.seed, nullptr,
+                                                            (*group)->pool(r), options));
+    NcclCommunicator& comm = (*group)->pool(r).base();
+    for (size_t b = 0; b < shapes.size(); ++b) {
+      const TokenBatch batch = MakeBatch(shapes[b], config.vocab_size, f.seed);
+      for (int round = -1 - f.warmup; round < f.rounds; ++round) {
+        for (size_t c = 0; c < configs.size(); ++c) {
+          // Each setting's first run of this batch captures its graph.
+          model->SetOverlap(configs[c].get());
+          if (round == -1 - f.warmup && r == 0) {
+            spdlog::info("{} tokens ({}x{}): setting {}", shapes[b].seqs * shapes[b].len,
+                         shapes[b].seqs, shapes[b].len, names[c]);
+          }
+          TP_RETURN_IF_ERROR(comm.Barrier());
+          const auto t0 = std::chrono::steady_clock::now();
+          TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(batch));
+          const double ms =
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                  .count();
+          if (round >= 0 && r == 0) times[b][c].push_back(ms);
+        }
+      }
+    }
+    return Status::Ok();
+  });
+  if (!s.ok()) {
+    spdlog::error("{}", s.ToString());
+    return 1;
+  }
+  json out{{"meta",
+            {{"commit", f.commit},
+             {"model", f.model},
+             {"layers", config.num_hidden_layers},
+             {"tp", f.tp},
+             {"dtype", f.dtype}}},
+           {"records", json::array()}};
+  for (size_t b = 0; b < shapes.size(); ++b) {
+    for (size_t c = 0; c < configs.size(); ++c) {
+      const int64_t tokens = shapes[b].seqs * shapes[b].len;
+      json rec{{"impl", "tpserve"},
+               {"method", c == 0 ? "none" : "overlap_config"},
+               {"overlap_config", names[c]},
+               {"model", f.model},
+               {"layers", config.num_hidden_layers},
+               {"tp", f.tp},
+               {"dtype", f.dtype},
+               {"seqs", shapes[b].seqs},
+               {"seq_len", shapes[b].len},
+               {"tokens", tokens}};
+      rec.update(Stats(times[b][c]));
+      rec["tokens_per_sec"] = tokens / (rec["median_ms"].get<double>() / 1000.0);
+      spdlog::info("{:>6} tokens ({}x{}) {:40} median {:.3f} ms  {:.0f} tokens/s", tokens,
+                   shapes[b].seqs, shapes[b].len, names[c], rec["median_ms"].get<double>(),
+                   rec["tokens_per_sec"].get<double>());
+      out["records"].push_back(rec);
+    }
+  }
+  std::ofstream file(f.out);
+  file << out.dump(1) << "\n";
+  if (!file) {
+    spdlog::error("cannot write {}", f.out);
+    return 1;
+  }
+  spdlog::info("wrote {} records to {}", out["records"].size(), f.out);
+  return 0;
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main(int argc, char** argv) { return tpserve::Main(argc, argv); }

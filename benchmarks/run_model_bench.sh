@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On the GPU host, after staging tpserve-bench-model: the CUDA model's prefill
+# throughput with mode none and the tuned overlap config, and the PyTorch
+# model on the same shapes, in one call; merged into one results file.
+#   COMMIT=<sha> bash benchmarks/run_model_bench.sh
+# Knobs: MODEL (llama3-70b), LAYERS (8), BATCHES ("8x1024 16x1024"), ROUNDS (10),
+# OVERLAP (deploy/overlap-llama3-70b-tp2.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s).
+set -uo pipefail
+out=${OUT:-gpu-out}; mkdir -p "$out"
+source .gpu/env.sh
+commit=${COMMIT:-unknown}
+model=${MODEL:-llama3-70b}
+layers=${LAYERS:-8}
+batches=${BATCHES:-8x1024 16x1024}
+rounds=${ROUNDS:-10}
+overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}
+date=$(date -u +%Y-%m-%d)
+rc=0
+ours=".gpu/bin/tpserve-bench-model --model $model --layers $layers --batches $batches --rounds $rounds --overlap $overlap --commit $commit"
+peer="python3 benchmarks/torch_model.py --model $model --layers $layers --batches $batches --rounds $rounds"
+echo "== $ours"
+timeout ${BENCH_TIMEOUT:-300} $ours --out /tmp/model-ours.json 2>&1 | tee "$out/model-bench.log" | grep -E "tokens/s|error" || rc=1
+echo "== $peer"
+PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-300} $peer --out /tmp/model-peer.json 2>&1 | tee -a "$out/model-bench.log" | grep -E "tokens/s|fatal|Error" || rc=1
+python3 - "$out/$date-model-$model-tp2.json" "$commit" "$ours ; $peer" <<'PY' || rc=1
+import json, sys
+path, commit, command = sys.argv[1:4]
+docs = [json.load(open(p)) for p in ("/tmp/model-ours.json", "/tmp/model-peer.json")]
+meta = dict(docs[0]["meta"], torch=docs[1]["meta"].get("torch"), commit=commit, command=command)
+records = docs[0]["records"] + docs[1]["records"]
+json.dump({"meta": meta, "records": records}, open(path, "w"), indent=1)
+print("wrote %s (%d records)" % (path, len(records)))
+by = {}
+for r in records:
+    by.setdefault(r["tokens"], {})[r.get("overlap_config") or r["method"]] = r["tokens_per_sec"]
+for tokens, v in sorted(by.items()):
+    none = v.get("none"); torch = v.get("torch_eager")
+    tuned = max((x for k, x in v.items() if k not in ("none", "torch_eager")), default=None)
+    def ratio(a, b):
+        return "%.3f" % (a / b) if a and b else "n/a"
+    print("%6d tokens: none %s, tuned %s, torch %s tokens/s; tuned/none %s (goal >= 1.10), "
+          "tuned/torch %s (goal >= 1.3)" % (tokens, none and round(none), tuned and round(tuned),
+                                            torch and round(torch), ratio(tuned, none),
+                                            ratio(tuned, torch)))
+PY
+exit $rc
