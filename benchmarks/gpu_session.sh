@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One GPU-host session's checks in a fixed order, each bounded in time, logs
+# under $OUT (the device tool's folder). Run from the repo root after staging
+#   ../shared/tools/stage-for-gpu-host .gpu build/bin/tpserve_gpu_tests \
+#       build/bin/tpserve build/bin/tpserve-bench build/bin/tpserve-bench-model \
+#       build/bin/tpserve-loadtest
+# as: bash benchmarks/gpu_session.sh PART   (one device call per part, each
+# under the 10-minute limit of a call):
+#   tests   GPU tests (enabled ones; then the disabled copy-engine tests on
+#           their own, bounded), `tpserve layer` in the multi-process model,
+#           `tpserve run --backend cuda` vs the CPU backend, the serve test
+#   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh)
+#   model   the model benchmark with PyTorch (run_model_bench.sh)
+#   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
+#           GPUs) under a tpserve-loadtest concurrency sweep
+set -uo pipefail
+part=${1:?usage: gpu_session.sh tests|overlap|model|load}
+out=${OUT:-gpu-out}; mkdir -p "$out"
+source .gpu/env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+commit=${COMMIT:-unknown}
+rc=0
+case "$part" in
+  tests)
+    { nvidia-smi; nvidia-smi topo -m; } > "$out/nvidia-smi.txt" 2>&1
+    echo "== gpu tests"
+    timeout 240 .gpu/bin/tpserve_gpu_tests > "$out/gpu_tests.log" 2>&1 || rc=1
+    grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_tests.log" | tail -20
+    echo "== disabled copy-engine tests (single process)"
+    timeout 90 .gpu/bin/tpserve_gpu_tests --gtest_also_run_disabled_tests \
+      --gtest_filter='GpuLinearTest.DISABLED_*' > "$out/gpu_ce_tests.log" 2>&1
+    echo "exit $?"; grep -E "^\[ +(OK|FAILED) " "$out/gpu_ce_tests.log"
+    echo "== tpserve layer, one process per GPU"
+    timeout 90 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
+    echo "== tpserve run --backend cuda vs cpu (tiny)"
+    timeout 120 .gpu/bin/tpserve run --model tiny --tp 2 --backend cuda --ids 5,6,7,8 --json \
+      > "$out/run_cuda.json" 2> "$out/run_cuda.log" || rc=1
+    timeout 120 .gpu/bin/tpserve run --model tiny --tp 2 --backend cpu --ids 5,6,7,8 --json \
+      > "$out/run_cpu.json" 2>/dev/null || rc=1
+    python3 - "$out/run_cuda.json" "$out/run_cpu.json" <<'PY' || rc=1
+import json, math, sys
+g, c = (json.load(open(p)) for p in sys.argv[1:3])
+num = sum((a - b) ** 2 for a, b in zip(g["logits"], c["logits"]))
+den = sum(b * b for b in c["logits"])
+print("next token cuda %d cpu %d; logits rel_frobenius %.3g" % (
+    g["next_token_id"], c["next_token_id"], math.sqrt(num / den)))
+PY
+    if python3 -c "import grpc" 2>/dev/null; then
+      echo "== serve --backend cuda (gRPC, killed worker)"
+      (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 300 \
+        python3 -m unittest -v gpu_serve_test) > "$out/serve_cuda.log" 2>&1 || rc=1
+      tail -5 "$out/serve_cuda.log"
+    else
+      echo "no python grpc on this host: serve test skipped"
+    fi
+    ;;
+  overlap)
+    COMMIT=$commit PRESETS=llama70b DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} \
+      METHODS="gemm_only comm_only none pipeline ring auto ring_ce pipeline_ce layer_gemm" \
+      TEST_TIMEOUT=1 NCCL_TEST_TIMEOUT=1 SKIP_TESTS=1 BENCH_TIMEOUT=240 PEER_TIMEOUT=200 \
+      bash benchmarks/run_overlap_bench.sh || rc=1
+    ;;
+  model)
+    COMMIT=$commit bash benchmarks/run_model_bench.sh || rc=1
+    ;;
+  load)
+    echo "== serve llama3-70b (cuda, device random weights) + loadtest"
+    .gpu/bin/tpserve serve --model llama3-70b --tp 2 --backend cuda --device-random-weights \
+      --overlap-config deploy/overlap-llama3-70b-tp2.yaml --grpc-port 8001 --metrics-port 0 \
+      --max-batch-tokens 8192 --max-tokens-per-request 1024 > "$out/serve.out" 2> "$out/serve.log" &
+    pid=$!
+    for _ in $(seq 1 240); do grep -q "gRPC port" "$out/serve.out" 2>/dev/null && break; sleep 1; done
+    timeout 300 .gpu/bin/tpserve-loadtest -u 127.0.0.1:8001 -m llama3-70b \
+      --concurrency-range 4:64:20 --prompt-len 1024 --duration 5 --warmup 2 --max-trials 2 \
+      --json "$out/loadtest-llama3-70b.json" > "$out/loadtest.log" 2>&1 || rc=1
+    tail -15 "$out/loadtest.log"
+    python3 benchmarks/render_loadtest.py "$out/loadtest-llama3-70b.json" \
+      --png "$out/loadtest-llama3-70b.png" || rc=1
+    kill -TERM $pid; wait $pid; echo "serve exit $?"
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
+exit $rc
