@@ -144,6 +144,7 @@ StatusOr<RankInfo> FromLwsVars(const EnvLookup& env) {
   info.world_size = group_size * gpus_per_node;
   info.rank = index * gpus_per_node;
   info.local_rank = 0;
+  info.spawn_local = gpus_per_node - 1;
   return info;
 }
 
@@ -480,13 +481,26 @@ StatusOr<RendezvousAddress> RendezvousAddressFromEnv(const EnvLookup& env) {
 
 StatusOr<std::vector<pid_t>> SpawnLocalWorkers(const std::vector<std::string>& argv, int world_size,
                                                const ncclUniqueId& id) {
+  if (world_size < 1) {
+    return InvalidArgumentError("SpawnLocalWorkers: world_size " + std::to_string(world_size) +
+                                " < 1");
+  }
+  std::vector<int> ranks;
+  for (int r = 1; r < world_size; ++r) ranks.push_back(r);
+  return SpawnWorkers(argv, world_size, ranks, id);
+}
+
+StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, int world_size,
+                                          const std::vector<int>& ranks, const ncclUniqueId& id) {
   if (argv.empty() || argv[0].empty()) {
     return InvalidArgumentError(
         "SpawnLocalWorkers: argv is empty (argv[0] must be the executable)");
   }
-  if (world_size < 1) {
-    return InvalidArgumentError("SpawnLocalWorkers: world_size " + std::to_string(world_size) +
-                                " < 1");
+  for (int rank : ranks) {
+    if (rank < 1 || rank >= world_size) {
+      return InvalidArgumentError("SpawnWorkers: rank " + std::to_string(rank) + " outside [1, " +
+                                  std::to_string(world_size) + ")");
+    }
   }
   std::vector<char*> args;
   args.reserve(argv.size() + 1);
@@ -501,9 +515,10 @@ StatusOr<std::vector<pid_t>> SpawnLocalWorkers(const std::vector<std::string>& a
   const std::string world_var = std::string(kEnvWorldSize) + "=" + std::to_string(world_size);
 
   std::vector<pid_t> pids;
-  for (int rank = 1; rank < world_size; ++rank) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int rank = ranks[i];
     std::vector<std::string> own = {std::string(kEnvRank) + "=" + std::to_string(rank),
-                                    std::string(kEnvLocalRank) + "=" + std::to_string(rank),
+                                    std::string(kEnvLocalRank) + "=" + std::to_string(i + 1),
                                     world_var, id_var};
     std::vector<char*> envp;
     envp.reserve(base_env.size() + own.size() + 1);
@@ -525,6 +540,36 @@ StatusOr<std::vector<pid_t>> SpawnLocalWorkers(const std::vector<std::string>& a
     pids.push_back(pid);
   }
   return pids;
+}
+
+StatusOr<LaunchPlan> PlanLaunch(const StatusOr<RankInfo>& info, int tp) {
+  LaunchPlan plan;
+  plan.world_size = tp;
+  if (!info.ok()) {
+    if (info.status().code() != StatusCode::kNotFound) return info.status();
+    for (int r = 1; r < tp; ++r) plan.spawn_ranks.push_back(r);  // a single node
+    return plan;
+  }
+  if (info->world_size != tp) {
+    return InvalidArgumentError("the launcher's world size (" + info->source + ": " +
+                                std::to_string(info->world_size) + " ranks) is not --tp " +
+                                std::to_string(tp));
+  }
+  plan.rank = info->rank;
+  plan.local_rank = info->local_rank;
+  plan.role = info->rank == 0 ? LaunchPlan::Role::kLeader : LaunchPlan::Role::kWorker;
+  if (info->source == "tpserve") {
+    plan.id_from_env = true;  // started by SpawnWorkers, which spawns the node's ranks
+    return plan;
+  }
+  for (int i = 1; i <= info->spawn_local; ++i) plan.spawn_ranks.push_back(info->rank + i);
+  const int launched = tp / (info->spawn_local + 1);  // processes the launcher started
+  if (info->rank == 0) {
+    plan.serve_id_clients = launched - 1;
+  } else {
+    plan.fetch_id = true;
+  }
+  return plan;
 }
 
 // ---- rendezvous ------------------------------------------------------------------

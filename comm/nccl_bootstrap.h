@@ -75,6 +75,11 @@ struct RankInfo {
   int local_rank = 0;
   // Which launcher's variables were read: "tpserve", "mpirun" or "lws".
   std::string source;
+  // Ranks this process must start itself on its node, as ranks rank+1 ..
+  // rank+spawn_local with local ranks 1 .. spawn_local: a LeaderWorkerSet pod
+  // runs one process for its TPSERVE_GPUS_PER_NODE GPUs (spawn_local =
+  // gpus_per_node - 1); mpirun starts every rank itself (0).
+  int spawn_local = 0;
 };
 
 // Reads the rank from the first of these sets of variables that is present
@@ -108,6 +113,37 @@ inline constexpr const char* kEnvNcclId = "TPSERVE_NCCL_ID";
 StatusOr<ncclUniqueId> UniqueIdFromEnv(const EnvLookup& env = ProcessEnv());
 
 // ---------------------------------------------------------------------------
+// Launch plan: what one process of a tensor-parallel group does at start.
+
+struct LaunchPlan {
+  enum class Role {
+    kLeader,  // rank 0: serves clients, drives the batches
+    kWorker,  // rank > 0: runs the worker loop
+  };
+  Role role = Role::kLeader;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;            // the CUDA device of this process
+  std::vector<int> spawn_ranks;  // global ranks this process starts on its node (local 1, 2, ...)
+  bool id_from_env = false;      // the id is in TPSERVE_NCCL_ID (a parent started us)
+  bool fetch_id = false;         // fetch the id from rank 0's rendezvous
+  int serve_id_clients = 0;      // rank 0: processes that will fetch the id over TCP
+};
+
+// The plan for a group of `tp` ranks, from RankInfoFromEnv()'s result:
+//  - NOT_FOUND (no launcher): a single node, this process is rank 0 and
+//    starts ranks 1..tp-1 itself (SpawnLocalWorkers).
+//  - tpserve's variables: a worker a parent started (the id is in the
+//    environment); spawns nothing.
+//  - mpirun / LeaderWorkerSet: rank 0 leads and hands the id to the other
+//    launcher-started processes over TCP (ServeUniqueId); every other one
+//    fetches it (FetchUniqueId); each starts its node's extra ranks
+//    (RankInfo::spawn_local).
+// INVALID_ARGUMENT when the launcher's world size is not `tp`; other errors of
+// `info` are returned as they are.
+StatusOr<LaunchPlan> PlanLaunch(const StatusOr<RankInfo>& info, int tp);
+
+// ---------------------------------------------------------------------------
 // Single node: rank 0 starts ranks 1..world_size-1
 
 // Starts world_size-1 processes with posix_spawn: argv[0] is the executable's
@@ -121,6 +157,11 @@ StatusOr<ncclUniqueId> UniqueIdFromEnv(const EnvLookup& env = ProcessEnv());
 // returned. world_size == 1 starts nothing.
 StatusOr<std::vector<pid_t>> SpawnLocalWorkers(const std::vector<std::string>& argv, int world_size,
                                                const ncclUniqueId& id);
+
+// The general form: starts global ranks `ranks` (local ranks 1, 2, ... in
+// that order) of a world of world_size, with the same environment rules.
+StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, int world_size,
+                                          const std::vector<int>& ranks, const ncclUniqueId& id);
 
 // ---------------------------------------------------------------------------
 // Several nodes: a TCP rendezvous that only hands out the unique id

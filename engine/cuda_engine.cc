@@ -120,15 +120,39 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
   if (options.tp > 1 && options.worker_argv.empty()) {
     return InvalidArgumentError("CudaEngine with tp > 1 needs worker_argv");
   }
+  if (!options.launch) {
+    TP_ASSIGN_OR_RETURN(options.launch, PlanLaunch(NotFoundError("single node"), options.tp));
+  }
+  if (options.launch->role != LaunchPlan::Role::kLeader) {
+    return InvalidArgumentError("CudaEngine::Start runs rank 0; this process is rank " +
+                                std::to_string(options.launch->rank));
+  }
   auto engine = std::unique_ptr<CudaEngine>(new CudaEngine(std::move(options)));
   const CudaEngineOptions& o = engine->options_;
+  const LaunchPlan& plan = *o.launch;
   ncclUniqueId id{};
   TP_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
-  TP_ASSIGN_OR_RETURN(engine->workers_, SpawnLocalWorkers(o.worker_argv, o.tp, id));
+  // Other nodes' processes fetch the id while this one loads (NCCL's init
+  // waits for them).
+  std::thread id_server;
+  Status served;
+  if (plan.serve_id_clients > 0) {
+    TP_ASSIGN_OR_RETURN(UniqueIdServer server, UniqueIdServer::Listen(o.rendezvous.port));
+    spdlog::info("CudaEngine: handing the NCCL id to {} process(es) on port {}",
+                 plan.serve_id_clients, server.port());
+    id_server = std::thread(
+        [&served, &o, id, clients = plan.serve_id_clients, srv = std::move(server)]() mutable {
+          served = srv.Serve(id, clients, std::chrono::steady_clock::now() + o.timeout);
+        });
+  }
+  auto spawned = SpawnWorkers(o.worker_argv, o.tp, plan.spawn_ranks, id);
+  if (spawned.ok()) engine->workers_ = std::move(spawned).value();
   spdlog::info("CudaEngine: started {} worker process(es); loading rank 0",
                engine->workers_.size());
-  auto rank0 = SetUpRank(o, id, 0, 0);
-  Status ready = rank0.status();
+  auto rank0 =
+      spawned.ok() ? SetUpRank(o, id, 0, plan.local_rank) : StatusOr<RankState>(spawned.status());
+  if (id_server.joinable()) id_server.join();
+  Status ready = rank0.ok() ? served : rank0.status();
   if (ready.ok()) {
     engine->pool_ = std::move(rank0->pool);
     engine->model_ = std::move(rank0->model);
@@ -292,16 +316,34 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
   // Exit with rank 0: a worker must not outlive the server that started it.
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() == 1) return UnavailableError("rank 0 exited before this worker started");
-  TP_ASSIGN_OR_RETURN(RankInfo info, RankInfoFromEnv());
-  TP_ASSIGN_OR_RETURN(ncclUniqueId id, UniqueIdFromEnv());
-  if (info.world_size != options.tp) {
-    return InvalidArgumentError("TPSERVE_WORLD_SIZE=" + std::to_string(info.world_size) +
-                                " but the worker was started with --tp " +
-                                std::to_string(options.tp));
+  LaunchPlan plan;
+  if (options.launch) {
+    plan = *options.launch;
+  } else {
+    TP_ASSIGN_OR_RETURN(plan, PlanLaunch(RankInfoFromEnv(), options.tp));
   }
-  spdlog::info("worker rank {}/{} ({}): loading on GPU {}", info.rank, info.world_size, info.source,
-               info.local_rank);
-  TP_ASSIGN_OR_RETURN(RankState st, SetUpRank(options, id, info.rank, info.local_rank));
+  if (plan.role != LaunchPlan::Role::kWorker) {
+    return InvalidArgumentError("a worker must be rank > 0; this process is rank " +
+                                std::to_string(plan.rank));
+  }
+  ncclUniqueId id{};
+  if (plan.fetch_id) {
+    spdlog::info("worker rank {}: fetching the NCCL id from {}:{}", plan.rank,
+                 options.rendezvous.host, options.rendezvous.port);
+    TP_ASSIGN_OR_RETURN(id, FetchUniqueId(options.rendezvous.host, options.rendezvous.port,
+                                          std::chrono::steady_clock::now() + options.timeout));
+  } else {
+    TP_ASSIGN_OR_RETURN(id, UniqueIdFromEnv());
+  }
+  // This node's other ranks (a LeaderWorkerSet pod with several GPUs); they
+  // die with this process (PR_SET_PDEATHSIG in theirs).
+  std::vector<pid_t> local;
+  if (!plan.spawn_ranks.empty()) {
+    TP_ASSIGN_OR_RETURN(local, SpawnWorkers(options.worker_argv, options.tp, plan.spawn_ranks, id));
+  }
+  spdlog::info("worker rank {}/{}: loading on GPU {}", plan.rank, plan.world_size, plan.local_rank);
+  TP_ASSIGN_OR_RETURN(RankState st, SetUpRank(options, id, plan.rank, plan.local_rank));
+  const RankInfo info{plan.rank, plan.world_size, plan.local_rank, "", 0};
   NcclCommunicator& comm = st.pool->base();
   TP_RETURN_IF_ERROR(comm.Barrier());
   int64_t batches = 0;
@@ -316,6 +358,10 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
   spdlog::info("worker rank {}: stop after {} batches", info.rank, batches);
   st.model.reset();
   st.pool.reset();
+  for (pid_t pid : local) {
+    int status = 0;
+    waitpid(pid, &status, 0);  // they stop on the same stop header
+  }
   return Status::Ok();
 }
 

@@ -28,10 +28,12 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "comm/nccl_bootstrap.h"
 #include "comm/nccl_communicator.h"
 #include "engine/cuda_model.h"
 #include "engine/engine.h"
@@ -54,6 +56,12 @@ struct CudaEngineOptions {
   // e.g. "/proc/self/exe"); RunCudaWorker must be what it runs.
   std::vector<std::string> worker_argv;
   std::chrono::milliseconds timeout = std::chrono::seconds(300);  // any collective
+  // Who this process is (PlanLaunch); the default is rank 0 of a single node
+  // that starts ranks 1..tp-1 itself. Several nodes (mpirun, LeaderWorkerSet):
+  // rank 0 hands the NCCL id to the other launcher-started processes over TCP
+  // on rendezvous.port, and they fetch it from rendezvous.host.
+  std::optional<LaunchPlan> launch;
+  RendezvousAddress rendezvous;
 };
 
 class CudaEngine final : public Engine {
@@ -91,11 +99,13 @@ class CudaEngine final : public Engine {
   std::thread monitor_;
 };
 
-// A worker rank's whole life: reads its rank and the unique id from the
-// environment (TPSERVE_RANK, TPSERVE_WORLD_SIZE, TPSERVE_LOCAL_RANK,
-// TPSERVE_NCCL_ID), loads its shard, then serves rank 0's batches until a
-// stop header. `options` must describe the same model as rank 0's (worker_argv
-// is ignored). OK after a stop; the first error otherwise.
+// A worker rank's whole life: its rank from options.launch (else from the
+// environment: TPSERVE_RANK, TPSERVE_WORLD_SIZE, TPSERVE_LOCAL_RANK), the
+// unique id from TPSERVE_NCCL_ID or rank 0's rendezvous, the node's extra
+// ranks started (LeaderWorkerSet pods with several GPUs), its shard loaded;
+// then it serves rank 0's batches until a stop header. `options` must
+// describe the same model as rank 0's (worker_argv starts the extra ranks).
+// OK after a stop; the first error otherwise.
 Status RunCudaWorker(const CudaEngineOptions& options);
 
 }  // namespace tpserve

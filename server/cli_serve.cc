@@ -73,14 +73,42 @@ Options CommonEngineOptions(const ServeFlags& f, const ModelConfig& config, bool
 }
 
 #if TPSERVE_WITH_CUDA
-// What both rank 0 and the workers build the CUDA engine from.
-CudaEngineOptions CudaOptions(const ServeFlags& f, const ModelConfig& config, bool from_dir,
-                              std::shared_ptr<const OverlapConfig> overlap) {
+// Who this process is in the TP group: from a launcher's environment
+// (mpirun, LeaderWorkerSet, or tpserve's own for spawned ranks), else rank 0
+// of a single node.
+StatusOr<LaunchPlan> LaunchPlanFor(const ServeFlags& f) {
+  return PlanLaunch(RankInfoFromEnv(), f.tp);
+}
+
+// What both rank 0 and the workers build the CUDA engine from, including
+// the command line of the ranks a process starts itself (`tpserve worker`
+// with the same model flags) and the rendezvous address of several nodes.
+StatusOr<CudaEngineOptions> CudaOptions(const ServeFlags& f, const ModelConfig& config,
+                                        bool from_dir,
+                                        std::shared_ptr<const OverlapConfig> overlap) {
   auto eo = CommonEngineOptions<CudaEngineOptions>(f, config, from_dir, std::move(overlap));
   eo.model.max_tokens = f.max_batch_tokens;
   eo.model.max_seqs = f.max_batch_sequences;
   eo.timeout = std::chrono::milliseconds(static_cast<int64_t>(f.rank_timeout_s * 1000));
   eo.device_random_weights = f.device_random_weights;
+  eo.worker_argv = {"/proc/self/exe",     "worker",  "--model", f.model,  "--tp",
+                    std::to_string(f.tp), "--dtype", f.dtype,   "--seed", std::to_string(f.seed)};
+  for (auto [flag, value] : {std::pair<const char*, std::string>{
+                                 "--max-batch-tokens", std::to_string(f.max_batch_tokens)},
+                             {"--max-batch-sequences", std::to_string(f.max_batch_sequences)},
+                             {"--rank-timeout-s", std::to_string(f.rank_timeout_s)}}) {
+    eo.worker_argv.push_back(flag);
+    eo.worker_argv.push_back(value);
+  }
+  if (f.device_random_weights) eo.worker_argv.push_back("--device-random-weights");
+  if (!f.overlap_config.empty()) {
+    eo.worker_argv.push_back("--overlap-config");
+    eo.worker_argv.push_back(f.overlap_config);
+  }
+  TP_ASSIGN_OR_RETURN(eo.launch, LaunchPlanFor(f));
+  if (eo.launch->fetch_id || eo.launch->serve_id_clients > 0) {
+    TP_ASSIGN_OR_RETURN(eo.rendezvous, RendezvousAddressFromEnv());
+  }
   return eo;
 }
 #endif
@@ -91,29 +119,19 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelCo
                                               std::shared_ptr<const OverlapConfig> overlap) {
   std::string backend = f.backend;
 #if TPSERVE_WITH_CUDA
-  if (backend == "auto") backend = CudaDeviceCount() >= f.tp ? "cuda" : "cpu";
-  if (backend == "cuda") {
-    if (CudaDeviceCount() < f.tp) {
+  if (backend != "cpu") {
+    // This node's share of the group: itself and the ranks it starts.
+    TP_ASSIGN_OR_RETURN(LaunchPlan plan, LaunchPlanFor(f));
+    const int needed = plan.local_rank + 1 + static_cast<int>(plan.spawn_ranks.size());
+    if (backend == "auto") backend = CudaDeviceCount() >= needed ? "cuda" : "cpu";
+    if (backend == "cuda" && CudaDeviceCount() < needed) {
       return InvalidArgumentError("--backend cuda --tp " + std::to_string(f.tp) + " needs " +
-                                  std::to_string(f.tp) + " GPUs; this node has " +
+                                  std::to_string(needed) + " GPUs on this node; it has " +
                                   std::to_string(CudaDeviceCount()));
     }
-    CudaEngineOptions eo = CudaOptions(f, config, from_dir, std::move(overlap));
-    // Rank 0 starts the workers as `tpserve worker` with the same model flags.
-    eo.worker_argv = {"/proc/self/exe",     "worker",  "--model", f.model,  "--tp",
-                      std::to_string(f.tp), "--dtype", f.dtype,   "--seed", std::to_string(f.seed)};
-    for (auto [flag, value] : {std::pair<const char*, std::string>{
-                                   "--max-batch-tokens", std::to_string(f.max_batch_tokens)},
-                               {"--max-batch-sequences", std::to_string(f.max_batch_sequences)},
-                               {"--rank-timeout-s", std::to_string(f.rank_timeout_s)}}) {
-      eo.worker_argv.push_back(flag);
-      eo.worker_argv.push_back(value);
-    }
-    if (f.device_random_weights) eo.worker_argv.push_back("--device-random-weights");
-    if (!f.overlap_config.empty()) {
-      eo.worker_argv.push_back("--overlap-config");
-      eo.worker_argv.push_back(f.overlap_config);
-    }
+  }
+  if (backend == "cuda") {
+    TP_ASSIGN_OR_RETURN(CudaEngineOptions eo, CudaOptions(f, config, from_dir, std::move(overlap)));
     spdlog::info("loading {} ({} layers, hidden {}) on the CUDA backend, tp={}", config.name,
                  config.num_hidden_layers, config.hidden_size, f.tp);
     TP_ASSIGN_OR_RETURN(auto engine, CudaEngine::Start(std::move(eo)));
@@ -133,6 +151,8 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelCo
   return std::shared_ptr<Engine>(std::move(engine));
 }
 
+int Worker(const ServeFlags& f);
+
 int Serve(const ServeFlags& f) {
   // Signals are taken by a waiting thread, not a handler: block them in
   // every thread first (threads inherit the mask).
@@ -143,6 +163,22 @@ int Serve(const ServeFlags& f) {
   sigaddset(&signals, SIGUSR1);  // from the engine watcher below: the engine failed
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+#if TPSERVE_WITH_CUDA
+  // Several nodes: the launcher (mpirun, LeaderWorkerSet) starts this same
+  // command on every node; ranks > 0 run the worker loop, not a server.
+  if (f.backend != "cpu") {
+    auto plan = LaunchPlanFor(f);
+    if (!plan.ok()) {
+      spdlog::error("{}", plan.status().ToString());
+      return 2;
+    }
+    if (plan->role == LaunchPlan::Role::kWorker) {
+      spdlog::info("rank {} of {}: a worker of the group (no gRPC server here)", plan->rank,
+                   plan->world_size);
+      return Worker(f);
+    }
+  }
+#endif
   bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
   auto config = LoadModelFlags(f, &from_dir, &overlap);
@@ -240,7 +276,8 @@ int Worker(const ServeFlags& f) {
     spdlog::error("{}", config.status().ToString());
     return 2;
   }
-  Status s = RunCudaWorker(CudaOptions(f, *config, from_dir, overlap));
+  auto options = CudaOptions(f, *config, from_dir, overlap);
+  Status s = options.ok() ? RunCudaWorker(*options) : options.status();
   if (!s.ok()) {
     spdlog::error("worker: {}", s.ToString());
     return 1;

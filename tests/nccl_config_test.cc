@@ -3,6 +3,7 @@
 // addresses, NCCL environment overrides, NcclCommConfig, the TCP unique-id
 // rendezvous on 127.0.0.1, and SpawnLocalWorkers.
 #include <arpa/inet.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -157,6 +158,90 @@ TEST(RankInfoFromEnvTest, MpirunVariables) {
   EXPECT_EQ(r->world_size, 4);
   EXPECT_EQ(r->local_rank, 1);
   EXPECT_EQ(r->source, "mpirun");
+}
+
+using ::testing::HasSubstr;
+
+TEST(PlanLaunchTest, NoLauncherIsASingleNodeWhoseRankZeroStartsTheOthers) {
+  FakeEnv none({});
+  auto p = PlanLaunch(RankInfoFromEnv(none.Lookup()), 4);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->role, LaunchPlan::Role::kLeader);
+  EXPECT_EQ(p->rank, 0);
+  EXPECT_EQ(p->spawn_ranks, (std::vector<int>{1, 2, 3}));
+  EXPECT_FALSE(p->fetch_id);
+  EXPECT_FALSE(p->id_from_env);
+  EXPECT_EQ(p->serve_id_clients, 0);
+}
+
+TEST(PlanLaunchTest, SpawnedRankTakesTheIdFromItsEnvironment) {
+  FakeEnv env({{"TPSERVE_RANK", "5"}, {"TPSERVE_WORLD_SIZE", "8"}, {"TPSERVE_LOCAL_RANK", "1"}});
+  auto p = PlanLaunch(RankInfoFromEnv(env.Lookup()), 8);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->role, LaunchPlan::Role::kWorker);
+  EXPECT_EQ(p->rank, 5);
+  EXPECT_EQ(p->local_rank, 1);
+  EXPECT_TRUE(p->id_from_env);
+  EXPECT_FALSE(p->fetch_id);
+  EXPECT_TRUE(p->spawn_ranks.empty());
+}
+
+TEST(PlanLaunchTest, LeaderWorkerSetPodsStartTheirNodesRanks) {
+  // 2 pods x 4 GPUs = TP 8: the leader pod is ranks 0-3, the worker pod 4-7.
+  FakeEnv leader(
+      {{"LWS_WORKER_INDEX", "0"}, {"LWS_GROUP_SIZE", "2"}, {"TPSERVE_GPUS_PER_NODE", "4"}});
+  auto p = PlanLaunch(RankInfoFromEnv(leader.Lookup()), 8);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->role, LaunchPlan::Role::kLeader);
+  EXPECT_EQ(p->spawn_ranks, (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(p->serve_id_clients, 1);  // the worker pod's first process
+  EXPECT_FALSE(p->fetch_id);
+
+  FakeEnv worker(
+      {{"LWS_WORKER_INDEX", "1"}, {"LWS_GROUP_SIZE", "2"}, {"TPSERVE_GPUS_PER_NODE", "4"}});
+  p = PlanLaunch(RankInfoFromEnv(worker.Lookup()), 8);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->role, LaunchPlan::Role::kWorker);
+  EXPECT_EQ(p->rank, 4);
+  EXPECT_EQ(p->local_rank, 0);
+  EXPECT_EQ(p->spawn_ranks, (std::vector<int>{5, 6, 7}));
+  EXPECT_TRUE(p->fetch_id);
+  EXPECT_EQ(p->serve_id_clients, 0);
+}
+
+TEST(PlanLaunchTest, MpirunRanksAreEachStartedByTheLauncher) {
+  FakeEnv rank0({{"OMPI_COMM_WORLD_RANK", "0"},
+                 {"OMPI_COMM_WORLD_SIZE", "4"},
+                 {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}});
+  auto p = PlanLaunch(RankInfoFromEnv(rank0.Lookup()), 4);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->role, LaunchPlan::Role::kLeader);
+  EXPECT_TRUE(p->spawn_ranks.empty());
+  EXPECT_EQ(p->serve_id_clients, 3);
+
+  FakeEnv rank3({{"OMPI_COMM_WORLD_RANK", "3"},
+                 {"OMPI_COMM_WORLD_SIZE", "4"},
+                 {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
+  p = PlanLaunch(RankInfoFromEnv(rank3.Lookup()), 4);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->role, LaunchPlan::Role::kWorker);
+  EXPECT_EQ(p->local_rank, 1);
+  EXPECT_TRUE(p->fetch_id);
+  EXPECT_TRUE(p->spawn_ranks.empty());
+}
+
+TEST(PlanLaunchTest, WorldSizeOtherThanTpAndBadVariablesAreErrors) {
+  FakeEnv lws({{"LWS_WORKER_INDEX", "0"}, {"LWS_GROUP_SIZE", "2"}, {"TPSERVE_GPUS_PER_NODE", "4"}});
+  auto p = PlanLaunch(RankInfoFromEnv(lws.Lookup()), 4);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(p.status().message(), HasSubstr("lws: 8 ranks"));
+  EXPECT_THAT(p.status().message(), HasSubstr("--tp 4"));
+
+  FakeEnv bad({{"TPSERVE_RANK", "x"}, {"TPSERVE_WORLD_SIZE", "2"}});
+  p = PlanLaunch(RankInfoFromEnv(bad.Lookup()), 2);
+  ASSERT_FALSE(p.ok());
+  EXPECT_THAT(p.status().message(), HasSubstr("TPSERVE_RANK"));
 }
 
 TEST(RankInfoFromEnvTest, LeaderWorkerSetVariables) {
