@@ -38,7 +38,8 @@ class CpuEngine final : public Engine {
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch) override;
 
   const ModelConfig& config() const override { return options_.config; }
-  int tp() const { return options_.tp; }
+  int tp() const override { return options_.tp; }
+  const OverlapConfig* overlap() const override { return options_.overlap.get(); }
   bool healthy() const override;
 
  private:

@@ -166,8 +166,9 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
     engine->broken_ = true;  // the destructor kills the workers
     return ready.WithContext("starting the CUDA engine");
   }
+  engine->device_bytes_ = engine->model_->device_bytes();
   spdlog::info("CudaEngine: {} ranks ready ({} MiB on rank 0's GPU)", o.tp,
-               engine->model_->device_bytes() >> 20);
+               engine->device_bytes_.load() >> 20);
   if (!engine->workers_.empty()) {
     engine->monitor_ = std::thread(&CudaEngine::MonitorWorkers, engine.get());
   }
@@ -309,6 +310,7 @@ StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
     Fail(why);
     return UnavailableError("the CUDA engine failed: " + why.ToString());
   }
+  device_bytes_ = model_->device_bytes();
   return logits;
 }
 

@@ -25,6 +25,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -74,6 +75,10 @@ class CudaEngine final : public Engine {
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch) override;
   const ModelConfig& config() const override { return options_.config; }
   bool healthy() const override;
+  int tp() const override { return options_.tp; }
+  const OverlapConfig* overlap() const override { return options_.overlap.get(); }
+  // As of the last Forward (or the start): layers are made on first use.
+  size_t device_memory_bytes() const override { return device_bytes_.load(); }
 
  private:
   explicit CudaEngine(CudaEngineOptions options) : options_(std::move(options)) {}
@@ -97,6 +102,7 @@ class CudaEngine final : public Engine {
   bool stopping_ = false;
   std::string lost_;
   std::thread monitor_;
+  std::atomic<size_t> device_bytes_{0};
 };
 
 // A worker rank's whole life: its rank from options.launch (else from the

@@ -3,9 +3,11 @@
 // (one process per GPU) will too.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "engine/cpu_model.h"
+#include "layers/overlap_config.h"
 
 namespace tpserve {
 
@@ -20,6 +22,28 @@ class Engine {
   virtual const ModelConfig& config() const = 0;
   // False once the engine cannot serve any more (e.g. a rank failed).
   virtual bool healthy() const = 0;
+
+  // The overlap config the engine's TP layers follow (null: every layer mode
+  // none), and its TP size, for reporting which settings a batch of M tokens
+  // gets (OverlapSettingsAt).
+  virtual const OverlapConfig* overlap() const { return nullptr; }
+  virtual int tp() const { return 1; }
+  // Device memory the engine holds on rank 0's GPU (0 on the CPU backend).
+  virtual size_t device_memory_bytes() const { return 0; }
 };
+
+// How many of the model's TP layers get each setting at a batch of `m`
+// tokens: one entry per (layer kind, op, knobs), kind being "attn.qkv",
+// "attn.o", "mlp.gate_up" or "mlp.down". A layer whose config fails to
+// resolve is counted under knobs "error: <message>".
+struct OverlapSettingCount {
+  std::string kind;
+  std::string op;     // "ag_gemm" | "gemm_rs"
+  std::string knobs;  // LinearKnobs::ToString()
+  std::string mode;   // "none" | "pipeline" | "ring" | "error"
+  int layers = 0;
+};
+std::vector<OverlapSettingCount> OverlapSettingsAt(const ModelConfig& config,
+                                                   const OverlapConfig* overlap, int tp, int64_t m);
 
 }  // namespace tpserve

@@ -106,6 +106,9 @@ void TokenBatcher::Loop() {
     StatusOr<std::vector<float>> logits = forward_(tb);
     const auto end = Clock::now();
     batches_.fetch_add(1);
+    batch_tokens_.fetch_add(static_cast<uint64_t>(tb.tokens()));
+    batch_sequences_.fetch_add(batch.size());
+    last_batch_tokens_.store(tb.tokens());
     for (size_t s = 0; s < batch.size(); ++s) {
       if (!logits.ok()) {
         batch[s].promise.set_value(logits.status());

@@ -62,6 +62,9 @@ class TokenBatcher {
 
   size_t queued() const;
   uint64_t batches() const { return batches_.load(); }
+  uint64_t batch_tokens() const { return batch_tokens_.load(); }        // summed over batches
+  uint64_t batch_sequences() const { return batch_sequences_.load(); }  // summed over batches
+  int64_t last_batch_tokens() const { return last_batch_tokens_.load(); }
 
  private:
   struct Item {
@@ -80,6 +83,9 @@ class TokenBatcher {
   std::deque<Item> queue_;
   bool stopping_ = false;
   std::atomic<uint64_t> batches_{0};
+  std::atomic<uint64_t> batch_tokens_{0};
+  std::atomic<uint64_t> batch_sequences_{0};
+  std::atomic<int64_t> last_batch_tokens_{0};
   std::thread worker_;
 };
 

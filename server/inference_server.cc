@@ -192,6 +192,33 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
            compute_ns_.load() / 1000);
     metric("nv_inference_pending_request_count", "gauge", "Requests waiting in the queue",
            batcher_.queued());
+    metric("tpserve_batch_tokens_total", "counter",
+           "Tokens the engine has run, summed over batches (rate(): tokens/s)",
+           batcher_.batch_tokens());
+    metric("tpserve_batch_sequences_total", "counter",
+           "Requests the engine has run, summed over batches (/ exec_count: mean batch size)",
+           batcher_.batch_sequences());
+    metric("tpserve_last_batch_tokens", "gauge", "Tokens in the most recent batch",
+           static_cast<uint64_t>(batcher_.last_batch_tokens()));
+    metric("tpserve_engine_device_memory_bytes", "gauge",
+           "Device memory the engine holds on rank 0's GPU (0: CPU backend)",
+           engine_.device_memory_bytes());
+    // Which overlap settings the TP layers get at the last batch's size.
+    const int64_t m = std::max<int64_t>(1, batcher_.last_batch_tokens());
+    const char* name = "tpserve_overlap_layers";
+    o << "# HELP " << name
+      << " TP layers per overlap setting at the most recent batch's size (by layer kind)\n"
+      << "# TYPE " << name << " gauge\n";
+    for (const OverlapSettingCount& e :
+         OverlapSettingsAt(engine_.config(), engine_.overlap(), engine_.tp(), m)) {
+      std::string knobs = e.knobs;
+      for (char& ch : knobs) {
+        if (ch == '"' || ch == '\\' || ch == '\n') ch = ' ';
+      }
+      o << name << "{model=\"" << options_.model_name << "\",kind=\"" << e.kind << "\",op=\""
+        << e.op << "\",mode=\"" << e.mode << "\",knobs=\"" << knobs << "\",m=\"" << m << "\"} "
+        << e.layers << "\n";
+    }
     return o.str();
   }
 

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "engine/cpu_engine.h"
+#include "engine/engine.h"
 #include "engine/safetensors.h"
 
 #include <thread>
@@ -176,6 +177,40 @@ TEST(PackSequences, RejectsBadInputNamingWhatIsWrong) {
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(b->cu_seqlens, (std::vector<int32_t>{0, 2, 3}));
   EXPECT_EQ(b->positions, (std::vector<int32_t>{0, 1, 0}));
+}
+
+TEST(OverlapSettingsAt, CountsTheLayersOfEachKindPerSetting) {
+  const ModelConfig c = Tiny();  // 2 layers
+  auto none = OverlapSettingsAt(c, nullptr, 2, 512);
+  ASSERT_EQ(none.size(), 4u);  // one setting per kind
+  for (const OverlapSettingCount& e : none) {
+    EXPECT_EQ(e.mode, "none") << e.kind;
+    EXPECT_EQ(e.layers, 2) << e.kind;
+  }
+  auto cfg = OverlapConfig::Parse(
+      "version: 1\nlayers:\n  - match: \"layers.0.mlp.*\"\n    mode: ring\n    chunks: 2\n",
+      "test.yaml");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  auto some = OverlapSettingsAt(c, &*cfg, 2, 512);
+  int ring = 0, total = 0;
+  for (const OverlapSettingCount& e : some) {
+    total += e.layers;
+    if (e.mode == "ring") {
+      ++ring;
+      EXPECT_EQ(e.layers, 1) << e.kind;
+      EXPECT_TRUE(e.kind == "mlp.gate_up" || e.kind == "mlp.down") << e.kind;
+      EXPECT_NE(e.knobs.find("chunks=2"), std::string::npos) << e.knobs;
+    }
+  }
+  EXPECT_EQ(ring, 2);
+  EXPECT_EQ(total, 8);  // 2 layers x 4 kinds
+  // A config made for another TP size cannot resolve: counted as errors.
+  auto tp8 = OverlapConfig::Parse("version: 1\ntp: 8\n", "tp8.yaml");
+  ASSERT_TRUE(tp8.ok()) << tp8.status().ToString();
+  for (const OverlapSettingCount& e : OverlapSettingsAt(c, &*tp8, 2, 512)) {
+    EXPECT_EQ(e.mode, "error");
+    EXPECT_NE(e.knobs.find("tp"), std::string::npos) << e.knobs;
+  }
 }
 
 }  // namespace

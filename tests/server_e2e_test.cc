@@ -194,8 +194,18 @@ TEST_F(ServerE2eTest, InferReturnsTheEnginesLogitsAndArgmax) {
   ASSERT_TRUE(stub_->ModelStatistics(&sc, sq, &st).ok());
   ASSERT_EQ(st.model_stats_size(), 1);
   EXPECT_EQ(st.model_stats(0).inference_count(), 2u);
-  EXPECT_THAT(server_->MetricsText(),
-              HasSubstr("nv_inference_request_success{model=\"tiny\",version=\"1\"} 2"));
+  const std::string metrics = server_->MetricsText();
+  EXPECT_THAT(metrics, HasSubstr("nv_inference_request_success{model=\"tiny\",version=\"1\"} 2"));
+  // Two single-request batches of 8 tokens each.
+  EXPECT_THAT(metrics, HasSubstr("tpserve_batch_tokens_total{model=\"tiny\",version=\"1\"} 16"));
+  EXPECT_THAT(metrics, HasSubstr("tpserve_batch_sequences_total{model=\"tiny\",version=\"1\"} 2"));
+  EXPECT_THAT(metrics, HasSubstr("tpserve_last_batch_tokens{model=\"tiny\",version=\"1\"} 8"));
+  EXPECT_THAT(metrics,
+              HasSubstr("tpserve_engine_device_memory_bytes{model=\"tiny\",version=\"1\"} 0"));
+  // No overlap config: every one of tiny's 2 layers per kind in mode none.
+  EXPECT_THAT(metrics, HasSubstr("tpserve_overlap_layers{model=\"tiny\",kind=\"mlp.down\","
+                                 "op=\"gemm_rs\",mode=\"none\""));
+  EXPECT_THAT(metrics, HasSubstr(",m=\"8\"} 2\n"));
 }
 
 TEST_F(ServerE2eTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
