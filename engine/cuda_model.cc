@@ -287,9 +287,15 @@ StatusOr<int64_t> CudaModel::BucketFor(int64_t tokens) const {
   return InvalidArgumentError("no token bucket holds " + std::to_string(tokens) + " tokens");
 }
 
-Status CudaModel::Enqueue(int64_t m) {
+int64_t CudaModel::SlotsFor(int64_t sequences) const {
+  // Powers of two, at most max_seqs + 1 (the padding sequence included).
+  int64_t slots = 1;
+  while (slots < sequences) slots *= 2;
+  return std::min(slots, options_.max_seqs + 1);
+}
+
+Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   const ModelConfig& c = config_;
-  const int64_t seq_slots = options_.max_seqs + 1;
   const int64_t h = c.hidden_size, hd = c.head_dim();
   const int64_t nh_l = c.num_attention_heads / tp_, nkv_l = c.num_key_value_heads / tp_;
   const int64_t inter_l = c.intermediate_size / tp_;
@@ -444,7 +450,7 @@ Status CudaModel::Enqueue(int64_t m) {
   return Status::Ok();
 }
 
-Status CudaModel::PrepareBucket(int64_t m) {
+Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {
   // Everything that allocates or plans, ahead of any capture: the TP layers
   // of every block at this M, and the LM head GEMM.
   const ModelConfig& c = config_;
@@ -467,7 +473,7 @@ Status CudaModel::PrepareBucket(int64_t m) {
                            .status());
   }
   GemmParams lm;
-  lm.m = options_.max_seqs + 1;
+  lm.m = seq_slots;
   lm.n = c.vocab_size / tp_;
   lm.k = h;
   lm.a_type = lm.b_type = lm.d_type = DataType::kBFloat16;
@@ -488,7 +494,9 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   // Pad to the bucket with a padding sequence (token 0, its own positions),
   // and the sequence boundaries to the fixed slot count with empty sequences.
   TP_ASSIGN_OR_RETURN(const int64_t m, BucketFor(tokens));
-  const int64_t pad = m - tokens, seq_slots = options_.max_seqs + 1;
+  // Sequence slots: the batch's sequences and the padding one, rounded up to
+  // a power of two (the attention grid and the LM head scale with them).
+  const int64_t pad = m - tokens, seq_slots = SlotsFor(seqs + 1);
   std::vector<int32_t> ids = batch.ids, positions = batch.positions, cu = batch.cu_seqlens;
   for (int64_t i = 0; i < pad; ++i) {
     ids.push_back(0);
@@ -504,22 +512,23 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   TP_CUDA_CHECK(
       cudaMemcpyAsync(cu_seqlens_.data(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice, st));
 
-  auto graph = graphs_.find({overlap_, m});
+  const GraphKey key{overlap_, m, seq_slots};
+  auto graph = graphs_.find(key);
   if (graph != graphs_.end()) {
     TP_RETURN_IF_ERROR(graph->second.Launch(st));
   } else {
     // First batch of this bucket: plan, run eagerly (which also sets up
     // NCCL's connections), then capture the bucket's graph for the next ones.
-    TP_RETURN_IF_ERROR(PrepareBucket(m));
-    TP_RETURN_IF_ERROR(Enqueue(m));
+    TP_RETURN_IF_ERROR(PrepareBucket(m, seq_slots));
+    TP_RETURN_IF_ERROR(Enqueue(m, seq_slots));
   }
   NcclCommunicator& comm = pool_->base();
   TP_RETURN_IF_ERROR(comm.WaitStream(st));
   if (graph == graphs_.end() && options_.cuda_graphs) {
-    TP_ASSIGN_OR_RETURN(
-        CudaGraphExec exec,
-        CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, [&] { return Enqueue(m); }));
-    graphs_.emplace(std::make_pair(overlap_, m), std::move(exec));
+    TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
+                        CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal,
+                                               [&] { return Enqueue(m, seq_slots); }));
+    graphs_.emplace(key, std::move(exec));
   }
 
   const RowRange shard = ShardRows(m, tp_, rank_);

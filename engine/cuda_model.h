@@ -19,13 +19,15 @@
 // Token buckets and CUDA graphs: a batch is padded up to the smallest token
 // bucket that holds it (buckets are multiples of tp, so every rank's shard
 // has the same rows, as NCCL needs) with a padding sequence (token 0, its
-// own positions), and its sequence boundaries to max_seqs + 1 slots with
-// empty sequences; the padding's logits are dropped. Everything that
-// depends on the batch's contents (ids, positions, boundaries) lives in
-// device buffers, so one CUDA graph per bucket serves every batch that fits
-// it: the first batch of a bucket runs eagerly (planning the TP layers and
-// setting up NCCL's connections), then the bucket's graph is captured and
-// replayed from then on (WarmUp() does this for every bucket at start). TP
+// own positions), and its sequence count (with the padding one) up to a
+// power-of-two number of slots with empty sequences (the attention grid and
+// the LM head scale with the slots, not with max_seqs); the padding's logits
+// are dropped. Everything that depends on the batch's contents (ids,
+// positions, boundaries) lives in device buffers, so one CUDA graph per
+// (overlap settings, bucket, slots) serves every batch that fits it: the
+// first such batch runs eagerly (planning the TP layers and setting up
+// NCCL's connections), then the graph is captured and replayed from then on
+// (WarmUp() does this for every bucket at start). TP
 // layers are created on first use, one per distinct (op, shape, knobs) —
 // layers of the same shape share one CudaLinear, since weights are passed
 // per call — and prepared per bucket.
@@ -39,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -124,10 +127,13 @@ class CudaModel {
   Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y);
   StatusOr<int64_t> BucketFor(int64_t tokens) const;
   // Plans what bucket m needs (layers, GEMMs); allocates on first use.
-  Status PrepareBucket(int64_t m);
+  Status PrepareBucket(int64_t m, int64_t seq_slots);
+  // Sequence slots (a power of two, at most max_seqs + 1) for `sequences`.
+  int64_t SlotsFor(int64_t sequences) const;
   // Enqueues the whole forward pass of bucket m on stream_: no allocation,
-  // no synchronisation (what a graph captures). PrepareBucket(m) first.
-  Status Enqueue(int64_t m);
+  // no synchronisation (what a graph captures), with seq_slots sequence
+  // slots (empty ones past the batch's). PrepareBucket(m, seq_slots) first.
+  Status Enqueue(int64_t m, int64_t seq_slots);
 
   ModelConfig config_;
   CudaModelOptions options_;
@@ -149,7 +155,8 @@ class CudaModel {
   std::map<std::string, std::unique_ptr<CudaLinear>> linears_;  // by op/shape/knobs
   size_t weight_bytes_ = 0;
   // Last member: destroyed first, before the layers and buffers it uses.
-  std::map<std::pair<const OverlapConfig*, int64_t>, CudaGraphExec> graphs_;  // by settings, bucket
+  using GraphKey = std::tuple<const OverlapConfig*, int64_t, int64_t>;  // settings, bucket, slots
+  std::map<GraphKey, CudaGraphExec> graphs_;
 };
 
 // Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random
