@@ -6,7 +6,7 @@
 #       build/bin/tpserve-loadtest
 # as: bash benchmarks/gpu_session.sh PART   (one device call per part, each
 # under the 10-minute limit of a call):
-#   tests   GPU tests (enabled ones; then the disabled copy-engine tests on
+#   tests   (bounded to ~9 min) GPU tests (enabled ones; then the disabled copy-engine tests on
 #           their own, bounded), `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
 #   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh)
@@ -24,18 +24,18 @@ case "$part" in
   tests)
     { nvidia-smi; nvidia-smi topo -m; } > "$out/nvidia-smi.txt" 2>&1
     echo "== gpu tests"
-    timeout 240 .gpu/bin/tpserve_gpu_tests > "$out/gpu_tests.log" 2>&1 || rc=1
+    timeout 180 .gpu/bin/tpserve_gpu_tests > "$out/gpu_tests.log" 2>&1 || rc=1
     grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_tests.log" | tail -20
     echo "== disabled copy-engine tests (single process)"
-    timeout 90 .gpu/bin/tpserve_gpu_tests --gtest_also_run_disabled_tests \
+    timeout 60 .gpu/bin/tpserve_gpu_tests --gtest_also_run_disabled_tests \
       --gtest_filter='GpuLinearTest.DISABLED_*' > "$out/gpu_ce_tests.log" 2>&1
     echo "exit $?"; grep -E "^\[ +(OK|FAILED) " "$out/gpu_ce_tests.log"
     echo "== tpserve layer, one process per GPU"
-    timeout 90 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
+    timeout 60 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
     echo "== tpserve run --backend cuda vs cpu (tiny)"
-    timeout 120 .gpu/bin/tpserve run --model tiny --tp 2 --backend cuda --ids 5,6,7,8 --json \
+    timeout 60 .gpu/bin/tpserve run --model tiny --tp 2 --backend cuda --ids 5,6,7,8 --json \
       > "$out/run_cuda.json" 2> "$out/run_cuda.log" || rc=1
-    timeout 120 .gpu/bin/tpserve run --model tiny --tp 2 --backend cpu --ids 5,6,7,8 --json \
+    timeout 30 .gpu/bin/tpserve run --model tiny --tp 2 --backend cpu --ids 5,6,7,8 --json \
       > "$out/run_cpu.json" 2>/dev/null || rc=1
     python3 - "$out/run_cuda.json" "$out/run_cpu.json" <<'PY' || rc=1
 import json, math, sys
@@ -47,7 +47,7 @@ print("next token cuda %d cpu %d; logits rel_frobenius %.3g" % (
 PY
     if python3 -c "import grpc" 2>/dev/null; then
       echo "== serve --backend cuda (gRPC, killed worker)"
-      (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 300 \
+      (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 150 \
         python3 -m unittest -v gpu_serve_test) > "$out/serve_cuda.log" 2>&1 || rc=1
       tail -5 "$out/serve_cuda.log"
     else
@@ -61,7 +61,7 @@ PY
       bash benchmarks/run_overlap_bench.sh || rc=1
     ;;
   model)
-    COMMIT=$commit bash benchmarks/run_model_bench.sh || rc=1
+    COMMIT=$commit BENCH_TIMEOUT=250 PEER_TIMEOUT=250 bash benchmarks/run_model_bench.sh || rc=1
     ;;
   load)
     echo "== serve llama3-70b (cuda, device random weights) + loadtest"
