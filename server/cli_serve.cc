@@ -72,6 +72,18 @@ Options CommonEngineOptions(const ServeFlags& f, const ModelConfig& config, bool
   return eo;
 }
 
+// LoadModelFlags, logging the error; false on error.
+bool LoadModelFlagsOrLog(const ServeFlags& f, ModelConfig* config, bool* from_dir,
+                         std::shared_ptr<const OverlapConfig>* overlap) {
+  auto loaded = LoadModelFlags(f, from_dir, overlap);
+  if (!loaded.ok()) {
+    spdlog::error("{}", loaded.status().ToString());
+    return false;
+  }
+  *config = std::move(loaded).value();
+  return true;
+}
+
 #if TPSERVE_WITH_CUDA
 // Who this process is in the TP group: from a launcher's environment
 // (mpirun, LeaderWorkerSet, or tpserve's own for spawned ranks), else rank 0
@@ -181,12 +193,9 @@ int Serve(const ServeFlags& f) {
 #endif
   bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
-  auto config = LoadModelFlags(f, &from_dir, &overlap);
-  if (!config.ok()) {
-    spdlog::error("{}", config.status().ToString());
-    return 2;
-  }
-  auto engine = StartEngine(f, *config, from_dir, overlap);
+  ModelConfig config;
+  if (!LoadModelFlagsOrLog(f, &config, &from_dir, &overlap)) return 2;
+  auto engine = StartEngine(f, config, from_dir, overlap);
   if (!engine.ok()) {
     spdlog::error("{}", engine.status().ToString());
     return engine.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
@@ -271,12 +280,9 @@ int Worker(const ServeFlags& f) {
 #if TPSERVE_WITH_CUDA
   bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
-  auto config = LoadModelFlags(f, &from_dir, &overlap);
-  if (!config.ok()) {
-    spdlog::error("{}", config.status().ToString());
-    return 2;
-  }
-  auto options = CudaOptions(f, *config, from_dir, overlap);
+  ModelConfig config;
+  if (!LoadModelFlagsOrLog(f, &config, &from_dir, &overlap)) return 2;
+  auto options = CudaOptions(f, config, from_dir, overlap);
   Status s = options.ok() ? RunCudaWorker(*options) : options.status();
   if (!s.ok()) {
     spdlog::error("worker: {}", s.ToString());
