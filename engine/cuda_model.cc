@@ -11,6 +11,7 @@
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_ops.h"
 #include "engine/gather_rows.h"
+#include "engine/token_buckets.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
 
@@ -30,8 +31,6 @@ struct CudaModel::Layer {
 };
 
 namespace {
-
-int64_t RoundUp(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 StatusOr<DeviceBuffer> UploadBf16(const std::vector<float>& v, const std::string& name) {
   std::vector<BFloat16> h(v.size());
@@ -80,19 +79,8 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   md.tp_ = tp;
   md.rank_ = rank;
   md.dtype_ = dtype;
-  md.max_m_ = RoundUp(options.max_tokens, tp);
-  std::vector<int64_t> buckets = options.buckets;
-  if (buckets.empty()) {
-    for (int64_t b = 256; b < md.max_m_; b *= 2) buckets.push_back(b);
-  }
-  for (int64_t& b : buckets) {
-    if (b < 1) return InvalidArgumentError("token buckets must be >= 1, got " + std::to_string(b));
-    b = std::min(RoundUp(b, tp), md.max_m_);
-  }
-  buckets.push_back(md.max_m_);
-  std::sort(buckets.begin(), buckets.end());
-  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
-  md.buckets_ = std::move(buckets);
+  TP_ASSIGN_OR_RETURN(md.buckets_, MakeTokenBuckets(options.max_tokens, tp, options.buckets));
+  md.max_m_ = md.buckets_.back();
   TP_ASSIGN_OR_RETURN(md.stream_, CudaStream::Create());
   md.layers_.resize(config.num_hidden_layers);
   return model;
@@ -278,20 +266,6 @@ Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void*
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
   return layer.Run(m, w.w.data(), fp8 ? w.x_scale() : nullptr, fp8 ? w.w_scale() : nullptr, y,
                    stream_.get());
-}
-
-StatusOr<int64_t> CudaModel::BucketFor(int64_t tokens) const {
-  for (int64_t b : buckets_) {
-    if (b >= tokens) return b;
-  }
-  return InvalidArgumentError("no token bucket holds " + std::to_string(tokens) + " tokens");
-}
-
-int64_t CudaModel::SlotsFor(int64_t sequences) const {
-  // Powers of two, at most max_seqs + 1 (the padding sequence included).
-  int64_t slots = 1;
-  while (slots < sequences) slots *= 2;
-  return std::min(slots, options_.max_seqs + 1);
 }
 
 Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
@@ -493,16 +467,14 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   }
   // Pad to the bucket with a padding sequence (token 0, its own positions),
   // and the sequence boundaries to the fixed slot count with empty sequences.
-  TP_ASSIGN_OR_RETURN(const int64_t m, BucketFor(tokens));
+  TP_ASSIGN_OR_RETURN(const int64_t m, BucketFor(buckets_, tokens));
   // Sequence slots: the batch's sequences and the padding one, rounded up to
   // a power of two (the attention grid and the LM head scale with them).
-  const int64_t pad = m - tokens, seq_slots = SlotsFor(seqs + 1);
-  std::vector<int32_t> ids = batch.ids, positions = batch.positions, cu = batch.cu_seqlens;
-  for (int64_t i = 0; i < pad; ++i) {
-    ids.push_back(0);
-    positions.push_back(static_cast<int32_t>(i));
-  }
-  while (static_cast<int64_t>(cu.size()) < seq_slots + 1) cu.push_back(static_cast<int32_t>(m));
+  const int64_t seq_slots = SequenceSlots(seqs + 1, options_.max_seqs);
+  const TokenBatch padded = PadBatch(batch, m, seq_slots);
+  const std::vector<int32_t>& ids = padded.ids;
+  const std::vector<int32_t>& positions = padded.positions;
+  const std::vector<int32_t>& cu = padded.cu_seqlens;
 
   TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
   cudaStream_t st = stream_.get();

@@ -125,11 +125,8 @@ class CudaModel {
   StatusOr<CudaLinear*> LayerFor(const std::string& name, OverlapOp op, int64_t n_global,
                                  int64_t k_global, int64_t n_local, int64_t k_local, int64_t m);
   Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y);
-  StatusOr<int64_t> BucketFor(int64_t tokens) const;
   // Plans what bucket m needs (layers, GEMMs); allocates on first use.
   Status PrepareBucket(int64_t m, int64_t seq_slots);
-  // Sequence slots (a power of two, at most max_seqs + 1) for `sequences`.
-  int64_t SlotsFor(int64_t sequences) const;
   // Enqueues the whole forward pass of bucket m on stream_: no allocation,
   // no synchronisation (what a graph captures), with seq_slots sequence
   // slots (empty ones past the batch's). PrepareBucket(m, seq_slots) first.
