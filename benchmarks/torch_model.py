@@ -29,10 +29,10 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 import argparse
 import datetime
 import json
-import socket
 import sys
 import time
-import traceback
+
+from torch_peer import free_port, run_and_exit
 
 PRESETS = {  # hidden, intermediate, heads, kv heads, layers, vocab, rope theta
     "tiny": (512, 512, 8, 4, 2, 1024, 10000.0),
@@ -241,26 +241,13 @@ def worker(rank, args, port):
     return 0
 
 
-def entry(rank, args, port):
-    code = 1
-    try:
-        code = worker(rank, args, port)
-    except BaseException:
-        sys.stderr.write("[rank %d] fatal:\n" % rank)
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip destroy_process_group, which can hang (GPU_HOST.md)
-
-
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=entry, args=(r, args, port)) for r in range(args.tp)]
+    procs = [ctx.Process(target=run_and_exit, args=(worker, r, args, port))
+             for r in range(args.tp)]
     for p in procs:
         p.start()
     for p in procs:

@@ -858,18 +858,23 @@ def worker_main(rank, args, port):
     return 0
 
 
-def worker_entry(rank, args, port):
-    """Process target. Never returns: os._exit skips destroy_process_group,
-    which can hang after NCCL collectives were captured in a CUDA graph."""
+def run_and_exit(main_fn, rank, *args):
+    """Process target running main_fn(rank, *args). Never returns: os._exit
+    skips destroy_process_group, which can hang after NCCL collectives were
+    captured in a CUDA graph (shared by torch_model.py)."""
     code = 1
     try:
-        code = worker_main(rank, args, port)
+        code = main_fn(rank, *args)
     except BaseException:
         sys.stderr.write("[rank %d] fatal:\n" % rank)
         traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def worker_entry(rank, args, port):
+    run_and_exit(worker_main, rank, args, port)
 
 
 # --------------------------------------------------------------------------

@@ -250,34 +250,9 @@ void CudaEngine::Fail(const Status& why) {
   }
 }
 
-namespace {
-
-// The first worker that has exited, described; empty when all run. Does not
-// reap (WNOWAIT): the destructor does.
-std::string ExitedWorker(const std::vector<pid_t>& workers) {
-  for (size_t i = 0; i < workers.size(); ++i) {
-    const pid_t pid = workers[i];
-    if (pid <= 0) continue;
-    siginfo_t info{};
-    if (waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
-        info.si_pid == pid) {
-      return "worker rank " + std::to_string(i + 1) + " (pid " + std::to_string(pid) + ") " +
-             (info.si_code == CLD_EXITED
-                  ? "exited with status " + std::to_string(info.si_status)
-                  : "was killed by signal " + std::to_string(info.si_status));
-    }
-  }
-  return "";
-}
-
-}  // namespace
-
 bool CudaEngine::healthy() const {
   // Not under mu_: a Forward in flight holds it, and health must answer now.
-  if (!LostWorker().empty()) return false;
-  std::unique_lock lock(mu_, std::try_to_lock);
-  if (lock.owns_lock() && broken_) return false;
-  return ExitedWorker(workers_).empty();
+  return !broken_.load() && LostWorker().empty();
 }
 
 StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
@@ -296,7 +271,7 @@ StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
                                 std::to_string(lim.max_seqs) + " sequences)");
   }
   // A worker that died between batches: fail now instead of at the deadline.
-  if (const std::string gone = ExitedWorker(workers_); !gone.empty()) {
+  if (const std::string gone = LostWorker(); !gone.empty()) {
     Fail(UnavailableError(gone));
     return UnavailableError("the CUDA engine failed: " + gone);
   }

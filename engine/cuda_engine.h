@@ -94,8 +94,8 @@ class CudaEngine final : public Engine {
   DeviceBuffer header_, payload_;  // broadcast staging (device)
   CudaStream stream_;
 
-  mutable std::mutex mu_;  // one Forward at a time; guards broken_
-  bool broken_ = false;
+  mutable std::mutex mu_;            // one Forward at a time; guards first_error_
+  std::atomic<bool> broken_{false};  // written under mu_, read by healthy() without it
   Status first_error_;
 
   mutable std::mutex monitor_mu_;  // guards stopping_, lost_ and the monitor's use of pool_

@@ -12,6 +12,7 @@
 #include "engine/cuda_ops.h"
 #include "engine/gather_rows.h"
 #include "engine/token_buckets.h"
+#include "engine/tp_layers.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
 
@@ -28,6 +29,9 @@ struct CudaModel::Linear {
 struct CudaModel::Layer {
   DeviceBuffer input_norm, post_norm;  // BF16 [H]
   Linear qkv, o, gate_up, down;
+  // By TpLayerShape::index (block order).
+  Linear& at(int index) { return *std::array<Linear*, 4>{&qkv, &o, &gate_up, &down}[index]; }
+  const Linear& at(int index) const { return const_cast<Layer*>(this)->at(index); }
 };
 
 namespace {
@@ -88,10 +92,11 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
 
 Status CudaModel::AllocateActivations() {
   const ModelConfig& c = config_;
-  const int64_t h = c.hidden_size, hd = c.head_dim(), m = max_m_, rows = m / tp_;
+  const int64_t h = c.hidden_size, m = max_m_, rows = m / tp_;
   const int64_t seqs = options_.max_seqs + 1;  // + the padding sequence
-  const int64_t qkv_n = (c.num_attention_heads + 2 * c.num_key_value_heads) / tp_ * hd;
-  const int64_t attn_n = c.num_attention_heads / tp_ * hd;
+  const auto shapes = TpLayerShapes(c);
+  const int64_t qkv_n = shapes[0].local_n(tp_);   // this rank's fused q|k|v columns
+  const int64_t attn_n = shapes[1].local_k(tp_);  // this rank's heads x head_dim
   const int64_t inter_l = c.intermediate_size / tp_;
   const int64_t vocab_l = c.vocab_size / tp_;
   TP_ASSIGN_OR_RETURN(ids_, Alloc(m * 4, "ids"));
@@ -187,7 +192,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
   CudaModel& md = *model;
   const ModelConfig& c = config;
   const int tp = md.tp_;
-  const int64_t h = c.hidden_size, hd = c.head_dim();
+  const int64_t h = c.hidden_size;
   cudaStream_t st = md.stream_.get();
   // Weights ~ U(-a, a) with a = 0.02 * sqrt(3) (std 0.02, as HF initialises
   // Llama); FP8 holds uniform codes in [-448, 448) with the matching
@@ -216,16 +221,14 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
   TP_RETURN_IF_ERROR(ones(&md.final_norm_, "final_norm"));
   TP_RETURN_IF_ERROR(
       random(&md.lm_head_, DataType::kBFloat16, c.vocab_size / tp * h, a, "lm_head"));
-  const int64_t qkv_n = (c.num_attention_heads + 2 * c.num_key_value_heads) / tp * hd;
   for (size_t l = 0; l < md.layers_.size(); ++l) {
     Layer& dl = md.layers_[l];
     const std::string p = "layers." + std::to_string(l);
     TP_RETURN_IF_ERROR(ones(&dl.input_norm, p + ".input_norm"));
     TP_RETURN_IF_ERROR(ones(&dl.post_norm, p + ".post_norm"));
-    TP_RETURN_IF_ERROR(linear(&dl.qkv, qkv_n, h, p + ".attn.qkv"));
-    TP_RETURN_IF_ERROR(linear(&dl.o, h, c.num_attention_heads / tp * hd, p + ".attn.o"));
-    TP_RETURN_IF_ERROR(linear(&dl.gate_up, 2 * c.intermediate_size / tp, h, p + ".mlp.gate_up"));
-    TP_RETURN_IF_ERROR(linear(&dl.down, h, c.intermediate_size / tp, p + ".mlp.down"));
+    for (const TpLayerShape& s : TpLayerShapes(c)) {
+      TP_RETURN_IF_ERROR(linear(&dl.at(s.index), s.local_n(tp), s.local_k(tp), s.Name(l)));
+    }
   }
   TP_RETURN_IF_ERROR(md.stream_.Synchronize());
   TP_RETURN_IF_ERROR(md.AllocateActivations());
@@ -243,18 +246,25 @@ size_t CudaModel::device_bytes() const {
   return total;
 }
 
-StatusOr<CudaLinear*> CudaModel::LayerFor(const std::string& name, OverlapOp op, int64_t n_global,
-                                          int64_t k_global, int64_t n_local, int64_t k_local,
-                                          int64_t m) {
+StatusOr<std::array<CudaLinear*, 4>> CudaModel::BlockLayers(int64_t block, int64_t m) {
+  std::array<CudaLinear*, 4> out{};
+  for (const TpLayerShape& s : TpLayerShapes(config_)) {
+    TP_ASSIGN_OR_RETURN(out[s.index], LayerFor(s, block, m));
+  }
+  return out;
+}
+
+StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, int64_t m) {
   LinearKnobs knobs;
   if (overlap_ != nullptr) {
-    TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(name, op, n_global, k_global, m, tp_));
+    TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(s.Name(block), s.op, s.n, s.k, m, tp_));
   }
-  const std::string key = std::string(OverlapOpName(op)) + " " + std::to_string(n_local) + "x" +
+  const int64_t n_local = s.local_n(tp_), k_local = s.local_k(tp_);
+  const std::string key = std::string(OverlapOpName(s.op)) + " " + std::to_string(n_local) + "x" +
                           std::to_string(k_local) + " " + knobs.ToString();
   auto it = linears_.find(key);
   if (it == linears_.end()) {
-    CudaLinearShape shape{op, dtype_, max_m_, n_local, k_local};
+    CudaLinearShape shape{s.op, dtype_, max_m_, n_local, k_local};
     TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("model." + key, shape, knobs, *pool_));
     it = linears_.emplace(key, std::move(layer)).first;
   }
@@ -273,8 +283,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   const int64_t h = c.hidden_size, hd = c.head_dim();
   const int64_t nh_l = c.num_attention_heads / tp_, nkv_l = c.num_key_value_heads / tp_;
   const int64_t inter_l = c.intermediate_size / tp_;
-  const int64_t qkv_n_global = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
-  const int64_t qkv_n_l = qkv_n_global / tp_;
+  const int64_t qkv_n_l = TpLayerShapes(c)[0].local_n(tp_);
   const RowRange shard = ShardRows(m, tp_, rank_);
   cudaStream_t st = stream_.get();
   const int64_t rows = shard.size();
@@ -314,17 +323,8 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   const BFloat16* pending = nullptr;  // the block output still to be added to x
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& lw = layers_[l];
-    const std::string p = "layers." + std::to_string(l);
-    TP_ASSIGN_OR_RETURN(CudaLinear * qkv, LayerFor(p + ".attn.qkv", OverlapOp::kAllGatherGemm,
-                                                   qkv_n_global, h, lw.qkv.n, lw.qkv.k, m));
-    TP_ASSIGN_OR_RETURN(CudaLinear * o, LayerFor(p + ".attn.o", OverlapOp::kGemmReduceScatter, h,
-                                                 c.num_attention_heads * hd, lw.o.n, lw.o.k, m));
-    TP_ASSIGN_OR_RETURN(CudaLinear * gate_up,
-                        LayerFor(p + ".mlp.gate_up", OverlapOp::kAllGatherGemm,
-                                 2 * c.intermediate_size, h, lw.gate_up.n, lw.gate_up.k, m));
-    TP_ASSIGN_OR_RETURN(CudaLinear * down,
-                        LayerFor(p + ".mlp.down", OverlapOp::kGemmReduceScatter, h,
-                                 c.intermediate_size, lw.down.n, lw.down.k, m));
+    TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(static_cast<int64_t>(l), m));
+    CudaLinear *qkv = block[0], *o = block[1], *gate_up = block[2], *down = block[3];
 
     TP_RETURN_IF_ERROR(add_norm(pending, lw.input_norm, *qkv, lw.qkv));
     auto* qkv_y = qkv_out_.as<BFloat16>();
@@ -427,29 +427,13 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
 Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {
   // Everything that allocates or plans, ahead of any capture: the TP layers
   // of every block at this M, and the LM head GEMM.
-  const ModelConfig& c = config_;
-  const int64_t h = c.hidden_size, hd = c.head_dim();
-  const int64_t qkv_n_global = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const Layer& lw = layers_[l];
-    const std::string p = "layers." + std::to_string(l);
-    TP_RETURN_IF_ERROR(
-        LayerFor(p + ".attn.qkv", OverlapOp::kAllGatherGemm, qkv_n_global, h, lw.qkv.n, lw.qkv.k, m)
-            .status());
-    TP_RETURN_IF_ERROR(LayerFor(p + ".attn.o", OverlapOp::kGemmReduceScatter, h,
-                                c.num_attention_heads * hd, lw.o.n, lw.o.k, m)
-                           .status());
-    TP_RETURN_IF_ERROR(LayerFor(p + ".mlp.gate_up", OverlapOp::kAllGatherGemm,
-                                2 * c.intermediate_size, h, lw.gate_up.n, lw.gate_up.k, m)
-                           .status());
-    TP_RETURN_IF_ERROR(LayerFor(p + ".mlp.down", OverlapOp::kGemmReduceScatter, h,
-                                c.intermediate_size, lw.down.n, lw.down.k, m)
-                           .status());
+    TP_RETURN_IF_ERROR(BlockLayers(static_cast<int64_t>(l), m).status());
   }
   GemmParams lm;
   lm.m = seq_slots;
-  lm.n = c.vocab_size / tp_;
-  lm.k = h;
+  lm.n = config_.vocab_size / tp_;
+  lm.k = config_.hidden_size;
   lm.a_type = lm.b_type = lm.d_type = DataType::kBFloat16;
   return lm_gemm_.Prepare(lm);
 }

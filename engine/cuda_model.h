@@ -37,6 +37,7 @@
 // Shutdown: destroy before the NcclCommPool.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -50,6 +51,7 @@
 #include "engine/cpu_model.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
+#include "engine/tp_layers.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
 #include "layers/overlap_config.h"
@@ -121,9 +123,11 @@ class CudaModel {
                                                        const CudaModelOptions& options);
   Status AllocateActivations();
   Status SetScales(Linear* out, float input_scale, float weight_scale, const std::string& name);
-  // The TP layer for (name, op, global n, k) at padded M `m`, made on first use.
-  StatusOr<CudaLinear*> LayerFor(const std::string& name, OverlapOp op, int64_t n_global,
-                                 int64_t k_global, int64_t n_local, int64_t k_local, int64_t m);
+  // The TP layer `s` of block `block` at bucket `m` (its overlap knobs
+  // resolved by name), made on first use and prepared for m.
+  StatusOr<CudaLinear*> LayerFor(const TpLayerShape& s, int64_t block, int64_t m);
+  // The block's four TP layers at bucket m, in TpLayerShape::index order.
+  StatusOr<std::array<CudaLinear*, 4>> BlockLayers(int64_t block, int64_t m);
   Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y);
   // Plans what bucket m needs (layers, GEMMs); allocates on first use.
   Status PrepareBucket(int64_t m, int64_t seq_slots);

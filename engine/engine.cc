@@ -3,34 +3,22 @@
 #include <map>
 #include <tuple>
 
+#include "engine/tp_layers.h"
+
 namespace tpserve {
 
 std::vector<OverlapSettingCount> OverlapSettingsAt(const ModelConfig& c,
                                                    const OverlapConfig* overlap, int tp,
                                                    int64_t m) {
-  const int64_t hd = c.head_dim(), h = c.hidden_size;
-  struct Kind {
-    const char* name;
-    OverlapOp op;
-    int64_t n, k;  // global
-  };
-  const Kind kinds[] = {
-      {"attn.qkv", OverlapOp::kAllGatherGemm,
-       (c.num_attention_heads + 2 * c.num_key_value_heads) * hd, h},
-      {"attn.o", OverlapOp::kGemmReduceScatter, h, c.num_attention_heads * hd},
-      {"mlp.gate_up", OverlapOp::kAllGatherGemm, 2 * c.intermediate_size, h},
-      {"mlp.down", OverlapOp::kGemmReduceScatter, h, c.intermediate_size},
-  };
   std::map<std::tuple<std::string, std::string>, OverlapSettingCount> counts;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    for (const Kind& kind : kinds) {
+    for (const TpLayerShape& kind : TpLayerShapes(c)) {
       OverlapSettingCount e;
-      e.kind = kind.name;
+      e.kind = kind.kind;
       e.op = std::string(OverlapOpName(kind.op));
       LinearKnobs knobs;
       if (overlap != nullptr) {
-        auto resolved = overlap->Resolve("layers." + std::to_string(l) + "." + kind.name, kind.op,
-                                         kind.n, kind.k, m, tp);
+        auto resolved = overlap->Resolve(kind.Name(l), kind.op, kind.n, kind.k, m, tp);
         if (!resolved.ok()) {
           e.knobs = "error: " + resolved.status().message();
           e.mode = "error";
@@ -42,9 +30,7 @@ std::vector<OverlapSettingCount> OverlapSettingsAt(const ModelConfig& c,
         e.knobs = knobs.ToString();
         e.mode = std::string(OverlapModeName(knobs.mode));
       }
-      auto [it, fresh] = counts.try_emplace({e.kind, e.knobs}, e);
-      ++it->second.layers;
-      (void)fresh;
+      ++counts.try_emplace({e.kind, e.knobs}, e).first->second.layers;
     }
   }
   std::vector<OverlapSettingCount> out;
