@@ -123,7 +123,13 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       const bool ce = name.ends_with("_ce");
       const bool ring = name.starts_with("ring");
       if (name == "pipeline_ce" && op != OverlapOp::kAllGatherGemm) continue;
-      for (int c : f.chunks) {
+      // Copy engines also at one chunk: their transfer has no kernel to
+      // overlap with, so at small M a single pull may be the fastest.
+      std::vector<int> chunks = f.chunks;
+      if (ce && std::find(chunks.begin(), chunks.end(), 1) == chunks.end()) {
+        chunks.insert(chunks.begin(), 1);
+      }
+      for (int c : chunks) {
         for (int ctas : f.max_ctas) {
           if (ce && ctas != 0) continue;  // copy engines use no NCCL CTAs
           for (int sms : f.gemm_sms) {

@@ -55,9 +55,16 @@ PY
     fi
     ;;
   overlap)
-    COMMIT=$commit PRESETS=llama70b DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} \
-      METHODS="gemm_only comm_only none pipeline ring auto ring_ce pipeline_ce layer_gemm" \
-      TEST_TIMEOUT=1 NCCL_TEST_TIMEOUT=1 SKIP_TESTS=1 BENCH_TIMEOUT=240 PEER_TIMEOUT=200 \
+    # The copy-engine tests with ranks as threads first (bounded: they hung
+    # before), then the sweep, which also tunes the overlap config, then
+    # auto (resolving that config) next to none, then PyTorch.
+    echo "== copy-engine tests (single process)"
+    timeout 45 .gpu/bin/tpserve_gpu_tests --gtest_also_run_disabled_tests \
+      --gtest_filter='GpuLinearTest.DISABLED_*' > "$out/gpu_ce_tests.log" 2>&1
+    echo "exit $?"; grep -E "^\[ +(OK|FAILED) " "$out/gpu_ce_tests.log" | head -20
+    COMMIT=$commit PRESETS=llama70b DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
+      METHODS="gemm_only comm_only none pipeline ring pipeline_ce ring_ce layer_gemm auto" \
+      SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=60 PEER_TIMEOUT=200 \
       bash benchmarks/run_overlap_bench.sh || rc=1
     ;;
   model)

@@ -83,7 +83,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description="Merge tpserve-bench and torch_peer.py JSON results of one run "
         "into one file (schema: benchmarks/README.md).")
-    p.add_argument("--ours", help="tpserve-bench --out file (impl tpserve)")
+    p.add_argument("--ours", action="append",
+                   help="tpserve-bench --out file (impl tpserve); repeat for several runs "
+                   "of one session (their records are concatenated, meta from the first)")
     p.add_argument("--peer", help="torch_peer.py --out file (impl torch)")
     p.add_argument("--commit", help="commit measured (default: ours' meta.commit)")
     p.add_argument("--date", help="YYYY-MM-DD (default: today, UTC)")
@@ -97,7 +99,14 @@ def main(argv=None):
     if args.date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date):
         p.error("--date must be YYYY-MM-DD, got %r" % args.date)
     try:
-        ours = load(args.ours, "tpserve") if args.ours else None
+        ours = None
+        for path in args.ours or []:
+            part = load(path, "tpserve")
+            if ours is None:
+                ours = part
+            else:
+                ours["records"].extend(part["records"])
+                ours.setdefault("skipped", []).extend(part.get("skipped", []) or [])
         peer = load(args.peer, "torch") if args.peer else None
     except (OSError, ValueError) as e:
         sys.stderr.write("merge_results: %s\n" % e)

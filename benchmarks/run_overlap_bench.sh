@@ -17,6 +17,7 @@ chunks=${CHUNKS:-2 4 8}
 presets=${PRESETS:-llama70b seed}
 methods=${METHODS:-gemm_only comm_only none pipeline ring auto layer_gemm}
 overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}  # what method auto resolves
+max_ctas=${MAX_CTAS:-0 8}  # NCCL CTA limits swept for pipeline/ring
 rc=0
 log="$out/bench.log"
 : > "$log"
@@ -48,25 +49,43 @@ fi
 
 run_preset() {  # preset, extra args for tpserve-bench
   local preset=$1; shift
-  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --overlap $overlap --commit $commit $*"
+  local sweep_methods="$methods" tuned="" ours_files=()
+  # TUNE=1: the sweep also tunes (--tune-out), and method auto is then
+  # measured in a second run that resolves the config just written, so that
+  # auto, none and PyTorch come from one session.
+  if [ -n "${TUNE:-}" ]; then
+    tuned="$out/$date-overlap-$preset-tp2-tuned.yaml"
+    sweep_methods=$(for x in $methods; do [ "$x" = auto ] || printf '%s ' "$x"; done)
+  fi
+  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit $* --methods $sweep_methods"
+  [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned" || cmd_ours="$cmd_ours --overlap $overlap"
   local cmd_peer="python3 benchmarks/torch_peer.py --tp 2 --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
   echo "== $preset: $cmd_ours" | tee -a "$log"
   timeout ${BENCH_TIMEOUT:-240} $cmd_ours --out "/tmp/ours-$preset.json" >> "$log" 2>&1 || rc=1
+  ours_files+=(--ours "/tmp/ours-$preset.json")
+  local cmd_all="$cmd_ours"
+  if [ -n "$tuned" ] && [[ " $methods " == *" auto "* ]] && [ -s "$tuned" ]; then
+    local cmd_auto=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --methods none auto --overlap $tuned"
+    echo "== $preset: $cmd_auto" | tee -a "$log"
+    timeout ${AUTO_TIMEOUT:-120} $cmd_auto --out "/tmp/ours-auto-$preset.json" >> "$log" 2>&1 || rc=1
+    ours_files+=(--ours "/tmp/ours-auto-$preset.json")
+    cmd_all="$cmd_all ; $cmd_auto"
+  fi
   echo "== $preset: $cmd_peer" | tee -a "$log"
   PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-240} $cmd_peer --out "/tmp/peer-$preset.json" >> "$log" 2>&1 || rc=1
   local merged="$out/$date-$preset-tp2.json"
-  python3 benchmarks/merge_results.py --ours "/tmp/ours-$preset.json" --peer "/tmp/peer-$preset.json" \
+  python3 benchmarks/merge_results.py "${ours_files[@]}" --peer "/tmp/peer-$preset.json" \
     --commit "$commit" --date "$date" \
-    --command "COMMIT=$commit bash benchmarks/run_overlap_bench.sh: $cmd_ours ; $cmd_peer" \
+    --command "COMMIT=$commit bash benchmarks/run_overlap_bench.sh: $cmd_all ; $cmd_peer" \
     --out "$merged" >> "$log" 2>&1 || rc=1
   python3 benchmarks/render_results.py "$merged" --png "$out/$date-$preset-tp2.png" \
     >> "$out/tables.txt" 2>&1 || rc=1
 }
 for preset in $presets; do
   if [ "$preset" = seed ]; then
-    ms="65536" run_preset seed --max-ctas 0 8 --methods $methods
+    ms="65536" run_preset seed --max-ctas $max_ctas
   else
-    run_preset "$preset" --max-ctas 0 8 --methods $methods
+    run_preset "$preset" --max-ctas $max_ctas
   fi
 done
 grep -A40 -i "summary" "$out/tables.txt" | head -80
