@@ -1,5 +1,5 @@
-// tpserve-bench: times the TP linear layers on the GPUs of one host (ranks as
-// threads, one GPU each), every overlap method side by side with the GEMM
+// tpserve-bench: times the TP linear layers on the GPUs of one host (one
+// process per GPU as in serving, or ranks as threads), every overlap method side by side with the GEMM
 // alone and the communication alone, in CUDA-graph replay mode with CUDA
 // events around each replay. Writes the records of benchmarks/README.md's
 // JSON schema (impl "tpserve"); benchmarks/run_overlap_bench.sh merges them
@@ -21,7 +21,7 @@
 
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
-#include "comm/nccl_thread_group.h"
+#include "comm/rank_group.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
 #include "layers/overlap_config.h"
@@ -59,6 +59,7 @@ struct Flags {
   std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
   std::vector<int> gemm_sms = {0};  // GEMM SM budgets to sweep (0 = all SMs)
   int tp = 2;
+  std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
   int timeout_s = 120;  // bound on every wait for the GPUs (then abort, not hang)
   std::string overlap;  // overlap config (YAML) for method auto
@@ -212,7 +213,7 @@ StatusOr<double> RelDiff(const void* a, const void* b, int64_t rows, int64_t col
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-Status RunCase(NcclThreadGroup& group, const Flags& f, const ShapeCase& sc,
+Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc,
                const OverlapConfig* overlap, DataType dtype, std::vector<json>& records) {
   const int tp = group.size();
   const bool ag = sc.op == OverlapOp::kAllGatherGemm;
@@ -436,8 +437,7 @@ int Main(int argc, char** argv) {
                  "Methods: gemm_only, comm_only, none, pipeline, ring, auto (the knobs --overlap "
                  "gives the layer at this M), pipeline_ce and ring_ce "
                  "(copy-engine pulls instead of NCCL kernels; pipeline_ce for ag_gemm only; "
-                 "experimental: hangs were seen with ranks as threads, so bound the run with "
-                 "--timeout-s), "
+                 "with --ranks threads, gemm_rs ring_ce hung: bound such runs with --timeout-s), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,
@@ -447,7 +447,13 @@ int Main(int argc, char** argv) {
                  "GEMM SM budgets (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) to sweep for "
                  "pipeline/ring (0 = all SMs)")
       ->capture_default_str();
-  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs, one thread each)")
+  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs)")->capture_default_str();
+  app.add_option("--ranks", f.ranks,
+                 "How ranks run: processes (one per GPU, as tpserve serves; this process is "
+                 "rank 0 and starts the others with the same arguments) or threads (one "
+                 "process; copy-engine transfers then read another device's memory directly, "
+                 "which hung for gemm_rs ring)")
+      ->check(CLI::IsMember({"processes", "threads"}))
       ->capture_default_str();
   app.add_option("--warmup", f.warmup, "Graph replays before timing")->capture_default_str();
   app.add_option("--rounds", f.rounds, "Timed graph replays per case")->capture_default_str();
@@ -471,11 +477,13 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  auto group = NcclThreadGroup::Create(f.tp, std::chrono::seconds(f.timeout_s));
-  if (!group.ok()) {
-    spdlog::error("{}", group.status().ToString());
+  auto made = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
+                              std::chrono::seconds(f.timeout_s));
+  if (!made.ok()) {
+    spdlog::error("{}", made.status().ToString());
     return 1;
   }
+  const std::unique_ptr<RankGroup> group = std::move(made).value();
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   int nccl_version = 0;
@@ -532,7 +540,7 @@ int Main(int argc, char** argv) {
     for (const std::string& d : f.dtypes) {
       const DataType dtype = d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
       const size_t first = records.size();
-      Status s = RunCase(**group, f, sc, overlap_ptr, dtype, records);
+      Status s = RunCase(*group, f, sc, overlap_ptr, dtype, records);
       ++done;
       if (!s.ok()) {
         spdlog::error("{} m={} {}: {}", sc.layer, sc.m, d, s.ToString());
@@ -574,6 +582,11 @@ int Main(int argc, char** argv) {
       }
     }
   }
+  if (!group->leader()) {
+    // A worker process: rank 0 reports.
+    const Status finished = group->Finish(std::chrono::seconds(10));
+    return failures == 0 && finished.ok() ? 0 : 1;
+  }
   for (json& r : records) out["records"].push_back(r);
   std::ofstream(f.out) << out.dump(1) << "\n";
   spdlog::info("wrote {} records to {} ({} failed cases)", records.size(), f.out, failures);
@@ -588,6 +601,10 @@ int Main(int argc, char** argv) {
          << tuned.ToYaml();
     spdlog::info("wrote the tuned overlap config ({} entries) to {}", tuned.tuned().size(),
                  f.tune_out);
+  }
+  if (const Status finished = group->Finish(std::chrono::seconds(f.timeout_s)); !finished.ok()) {
+    spdlog::error("{}", finished.ToString());
+    ++failures;
   }
   return failures == 0 ? 0 : 1;
 }

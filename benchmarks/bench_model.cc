@@ -1,5 +1,6 @@
 // tpserve-bench-model: prefill throughput of the CUDA model (engine/cuda_model.h)
-// on this host's GPUs, ranks as threads, with each overlap setting side by side
+// on this host's GPUs (one process per GPU as in serving, or ranks as threads),
+// with each overlap setting side by side
 // on one set of random weights (generated on the GPUs).
 //
 // For every --batches entry (SEQSxLEN: SEQS sequences of LEN tokens) and
@@ -27,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/nccl_thread_group.h"
+#include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
 #include "layers/overlap_config.h"
@@ -41,6 +42,7 @@ struct Flags {
   std::string model = "llama3-70b";
   int layers = 8;  // blocks to build (0 = the model's own count)
   int tp = 2;
+  std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   std::string dtype = "fp8";
   std::vector<std::string> batches = {"8x1024", "16x1024"};
   std::vector<std::string> overlaps;  // overlap config files, besides mode none
@@ -107,7 +109,12 @@ int Main(int argc, char** argv) {
                  "model when the weights would not fit")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs, one thread each)")
+  app.add_option("--ranks", f.ranks,
+                 "How ranks run: processes (one per GPU, as tpserve serves; this process is "
+                 "rank 0 and starts the others with the same arguments) or threads")
+      ->check(CLI::IsMember({"processes", "threads"}))
+      ->capture_default_str();
+  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs)")
       ->capture_default_str();
   app.add_option("--dtype", f.dtype, "Weights and activations of the TP layers: fp8 or bf16")
       ->check(CLI::IsMember({"fp8", "bf16"}))
@@ -163,11 +170,13 @@ int Main(int argc, char** argv) {
     names.push_back(path);
   }
 
-  auto group = NcclThreadGroup::Create(f.tp);
-  if (!group.ok()) {
-    spdlog::error("{}", group.status().ToString());
+  auto made = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
+                              std::chrono::seconds(120));
+  if (!made.ok()) {
+    spdlog::error("{}", made.status().ToString());
     return 1;
   }
+  const std::unique_ptr<RankGroup> group = std::move(made).value();
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
   CudaModelOptions options;
   options.max_tokens = max_tokens;
@@ -177,10 +186,10 @@ int Main(int argc, char** argv) {
   // times[batch][setting]
   std::vector<std::vector<std::vector<double>>> times(
       shapes.size(), std::vector<std::vector<double>>(configs.size()));
-  Status s = (*group)->Run([&](int r) -> Status {
+  Status s = group->Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(config, dtype, f.seed, nullptr,
-                                                            (*group)->pool(r), options));
-    NcclCommunicator& comm = (*group)->pool(r).base();
+                                                            group->pool(r), options));
+    NcclCommunicator& comm = group->pool(r).base();
     for (size_t b = 0; b < shapes.size(); ++b) {
       const TokenBatch batch = MakeBatch(shapes[b], config.vocab_size, f.seed);
       for (int round = -1 - f.warmup; round < f.rounds; ++round) {
@@ -207,6 +216,11 @@ int Main(int argc, char** argv) {
     spdlog::error("{}", s.ToString());
     return 1;
   }
+  if (const Status finished = group->Finish(std::chrono::seconds(60)); !finished.ok()) {
+    spdlog::error("{}", finished.ToString());
+    return 1;
+  }
+  if (!group->leader()) return 0;  // a worker process: rank 0 reports
   json out{{"meta",
             {{"commit", f.commit},
              {"model", f.model},

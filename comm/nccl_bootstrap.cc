@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -348,6 +349,47 @@ void KillAndReap(const std::vector<pid_t>& pids) {
 }
 
 }  // namespace
+
+Status ReapWorkers(const std::vector<pid_t>& pids, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<bool> done(pids.size(), false);
+  std::string failures;
+  auto note = [&](size_t i, const std::string& what) {
+    failures += (failures.empty() ? "" : "; ") + std::string("rank ") + std::to_string(i + 1) +
+                " (pid " + std::to_string(pids[i]) + ") " + what;
+  };
+  size_t left = pids.size();
+  while (left > 0) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (done[i]) continue;
+      int status = 0;
+      const pid_t got = ::waitpid(pids[i], &status, WNOHANG);
+      if (got == 0) continue;
+      if (got < 0 && errno == EINTR) continue;
+      done[i] = true;
+      --left;
+      if (got < 0) {
+        note(i, std::string("could not be waited for: ") + std::strerror(errno));
+      } else if (WIFSIGNALED(status)) {
+        note(i, "was killed by signal " + std::to_string(WTERMSIG(status)));
+      } else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+        note(i, "exited with status " + std::to_string(WEXITSTATUS(status)));
+      }
+    }
+    if (left == 0 || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (size_t i = 0; i < pids.size(); ++i) {
+    if (done[i]) continue;
+    ::kill(pids[i], SIGKILL);
+    int status = 0;
+    while (::waitpid(pids[i], &status, 0) < 0 && errno == EINTR) {
+    }
+    note(i, "did not exit in time and was killed");
+  }
+  if (failures.empty()) return Status::Ok();
+  return InternalError("worker processes: " + failures);
+}
 
 EnvLookup ProcessEnv() {
   return [](const char* name) -> const char* { return std::getenv(name); };

@@ -163,6 +163,13 @@ StatusOr<std::vector<pid_t>> SpawnLocalWorkers(const std::vector<std::string>& a
 StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, int world_size,
                                           const std::vector<int>& ranks, const ncclUniqueId& id);
 
+// Waits until every pid in `pids` has exited or `timeout` has passed, then
+// sends SIGKILL to those left and reaps them. INTERNAL naming each worker
+// (as rank i+1 of pids[i]) that exited non-zero, died of a signal or had to
+// be killed; OK when all exited 0. Unknown or already reaped pids count as
+// failures.
+Status ReapWorkers(const std::vector<pid_t>& pids, std::chrono::milliseconds timeout);
+
 // ---------------------------------------------------------------------------
 // Several nodes: a TCP rendezvous that only hands out the unique id
 

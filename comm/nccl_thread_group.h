@@ -13,27 +13,29 @@
 #include <vector>
 
 #include "comm/nccl_communicator.h"
+#include "comm/rank_group.h"
 
 namespace tpserve {
 
 // Number of CUDA devices; 0 when there are none or the driver is missing.
 int CudaDeviceCount();
 
-class NcclThreadGroup {
+class NcclThreadGroup final : public RankGroup {
  public:
   // Ranks 0..n-1 on devices 0..n-1. FAILED_PRECONDITION if fewer devices.
   static StatusOr<std::unique_ptr<NcclThreadGroup>> Create(
       int n, std::chrono::milliseconds timeout = std::chrono::seconds(120));
-  ~NcclThreadGroup();
+  ~NcclThreadGroup() override;
 
-  int size() const { return static_cast<int>(pools_.size()); }
-  NcclCommPool& pool(int rank) { return *pools_[rank]; }
+  int size() const override { return static_cast<int>(pools_.size()); }
+  bool leader() const override { return true; }
+  NcclCommPool& pool(int rank) override { return *pools_[rank]; }
 
   // Runs fn(rank) on one thread per rank (device `rank` current, error
   // messages tagged with the rank) and returns the first error in rank order.
   // A rank that fails aborts every communicator so that the others cannot
   // wait for it forever.
-  Status Run(const std::function<Status(int rank)>& fn);
+  Status Run(const std::function<Status(int rank)>& fn) override;
 
  private:
   NcclThreadGroup() = default;

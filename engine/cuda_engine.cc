@@ -225,20 +225,14 @@ CudaEngine::~CudaEngine() {
 
 void CudaEngine::StopWorkers(bool graceful) {
   // Give stopping workers time to exit, then make sure.
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(graceful ? 30 : 0);
+  std::vector<pid_t> live;
   for (pid_t& pid : workers_) {
-    if (pid <= 0) continue;
-    int status = 0;
-    while (waitpid(pid, &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() >= give_up) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    if (pid > 0) live.push_back(pid);
     pid = -1;
   }
+  const Status reaped =
+      ReapWorkers(live, graceful ? std::chrono::milliseconds(30000) : std::chrono::milliseconds(0));
+  if (!reaped.ok()) spdlog::warn("stopping the engine: {}", reaped.ToString());
 }
 
 void CudaEngine::Fail(const Status& why) {

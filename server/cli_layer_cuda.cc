@@ -94,37 +94,6 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   return res;
 }
 
-// Waits for the workers (at most `timeout`), then kills what is left.
-bool ReapWorkers(const std::vector<pid_t>& pids, std::chrono::seconds timeout) {
-  bool ok = true;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::vector<bool> done(pids.size(), false);
-  size_t left = pids.size();
-  while (left > 0 && std::chrono::steady_clock::now() < deadline) {
-    for (size_t i = 0; i < pids.size(); ++i) {
-      if (done[i]) continue;
-      int status = 0;
-      if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
-        done[i] = true;
-        --left;
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-          spdlog::error("rank {} (pid {}) ended with status {}", i + 1, pids[i], status);
-          ok = false;
-        }
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  for (size_t i = 0; i < pids.size(); ++i) {
-    if (done[i]) continue;
-    spdlog::error("rank {} (pid {}) did not finish in time; killing it", i + 1, pids[i]);
-    kill(pids[i], SIGKILL);
-    waitpid(pids[i], nullptr, 0);
-    ok = false;
-  }
-  return ok;
-}
-
 }  // namespace
 
 int RunLayerCuda(const LayerFlags& f, const std::vector<std::string>& argv) {
@@ -187,7 +156,13 @@ int RunLayerCuda(const LayerFlags& f, const std::vector<std::string>& argv) {
     // The workers would wait for this rank until their NCCL deadline.
     for (pid_t pid : workers) kill(pid, SIGTERM);
   }
-  if (!workers.empty() && !ReapWorkers(workers, std::chrono::seconds(180))) pass = false;
+  if (!workers.empty()) {
+    const Status reaped = ReapWorkers(workers, std::chrono::seconds(180));
+    if (!reaped.ok()) {
+      spdlog::error("{}", reaped.ToString());
+      pass = false;
+    }
+  }
   return pass ? 0 : 1;
 }
 

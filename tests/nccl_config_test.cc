@@ -704,5 +704,38 @@ TEST(SpawnLocalWorkersTest, Errors) {
   EXPECT_TRUE(Contains(r.status().message(), "rank 1")) << r.status().message();
 }
 
+// ---- ReapWorkers ------------------------------------------------------------------
+
+TEST(ReapWorkersTest, AllExitZeroIsOk) {
+  auto pids = SpawnLocalWorkers({"/bin/sh", "-c", "exit 0"}, 3, RandomId(2));
+  ASSERT_TRUE(pids.ok()) << pids.status().ToString();
+  const Status s = ReapWorkers(*pids, std::chrono::seconds(10));
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  // Reaped: nothing is left to wait for.
+  for (pid_t pid : *pids) EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+}
+
+TEST(ReapWorkersTest, NamesFailedAndKilledWorkersAndBoundsTheWait) {
+  // Rank 1 exits 3; rank 2 would sleep a minute and must be killed.
+  const std::string script = "[ \"$TPSERVE_RANK\" = 1 ] && exit 3; exec sleep 60";
+  auto pids = SpawnLocalWorkers({"/bin/sh", "-c", script}, 3, RandomId(3));
+  ASSERT_TRUE(pids.ok()) << pids.status().ToString();
+  const auto t0 = Clock::now();
+  const Status s = ReapWorkers(*pids, milliseconds(500));
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  ASSERT_EQ(s.code(), StatusCode::kInternal);
+  EXPECT_TRUE(Contains(s.message(), "rank 1 (pid " + std::to_string((*pids)[0]) +
+                                        ") exited with status 3"))
+      << s.message();
+  EXPECT_TRUE(Contains(s.message(), "rank 2 (pid " + std::to_string((*pids)[1]) +
+                                        ") did not exit in time and was killed"))
+      << s.message();
+  for (pid_t pid : *pids) EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+}
+
+TEST(ReapWorkersTest, NoWorkersIsOk) {
+  EXPECT_TRUE(ReapWorkers({}, milliseconds(0)).ok());
+}
+
 }  // namespace
 }  // namespace tpserve
