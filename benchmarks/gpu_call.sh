@@ -6,6 +6,7 @@
 #   COMMIT=<sha> bash benchmarks/gpu_call.sh overlap serve model
 # Parts: those of gpu_session.sh, plus "serve" (the gRPC serve test alone).
 # BUDGET_S (default 560) bounds the whole call; each part gets what is left.
+# An overlap part's tuned config becomes OVERLAP for the parts after it.
 set -uo pipefail
 root=${OUT:-gpu-out}; mkdir -p "$root"
 budget=${BUDGET_S:-560}
@@ -25,6 +26,9 @@ for part in "$@"; do
   fi
   echo "exit $?"
   tail -${TAIL_LINES:-25} "$root/$part/console.txt"
+  # The config the overlap part tuned is what later parts (model) use.
+  tuned=$(ls "$root/$part"/*-tuned.yaml 2>/dev/null | head -1)
+  if [ -n "$tuned" ]; then cp "$tuned" /tmp/overlap-tuned.yaml; export OVERLAP=/tmp/overlap-tuned.yaml; fi
   cp /tmp/ours-*.json /tmp/peer-*.json /tmp/model-*.json "$root/$part/" 2>/dev/null
   rm -f /tmp/ours-*.json /tmp/peer-*.json /tmp/model-*.json
   (cd "$root" && tar czf "$part.tgz" "$part" && rm -rf "$part")
