@@ -61,6 +61,7 @@ struct Flags {
   int tp = 2;
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
+  int queue_delay_us = 100;  // GPU delay per method before each round (host queues ahead)
   int timeout_s = 120;  // bound on every wait for the GPUs (then abort, not hang)
   std::string overlap;  // overlap config (YAML) for method auto
   int rounds = 30;
@@ -123,7 +124,6 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
     } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce") {
       const bool ce = name.ends_with("_ce");
       const bool ring = name.starts_with("ring");
-      if (name == "pipeline_ce" && op != OverlapOp::kAllGatherGemm) continue;
       // Copy engines also at one chunk: their transfer has no kernel to
       // overlap with, so at small M a single pull may be the fastest.
       std::vector<int> chunks = f.chunks;
@@ -350,6 +350,11 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc,
     // its lateness to the first collective of the round.
     TP_ASSIGN_OR_RETURN(DeviceBuffer sync, DeviceBuffer::Allocate(16 * (tp + 1), "bench.sync"));
     for (int round = -f.warmup; round < f.rounds; ++round) {
+      // The GPU waits while the host queues the whole round: no timed
+      // interval then holds host launch latency (small cases are shorter
+      // than a graph launch plus the AllGather's).
+      TP_RETURN_IF_ERROR(
+          LaunchGpuDelay(f.queue_delay_us * 1000 * static_cast<int64_t>(methods.size()), st));
       for (size_t i = 0; i < methods.size(); ++i) {
         TP_RETURN_IF_ERROR(base.AllGather(sync.data(), sync.as<char>() + 16, 16, st));
         TP_RETURN_IF_ERROR(events[2 * i].Record(st));
@@ -436,7 +441,7 @@ int Main(int argc, char** argv) {
   app.add_option("--methods", f.methods,
                  "Methods: gemm_only, comm_only, none, pipeline, ring, auto (the knobs --overlap "
                  "gives the layer at this M), pipeline_ce and ring_ce "
-                 "(copy-engine pulls instead of NCCL kernels; pipeline_ce for ag_gemm only; "
+                 "(copy-engine pulls instead of NCCL kernels, chunks 1 included; "
                  "with --ranks threads, gemm_rs ring_ce hung: bound such runs with --timeout-s), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->capture_default_str();
@@ -456,6 +461,12 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"processes", "threads"}))
       ->capture_default_str();
   app.add_option("--warmup", f.warmup, "Graph replays before timing")->capture_default_str();
+  app.add_option("--queue-delay-us", f.queue_delay_us,
+                 "Before each round of timed replays the GPU spins this many microseconds per "
+                 "method, so that the host has queued the round before it runs (0: off; then "
+                 "short cases include host launch latency)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--rounds", f.rounds, "Timed graph replays per case")->capture_default_str();
   app.add_option("--overlap", f.overlap,
                  "Overlap config (YAML, e.g. deploy/overlap-llama3-70b-tp2.yaml) that method "

