@@ -5,7 +5,8 @@
 #       build/bin/tpserve build/bin/tpserve-bench build/bin/tpserve-bench-model \
 #       build/bin/tpserve-loadtest
 # as: bash benchmarks/gpu_session.sh PART   (one device call per part, each
-# under the 10-minute limit of a call):
+# under the 10-minute limit of a call; benchmarks/gpu_call.sh runs several):
+#   layers  the kernel tests and the layer check of every copy-engine mode
 #   tests   (bounded to ~9 min) GPU tests (enabled ones; then the disabled copy-engine tests on
 #           their own, bounded), `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
@@ -14,7 +15,7 @@
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|overlap|model|load}
+part=${1:?usage: gpu_session.sh tests|layers|overlap|model|load}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -53,6 +54,14 @@ PY
     else
       echo "no python grpc on this host: serve test skipped"
     fi
+    ;;
+  layers)
+    # The layer checks alone: kernels and every copy-engine mode, one
+    # process per GPU.
+    timeout 60 .gpu/bin/tpserve_gpu_tests --gtest_filter='GpuTest.*:GpuOpsTest.*' \
+      > "$out/gpu_kernel_tests.log" 2>&1 || rc=1
+    grep -E "^\[  (PASSED|FAILED) " "$out/gpu_kernel_tests.log"
+    timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -E "FAIL|error" ; grep -c PASS "$out/layer_cli.log"
     ;;
   overlap)
     # The sweep, which also tunes the overlap config, then auto (resolving

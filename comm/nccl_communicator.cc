@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <future>
+#include <memory>
 #include <set>
 #include <thread>
 
@@ -327,10 +329,29 @@ void NcclCommunicator::AbortLocked(const std::string& reason) {
   if (abort_reason_.empty()) abort_reason_ = reason;
   if (comm_ == nullptr) return;
   spdlog::warn("aborting NCCL communicator {} (rank {} of {}): {}", name_, rank_, nranks_, reason);
-  ScopedDevice guard(device_);
   // The handle is freed by the call: no ncclGetLastError(comm) afterwards.
-  TP_NCCL_LOG(ncclCommAbort(comm_), nullptr);
+  // ncclCommAbort first raises the flag that makes this rank's NCCL kernels
+  // return, then reclaims its resources, which can block for good when a
+  // peer process is gone (it waits on proxy threads and peers; seen on the
+  // H200 host with a killed worker). So it runs on a thread of its own, and
+  // after kAbortWait the abort goes on in the background: the communicator
+  // is unusable either way, and no caller (all of them wait for mu_) may
+  // hang behind it.
+  ncclComm_t comm = comm_;
   comm_ = nullptr;
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> finished = done->get_future();
+  const int device = device_;
+  std::thread([comm, device, done] {
+    ScopedDevice guard(device);
+    TP_NCCL_LOG(ncclCommAbort(comm), nullptr);
+    done->set_value();
+  }).detach();
+  if (finished.wait_for(kAbortWait) != std::future_status::ready) {
+    spdlog::warn("NCCL communicator {} (rank {}): ncclCommAbort did not return within {} ms (a "
+                 "peer process gone?); it continues in the background",
+                 name_, rank_, kAbortWait.count());
+  }
 }
 
 void NcclCommunicator::Abort() {

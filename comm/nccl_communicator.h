@@ -184,8 +184,11 @@ class NcclCommunicator final : public Communicator {
   // checked before issuing `what`, so an error belongs to earlier work.
   Status AwaitReadyLocked(std::unique_lock<std::mutex>& lock, std::string_view what, int line,
                           Clock::time_point deadline, bool before_call = false);
+  // Marks the communicator aborted and aborts it in NCCL, waiting at most
+  // kAbortWait for ncclCommAbort (which may then finish in the background).
   void AbortLocked(const std::string& reason);
   Status AbortedErrorLocked(std::string_view what) const;
+  static constexpr std::chrono::milliseconds kAbortWait{5000};
 
   const int rank_;
   const int nranks_;

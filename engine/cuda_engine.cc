@@ -181,17 +181,24 @@ void CudaEngine::MonitorWorkers() {
   while (waitid(P_ALL, 0, &info, WEXITED | WNOWAIT) != 0) {
     if (errno != EINTR) return;  // no children left
   }
-  std::lock_guard lock(monitor_mu_);
-  if (stopping_) return;
-  int rank = 0;
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    if (workers_[i] == info.si_pid) rank = static_cast<int>(i) + 1;
+  // Held while the monitor uses pool_, so that the destructor cannot reset it
+  // meanwhile; monitor_mu_ is not held during the abort: healthy() takes it,
+  // and must answer while the communicators are being torn down.
+  std::lock_guard abort_lock(abort_mu_);
+  {
+    std::lock_guard lock(monitor_mu_);
+    if (stopping_) return;
+    int rank = 0;
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (workers_[i] == info.si_pid) rank = static_cast<int>(i) + 1;
+    }
+    lost_ = "worker rank " + std::to_string(rank) + " (pid " + std::to_string(info.si_pid) + ") " +
+            (info.si_code == CLD_EXITED ? "exited with status " + std::to_string(info.si_status)
+                                        : "was killed by signal " + std::to_string(info.si_status));
+    spdlog::error("CudaEngine: {}; aborting the communicators", lost_);
   }
-  lost_ = "worker rank " + std::to_string(rank) + " (pid " + std::to_string(info.si_pid) + ") " +
-          (info.si_code == CLD_EXITED ? "exited with status " + std::to_string(info.si_status)
-                                      : "was killed by signal " + std::to_string(info.si_status));
-  spdlog::error("CudaEngine: {}; aborting the communicators", lost_);
-  if (pool_ != nullptr) pool_->Abort();  // a Forward in flight returns ABORTED now
+  // A Forward in flight returns ABORTED now (each abort waits a bounded time).
+  if (pool_ != nullptr) pool_->Abort();
 }
 
 std::string CudaEngine::LostWorker() const {
@@ -218,7 +225,10 @@ CudaEngine::~CudaEngine() {
   stream_ = CudaStream();
   header_ = DeviceBuffer();
   payload_ = DeviceBuffer();
-  pool_.reset();  // collective with the workers' own teardown when graceful
+  {
+    std::lock_guard abort_lock(abort_mu_);  // not while the monitor aborts it
+    pool_.reset();  // collective with the workers' own teardown when graceful
+  }
   StopWorkers(graceful);
   if (monitor_.joinable()) monitor_.join();  // woken by the workers' exit
 }

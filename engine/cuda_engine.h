@@ -98,7 +98,8 @@ class CudaEngine final : public Engine {
   std::atomic<bool> broken_{false};  // written under mu_, read by healthy() without it
   Status first_error_;
 
-  mutable std::mutex monitor_mu_;  // guards stopping_, lost_ and the monitor's use of pool_
+  mutable std::mutex monitor_mu_;  // guards stopping_ and lost_ (healthy() reads them)
+  std::mutex abort_mu_;            // the monitor's abort of pool_ vs. its reset
   bool stopping_ = false;
   std::string lost_;
   std::thread monitor_;

@@ -16,6 +16,7 @@ namespace {
 struct BufRef {
   enum Base : uint8_t { kNone, kInput, kGather, kPartial, kReceived, kScratch, kY } base = kNone;
   size_t offset = 0;  // bytes
+  int peer = -1;      // >= 0: in that rank's copy of `base` (a PeerBuffer mapped here)
 };
 
 struct GemmCall {
@@ -45,12 +46,15 @@ struct CommCall {
   bool copy_engine = false;
   std::vector<PeerSignals::Flag> ready_to, ready_from, done_to;
   std::vector<Pull> pulls;
-  // Copy-engine ReduceScatter: after the pulls, dst = the sum over ranks of
-  // each rank's partial of this rank's rows (own: this rank's; the others
-  // pulled into slots `slot_stride` elements apart from `slots`).
+  // Peer-memory ReduceScatter: dst = the sum of every rank's partial of this
+  // rank's rows, slot r holding rank r's: pulled into `received` (after the
+  // pulls), or read in the peer's memory by the kernel itself (`direct`:
+  // then the peers may reuse their partials only after the sum).
   struct Sum {
-    BufRef own, slots, dst;
-    int64_t slot_stride = 0, count = 0;  // elements
+    std::vector<BufRef> slots;
+    BufRef dst;
+    int64_t count = 0;  // elements
+    bool direct = false;
   };
   bool sum = false;
   Sum sum_args;
@@ -188,9 +192,18 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
     } else {
       const size_t partial_bytes = tp * (shard_max + chunks) * row_y;
       if (ce) {
-        // Peers pull their rows' slots; theirs land in `received`, same layout.
+        if (tp > kMaxSumSlots) {
+          return InvalidArgumentError(ctx + ": copy_engine with gemm_rs mode " +
+                                      std::string(OverlapModeName(knobs.mode)) + " supports up to " +
+                                      std::to_string(kMaxSumSlots) + " ranks, got " +
+                                      std::to_string(tp));
+        }
+        // Peers read their rows' slots; pipelined, theirs are pulled into
+        // `received` (same layout); mode none reads them in place.
         TP_RETURN_IF_ERROR(alloc_peer(im.peer_partial, partial_bytes, "partial"));
-        TP_RETURN_IF_ERROR(alloc(im.received, partial_bytes, "received"));
+        if (knobs.mode != OverlapMode::kNone) {
+          TP_RETURN_IF_ERROR(alloc(im.received, partial_bytes, "received"));
+        }
       } else {
         TP_RETURN_IF_ERROR(alloc(im.partial, partial_bytes, "partial"));
         TP_RETURN_IF_ERROR(alloc(im.scratch, (CeilDiv(shard_max, chunks) + 1) * row_y, "scratch"));
@@ -376,10 +389,14 @@ Status CudaLinear::Prepare(int64_t m) {
         const RowRange mine = s.rows[rank_];
         const BufRef dst{BufRef::kY, (mine.begin - own.begin) * row_y};
         if (ce) {
-          // Pull every peer's partial of this rank's rows (slot rank_ of the
-          // peer's region), then add them to this rank's own.
+          // Every peer's partial of this rank's rows (slot rank_ of the
+          // peer's region) is added to this rank's own. Pipelined, copy
+          // engines pull them while later chunks' GEMMs run, and the sum
+          // reads local copies; in mode none nothing runs alongside, so the
+          // sum kernel reads them over NVLink itself (one pass, no copy).
           CommCall& c = ps.comm;
           c.copy_engine = true;
+          const bool direct = knobs_.mode == OverlapMode::kNone;
           const size_t slot_bytes = slot_rows * row_y;
           for (int p = 0; p < tp_; ++p) {
             if (p == rank_) continue;
@@ -389,7 +406,7 @@ Status CudaLinear::Prepare(int64_t m) {
             TP_ASSIGN_OR_RETURN(int in_slot, next_slot(received, p));
             c.ready_from.push_back({p, in_slot});
             c.done_to.push_back({p, in_slot});
-            if (!mine.empty()) {
+            if (!mine.empty() && !direct) {
               c.pulls.push_back({p,
                                  {BufRef::kPartial, region[g] + rank_ * slot_bytes},
                                  {BufRef::kReceived, region[g] + p * slot_bytes},
@@ -398,11 +415,18 @@ Status CudaLinear::Prepare(int64_t m) {
           }
           if (!mine.empty()) {
             c.sum = true;
-            c.sum_args = {{BufRef::kPartial, region[g] + rank_ * slot_bytes},
-                          {BufRef::kReceived, region[g]},
-                          dst,
-                          slot_rows * n,
-                          mine.size() * n};
+            c.sum_args.direct = direct;
+            c.sum_args.dst = dst;
+            c.sum_args.count = mine.size() * n;
+            for (int p = 0; p < tp_; ++p) {
+              if (p == rank_) {
+                c.sum_args.slots.push_back({BufRef::kPartial, region[g] + rank_ * slot_bytes});
+              } else if (direct) {
+                c.sum_args.slots.push_back({BufRef::kPartial, region[g] + rank_ * slot_bytes, p});
+              } else {
+                c.sum_args.slots.push_back({BufRef::kReceived, region[g] + p * slot_bytes});
+              }
+            }
           }
           break;
         }
@@ -580,6 +604,10 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   }
   const Prepared& prep = it->second;
   auto resolve = [&](BufRef r) -> char* {
+    if (r.peer >= 0) {
+      const PeerBuffer* b = im.PeerOf(r.base);
+      return b == nullptr ? nullptr : static_cast<char*>(b->peer(r.peer)) + r.offset;
+    }
     char* base = nullptr;
     switch (r.base) {
       case BufRef::kNone:
@@ -633,17 +661,19 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
       const CommCall& c = ps.comm;
       TP_RETURN_IF_ERROR(EnqueuePeerTransfer(im, c, resolve, s));
       if (c.sum) {
-        // The peers' partials are here: they may reuse theirs, then add.
-        TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
+        // Pulled: the peers may reuse their partials now, then add. Direct:
+        // they may once the sum has read them.
+        const bool direct = c.sum_args.direct;
+        if (!direct) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
         SumSlotsParams sp;
         sp.dst = resolve(c.sum_args.dst);
-        sp.own = resolve(c.sum_args.own);
-        sp.slots = resolve(c.sum_args.slots);
-        sp.slot_stride = c.sum_args.slot_stride;
-        sp.num_slots = tp_;
-        sp.own_slot = rank_;
+        sp.num_slots = static_cast<int>(c.sum_args.slots.size());
+        for (int k = 0; k < sp.num_slots && k < kMaxSumSlots; ++k) {
+          sp.slots[k] = resolve(c.sum_args.slots[k]);
+        }
         sp.count = c.sum_args.count;
         TP_RETURN_IF_ERROR(LaunchSumSlotsBf16(sp, s));
+        if (direct) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
         if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
         continue;
       }

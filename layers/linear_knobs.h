@@ -27,9 +27,10 @@ struct LinearKnobs {
   // between processes, ready/done flags as stream memory operations), so the
   // transfer takes no SMs from the GEMM. ag_gemm, any mode: the AllGather (or
   // the ring's send/recv) becomes pulls. gemm_rs: mode ring pulls each step's
-  // partial and the next GEMM adds it; modes none and pipeline pull the
-  // peers' partials of this rank's rows and one element-wise kernel adds
-  // them. All ranks on one node. Captures into CUDA graphs. Verified with
+  // partial and the next GEMM adds it; mode pipeline pulls the peers'
+  // partials of this rank's rows while later chunks' GEMMs run and one
+  // element-wise kernel adds them; mode none (nothing to overlap with) has
+  // that kernel read the peers' partials in place over NVLink instead. All ranks on one node. Captures into CUDA graphs. Verified with
   // one process per GPU, as tpserve serves; with ranks as threads of one
   // process, gemm_rs ring was seen to hang under graph replay (the GPU
   // tests' copy-engine cases are therefore DISABLED_ and run by hand).

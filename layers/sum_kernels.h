@@ -1,6 +1,6 @@
-// The reduction step of a copy-engine ReduceScatter: once copy engines have
-// pulled each peer's partial of this rank's rows, one element-wise kernel
-// adds them to this rank's own partial.
+// The reduction step of a peer-memory ReduceScatter: one element-wise kernel
+// adds every rank's partial of this rank's rows, each read where it lies
+// (pulled here by copy engines, or in a peer's memory mapped here).
 //
 // Only compiled when TPSERVE_WITH_CUDA is on.
 #pragma once
@@ -13,21 +13,21 @@
 
 namespace tpserve {
 
+inline constexpr int kMaxSumSlots = 8;
+
 struct SumSlotsParams {
-  void* dst = nullptr;          // BF16 [count]
-  const void* own = nullptr;    // BF16 [count]: this rank's partial
-  const void* slots = nullptr;  // BF16: slot s starts at slots + s * slot_stride elements
-  int64_t slot_stride = 0;      // elements between slots (>= count)
-  int num_slots = 0;            // ranks (>= 1)
-  int own_slot = 0;             // the slot `own` stands in for (its slot is not read)
-  int64_t count = 0;            // elements
+  void* dst = nullptr;                          // BF16 [count]
+  const void* slots[kMaxSumSlots] = {};         // BF16 [count] each: local or a peer's mapping
+  int num_slots = 0;                            // 1 .. kMaxSumSlots
+  int64_t count = 0;                            // elements
 };
 
-// dst[i] = sum over s = 0 .. num_slots-1 of (s == own_slot ? own[i] :
-// slots[s * slot_stride + i]), added in slot order in FP32 and rounded to BF16
-// once (RNE): every rank adds in the same order. dst may alias own. No
-// allocation or synchronisation (capturable); 16-byte aligned pointers and
-// strides take the vectorised path.
+// dst[i] = slots[0][i] + slots[1][i] + ... in FP32, in slot order (every
+// rank adds in the same order), rounded to BF16 once (RNE). A slot may be
+// another GPU's memory mapped here (comm/peer_memory.h): the kernel then
+// reads it over NVLink itself. dst may alias a slot. No allocation or
+// synchronisation (capturable); 16-byte aligned pointers with count % 8 == 0
+// take the vectorised path.
 Status LaunchSumSlotsBf16(const SumSlotsParams& p, cudaStream_t stream);
 
 }  // namespace tpserve

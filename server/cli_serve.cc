@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <cstdlib>
 #include <thread>
 
 #include "comm/nccl_config.h"
@@ -22,6 +23,9 @@
 
 namespace tpserve {
 namespace {
+
+// Seconds that tearing down may take after the drain's exit timeout.
+constexpr int kTeardownGraceS = 20;
 
 struct ServeFlags {
   std::string model = "tiny";
@@ -266,6 +270,18 @@ int Serve(const ServeFlags& f) {
   }
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(f.exit_timeout_s * 1000));
+  // The drain may take the exit timeout; tearing the engine down after it
+  // should take seconds. Should either block for good (a GPU or NCCL call
+  // that never returns), the process still ends, non-zero, instead of hanging.
+  const auto give_up = std::chrono::milliseconds(static_cast<int64_t>(f.exit_timeout_s * 1000)) +
+                       std::chrono::seconds(kTeardownGraceS);
+  std::thread([give_up] {
+    std::this_thread::sleep_for(give_up);
+    spdlog::critical("shutdown did not finish within the exit timeout + {} s: exiting with status 1",
+                     kTeardownGraceS);
+    spdlog::default_logger()->flush();
+    std::_Exit(1);
+  }).detach();
   srv->Shutdown(deadline);
   if (metrics_thread.joinable()) {
     metrics.stop();
@@ -363,7 +379,8 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--exit-timeout", f->exit_timeout_s,
-                  "Seconds to finish accepted requests after SIGTERM")
+                  "Seconds to finish accepted requests after SIGTERM (or an engine failure); "
+                  "if tearing down then takes 20 s more, the process exits with status 1")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--tls-cert", f->tls_cert, "PEM certificate chain: serve gRPC over TLS");

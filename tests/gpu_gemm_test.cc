@@ -32,6 +32,7 @@
 #include "layers/cublaslt_gemm.h"
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
+#include "layers/sum_kernels.h"
 #include "tests/gpu_test_util.h"
 
 namespace tpserve {
@@ -1033,6 +1034,51 @@ TEST_F(GpuTest, CudaEventsJoinStreamsAndTime) {
   for (uint8_t v : out) ASSERT_EQ(v, 0u) << "side stream ran before the fork event";
   EXPECT_EQ(CudaEvent::ElapsedMs(fork, stop).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(CudaStream::Create(true, 1000).status().code(), StatusCode::kInvalidArgument);
+}
+
+// The peer-memory ReduceScatter's add: every slot summed in slot order in
+// FP32 and rounded once, as the CPU computes it here (exact: same operations,
+// same order). Both the vectorised path (aligned, count % 8 == 0) and the
+// scalar one (an odd count, a misaligned slot); the output is poisoned first,
+// and elements past `count` must stay poisoned.
+TEST_F(GpuTest, SumSlotsMatchesSlotOrderFp32SumExactly) {
+  for (const auto& [count, misalign] :
+       std::vector<std::pair<int64_t, int64_t>>{{4096, 0}, {1001, 0}, {4096, 1}}) {
+    for (int slots : {1, 2, 4, 8}) {
+      std::vector<std::vector<BFloat16>> in(slots);
+      std::vector<DeviceBuffer> dev(slots);
+      SumSlotsParams p;
+      for (int s = 0; s < slots; ++s) {
+        in[s] = RandomBf16Matrix(1, count + misalign, count + misalign, -4.0f, 4.0f, 100 + s);
+        TP_ASSERT_OK_AND_ASSIGN(dev[s], Upload(in[s], "slot"));
+        p.slots[s] = dev[s].as<BFloat16>() + (s == 1 ? misalign : 0);
+      }
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer out, DeviceBuffer::Allocate((count + 8) * 2, "out"));
+      TP_ASSERT_OK(LaunchPoisonFill(out.data(), DataType::kBFloat16, count + 8, stream()));
+      p.dst = out.data();
+      p.num_slots = slots;
+      p.count = count;
+      TP_ASSERT_OK(LaunchSumSlotsBf16(p, stream()));
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> got, Download<BFloat16>(out.data(), count + 8));
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        float acc = 0.0f;
+        for (int s = 0; s < slots; ++s) {
+          acc += BFloat16ToFloat(in[s][i + (s == 1 ? misalign : 0)]);
+        }
+        wrong += got[i].bits != FloatToBFloat16(acc).bits;
+      }
+      EXPECT_EQ(wrong, 0) << "count " << count << " slots " << slots << " misalign " << misalign;
+      for (int64_t i = count; i < count + 8; ++i) {
+        EXPECT_EQ(got[i].bits, kBf16PoisonBits) << "wrote past count at " << i;
+      }
+    }
+  }
+  SumSlotsParams bad;
+  bad.num_slots = kMaxSumSlots + 1;
+  bad.count = 8;
+  EXPECT_EQ(LaunchSumSlotsBf16(bad, stream()).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace
