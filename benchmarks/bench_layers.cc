@@ -121,6 +121,12 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
     if (name == "gemm_only" || name == "comm_only" || name == "none" || name == "layer_gemm") {
       base.method = name;
       out.push_back(base);
+    } else if (name == "none_ce") {
+      // Mode none over peer memory: recorded as method none with
+      // copy_engine in its config.
+      base.method = "none";
+      base.knobs.copy_engine = true;
+      out.push_back(base);
     } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce") {
       const bool ce = name.ends_with("_ce");
       const bool ring = name.starts_with("ring");
@@ -305,12 +311,14 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc,
             static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
         TP_CUDA_CHECK(cudaMemcpyAsync(p.layer->input(sc.m), src, p.layer->input_bytes(sc.m),
                                       cudaMemcpyDeviceToDevice, st));
-        void* dst = m.method == "none" ? y_ref.data() : y.data();
+        // Plain mode none is the reference the others are checked against.
+        const bool reference = m.method == "none" && !m.knobs.copy_engine;
+        void* dst = reference ? y_ref.data() : y.data();
         // One full run first: it fills the gather buffers that layer_gemm
         // reads (a GEMM over never-written memory would time zeros).
         TP_RETURN_IF_ERROR(p.layer->Run(sc.m, w.data(), xs, ws, dst, st));
         TP_RETURN_IF_ERROR(base.WaitStream(st));
-        if (f.check && m.method != "none" && m.method != "layer_gemm" && out_rows > 0) {
+        if (f.check && !reference && m.method != "layer_gemm" && out_rows > 0) {
           TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
           checks[i] = d;
           if (!(d <= 1e-2)) {
@@ -371,7 +379,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc,
     // The replayed graphs must compute what the eager runs did.
     for (size_t i = 0; i < methods.size(); ++i) {
       const std::string& name = methods[i].method;
-      if (!f.check || !prepared[i].layer || name == "none" || name == "layer_gemm" ||
+      if (!f.check || !prepared[i].layer || (name == "none" && !methods[i].knobs.copy_engine) ||
+          name == "layer_gemm" ||
           out_rows == 0) {
         continue;
       }
@@ -440,8 +449,9 @@ int Main(int argc, char** argv) {
   app.add_option("--chunks", f.chunks, "Chunk counts for pipeline and ring")->capture_default_str();
   app.add_option("--methods", f.methods,
                  "Methods: gemm_only, comm_only, none, pipeline, ring, auto (the knobs --overlap "
-                 "gives the layer at this M), pipeline_ce and ring_ce "
-                 "(copy-engine pulls instead of NCCL kernels, chunks 1 included; "
+                 "gives the layer at this M), none_ce, pipeline_ce and ring_ce "
+                 "(peer memory instead of NCCL kernels: copy-engine pulls, and for gemm_rs "
+                 "none_ce a sum kernel reading the peers' partials; chunks 1 included; "
                  "with --ranks threads, gemm_rs ring_ce hung: bound such runs with --timeout-s), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->capture_default_str();
@@ -567,7 +577,7 @@ int Main(int argc, char** argv) {
         const std::string& name = methods[i].method;
         if (name != "none" && name != "pipeline" && name != "ring") continue;
         const double ms = records[first + i]["median_ms"].get<double>();
-        if (name == "none") none_ms = ms;
+        if (name == "none" && !methods[i].knobs.copy_engine) none_ms = ms;
         if (best_ms == 0 || ms < best_ms) {
           best_ms = ms;
           best = methods[i].knobs;

@@ -39,7 +39,7 @@ fi
 if [[ " $methods " == *_ce* ]]; then
   echo "== copy-engine smoke test"
   if ! timeout ${SMOKE_TIMEOUT:-60} .gpu/bin/tpserve-bench --shapes llama70b --m 8192 --dtype fp8 \
-      --chunks 2 --methods none ring_ce pipeline_ce --rounds 3 --timeout-s 20 \
+      --chunks 2 --methods none none_ce ring_ce pipeline_ce --rounds 3 --timeout-s 20 \
       --out /tmp/smoke.json > "$out/smoke.log" 2>&1; then
     echo "copy-engine smoke test failed (see smoke.log): sweeping without copy engines"
     methods=$(for x in $methods; do [[ $x == *_ce ]] || printf '%s ' "$x"; done)

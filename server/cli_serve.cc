@@ -289,7 +289,14 @@ int Serve(const ServeFlags& f) {
   }
   server->reset();  // engine threads stop after the server
   spdlog::info("stopped");
-  return engine_failed ? 1 : 0;
+  if (engine_failed) {
+    // An abort of the lost rank's communicators may still be running in NCCL
+    // on a background thread (NcclCommunicator::kAbortWait): leave without
+    // static destruction under its feet (a plain return crashed there).
+    spdlog::default_logger()->flush();
+    std::_Exit(1);
+  }
+  return 0;
 }
 
 int Worker(const ServeFlags& f) {
