@@ -7,10 +7,11 @@
 # as: bash benchmarks/gpu_session.sh PART   (one device call per part, each
 # under the 10-minute limit of a call; benchmarks/gpu_call.sh runs several):
 #   layers  the kernel tests and the layer check of every copy-engine mode
-#   tests   (bounded to ~9 min) GPU tests (enabled ones; then the disabled copy-engine tests on
-#           their own, bounded), `tpserve layer` in the multi-process model,
+#   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
-#   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh)
+#   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh), one process
+#           per GPU, copy-engine methods included; tunes the overlap config
+#           and measures auto with it
 #   model   the model benchmark with PyTorch (run_model_bench.sh)
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
@@ -27,10 +28,6 @@ case "$part" in
     echo "== gpu tests"
     timeout 180 .gpu/bin/tpserve_gpu_tests > "$out/gpu_tests.log" 2>&1 || rc=1
     grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_tests.log" | tail -20
-    echo "== disabled copy-engine tests (single process)"
-    timeout 60 .gpu/bin/tpserve_gpu_tests --gtest_also_run_disabled_tests \
-      --gtest_filter='GpuLinearTest.DISABLED_*' > "$out/gpu_ce_tests.log" 2>&1
-    echo "exit $?"; grep -E "^\[ +(OK|FAILED) " "$out/gpu_ce_tests.log"
     echo "== tpserve layer, one process per GPU"
     timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
     echo "== tpserve run --backend cuda vs cpu (tiny)"

@@ -210,6 +210,18 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       }
     }
   }
+  if (ce && shape.op == OverlapOp::kGemmReduceScatter) {
+    for (int r = 0; r < tp; ++r) {
+      if (!im.peer_partial.same_process(r)) continue;
+      // Seen on the 2xH200 host: with ranks as threads, replaying a captured
+      // copy-engine ReduceScatter (ring and pipeline) hung, while one
+      // process per GPU passes every mode. Refused rather than left to hang.
+      return FailedPreconditionError(
+          ctx + ": copy_engine with gemm_rs needs one process per GPU (CUDA IPC peers); rank " +
+          std::to_string(r) + " is a thread of this process, where graph replays of it hung "
+          "(run tpserve serve/layer, or tpserve-bench --ranks processes)");
+    }
+  }
   if (ce) {
     // Messages between one pair of ranks per Run: at most chunks per
     // AllGather step, or (tp - 1) * chunks ring steps.
