@@ -83,6 +83,11 @@ PY
       --concurrency-range 4:64:20 --prompt-len 1024 --duration 5 --warmup 2 --max-trials 2 \
       --json "$out/loadtest-llama3-70b.json" > "$out/loadtest.log" 2>&1 || rc=1
     tail -15 "$out/loadtest.log"
+    # The run's provenance beside the client's own report.
+    printf '{"commit": "%s", "date": "%s", "device": "2x %s", "server": "tpserve serve --model llama3-70b --tp 2 --backend cuda --device-random-weights --overlap-config %s --max-batch-tokens 8192 --max-tokens-per-request 1024"}\n' \
+      "$commit" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+      "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" "$overlap" \
+      > "$out/loadtest-meta.json"
     python3 benchmarks/render_loadtest.py "$out/loadtest-llama3-70b.json" \
       --png "$out/loadtest-llama3-70b.png" || rc=1
     kill -TERM $pid; wait $pid; echo "serve exit $?"

@@ -22,11 +22,13 @@ echo "== $ours"
 timeout ${BENCH_TIMEOUT:-300} $ours --out /tmp/model-ours.json 2>&1 | tee "$out/model-bench.log" | grep -E "tokens/s|error" || rc=1
 echo "== $peer"
 PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-300} $peer --out /tmp/model-peer.json 2>&1 | tee -a "$out/model-bench.log" | grep -E "tokens/s|fatal|Error" || rc=1
-python3 - "$out/$date-model-$model-tp2.json" "$commit" "$ours ; $peer" <<'PY' || rc=1
+device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+python3 - "$out/$date-model-$model-tp2.json" "$commit" "$ours ; $peer" "$date" "$device" <<'PY' || rc=1
 import json, sys
-path, commit, command = sys.argv[1:4]
+path, commit, command, date, device = sys.argv[1:6]
 docs = [json.load(open(p)) for p in ("/tmp/model-ours.json", "/tmp/model-peer.json")]
-meta = dict(docs[0]["meta"], torch=docs[1]["meta"].get("torch"), commit=commit, command=command)
+meta = dict(docs[0]["meta"], torch=docs[1]["meta"].get("torch"), commit=commit, command=command,
+            date=date, device="%sx %s" % (docs[0]["meta"].get("tp", "?"), device))
 records = docs[0]["records"] + docs[1]["records"]
 json.dump({"meta": meta, "records": records}, open(path, "w"), indent=1)
 print("wrote %s (%d records)" % (path, len(records)))
