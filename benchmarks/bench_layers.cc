@@ -1,9 +1,8 @@
 // tpserve-bench: times the TP linear layers on the GPUs of one host (one
-// process per GPU as in serving, or ranks as threads), every overlap method side by side with the GEMM
-// alone and the communication alone, in CUDA-graph replay mode with CUDA
-// events around each replay. Writes the records of benchmarks/README.md's
-// JSON schema (impl "tpserve"); benchmarks/run_overlap_bench.sh merges them
-// with the PyTorch peer's records of the same run.
+// process per GPU as in serving, or ranks as threads), every overlap method side by side with the
+// GEMM alone and the communication alone, in CUDA-graph replay mode with CUDA events around each
+// replay. Writes the records of benchmarks/README.md's JSON schema (impl "tpserve");
+// benchmarks/run_overlap_bench.sh merges them with the PyTorch peer's records of the same run.
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -62,8 +61,8 @@ struct Flags {
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
   int queue_delay_us = 100;  // GPU delay per method before each round (host queues ahead)
-  int timeout_s = 120;  // bound on every wait for the GPUs (then abort, not hang)
-  std::string overlap;  // overlap config (YAML) for method auto
+  int timeout_s = 120;       // bound on every wait for the GPUs (then abort, not hang)
+  std::string overlap;       // overlap config (YAML) for method auto
   int rounds = 30;
   bool check = true;
   bool fast_accum = false;
@@ -219,8 +218,8 @@ StatusOr<double> RelDiff(const void* a, const void* b, int64_t rows, int64_t col
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc,
-               const OverlapConfig* overlap, DataType dtype, std::vector<json>& records) {
+Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const OverlapConfig* overlap,
+               DataType dtype, std::vector<json>& records) {
   const int tp = group.size();
   const bool ag = sc.op == OverlapOp::kAllGatherGemm;
   const int64_t n_local = ag ? sc.n / tp : sc.n, k_local = ag ? sc.k : sc.k / tp;
@@ -380,8 +379,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc,
     for (size_t i = 0; i < methods.size(); ++i) {
       const std::string& name = methods[i].method;
       if (!f.check || !prepared[i].layer || (name == "none" && !methods[i].knobs.copy_engine) ||
-          name == "layer_gemm" ||
-          out_rows == 0) {
+          name == "layer_gemm" || out_rows == 0) {
         continue;
       }
       TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out_rows * n_local, st));

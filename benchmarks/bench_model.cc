@@ -114,8 +114,7 @@ int Main(int argc, char** argv) {
                  "rank 0 and starts the others with the same arguments) or threads")
       ->check(CLI::IsMember({"processes", "threads"}))
       ->capture_default_str();
-  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs)")
-      ->capture_default_str();
+  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs)")->capture_default_str();
   app.add_option("--dtype", f.dtype, "Weights and activations of the TP layers: fp8 or bf16")
       ->check(CLI::IsMember({"fp8", "bf16"}))
       ->capture_default_str();

@@ -348,9 +348,10 @@ void NcclCommunicator::AbortLocked(const std::string& reason) {
     done->set_value();
   }).detach();
   if (finished.wait_for(kAbortWait) != std::future_status::ready) {
-    spdlog::warn("NCCL communicator {} (rank {}): ncclCommAbort did not return within {} ms (a "
-                 "peer process gone?); it continues in the background",
-                 name_, rank_, kAbortWait.count());
+    spdlog::warn(
+        "NCCL communicator {} (rank {}): ncclCommAbort did not return within {} ms (a "
+        "peer process gone?); it continues in the background",
+        name_, rank_, kAbortWait.count());
   }
 }
 

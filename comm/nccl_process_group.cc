@@ -13,7 +13,8 @@ namespace tpserve {
 
 StatusOr<std::unique_ptr<NcclProcessGroup>> NcclProcessGroup::Create(
     const std::vector<std::string>& argv, int n, std::chrono::milliseconds timeout) {
-  if (n < 1) return InvalidArgumentError("process group: size must be >= 1, got " + std::to_string(n));
+  if (n < 1)
+    return InvalidArgumentError("process group: size must be >= 1, got " + std::to_string(n));
   if (argv.empty()) return InvalidArgumentError("process group: empty argument vector");
   auto group = std::unique_ptr<NcclProcessGroup>(new NcclProcessGroup());
   group->size_ = n;
@@ -46,8 +47,8 @@ StatusOr<std::unique_ptr<NcclProcessGroup>> NcclProcessGroup::Create(
     return env.status();
   }
   TP_CUDA_CHECK(cudaSetDevice(group->device_));
-  auto comm = NcclCommunicator::Create(id, n, group->rank_, group->device_, NcclCommConfig{},
-                                       timeout);
+  auto comm =
+      NcclCommunicator::Create(id, n, group->rank_, group->device_, NcclCommConfig{}, timeout);
   if (!comm.ok()) return comm.status();  // the destructor stops the workers
   group->pool_ = std::make_unique<NcclCommPool>(std::move(comm).value());
   return group;

@@ -194,9 +194,9 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       if (ce) {
         if (tp > kMaxSumSlots) {
           return InvalidArgumentError(ctx + ": copy_engine with gemm_rs mode " +
-                                      std::string(OverlapModeName(knobs.mode)) + " supports up to " +
-                                      std::to_string(kMaxSumSlots) + " ranks, got " +
-                                      std::to_string(tp));
+                                      std::string(OverlapModeName(knobs.mode)) +
+                                      " supports up to " + std::to_string(kMaxSumSlots) +
+                                      " ranks, got " + std::to_string(tp));
         }
         // Peers read their rows' slots; pipelined, theirs are pulled into
         // `received` (same layout); mode none reads them in place.
@@ -218,7 +218,8 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       // process per GPU passes every mode. Refused rather than left to hang.
       return FailedPreconditionError(
           ctx + ": copy_engine with gemm_rs needs one process per GPU (CUDA IPC peers); rank " +
-          std::to_string(r) + " is a thread of this process, where graph replays of it hung "
+          std::to_string(r) +
+          " is a thread of this process, where graph replays of it hung "
           "(run tpserve serve/layer, or tpserve-bench --ranks processes)");
     }
   }

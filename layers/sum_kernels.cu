@@ -44,10 +44,9 @@ __global__ void SumSlotsVec8(SumSlotsParams p) {
 
 Status LaunchSumSlotsBf16(const SumSlotsParams& p, cudaStream_t stream) {
   if (p.count < 0 || p.num_slots < 1 || p.num_slots > kMaxSumSlots) {
-    return InvalidArgumentError("sum of slots: needs count >= 0 and 1 <= num_slots <= " +
-                                std::to_string(kMaxSumSlots) + ", got count=" +
-                                std::to_string(p.count) + " num_slots=" +
-                                std::to_string(p.num_slots));
+    return InvalidArgumentError(
+        "sum of slots: needs count >= 0 and 1 <= num_slots <= " + std::to_string(kMaxSumSlots) +
+        ", got count=" + std::to_string(p.count) + " num_slots=" + std::to_string(p.num_slots));
   }
   if (p.count == 0) return Status::Ok();
   bool vec = p.count % 8 == 0 && IsAligned(p.dst, 16);

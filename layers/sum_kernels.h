@@ -16,10 +16,10 @@ namespace tpserve {
 inline constexpr int kMaxSumSlots = 8;
 
 struct SumSlotsParams {
-  void* dst = nullptr;                          // BF16 [count]
-  const void* slots[kMaxSumSlots] = {};         // BF16 [count] each: local or a peer's mapping
-  int num_slots = 0;                            // 1 .. kMaxSumSlots
-  int64_t count = 0;                            // elements
+  void* dst = nullptr;                   // BF16 [count]
+  const void* slots[kMaxSumSlots] = {};  // BF16 [count] each: local or a peer's mapping
+  int num_slots = 0;                     // 1 .. kMaxSumSlots
+  int64_t count = 0;                     // elements
 };
 
 // dst[i] = slots[0][i] + slots[1][i] + ... in FP32, in slot order (every

@@ -6,10 +6,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
-#include <cstdlib>
 #include <thread>
 
 #include "comm/nccl_config.h"
@@ -277,8 +277,9 @@ int Serve(const ServeFlags& f) {
                        std::chrono::seconds(kTeardownGraceS);
   std::thread([give_up] {
     std::this_thread::sleep_for(give_up);
-    spdlog::critical("shutdown did not finish within the exit timeout + {} s: exiting with status 1",
-                     kTeardownGraceS);
+    spdlog::critical(
+        "shutdown did not finish within the exit timeout + {} s: exiting with status 1",
+        kTeardownGraceS);
     spdlog::default_logger()->flush();
     std::_Exit(1);
   }).detach();

@@ -724,8 +724,8 @@ TEST(ReapWorkersTest, NamesFailedAndKilledWorkersAndBoundsTheWait) {
   const Status s = ReapWorkers(*pids, milliseconds(500));
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
   ASSERT_EQ(s.code(), StatusCode::kInternal);
-  EXPECT_TRUE(Contains(s.message(), "rank 1 (pid " + std::to_string((*pids)[0]) +
-                                        ") exited with status 3"))
+  EXPECT_TRUE(
+      Contains(s.message(), "rank 1 (pid " + std::to_string((*pids)[0]) + ") exited with status 3"))
       << s.message();
   EXPECT_TRUE(Contains(s.message(), "rank 2 (pid " + std::to_string((*pids)[1]) +
                                         ") did not exit in time and was killed"))
@@ -733,9 +733,7 @@ TEST(ReapWorkersTest, NamesFailedAndKilledWorkersAndBoundsTheWait) {
   for (pid_t pid : *pids) EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
 }
 
-TEST(ReapWorkersTest, NoWorkersIsOk) {
-  EXPECT_TRUE(ReapWorkers({}, milliseconds(0)).ok());
-}
+TEST(ReapWorkersTest, NoWorkersIsOk) { EXPECT_TRUE(ReapWorkers({}, milliseconds(0)).ok()); }
 
 }  // namespace
 }  // namespace tpserve

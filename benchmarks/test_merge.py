@@ -1,0 +1,66 @@
+"""Tests of merge_results.py (standard library only)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import merge_results  # noqa: E402
+
+
+def record(impl, method, ms):
+    return {"impl": impl, "layer": "x", "op": "ag_gemm", "method": method, "dtype": "fp8",
+            "tp": 2, "m": 512, "n": 64, "k": 64, "chunks": 1, "config": {}, "median_ms": ms,
+            "min_ms": ms, "max_ms": ms, "mean_ms": ms, "stddev_ms": 0.0, "iqr_ms": 0.0,
+            "rounds": 3}
+
+
+class MergeTest(unittest.TestCase):
+    def write(self, d, name, doc):
+        path = os.path.join(d, name)
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        return path
+
+    def test_several_ours_files_are_concatenated_with_the_first_meta(self):
+        with tempfile.TemporaryDirectory() as d:
+            sweep = self.write(d, "sweep.json", {
+                "meta": {"commit": "abc", "device": "2x H200", "nccl": 22803, "cublaslt": 1},
+                "records": [record("tpserve", "none", 1.0), record("tpserve", "ring", 0.8)]})
+            auto = self.write(d, "auto.json", {
+                "meta": {"commit": "abc", "device": "2x H200", "nccl": 99},
+                "records": [record("tpserve", "auto", 0.7)],
+                "skipped": [{"method": "x", "why": "y"}]})
+            peer = self.write(d, "peer.json", {"meta": {"torch": "2.11"},
+                                               "records": [record("torch", "torch_seq", 0.9)]})
+            out = os.path.join(d, "merged.json")
+            rc = merge_results.main(["--ours", sweep, "--ours", auto, "--peer", peer,
+                                     "--date", "2026-11-30", "--command", "cmd", "--out", out])
+            self.assertEqual(rc, 0)
+            with open(out) as f:
+                merged = json.load(f)
+            self.assertEqual([r["method"] for r in merged["records"]],
+                             ["none", "ring", "auto", "torch_seq"])
+            self.assertEqual(merged["meta"]["nccl"], 22803)  # from the first --ours
+            self.assertEqual(merged["meta"]["torch"], "2.11")
+            self.assertEqual(merged["meta"]["command"], "cmd")
+            self.assertEqual(len(merged["skipped"]), 1)
+            self.assertEqual(merged["skipped"][0]["impl"], "tpserve")
+
+    def test_a_file_without_records_is_an_error_naming_it(self):
+        with tempfile.TemporaryDirectory() as d:
+            bad = self.write(d, "bad.json", {"meta": {}})
+            r = subprocess.run([sys.executable, os.path.join(HERE, "merge_results.py"),
+                                "--ours", bad, "--out", os.path.join(d, "m.json")],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("bad.json", r.stderr)
+            self.assertIn("records", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
