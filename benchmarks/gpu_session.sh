@@ -3,10 +3,11 @@
 # under $OUT (the device tool's folder). Run from the repo root after staging
 #   ../shared/tools/stage-for-gpu-host .gpu build/bin/tpserve_gpu_tests \
 #       build/bin/tpserve build/bin/tpserve-bench build/bin/tpserve-bench-model \
-#       build/bin/tpserve-loadtest
+#       build/bin/tpserve-loadtest build/bin/tpserve_e2e_tests
 # as: bash benchmarks/gpu_session.sh PART   (one device call per part, each
 # under the 10-minute limit of a call; benchmarks/gpu_call.sh runs several):
 #   layers  the kernel tests and the layer check of every copy-engine mode
+#   e2e     the server's e2e suite against the CUDA engine (tpserve_e2e_tests)
 #   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
 #   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh), one process
@@ -16,7 +17,7 @@
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|overlap|model|load}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|overlap|model|load}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,6 +52,13 @@ PY
     else
       echo "no python grpc on this host: serve test skipped"
     fi
+    ;;
+  e2e)
+    # The server's e2e suite (every RPC, bad inputs, 64 concurrent requests,
+    # deadlines, SIGTERM drain) against the CUDA engine, one process per GPU.
+    TPSERVE_E2E_BACKEND=cuda TPSERVE_BIN=.gpu/bin/tpserve timeout 300 \
+      .gpu/bin/tpserve_e2e_tests --gtest_filter='ServerE2eTest.*' > "$out/e2e_cuda.log" 2>&1 || rc=1
+    grep -E "^\[ +(OK|FAILED|PASSED) " "$out/e2e_cuda.log"
     ;;
   layers)
     # The layer checks alone: kernels and every copy-engine mode, one
