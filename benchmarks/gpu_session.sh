@@ -8,6 +8,7 @@
 # under the 10-minute limit of a call; benchmarks/gpu_call.sh runs several):
 #   layers  the kernel tests and the layer check of every copy-engine mode
 #   e2e     the server's e2e suite against the CUDA engine (tpserve_e2e_tests)
+#   reference  tpserve vs a PyTorch model on one llama3-8b-shaped checkpoint
 #   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
 #   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh), one process
@@ -17,7 +18,7 @@
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|overlap|model|load}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|overlap|model|load}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -52,6 +53,16 @@ PY
     else
       echo "no python grpc on this host: serve test skipped"
     fi
+    ;;
+  reference)
+    # tpserve vs an independent PyTorch model on one checkpoint (llama3-8b
+    # shapes, random FP8 weights written by the script): top-1 agreement and
+    # relative error over 1,000 positions.
+    PYTHONUNBUFFERED=1 timeout 420 python3 benchmarks/torch_reference.py --model llama3-8b \
+      --seqs 8 --len 125 --tpserve .gpu/bin/tpserve --commit "$commit" \
+      --dir /tmp/ref-llama3-8b --out "$out/$(date -u +%F)-torch-reference-llama3-8b-$commit.json" \
+      > "$out/reference.log" 2>&1 || rc=1
+    grep -E "top-1|error|Error" "$out/reference.log" | tail -5
     ;;
   e2e)
     # The server's e2e suite (every RPC, bad inputs, 64 concurrent requests,
