@@ -61,6 +61,7 @@ struct Flags {
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
   int queue_delay_us = 100;  // GPU delay per method before each round (host queues ahead)
+  bool gemm_steps = false;   // also time each pipeline/ring method's GEMM steps alone
   int timeout_s = 120;       // bound on every wait for the GPUs (then abort, not hang)
   std::string overlap;       // overlap config (YAML) for method auto
   int rounds = 30;
@@ -147,6 +148,13 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
             m.knobs.gemm_sm_count = sms;
             m.knobs.copy_engine = ce;
             out.push_back(m);
+            if (f.gemm_steps) {
+              // The same layer's GEMM steps alone: how much of the method's
+              // time is the chunked GEMMs themselves.
+              Method g = m;
+              g.method = "layer_gemm";
+              out.push_back(g);
+            }
           }
         }
       }
@@ -488,6 +496,10 @@ int Main(int argc, char** argv) {
   app.add_flag("!--no-check", f.check,
                "Skip comparing each overlap method's output with mode none");
   app.add_flag("--fast-accum", f.fast_accum, "FP8 fast accumulation in every GEMM");
+  app.add_flag("--gemm-steps", f.gemm_steps,
+               "After each pipeline/ring method, also time its GEMM steps without the "
+               "communication (recorded as layer_gemm with that method's config): separates "
+               "the cost of chunked GEMMs from exposed transfers");
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();
   app.add_option("--tune-out", f.tune_out,
                  "Autotune: write an overlap config (YAML) with the fastest layer method per "

@@ -57,7 +57,7 @@ run_preset() {  # preset, extra args for tpserve-bench
     tuned="$out/$date-overlap-$preset-tp2-tuned.yaml"
     sweep_methods=$(for x in $methods; do [ "$x" = auto ] || printf '%s ' "$x"; done)
   fi
-  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit $* --methods $sweep_methods"
+  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit $* --methods $sweep_methods ${BENCH_ARGS:-}"
   [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned" || cmd_ours="$cmd_ours --overlap $overlap"
   local cmd_peer="python3 benchmarks/torch_peer.py --tp 2 --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
   echo "== $preset: $cmd_ours" | tee -a "$log"
