@@ -61,7 +61,7 @@ struct Flags {
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
   int queue_delay_us = 100;  // GPU delay per method before each round (host queues ahead)
-  bool gemm_steps = false;   // also time each pipeline/ring method's GEMM steps alone
+  bool breakdown = false;    // also time each pipeline/ring method's GEMM and comm steps alone
   int timeout_s = 120;       // bound on every wait for the GPUs (then abort, not hang)
   std::string overlap;       // overlap config (YAML) for method auto
   int rounds = 30;
@@ -127,6 +127,13 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       base.method = "none";
       base.knobs.copy_engine = true;
       out.push_back(base);
+      if (f.breakdown) {
+        for (const char* part : {"layer_gemm", "layer_comm"}) {
+          Method g = base;
+          g.method = part;
+          out.push_back(g);
+        }
+      }
     } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce") {
       const bool ce = name.ends_with("_ce");
       const bool ring = name.starts_with("ring");
@@ -148,12 +155,15 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
             m.knobs.gemm_sm_count = sms;
             m.knobs.copy_engine = ce;
             out.push_back(m);
-            if (f.gemm_steps) {
-              // The same layer's GEMM steps alone: how much of the method's
-              // time is the chunked GEMMs themselves.
-              Method g = m;
-              g.method = "layer_gemm";
-              out.push_back(g);
+            if (f.breakdown) {
+              // The same layer's GEMM steps alone and its communication steps
+              // alone: what the chunked GEMMs cost, and what the transfers
+              // (with their signals) cost, inside this method.
+              for (const char* part : {"layer_gemm", "layer_comm"}) {
+                Method g = m;
+                g.method = part;
+                out.push_back(g);
+              }
             }
           }
         }
@@ -318,14 +328,16 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
             static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
         TP_CUDA_CHECK(cudaMemcpyAsync(p.layer->input(sc.m), src, p.layer->input_bytes(sc.m),
                                       cudaMemcpyDeviceToDevice, st));
-        // Plain mode none is the reference the others are checked against.
+        // Plain mode none is the reference the others are checked against;
+        // the breakdown's parts compute nothing to check.
         const bool reference = m.method == "none" && !m.knobs.copy_engine;
+        const bool part = m.method == "layer_gemm" || m.method == "layer_comm";
         void* dst = reference ? y_ref.data() : y.data();
         // One full run first: it fills the gather buffers that layer_gemm
         // reads (a GEMM over never-written memory would time zeros).
         TP_RETURN_IF_ERROR(p.layer->Run(sc.m, w.data(), xs, ws, dst, st));
         TP_RETURN_IF_ERROR(base.WaitStream(st));
-        if (f.check && !reference && m.method != "layer_gemm" && out_rows > 0) {
+        if (f.check && !reference && !part && out_rows > 0) {
           TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
           checks[i] = d;
           if (!(d <= 1e-2)) {
@@ -337,6 +349,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
           bodies[i] = [&, i, dst] {
             return prepared[i].layer->RunGemmOnly(sc.m, w.data(), xs, ws, dst, st);
           };
+        } else if (m.method == "layer_comm") {
+          bodies[i] = [&, i, dst] { return prepared[i].layer->RunCommOnly(sc.m, dst, st); };
         } else {
           bodies[i] = [&, i, dst] {
             return prepared[i].layer->Run(sc.m, w.data(), xs, ws, dst, st);
@@ -387,7 +401,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     for (size_t i = 0; i < methods.size(); ++i) {
       const std::string& name = methods[i].method;
       if (!f.check || !prepared[i].layer || (name == "none" && !methods[i].knobs.copy_engine) ||
-          name == "layer_gemm" || out_rows == 0) {
+          name == "layer_gemm" || name == "layer_comm" || out_rows == 0) {
         continue;
       }
       TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out_rows * n_local, st));
@@ -496,10 +510,12 @@ int Main(int argc, char** argv) {
   app.add_flag("!--no-check", f.check,
                "Skip comparing each overlap method's output with mode none");
   app.add_flag("--fast-accum", f.fast_accum, "FP8 fast accumulation in every GEMM");
-  app.add_flag("--gemm-steps", f.gemm_steps,
-               "After each pipeline/ring method, also time its GEMM steps without the "
-               "communication (recorded as layer_gemm with that method's config): separates "
-               "the cost of chunked GEMMs from exposed transfers");
+  app.add_flag(
+      "--breakdown", f.breakdown,
+      "After each pipeline/ring/none_ce method, also time its GEMM steps alone (layer_gemm) "
+      "and its communication steps alone (layer_comm: transfers, signals, sums; no "
+      "GEMM), both with that method's config: separates the cost of chunked GEMMs "
+      "from that of the transfers");
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();
   app.add_option("--tune-out", f.tune_out,
                  "Autotune: write an overlap config (YAML) with the fastest layer method per "

@@ -85,7 +85,7 @@ PY
     COMMIT=$commit PRESETS=llama70b DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
       METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce layer_gemm auto" \
       SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=60 PEER_TIMEOUT=200 \
-      BENCH_ARGS="${BENCH_ARGS:---gemm-steps}" \
+      BENCH_ARGS="${BENCH_ARGS:---breakdown}" \
       bash benchmarks/run_overlap_bench.sh || rc=1
     ;;
   model)

@@ -29,7 +29,7 @@ import math
 import sys
 
 # tpserve diagnostics: parts of a layer, not ways to run one.
-DIAGNOSTIC = ("gemm_only", "comm_only", "layer_gemm")
+DIAGNOSTIC = ("gemm_only", "comm_only", "layer_gemm", "layer_comm")
 CHECK_KEYS = ("check_rel_diff_vs_none", "check_rel_diff_vs_seq")
 CHECK_TOLERANCE = 1e-2
 DTYPE_ORDER = {"fp8": 0, "bf16": 1}

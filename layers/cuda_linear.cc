@@ -592,16 +592,24 @@ Status EnqueuePeerTransfer(const CudaLinear::Impl& im, const CommCall& c, const 
 
 Status CudaLinear::Run(int64_t m, const void* w, const float* x_scale, const float* w_scale,
                        void* y, cudaStream_t stream) {
-  return Enqueue(m, w, x_scale, w_scale, y, stream, /*with_comm=*/true);
+  return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kAll);
 }
 
 Status CudaLinear::RunGemmOnly(int64_t m, const void* w, const float* x_scale, const float* w_scale,
                                void* y, cudaStream_t stream) {
-  return Enqueue(m, w, x_scale, w_scale, y, stream, /*with_comm=*/false);
+  return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kGemm);
+}
+
+Status CudaLinear::RunCommOnly(int64_t m, void* y, cudaStream_t stream) {
+  // The GEMM operands are never read; non-null placeholders pass the checks.
+  const float* unit = impl_->unit_scales.as<float>();
+  return Enqueue(m, impl_->unit_scales.data(), unit, unit + 4, y, stream, Steps::kComm);
 }
 
 Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                           void* y, cudaStream_t stream, bool with_comm) {
+                           void* y, cudaStream_t stream, Steps steps) {
+  const bool with_comm = steps != Steps::kGemm;
+  const bool with_gemm = steps != Steps::kComm;
   Impl& im = *impl_;
   auto it = im.prepared.find(m);
   if (it == im.prepared.end()) {
@@ -656,9 +664,11 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     const PreparedStep& ps = prep.steps[i];
     if (!ps.is_gemm && !with_comm) continue;
+    if (ps.is_gemm && !with_gemm) continue;
     cudaStream_t s = stream_of(ps);
     for (int d : ps.deps) {
       if (!with_comm && !prep.steps[d].is_gemm) continue;
+      if (!with_gemm && prep.steps[d].is_gemm) continue;
       if (stream_of(prep.steps[d]) != s) TP_RETURN_IF_ERROR(im.step_events[d].WaitOn(s));
     }
     if (ps.is_gemm) {

@@ -77,6 +77,11 @@ class CudaLinear {
   // measure the GEMM's cost inside the layer.
   Status RunGemmOnly(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
                      cudaStream_t stream);
+  // For benchmarks: enqueue only the communication steps (their signals,
+  // transfers and, for a peer-memory ReduceScatter, the sum; no GEMM, so the
+  // data is meaningless), to measure what the transfers cost inside the
+  // layer. Every rank must run the same.
+  Status RunCommOnly(int64_t m, void* y, cudaStream_t stream);
 
   const std::string& name() const { return name_; }
   const LinearKnobs& knobs() const { return knobs_; }
@@ -90,8 +95,9 @@ class CudaLinear {
 
  private:
   CudaLinear() = default;
+  enum class Steps { kAll, kGemm, kComm };
   Status Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
-                 cudaStream_t stream, bool with_comm);
+                 cudaStream_t stream, Steps steps);
 
   std::string name_;
   CudaLinearShape shape_;
