@@ -31,9 +31,9 @@ struct LinearKnobs {
   // partials of this rank's rows while later chunks' GEMMs run and one
   // element-wise kernel adds them; mode none (nothing to overlap with) has
   // that kernel read the peers' partials in place over NVLink instead. All ranks on one node.
-  // Captures into CUDA graphs. Verified with one process per GPU, as tpserve serves; with ranks as
-  // threads of one process, gemm_rs ring was seen to hang under graph replay (the GPU tests'
-  // copy-engine cases are therefore DISABLED_ and run by hand).
+  // Captures into CUDA graphs. Verified with one process per GPU, as tpserve serves. With ranks
+  // as threads of one process, graph replays of a copy-engine gemm_rs hung, so CudaLinear
+  // refuses that combination (FAILED_PRECONDITION); ag_gemm works there too.
   bool copy_engine = false;
   // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
   int gemm_sm_count = 0;
