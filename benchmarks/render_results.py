@@ -89,7 +89,16 @@ def variant(r):
 def row_name(r):
     name = variant(r)
     method = r.get("method", "")
-    if r.get("chunks", 1) != 1 or method in ("pipeline", "ring", "torch_chunked"):
+    cfg = r.get("config") or {}
+    mode = cfg.get("mode", "none")
+    # A --breakdown part (every layer_comm; a layer_gemm under other than the
+    # plain none knobs) is named after the method it belongs to.
+    part = method == "layer_comm" or (method == "layer_gemm" and
+                                      (mode != "none" or cfg.get("copy_engine")))
+    if part:
+        ce = "_ce" if cfg.get("copy_engine") else ""
+        name = "%s %s of %s%s c=%s" % (r.get("impl", "?"), method, mode, ce, r.get("chunks"))
+    elif r.get("chunks", 1) != 1 or method in ("pipeline", "ring", "torch_chunked"):
         name += " c=%s" % r.get("chunks")
     extra = config_summary(r)
     # "ce" is already in the variant name.

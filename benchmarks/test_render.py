@@ -61,5 +61,22 @@ class CriteriaTest(unittest.TestCase):
         self.assertIsNone(got["best tpserve <= 1.02 x best PyTorch, every shape"][0])
 
 
+class RowNameTest(unittest.TestCase):
+    def test_breakdown_parts_name_their_method(self):
+        r = rec("tpserve", "layer_gemm", 0.4)
+        r.update(chunks=4, config={"mode": "ring", "chunks": 4, "copy_engine": True})
+        self.assertEqual(render_results.row_name(r), "tpserve layer_gemm of ring_ce c=4")
+        r.update(method="layer_comm", chunks=1,
+                 config={"mode": "none", "chunks": 1, "copy_engine": True})
+        self.assertEqual(render_results.row_name(r), "tpserve layer_comm of none_ce c=1")
+
+    def test_the_plain_layer_gemm_and_methods_keep_their_names(self):
+        r = rec("tpserve", "layer_gemm", 0.4)
+        r["config"] = {"mode": "none", "chunks": 1}
+        self.assertEqual(render_results.row_name(r), "tpserve layer_gemm")
+        r.update(method="ring", chunks=2, config={"mode": "ring", "chunks": 2, "max_ctas": 8})
+        self.assertEqual(render_results.row_name(r), "tpserve ring c=2 [maxctas=8]")
+
+
 if __name__ == "__main__":
     unittest.main()
