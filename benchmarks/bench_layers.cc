@@ -100,6 +100,17 @@ std::vector<ShapeCase> MakeShapes(const Flags& f) {
 std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const OverlapConfig* overlap) {
   const OverlapOp op = sc.op;
   std::vector<Method> out;
+  // A method, and with --breakdown its GEMM steps alone and its communication
+  // steps alone under the same knobs.
+  auto add = [&](const Method& m) {
+    out.push_back(m);
+    if (!f.breakdown) return;
+    for (const char* part : {"layer_gemm", "layer_comm"}) {
+      Method g = m;
+      g.method = part;
+      out.push_back(g);
+    }
+  };
   for (const std::string& name : f.methods) {
     Method base;
     base.knobs.fast_accum = f.fast_accum;
@@ -126,14 +137,7 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       // copy_engine in its config.
       base.method = "none";
       base.knobs.copy_engine = true;
-      out.push_back(base);
-      if (f.breakdown) {
-        for (const char* part : {"layer_gemm", "layer_comm"}) {
-          Method g = base;
-          g.method = part;
-          out.push_back(g);
-        }
-      }
+      add(base);
     } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce") {
       const bool ce = name.ends_with("_ce");
       const bool ring = name.starts_with("ring");
@@ -154,17 +158,7 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
             m.knobs.comm.max_ctas = ctas;
             m.knobs.gemm_sm_count = sms;
             m.knobs.copy_engine = ce;
-            out.push_back(m);
-            if (f.breakdown) {
-              // The same layer's GEMM steps alone and its communication steps
-              // alone: what the chunked GEMMs cost, and what the transfers
-              // (with their signals) cost, inside this method.
-              for (const char* part : {"layer_gemm", "layer_comm"}) {
-                Method g = m;
-                g.method = part;
-                out.push_back(g);
-              }
-            }
+            add(m);
           }
         }
       }

@@ -348,6 +348,21 @@ Status CudaLinear::Prepare(int64_t m) {
     }
     return seq[peer]++;
   };
+  // This rank's next message to `peer` in `c`: it signals `ready` there and
+  // waits for the peer's `done` at the end of Run.
+  auto add_send = [&](CommCall& c, int peer) -> Status {
+    TP_ASSIGN_OR_RETURN(int slot, next_slot(sent, peer));
+    c.ready_to.push_back({peer, slot});
+    prep.done_from.push_back({peer, slot});
+    return Status::Ok();
+  };
+  // The next message from `peer` in `c`: wait for its `ready`, signal `done`.
+  auto add_receive = [&](CommCall& c, int peer) -> Status {
+    TP_ASSIGN_OR_RETURN(int slot, next_slot(received, peer));
+    c.ready_from.push_back({peer, slot});
+    c.done_to.push_back({peer, slot});
+    return Status::Ok();
+  };
 
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const PlanStep& s = plan.steps[i];
@@ -377,12 +392,8 @@ Status CudaLinear::Prepare(int64_t m) {
               c.copy_bytes = s.rows[p].size() * row_x;
               continue;
             }
-            TP_ASSIGN_OR_RETURN(int out_slot, next_slot(sent, p));
-            c.ready_to.push_back({p, out_slot});
-            prep.done_from.push_back({p, out_slot});
-            TP_ASSIGN_OR_RETURN(int in_slot, next_slot(received, p));
-            c.ready_from.push_back({p, in_slot});
-            c.done_to.push_back({p, in_slot});
+            TP_RETURN_IF_ERROR(add_send(c, p));
+            TP_RETURN_IF_ERROR(add_receive(c, p));
             if (!s.rows[p].empty()) {
               const size_t src = (s.rows[p].begin - ShardRows(m, tp_, p).begin) * row_x;
               c.pulls.push_back({p,
@@ -413,12 +424,8 @@ Status CudaLinear::Prepare(int64_t m) {
           const size_t slot_bytes = slot_rows * row_y;
           for (int p = 0; p < tp_; ++p) {
             if (p == rank_) continue;
-            TP_ASSIGN_OR_RETURN(int out_slot, next_slot(sent, p));
-            c.ready_to.push_back({p, out_slot});
-            prep.done_from.push_back({p, out_slot});
-            TP_ASSIGN_OR_RETURN(int in_slot, next_slot(received, p));
-            c.ready_from.push_back({p, in_slot});
-            c.done_to.push_back({p, in_slot});
+            TP_RETURN_IF_ERROR(add_send(c, p));
+            TP_RETURN_IF_ERROR(add_receive(c, p));
             if (!mine.empty() && !direct) {
               c.pulls.push_back({p,
                                  {BufRef::kPartial, region[g] + rank_ * slot_bytes},
@@ -470,14 +477,10 @@ Status CudaLinear::Prepare(int64_t m) {
           CommCall& c = ps.comm;
           c.copy_engine = true;
           if (c.send_peer >= 0) {
-            TP_ASSIGN_OR_RETURN(int out_slot, next_slot(sent, c.send_peer));
-            c.ready_to.push_back({c.send_peer, out_slot});
-            prep.done_from.push_back({c.send_peer, out_slot});
+            TP_RETURN_IF_ERROR(add_send(c, c.send_peer));
           }
           if (c.recv_peer >= 0) {
-            TP_ASSIGN_OR_RETURN(int in_slot, next_slot(received, c.recv_peer));
-            c.ready_from.push_back({c.recv_peer, in_slot});
-            c.done_to.push_back({c.recv_peer, in_slot});
+            TP_RETURN_IF_ERROR(add_receive(c, c.recv_peer));
             // The sender's copy of the same buffer holds the rows at the
             // same offset (ring buffers are indexed by global row).
             if (c.recv_bytes > 0) {

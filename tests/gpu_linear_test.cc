@@ -75,7 +75,7 @@ struct Config {
 
 // copy_engine: also the copy-engine configurations (see the note above
 // CopyEngineAllGatherModesMatchCpuReference).
-std::vector<Config> AllConfigs(OverlapOp op, bool copy_engine) {
+std::vector<Config> AllConfigs(bool copy_engine) {
   std::vector<Config> out;
   auto add = [&](OverlapMode mode, int chunks, bool ce) {
     Config c;
@@ -92,8 +92,7 @@ std::vector<Config> AllConfigs(OverlapOp op, bool copy_engine) {
     add(OverlapMode::kRing, chunks, false);
   }
   if (!copy_engine) return out;
-  // Copy engines: every mode of both ops.
-  (void)op;
+  // Copy engines: every mode.
   add(OverlapMode::kNone, 1, true);
   for (int chunks : {1, 2, 4, 8}) {
     add(OverlapMode::kPipeline, chunks, true);
@@ -137,7 +136,7 @@ void CheckAllConfigs(NcclThreadGroup& group, OverlapOp op, DataType dtype,
     const int64_t n = ag ? 64 * kTp : 96, k = ag ? 128 : 64 * kTp;
     auto p = MakeRandomLinearProblem(op, dtype, kTp, m, n, k, static_cast<uint32_t>(m));
     ASSERT_TRUE(p.ok()) << p.status().ToString();
-    for (const Config& c : AllConfigs(op, copy_engine)) {
+    for (const Config& c : AllConfigs(copy_engine)) {
       SCOPED_TRACE("m=" + std::to_string(m) + " " + c.label);
       auto y = RunOnGpus(group, *p, c.knobs);
       ASSERT_TRUE(y.ok()) << y.status().ToString();
