@@ -9,6 +9,7 @@
 #   layers  the kernel tests and the layer check of every copy-engine mode
 #   e2e     the server's e2e suite against the CUDA engine (tpserve_e2e_tests)
 #   reference  tpserve vs a PyTorch model on one llama3-8b-shaped checkpoint
+#   refsweep   the same on fewer layers, the tiny model and the scaled init
 #   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
 #   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh), one process
@@ -18,7 +19,7 @@
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|overlap|model|load}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|overlap|model|load}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -63,6 +64,22 @@ PY
       --dir /tmp/ref-llama3-8b --out "$out/$(date -u +%F)-torch-reference-llama3-8b-$commit.json" \
       > "$out/reference.log" 2>&1 || rc=1
     grep -E "top-1|error|Error" "$out/reference.log" | tail -5
+    ;;
+  refsweep)
+    # Where tpserve and the PyTorch model part: the same comparison on fewer
+    # layers, on the tiny model (CUDA and the CPU reference engine), and on
+    # all 32 layers with the scaled init, a few positions each.
+    for spec in "tiny 0 cuda plain 4 125" "tiny 0 cpu plain 4 125" "llama3-8b 1 cuda plain 2 50" \
+                "llama3-8b 4 cuda plain 2 50" "llama3-8b 32 cuda scaled 8 125"; do
+      set -- $spec
+      tag="$1-L$2-$3-$4"
+      PYTHONUNBUFFERED=1 timeout 300 python3 benchmarks/torch_reference.py --model "$1" --layers "$2" \
+        --backend "$3" --init "$4" --seqs "$5" --len "$6" --tpserve .gpu/bin/tpserve --commit "$commit" \
+        --dir "/tmp/ref-$tag" --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" \
+        > "$out/reference-$tag.log" 2>&1
+      echo "$tag: exit $? $(grep -E 'top-1 agreement|Error' "$out/reference-$tag.log" | tail -1)"
+      rm -rf "/tmp/ref-$tag"
+    done
     ;;
   e2e)
     # The server's e2e suite (every RPC, bad inputs, 64 concurrent requests,

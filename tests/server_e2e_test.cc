@@ -281,8 +281,17 @@ TEST_F(ServerE2eTest, InferReturnsTheEnginesLogitsAndArgmax) {
   EXPECT_THAT(metrics, HasSubstr("tpserve_batch_tokens_total{model=\"tiny\",version=\"1\"} 16"));
   EXPECT_THAT(metrics, HasSubstr("tpserve_batch_sequences_total{model=\"tiny\",version=\"1\"} 2"));
   EXPECT_THAT(metrics, HasSubstr("tpserve_last_batch_tokens{model=\"tiny\",version=\"1\"} 8"));
-  EXPECT_THAT(metrics,
-              HasSubstr("tpserve_engine_device_memory_bytes{model=\"tiny\",version=\"1\"} 0"));
+  // The CPU backend holds no device memory; the CUDA engine reports what rank
+  // 0's GPU holds (weights, workspaces, graphs), which is never zero.
+  const std::string mem_key = "tpserve_engine_device_memory_bytes{model=\"tiny\",version=\"1\"} ";
+  const size_t mem_at = metrics.find(mem_key);
+  ASSERT_NE(mem_at, std::string::npos) << metrics;
+  const long long mem_bytes = std::stoll(metrics.substr(mem_at + mem_key.size()));
+  if (CudaBackend()) {
+    EXPECT_GT(mem_bytes, 0);
+  } else {
+    EXPECT_EQ(mem_bytes, 0);
+  }
   // No overlap config: every one of tiny's 2 layers per kind in mode none.
   EXPECT_THAT(metrics, HasSubstr("tpserve_overlap_layers{model=\"tiny\",kind=\"mlp.down\","
                                  "op=\"gemm_rs\",mode=\"none\""));
