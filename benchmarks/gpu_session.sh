@@ -69,8 +69,9 @@ PY
     # Where tpserve and the PyTorch model part: the same comparison on fewer
     # layers, on the tiny model (CUDA and the CPU reference engine), and on
     # all 32 layers with the scaled init, a few positions each.
-    for spec in "tiny 0 cuda plain 4 125" "tiny 0 cpu plain 4 125" "llama3-8b 1 cuda plain 2 50" \
-                "llama3-8b 4 cuda plain 2 50" "llama3-8b 32 cuda scaled 8 125"; do
+    # REFSWEEP: cases separated by ';', each "model layers backend init seqs len".
+    IFS=';' read -ra specs <<< "${REFSWEEP:-tiny 0 cuda plain 4 125;tiny 0 cpu plain 4 125;llama3-8b 1 cuda plain 2 50;llama3-8b 4 cuda plain 2 50;llama3-8b 32 cuda scaled 8 125}"
+    for spec in "${specs[@]}"; do
       set -- $spec
       tag="$1-L$2-$3-$4"
       PYTHONUNBUFFERED=1 timeout 300 python3 benchmarks/torch_reference.py --model "$1" --layers "$2" \

@@ -364,6 +364,16 @@ Status CudaLinear::Prepare(int64_t m) {
     return Status::Ok();
   };
 
+  // Ring gemm_rs with copy engines: the last step's additions, made by the
+  // sum kernel after the step's GEMM and the running sum's arrival.
+  struct FinalSum {
+    int gemm_step = -1;
+    std::vector<int> arrival_steps;
+    BufRef own, received, dst;
+    int64_t count = 0;
+  };
+  std::vector<FinalSum> final_sums;
+
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const PlanStep& s = plan.steps[i];
     PreparedStep& ps = prep.steps[i];
@@ -540,12 +550,42 @@ Status CudaLinear::Prepare(int64_t m) {
             } else {
               d = {BufRef::kPartial, r.begin * row_y};
             }
+            if (!ag && ce && s.final_output && s.accumulate) {
+              // The ring's last step with copy engines: rather than wait for
+              // the running sum to arrive and add it in the GEMM's epilogue,
+              // compute this rank's own partial at once (into its rows of
+              // `partial`, which no peer reads), while the copy engine
+              // brings the running sum in, and add the two afterwards with
+              // the sum kernel (final_sums). The last transfer then hides
+              // under the last GEMM instead of sitting between two GEMMs.
+              d = {BufRef::kPartial, r.begin * row_y};
+              FinalSum f;
+              f.gemm_step = static_cast<int>(i);
+              for (int dep : s.deps) {
+                if (plan.steps[dep].kind != StepKind::kGemm) f.arrival_steps.push_back(dep);
+              }
+              f.own = d;
+              f.received = {BufRef::kReceived, r.begin * row_y};
+              f.dst = {BufRef::kY, (r.begin - own.begin) * row_y};
+              f.count = r.size() * n;
+              final_sums.push_back(f);
+              ps.gemms.push_back(single(r.size(), a, d));
+              continue;
+            }
             GemmCall call = single(r.size(), a, d);
             if (s.accumulate) {
               call.c = {BufRef::kReceived, r.begin * row_y};
               call.params.beta = 1.0f;
             }
             ps.gemms.push_back(call);
+          }
+          if (!final_sums.empty() && final_sums.back().gemm_step == static_cast<int>(i)) {
+            // Only GEMM steps precede it: the arrival is the sum's business.
+            std::vector<int> deps;
+            for (int dep : s.deps) {
+              if (plan.steps[dep].kind == StepKind::kGemm) deps.push_back(dep);
+            }
+            ps.deps = deps;
           }
         }
         for (const GemmCall& call : ps.gemms) {
@@ -554,6 +594,20 @@ Status CudaLinear::Prepare(int64_t m) {
         break;
       }
     }
+  }
+  // The ring's deferred additions (see above), on the comm stream after its
+  // last transfer: own partial + the running sum that arrived -> y.
+  for (const FinalSum& f : final_sums) {
+    PreparedStep ps;
+    ps.stream = StepStream::kComm;
+    ps.deps = f.arrival_steps;
+    ps.deps.push_back(f.gemm_step);
+    ps.comm.copy_engine = true;  // no transfer of its own: the sum kernel alone
+    ps.comm.sum = true;
+    ps.comm.sum_args.slots = {f.own, f.received};
+    ps.comm.sum_args.dst = f.dst;
+    ps.comm.sum_args.count = f.count;
+    prep.steps.push_back(std::move(ps));
   }
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     for (int d : prep.steps[i].deps) {
