@@ -550,14 +550,18 @@ Status CudaLinear::Prepare(int64_t m) {
             } else {
               d = {BufRef::kPartial, r.begin * row_y};
             }
-            if (!ag && ce && s.final_output && s.accumulate) {
-              // The ring's last step with copy engines: rather than wait for
-              // the running sum to arrive and add it in the GEMM's epilogue,
-              // compute this rank's own partial at once (into its rows of
-              // `partial`, which no peer reads), while the copy engine
-              // brings the running sum in, and add the two afterwards with
-              // the sum kernel (final_sums). The last transfer then hides
-              // under the last GEMM instead of sitting between two GEMMs.
+            if (!ag && ce && knobs_.chunks == 1 && s.final_output && s.accumulate) {
+              // The ring's last step with copy engines and one chunk: rather
+              // than wait for the running sum to arrive and add it in the
+              // GEMM's epilogue, compute this rank's own partial at once
+              // (into its rows of `partial`, which no peer reads), while the
+              // copy engine brings the running sum in, and add the two
+              // afterwards with the sum kernel (final_sums). The last
+              // transfer then hides under the last GEMM instead of sitting
+              // between two GEMMs. With more chunks the accumulating GEMMs
+              // already overlap each chunk's transfer with the next chunk's
+              // GEMM, and the extra passes of the sums cost more than they
+              // hide (measured at e94b4eb, benchmarks/NOTES.md).
               d = {BufRef::kPartial, r.begin * row_y};
               FinalSum f;
               f.gemm_step = static_cast<int>(i);
