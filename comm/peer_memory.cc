@@ -49,27 +49,24 @@ Status EnablePeerAccess(int device, int peer_device, const std::string& what) {
   return Status::Ok();
 }
 
-// The driver's stream memory operations, looked up through the runtime (so
-// that nothing links libcuda directly).
-using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-StreamValueFn g_write_value = nullptr;
-StreamValueFn g_wait_value = nullptr;
+// The driver's batch of stream memory operations, looked up through the
+// runtime (so that nothing links libcuda directly).
+using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
+BatchMemOpFn g_batch_mem_op = nullptr;
 
 Status LoadStreamMemOps() {
   static const Status loaded = [] {
-    for (auto [name, fn] : {std::pair{"cuStreamWriteValue32", &g_write_value},
-                            std::pair{"cuStreamWaitValue32", &g_wait_value}}) {
-      void* p = nullptr;
-      cudaDriverEntryPointQueryResult found{};
-      const cudaError_t e =
-          cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
-      if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
-        (void)cudaGetLastError();
-        return UnimplementedError(std::string("the CUDA driver has no ") + name +
-                                  " (stream memory operations), needed for copy-engine transfers");
-      }
-      *fn = reinterpret_cast<StreamValueFn>(p);
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &p, 12000,
+                                                           cudaEnableDefault, &found);
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+      (void)cudaGetLastError();
+      return UnimplementedError(
+          "the CUDA driver has no cuStreamBatchMemOp (stream memory operations), needed for "
+          "copy-engine transfers");
     }
+    g_batch_mem_op = reinterpret_cast<BatchMemOpFn>(p);
     return Status::Ok();
   }();
   return loaded;
@@ -103,18 +100,24 @@ Status DriverCheck(CUresult r, const char* what) {
   return InternalError(std::string(what) + " failed with CUresult " + std::to_string(r));
 }
 
-Status WriteValue(cudaStream_t stream, uint32_t* addr, uint32_t value) {
-  // Default flags: the write is preceded by a memory fence.
-  return DriverCheck(g_write_value(reinterpret_cast<CUstream>(stream),
-                                   reinterpret_cast<CUdeviceptr>(addr), value, 0),
-                     "cuStreamWriteValue32");
+CUstreamBatchMemOpParams WriteOp(uint32_t* addr, uint32_t value) {
+  CUstreamBatchMemOpParams op;
+  std::memset(&op, 0, sizeof op);
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  op.writeValue.address = reinterpret_cast<CUdeviceptr>(addr);
+  op.writeValue.value = value;
+  op.writeValue.flags = 0;  // default: the write is preceded by a memory fence
+  return op;
 }
 
-Status WaitValueEq(cudaStream_t stream, uint32_t* addr, uint32_t value) {
-  return DriverCheck(
-      g_wait_value(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
-                   CU_STREAM_WAIT_VALUE_EQ),
-      "cuStreamWaitValue32");
+CUstreamBatchMemOpParams WaitEqOp(uint32_t* addr, uint32_t value) {
+  CUstreamBatchMemOpParams op;
+  std::memset(&op, 0, sizeof op);
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+  op.waitValue.address = reinterpret_cast<CUdeviceptr>(addr);
+  op.waitValue.value = value;
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
+  return op;
 }
 
 }  // namespace
@@ -314,21 +317,38 @@ Status PeerSignals::CheckFlag(const Flag& f, const char* what) const {
 }
 
 Status PeerSignals::Signal(Kind kind, const std::vector<Flag>& to, cudaStream_t stream) const {
-  for (const Flag& f : to) {
-    TP_RETURN_IF_ERROR(CheckFlag(f, "peer signal to"));
-    TP_RETURN_IF_ERROR(WriteValue(stream, FlagOn(f.peer, kind, rank_, f.slot), 1));
-  }
-  return Status::Ok();
+  return SignalThenWait(kind, to, kind, {}, stream);
 }
 
 Status PeerSignals::Wait(Kind kind, const std::vector<Flag>& from, cudaStream_t stream) const {
+  return SignalThenWait(kind, {}, kind, from, stream);
+}
+
+Status PeerSignals::SignalThenWait(Kind signal_kind, const std::vector<Flag>& to, Kind wait_kind,
+                                   const std::vector<Flag>& from, cudaStream_t stream) const {
+  // In the order given: the peers' flags set, then each awaited flag waited
+  // for and re-armed. One batch: one node in a captured graph.
+  std::vector<CUstreamBatchMemOpParams> ops;
+  ops.reserve(to.size() + 2 * from.size());
+  for (const Flag& f : to) {
+    TP_RETURN_IF_ERROR(CheckFlag(f, "peer signal to"));
+    ops.push_back(WriteOp(FlagOn(f.peer, signal_kind, rank_, f.slot), 1));
+  }
   for (const Flag& f : from) {
     TP_RETURN_IF_ERROR(CheckFlag(f, "peer wait for"));
-    uint32_t* flag = FlagOn(rank_, kind, f.peer, f.slot);
-    TP_RETURN_IF_ERROR(WaitValueEq(stream, flag, 1));
-    TP_RETURN_IF_ERROR(WriteValue(stream, flag, 0));
+    uint32_t* flag = FlagOn(rank_, wait_kind, f.peer, f.slot);
+    ops.push_back(WaitEqOp(flag, 1));
+    ops.push_back(WriteOp(flag, 0));
   }
-  return Status::Ok();
+  if (ops.empty()) return Status::Ok();
+  if (ops.size() > kMaxBatchOps) {
+    return InvalidArgumentError("peer signals: " + std::to_string(ops.size()) +
+                                " memory operations in one batch, at most " +
+                                std::to_string(kMaxBatchOps));
+  }
+  return DriverCheck(g_batch_mem_op(reinterpret_cast<CUstream>(stream),
+                                    static_cast<unsigned>(ops.size()), ops.data(), 0),
+                     "cuStreamBatchMemOp");
 }
 
 }  // namespace tpserve

@@ -10,10 +10,11 @@
 // PeerSignals: one-word flags in a PeerBuffer that order such transfers
 // across GPUs. Signal() writes 1 into a flag in a peer's memory; Wait() holds
 // the stream until this rank's flag is 1, then writes it back to 0. Both are
-// CUDA stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32):
+// CUDA stream memory operations (32-bit writes and waits):
 // the GPU's front end executes them, so they occupy no SM. (A first version
 // used one-thread spin kernels; a spinning block holding an SM can deadlock a
 // GEMM whose CTAs must all be resident, and did: see benchmarks/NOTES.md.)
+// Each call enqueues one cuStreamBatchMemOp.
 // They capture into CUDA graphs; the flags return to zero after every matched
 // Signal/Wait pair, so a replayed graph starts from the state it was captured
 // in.
@@ -111,6 +112,15 @@ class PeerSignals {
   // Enqueues on `stream`: wait until each listed peer has signalled (kind,
   // slot) to this rank, then re-arm those flags.
   Status Wait(Kind kind, const std::vector<Flag>& from, cudaStream_t stream) const;
+  // Signal(signal_kind, to) then Wait(wait_kind, from) as one batch of stream
+  // memory operations (cuStreamBatchMemOp): a single node when captured,
+  // where the two calls would make 1 + 2 * |from| + |to| nodes, each adding
+  // its own scheduling latency (measured: benchmarks/NOTES.md).
+  Status SignalThenWait(Kind signal_kind, const std::vector<Flag>& to, Kind wait_kind,
+                        const std::vector<Flag>& from, cudaStream_t stream) const;
+  // At most this many flags written plus twice the flags awaited in one call
+  // (the driver's limit on one batch is 255 operations).
+  static constexpr size_t kMaxBatchOps = 255;
 
   int slots() const { return slots_; }
   int rank() const { return rank_; }

@@ -635,12 +635,16 @@ namespace {
 template <typename Resolve>
 Status EnqueuePeerTransfer(const CudaLinear::Impl& im, const CommCall& c, const Resolve& resolve,
                            cudaStream_t s) {
-  TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kReady, c.ready_to, s));
   if (c.copy_bytes > 0) {
+    // The own rows' copy runs while the peers get ready.
+    TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kReady, c.ready_to, s));
     TP_CUDA_CHECK(cudaMemcpyAsync(resolve(c.copy_dst), resolve(c.copy_src), c.copy_bytes,
                                   cudaMemcpyDeviceToDevice, s));
+    TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kReady, c.ready_from, s));
+  } else {
+    TP_RETURN_IF_ERROR(im.signals.SignalThenWait(PeerSignals::kReady, c.ready_to,
+                                                 PeerSignals::kReady, c.ready_from, s));
   }
-  TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kReady, c.ready_from, s));
   for (const CommCall::Pull& p : c.pulls) {
     const PeerBuffer* src = im.PeerOf(p.src.base);
     if (src == nullptr) return InternalError("copy-engine pull from a buffer peers cannot map");
