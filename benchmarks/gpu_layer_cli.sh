@@ -21,6 +21,8 @@ done <<'CASES' | tee "$out/layer_cli.log"
 37 --op ag_gemm --mode ring --chunks 4 --copy-engine
 4099 --op gemm_rs --mode ring --chunks 4 --copy-engine
 4099 --op gemm_rs --mode none --chunks 1 --copy-engine
+37 --op gemm_rs --mode none --chunks 1 --copy-engine --dtype bf16
+1 --op gemm_rs --mode none --chunks 1 --copy-engine
 4099 --op gemm_rs --mode pipeline --chunks 4 --copy-engine
 37 --op gemm_rs --mode pipeline --chunks 8 --copy-engine
 1002 --op gemm_rs --mode ring --chunks 1 --copy-engine --dtype bf16
