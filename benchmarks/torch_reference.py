@@ -422,18 +422,18 @@ def main(argv=None):
     n = len(records)
     errs = sorted(rel_errs)
 
-    def pct(p):
-        return errs[min(n - 1, int(math.ceil(p * n)) - 1)]
+    def pct(values, p):
+        return values[min(n - 1, int(math.ceil(p * n)) - 1)]
 
-    summary = {"positions": n, "top1_agreement": agree / n, "rel_err_median": pct(0.5),
-               "rel_err_p99": pct(0.99), "rel_err_max": errs[-1],
+    summary = {"positions": n, "top1_agreement": agree / n, "rel_err_median": pct(errs, 0.5),
+               "rel_err_p99": pct(errs, 0.99), "rel_err_max": errs[-1],
                "goal": "top1_agreement >= 0.99"}
     floor_sorted = sorted(floor_errs)
     summary["noise_floor"] = {
         "what": "the same PyTorch model with FP32 GEMMs of the dequantized FP8 operands, "
                 "against the torch._scaled_mm model",
         "top1_agreement": floor_agree / n,
-        "rel_err_median": floor_sorted[min(n - 1, int(math.ceil(0.5 * n)) - 1)],
+        "rel_err_median": pct(floor_sorted, 0.5),
         "rel_err_max": floor_sorted[-1]}
     # How agreement depends on how clearly PyTorch's top-1 stands out: a random
     # LM head over a large vocabulary puts many runners-up within a few BF16

@@ -100,24 +100,31 @@ Status DriverCheck(CUresult r, const char* what) {
   return InternalError(std::string(what) + " failed with CUresult " + std::to_string(r));
 }
 
-CUstreamBatchMemOpParams WriteOp(uint32_t* addr, uint32_t value) {
+// One 32-bit operation of a batch. The write and wait members of the union
+// have the same fields; `Member` picks the one `type` names.
+template <typename Member>
+CUstreamBatchMemOpParams MemOp32(Member CUstreamBatchMemOpParams::*member,
+                                 CUstreamBatchMemOpType type, uint32_t* addr, uint32_t value,
+                                 unsigned int flags) {
   CUstreamBatchMemOpParams op;
   std::memset(&op, 0, sizeof op);
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(addr);
-  op.writeValue.value = value;
-  op.writeValue.flags = 0;  // default: the write is preceded by a memory fence
+  Member& m = op.*member;
+  m.operation = type;
+  m.address = reinterpret_cast<CUdeviceptr>(addr);
+  m.value = value;
+  m.flags = flags;
   return op;
 }
 
+// Default flags: the write is preceded by a memory fence.
+CUstreamBatchMemOpParams WriteOp(uint32_t* addr, uint32_t value) {
+  return MemOp32(&CUstreamBatchMemOpParams::writeValue, CU_STREAM_MEM_OP_WRITE_VALUE_32, addr,
+                 value, 0);
+}
+
 CUstreamBatchMemOpParams WaitEqOp(uint32_t* addr, uint32_t value) {
-  CUstreamBatchMemOpParams op;
-  std::memset(&op, 0, sizeof op);
-  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-  op.waitValue.address = reinterpret_cast<CUdeviceptr>(addr);
-  op.waitValue.value = value;
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
-  return op;
+  return MemOp32(&CUstreamBatchMemOpParams::waitValue, CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, value,
+                 CU_STREAM_WAIT_VALUE_EQ);
 }
 
 }  // namespace

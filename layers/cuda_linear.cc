@@ -364,15 +364,9 @@ Status CudaLinear::Prepare(int64_t m) {
     return Status::Ok();
   };
 
-  // Ring gemm_rs with copy engines: the last step's additions, made by the
-  // sum kernel after the step's GEMM and the running sum's arrival.
-  struct FinalSum {
-    int gemm_step = -1;
-    std::vector<int> arrival_steps;
-    BufRef own, received, dst;
-    int64_t count = 0;
-  };
-  std::vector<FinalSum> final_sums;
+  // Ring gemm_rs with copy engines: the sum steps of the last step's
+  // additions (see below), appended after the plan's own steps.
+  std::vector<PreparedStep> deferred_sums;
 
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const PlanStep& s = plan.steps[i];
@@ -556,23 +550,28 @@ Status CudaLinear::Prepare(int64_t m) {
               // GEMM's epilogue, compute this rank's own partial at once
               // (into its rows of `partial`, which no peer reads), while the
               // copy engine brings the running sum in, and add the two
-              // afterwards with the sum kernel (final_sums). The last
+              // afterwards with the sum kernel (deferred_sums). The last
               // transfer then hides under the last GEMM instead of sitting
               // between two GEMMs. With more chunks the accumulating GEMMs
               // already overlap each chunk's transfer with the next chunk's
               // GEMM, and the extra passes of the sums cost more than they
               // hide (measured at e94b4eb, benchmarks/NOTES.md).
               d = {BufRef::kPartial, r.begin * row_y};
-              FinalSum f;
-              f.gemm_step = static_cast<int>(i);
+              // The GEMM waits for earlier GEMMs only; the sum, on the comm
+              // stream, for the GEMM and the running sum's arrival.
+              PreparedStep sum;
+              sum.stream = StepStream::kComm;
+              ps.deps.clear();
               for (int dep : s.deps) {
-                if (plan.steps[dep].kind != StepKind::kGemm) f.arrival_steps.push_back(dep);
+                (plan.steps[dep].kind == StepKind::kGemm ? ps.deps : sum.deps).push_back(dep);
               }
-              f.own = d;
-              f.received = {BufRef::kReceived, r.begin * row_y};
-              f.dst = {BufRef::kY, (r.begin - own.begin) * row_y};
-              f.count = r.size() * n;
-              final_sums.push_back(f);
+              sum.deps.push_back(static_cast<int>(i));
+              sum.comm.copy_engine = true;  // no transfer of its own: the sum kernel alone
+              sum.comm.sum = true;
+              sum.comm.sum_args.slots = {d, {BufRef::kReceived, r.begin * row_y}};
+              sum.comm.sum_args.dst = {BufRef::kY, (r.begin - own.begin) * row_y};
+              sum.comm.sum_args.count = r.size() * n;
+              deferred_sums.push_back(std::move(sum));
               ps.gemms.push_back(single(r.size(), a, d));
               continue;
             }
@@ -583,14 +582,6 @@ Status CudaLinear::Prepare(int64_t m) {
             }
             ps.gemms.push_back(call);
           }
-          if (!final_sums.empty() && final_sums.back().gemm_step == static_cast<int>(i)) {
-            // Only GEMM steps precede it: the arrival is the sum's business.
-            std::vector<int> deps;
-            for (int dep : s.deps) {
-              if (plan.steps[dep].kind == StepKind::kGemm) deps.push_back(dep);
-            }
-            ps.deps = deps;
-          }
         }
         for (const GemmCall& call : ps.gemms) {
           TP_RETURN_IF_ERROR(im.gemm.Prepare(call.params).WithContext("layer " + name_));
@@ -599,20 +590,7 @@ Status CudaLinear::Prepare(int64_t m) {
       }
     }
   }
-  // The ring's deferred additions (see above), on the comm stream after its
-  // last transfer: own partial + the running sum that arrived -> y.
-  for (const FinalSum& f : final_sums) {
-    PreparedStep ps;
-    ps.stream = StepStream::kComm;
-    ps.deps = f.arrival_steps;
-    ps.deps.push_back(f.gemm_step);
-    ps.comm.copy_engine = true;  // no transfer of its own: the sum kernel alone
-    ps.comm.sum = true;
-    ps.comm.sum_args.slots = {f.own, f.received};
-    ps.comm.sum_args.dst = f.dst;
-    ps.comm.sum_args.count = f.count;
-    prep.steps.push_back(std::move(ps));
-  }
+  for (PreparedStep& sum : deferred_sums) prep.steps.push_back(std::move(sum));
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     for (int d : prep.steps[i].deps) {
       if (prep.steps[d].stream != prep.steps[i].stream) prep.steps[d].record_event = true;
