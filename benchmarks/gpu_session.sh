@@ -13,8 +13,8 @@
 #   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
 #   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh), one process
-#           per GPU, copy-engine methods included; tunes the overlap config
-#           and measures auto with it
+#           per GPU, copy-engine methods included, Llama-3-70B's layers and the
+#           seed's shape; tunes the overlap config and measures auto with it
 #   model   the model benchmark with PyTorch (run_model_bench.sh)
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
@@ -99,8 +99,9 @@ PY
     ;;
   overlap)
     # The sweep, which also tunes the overlap config, then auto (resolving
-    # that config) next to none, then PyTorch.
-    COMMIT=$commit PRESETS=llama70b DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
+    # that config) next to none, then PyTorch; Llama-3-70B's layers and the
+    # seed's shape, each in its own file and both in one (COMBINED).
+    COMMIT=$commit PRESETS="${PRESETS:-llama70b seed}" COMBINED=llama70b-seed-fp8-tp2 DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
       METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce layer_gemm auto" \
       SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=60 PEER_TIMEOUT=200 \
       BENCH_ARGS="${BENCH_ARGS:---breakdown}" \

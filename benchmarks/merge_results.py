@@ -48,6 +48,19 @@ def load(path, impl):
     return data
 
 
+def load_all(paths, impl):
+    """The inputs of one impl concatenated (meta from the first), or None."""
+    out = None
+    for path in paths or []:
+        part = load(path, impl)
+        if out is None:
+            out = part
+        else:
+            out["records"].extend(part["records"])
+            out.setdefault("skipped", []).extend(part.get("skipped", []) or [])
+    return out
+
+
 def merge(ours, peer, commit=None, date=None, device=None, command=None):
     """ours / peer: loaded inputs or None. Returns the merged dict."""
     om = (ours or {}).get("meta", {})
@@ -86,7 +99,8 @@ def main(argv=None):
     p.add_argument("--ours", action="append",
                    help="tpserve-bench --out file (impl tpserve); repeat for several runs "
                    "of one session (their records are concatenated, meta from the first)")
-    p.add_argument("--peer", help="torch_peer.py --out file (impl torch)")
+    p.add_argument("--peer", action="append",
+                   help="torch_peer.py --out file (impl torch); repeat likewise")
     p.add_argument("--commit", help="commit measured (default: ours' meta.commit)")
     p.add_argument("--date", help="YYYY-MM-DD (default: today, UTC)")
     p.add_argument("--device", help='e.g. "2x NVIDIA H200" (default: the inputs\')')
@@ -99,15 +113,8 @@ def main(argv=None):
     if args.date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date):
         p.error("--date must be YYYY-MM-DD, got %r" % args.date)
     try:
-        ours = None
-        for path in args.ours or []:
-            part = load(path, "tpserve")
-            if ours is None:
-                ours = part
-            else:
-                ours["records"].extend(part["records"])
-                ours.setdefault("skipped", []).extend(part.get("skipped", []) or [])
-        peer = load(args.peer, "torch") if args.peer else None
+        ours = load_all(args.ours, "tpserve")
+        peer = load_all(args.peer, "torch")
     except (OSError, ValueError) as e:
         sys.stderr.write("merge_results: %s\n" % e)
         return 1

@@ -4,7 +4,8 @@
 # rendered as tables and a PNG. Run from the repo root on the GPU host after
 # staging (see benchmarks/README.md):
 #   COMMIT=<sha> bash benchmarks/run_overlap_bench.sh
-# Outputs go to $OUT (the device tool's folder) or ./gpu-out.
+# Outputs go to $OUT (the device tool's folder) or ./gpu-out: one merged file
+# per preset, and with COMBINED=<what> one more holding every preset.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
@@ -19,6 +20,8 @@ methods=${METHODS:-gemm_only comm_only none pipeline ring auto layer_gemm}
 overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}  # what method auto resolves
 max_ctas=${MAX_CTAS:-0 8}  # NCCL CTA limits swept for pipeline/ring
 rc=0
+all_files=()   # every preset's --ours and --peer files (COMBINED below)
+all_cmds=""
 log="$out/bench.log"
 : > "$log"
 
@@ -80,6 +83,8 @@ run_preset() {  # preset, extra args for tpserve-bench
     --out "$merged" >> "$log" 2>&1 || rc=1
   python3 benchmarks/render_results.py "$merged" --png "$out/$date-$preset-tp2.png" \
     >> "$out/tables.txt" 2>&1 || rc=1
+  all_files+=("${ours_files[@]}" --peer "/tmp/peer-$preset.json")
+  all_cmds="$all_cmds${all_cmds:+ ; }$cmd_all ; $cmd_peer"
 }
 for preset in $presets; do
   if [ "$preset" = seed ]; then
@@ -88,5 +93,16 @@ for preset in $presets; do
     run_preset "$preset" --max-ctas $max_ctas
   fi
 done
-grep -A40 -i "summary" "$out/tables.txt" | head -80
+# COMBINED=<what>: every preset of this call in one more file,
+# $date-<what>.json, whose criteria cover the whole shape set.
+if [ -n "${COMBINED:-}" ]; then
+  combined="$out/$date-$COMBINED.json"
+  python3 benchmarks/merge_results.py "${all_files[@]}" --commit "$commit" --date "$date" \
+    --command "COMMIT=$commit PRESETS='$presets' COMBINED=$COMBINED bash benchmarks/run_overlap_bench.sh: $all_cmds" \
+    --out "$combined" >> "$log" 2>&1 || rc=1
+  echo "== combined: $combined" >> "$out/tables.txt"
+  python3 benchmarks/render_results.py "$combined" --png "$out/$date-$COMBINED.png" \
+    >> "$out/tables.txt" 2>&1 || rc=1
+fi
+grep -A40 -i "summary" "$out/tables.txt" | tail -${SUMMARY_LINES:-80}
 exit $rc

@@ -51,6 +51,32 @@ class MergeTest(unittest.TestCase):
             self.assertEqual(len(merged["skipped"]), 1)
             self.assertEqual(merged["skipped"][0]["impl"], "tpserve")
 
+    def test_several_presets_merge_into_one_file(self):
+        # One file per session: each preset's sweep and each preset's peer run.
+        with tempfile.TemporaryDirectory() as d:
+            ours = [self.write(d, "o%d.json" % i, {"meta": {"commit": "abc"},
+                                                   "records": [record("tpserve", m, 1.0)]})
+                    for i, m in enumerate(("none", "ring"))]
+            peers = [self.write(d, "p%d.json" % i, {"meta": {"torch": "2.%d" % i},
+                                                    "records": [record("torch", m, 0.9)]})
+                     for i, m in enumerate(("torch_seq", "torch_symm_mem"))]
+            peers.append(self.write(d, "p2.json", {"meta": {}, "records": [],
+                                                   "skipped": [{"method": "s", "why": "w"}]}))
+            out = os.path.join(d, "merged.json")
+            argv = ["--out", out]
+            for o in ours:
+                argv += ["--ours", o]
+            for p in peers:
+                argv += ["--peer", p]
+            self.assertEqual(merge_results.main(argv), 0)
+            with open(out) as f:
+                merged = json.load(f)
+            self.assertEqual([(r["impl"], r["method"]) for r in merged["records"]],
+                             [("tpserve", "none"), ("tpserve", "ring"),
+                              ("torch", "torch_seq"), ("torch", "torch_symm_mem")])
+            self.assertEqual(merged["meta"]["torch"], "2.0")  # from the first --peer
+            self.assertEqual(merged["skipped"], [{"method": "s", "why": "w", "impl": "torch"}])
+
     def test_a_file_without_records_is_an_error_naming_it(self):
         with tempfile.TemporaryDirectory() as d:
             bad = self.write(d, "bad.json", {"meta": {}})
