@@ -67,6 +67,7 @@ struct Flags {
   int rounds = 30;
   bool check = true;
   bool fast_accum = false;
+  std::string gemm_algo = "heuristic";  // GemmAlgoSelection of every GEMM
   std::string out = "bench.json";
   std::string commit = "unknown";
 #ifdef TPSERVE_TUNE_MAIN
@@ -510,6 +511,12 @@ int Main(int argc, char** argv) {
       "and its communication steps alone (layer_comm: transfers, signals, sums; no "
       "GEMM), both with that method's config: separates the cost of chunked GEMMs "
       "from that of the transfers");
+  app.add_option("--gemm-algo", f.gemm_algo,
+                 "How each GEMM shape's cuBLASLt algorithm is chosen: heuristic (cuBLASLt's "
+                 "first answer) or timed (each of its answers timed once per shape, fastest "
+                 "kept; gemm_only too)")
+      ->check(CLI::IsMember({"heuristic", "timed"}))
+      ->capture_default_str();
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();
   app.add_option("--tune-out", f.tune_out,
                  "Autotune: write an overlap config (YAML) with the fastest layer method per "
@@ -517,6 +524,7 @@ int Main(int argc, char** argv) {
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  SetGemmAlgoSelection(ParseGemmAlgoSelection(f.gemm_algo).value());  // CLI11 checked it
 
   auto made = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
                               std::chrono::seconds(f.timeout_s));
@@ -540,6 +548,7 @@ int Main(int argc, char** argv) {
              {"device", std::to_string(f.tp) + "x " + prop.name},
              {"nccl", nccl_version},
              {"cublaslt", static_cast<int64_t>(cublasLtGetVersion())},
+             {"gemm_algo", f.gemm_algo},
              {"command", cmd.str()}}},
            {"records", json::array()}};
   if (!f.tune_out.empty() && f.dtypes.size() != 1) {

@@ -19,6 +19,7 @@ presets=${PRESETS:-llama70b seed}
 methods=${METHODS:-gemm_only comm_only none pipeline ring auto layer_gemm}
 overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}  # what method auto resolves
 max_ctas=${MAX_CTAS:-0 8}  # NCCL CTA limits swept for pipeline/ring
+gemm_algo=${GEMM_ALGO:-heuristic}  # tpserve-bench --gemm-algo: heuristic | timed
 rc=0
 all_files=()   # every preset's --ours and --peer files (COMBINED below)
 all_cmds=""
@@ -60,7 +61,7 @@ run_preset() {  # preset, extra args for tpserve-bench
     tuned="$out/$date-overlap-$preset-tp2-tuned.yaml"
     sweep_methods=$(for x in $methods; do [ "$x" = auto ] || printf '%s ' "$x"; done)
   fi
-  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit $* --methods $sweep_methods ${BENCH_ARGS:-}"
+  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit --gemm-algo $gemm_algo $* --methods $sweep_methods ${BENCH_ARGS:-}"
   [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned" || cmd_ours="$cmd_ours --overlap $overlap"
   local cmd_peer="python3 benchmarks/torch_peer.py --tp 2 --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
   echo "== $preset: $cmd_ours" | tee -a "$log"
@@ -68,7 +69,7 @@ run_preset() {  # preset, extra args for tpserve-bench
   ours_files+=(--ours "/tmp/ours-$preset.json")
   local cmd_all="$cmd_ours"
   if [ -n "$tuned" ] && [[ " $methods " == *" auto "* ]] && [ -s "$tuned" ]; then
-    local cmd_auto=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --methods none auto --overlap $tuned"
+    local cmd_auto=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --gemm-algo $gemm_algo --methods none auto --overlap $tuned"
     echo "== $preset: $cmd_auto" | tee -a "$log"
     timeout ${AUTO_TIMEOUT:-120} $cmd_auto --out "/tmp/ours-auto-$preset.json" >> "$log" 2>&1 || rc=1
     ours_files+=(--ours "/tmp/ours-auto-$preset.json")

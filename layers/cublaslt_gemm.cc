@@ -2,16 +2,23 @@
 
 #include <cublasLt.h>
 
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
 #include <compare>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
+#include "layers/random_fill.h"
 
 namespace tpserve {
 namespace {
@@ -294,7 +301,29 @@ struct Plan {
   LayoutPtr c_layout;       // n×m, ld = ldc, BF16
   LayoutPtr d_layout;       // n×m, ld = ldd
   cublasLtMatmulAlgo_t algo{};
+  // The heuristic's usable answers, best first (algo is one of them).
+  std::vector<cublasLtMatmulAlgo_t> candidates;
 };
+
+// GemmAlgoSelection::kTimed's choices, shared by every CublasLtGemm of the process.
+struct TimedChoices {
+  std::mutex mu;
+  std::map<PlanKey, cublasLtMatmulAlgo_t> chosen;
+};
+TimedChoices& Choices() {
+  static TimedChoices* c = new TimedChoices;  // never destroyed: used until exit
+  return *c;
+}
+std::atomic<GemmAlgoSelection> g_selection{GemmAlgoSelection::kHeuristic};
+
+bool SameAlgo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
+  return std::equal(std::begin(a.data), std::end(a.data), std::begin(b.data));
+}
+
+// Elements a batched operand spans: the last item's start plus one item.
+int64_t Span(int64_t cols, int64_t ld, int batch, int64_t stride) {
+  return (batch > 1 ? (batch - 1) * stride : 0) + cols * ld;
+}
 
 // Sets the per-call pointer attributes. Host-side writes into the descriptor: no allocation,
 // nothing enqueued; cublasLtMatmul reads them when it enqueues.
@@ -330,7 +359,115 @@ struct CublasLtGemm::Impl {
 
   StatusOr<std::unique_ptr<Plan>> BuildPlan(const GemmParams& r) const;
   StatusOr<Plan*> FindOrBuildPlan(const GemmParams& r, const cudaStream_t* stream);
+  // GemmAlgoSelection::kTimed: times plan's candidates, keeps the fastest, remembers it.
+  Status TimeCandidates(const GemmParams& r, Plan& plan);
 };
+
+Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
+  const PlanKey key = KeyOf(r);
+  {
+    TimedChoices& tc = Choices();
+    std::lock_guard<std::mutex> lock(tc.mu);
+    if (tc.chosen.count(key)) return Status::Ok();  // BuildPlan took it
+  }
+  const int n = static_cast<int>(plan.candidates.size());
+  if (n < 2) {  // nothing to choose between
+    TimedChoices& tc = Choices();
+    std::lock_guard<std::mutex> lock(tc.mu);
+    tc.chosen.emplace(key, plan.algo);
+    return Status::Ok();
+  }
+  const std::string what = Describe(name, r);
+  TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  cudaStream_t s = stream.get();
+  // Random operands of the shape (timing on zeros would flatter every candidate's power draw).
+  const int64_t a_elems = Span(r.m, r.lda, r.batch, r.stride_a);
+  const int64_t b_elems = Span(r.n, r.ldb, r.batch, r.stride_b);
+  const int64_t c_elems = UsesC(r) ? Span(r.m, r.ldc, r.batch, r.stride_c) : 0;
+  const int64_t d_elems = Span(r.m, r.ldd, r.batch, r.stride_d);
+  TP_ASSIGN_OR_RETURN(DeviceBuffer a,
+                      DeviceBuffer::Allocate(Bytes(a_elems, r.a_type), name + ".time_a"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer b,
+                      DeviceBuffer::Allocate(Bytes(b_elems, r.b_type), name + ".time_b"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d,
+                      DeviceBuffer::Allocate(Bytes(d_elems, r.d_type), name + ".time_d"));
+  DeviceBuffer c;
+  if (c_elems > 0) {
+    TP_ASSIGN_OR_RETURN(
+        c, DeviceBuffer::Allocate(Bytes(c_elems, DataType::kBFloat16), name + ".time_c"));
+    TP_RETURN_IF_ERROR(LaunchRandomUniform(c.data(), DataType::kBFloat16, c_elems, 3, 1.0f, s));
+  }
+  TP_RETURN_IF_ERROR(LaunchRandomUniform(a.data(), r.a_type, a_elems, 1, 1.0f, s));
+  TP_RETURN_IF_ERROR(LaunchRandomUniform(b.data(), r.b_type, b_elems, 2, 1.0f, s));
+  // Scale / amax slots 16 bytes apart (cuBLASLt's alignment), all 1.
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scales,
+                      DeviceBuffer::Allocate(16 * sizeof(float), name + ".time_scales"));
+  static const float kOnes[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), kOnes, sizeof kOnes, cudaMemcpyHostToDevice, s));
+  GemmParams t = r;
+  float* sc = scales.as<float>();
+  if (t.a_scale != nullptr) t.a_scale = sc;
+  if (t.b_scale != nullptr) t.b_scale = sc + 4;
+  if (t.d_quant_scale != nullptr) t.d_quant_scale = sc + 8;
+  if (t.d_amax != nullptr) t.d_amax = sc + 12;
+  TP_RETURN_IF_ERROR(SetScalePointers(plan.desc.get(), t));
+  const void* c_arg =
+      c_elems > 0 ? c.data() : (r.d_type == DataType::kBFloat16 ? d.data() : nullptr);
+
+  // Rounds over all candidates (round 0 warms up), so that drift hits each alike.
+  constexpr int kRounds = 6;
+  std::vector<CudaEvent> events;
+  for (int i = 0; i < 2 * n * kRounds; ++i) {
+    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(true));
+    events.push_back(std::move(e));
+  }
+  std::vector<bool> ok(n, true);
+  for (int round = 0; round < kRounds; ++round) {
+    for (int i = 0; i < n; ++i) {
+      const int ev = 2 * (round * n + i);
+      TP_RETURN_IF_ERROR(events[ev].Record(s));
+      if (ok[i]) {
+        const cublasStatus_t st = cublasLtMatmul(
+            handle, plan.desc.get(), &t.alpha, b.data(), plan.weight_layout.get(), a.data(),
+            plan.act_layout.get(), &t.beta, c_arg, plan.c_layout.get(), d.data(),
+            plan.d_layout.get(), &plan.candidates[i], workspace.data(), workspace.size(), s);
+        ok[i] = st == CUBLAS_STATUS_SUCCESS;
+      }
+      TP_RETURN_IF_ERROR(events[ev + 1].Record(s));
+    }
+  }
+  TP_RETURN_IF_ERROR(stream.Synchronize().WithContext(what + ": timing its algorithms"));
+  std::vector<float> median(n, 0.0f);
+  for (int i = 0; i < n; ++i) {
+    std::vector<float> ms;
+    for (int round = 1; round < kRounds; ++round) {
+      const int ev = 2 * (round * n + i);
+      TP_ASSIGN_OR_RETURN(float t_ms, CudaEvent::ElapsedMs(events[ev], events[ev + 1]));
+      ms.push_back(t_ms);
+    }
+    std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+    median[i] = ms[ms.size() / 2];
+  }
+  int best = -1;
+  for (int i = 0; i < n; ++i) {
+    if (ok[i] && (best < 0 || median[i] < median[best])) best = i;
+  }
+  if (best < 0) return Status::Ok();  // none ran: the heuristic's stays (Run will report)
+  plan.algo = plan.candidates[best];
+  std::string all;
+  for (int i = 0; i < n; ++i) {
+    all += (i ? " " : "") + (ok[i] ? fmt::format("{:.4f}", median[i]) : std::string("failed"));
+  }
+  spdlog::info("{}: timed {} algorithms (ms: {}), chose #{}{}", what, n, all, best,
+               best == 0
+                   ? " (the heuristic's first)"
+                   : fmt::format(", {:.1f}% faster than the heuristic's first",
+                                 ok[0] ? 100.0 * (median[0] - median[best]) / median[0] : 0.0));
+  TimedChoices& tc = Choices();
+  std::lock_guard<std::mutex> lock(tc.mu);
+  tc.chosen.emplace(key, plan.algo);
+  return Status::Ok();
+}
 
 StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& r) const {
   auto plan = std::make_unique<Plan>();
@@ -380,9 +517,20 @@ StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& 
   }
   for (int i = 0; i < returned; ++i) {
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace.size()) {
-      plan->algo = results[i].algo;
-      return plan;
+      plan->candidates.push_back(results[i].algo);
     }
+  }
+  if (!plan->candidates.empty()) {
+    plan->algo = plan->candidates.front();
+    // A choice timed earlier in this process (by any object) for the same shape.
+    TimedChoices& tc = Choices();
+    std::lock_guard<std::mutex> lock(tc.mu);
+    if (auto it = tc.chosen.find(KeyOf(r)); it != tc.chosen.end()) {
+      for (const cublasLtMatmulAlgo_t& c : plan->candidates) {
+        if (SameAlgo(c, it->second)) plan->algo = c;
+      }
+    }
+    return plan;
   }
   return UnimplementedError(Describe(name, r) + ": cuBLASLt has no algorithm for it within a " +
                             std::to_string(workspace.size()) + "-byte workspace");
@@ -424,6 +572,12 @@ CublasLtGemm::~CublasLtGemm() = default;
 CublasLtGemm::CublasLtGemm(CublasLtGemm&&) noexcept = default;
 CublasLtGemm& CublasLtGemm::operator=(CublasLtGemm&&) noexcept = default;
 
+size_t CublasLtGemm::timed_shapes() {
+  TimedChoices& tc = Choices();
+  std::lock_guard<std::mutex> lock(tc.mu);
+  return tc.chosen.size();
+}
+
 size_t CublasLtGemm::num_plans() const { return impl_ ? impl_->plans.size() : 0; }
 
 const std::string& CublasLtGemm::name() const {
@@ -436,7 +590,24 @@ size_t CublasLtGemm::workspace_bytes() const { return impl_ ? impl_->workspace.s
 Status CublasLtGemm::Prepare(const GemmParams& p) {
   if (!impl_) return FailedPreconditionError("CublasLtGemm::Prepare on an empty object");
   if (Status s = ValidateGemmParams(p); !s.ok()) return s.WithContext("gemm '" + impl_->name + "'");
-  return impl_->FindOrBuildPlan(Resolve(p), nullptr).status();
+  const GemmParams r = Resolve(p);
+  TP_ASSIGN_OR_RETURN(Plan * plan, impl_->FindOrBuildPlan(r, nullptr));
+  if (GetGemmAlgoSelection() != GemmAlgoSelection::kTimed) return Status::Ok();
+  return impl_->TimeCandidates(r, *plan);
+}
+
+void SetGemmAlgoSelection(GemmAlgoSelection selection) { g_selection.store(selection); }
+GemmAlgoSelection GetGemmAlgoSelection() { return g_selection.load(); }
+
+std::string_view GemmAlgoSelectionName(GemmAlgoSelection selection) {
+  return selection == GemmAlgoSelection::kTimed ? "timed" : "heuristic";
+}
+
+StatusOr<GemmAlgoSelection> ParseGemmAlgoSelection(std::string_view name) {
+  if (name == "heuristic") return GemmAlgoSelection::kHeuristic;
+  if (name == "timed") return GemmAlgoSelection::kTimed;
+  return InvalidArgumentError("GEMM algorithm selection '" + std::string(name) +
+                              "': allowed values are heuristic, timed");
 }
 
 namespace {

@@ -18,9 +18,9 @@
 // item), C + i*stride_c and writes D + i*stride_d (all strides in elements). The AG+GEMM
 // executor uses this to compute the tp row blocks of one chunk in one launch.
 //
-// Plans: the matmul descriptor, the four layouts and the algorithm chosen by
-// cublasLtMatmulAlgoGetHeuristic are cached per GemmParams shape/config (everything but the
-// pointer values and alpha/beta), so the heuristic runs once per shape. Prepare() builds the
+// Plans: the matmul descriptor, the four layouts and the algorithm (GemmAlgoSelection below)
+// are cached per GemmParams shape/config (everything but the pointer values, alpha, and beta
+// beyond whether it is 0), so the heuristic runs once per shape. Prepare() builds the
 // plan ahead of time; after that Run() for that shape neither allocates nor synchronises and
 // can be captured in a CUDA graph. A Run() that would need a new plan while its stream is
 // capturing fails with FAILED_PRECONDITION instead.
@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "comm/dtype.h"
 #include "comm/status.h"
@@ -108,6 +109,24 @@ struct GemmParams {
 // combination that is not supported. Pure; runs without a GPU.
 Status ValidateGemmParams(const GemmParams& p);
 
+// How Prepare() picks the algorithm of a shape (process-wide; thread-safe):
+//  - kHeuristic (default): the first answer of cublasLtMatmulAlgoGetHeuristic.
+//  - kTimed: Prepare() runs each of the heuristic's answers (up to 8) on the GPU, on random
+//    operands of the shape in temporary buffers and on a stream of its own, and keeps the
+//    fastest (median of 5 runs each). The choice is remembered process-wide per shape/config,
+//    so the layers of a model that share a shape are timed once. The heuristic cannot know
+//    whether C will be read (beta is a run-time value), nor how a shape's waves fit the SMs
+//    for each tile size; timing sees both. Prepare() then synchronises its own stream and
+//    allocates, so it must not run while a stream of the process is capturing in global mode.
+//    Run() never times: a shape first seen there takes the remembered choice if any, else the
+//    heuristic's.
+enum class GemmAlgoSelection { kHeuristic, kTimed };
+void SetGemmAlgoSelection(GemmAlgoSelection selection);
+GemmAlgoSelection GetGemmAlgoSelection();
+std::string_view GemmAlgoSelectionName(GemmAlgoSelection selection);  // "heuristic" | "timed"
+// INVALID_ARGUMENT naming the allowed values.
+StatusOr<GemmAlgoSelection> ParseGemmAlgoSelection(std::string_view name);
+
 class CublasLtGemm {
  public:
   // cuBLAS's recommended workspace for Hopper.
@@ -126,7 +145,8 @@ class CublasLtGemm {
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;
 
   // Validates `p` and builds its plan (descriptors + heuristic query) if not cached yet.
-  // Host-only: enqueues nothing. UNIMPLEMENTED when cuBLASLt has no algorithm for it.
+  // With GemmAlgoSelection::kHeuristic host-only: enqueues nothing; with kTimed see above.
+  // UNIMPLEMENTED when cuBLASLt has no algorithm for it.
   Status Prepare(const GemmParams& p);
 
   // Enqueues D = ... (see top of file) on `stream`. A, B, D must be non-null and 16-byte
@@ -138,6 +158,8 @@ class CublasLtGemm {
 
   // Number of cached plans (distinct shapes/configs seen).
   size_t num_plans() const;
+  // Shapes/configs timed so far in this process (GemmAlgoSelection::kTimed).
+  static size_t timed_shapes();
   const std::string& name() const;
   size_t workspace_bytes() const;
 

@@ -419,8 +419,8 @@ TEST_F(GpuTest, Fp8GemmAmaxIsOverwrittenNotAccumulated) {
 // ---------------------------------------------------------------------------------------------
 // Accumulation: D = A·B^T + beta * C.
 
-TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
-  const int64_t m = 1002, n = 1040, k = 256;
+void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k) {
+  const int64_t m = 1002, n = 1040;
   const int64_t ldc = n + 8;  // out of place: C's pitch differs from D's
   const float a_scale = 0.37f, b_scale = 0.011f;
   const std::vector<uint8_t> a = RandomFp8Matrix(m, k, k, -4.0f, 4.0f, 51);
@@ -450,10 +450,11 @@ TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
   {
     SCOPED_TRACE("out of place, ldc != ldd");
     TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(m * n * 2, "D"));
-    TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, m * n, stream()));
+    TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, m * n, stream));
     p.ldc = ldc;
-    TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dc.data(), dd.data(), stream()));
-    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK(gemm.Prepare(p));  // with timed selection: times this shape
+    TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dc.data(), dd.data(), stream));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
     TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), m * n));
     const Comparison cmp = Compare(Bf16Block(out, 0, m, n, n), ref);
     EXPECT_EQ(cmp.nan_count, 0u);
@@ -464,14 +465,73 @@ TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
     TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dcd, Upload(c, "C=D"));
     p.ldc = ldc;
     p.ldd = ldc;
-    TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dcd.data(), dcd.data(), stream()));
-    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK(gemm.Prepare(p));  // with timed selection: times this shape
+    TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dcd.data(), dcd.data(), stream));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
     TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dcd.data(), m * ldc));
     const Comparison cmp = Compare(Bf16Block(out, 0, m, n, ldc), ref);
     EXPECT_EQ(cmp.nan_count, 0u);
     EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
     EXPECT_EQ(CountTouchedPadding(out, 0, m, m, n, ldc), 0u);
   }
+}
+
+TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
+  CheckFp8AccumulatesC(stream(), 256);
+}
+
+// GemmAlgoSelection::kTimed for the test's scope; heuristic again after it.
+class TimedSelection {
+ public:
+  TimedSelection() { SetGemmAlgoSelection(GemmAlgoSelection::kTimed); }
+  ~TimedSelection() { SetGemmAlgoSelection(GemmAlgoSelection::kHeuristic); }
+};
+
+TEST(GemmAlgoSelectionTest, ParsesItsTwoNamesAndRejectsOthersNamingThem) {
+  TP_ASSERT_OK_AND_ASSIGN(GemmAlgoSelection h, ParseGemmAlgoSelection("heuristic"));
+  EXPECT_EQ(h, GemmAlgoSelection::kHeuristic);
+  TP_ASSERT_OK_AND_ASSIGN(GemmAlgoSelection t, ParseGemmAlgoSelection("timed"));
+  EXPECT_EQ(t, GemmAlgoSelection::kTimed);
+  EXPECT_EQ(GemmAlgoSelectionName(t), "timed");
+  const StatusOr<GemmAlgoSelection> bad = ParseGemmAlgoSelection("fastest");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'fastest'"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("heuristic, timed"), std::string::npos);
+  EXPECT_EQ(GetGemmAlgoSelection(), GemmAlgoSelection::kHeuristic) << "the default";
+}
+
+TEST_F(GpuTest, TimedAlgoSelectionTimesEachShapeOnceAndMatchesReference) {
+  TimedSelection timed;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(1.0f, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(1.0f, "b_scale"));
+  GemmParams p;
+  p.m = 2048 + 37;  // a shape no other test times
+  p.n = 1040;
+  p.k = 4096;
+  p.a_scale = dsa.as<float>();  // the plan key counts the scales' presence
+  p.b_scale = dsb.as<float>();
+  const size_t before = CublasLtGemm::timed_shapes();
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm first, CublasLtGemm::Create("timed_first"));
+  TP_ASSERT_OK(first.Prepare(p));
+  EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 1);
+  // Another object of the process takes the remembered choice without timing again.
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm second, CublasLtGemm::Create("timed_second"));
+  TP_ASSERT_OK(second.Prepare(p));
+  EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 1);
+  // Whatever was chosen computes the same product (the check poisons D first).
+  CheckFp8Bf16Gemm(first, p, 61, stream());
+  CheckFp8Bf16Gemm(second, p, 62, stream());
+  // beta != 0 is a shape of its own: timed separately, with C read.
+  p.beta = 1.0f;
+  TP_ASSERT_OK(first.Prepare(p));
+  EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 2);
+}
+
+TEST_F(GpuTest, TimedAlgoSelectionAccumulatesCLikeTheHeuristics) {
+  TimedSelection timed;
+  // Out of place (ldc != ldd) and in place: each plan timed by Prepare(), then run.
+  CheckFp8AccumulatesC(stream(), 4096);
 }
 
 // ---------------------------------------------------------------------------------------------
