@@ -67,7 +67,7 @@ struct Flags {
   int rounds = 30;
   bool check = true;
   bool fast_accum = false;
-  std::string gemm_algo = "heuristic";  // GemmAlgoSelection of every GEMM
+  std::string gemm_algo = "timed";  // GemmAlgoSelection of every GEMM
   std::string out = "bench.json";
   std::string commit = "unknown";
 #ifdef TPSERVE_TUNE_MAIN
@@ -512,9 +512,9 @@ int Main(int argc, char** argv) {
       "GEMM), both with that method's config: separates the cost of chunked GEMMs "
       "from that of the transfers");
   app.add_option("--gemm-algo", f.gemm_algo,
-                 "How each GEMM shape's cuBLASLt algorithm is chosen: heuristic (cuBLASLt's "
-                 "first answer) or timed (each of its answers timed once per shape, fastest "
-                 "kept; gemm_only too)")
+                 "How each GEMM shape's cuBLASLt algorithm is chosen: timed (each of the "
+                 "heuristic's answers timed once per shape, fastest kept; what the server "
+                 "does; gemm_only too) or heuristic (cuBLASLt's first answer)")
       ->check(CLI::IsMember({"heuristic", "timed"}))
       ->capture_default_str();
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();

@@ -31,6 +31,7 @@
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
+#include "layers/cublaslt_gemm.h"
 #include "layers/overlap_config.h"
 
 namespace tpserve {
@@ -51,6 +52,7 @@ struct Flags {
   uint64_t seed = 7;
   std::string out = "model.json";
   std::string commit = "unknown";
+  std::string gemm_algo = "timed";  // GemmAlgoSelection of every GEMM
 };
 
 struct BatchShape {
@@ -130,10 +132,17 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", f.seed, "Seed of the random weights and token ids")
       ->capture_default_str();
+  app.add_option("--gemm-algo", f.gemm_algo,
+                 "How each GEMM shape's cuBLASLt algorithm is chosen: timed (each of the "
+                 "heuristic's answers timed once per shape, fastest kept; what the server "
+                 "does) or heuristic (cuBLASLt's first answer)")
+      ->check(CLI::IsMember({"heuristic", "timed"}))
+      ->capture_default_str();
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  SetGemmAlgoSelection(ParseGemmAlgoSelection(f.gemm_algo).value());  // CLI11 checked it
 
   auto preset = ModelPreset(f.model);
   if (!preset.ok()) {
@@ -225,7 +234,8 @@ int Main(int argc, char** argv) {
              {"model", f.model},
              {"layers", config.num_hidden_layers},
              {"tp", f.tp},
-             {"dtype", f.dtype}}},
+             {"dtype", f.dtype},
+             {"gemm_algo", f.gemm_algo}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {
     for (size_t c = 0; c < configs.size(); ++c) {

@@ -314,7 +314,7 @@ TimedChoices& Choices() {
   static TimedChoices* c = new TimedChoices;  // never destroyed: used until exit
   return *c;
 }
-std::atomic<GemmAlgoSelection> g_selection{GemmAlgoSelection::kHeuristic};
+std::atomic<GemmAlgoSelection> g_selection{GemmAlgoSelection::kTimed};
 
 bool SameAlgo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
   return std::equal(std::begin(a.data), std::end(a.data), std::begin(b.data));
@@ -380,6 +380,8 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
   const std::string what = Describe(name, r);
   TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   cudaStream_t s = stream.get();
+  // A workspace of its own: Runs of this object may still be in flight on other streams.
+  TP_ASSIGN_OR_RETURN(DeviceBuffer ws, DeviceBuffer::Allocate(workspace.size(), name + ".time_ws"));
   // Random operands of the shape (timing on zeros would flatter every candidate's power draw).
   const int64_t a_elems = Span(r.m, r.lda, r.batch, r.stride_a);
   const int64_t b_elems = Span(r.n, r.ldb, r.batch, r.stride_b);
@@ -430,7 +432,7 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
         const cublasStatus_t st = cublasLtMatmul(
             handle, plan.desc.get(), &t.alpha, b.data(), plan.weight_layout.get(), a.data(),
             plan.act_layout.get(), &t.beta, c_arg, plan.c_layout.get(), d.data(),
-            plan.d_layout.get(), &plan.candidates[i], workspace.data(), workspace.size(), s);
+            plan.d_layout.get(), &plan.candidates[i], ws.data(), ws.size(), s);
         ok[i] = st == CUBLAS_STATUS_SUCCESS;
       }
       TP_RETURN_IF_ERROR(events[ev + 1].Record(s));

@@ -480,11 +480,16 @@ TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
   CheckFp8AccumulatesC(stream(), 256);
 }
 
-// GemmAlgoSelection::kTimed for the test's scope; heuristic again after it.
-class TimedSelection {
+// One GemmAlgoSelection for the test's scope; the previous one again after it.
+class ScopedSelection {
  public:
-  TimedSelection() { SetGemmAlgoSelection(GemmAlgoSelection::kTimed); }
-  ~TimedSelection() { SetGemmAlgoSelection(GemmAlgoSelection::kHeuristic); }
+  explicit ScopedSelection(GemmAlgoSelection s) : saved_(GetGemmAlgoSelection()) {
+    SetGemmAlgoSelection(s);
+  }
+  ~ScopedSelection() { SetGemmAlgoSelection(saved_); }
+
+ private:
+  GemmAlgoSelection saved_;
 };
 
 TEST(GemmAlgoSelectionTest, ParsesItsTwoNamesAndRejectsOthersNamingThem) {
@@ -498,11 +503,11 @@ TEST(GemmAlgoSelectionTest, ParsesItsTwoNamesAndRejectsOthersNamingThem) {
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("'fastest'"), std::string::npos);
   EXPECT_NE(bad.status().message().find("heuristic, timed"), std::string::npos);
-  EXPECT_EQ(GetGemmAlgoSelection(), GemmAlgoSelection::kHeuristic) << "the default";
+  EXPECT_EQ(GetGemmAlgoSelection(), GemmAlgoSelection::kTimed) << "the default";
 }
 
 TEST_F(GpuTest, TimedAlgoSelectionTimesEachShapeOnceAndMatchesReference) {
-  TimedSelection timed;
+  ScopedSelection timed(GemmAlgoSelection::kTimed);
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(1.0f, "a_scale"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(1.0f, "b_scale"));
   GemmParams p;
@@ -528,10 +533,26 @@ TEST_F(GpuTest, TimedAlgoSelectionTimesEachShapeOnceAndMatchesReference) {
   EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 2);
 }
 
-TEST_F(GpuTest, TimedAlgoSelectionAccumulatesCLikeTheHeuristics) {
-  TimedSelection timed;
-  // Out of place (ldc != ldd) and in place: each plan timed by Prepare(), then run.
-  CheckFp8AccumulatesC(stream(), 4096);
+TEST_F(GpuTest, TimedAndHeuristicAlgoSelectionBothAccumulateC) {
+  // Out of place (ldc != ldd) and in place: each plan chosen by Prepare(), then run.
+  for (GemmAlgoSelection s : {GemmAlgoSelection::kTimed, GemmAlgoSelection::kHeuristic}) {
+    SCOPED_TRACE(std::string(GemmAlgoSelectionName(s)));
+    ScopedSelection scoped(s);
+    CheckFp8AccumulatesC(stream(), 4096);
+  }
+}
+
+TEST_F(GpuTest, HeuristicAlgoSelectionTimesNothing) {
+  ScopedSelection heuristic(GemmAlgoSelection::kHeuristic);
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("heuristic_only"));
+  GemmParams p;
+  p.m = 4096 + 37;  // a shape no other test uses
+  p.n = 1040;
+  p.k = 4096;
+  const size_t before = CublasLtGemm::timed_shapes();
+  TP_ASSERT_OK(gemm.Prepare(p));
+  EXPECT_EQ(CublasLtGemm::timed_shapes(), before);
+  CheckFp8Bf16Gemm(gemm, p, 71, stream());
 }
 
 // ---------------------------------------------------------------------------------------------
