@@ -29,7 +29,7 @@ case "$part" in
   tests)
     { nvidia-smi; nvidia-smi topo -m; } > "$out/nvidia-smi.txt" 2>&1
     echo "== gpu tests"
-    timeout 180 .gpu/bin/tpserve_gpu_tests > "$out/gpu_tests.log" 2>&1 || rc=1
+    timeout 240 .gpu/bin/tpserve_gpu_tests > "$out/gpu_tests.log" 2>&1 || rc=1
     grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_tests.log" | tail -20
     echo "== tpserve layer, one process per GPU"
     timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
