@@ -10,6 +10,8 @@
 #   e2e     the server's e2e suite against the CUDA engine (tpserve_e2e_tests)
 #   reference  tpserve vs a PyTorch model on one llama3-8b-shaped checkpoint
 #   refsweep   the same on fewer layers, the tiny model and the scaled init
+#   selfcheck  tpserve against itself (mode none vs ring on copy engines) on the
+#              same checkpoints, next to tpserve against PyTorch
 #   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
 #           `tpserve run --backend cuda` vs the CPU backend, the serve test
 #   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh), one process
@@ -19,7 +21,7 @@
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|overlap|model|load}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -79,6 +81,26 @@ PY
         --dir "/tmp/ref-$tag" --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" \
         > "$out/reference-$tag.log" 2>&1
       echo "$tag: exit $? $(grep -E 'top-1 agreement|Error' "$out/reference-$tag.log" | tail -1)"
+      rm -rf "/tmp/ref-$tag"
+    done
+    ;;
+  selfcheck)
+    # How far tpserve lands from itself: the same checkpoint and prompts served
+    # with every layer in mode none and with every layer in mode ring on copy
+    # engines (2 chunks), two valid executions that differ only in the order
+    # of their additions, next to tpserve vs PyTorch from the same run.
+    # SELFCHECK: cases separated by ';', each "model layers init seqs len".
+    cfg=/tmp/ring-ce-all.yaml
+    printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 2\n  copy_engine: true\n' > "$cfg"
+    IFS=';' read -ra specs <<< "${SELFCHECK:-llama3-8b 32 scaled 8 125;llama3-8b 1 plain 2 50}"
+    for spec in "${specs[@]}"; do
+      set -- $spec
+      tag="$1-L$2-cuda-$3-selfcheck"
+      PYTHONUNBUFFERED=1 timeout 400 python3 benchmarks/torch_reference.py --model "$1" --layers "$2" \
+        --init "$3" --seqs "$4" --len "$5" --compare-overlap "$cfg" --tpserve .gpu/bin/tpserve \
+        --commit "$commit" --dir "/tmp/ref-$tag" \
+        --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" > "$out/reference-$tag.log" 2>&1
+      echo "$tag: exit $?"; grep -E 'top-1 agreement|Error' "$out/reference-$tag.log" | tail -3
       rm -rf "/tmp/ref-$tag"
     done
     ;;

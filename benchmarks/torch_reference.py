@@ -84,6 +84,14 @@ def parse_args(argv):
                     "residual branches' output layers (o_proj, down_proj) N(0, 0.02/sqrt(2 L)) "
                     "as in GPT-2 and Megatron, which keeps a deep random model from amplifying "
                     "rounding differences layer after layer")
+    ap.add_argument("--overlap-config", default="",
+                    help="overlap config (YAML) for tpserve serve (default: none, every "
+                    "layer in mode none)")
+    ap.add_argument("--compare-overlap", default="",
+                    help="also serve the checkpoint a second time with this overlap config and "
+                    "report how far tpserve lands from itself (summary.overlap_self_check): "
+                    "two valid executions of the model that differ only in the order of "
+                    "their additions")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     ap.add_argument("--device", type=int, default=0, help="PyTorch's GPU")
     ap.add_argument("--commit", default="unknown")
@@ -308,8 +316,9 @@ class Reference:
 # tpserve
 
 
-def serve_logits(args, directory, prompts, vocab):
-    """Every prefix of every prompt through `tpserve serve`; returns {(s, i): logits}."""
+def serve_logits(args, directory, prompts, vocab, overlap=""):
+    """Every prefix of every prompt through `tpserve serve` (with the overlap
+    config `overlap`, if any); returns {(s, i): logits}."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     os.environ.setdefault("TPSERVE_BIN", args.tpserve)
     os.environ.setdefault("PROTO_DIR", ROOT)
@@ -319,13 +328,13 @@ def serve_logits(args, directory, prompts, vocab):
     tmp = tempfile.TemporaryDirectory()
     pb = compile_messages(tmp.name)
     server_log = open(os.path.join(tmp.name, "server.log"), "w")
-    log("starting tpserve serve --model %s --tp %d --backend %s" % (directory, args.tp,
-                                                                     args.backend))
-    server, port = start_server(
-        ["--model", directory, "--model-name", "ref", "--tp", str(args.tp), "--backend",
-         args.backend,
-         "--max-tokens-per-request", str(max(len(p) for p in prompts)),
-         "--max-batch-tokens", "8192", "--rank-timeout-s", "120"], stderr=server_log)
+    flags = ["--model", directory, "--model-name", "ref", "--tp", str(args.tp), "--backend",
+             args.backend, "--max-tokens-per-request", str(max(len(p) for p in prompts)),
+             "--max-batch-tokens", "8192", "--rank-timeout-s", "120"]
+    if overlap:
+        flags += ["--overlap-config", overlap]
+    log("starting tpserve serve %s" % " ".join(flags))
+    server, port = start_server(flags, stderr=server_log)
     out = {}
     try:
         channel = grpc.insecure_channel("127.0.0.1:%d" % port)
@@ -389,13 +398,16 @@ def main(argv=None):
     prompts = [torch.randint(0, w.vocab, (args.len,), generator=g).tolist()
                for _ in range(args.seqs)]
 
-    served = serve_logits(args, directory, prompts, w.vocab)
+    served = serve_logits(args, directory, prompts, w.vocab, args.overlap_config)
+    second = (serve_logits(args, directory, prompts, w.vocab, args.compare_overlap)
+              if args.compare_overlap else None)
 
     log("PyTorch forward passes")
     ref = Reference(torch, w)
     exact = Reference(torch, w, exact_gemm=True)
     records, rel_errs, agree = [], [], 0
     floor_errs, floor_agree = [], 0
+    self_errs, self_agree = [], 0
     with torch.no_grad():
         for s, prompt in enumerate(prompts):
             ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
@@ -405,6 +417,11 @@ def main(argv=None):
                            want.double().norm(dim=1)).tolist()
             floor_agree += int((other.argmax(dim=1) == want.argmax(dim=1)).sum())
             got = torch.tensor([served[(s, i)] for i in range(len(prompt))], device=dev)
+            if second is not None:
+                got2 = torch.tensor([second[(s, i)] for i in range(len(prompt))], device=dev)
+                self_errs += ((got2 - got).double().norm(dim=1) /
+                              got.double().norm(dim=1)).tolist()
+                self_agree += int((got2.argmax(dim=1) == got.argmax(dim=1)).sum())
             diff = (got - want).double().norm(dim=1) / want.double().norm(dim=1)
             top_got = got.argmax(dim=1)
             top_want = want.argmax(dim=1)
@@ -435,6 +452,16 @@ def main(argv=None):
         "top1_agreement": floor_agree / n,
         "rel_err_median": pct(floor_sorted, 0.5),
         "rel_err_max": floor_sorted[-1]}
+    if second is not None:
+        self_sorted = sorted(self_errs)
+        summary["overlap_self_check"] = {
+            "what": "tpserve with --compare-overlap against tpserve with --overlap-config "
+                    "(same checkpoint, same prompts)",
+            "overlap_config": args.overlap_config or "(none)",
+            "compare_overlap": args.compare_overlap,
+            "top1_agreement": self_agree / n,
+            "rel_err_median": pct(self_sorted, 0.5),
+            "rel_err_max": self_sorted[-1]}
     # How agreement depends on how clearly PyTorch's top-1 stands out: a random
     # LM head over a large vocabulary puts many runners-up within a few BF16
     # steps of the top logit, where any rounding difference flips the argmax.
@@ -457,6 +484,11 @@ def main(argv=None):
     log("noise floor (FP32-GEMM PyTorch vs _scaled_mm PyTorch): top-1 agreement %.4f, "
         "rel err median %.3g" % (summary["noise_floor"]["top1_agreement"],
                                  summary["noise_floor"]["rel_err_median"]))
+    if second is not None:
+        log("tpserve vs itself (%s vs %s): top-1 agreement %.4f, rel err median %.3g" % (
+            args.compare_overlap, args.overlap_config or "mode none",
+            summary["overlap_self_check"]["top1_agreement"],
+            summary["overlap_self_check"]["rel_err_median"]))
     log("positions %d: top-1 agreement %.4f, rel err median %.3g p99 %.3g max %.3g -> %s" % (
         n, summary["top1_agreement"], summary["rel_err_median"], summary["rel_err_p99"],
         summary["rel_err_max"], args.out))
