@@ -370,40 +370,50 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
     std::lock_guard<std::mutex> lock(tc.mu);
     if (tc.chosen.count(key)) return Status::Ok();  // BuildPlan took it
   }
-  const int n = static_cast<int>(plan.candidates.size());
-  if (n < 2) {  // nothing to choose between
+  auto remember = [&key](const cublasLtMatmulAlgo_t& algo) {
     TimedChoices& tc = Choices();
     std::lock_guard<std::mutex> lock(tc.mu);
-    tc.chosen.emplace(key, plan.algo);
+    tc.chosen.emplace(key, algo);
+  };
+  const int n = static_cast<int>(plan.candidates.size());
+  if (n < 2) {  // nothing to choose between
+    remember(plan.algo);
     return Status::Ok();
   }
   const std::string what = Describe(name, r);
   TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   cudaStream_t s = stream.get();
-  // A workspace of its own: Runs of this object may still be in flight on other streams.
-  TP_ASSIGN_OR_RETURN(DeviceBuffer ws, DeviceBuffer::Allocate(workspace.size(), name + ".time_ws"));
-  // Random operands of the shape (timing on zeros would flatter every candidate's power draw).
+  // Random operands of the shape (timing on zeros would flatter every candidate's power draw),
+  // and a workspace of its own: Runs of this object may still be in flight on other streams.
   const int64_t a_elems = Span(r.m, r.lda, r.batch, r.stride_a);
   const int64_t b_elems = Span(r.n, r.ldb, r.batch, r.stride_b);
   const int64_t c_elems = UsesC(r) ? Span(r.m, r.ldc, r.batch, r.stride_c) : 0;
   const int64_t d_elems = Span(r.m, r.ldd, r.batch, r.stride_d);
-  TP_ASSIGN_OR_RETURN(DeviceBuffer a,
-                      DeviceBuffer::Allocate(Bytes(a_elems, r.a_type), name + ".time_a"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer b,
-                      DeviceBuffer::Allocate(Bytes(b_elems, r.b_type), name + ".time_b"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer d,
-                      DeviceBuffer::Allocate(Bytes(d_elems, r.d_type), name + ".time_d"));
-  DeviceBuffer c;
-  if (c_elems > 0) {
+  DeviceBuffer ws, a, b, c, d, scales;
+  Status allocated = [&]() -> Status {
+    TP_ASSIGN_OR_RETURN(ws, DeviceBuffer::Allocate(workspace.size(), name + ".time_ws"));
+    TP_ASSIGN_OR_RETURN(a, DeviceBuffer::Allocate(Bytes(a_elems, r.a_type), name + ".time_a"));
+    TP_ASSIGN_OR_RETURN(b, DeviceBuffer::Allocate(Bytes(b_elems, r.b_type), name + ".time_b"));
+    TP_ASSIGN_OR_RETURN(d, DeviceBuffer::Allocate(Bytes(d_elems, r.d_type), name + ".time_d"));
     TP_ASSIGN_OR_RETURN(
         c, DeviceBuffer::Allocate(Bytes(c_elems, DataType::kBFloat16), name + ".time_c"));
+    TP_ASSIGN_OR_RETURN(scales, DeviceBuffer::Allocate(16 * sizeof(float), name + ".time_scales"));
+    return Status::Ok();
+  }();
+  if (allocated.code() == StatusCode::kResourceExhausted) {
+    // Timing is an optimisation: without the memory for it, the heuristic's answer serves.
+    spdlog::warn("{}: not timing its algorithms, keeping the heuristic's first ({})", what,
+                 allocated.ToString());
+    remember(plan.algo);
+    return Status::Ok();
+  }
+  TP_RETURN_IF_ERROR(allocated);
+  if (c_elems > 0) {
     TP_RETURN_IF_ERROR(LaunchRandomUniform(c.data(), DataType::kBFloat16, c_elems, 3, 1.0f, s));
   }
   TP_RETURN_IF_ERROR(LaunchRandomUniform(a.data(), r.a_type, a_elems, 1, 1.0f, s));
   TP_RETURN_IF_ERROR(LaunchRandomUniform(b.data(), r.b_type, b_elems, 2, 1.0f, s));
   // Scale / amax slots 16 bytes apart (cuBLASLt's alignment), all 1.
-  TP_ASSIGN_OR_RETURN(DeviceBuffer scales,
-                      DeviceBuffer::Allocate(16 * sizeof(float), name + ".time_scales"));
   static const float kOnes[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), kOnes, sizeof kOnes, cudaMemcpyHostToDevice, s));
   GemmParams t = r;
@@ -465,9 +475,7 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
                    ? " (the heuristic's first)"
                    : fmt::format(", {:.1f}% faster than the heuristic's first",
                                  ok[0] ? 100.0 * (median[0] - median[best]) / median[0] : 0.0));
-  TimedChoices& tc = Choices();
-  std::lock_guard<std::mutex> lock(tc.mu);
-  tc.chosen.emplace(key, plan.algo);
+  remember(plan.algo);
   return Status::Ok();
 }
 

@@ -542,6 +542,20 @@ TEST_F(GpuTest, TimedAndHeuristicAlgoSelectionBothAccumulateC) {
   }
 }
 
+TEST_F(GpuTest, TimedAlgoSelectionWithoutMemoryForOperandsKeepsTheHeuristic) {
+  ScopedSelection timed(GemmAlgoSelection::kTimed);
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("timed_oom"));
+  GemmParams p;
+  p.m = int64_t{1} << 21;  // A alone: 2^21 x 2^17 FP8 = 256 GiB, more than any GPU here
+  p.n = 1024;
+  p.k = int64_t{1} << 17;
+  const size_t before = CublasLtGemm::timed_shapes();
+  // Timing is an optimisation: without the memory for it, it is skipped.
+  TP_ASSERT_OK(gemm.Prepare(p));
+  EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 1) << "the heuristic's answer is remembered";
+  EXPECT_EQ(gemm.num_plans(), 1u);
+}
+
 TEST_F(GpuTest, HeuristicAlgoSelectionTimesNothing) {
   ScopedSelection heuristic(GemmAlgoSelection::kHeuristic);
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("heuristic_only"));
