@@ -17,6 +17,7 @@ namespace {
 int RunLayer(const LayerFlags& f, const std::vector<std::string>& argv) {
   if (f.backend == "cuda") {
 #if TPSERVE_WITH_CUDA
+    ApplyGemmAlgo(f.gemm_algo);
     return RunLayerCuda(f, argv);
 #else
     (void)argv;
@@ -127,6 +128,7 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
   cmd->add_option("--gemm-sms", f->gemm_sm_count, "cuda: GEMM SM budget (0 = all SMs)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  AddGemmAlgoFlag(cmd, &f->gemm_algo);
   cmd->callback([f, exit_code, argv] { *exit_code = RunLayer(*f, argv); });
 }
 

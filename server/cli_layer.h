@@ -24,6 +24,7 @@ struct LayerFlags {
   uint32_t seed = 1;
   int iters = 3;
   double tolerance = 1e-2;
+  std::string gemm_algo = "timed";
 };
 
 // Runs the layer with one process per GPU: the process started by the user is

@@ -14,6 +14,7 @@
 #if TPSERVE_WITH_CUDA
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_model.h"
+#include "layers/cublaslt_gemm.h"
 #endif
 #include "server/cli.h"
 
@@ -30,6 +31,7 @@ struct ModelFlags {
   uint64_t seed = 7;
   bool json = false;
   std::string out;
+  std::string gemm_algo = "timed";
 };
 
 StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
@@ -76,6 +78,7 @@ int RunModel(const ModelFlags& f) {
   StatusOr<std::vector<float>> logits = UnimplementedError("unreachable");
   if (f.backend == "cuda") {
 #if TPSERVE_WITH_CUDA
+    ApplyGemmAlgo(f.gemm_algo);
     // Ranks as threads of this process, one GPU each.
     if (from_dir) {
       return Fail(
@@ -140,6 +143,25 @@ void AddModelFlag(CLI::App* cmd, ModelFlags* f) {
 
 }  // namespace
 
+void AddGemmAlgoFlag(CLI::App* cmd, std::string* value) {
+  cmd->add_option("--gemm-algo", *value,
+                  "cuda: how each GEMM shape's cuBLASLt algorithm is chosen: timed (the "
+                  "heuristic's answers are timed once per shape on the GPU when a token "
+                  "bucket is first planned, the fastest kept) or heuristic (cuBLASLt's "
+                  "first answer, no timing)")
+      ->check(CLI::IsMember({"timed", "heuristic"}))
+      ->capture_default_str();
+}
+
+void ApplyGemmAlgo(const std::string& value) {
+#if TPSERVE_WITH_CUDA
+  SetGemmAlgoSelection(value == "heuristic" ? GemmAlgoSelection::kHeuristic
+                                            : GemmAlgoSelection::kTimed);
+#else
+  (void)value;
+#endif
+}
+
 StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir) {
   *from_dir = std::filesystem::is_directory(model);
   if (*from_dir) return LoadModelConfig(model);
@@ -164,6 +186,7 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   run->add_option("--ids", f->ids, "Prompt token ids, comma-separated")->capture_default_str();
   run->add_option("--overlap-config", f->overlap_config,
                   "Overlap config (YAML) choosing each TP layer's mode by name and M");
+  AddGemmAlgoFlag(run, &f->gemm_algo);
   run->add_flag("--json", f->json,
                 "Print one JSON object: next_token_id, top_logits ([[id, value], ...], 10), "
                 "logits (the whole last-position vector)");

@@ -48,6 +48,7 @@ struct ServeFlags {
   int64_t max_tokens_per_request = 4096;
   double exit_timeout_s = 30;
   std::string tls_cert, tls_key, tls_client_ca;
+  std::string gemm_algo = "timed";
 };
 
 // The model (--model) and the overlap config (--overlap-config, may be
@@ -112,7 +113,8 @@ StatusOr<CudaEngineOptions> CudaOptions(const ServeFlags& f, const ModelConfig& 
   for (auto [flag, value] : {std::pair<const char*, std::string>{
                                  "--max-batch-tokens", std::to_string(f.max_batch_tokens)},
                              {"--max-batch-sequences", std::to_string(f.max_batch_sequences)},
-                             {"--rank-timeout-s", std::to_string(f.rank_timeout_s)}}) {
+                             {"--rank-timeout-s", std::to_string(f.rank_timeout_s)},
+                             {"--gemm-algo", f.gemm_algo}}) {
     eo.worker_argv.push_back(flag);
     eo.worker_argv.push_back(value);
   }
@@ -170,6 +172,7 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelCo
 int Worker(const ServeFlags& f);
 
 int Serve(const ServeFlags& f) {
+  ApplyGemmAlgo(f.gemm_algo);
   // Signals are taken by a waiting thread, not a handler: block them in
   // every thread first (threads inherit the mask).
   sigset_t signals;
@@ -302,6 +305,7 @@ int Serve(const ServeFlags& f) {
 
 int Worker(const ServeFlags& f) {
 #if TPSERVE_WITH_CUDA
+  ApplyGemmAlgo(f.gemm_algo);
   bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
   ModelConfig config;
@@ -391,6 +395,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                   "if tearing down then takes 20 s more, the process exits with status 1")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  AddGemmAlgoFlag(cmd, &f->gemm_algo);
   cmd->add_option("--tls-cert", f->tls_cert, "PEM certificate chain: serve gRPC over TLS");
   cmd->add_option("--tls-key", f->tls_key, "PEM private key of --tls-cert");
   cmd->add_option("--tls-client-ca", f->tls_client_ca,
@@ -423,6 +428,9 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                  "As serve --device-random-weights");
   wcmd->add_option("--rank-timeout-s", w->rank_timeout_s, "As serve --rank-timeout-s")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  wcmd->add_option("--gemm-algo", w->gemm_algo, "As serve --gemm-algo")
+      ->check(CLI::IsMember({"timed", "heuristic"}))
       ->capture_default_str();
   wcmd->callback([w, exit_code] { *exit_code = Worker(*w); });
 }

@@ -58,6 +58,21 @@ class RunCommand(unittest.TestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("'x'", p.stderr)
 
+    def test_gemm_algo_is_offered_checked_and_documented_where_gemms_run(self):
+        # The cuda backend's GEMM algorithm choice: every command that runs
+        # GEMMs documents it, refuses other values naming the allowed ones,
+        # and a CPU run accepts it (nothing to choose there).
+        for cmd in ("run", "serve", "layer", "worker"):
+            help_text = run(cmd, "--help").stdout
+            self.assertIn("--gemm-algo", help_text, cmd)
+            p = run(cmd, "--gemm-algo", "fastest", check=False)
+            self.assertNotEqual(p.returncode, 0, cmd)
+            self.assertIn("fastest not in {timed,heuristic}", p.stderr + p.stdout, cmd)
+        a = json.loads(run("run", "--model", "tiny", "--ids", "4,5", "--json").stdout)
+        b = json.loads(run("run", "--model", "tiny", "--ids", "4,5", "--json", "--gemm-algo",
+                           "heuristic").stdout)
+        self.assertEqual(a["logits"], b["logits"])
+
 
 if __name__ == "__main__":
     unittest.main()
