@@ -305,10 +305,17 @@ struct Plan {
   std::vector<cublasLtMatmulAlgo_t> candidates;
 };
 
-// GemmAlgoSelection::kTimed's choices, shared by every CublasLtGemm of the process.
+// GemmAlgoSelection::kTimed's choices, shared by every CublasLtGemm of the process, per
+// device (ranks as threads drive several GPUs from one process; each times its own).
+using ChoiceKey = std::pair<int, PlanKey>;
+ChoiceKey ChoiceKeyOf(const GemmParams& r) {
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) (void)cudaGetLastError();
+  return {device, KeyOf(r)};
+}
 struct TimedChoices {
   std::mutex mu;
-  std::map<PlanKey, cublasLtMatmulAlgo_t> chosen;
+  std::map<ChoiceKey, cublasLtMatmulAlgo_t> chosen;
 };
 TimedChoices& Choices() {
   static TimedChoices* c = new TimedChoices;  // never destroyed: used until exit
@@ -364,7 +371,7 @@ struct CublasLtGemm::Impl {
 };
 
 Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
-  const PlanKey key = KeyOf(r);
+  const ChoiceKey key = ChoiceKeyOf(r);
   {
     TimedChoices& tc = Choices();
     std::lock_guard<std::mutex> lock(tc.mu);
@@ -535,7 +542,7 @@ StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& 
     // A choice timed earlier in this process (by any object) for the same shape.
     TimedChoices& tc = Choices();
     std::lock_guard<std::mutex> lock(tc.mu);
-    if (auto it = tc.chosen.find(KeyOf(r)); it != tc.chosen.end()) {
+    if (auto it = tc.chosen.find(ChoiceKeyOf(r)); it != tc.chosen.end()) {
       for (const cublasLtMatmulAlgo_t& c : plan->candidates) {
         if (SameAlgo(c, it->second)) plan->algo = c;
       }

@@ -114,8 +114,8 @@ Status ValidateGemmParams(const GemmParams& p);
 //  - kTimed (default): Prepare() runs each of the heuristic's answers (up to 8) on the GPU, on
 //  random
 //    operands of the shape in temporary buffers and on a stream of its own, and keeps the
-//    fastest (median of 5 runs each). The choice is remembered process-wide per shape/config,
-//    so the layers of a model that share a shape are timed once. The heuristic cannot know
+//    fastest (median of 5 runs each). The choice is remembered process-wide per device and
+//    shape/config, so the layers of a model that share a shape are timed once. The heuristic cannot know
 //    whether C will be read (beta is a run-time value), nor how a shape's waves fit the SMs
 //    for each tile size; timing sees both (on the 2xH200 host, 2026-11-30: accumulating
 //    GEMMs of the ring's last steps 3-12 % faster than the heuristic's first answer, most
@@ -162,7 +162,7 @@ class CublasLtGemm {
 
   // Number of cached plans (distinct shapes/configs seen).
   size_t num_plans() const;
-  // Shapes/configs timed so far in this process (GemmAlgoSelection::kTimed).
+  // (device, shape/config) pairs chosen so far in this process (GemmAlgoSelection::kTimed).
   static size_t timed_shapes();
   const std::string& name() const;
   size_t workspace_bytes() const;
