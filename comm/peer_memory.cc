@@ -323,16 +323,6 @@ Status PeerSignals::CheckFlag(const Flag& f, const char* what) const {
   return Status::Ok();
 }
 
-StatusOr<uint32_t*> PeerSignals::WaitWord(Kind kind, const Flag& from) const {
-  TP_RETURN_IF_ERROR(CheckFlag(from, "peer wait for"));
-  return FlagOn(rank_, kind, from.peer, from.slot);
-}
-
-StatusOr<uint32_t*> PeerSignals::SignalWord(Kind kind, const Flag& to) const {
-  TP_RETURN_IF_ERROR(CheckFlag(to, "peer signal to"));
-  return FlagOn(to.peer, kind, rank_, to.slot);
-}
-
 Status PeerSignals::Signal(Kind kind, const std::vector<Flag>& to, cudaStream_t stream) const {
   return SignalThenWait(kind, to, kind, {}, stream);
 }

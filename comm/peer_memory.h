@@ -122,13 +122,6 @@ class PeerSignals {
   // (the driver's limit on one batch is 255 operations).
   static constexpr size_t kMaxBatchOps = 255;
 
-  // The words behind Wait(kind, {f}) (this GPU's flag that peer f.peer sets)
-  // and Signal(kind, {f}) (f.peer's flag, mapped here), for kernels that
-  // wait and signal themselves (layers/sum_kernels.h): such a kernel must
-  // re-arm a flag it waited for to 0, as Wait does.
-  StatusOr<uint32_t*> WaitWord(Kind kind, const Flag& from) const;
-  StatusOr<uint32_t*> SignalWord(Kind kind, const Flag& to) const;
-
   int slots() const { return slots_; }
   int rank() const { return rank_; }
   int size() const { return size_; }

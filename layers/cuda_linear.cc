@@ -77,10 +77,6 @@ struct Prepared {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Steps of one plan that may hold a direct sum (mode none has one per chunk,
-// and one chunk).
-constexpr size_t kSumCounters = 16;
-
 }  // namespace
 
 struct CudaLinear::Impl {
@@ -92,9 +88,6 @@ struct CudaLinear::Impl {
   // Plain buffers; with copy engines, the buffers that peers pull from are
   // PeerBuffers instead (mapped on every rank).
   DeviceBuffer input, gather, partial, received, scratch, unit_scales;
-  // Mode none's direct sums: one zeroed word per step for the kernel's
-  // last-block count (layers/sum_kernels.h).
-  DeviceBuffer sum_counters;
   PeerBuffer peer_input, peer_gather, peer_partial;
   PeerSignals signals;
   std::map<int64_t, Prepared> prepared;
@@ -210,10 +203,6 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
         TP_RETURN_IF_ERROR(alloc_peer(im.peer_partial, partial_bytes, "partial"));
         if (knobs.mode != OverlapMode::kNone) {
           TP_RETURN_IF_ERROR(alloc(im.received, partial_bytes, "received"));
-        } else {
-          TP_RETURN_IF_ERROR(
-              alloc(im.sum_counters, kSumCounters * sizeof(uint32_t), "sum_counters"));
-          TP_CUDA_CHECK(cudaMemset(im.sum_counters.data(), 0, kSumCounters * sizeof(uint32_t)));
         }
       } else {
         TP_RETURN_IF_ERROR(alloc(im.partial, partial_bytes, "partial"));
@@ -736,46 +725,21 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
       }
     } else if (ps.comm.copy_engine) {
       const CommCall& c = ps.comm;
-      SumSlotsParams sp;
+      TP_RETURN_IF_ERROR(EnqueuePeerTransfer(im, c, resolve, s));
       if (c.sum) {
+        // Pulled: the peers may reuse their partials now, then add. Direct:
+        // they may once the sum has read them.
+        const bool direct = c.sum_args.direct;
+        if (!direct) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
+        SumSlotsParams sp;
         sp.dst = resolve(c.sum_args.dst);
         sp.num_slots = static_cast<int>(c.sum_args.slots.size());
         for (int k = 0; k < sp.num_slots && k < kMaxSumSlots; ++k) {
           sp.slots[k] = resolve(c.sum_args.slots[k]);
         }
         sp.count = c.sum_args.count;
-      }
-      if (c.sum && c.sum_args.direct) {
-        // Mode none reads the peers' partials where they lie, with nothing
-        // else running: this rank's `ready` goes out as a stream memop (its
-        // partial is complete), and the sum kernel itself waits for the
-        // peers' `ready` and signals `done` once it has read them: two fewer
-        // stream-memop round trips (NOTES.md). No EnqueuePeerTransfer here:
-        // its memop wait would consume the peers' `ready` before the kernel
-        // sees it (what made dc03753 hang).
-        TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kReady, c.ready_to, s));
-        if (c.ready_from.size() > kMaxSumSlots || c.done_to.size() > kMaxSumSlots ||
-            i >= kSumCounters) {
-          return InternalError("layer " + name_ + ": direct sum with too many peers or steps");
-        }
-        for (const PeerSignals::Flag& f : c.ready_from) {
-          TP_ASSIGN_OR_RETURN(sp.wait_flags[sp.num_wait++],
-                              im.signals.WaitWord(PeerSignals::kReady, f));
-        }
-        for (const PeerSignals::Flag& f : c.done_to) {
-          TP_ASSIGN_OR_RETURN(sp.done_flags[sp.num_done++],
-                              im.signals.SignalWord(PeerSignals::kDone, f));
-        }
-        sp.counter = im.sum_counters.as<uint32_t>() + i;
         TP_RETURN_IF_ERROR(LaunchSumSlotsBf16(sp, s));
-        if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
-        continue;
-      }
-      TP_RETURN_IF_ERROR(EnqueuePeerTransfer(im, c, resolve, s));
-      if (c.sum) {
-        // Pulled: the peers may reuse their partials now, then add.
-        TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
-        TP_RETURN_IF_ERROR(LaunchSumSlotsBf16(sp, s));
+        if (direct) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, c.done_to, s));
         if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
         continue;
       }
