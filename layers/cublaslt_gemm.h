@@ -111,19 +111,19 @@ Status ValidateGemmParams(const GemmParams& p);
 
 // How Prepare() picks the algorithm of a shape (process-wide; thread-safe):
 //  - kHeuristic: the first answer of cublasLtMatmulAlgoGetHeuristic.
-//  - kTimed (default): Prepare() runs each of the heuristic's answers (up to 8) on the GPU, on
-//  random
-//    operands of the shape in temporary buffers and on a stream of its own, and keeps the
-//    fastest (median of 5 runs each). The choice is remembered process-wide per device and
-//    shape/config, so the layers of a model that share a shape are timed once. The heuristic cannot know
-//    whether C will be read (beta is a run-time value), nor how a shape's waves fit the SMs
-//    for each tile size; timing sees both (on the 2xH200 host, 2026-11-30: accumulating
-//    GEMMs of the ring's last steps 3-12 % faster than the heuristic's first answer, most
-//    other layer shapes unchanged; benchmarks/NOTES.md). Prepare() then allocates (operands
-//    and a workspace of its own) and synchronises its own stream, so it must not run while
-//    its thread captures a CUDA graph, nor while any thread captures in global mode.
-//    Run() never times: a shape first seen there takes the remembered choice if any, else the
-//    heuristic's.
+//  - kTimed (default): Prepare() runs each of the heuristic's answers (up to 8) on the GPU,
+//    on random operands of the shape in temporary buffers and on a stream of its own, and
+//    keeps the fastest (median of 5 runs each). The choice is remembered process-wide per
+//    device and shape/config, so the layers of a model that share a shape are timed once.
+//    The heuristic cannot know whether C will be read (beta is a run-time value), nor how a
+//    shape's waves fit the SMs for each tile size; timing sees both (on the 2xH200 host,
+//    2026-11-30: accumulating GEMMs of the ring's last steps 3-12 % faster than the
+//    heuristic's first answer, most other layer shapes unchanged; benchmarks/NOTES.md).
+//    Prepare() then allocates (operands and a workspace of its own) and synchronises its
+//    own stream, so it must not run while its thread captures a CUDA graph, nor while any
+//    thread captures in global mode. Without the memory for the operands it keeps the
+//    heuristic's answer (with a warning). Run() never times: a shape first seen there takes
+//    the remembered choice if any, else the heuristic's.
 enum class GemmAlgoSelection { kHeuristic, kTimed };
 void SetGemmAlgoSelection(GemmAlgoSelection selection);
 GemmAlgoSelection GetGemmAlgoSelection();
