@@ -27,7 +27,7 @@ for part in "$@"; do
   echo "exit $?"
   tail -${TAIL_LINES:-25} "$root/$part/console.txt"
   # The config the overlap part tuned is what later parts (model) use.
-  tuned=$(ls "$root/$part"/*-overlap-llama70b-tp2-tuned.yaml 2>/dev/null | head -1)
+  tuned=$(ls "$root/$part"/*-overlap-llama70b-tp${TP:-2}-tuned.yaml 2>/dev/null | head -1)
   if [ -n "$tuned" ]; then cp "$tuned" /tmp/overlap-tuned.yaml; export OVERLAP=/tmp/overlap-tuned.yaml; fi
   cp /tmp/ours-*.json /tmp/peer-*.json /tmp/model-*.json "$root/$part/" 2>/dev/null
   rm -f /tmp/ours-*.json /tmp/peer-*.json /tmp/model-*.json

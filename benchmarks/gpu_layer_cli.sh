@@ -8,8 +8,8 @@ out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 rc=0
 while read -r m args; do
-  echo "== tpserve layer --backend cuda --tp 2 --m $m --n 1024 --k 1024 --iters 20 $args"
-  timeout 150 .gpu/bin/tpserve layer --backend cuda --tp 2 --m "$m" --n 1024 --k 1024 \
+  echo "== tpserve layer --backend cuda --tp ${TP:-2} --m $m --n 1024 --k 1024 --iters 20 $args"
+  timeout 150 .gpu/bin/tpserve layer --backend cuda --tp "${TP:-2}" --m "$m" --n 1024 --k 1024 \
     --iters 20 $args 2>&1 | grep -vE "\[info\] NCCL communicator" || rc=1
 done <<'CASES' | tee "$out/layer_cli.log"
 4099 --op ag_gemm --mode pipeline --chunks 4

@@ -20,12 +20,17 @@
 #   model   the model benchmark with PyTorch (run_model_bench.sh)
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
+# TP=N (default 2) runs the layer check, overlap, model and load parts (and
+# `run --backend cuda`) on N GPUs, with deploy/overlap-llama3-70b-tpN.yaml as
+# the default config and -tpN in the file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
 part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 commit=${COMMIT:-unknown}
+tp=${TP:-2}  # GPUs of the tests, benchmarks and server (overlap, model, load, tests)
+export TP=$tp
 rc=0
 case "$part" in
   tests)
@@ -36,9 +41,9 @@ case "$part" in
     echo "== tpserve layer, one process per GPU"
     timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
     echo "== tpserve run --backend cuda vs cpu (tiny)"
-    timeout 60 .gpu/bin/tpserve run --model tiny --tp 2 --backend cuda --ids 5,6,7,8 --json \
+    timeout 60 .gpu/bin/tpserve run --model tiny --tp $tp --backend cuda --ids 5,6,7,8 --json \
       > "$out/run_cuda.json" 2> "$out/run_cuda.log" || rc=1
-    timeout 30 .gpu/bin/tpserve run --model tiny --tp 2 --backend cpu --ids 5,6,7,8 --json \
+    timeout 30 .gpu/bin/tpserve run --model tiny --tp $tp --backend cpu --ids 5,6,7,8 --json \
       > "$out/run_cpu.json" 2>/dev/null || rc=1
     python3 - "$out/run_cuda.json" "$out/run_cpu.json" <<'PY' || rc=1
 import json, math, sys
@@ -123,7 +128,7 @@ PY
     # The sweep, which also tunes the overlap config, then auto (resolving
     # that config) next to none, then PyTorch; Llama-3-70B's layers and the
     # seed's shape, each in its own file and both in one (COMBINED).
-    COMMIT=$commit PRESETS="${PRESETS:-llama70b seed}" COMBINED=llama70b-seed-fp8-tp2 DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
+    COMMIT=$commit PRESETS="${PRESETS:-llama70b seed}" COMBINED=llama70b-seed-fp8-tp$tp DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
       METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce layer_gemm auto" \
       SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=60 PEER_TIMEOUT=200 \
       BENCH_ARGS="${BENCH_ARGS:---breakdown}" \
@@ -134,8 +139,8 @@ PY
     ;;
   load)
     echo "== serve llama3-70b (cuda, device random weights) + loadtest"
-    overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}
-    .gpu/bin/tpserve serve --model llama3-70b --tp 2 --backend cuda --device-random-weights \
+    overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}
+    .gpu/bin/tpserve serve --model llama3-70b --tp $tp --backend cuda --device-random-weights \
       --overlap-config "$overlap" --grpc-port 8001 --metrics-port 0 \
       --max-batch-tokens 8192 --max-tokens-per-request 1024 > "$out/serve.out" 2> "$out/serve.log" &
     pid=$!
@@ -147,7 +152,7 @@ PY
       --json "$out/loadtest-llama3-70b.json" > "$out/loadtest.log" 2>&1 || rc=1
     tail -15 "$out/loadtest.log"
     # The run's provenance beside the client's own report.
-    printf '{"commit": "%s", "date": "%s", "device": "2x %s", "server": "tpserve serve --model llama3-70b --tp 2 --backend cuda --device-random-weights --overlap-config %s --max-batch-tokens 8192 --max-tokens-per-request 1024"}\n' \
+    printf '{"commit": "%s", "date": "%s", "device": "'$tp'x %s", "server": "tpserve serve --model llama3-70b --tp '$tp' --backend cuda --device-random-weights --overlap-config %s --max-batch-tokens 8192 --max-tokens-per-request 1024"}\n' \
       "$commit" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
       "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" "$overlap" \
       > "$out/loadtest-meta.json"
@@ -157,7 +162,7 @@ PY
     # The engine alone on the batches the server formed (8 prompts of 1024
     # tokens fill --max-batch-tokens 8192), same model and overlap config.
     echo "== engine alone: tpserve-bench-model, all layers, 8x1024"
-    timeout 200 .gpu/bin/tpserve-bench-model --model llama3-70b --layers 0 --batches 8x1024 --rounds 10 \
+    timeout 200 .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b --layers 0 --batches 8x1024 --rounds 10 \
       --overlap "$overlap" --commit "$commit" --out "$out/engine-llama3-70b.json" \
       > "$out/engine.log" 2>&1 || rc=1
     grep -E "tokens/s|error" "$out/engine.log" | tail -4

@@ -4,7 +4,7 @@
 # model on the same shapes, in one call; merged into one results file.
 #   COMMIT=<sha> bash benchmarks/run_model_bench.sh
 # Knobs: MODEL (llama3-70b), LAYERS (8), BATCHES ("8x1024 16x1024"), ROUNDS (10),
-# OVERLAP (deploy/overlap-llama3-70b-tp2.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s).
+# TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s).
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
@@ -13,17 +13,18 @@ model=${MODEL:-llama3-70b}
 layers=${LAYERS:-8}
 batches=${BATCHES:-8x1024 16x1024}
 rounds=${ROUNDS:-10}
-overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}
+tp=${TP:-2}
+overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}
 date=$(date -u +%Y-%m-%d)
 rc=0
-ours=".gpu/bin/tpserve-bench-model --model $model --layers $layers --batches $batches --rounds $rounds --overlap $overlap --commit $commit"
-peer="python3 benchmarks/torch_model.py --model $model --layers $layers --batches $batches --rounds $rounds"
+ours=".gpu/bin/tpserve-bench-model --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds --overlap $overlap --commit $commit"
+peer="python3 benchmarks/torch_model.py --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds"
 echo "== $ours"
 timeout ${BENCH_TIMEOUT:-300} $ours --out /tmp/model-ours.json 2>&1 | tee "$out/model-bench.log" | grep -E "tokens/s|error" || rc=1
 echo "== $peer"
 PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-300} $peer --out /tmp/model-peer.json 2>&1 | tee -a "$out/model-bench.log" | grep -E "tokens/s|fatal|Error" || rc=1
 device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-python3 - "$out/$date-model-$model-tp2.json" "$commit" "$ours ; $peer" "$date" "$device" <<'PY' || rc=1
+python3 - "$out/$date-model-$model-tp$tp.json" "$commit" "$ours ; $peer" "$date" "$device" <<'PY' || rc=1
 import json, sys
 path, commit, command, date, device = sys.argv[1:6]
 docs = [json.load(open(p)) for p in ("/tmp/model-ours.json", "/tmp/model-peer.json")]

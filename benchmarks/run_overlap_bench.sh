@@ -17,7 +17,8 @@ dtypes=${DTYPES:-fp8 bf16}
 chunks=${CHUNKS:-2 4 8}
 presets=${PRESETS:-llama70b seed}
 methods=${METHODS:-gemm_only comm_only none pipeline ring auto layer_gemm}
-overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp2.yaml}  # what method auto resolves
+tp=${TP:-2}  # GPUs (tensor-parallel size) of both implementations
+overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}  # what method auto resolves
 max_ctas=${MAX_CTAS:-0 8}  # NCCL CTA limits swept for pipeline/ring
 gemm_algo=${GEMM_ALGO:-timed}  # tpserve-bench --gemm-algo: timed | heuristic
 rc=0
@@ -58,18 +59,18 @@ run_preset() {  # preset, extra args for tpserve-bench
   # measured in a second run that resolves the config just written, so that
   # auto, none and PyTorch come from one session.
   if [ -n "${TUNE:-}" ]; then
-    tuned="$out/$date-overlap-$preset-tp2-tuned.yaml"
+    tuned="$out/$date-overlap-$preset-tp$tp-tuned.yaml"
     sweep_methods=$(for x in $methods; do [ "$x" = auto ] || printf '%s ' "$x"; done)
   fi
-  local cmd_ours=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit --gemm-algo $gemm_algo $* --methods $sweep_methods ${BENCH_ARGS:-}"
+  local cmd_ours=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit --gemm-algo $gemm_algo $* --methods $sweep_methods ${BENCH_ARGS:-}"
   [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned" || cmd_ours="$cmd_ours --overlap $overlap"
-  local cmd_peer="python3 benchmarks/torch_peer.py --tp 2 --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
+  local cmd_peer="python3 benchmarks/torch_peer.py --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
   echo "== $preset: $cmd_ours" | tee -a "$log"
   timeout ${BENCH_TIMEOUT:-240} $cmd_ours --out "/tmp/ours-$preset.json" >> "$log" 2>&1 || rc=1
   ours_files+=(--ours "/tmp/ours-$preset.json")
   local cmd_all="$cmd_ours"
   if [ -n "$tuned" ] && [[ " $methods " == *" auto "* ]] && [ -s "$tuned" ]; then
-    local cmd_auto=".gpu/bin/tpserve-bench --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --gemm-algo $gemm_algo --methods none auto --overlap $tuned"
+    local cmd_auto=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --gemm-algo $gemm_algo --methods none auto --overlap $tuned"
     echo "== $preset: $cmd_auto" | tee -a "$log"
     timeout ${AUTO_TIMEOUT:-120} $cmd_auto --out "/tmp/ours-auto-$preset.json" >> "$log" 2>&1 || rc=1
     ours_files+=(--ours "/tmp/ours-auto-$preset.json")
@@ -77,12 +78,12 @@ run_preset() {  # preset, extra args for tpserve-bench
   fi
   echo "== $preset: $cmd_peer" | tee -a "$log"
   PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-240} $cmd_peer --out "/tmp/peer-$preset.json" >> "$log" 2>&1 || rc=1
-  local merged="$out/$date-$preset-tp2.json"
+  local merged="$out/$date-$preset-tp$tp.json"
   python3 benchmarks/merge_results.py "${ours_files[@]}" --peer "/tmp/peer-$preset.json" \
     --commit "$commit" --date "$date" \
     --command "COMMIT=$commit bash benchmarks/run_overlap_bench.sh: $cmd_all ; $cmd_peer" \
     --out "$merged" >> "$log" 2>&1 || rc=1
-  python3 benchmarks/render_results.py "$merged" --png "$out/$date-$preset-tp2.png" \
+  python3 benchmarks/render_results.py "$merged" --png "$out/$date-$preset-tp$tp.png" \
     >> "$out/tables.txt" 2>&1 || rc=1
   all_files+=("${ours_files[@]}" --peer "/tmp/peer-$preset.json")
   all_cmds="$all_cmds${all_cmds:+ ; }$cmd_all ; $cmd_peer"
