@@ -20,8 +20,8 @@
 #   model   the model benchmark with PyTorch (run_model_bench.sh)
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
-# TP=N (default 2) runs the layer check, overlap, model and load parts (and
-# `run --backend cuda`) on N GPUs, with deploy/overlap-llama3-70b-tpN.yaml as
+# TP=N (default 2) runs the layer check, overlap, model and load parts on N
+# GPUs (the tests part stays at 2: the tiny model has 4 KV heads), with deploy/overlap-llama3-70b-tpN.yaml as
 # the default config and -tpN in the file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
 part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load}
@@ -29,7 +29,7 @@ out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 commit=${COMMIT:-unknown}
-tp=${TP:-2}  # GPUs of the tests, benchmarks and server (overlap, model, load, tests)
+tp=${TP:-2}  # GPUs of the layer check, benchmarks and server (overlap, model, load)
 export TP=$tp
 rc=0
 case "$part" in
@@ -41,9 +41,9 @@ case "$part" in
     echo "== tpserve layer, one process per GPU"
     timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
     echo "== tpserve run --backend cuda vs cpu (tiny)"
-    timeout 60 .gpu/bin/tpserve run --model tiny --tp $tp --backend cuda --ids 5,6,7,8 --json \
+    timeout 60 .gpu/bin/tpserve run --model tiny --tp 2 --backend cuda --ids 5,6,7,8 --json \
       > "$out/run_cuda.json" 2> "$out/run_cuda.log" || rc=1
-    timeout 30 .gpu/bin/tpserve run --model tiny --tp $tp --backend cpu --ids 5,6,7,8 --json \
+    timeout 30 .gpu/bin/tpserve run --model tiny --tp 2 --backend cpu --ids 5,6,7,8 --json \
       > "$out/run_cpu.json" 2>/dev/null || rc=1
     python3 - "$out/run_cuda.json" "$out/run_cpu.json" <<'PY' || rc=1
 import json, math, sys
