@@ -21,8 +21,9 @@
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
 # TP=N (default 2) runs the layer check, overlap, model and load parts on N
-# GPUs (the tests part stays at 2: the tiny model has 4 KV heads), with deploy/overlap-llama3-70b-tpN.yaml as
-# the default config and -tpN in the file names (issue 9: TP=4 and TP=8).
+# GPUs (the tests part's tiny-model run stays at 2: 4 KV heads), with
+# deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
+# file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
 part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load}
 out=${OUT:-gpu-out}; mkdir -p "$out"
