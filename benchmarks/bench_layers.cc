@@ -23,6 +23,7 @@
 #include "comm/rank_group.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
+#include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
@@ -511,12 +512,7 @@ int Main(int argc, char** argv) {
       "and its communication steps alone (layer_comm: transfers, signals, sums; no "
       "GEMM), both with that method's config: separates the cost of chunked GEMMs "
       "from that of the transfers");
-  app.add_option("--gemm-algo", f.gemm_algo,
-                 "How each GEMM shape's cuBLASLt algorithm is chosen: timed (each of the "
-                 "heuristic's answers timed once per shape, fastest kept; what the server "
-                 "does; gemm_only too) or heuristic (cuBLASLt's first answer)")
-      ->check(CLI::IsMember({"heuristic", "timed"}))
-      ->capture_default_str();
+  AddGemmAlgoFlag(&app, &f.gemm_algo);  // gemm_only's GEMM too
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();
   app.add_option("--tune-out", f.tune_out,
                  "Autotune: write an overlap config (YAML) with the fastest layer method per "
@@ -524,7 +520,7 @@ int Main(int argc, char** argv) {
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  SetGemmAlgoSelection(ParseGemmAlgoSelection(f.gemm_algo).value());  // CLI11 checked it
+  ApplyGemmAlgo(f.gemm_algo);
 
   auto made = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
                               std::chrono::seconds(f.timeout_s));

@@ -31,7 +31,7 @@
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
-#include "layers/cublaslt_gemm.h"
+#include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
 
 namespace tpserve {
@@ -132,17 +132,12 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", f.seed, "Seed of the random weights and token ids")
       ->capture_default_str();
-  app.add_option("--gemm-algo", f.gemm_algo,
-                 "How each GEMM shape's cuBLASLt algorithm is chosen: timed (each of the "
-                 "heuristic's answers timed once per shape, fastest kept; what the server "
-                 "does) or heuristic (cuBLASLt's first answer)")
-      ->check(CLI::IsMember({"heuristic", "timed"}))
-      ->capture_default_str();
+  AddGemmAlgoFlag(&app, &f.gemm_algo);
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  SetGemmAlgoSelection(ParseGemmAlgoSelection(f.gemm_algo).value());  // CLI11 checked it
+  ApplyGemmAlgo(f.gemm_algo);
 
   auto preset = ModelPreset(f.model);
   if (!preset.ok()) {

@@ -15,12 +15,6 @@ namespace tpserve {
 // HuggingFace config.json and *.safetensors (*from_dir is set to which).
 StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir);
 
-// --gemm-algo (cuda backend): how each GEMM shape's cuBLASLt algorithm is
-// chosen, timed (default) or heuristic; ApplyGemmAlgo sets it process-wide
-// (nothing to set in a build without CUDA). CLI11 checks the value.
-void AddGemmAlgoFlag(CLI::App* cmd, std::string* value);
-void ApplyGemmAlgo(const std::string& value);
-
 void AddPlanCommand(CLI::App& app, int* exit_code);
 void AddModelCommands(CLI::App& app, int* exit_code);
 void AddServeCommand(CLI::App& app, int* exit_code);

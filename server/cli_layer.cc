@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "layers/gemm_algo_flag.h"
 #include "layers/linear_problem.h"
 #include "server/cli.h"
 #include "server/cli_layer.h"

@@ -14,8 +14,8 @@
 #if TPSERVE_WITH_CUDA
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_model.h"
-#include "layers/cublaslt_gemm.h"
 #endif
+#include "layers/gemm_algo_flag.h"
 #include "server/cli.h"
 
 namespace tpserve {
@@ -142,25 +142,6 @@ void AddModelFlag(CLI::App* cmd, ModelFlags* f) {
 }
 
 }  // namespace
-
-void AddGemmAlgoFlag(CLI::App* cmd, std::string* value) {
-  cmd->add_option("--gemm-algo", *value,
-                  "cuda: how each GEMM shape's cuBLASLt algorithm is chosen: timed (the "
-                  "heuristic's answers are timed once per shape on the GPU when a token "
-                  "bucket is first planned, the fastest kept) or heuristic (cuBLASLt's "
-                  "first answer, no timing)")
-      ->check(CLI::IsMember({"timed", "heuristic"}))
-      ->capture_default_str();
-}
-
-void ApplyGemmAlgo(const std::string& value) {
-#if TPSERVE_WITH_CUDA
-  SetGemmAlgoSelection(value == "heuristic" ? GemmAlgoSelection::kHeuristic
-                                            : GemmAlgoSelection::kTimed);
-#else
-  (void)value;
-#endif
-}
 
 StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir) {
   *from_dir = std::filesystem::is_directory(model);

@@ -18,6 +18,7 @@
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_engine.h"
 #endif
+#include "layers/gemm_algo_flag.h"
 #include "server/cli.h"
 #include "server/inference_server.h"
 
@@ -429,9 +430,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
   wcmd->add_option("--rank-timeout-s", w->rank_timeout_s, "As serve --rank-timeout-s")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  wcmd->add_option("--gemm-algo", w->gemm_algo, "As serve --gemm-algo")
-      ->check(CLI::IsMember({"timed", "heuristic"}))
-      ->capture_default_str();
+  AddGemmAlgoFlag(wcmd, &w->gemm_algo);
   wcmd->callback([w, exit_code] { *exit_code = Worker(*w); });
 }
 
