@@ -6,27 +6,40 @@
 namespace tpserve {
 namespace {
 
+// The slot count is a template parameter: every index into the slot array is
+// then a compile-time constant, so the pointers stay in kernel parameter
+// space (a run-time index would copy the whole parameter block into each
+// thread's local memory first), and each thread issues all N loads before
+// the first add. The adds still run in slot order, from 0.
+template <int N>
 __global__ void SumSlotsScalar(SumSlotsParams p) {
   auto* dst = static_cast<__nv_bfloat16*>(p.dst);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    __nv_bfloat16 v[N];
+#pragma unroll
+    for (int s = 0; s < N; ++s) v[s] = static_cast<const __nv_bfloat16*>(p.slots[s])[i];
     float acc = 0.0f;
-    for (int s = 0; s < p.num_slots; ++s) {
-      acc += __bfloat162float(static_cast<const __nv_bfloat16*>(p.slots[s])[i]);
-    }
+#pragma unroll
+    for (int s = 0; s < N; ++s) acc += __bfloat162float(v[s]);
     dst[i] = __float2bfloat16_rn(acc);
   }
 }
 
 // Eight elements (16 bytes) per thread and step.
+template <int N>
 __global__ void SumSlotsVec8(SumSlotsParams p) {
   const int64_t groups = p.count / 8;
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
        g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint4 v[N];
+#pragma unroll
+    for (int s = 0; s < N; ++s) v[s] = static_cast<const uint4*>(p.slots[s])[g];
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int s = 0; s < p.num_slots; ++s) {
-      const uint4 v = static_cast<const uint4*>(p.slots[s])[g];
-      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int s = 0; s < N; ++s) {
+      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[s]);
+#pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float2 f = __bfloat1622float2(h[j]);
         acc[2 * j] += f.x;
@@ -35,8 +48,18 @@ __global__ void SumSlotsVec8(SumSlotsParams p) {
     }
     uint4 out;
     auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
     for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
     static_cast<uint4*>(p.dst)[g] = out;
+  }
+}
+
+template <int N>
+void LaunchSum(const SumSlotsParams& p, bool vec, cudaStream_t stream) {
+  if (vec) {
+    SumSlotsVec8<N><<<GridFor(p.count / 8), kThreads, 0, stream>>>(p);
+  } else {
+    SumSlotsScalar<N><<<GridFor(p.count), kThreads, 0, stream>>>(p);
   }
 }
 
@@ -57,10 +80,32 @@ Status LaunchSumSlotsBf16(const SumSlotsParams& p, cudaStream_t stream) {
     }
     vec = vec && IsAligned(p.slots[s], 16);
   }
-  if (vec) {
-    SumSlotsVec8<<<GridFor(p.count / 8), kThreads, 0, stream>>>(p);
-  } else {
-    SumSlotsScalar<<<GridFor(p.count), kThreads, 0, stream>>>(p);
+  static_assert(kMaxSumSlots == 8, "LaunchSumSlotsBf16 dispatches 1..8 slots");
+  switch (p.num_slots) {
+    case 1:
+      LaunchSum<1>(p, vec, stream);
+      break;
+    case 2:
+      LaunchSum<2>(p, vec, stream);
+      break;
+    case 3:
+      LaunchSum<3>(p, vec, stream);
+      break;
+    case 4:
+      LaunchSum<4>(p, vec, stream);
+      break;
+    case 5:
+      LaunchSum<5>(p, vec, stream);
+      break;
+    case 6:
+      LaunchSum<6>(p, vec, stream);
+      break;
+    case 7:
+      LaunchSum<7>(p, vec, stream);
+      break;
+    default:
+      LaunchSum<8>(p, vec, stream);
+      break;
   }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {

@@ -1134,12 +1134,13 @@ TEST_F(GpuTest, CudaEventsJoinStreamsAndTime) {
 // The peer-memory ReduceScatter's add: every slot summed in slot order in
 // FP32 and rounded once, as the CPU computes it here (exact: same operations,
 // same order). Both the vectorised path (aligned, count % 8 == 0) and the
-// scalar one (an odd count, a misaligned slot); the output is poisoned first,
-// and elements past `count` must stay poisoned.
+// scalar one (an odd count, a misaligned slot), for every slot count (each is
+// its own kernel instance); the output is poisoned first, and elements past
+// `count` must stay poisoned.
 TEST_F(GpuTest, SumSlotsMatchesSlotOrderFp32SumExactly) {
   for (const auto& [count, misalign] :
        std::vector<std::pair<int64_t, int64_t>>{{4096, 0}, {1001, 0}, {4096, 1}}) {
-    for (int slots : {1, 2, 4, 8}) {
+    for (int slots = 1; slots <= kMaxSumSlots; ++slots) {
       std::vector<std::vector<BFloat16>> in(slots);
       std::vector<DeviceBuffer> dev(slots);
       SumSlotsParams p;
@@ -1169,6 +1170,30 @@ TEST_F(GpuTest, SumSlotsMatchesSlotOrderFp32SumExactly) {
         EXPECT_EQ(got[i].bits, kBf16PoisonBits) << "wrote past count at " << i;
       }
     }
+  }
+  // dst may alias a slot (the deferred sum of a ring writes over its input):
+  // every element is read before it is written.
+  {
+    const int64_t count = 40000;
+    std::vector<BFloat16> a = RandomBf16Matrix(1, count, count, -4.0f, 4.0f, 7);
+    std::vector<BFloat16> b = RandomBf16Matrix(1, count, count, -4.0f, 4.0f, 8);
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "a"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "b"));
+    SumSlotsParams p;
+    p.slots[0] = da.data();
+    p.slots[1] = db.data();
+    p.dst = da.data();
+    p.num_slots = 2;
+    p.count = count;
+    TP_ASSERT_OK(LaunchSumSlotsBf16(p, stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> got, Download<BFloat16>(da.data(), count));
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const float want = BFloat16ToFloat(a[i]) + BFloat16ToFloat(b[i]);
+      wrong += got[i].bits != FloatToBFloat16(0.0f + want).bits;
+    }
+    EXPECT_EQ(wrong, 0) << "dst aliasing slot 0";
   }
   SumSlotsParams bad;
   bad.num_slots = kMaxSumSlots + 1;
