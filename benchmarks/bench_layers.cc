@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/tune_choice.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/rank_group.h"
@@ -660,44 +661,33 @@ int Main(int argc, char** argv) {
         if (s.code() == StatusCode::kAborted || s.code() == StatusCode::kDeadlineExceeded) break;
         continue;
       }
-      // The fastest layer method of this case, if it beats mode none by 1 %:
-      // among the finalists by their second round when there was one.
+      // The tuned choice (benchmarks/tune_choice.h): the finalists' second
+      // round when there was one, else the sweep.
       const std::vector<Method> methods = MakeMethods(f, sc, overlap_ptr);
-      bool finals = false;
-      for (size_t i = first; i < records.size(); ++i) {
-        finals = finals || records[i].contains("tune_final_median_ms");
-      }
-      const char* key = finals ? "tune_final_median_ms" : "median_ms";
-      double none_ms = 0, best_ms = 0;
-      LinearKnobs best;
+      std::vector<TuneCandidate> candidates;
       for (size_t i = 0; i < methods.size() && first + i < records.size(); ++i) {
-        const std::string& name = methods[i].method;
-        if (name != "none" && name != "pipeline" && name != "ring") continue;
-        if (!records[first + i].contains(key)) continue;
-        const double ms = records[first + i][key].get<double>();
-        if (name == "none" && !methods[i].knobs.copy_engine) none_ms = ms;
-        if (best_ms == 0 || ms < best_ms) {
-          best_ms = ms;
-          best = methods[i].knobs;
-        }
+        const json& rec = records[first + i];
+        TuneCandidate c;
+        c.method = methods[i].method;
+        c.knobs = methods[i].knobs;
+        c.sweep_ms = rec.value("median_ms", 0.0);
+        c.final_ms = rec.value("tune_final_median_ms", 0.0);
+        candidates.push_back(c);
       }
-      if (none_ms > 0 && !(best_ms < 0.99 * none_ms)) {
-        best = LinearKnobs{};
-        best_ms = none_ms;
-      }
-      if (best_ms > 0) {
+      if (const std::optional<TuneChoice> choice = ChooseTuned(candidates)) {
         OverlapConfig::Tuned t;
         t.op = sc.op;
         t.n = sc.n;
         t.k = sc.k;
         t.m = sc.m;
-        t.knobs = best;
-        t.median_ms = best_ms;
-        t.none_ms = none_ms;
+        t.knobs = choice->knobs;
+        t.median_ms = choice->best_ms;
+        t.none_ms = choice->none_ms;
         tuned.AddTuned(t);
-        spdlog::info("[{}/{}] {} m={} {}: best {} {:.4f} ms (none {:.4f} ms)", done,
-                     shapes.size() * f.dtypes.size(), sc.layer, sc.m, d, best.ToString(), best_ms,
-                     none_ms);
+        spdlog::info("[{}/{}] {} m={} {}: best {} {:.4f} ms (none {:.4f} ms{})", done,
+                     shapes.size() * f.dtypes.size(), sc.layer, sc.m, d, choice->knobs.ToString(),
+                     choice->best_ms, choice->none_ms,
+                     choice->from_finals ? ", finalists' round" : "");
       }
     }
   }
