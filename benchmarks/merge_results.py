@@ -11,6 +11,13 @@ meta: commit, date, device and command from the arguments (defaults: the
 inputs' own); nccl and cublaslt from ours; torch from peer. records: ours,
 then peer's. Entries of peer's "skipped" list (methods that could not run)
 are kept under "skipped" when there are any. Needs only the standard library.
+
+--pool-peer-passes: when the peer ran more than once in the call (run before
+and after tpserve's runs, so that both implementations are measured over the
+same stretch of the GPUs' clock and power drift), records of the same case
+and method from the several --peer files become one: its rounds are every
+pass's rounds (the records' "times_ms"), its statistics computed over all of
+them, and "passes" says how many were pooled.
 """
 
 import argparse
@@ -19,6 +26,8 @@ import json
 import os
 import re
 import sys
+
+from bench_stats import summarize
 
 REQUIRED = ("impl", "layer", "op", "method", "dtype", "tp", "m", "n", "k", "chunks",
             "config", "median_ms", "min_ms", "max_ms", "mean_ms", "stddev_ms", "iqr_ms",
@@ -58,6 +67,46 @@ def load_all(paths, impl):
         else:
             out["records"].extend(part["records"])
             out.setdefault("skipped", []).extend(part.get("skipped", []) or [])
+    return out
+
+
+# What makes two records the same measurement (config compared as JSON).
+POOL_KEY = ("impl", "layer", "op", "method", "dtype", "tp", "m", "n", "k", "chunks")
+
+
+def pool_passes(records):
+    """Records of the same case and method pooled into one (see the module
+    doc); a group in which a record lacks "times_ms" is left as it is, with a
+    warning. Order: each group where its first record was."""
+    groups = {}
+    order = []
+    for r in records:
+        key = json.dumps([r.get(k) for k in POOL_KEY] + [r.get("config")], sort_keys=True)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(r)
+    out = []
+    for key in order:
+        group = groups[key]
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        if not all(isinstance(r.get("times_ms"), list) and r["times_ms"] for r in group):
+            warn("%s %s m=%s: %d passes without times_ms, not pooled" % (
+                group[0].get("layer"), group[0].get("method"), group[0].get("m"), len(group)))
+            out.extend(group)
+            continue
+        pooled = dict(group[0])
+        times = [t for r in group for t in r["times_ms"]]
+        pooled.update(summarize(times))
+        pooled["times_ms"] = times
+        pooled["passes"] = len(group)
+        for extra in ("check_rel_diff_vs_seq",):
+            values = [r[extra] for r in group if isinstance(r.get(extra), (int, float))]
+            if values:
+                pooled[extra] = max(values)
+        out.append(pooled)
     return out
 
 
@@ -101,6 +150,9 @@ def main(argv=None):
                    "of one session (their records are concatenated, meta from the first)")
     p.add_argument("--peer", action="append",
                    help="torch_peer.py --out file (impl torch); repeat likewise")
+    p.add_argument("--pool-peer-passes", action="store_true",
+                   help="pool the --peer files' records of the same case and method into "
+                   "one (the peer ran several times in the call; see the module doc)")
     p.add_argument("--commit", help="commit measured (default: ours' meta.commit)")
     p.add_argument("--date", help="YYYY-MM-DD (default: today, UTC)")
     p.add_argument("--device", help='e.g. "2x NVIDIA H200" (default: the inputs\')')
@@ -118,6 +170,8 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         sys.stderr.write("merge_results: %s\n" % e)
         return 1
+    if peer is not None and args.pool_peer_passes:
+        peer["records"] = pool_passes(peer["records"])
     if ours is None:
         warn("no --ours: the file holds PyTorch records only")
     if peer is None:

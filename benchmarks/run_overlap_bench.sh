@@ -6,6 +6,11 @@
 #   COMMIT=<sha> bash benchmarks/run_overlap_bench.sh
 # Outputs go to $OUT (the device tool's folder) or ./gpu-out: one merged file
 # per preset, and with COMBINED=<what> one more holding every preset.
+# BRACKET=1 (the default): the PyTorch peer runs once before tpserve's runs
+# and once after, and each of its methods' rounds from both passes are pooled
+# (merge_results.py --pool-peer-passes), so that the GPUs' clock and power
+# drift over the call falls on both implementations alike; BRACKET=0: once,
+# after.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
@@ -21,6 +26,8 @@ tp=${TP:-2}  # GPUs (tensor-parallel size) of both implementations
 overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}  # what method auto resolves
 max_ctas=${MAX_CTAS:-0 8}  # NCCL CTA limits swept for pipeline/ring
 gemm_algo=${GEMM_ALGO:-timed}  # tpserve-bench --gemm-algo: timed | heuristic
+bracket=${BRACKET:-1}
+pool=(); [ "$bracket" = 1 ] && pool=(--pool-peer-passes)
 rc=0
 all_files=()   # every preset's --ours and --peer files (COMBINED below)
 all_cmds=""
@@ -65,6 +72,13 @@ run_preset() {  # preset, extra args for tpserve-bench
   local cmd_ours=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit --gemm-algo $gemm_algo $* --methods $sweep_methods ${BENCH_ARGS:-}"
   [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned" || cmd_ours="$cmd_ours --overlap $overlap"
   local cmd_peer="python3 benchmarks/torch_peer.py --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
+  local peer_files=() peer_cmds=""
+  if [ "$bracket" = 1 ]; then
+    echo "== $preset: $cmd_peer (before tpserve)" | tee -a "$log"
+    PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-240} $cmd_peer --out "/tmp/peer-pre-$preset.json" >> "$log" 2>&1 || rc=1
+    peer_files+=(--peer "/tmp/peer-pre-$preset.json")
+    peer_cmds="$cmd_peer ; "
+  fi
   echo "== $preset: $cmd_ours" | tee -a "$log"
   timeout ${BENCH_TIMEOUT:-240} $cmd_ours --out "/tmp/ours-$preset.json" >> "$log" 2>&1 || rc=1
   ours_files+=(--ours "/tmp/ours-$preset.json")
@@ -78,15 +92,16 @@ run_preset() {  # preset, extra args for tpserve-bench
   fi
   echo "== $preset: $cmd_peer" | tee -a "$log"
   PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-240} $cmd_peer --out "/tmp/peer-$preset.json" >> "$log" 2>&1 || rc=1
+  peer_files+=(--peer "/tmp/peer-$preset.json")
   local merged="$out/$date-$preset-tp$tp.json"
-  python3 benchmarks/merge_results.py "${ours_files[@]}" --peer "/tmp/peer-$preset.json" \
+  python3 benchmarks/merge_results.py "${ours_files[@]}" "${peer_files[@]}" "${pool[@]}" \
     --commit "$commit" --date "$date" \
-    --command "COMMIT=$commit bash benchmarks/run_overlap_bench.sh: $cmd_all ; $cmd_peer" \
+    --command "COMMIT=$commit BRACKET=$bracket bash benchmarks/run_overlap_bench.sh: $peer_cmds$cmd_all ; $cmd_peer" \
     --out "$merged" >> "$log" 2>&1 || rc=1
   python3 benchmarks/render_results.py "$merged" --png "$out/$date-$preset-tp$tp.png" \
     >> "$out/tables.txt" 2>&1 || rc=1
-  all_files+=("${ours_files[@]}" --peer "/tmp/peer-$preset.json")
-  all_cmds="$all_cmds${all_cmds:+ ; }$cmd_all ; $cmd_peer"
+  all_files+=("${ours_files[@]}" "${peer_files[@]}")
+  all_cmds="$all_cmds${all_cmds:+ ; }$peer_cmds$cmd_all ; $cmd_peer"
 }
 for preset in $presets; do
   if [ "$preset" = seed ]; then
@@ -99,8 +114,8 @@ done
 # $date-<what>.json, whose criteria cover the whole shape set.
 if [ -n "${COMBINED:-}" ]; then
   combined="$out/$date-$COMBINED.json"
-  python3 benchmarks/merge_results.py "${all_files[@]}" --commit "$commit" --date "$date" \
-    --command "COMMIT=$commit PRESETS='$presets' COMBINED=$COMBINED bash benchmarks/run_overlap_bench.sh: $all_cmds" \
+  python3 benchmarks/merge_results.py "${all_files[@]}" "${pool[@]}" --commit "$commit" --date "$date" \
+    --command "COMMIT=$commit PRESETS='$presets' COMBINED=$COMBINED BRACKET=$bracket bash benchmarks/run_overlap_bench.sh: $all_cmds" \
     --out "$combined" >> "$log" 2>&1 || rc=1
   echo "== combined: $combined" >> "$out/tables.txt"
   python3 benchmarks/render_results.py "$combined" --png "$out/$date-$COMBINED.png" \

@@ -77,6 +77,53 @@ class MergeTest(unittest.TestCase):
             self.assertEqual(merged["meta"]["torch"], "2.0")  # from the first --peer
             self.assertEqual(merged["skipped"], [{"method": "s", "why": "w", "impl": "torch"}])
 
+    def test_peer_passes_are_pooled_into_one_record_per_case_and_method(self):
+        def timed(method, times, **extra):
+            r = record("torch", method, 0.0)
+            r["times_ms"] = times
+            r.update(extra)
+            return r
+        with tempfile.TemporaryDirectory() as d:
+            pre = self.write(d, "pre.json", {"meta": {"torch": "2.11"}, "records": [
+                timed("torch_seq", [1.0, 1.2, 1.1], check_rel_diff_vs_seq=0.0),
+                timed("torch_symm_mem", [2.0, 2.0])]})
+            post = self.write(d, "post.json", {"meta": {"torch": "2.11"}, "records": [
+                timed("torch_symm_mem", [1.0, 3.0]),
+                timed("torch_seq", [0.9, 1.3, 1.4], check_rel_diff_vs_seq=0.0),
+                # Only in one pass: kept as it is.
+                timed("torch_chunked", [5.0])]})
+            out = os.path.join(d, "merged.json")
+            argv = ["--peer", pre, "--peer", post, "--pool-peer-passes", "--out", out]
+            self.assertEqual(merge_results.main(argv), 0)
+            with open(out) as f:
+                merged = json.load(f)
+            recs = {r["method"]: r for r in merged["records"]}
+            self.assertEqual([r["method"] for r in merged["records"]],
+                             ["torch_seq", "torch_symm_mem", "torch_chunked"])
+            seq = recs["torch_seq"]
+            self.assertEqual(seq["passes"], 2)
+            self.assertEqual(seq["rounds"], 6)
+            self.assertEqual(sorted(seq["times_ms"]), [0.9, 1.0, 1.1, 1.2, 1.3, 1.4])
+            self.assertAlmostEqual(seq["median_ms"], 1.15)
+            self.assertAlmostEqual(seq["min_ms"], 0.9)
+            self.assertAlmostEqual(seq["max_ms"], 1.4)
+            self.assertAlmostEqual(recs["torch_symm_mem"]["median_ms"], 2.0)
+            self.assertAlmostEqual(recs["torch_symm_mem"]["iqr_ms"], 0.5)
+            self.assertNotIn("passes", recs["torch_chunked"])
+            # Without the flag the passes stay separate records.
+            self.assertEqual(merge_results.main(["--peer", pre, "--peer", post, "--out", out]), 0)
+            with open(out) as f:
+                self.assertEqual(len(json.load(f)["records"]), 5)
+
+    def test_passes_without_times_are_not_pooled(self):
+        recs = [record("torch", "torch_seq", 1.0), record("torch", "torch_seq", 2.0)]
+        self.assertEqual(merge_results.pool_passes(recs), recs)
+        # A different config is a different case.
+        a, b = dict(record("torch", "torch_seq", 1.0)), dict(record("torch", "torch_seq", 2.0))
+        a["times_ms"], b["times_ms"] = [1.0], [2.0]
+        b["config"] = {"graph": False}
+        self.assertEqual(len(merge_results.pool_passes([a, b])), 2)
+
     def test_a_file_without_records_is_an_error_naming_it(self):
         with tempfile.TemporaryDirectory() as d:
             bad = self.write(d, "bad.json", {"meta": {}})

@@ -48,6 +48,8 @@ import traceback
 import warnings
 from dataclasses import dataclass
 
+from bench_stats import summarize
+
 METHODS = ("torch_seq", "torch_chunked", "torch_symm_mem")
 DTYPES = ("fp8", "bf16")
 SHAPE_PRESETS = ("llama70b", "seed", "small")
@@ -155,33 +157,6 @@ def plan(args):
             if runnable:
                 cases.append((sc, dtype, runnable))
     return cases, skipped
-
-
-def summarize(times_ms):
-    """Statistics like bench_layers.cc's Stats: quantiles by linear
-    interpolation, sample standard deviation, IQR = q75 - q25."""
-    t = sorted(float(v) for v in times_ms)
-    n = len(t)
-    if n == 0:
-        raise ValueError("no timings")
-
-    def q(p):
-        pos = p * (n - 1)
-        lo = int(pos)
-        hi = min(lo + 1, n - 1)
-        return t[lo] + (t[hi] - t[lo]) * (pos - lo)
-
-    mean = sum(t) / n
-    var = sum((v - mean) ** 2 for v in t)
-    return {
-        "median_ms": q(0.5),
-        "min_ms": t[0],
-        "max_ms": t[-1],
-        "mean_ms": mean,
-        "stddev_ms": math.sqrt(var / (n - 1)) if n > 1 else 0.0,
-        "iqr_ms": q(0.75) - q(0.25),
-        "rounds": n,
-    }
 
 
 def write_output(path, meta, records, skipped):
@@ -713,6 +688,9 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
             "config": cfg,
         }
         rec.update(summarize(times))
+        # Every round's time, so that merge_results.py --pool-peer-passes can
+        # pool this method's rounds from several passes of the peer.
+        rec["times_ms"] = [round(float(t), 6) for t in times]
         if method == "torch_seq":
             ref_holder["ref"] = out.clone()
     except Exception as e:
