@@ -423,11 +423,10 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
       int32_t none_index = -1;
       for (size_t i = 0; i < methods.size(); ++i) {
         const std::string& name = methods[i].method;
-        if (name != "none" && name != "pipeline" && name != "ring") continue;
+        if (!IsTuneCandidate(name)) continue;
         if (name == "none" && !methods[i].knobs.copy_engine) none_index = static_cast<int32_t>(i);
-        std::vector<float> t = prepared[i].times;
-        std::sort(t.begin(), t.end());
-        ranked.push_back({t.empty() ? 0.0 : t[t.size() / 2], i});
+        if (prepared[i].times.empty()) continue;
+        ranked.push_back({Stats(prepared[i].times)["median_ms"].get<double>(), i});
       }
       std::sort(ranked.begin(), ranked.end());
       std::vector<int32_t> pick(f.finalists + 1, -1);

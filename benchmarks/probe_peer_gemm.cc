@@ -197,19 +197,17 @@ Status Probe(const Options& o) {
     std::printf("%-58s algo %d  %.4f ms\n", what.c_str(), algo, ms);
     records.push_back({{"case", what}, {"algo", algo}, {"median_ms", ms}});
   };
-  auto plain = [&](bool to_peer) {
-    return [&, to_peer](size_t algo) {
-      return [&, to_peer, algo](int g) {
-        Gpu& x = gpu[g];
-        void* d = to_peer ? gpu[1 - g].d_from_peer : x.d_local;
-        return x.plain.Run(algo, x.a, x.b, nullptr, d, x.stream);
-      };
+  auto plain = [&](bool to_peer, size_t algo) {
+    return [&, to_peer, algo](int g) {
+      Gpu& x = gpu[g];
+      void* d = to_peer ? gpu[1 - g].d_from_peer : x.d_local;
+      return x.plain.Run(algo, x.a, x.b, nullptr, d, x.stream);
     };
   };
   for (size_t algo = 0; algo < gpu[0].plain.algos(); ++algo) {
-    TP_ASSIGN_OR_RETURN(double local, time(plain(false)(algo), false));
-    TP_ASSIGN_OR_RETURN(double peer_one, time(plain(true)(algo), false));
-    TP_ASSIGN_OR_RETURN(double peer_both, time(plain(true)(algo), true));
+    TP_ASSIGN_OR_RETURN(double local, time(plain(false, algo), false));
+    TP_ASSIGN_OR_RETURN(double peer_one, time(plain(true, algo), false));
+    TP_ASSIGN_OR_RETURN(double peer_both, time(plain(true, algo), true));
     report("GEMM, D local", static_cast<int>(algo), local);
     report("GEMM, D in the peer's memory, GPU 0 alone", static_cast<int>(algo), peer_one);
     report("GEMM, D in the peer's memory, both GPUs at once", static_cast<int>(algo), peer_both);

@@ -25,6 +25,12 @@ struct TuneChoice {
   bool from_finals = false;
 };
 
+// The methods the tuner chooses among (layer methods; not the baselines or
+// the breakdown's parts).
+inline bool IsTuneCandidate(const std::string& method) {
+  return method == "none" || method == "pipeline" || method == "ring";
+}
+
 // When any candidate has a finalists' time, only the finalists compete, on
 // those times (the second round puts them in the same context); otherwise
 // every candidate competes on its sweep time. The fastest wins if it beats
@@ -39,7 +45,7 @@ inline std::optional<TuneChoice> ChooseTuned(const std::vector<TuneCandidate>& c
   choice.from_finals = finals;
   LinearKnobs none_knobs;
   for (const TuneCandidate& c : candidates) {
-    if (c.method != "none" && c.method != "pipeline" && c.method != "ring") continue;
+    if (!IsTuneCandidate(c.method)) continue;
     const double ms = finals ? c.final_ms : c.sweep_ms;
     if (!(ms > 0)) continue;
     if (c.method == "none" && !c.knobs.copy_engine) {

@@ -1,5 +1,7 @@
 #include <cuda_bf16.h>
 
+#include <iterator>
+
 #include "layers/kernel_grid.h"
 #include "layers/sum_kernels.h"
 
@@ -80,33 +82,12 @@ Status LaunchSumSlotsBf16(const SumSlotsParams& p, cudaStream_t stream) {
     }
     vec = vec && IsAligned(p.slots[s], 16);
   }
-  static_assert(kMaxSumSlots == 8, "LaunchSumSlotsBf16 dispatches 1..8 slots");
-  switch (p.num_slots) {
-    case 1:
-      LaunchSum<1>(p, vec, stream);
-      break;
-    case 2:
-      LaunchSum<2>(p, vec, stream);
-      break;
-    case 3:
-      LaunchSum<3>(p, vec, stream);
-      break;
-    case 4:
-      LaunchSum<4>(p, vec, stream);
-      break;
-    case 5:
-      LaunchSum<5>(p, vec, stream);
-      break;
-    case 6:
-      LaunchSum<6>(p, vec, stream);
-      break;
-    case 7:
-      LaunchSum<7>(p, vec, stream);
-      break;
-    default:
-      LaunchSum<8>(p, vec, stream);
-      break;
-  }
+  // One kernel instance per slot count, indexed by num_slots - 1.
+  using Launcher = void (*)(const SumSlotsParams&, bool, cudaStream_t);
+  static constexpr Launcher kLaunchers[] = {LaunchSum<1>, LaunchSum<2>, LaunchSum<3>, LaunchSum<4>,
+                                            LaunchSum<5>, LaunchSum<6>, LaunchSum<7>, LaunchSum<8>};
+  static_assert(std::size(kLaunchers) == kMaxSumSlots, "one launcher per slot count");
+  kLaunchers[p.num_slots - 1](p, vec, stream);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     return InternalError(std::string("sum of slots launch failed: ") + cudaGetErrorString(e));
