@@ -273,7 +273,28 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     TP_ASSIGN_OR_RETURN(DeviceBuffer full_out,
                         DeviceBuffer::Allocate(sc.m * n_local * 2, "bench.full_out"));
 
-    // Build every method, check it against mode none, and capture its graph.
+    // The reference every layer method is checked against: plain mode none
+    // (NCCL), run once here, whatever --methods lists and in whatever order
+    // (a run without none used to compare against never-written memory).
+    auto checked = [&](const Method& m) {
+      return m.method != "gemm_only" && m.method != "comm_only" && m.method != "layer_gemm" &&
+             m.method != "layer_comm";
+    };
+    const bool check = f.check && std::any_of(methods.begin(), methods.end(), checked);
+    if (check) {
+      CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
+      TP_ASSIGN_OR_RETURN(auto ref, CudaLinear::Create("bench." + sc.layer + ".reference", shape,
+                                                       LinearKnobs{}, pool));
+      TP_RETURN_IF_ERROR(ref->Prepare(sc.m));
+      const void* src =
+          static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
+      TP_CUDA_CHECK(cudaMemcpyAsync(ref->input(sc.m), src, ref->input_bytes(sc.m),
+                                    cudaMemcpyDeviceToDevice, st));
+      TP_RETURN_IF_ERROR(ref->Run(sc.m, w.data(), xs, ws, y_ref.data(), st));
+      TP_RETURN_IF_ERROR(base.WaitStream(st));
+    }
+
+    // Build every method, check it against the reference, and capture its graph.
     std::vector<Prepared> prepared(methods.size());
     std::vector<std::function<Status()>> bodies(methods.size());
     std::vector<json> checks(methods.size());
@@ -328,16 +349,16 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
             static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
         TP_CUDA_CHECK(cudaMemcpyAsync(p.layer->input(sc.m), src, p.layer->input_bytes(sc.m),
                                       cudaMemcpyDeviceToDevice, st));
-        // Plain mode none is the reference the others are checked against;
-        // the breakdown's parts compute nothing to check.
-        const bool reference = m.method == "none" && !m.knobs.copy_engine;
-        const bool part = m.method == "layer_gemm" || m.method == "layer_comm";
-        void* dst = reference ? y_ref.data() : y.data();
+        // The breakdown's parts compute nothing to check.
+        void* dst = y.data();
         // One full run first: it fills the gather buffers that layer_gemm
         // reads (a GEMM over never-written memory would time zeros).
+        if (out_rows > 0) {
+          TP_RETURN_IF_ERROR(LaunchPoisonFill(dst, DataType::kBFloat16, out_rows * n_local, st));
+        }
         TP_RETURN_IF_ERROR(p.layer->Run(sc.m, w.data(), xs, ws, dst, st));
         TP_RETURN_IF_ERROR(base.WaitStream(st));
-        if (f.check && !reference && !part && out_rows > 0) {
+        if (check && checked(m) && out_rows > 0) {
           TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
           checks[i] = d;
           if (!(d <= 1e-2)) {
@@ -452,10 +473,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     // The replayed graphs must compute what the eager runs did.
     for (size_t i = 0; i < methods.size(); ++i) {
       const std::string& name = methods[i].method;
-      if (!f.check || !prepared[i].layer || (name == "none" && !methods[i].knobs.copy_engine) ||
-          name == "layer_gemm" || name == "layer_comm" || out_rows == 0) {
-        continue;
-      }
+      if (!check || !prepared[i].layer || !checked(methods[i]) || out_rows == 0) continue;
       TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out_rows * n_local, st));
       TP_RETURN_IF_ERROR(prepared[i].graph.Launch(st));
       TP_RETURN_IF_ERROR(base.WaitStream(st));
