@@ -4,8 +4,9 @@
   python3 benchmarks/render_loadtest.py REPORT.json --png OUT.png [--title TEXT]
 
 Two panels over the sweep's load axis (concurrency, or request rate): latency
-percentiles p50 / p90 / p99 in ms, and throughput in tokens/s (with
-requests/s in the legend). Steps with errors are marked with a red tick.
+percentiles p50 / p90 / p99 in ms, and throughput in tokens/s. Steps
+with errors are marked with a red tick (the report's JSON holds requests/s
+and the rest per step).
 
 Uses matplotlib when it is installed; otherwise a small built-in rasteriser
 (lines, markers, a 5x7 pixel font, zlib-compressed PNG), so that CI machines

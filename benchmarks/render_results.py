@@ -218,41 +218,78 @@ def summary_rows(grouped):
 
 def criteria(grouped, dtype="fp8"):
     """The overlap criteria of the project (issue 4), for records of `dtype`:
-    (name, passed or None when unmeasured, detail). Ratios are times."""
+    (name, passed or None when unmeasured, detail). Ratios are times.
+
+    A criterion is measured once any shape of `dtype` has what it compares
+    (PyTorch records; gemm_only and comm_only at m >= 4096; an auto record).
+    From then on every shape must have it: a shape without a valid record on
+    one side (the peer failed there, or every tpserve method failed its
+    correctness check) fails the criterion instead of dropping out of it, and
+    an auto record that failed its check counts as infinitely slow."""
+    keys = [k for k in grouped if k[2] == dtype]
+    has_torch = any(r.get("impl") == "torch" for k in keys for r in grouped[k])
+    has_floor = any(references(grouped[k])[1] is not None for k in keys if int(k[1]) >= 4096)
+    has_auto = any(r.get("impl") == "tpserve" and r.get("method") == "auto"
+                   for k in keys for r in grouped[k])
     over_torch, speedups, over_floor, auto_over_none = [], [], [], []
-    for key, recs in grouped.items():
+    missing = {"torch": [], "floor": [], "auto": []}
+    for key in keys:
         layer, m, d, tp = key
-        if d != dtype:
-            continue
+        recs = grouped[key]
         none, floor = references(recs)
         bt, bp = best(recs, "tpserve"), best(recs, "torch")
         name = "%s m=%s" % (layer, m)
         if bt and bp:
             over_torch.append((bt["median_ms"] / bp["median_ms"], name))
             speedups.append(bp["median_ms"] / bt["median_ms"])
-        if bt and floor and int(m) >= 4096:
-            over_floor.append((bt["median_ms"] / floor, name))
-        auto = median_of(recs, "tpserve", "auto")
-        if auto is not None and none:
-            auto_over_none.append((auto / none, name))
+        elif has_torch:
+            missing["torch"].append(name + (" (no valid tpserve record)" if not bt
+                                            else " (no PyTorch record)"))
+        if int(m) >= 4096 and has_floor:
+            if bt and floor:
+                over_floor.append((bt["median_ms"] / floor, name))
+            else:
+                missing["floor"].append(name + (" (no valid tpserve record)" if not bt
+                                                else " (no gemm_only/comm_only)"))
+        if has_auto:
+            autos = [r for r in recs if r.get("impl") == "tpserve" and r.get("method") == "auto"
+                     and "median_ms" in r]
+            if autos and none:
+                worst_auto = max(float("inf") if check_failed(r) else r["median_ms"]
+                                 for r in autos)
+                auto_over_none.append((worst_auto / none, name))
+            else:
+                missing["auto"].append(name + (" (no auto record)" if not autos
+                                                else " (no none record)"))
 
-    def worst(pairs, limit, what):
-        if not pairs:
+    def worst(pairs, lost, limit, what):
+        if not pairs and not lost:
             return (what, None, "not measured")
         bad = [(r, n) for r, n in pairs if r > limit]
-        top = max(pairs)
-        return (what, not bad, "%d of %d cases above %.2f; worst %.3f (%s)" % (
-            len(bad), len(pairs), limit, top[0], top[1]))
+        detail = "%d of %d cases above %.2f" % (len(bad), len(pairs), limit)
+        if pairs:
+            top = max(pairs)
+            detail += "; worst %.3f (%s)" % (top[0], top[1])
+        if lost:
+            detail += "; %d shape(s) without a comparison: %s" % (len(lost), ", ".join(lost))
+        return (what, not bad and not lost, detail)
 
-    out = [worst(over_torch, 1.02, "best tpserve <= 1.02 x best PyTorch, every shape")]
+    out = [worst(over_torch, missing["torch"], 1.02,
+                 "best tpserve <= 1.02 x best PyTorch, every shape")]
+    geo_what = "geometric-mean speedup over best PyTorch >= 1.10"
     if speedups:
         geo = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
-        out.append(("geometric-mean speedup over best PyTorch >= 1.10", geo >= 1.10,
-                    "%.3f over %d shapes" % (geo, len(speedups))))
+        detail = "%.3f over %d shapes" % (geo, len(speedups))
+        if missing["torch"]:
+            detail += "; %d shape(s) left out, without a comparison" % len(missing["torch"])
+        out.append((geo_what, geo >= 1.10 and not missing["torch"], detail))
+    elif missing["torch"]:
+        out.append((geo_what, False, "no shape with both sides: %s" % ", ".join(missing["torch"])))
     else:
-        out.append(("geometric-mean speedup over best PyTorch >= 1.10", None, "not measured"))
-    out.append(worst(over_floor, 1.05, "m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"))
-    out.append(worst(auto_over_none, 1.02, "auto <= 1.02 x none, every shape"))
+        out.append((geo_what, None, "not measured"))
+    out.append(worst(over_floor, missing["floor"], 1.05,
+                     "m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"))
+    out.append(worst(auto_over_none, missing["auto"], 1.02, "auto <= 1.02 x none, every shape"))
     return out
 
 

@@ -75,22 +75,26 @@ run_preset() {  # preset, extra args for tpserve-bench
   local peer_files=() peer_cmds=""
   if [ "$bracket" = 1 ]; then
     echo "== $preset: $cmd_peer (before tpserve)" | tee -a "$log"
+    rm -f "/tmp/peer-pre-$preset.json"  # never merge an earlier run's file
     PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-240} $cmd_peer --out "/tmp/peer-pre-$preset.json" >> "$log" 2>&1 || rc=1
     peer_files+=(--peer "/tmp/peer-pre-$preset.json")
     peer_cmds="$cmd_peer ; "
   fi
   echo "== $preset: $cmd_ours" | tee -a "$log"
+  rm -f "/tmp/ours-$preset.json"
   timeout ${BENCH_TIMEOUT:-240} $cmd_ours --out "/tmp/ours-$preset.json" >> "$log" 2>&1 || rc=1
   ours_files+=(--ours "/tmp/ours-$preset.json")
   local cmd_all="$cmd_ours"
   if [ -n "$tuned" ] && [[ " $methods " == *" auto "* ]] && [ -s "$tuned" ]; then
     local cmd_auto=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --gemm-algo $gemm_algo --methods none auto --overlap $tuned"
     echo "== $preset: $cmd_auto" | tee -a "$log"
+    rm -f "/tmp/ours-auto-$preset.json"
     timeout ${AUTO_TIMEOUT:-120} $cmd_auto --out "/tmp/ours-auto-$preset.json" >> "$log" 2>&1 || rc=1
     ours_files+=(--ours "/tmp/ours-auto-$preset.json")
     cmd_all="$cmd_all ; $cmd_auto"
   fi
   echo "== $preset: $cmd_peer" | tee -a "$log"
+  rm -f "/tmp/peer-$preset.json"
   PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-240} $cmd_peer --out "/tmp/peer-$preset.json" >> "$log" 2>&1 || rc=1
   peer_files+=(--peer "/tmp/peer-$preset.json")
   local merged="$out/$date-$preset-tp$tp.json"

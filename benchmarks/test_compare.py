@@ -177,6 +177,9 @@ class CompareTest(unittest.TestCase):
         old = self.write("old.json", results(old_records))
         new = self.write("new.json", results(new_records))
         rc, out, err = self.run_compare(old, new)
+        self.assertEqual(rc, 3, out + err)  # cases lost from OLD fail a nightly check
+        self.assertIn("2 case(s) of OLD missing from NEW", err)
+        rc, out, err = self.run_compare(old, new, "--allow-missing")
         self.assertEqual(rc, 0, out + err)
         self.assertIn("4 cases compared, 0 slower than threshold, 0 faster, "
                       "2 only in OLD, 1 only in NEW", out)
@@ -215,10 +218,17 @@ class CompareTest(unittest.TestCase):
         new_records[1]["config"]["max_ctas"] = 16
         old = self.write("old.json", results(base_records()))
         new = self.write("new.json", results(new_records))
-        rc, out, err = self.run_compare(old, new)
+        rc, out, err = self.run_compare(old, new, "--allow-missing")
         self.assertEqual(rc, 0, out + err)
         self.assertIn("4 cases compared", out)
         self.assertIn("1 only in OLD, 1 only in NEW", out)
+
+    def test_nothing_in_common_is_an_error(self):
+        old = self.write("old.json", results(base_records()))
+        new = self.write("new.json", results([record(m=4096, median=0.3)]))
+        rc, out, err = self.run_compare(old, new, "--allow-missing")
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("no case is in both files", err)
 
     def test_impl_filter(self):
         new_records = base_records()

@@ -61,6 +61,47 @@ class CriteriaTest(unittest.TestCase):
         self.assertIsNone(got["best tpserve <= 1.02 x best PyTorch, every shape"][0])
 
 
+    def test_a_shape_without_a_valid_side_fails_instead_of_dropping_out(self):
+        # m=8192: every tpserve method failed its correctness check, and
+        # PyTorch is 3x faster; m=2048: the peer wrote nothing.
+        bad = rec("tpserve", "ring", 0.3)
+        bad["check_rel_diff_vs_none"] = 1.0
+        records = [bad, rec("tpserve", "gemm_only", 0.78), rec("tpserve", "comm_only", 0.30),
+                   rec("torch", "torch_seq", 0.9),
+                   rec("tpserve", "none", 0.5, m=2048),
+                   rec("tpserve", "none", 0.2, m=512), rec("torch", "torch_seq", 0.3, m=512)]
+        self.assertTrue(render_results.check_failed(bad))
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        ok, detail = got["best tpserve <= 1.02 x best PyTorch, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("llama70b.qkv m=8192 (no valid tpserve record)", detail)
+        self.assertIn("llama70b.qkv m=2048 (no PyTorch record)", detail)
+        ok, detail = got["geometric-mean speedup over best PyTorch >= 1.10"]
+        self.assertFalse(ok)  # 1.5 over the one complete shape, but two are missing
+        self.assertIn("2 shape(s) left out", detail)
+        ok, detail = got["m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"]
+        self.assertFalse(ok)
+        self.assertIn("no valid tpserve record", detail)
+
+    def test_an_auto_that_failed_its_check_fails(self):
+        auto = rec("tpserve", "auto", 0.5)
+        auto["check_rel_diff_vs_none"] = float("inf")
+        records = [rec("tpserve", "none", 1.0), auto, rec("tpserve", "none", 1.0, m=512),
+                   rec("tpserve", "auto", 0.9, m=512)]
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        ok, detail = got["auto <= 1.02 x none, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("worst inf (llama70b.qkv m=8192)", detail)
+
+    def test_a_shape_without_auto_fails_once_auto_was_measured(self):
+        records = [rec("tpserve", "none", 1.0), rec("tpserve", "auto", 0.9),
+                   rec("tpserve", "none", 1.0, m=512)]
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        ok, detail = got["auto <= 1.02 x none, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("llama70b.qkv m=512 (no auto record)", detail)
+
+
 class RowNameTest(unittest.TestCase):
     def test_breakdown_parts_name_their_method(self):
         r = rec("tpserve", "layer_gemm", 0.4)

@@ -556,6 +556,24 @@ StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, 
   const std::string id_var = std::string(kEnvNcclId) + "=" + NcclUniqueIdToHex(id);
   const std::string world_var = std::string(kEnvWorldSize) + "=" + std::to_string(world_size);
 
+  // The children start with no signal blocked and the termination signals at
+  // their default action, whatever the caller has (tpserve serve blocks
+  // SIGTERM/SIGINT/SIGUSR1 for its signal thread before it spawns ranks): a
+  // worker's PR_SET_PDEATHSIG SIGTERM, or an operator's SIGTERM, must end it.
+  posix_spawnattr_t attr;
+  ::posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1, SIGHUP, SIGPIPE}) sigaddset(&defaults, sig);
+  ::posix_spawnattr_setsigmask(&attr, &none);
+  ::posix_spawnattr_setsigdefault(&attr, &defaults);
+  ::posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  struct AttrGuard {
+    posix_spawnattr_t* a;
+    ~AttrGuard() { ::posix_spawnattr_destroy(a); }
+  } attr_guard{&attr};
+
   std::vector<pid_t> pids;
   for (size_t i = 0; i < ranks.size(); ++i) {
     const int rank = ranks[i];
@@ -569,8 +587,7 @@ StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, 
     envp.push_back(nullptr);
 
     pid_t pid = -1;
-    const int err =
-        ::posix_spawn(&pid, argv[0].c_str(), nullptr, nullptr, args.data(), envp.data());
+    const int err = ::posix_spawn(&pid, argv[0].c_str(), nullptr, &attr, args.data(), envp.data());
     if (err != 0) {
       KillAndReap(pids);
       return InternalError("SpawnLocalWorkers: starting rank " + std::to_string(rank) + " of " +

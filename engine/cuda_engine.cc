@@ -295,6 +295,11 @@ StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
 
 Status RunCudaWorker(const CudaEngineOptions& options) {
   // Exit with rank 0: a worker must not outlive the server that started it.
+  // SIGTERM must not be blocked here (an inherited mask would hold it).
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  pthread_sigmask(SIG_UNBLOCK, &term, nullptr);
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() == 1) return UnavailableError("rank 0 exited before this worker started");
   LaunchPlan plan;

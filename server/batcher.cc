@@ -60,30 +60,38 @@ void TokenBatcher::Loop() {
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping and drained
       // Wait for batch-mates until the token budget fills or the oldest
-      // request has waited max_queue_delay (no wait when draining).
+      // request has waited max_queue_delay (no wait when draining); wake
+      // earlier when a queued request's deadline comes, to answer it then.
       const auto flush_at = queue_.front().enqueued + options_.max_queue_delay;
       const int64_t max_sequences = std::max<int64_t>(1, options_.max_batch_sequences);
-      cv_.wait_until(lock, flush_at, [&] {
+      auto ready = [&] {
         if (stopping_) return true;
         if (static_cast<int64_t>(queue_.size()) >= max_sequences) return true;
         int64_t tokens = 0;
         for (const Item& it : queue_) tokens += static_cast<int64_t>(it.ids.size());
         return tokens >= options_.max_batch_tokens;
-      });
+      };
+      auto wake = flush_at;
+      for (const Item& it : queue_) wake = std::min(wake, it.deadline);
+      cv_.wait_until(lock, wake, ready);
+      const bool flush = ready() || Clock::now() >= flush_at;
+      // Requests cancelled or past their deadline anywhere in the queue are
+      // answered now, without being computed.
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if (it->cancelled && it->cancelled->load()) {
+          it->promise.set_value(CancelledError("the client cancelled the request"));
+        } else if (it->deadline <= Clock::now()) {
+          it->promise.set_value(DeadlineExceededError("the deadline passed while queued"));
+        } else {
+          ++it;
+          continue;
+        }
+        it = queue_.erase(it);
+      }
+      if (!flush || queue_.empty()) continue;
       int64_t tokens = 0;
-      const auto now = Clock::now();
       while (!queue_.empty()) {
         Item& it = queue_.front();
-        if (it.cancelled && it.cancelled->load()) {
-          it.promise.set_value(CancelledError("the client cancelled the request"));
-          queue_.pop_front();
-          continue;
-        }
-        if (it.deadline <= now) {
-          it.promise.set_value(DeadlineExceededError("the deadline passed while queued"));
-          queue_.pop_front();
-          continue;
-        }
         const int64_t n = static_cast<int64_t>(it.ids.size());
         if (!batch.empty() && tokens + n > options_.max_batch_tokens) break;
         if (static_cast<int64_t>(batch.size()) >= max_sequences) break;

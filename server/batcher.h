@@ -5,7 +5,8 @@
 //
 // Admission: a full queue answers RESOURCE_EXHAUSTED at once; after Stop()
 // every Submit answers UNAVAILABLE. Requests whose deadline passed or that
-// were cancelled while queued are answered (DEADLINE_EXCEEDED / CANCELLED)
+// were cancelled while queued are answered (DEADLINE_EXCEEDED at the deadline,
+// CANCELLED when next looked at)
 // without being computed, so they cost the others nothing.
 //
 // Thread-safety: Submit, Stop and the statistics may be called from any thread.

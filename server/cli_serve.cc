@@ -4,11 +4,14 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -27,6 +30,8 @@ namespace {
 
 // Seconds that tearing down may take after the drain's exit timeout.
 constexpr int kTeardownGraceS = 20;
+// Longest --exit-timeout / --rank-timeout-s: a week (their milliseconds must fit int64).
+constexpr double kMaxTimeoutS = 7 * 24 * 3600.0;
 
 struct ServeFlags {
   std::string model = "tiny";
@@ -170,6 +175,33 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelCo
   return std::shared_ptr<Engine>(std::move(engine));
 }
 
+// Hands a signal from the signal thread to Serve once the server is up.
+class SignalBox {
+ public:
+  // Signal thread: true if the server is up and takes the signal; false if
+  // it is still starting (the caller then exits).
+  bool Deliver(int sig) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!serving_) return false;
+    sig_ = sig;
+    cv_.notify_all();
+    return true;
+  }
+  // Serve: marks the server up and blocks until a signal arrives.
+  int Serving() {
+    std::unique_lock<std::mutex> lock(mu_);
+    serving_ = true;
+    cv_.wait(lock, [this] { return sig_ != 0; });
+    return sig_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool serving_ = false;
+  int sig_ = 0;
+};
+
 int Worker(const ServeFlags& f);
 
 int Serve(const ServeFlags& f) {
@@ -195,10 +227,31 @@ int Serve(const ServeFlags& f) {
     if (plan->role == LaunchPlan::Role::kWorker) {
       spdlog::info("rank {} of {}: a worker of the group (no gRPC server here)", plan->rank,
                    plan->world_size);
+      // A worker has no signal thread: SIGTERM (the launcher's, or the
+      // parent-death signal) ends it at once.
+      pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
       return Worker(f);
     }
   }
 #endif
+  // One thread takes the signals from here on. Until the server is up
+  // (loading a model can take minutes) nothing has been accepted, so a
+  // SIGTERM or SIGINT then ends the process at once; afterwards it starts
+  // the drain below.
+  SignalBox box;
+  std::thread signal_thread([&signals, &box] {
+    int sig = 0;
+    while (sigwait(&signals, &sig) == 0) {
+      if (box.Deliver(sig)) return;
+      spdlog::warn("{} received while starting: exiting (nothing was accepted yet)",
+                   sig == SIGINT    ? "SIGINT"
+                   : sig == SIGTERM ? "SIGTERM"
+                                    : "SIGUSR1");
+      spdlog::default_logger()->flush();
+      std::_Exit(128 + sig);
+    }
+  });
+  signal_thread.detach();
   bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
   ModelConfig config;
@@ -227,6 +280,14 @@ int Serve(const ServeFlags& f) {
     return 1;
   }
   InferenceServer* srv = server->get();
+  const int64_t longest =
+      std::min({f.max_tokens_per_request, config.max_position_embeddings, f.max_batch_tokens});
+  if (longest < f.max_tokens_per_request) {
+    spdlog::warn(
+        "requests are limited to {} tokens, not --max-tokens-per-request {} "
+        "(--max-batch-tokens {}, max_position_embeddings {})",
+        longest, f.max_tokens_per_request, f.max_batch_tokens, config.max_position_embeddings);
+  }
 
   httplib::Server metrics;
   metrics.Get("/metrics", [srv](const httplib::Request&, httplib::Response& res) {
@@ -259,8 +320,7 @@ int Serve(const ServeFlags& f) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   });
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = box.Serving();
   watching = false;
   engine_watch.join();
   watched.reset();
@@ -372,8 +432,9 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--rank-timeout-s", f->rank_timeout_s,
                   "cuda: seconds a collective may take before the engine declares a rank lost "
-                  "(then every request gets UNAVAILABLE and health turns NOT_SERVING)")
-      ->check(CLI::PositiveNumber)
+                  "(then every request gets UNAVAILABLE and health turns NOT_SERVING); at "
+                  "most a week")
+      ->check(CLI::Range(0.001, kMaxTimeoutS))
       ->capture_default_str();
   cmd->add_flag("--device-random-weights", f->device_random_weights,
                 "cuda, preset models: generate the random weights on the GPUs (seconds, also "
@@ -388,13 +449,17 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--max-tokens-per-request", f->max_tokens_per_request,
-                  "Longest prompt accepted (INVALID_ARGUMENT beyond)")
+                  "Longest prompt accepted (INVALID_ARGUMENT beyond); capped by --max-batch-tokens "
+                  "(a request is never split over batches) and the model's "
+                  "max_position_embeddings")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  cmd->add_option("--exit-timeout", f->exit_timeout_s,
-                  "Seconds to finish accepted requests after SIGTERM (or an engine failure); "
-                  "if tearing down then takes 20 s more, the process exits with status 1")
-      ->check(CLI::NonNegativeNumber)
+  cmd->add_option(
+         "--exit-timeout", f->exit_timeout_s,
+         "Seconds to finish accepted requests after SIGTERM (or an engine failure); "
+         "if tearing down then takes 20 s more, the process exits with status 1; at most a "
+         "week")
+      ->check(CLI::Range(0.0, kMaxTimeoutS))
       ->capture_default_str();
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   cmd->add_option("--tls-cert", f->tls_cert, "PEM certificate chain: serve gRPC over TLS");
@@ -428,7 +493,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
   wcmd->add_flag("--device-random-weights", w->device_random_weights,
                  "As serve --device-random-weights");
   wcmd->add_option("--rank-timeout-s", w->rank_timeout_s, "As serve --rank-timeout-s")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(0.001, kMaxTimeoutS))
       ->capture_default_str();
   AddGemmAlgoFlag(wcmd, &w->gemm_algo);
   wcmd->callback([w, exit_code] { *exit_code = Worker(*w); });

@@ -64,7 +64,39 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const ServerO
   return grpc::SslServerCredentials(ssl);
 }
 
+// Client mistakes (the request's fault) at info, so that a stream of bad
+// requests does not drown the log's warnings; the server's own failures
+// (engine lost, internal errors) as errors.
+void LogFailure(const char* rpc, const std::string& id, const Status& s) {
+  const StatusCode c = s.code();
+  const bool client = c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||
+                      c == StatusCode::kDeadlineExceeded || c == StatusCode::kCancelled ||
+                      c == StatusCode::kResourceExhausted || c == StatusCode::kFailedPrecondition;
+  if (client) {
+    spdlog::info("{} id='{}': {}", rpc, id, s.ToString());
+  } else {
+    spdlog::error("{} id='{}': {}", rpc, id, s.ToString());
+  }
+}
+
 }  // namespace
+
+std::string PrometheusLabelValue(std::string_view v) {
+  std::string out;
+  out.reserve(v.size());
+  for (char ch : v) {
+    if (ch == '\\') {
+      out += "\\\\";
+    } else if (ch == '"') {
+      out += "\\\"";
+    } else if (ch == '\n') {
+      out += "\\n";
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
 
 class InferenceService final : public inference::GRPCInferenceService::Service {
  public:
@@ -123,7 +155,7 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
     const Status s = Infer(ctx, *q, r);
     if (!s.ok()) {
       ++fail_count_;
-      spdlog::debug("ModelInfer {}: {}", q->id(), s.ToString());
+      LogFailure("ModelInfer", q->id(), s);
     }
     return ToGrpc(s);
   }
@@ -138,6 +170,7 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
       const Status s = Infer(ctx, q, out.mutable_infer_response());
       if (!s.ok()) {
         ++fail_count_;
+        LogFailure("ModelStreamInfer", q.id(), s);
         out.clear_infer_response();
         out.set_error_message(s.ToString());
       }
@@ -170,7 +203,8 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
 
   std::string MetricsText() const {
     std::ostringstream o;
-    const std::string labels = "{model=\"" + options_.model_name + "\",version=\"1\"}";
+    const std::string model = PrometheusLabelValue(options_.model_name);
+    const std::string labels = "{model=\"" + model + "\",version=\"1\"}";
     auto metric = [&](const char* name, const char* type, const char* help, uint64_t v) {
       o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n"
         << name << labels << " " << v << "\n";
@@ -211,13 +245,10 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
       << "# TYPE " << name << " gauge\n";
     for (const OverlapSettingCount& e :
          OverlapSettingsAt(engine_.config(), engine_.overlap(), engine_.tp(), m)) {
-      std::string knobs = e.knobs;
-      for (char& ch : knobs) {
-        if (ch == '"' || ch == '\\' || ch == '\n') ch = ' ';
-      }
-      o << name << "{model=\"" << options_.model_name << "\",kind=\"" << e.kind << "\",op=\""
-        << e.op << "\",mode=\"" << e.mode << "\",knobs=\"" << knobs << "\",m=\"" << m << "\"} "
-        << e.layers << "\n";
+      o << name << "{model=\"" << model << "\",kind=\"" << PrometheusLabelValue(e.kind)
+        << "\",op=\"" << PrometheusLabelValue(e.op) << "\",mode=\"" << PrometheusLabelValue(e.mode)
+        << "\",knobs=\"" << PrometheusLabelValue(e.knobs) << "\",m=\"" << m << "\"} " << e.layers
+        << "\n";
     }
     return o.str();
   }
@@ -284,8 +315,10 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   const ServerOptions options_;
   const Engine& engine_;
   const ModelConfig config_;
-  const RequestLimits limits_{config_.vocab_size, std::min(options_.max_tokens_per_request,
-                                                           config_.max_position_embeddings)};
+  // A request must fit one engine batch (the batcher never splits one).
+  const RequestLimits limits_{config_.vocab_size, std::min({options_.max_tokens_per_request,
+                                                            config_.max_position_embeddings,
+                                                            options_.batcher.max_batch_tokens})};
   TokenBatcher& batcher_;
   std::atomic<bool> serving_{false};
   std::atomic<uint64_t> success_count_{0}, fail_count_{0}, success_ns_{0}, queue_ns_{0},

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "engine/engine.h"
@@ -41,6 +42,10 @@ struct ServerOptions {
 };
 
 class InferenceService;
+
+// `v` escaped for a Prometheus label value (backslash, double quote and
+// newline, as the text exposition format requires).
+std::string PrometheusLabelValue(std::string_view v);
 
 class InferenceServer {
  public:

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <string_view>
+#include <utility>
 
 namespace tpserve {
 namespace {
@@ -54,6 +56,22 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
   if (n > limits.max_tokens) {
     return InvalidArgumentError("input 'input_ids': " + std::to_string(n) + " tokens, at most " +
                                 std::to_string(limits.max_tokens) + " per request");
+  }
+  // Values in a contents field of another datatype are a client's mistake,
+  // never silently ignored.
+  const auto& c = in.contents();
+  const std::pair<const char*, int> fields[] = {
+      {"bool_contents", c.bool_contents_size()},     {"int_contents", c.int_contents_size()},
+      {"int64_contents", c.int64_contents_size()},   {"uint_contents", c.uint_contents_size()},
+      {"uint64_contents", c.uint64_contents_size()}, {"fp32_contents", c.fp32_contents_size()},
+      {"fp64_contents", c.fp64_contents_size()},     {"bytes_contents", c.bytes_contents_size()}};
+  const char* own_field = i32 ? "int_contents" : "int64_contents";
+  for (const auto& [field, count] : fields) {
+    if (count > 0 && std::string_view(field) != own_field) {
+      return InvalidArgumentError(
+          "input 'input_ids': datatype " + in.datatype() + " takes its values in " + own_field +
+          " or raw_input_contents, but " + field + " holds " + std::to_string(count) + " value(s)");
+    }
   }
   const size_t elem = i32 ? 4 : 8;
   const bool typed =

@@ -115,6 +115,25 @@ TEST(TokenBatcher, ExpiredAndCancelledRequestsAreAnsweredWithoutComputing) {
   EXPECT_EQ(e.calls.load(), 1);
 }
 
+// A request whose deadline comes while it waits for batch-mates is answered
+// at its deadline, not when the batch would have flushed, and the requests
+// still waiting are batched at their own time.
+TEST(TokenBatcher, ADeadlineWhileWaitingForBatchMatesIsAnsweredAtTheDeadline) {
+  FakeEngine e;
+  TokenBatcher b({8192, 2s, 64}, kVocab, Forward(e));
+  const auto start = Clock::now();
+  auto patient = *b.Submit({1, 2}, Far(), nullptr);
+  auto hurried = *b.Submit({3}, Clock::now() + 50ms, nullptr);
+  EXPECT_EQ(hurried.get().status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_LT(Clock::now() - start, 1s);  // the flush comes only at 2 s
+  EXPECT_EQ(e.calls.load(), 0);
+  auto r = patient.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_GE(Clock::now() - start, 2s);
+  EXPECT_EQ(r->batch_sequences, 1);
+  EXPECT_EQ(e.calls.load(), 1);
+}
+
 TEST(TokenBatcher, StopDrainsWhatIsQueuedThenRefuses) {
   FakeEngine e;
   e.delay = 30ms;

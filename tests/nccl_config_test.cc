@@ -688,6 +688,35 @@ TEST(SpawnLocalWorkersTest, ChildrenGetRankWorldAndIdReplacingInheritedValues) {
   ::rmdir(dir);
 }
 
+// tpserve serve blocks SIGTERM for its signal thread before it spawns the
+// ranks; the children must not inherit that, or a worker whose parent died
+// (PR_SET_PDEATHSIG SIGTERM) or that an operator stops would live on.
+TEST(SpawnLocalWorkersTest, ChildrenStartWithTerminationSignalsUnblocked) {
+  sigset_t term, old;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  ASSERT_EQ(::pthread_sigmask(SIG_BLOCK, &term, &old), 0);
+  auto pids = SpawnLocalWorkers({"/bin/sleep", "30"}, 2, RandomId(3));
+  ASSERT_EQ(::pthread_sigmask(SIG_SETMASK, &old, nullptr), 0);
+  ASSERT_TRUE(pids.ok()) << pids.status().ToString();
+  ASSERT_EQ(pids->size(), 1u);
+  const pid_t pid = pids->front();
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  int status = 0;
+  pid_t r = 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while ((r = ::waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  if (r != pid) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    FAIL() << "the child ignored SIGTERM for 10 s (it inherited a blocked mask)";
+  }
+  ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status;
+  EXPECT_EQ(WTERMSIG(status), SIGTERM);
+}
+
 TEST(SpawnLocalWorkersTest, SingleRankStartsNothing) {
   auto pids = SpawnLocalWorkers({"/bin/true"}, 1, RandomId(1));
   ASSERT_TRUE(pids.ok()) << pids.status().ToString();

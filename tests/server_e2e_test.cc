@@ -338,6 +338,17 @@ TEST_F(ServerE2eTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
        "unknown requested output 'probs'"},
       {[](auto& q) { q = Request(std::vector<int32_t>(65, 1)); },
        grpc::StatusCode::INVALID_ARGUMENT, "65 tokens, at most 64"},
+      // Raw INT32 bytes plus values in another datatype's field: refused,
+      // not ignored.
+      {[](auto& q) { q.mutable_inputs(0)->mutable_contents()->add_int64_contents(7); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "datatype INT32 takes its values in int_contents or raw_input_contents, but "
+       "int64_contents holds 1 value(s)"},
+      {[](auto& q) {
+         q.clear_raw_input_contents();
+         for (int i = 0; i < 3; ++i) q.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "but fp32_contents holds 3 value(s)"},
   };
   for (const Case& c : cases) {
     inference::ModelInferRequest q = Request({1, 2, 3});
@@ -404,8 +415,41 @@ TEST_F(ServerE2eTest, DeadlineExpiringInTheQueueIsDeadlineExceeded) {
   Start({8192, std::chrono::milliseconds(500), 1024});
   if (HasFatalFailure() || IsSkipped()) return;
   inference::ModelInferResponse r;
+  const auto start = std::chrono::steady_clock::now();
   const grpc::Status s = Infer(Request({1, 2}), &r, std::chrono::milliseconds(50));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The client gives up at 50 ms whatever the server does; what must hold on
+  // the server's side: the request is answered (a failure counted) at its
+  // deadline, long before the 500 ms flush, and the engine never runs it.
+  const std::string failed = "nv_inference_request_failure{model=\"tiny\",version=\"1\"} 1";
+  while (server_->MetricsText().find(failed) == std::string::npos &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(400));
+  const std::string metrics = server_->MetricsText();
+  EXPECT_THAT(metrics, HasSubstr(failed));
+  EXPECT_THAT(metrics, HasSubstr("nv_inference_exec_count{model=\"tiny\",version=\"1\"} 0"));
+  EXPECT_THAT(metrics,
+              HasSubstr("nv_inference_pending_request_count{model=\"tiny\",version=\"1\"} 0"));
+  // And the server keeps serving.
+  EXPECT_TRUE(Infer(Request({1, 2}), &r).ok());
+}
+
+TEST_F(ServerE2eTest, RequestsLongerThanOneBatchAreRefusedNamingTheInput) {
+  // 16 tokens per batch, while the per-request limit (64) would allow more.
+  Start({16, std::chrono::milliseconds(1), 1024});
+  if (HasFatalFailure() || IsSkipped()) return;
+  inference::ModelInferResponse r;
+  const grpc::Status s = Infer(Request(std::vector<int32_t>(17, 1)), &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("input 'input_ids': 17 tokens, at most 16"));
+  EXPECT_TRUE(Infer(Request(std::vector<int32_t>(16, 1)), &r).ok());
+}
+
+TEST(PrometheusLabelValue, EscapesBackslashQuoteAndNewline) {
+  EXPECT_EQ(PrometheusLabelValue("tiny"), "tiny");
+  EXPECT_EQ(PrometheusLabelValue("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
 }
 
 TEST_F(ServerE2eTest, ShutdownFinishesEveryAcceptedRequest) {
