@@ -63,6 +63,7 @@ struct Flags {
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
   int queue_delay_us = 100;  // GPU delay per method before each round (host queues ahead)
+  int l2_flush_mib = 128;    // written before each timed replay: the L2 holds no operand
   bool breakdown = false;    // also time each pipeline/ring method's GEMM and comm steps alone
   int timeout_s = 120;       // bound on every wait for the GPUs (then abort, not hang)
   std::string overlap;       // overlap config (YAML) for method auto
@@ -399,6 +400,15 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     // a rank that started its round late (host-side polling) does not charge
     // its lateness to the first collective of the round.
     TP_ASSIGN_OR_RETURN(DeviceBuffer sync, DeviceBuffer::Allocate(16 * (tp + 1), "bench.sync"));
+    // Without a flush, a method replayed right after one that read the same
+    // weights finds part of them in L2 (the sweep interleaves dozens of
+    // graphs, the peer times each method back to back): the same GEMM then
+    // differs by up to ~10 % at small M (benchmarks/NOTES.md).
+    const size_t flush_bytes = static_cast<size_t>(f.l2_flush_mib) << 20;
+    DeviceBuffer flush;
+    if (flush_bytes > 0) {
+      TP_ASSIGN_OR_RETURN(flush, DeviceBuffer::Allocate(flush_bytes, "bench.l2_flush"));
+    }
     // Times the methods `which` (indices into `methods`), appending each
     // round's time to times[i].
     auto time_rounds = [&](const std::vector<size_t>& which,
@@ -410,6 +420,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         TP_RETURN_IF_ERROR(
             LaunchGpuDelay(f.queue_delay_us * 1000 * static_cast<int64_t>(which.size()), st));
         for (size_t i : which) {
+          if (flush_bytes > 0)
+            TP_CUDA_CHECK(cudaMemsetAsync(flush.data(), i & 0xff, flush_bytes, st));
           TP_RETURN_IF_ERROR(base.AllGather(sync.data(), sync.as<char>() + 16, 16, st));
           TP_RETURN_IF_ERROR(events[2 * i].Record(st));
           TP_RETURN_IF_ERROR(prepared[i].graph.Launch(st));
@@ -496,7 +508,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
                {"n", sc.n},
                {"k", sc.k},
                {"chunks", m.knobs.chunks},
-               {"config", KnobsJson(m.knobs)}};
+               {"config", KnobsJson(m.knobs)},
+               {"l2_flush_mib", f.l2_flush_mib}};
       rec.update(Stats(prepared[i].times));
       if (!checks[i].is_null()) rec["check_rel_diff_vs_none"] = checks[i];
       if (!final_times[i].empty()) {
@@ -569,6 +582,12 @@ int Main(int argc, char** argv) {
                  "Before each round of timed replays the GPU spins this many microseconds per "
                  "method, so that the host has queued the round before it runs (0: off; then "
                  "short cases include host launch latency)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--l2-flush-mib", f.l2_flush_mib,
+                 "Before each timed replay (outside its timing) write this many MiB, so that "
+                 "no method finds its operands in the GPU's L2 cache (as in a model, where "
+                 "each layer's weights are new; the PyTorch peer does the same); 0: off")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--rounds", f.rounds, "Timed graph replays per case")->capture_default_str();

@@ -190,6 +190,10 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=30, help="timed replays per method")
     p.add_argument("--warmup", type=int, default=5,
                    help="eager calls (at least 2) before capture, and replays before timing")
+    p.add_argument("--l2-flush-mib", type=int, default=128,
+                   help="before each timed replay (outside its timing) write this many MiB, "
+                        "so that no method finds its operands in the GPU's L2 cache, as "
+                        "tpserve-bench does (0: off)")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip comparing each method's output with torch_seq's")
     p.add_argument("--no-graph", dest="graph", action="store_false",
@@ -208,6 +212,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.tp < 1:
         p.error("--tp must be >= 1")
+    if args.l2_flush_mib < 0:
+        p.error("--l2-flush-mib must be >= 0")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     if args.warmup < 0:
@@ -587,7 +593,13 @@ def time_method(ctx, fn, use_graph):
     stream = torch.cuda.current_stream()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.rounds)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.rounds)]
+    # Back-to-back replays would find the weights of the previous one in L2;
+    # a write of --l2-flush-mib before each (outside the events) evicts them.
+    flush = (torch.empty(args.l2_flush_mib << 20, dtype=torch.uint8, device="cuda")
+             if args.l2_flush_mib > 0 else None)
     for i in range(args.rounds):
+        if flush is not None:
+            flush.fill_(i & 0xff)
         starts[i].record(stream)
         r = run()
         ends[i].record(stream)
@@ -686,6 +698,7 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
             "k": sc.k,
             "chunks": chunks,
             "config": cfg,
+            "l2_flush_mib": args.l2_flush_mib,
         }
         rec.update(summarize(times))
         # Every round's time, so that merge_results.py --pool-peer-passes can
