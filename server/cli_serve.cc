@@ -283,7 +283,7 @@ int Serve(const ServeFlags& f) {
   const int64_t longest =
       std::min({f.max_tokens_per_request, config.max_position_embeddings, f.max_batch_tokens});
   if (longest < f.max_tokens_per_request) {
-    spdlog::warn(
+    spdlog::info(
         "requests are limited to {} tokens, not --max-tokens-per-request {} "
         "(--max-batch-tokens {}, max_position_embeddings {})",
         longest, f.max_tokens_per_request, f.max_batch_tokens, config.max_position_embeddings);
