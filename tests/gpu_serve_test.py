@@ -137,5 +137,78 @@ class ServeCuda(unittest.TestCase):
         self.assertIn("worker rank 1", log)
         self.assertIn("NOT_SERVING", log)
 
+def alive(pid):
+    """Whether process `pid` still runs (a zombie left to a non-reaping
+    init counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid, seconds):
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+class RankZeroEnds(unittest.TestCase):
+    """The worker must not outlive rank 0: it asks for SIGTERM when its parent
+    dies (PR_SET_PDEATHSIG), and rank 0 blocks SIGTERM for its own signal
+    thread, so the worker must start with it unblocked."""
+
+    def setUp(self):
+        if gpu_count() < 2:
+            self.skipTest("needs 2 GPUs")
+
+    def start(self):
+        import tempfile
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        log_path = os.path.join(self.tmp.name, "server.log")
+        log = open(log_path, "w")
+        self.addCleanup(log.close)
+        server = subprocess.Popen(
+            [BIN, "serve", "--model", "tiny", "--tp", "2", "--backend", "cuda",
+             "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1"],
+            stdout=subprocess.PIPE, stderr=log, text=True)
+        self.addCleanup(lambda: server.poll() is None and server.kill())
+        return server, log_path
+
+    def worker_of(self, server, seconds=60):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            kids = children(server.pid)
+            if kids:
+                return kids[0]
+            if server.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.fail("rank 0 started no worker")
+
+    def test_killed_rank_zero_takes_its_worker_down(self):
+        server, _ = self.start()
+        self.assertIn("gRPC port", server.stdout.readline())
+        worker = self.worker_of(server)
+        server.kill()  # SIGKILL: no drain, no teardown
+        server.wait(timeout=30)
+        self.assertTrue(wait_gone(worker, 20), f"worker {worker} outlived rank 0")
+
+    def test_sigterm_while_starting_or_serving_ends_both_ranks(self):
+        server, log_path = self.start()
+        worker = self.worker_of(server)  # the engine is starting
+        server.send_signal(signal.SIGTERM)
+        rc = server.wait(timeout=60)
+        with open(log_path, errors="replace") as f:
+            log = f.read()
+        if "received while starting" in log:
+            self.assertEqual(rc, 128 + signal.SIGTERM, log[-3000:])
+        else:  # the server was up already: a normal drain
+            self.assertEqual(rc, 0, log[-3000:])
+        self.assertTrue(wait_gone(worker, 20), f"worker {worker} outlived rank 0")
+
+
 if __name__ == "__main__":
     unittest.main()
