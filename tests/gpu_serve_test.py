@@ -174,6 +174,7 @@ class RankZeroEnds(unittest.TestCase):
             [BIN, "serve", "--model", "tiny", "--tp", "2", "--backend", "cuda",
              "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1"],
             stdout=subprocess.PIPE, stderr=log, text=True)
+        self.addCleanup(server.stdout.close)
         self.addCleanup(lambda: server.poll() is None and server.kill())
         return server, log_path
 
@@ -204,8 +205,10 @@ class RankZeroEnds(unittest.TestCase):
         with open(log_path, errors="replace") as f:
             log = f.read()
         if "received while starting" in log:
+            sys.stderr.write("SIGTERM arrived while the engine was starting\n")
             self.assertEqual(rc, 128 + signal.SIGTERM, log[-3000:])
         else:  # the server was up already: a normal drain
+            sys.stderr.write("SIGTERM arrived after the server was up\n")
             self.assertEqual(rc, 0, log[-3000:])
         self.assertTrue(wait_gone(worker, 20), f"worker {worker} outlived rank 0")
 
