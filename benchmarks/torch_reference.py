@@ -24,6 +24,10 @@ Steps:
     BF16 output (torch._scaled_mm), RoPE rotate-half with angles in double,
     BF16 attention (scaled_dot_product_attention, causal, GQA), SwiGLU in FP32
     quantized to FP8, BF16 LM head with BF16 logits.
+ --dtype bf16 serves the same checkpoint with `tpserve serve --dtype bf16` (the FP8
+    weights dequantized to BF16 on load, BF16 activations and GEMMs, no activation
+    quantization) and runs the PyTorch model the same way, so that the comparison
+    is not dominated by FP8 requantization of slightly different activations.
  4. Compares per position and writes one JSON file: meta, summary (top-1
     agreement, relative Frobenius error of the logits: median, p99, max) and
     one record per position.
@@ -84,6 +88,11 @@ def parse_args(argv):
                     "residual branches' output layers (o_proj, down_proj) N(0, 0.02/sqrt(2 L)) "
                     "as in GPT-2 and Megatron, which keeps a deep random model from amplifying "
                     "rounding differences layer after layer")
+    ap.add_argument("--dtype", default="fp8", choices=["fp8", "bf16"],
+                    help="what tpserve computes in (tpserve serve --dtype) and the PyTorch "
+                    "model with it: fp8 = FP8 GEMMs of activations quantized with the "
+                    "input scales; bf16 = the checkpoint's FP8 weights dequantized to BF16 "
+                    "and BF16 GEMMs of BF16 activations (no activation quantization)")
     ap.add_argument("--overlap-config", default="",
                     help="overlap config (YAML) for tpserve serve (default: none, every "
                     "layer in mode none)")
@@ -241,12 +250,15 @@ class Reference:
     model: how far it lands from the _scaled_mm model is the comparison's noise
     floor, the difference any two correct implementations can show."""
 
-    def __init__(self, torch, w, exact_gemm=False):
-        self.torch, self.w, self.exact_gemm = torch, w, exact_gemm
+    def __init__(self, torch, w, exact_gemm=False, dtype="fp8"):
+        self.torch, self.w, self.exact_gemm, self.dtype = torch, w, exact_gemm, dtype
+        self.bf16_weights = {}
 
     def fp8_linear(self, x, base):
         """x: FP32 activations [rows, k] -> BF16 [rows, n], as tpserve's layer computes it."""
         torch, t = self.torch, self.w.tensors
+        if self.dtype == "bf16":
+            return self.bf16_linear(x, base)
         s_in = t[base + ".input_scale"]
         xq = (x / s_in).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         if self.exact_gemm:
@@ -255,6 +267,20 @@ class Reference:
             return torch.matmul(a, b.t()).to(torch.bfloat16)
         return torch._scaled_mm(xq, t[base + ".weight"].t(), s_in, t[base + ".weight_scale"],
                                 out_dtype=torch.bfloat16)
+
+    def bf16_linear(self, x, base):
+        """tpserve --dtype bf16: the FP8 codes times weight_scale rounded to BF16 once
+        (engine/model_weights.cc), the activations rounded to BF16, a BF16 GEMM with
+        FP32 accumulation and BF16 output."""
+        torch, t = self.torch, self.w.tensors
+        wb = self.bf16_weights.get(base)
+        if wb is None:
+            wb = (t[base + ".weight"].float() * t[base + ".weight_scale"]).to(torch.bfloat16)
+            self.bf16_weights[base] = wb
+        xb = x.to(torch.bfloat16)
+        if self.exact_gemm:
+            return torch.matmul(xb.float(), wb.float().t()).to(torch.bfloat16)
+        return torch.matmul(xb, wb.t())
 
     def rms_norm(self, h_bf16, name):
         torch = self.torch
@@ -329,7 +355,8 @@ def serve_logits(args, directory, prompts, vocab, overlap=""):
     pb = compile_messages(tmp.name)
     server_log = open(os.path.join(tmp.name, "server.log"), "w")
     flags = ["--model", directory, "--model-name", "ref", "--tp", str(args.tp), "--backend",
-             args.backend, "--max-tokens-per-request", str(max(len(p) for p in prompts)),
+             args.backend, "--dtype", args.dtype,
+             "--max-tokens-per-request", str(max(len(p) for p in prompts)),
              "--max-batch-tokens", "8192", "--rank-timeout-s", "120"]
     if overlap:
         flags += ["--overlap-config", overlap]
@@ -383,6 +410,8 @@ def main(argv=None):
     dev = torch.device("cuda", args.device)
     torch.cuda.set_device(dev)
     torch.backends.cuda.matmul.allow_tf32 = False
+    # BF16 GEMMs reduce in FP32, as cuBLASLt does in tpserve.
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
     log("generating %s weights (seed %d)" % (args.model, args.seed))
     w = Weights(torch, args, dev)
@@ -403,8 +432,8 @@ def main(argv=None):
               if args.compare_overlap else None)
 
     log("PyTorch forward passes")
-    ref = Reference(torch, w)
-    exact = Reference(torch, w, exact_gemm=True)
+    ref = Reference(torch, w, dtype=args.dtype)
+    exact = Reference(torch, w, exact_gemm=True, dtype=args.dtype)
     records, rel_errs, agree = [], [], 0
     floor_errs, floor_agree = [], 0
     self_errs, self_agree = [], 0
@@ -447,8 +476,10 @@ def main(argv=None):
                "goal": "top1_agreement >= 0.99"}
     floor_sorted = sorted(floor_errs)
     summary["noise_floor"] = {
-        "what": "the same PyTorch model with FP32 GEMMs of the dequantized FP8 operands, "
-                "against the torch._scaled_mm model",
+        "what": ("the same PyTorch model with FP32 GEMMs of the dequantized FP8 operands, "
+                 "against the torch._scaled_mm model" if args.dtype == "fp8" else
+                 "the same PyTorch model with FP32 GEMMs of the BF16 operands, against the "
+                 "BF16-GEMM model"),
         "top1_agreement": floor_agree / n,
         "rel_err_median": pct(floor_sorted, 0.5),
         "rel_err_max": floor_sorted[-1]}
@@ -476,12 +507,12 @@ def main(argv=None):
                     "device": props.name, "torch": torch.__version__,
                     "model": args.model, "layers": w.layers, "seqs": args.seqs, "len": args.len,
                     "seed": args.seed, "tp": args.tp,
-                    "backend": args.backend, "init": args.init,
+                    "backend": args.backend, "init": args.init, "dtype": args.dtype,
                     "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])},
            "summary": summary, "records": records}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
-    log("noise floor (FP32-GEMM PyTorch vs _scaled_mm PyTorch): top-1 agreement %.4f, "
+    log("noise floor (FP32-GEMM PyTorch vs the reference model): top-1 agreement %.4f, "
         "rel err median %.3g" % (summary["noise_floor"]["top1_agreement"],
                                  summary["noise_floor"]["rel_err_median"]))
     if second is not None:

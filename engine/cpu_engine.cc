@@ -57,7 +57,7 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
   const CpuEngineOptions& o = options_;
   StatusOr<RankWeights> w = o.checkpoint_dir.empty()
                                 ? MakeRandomRankWeights(o.config, o.dtype, o.tp, rank, o.seed)
-                                : LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank);
+                                : LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank, o.dtype);
   if (!w.ok()) return fail(w.status());
   auto model = CpuModel::Create(o.config, std::move(w).value(), o.overlap.get(), *comm);
   if (!model.ok()) return fail(model.status());

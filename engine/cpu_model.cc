@@ -179,7 +179,7 @@ StatusOr<std::vector<float>> RunCpuModel(const ModelConfig& config, int tp, Data
     if (checkpoint_dir.empty()) {
       TP_ASSIGN_OR_RETURN(w, MakeRandomRankWeights(config, dtype, tp, comm.rank(), seed));
     } else {
-      TP_ASSIGN_OR_RETURN(w, LoadRankWeights(checkpoint_dir, config, tp, comm.rank()));
+      TP_ASSIGN_OR_RETURN(w, LoadRankWeights(checkpoint_dir, config, tp, comm.rank(), dtype));
     }
     TP_ASSIGN_OR_RETURN(auto model, CpuModel::Create(config, std::move(w), overlap, comm));
     TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(batch));

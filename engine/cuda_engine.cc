@@ -46,7 +46,7 @@ StatusOr<RankState> SetUpRank(const CudaEngineOptions& o, const ncclUniqueId& id
     if (o.checkpoint_dir.empty()) {
       TP_ASSIGN_OR_RETURN(w, MakeRandomRankWeights(o.config, o.dtype, o.tp, rank, o.seed));
     } else {
-      TP_ASSIGN_OR_RETURN(w, LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank));
+      TP_ASSIGN_OR_RETURN(w, LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank, o.dtype));
     }
     TP_ASSIGN_OR_RETURN(st.model,
                         CudaModel::Create(o.config, w, o.overlap.get(), *st.pool, o.model));

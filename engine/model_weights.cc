@@ -361,7 +361,11 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
 }
 
 StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig& config, int tp,
-                                      int rank) {
+                                      int rank, DataType dtype) {
+  if (dtype != DataType::kFloat8E4M3 && dtype != DataType::kBFloat16) {
+    return InvalidArgumentError("model directory " + dir + ": weights can load as fp8_e4m3 or " +
+                                "bf16, not " + std::string(DataTypeName(dtype)));
+  }
   Checkpoint ck;
   ck.set_source(dir);
   std::vector<std::string> files;
@@ -376,8 +380,7 @@ StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig&
     TP_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(f));
     ck.AddFile(std::move(file));
   }
-  // FP8 checkpoints run in FP8; BF16/F32 ones are quantized to FP8 on load.
-  return Shard(ck, config, DataType::kFloat8E4M3, tp, rank);
+  return Shard(ck, config, dtype, tp, rank);
 }
 
 }  // namespace tpserve

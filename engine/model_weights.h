@@ -56,9 +56,11 @@ StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType 
 Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t seed,
                              const std::string& dir);
 
-// Loads this rank's shard from `dir` (config.json + *.safetensors). Errors
-// name the file and tensor.
+// Loads this rank's shard from `dir` (config.json + *.safetensors), with the
+// TP layers' weights in `dtype`: FP8 (FP8 tensors as stored, BF16/F32 ones
+// quantized with their amax scale) or BF16 (FP8 tensors dequantized with
+// their weight_scale, BF16 ones as stored). Errors name the file and tensor.
 StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig& config, int tp,
-                                      int rank);
+                                      int rank, DataType dtype = DataType::kFloat8E4M3);
 
 }  // namespace tpserve

@@ -410,7 +410,11 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--overlap-config", f->overlap_config,
                   "Overlap config (YAML) choosing each TP layer's mode by name and M");
-  cmd->add_option("--dtype", f->dtype, "Random weights: fp8 or bf16")
+  cmd->add_option("--dtype", f->dtype,
+                  "Type of the TP layers' weights and GEMMs: fp8 (E4M3) or bf16. Random weights "
+                  "are made in it; a checkpoint's weights are converted on load (FP8 ones "
+                  "dequantized with their weight_scale for bf16, BF16/F32 ones quantized for "
+                  "fp8)")
       ->check(CLI::IsMember({"fp8", "bf16"}))
       ->capture_default_str();
   cmd->add_option("--seed", f->seed, "Seed of random weights")->capture_default_str();

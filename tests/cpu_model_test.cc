@@ -109,6 +109,40 @@ TEST(CpuModel, CheckpointOnDiskGivesTheSameLogitsAsRandomWeights) {
   std::filesystem::remove_all(dir);
 }
 
+// --dtype bf16 on a checkpoint: the same logits as BF16 random weights of
+// the same seed (a BF16 checkpoint loads as stored), and an FP8 checkpoint
+// served in BF16 gets its codes dequantized, not requantized: different
+// logits from the FP8 run, finite, and each layer's weights in BF16.
+TEST(CpuModel, CheckpointsLoadInBf16WhenAsked) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_tiny_bf16_ckpt";
+  const TokenBatch b = Batch(kSeqs);
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kBFloat16, 7, dir).ok());
+  auto from_dir = RunCpuModel(Tiny(), 2, DataType::kBFloat16, 7, dir, nullptr, b);
+  auto random = RunCpuModel(Tiny(), 2, DataType::kBFloat16, 7, "", nullptr, b);
+  ASSERT_TRUE(from_dir.ok()) << from_dir.status().ToString();
+  ASSERT_TRUE(random.ok()) << random.status().ToString();
+  EXPECT_EQ(*from_dir, *random);
+  std::filesystem::remove_all(dir);
+
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir).ok());
+  auto w = LoadRankWeights(dir, Tiny(), 2, 1, DataType::kBFloat16);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(w->dtype, DataType::kBFloat16);
+  EXPECT_EQ(w->layers[0].down.dtype, DataType::kBFloat16);
+  EXPECT_EQ(w->layers[0].down.data.size(),
+            static_cast<size_t>(w->layers[0].down.n * w->layers[0].down.k * 2));
+  auto bf16 = RunCpuModel(Tiny(), 2, DataType::kBFloat16, 7, dir, nullptr, b);
+  ASSERT_TRUE(bf16.ok()) << bf16.status().ToString();
+  for (float v : *bf16) ASSERT_TRUE(std::isfinite(v));
+  // BF16 activations against FP8 ones: close, not equal.
+  const std::vector<float> fp8 = Logits(2, b, nullptr, dir);
+  EXPECT_NE(*bf16, fp8);
+  EXPECT_LE(RelDiff(*bf16, fp8), 0.2);
+  EXPECT_EQ(LoadRankWeights(dir, Tiny(), 2, 0, DataType::kFloat32).status().code(),
+            StatusCode::kInvalidArgument);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CpuModel, LoadingReportsTheMissingTensorAndFile) {
   const std::string dir = ::testing::TempDir() + "/tpserve_bad_ckpt";
   std::filesystem::create_directories(dir);
