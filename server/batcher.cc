@@ -73,7 +73,10 @@ void TokenBatcher::Loop() {
       };
       auto wake = flush_at;
       for (const Item& it : queue_) wake = std::min(wake, it.deadline);
-      cv_.wait_until(lock, wake, ready);
+      // A request queued meanwhile may have an earlier deadline: wake for it
+      // too, and recompute (the loop comes back here).
+      const size_t seen = queue_.size();
+      cv_.wait_until(lock, wake, [&] { return ready() || queue_.size() != seen; });
       const bool flush = ready() || Clock::now() >= flush_at;
       // Requests cancelled or past their deadline anywhere in the queue are
       // answered now, without being computed.

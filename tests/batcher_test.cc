@@ -123,6 +123,9 @@ TEST(TokenBatcher, ADeadlineWhileWaitingForBatchMatesIsAnsweredAtTheDeadline) {
   TokenBatcher b({8192, 2s, 64}, kVocab, Forward(e));
   const auto start = Clock::now();
   auto patient = *b.Submit({1, 2}, Far(), nullptr);
+  // The batcher is already waiting for the flush at 2 s when the hurried
+  // request arrives: it must wake earlier for the new, nearer deadline.
+  std::this_thread::sleep_for(50ms);
   auto hurried = *b.Submit({3}, Clock::now() + 50ms, nullptr);
   EXPECT_EQ(hurried.get().status().code(), StatusCode::kDeadlineExceeded);
   EXPECT_LT(Clock::now() - start, 1s);  // the flush comes only at 2 s
