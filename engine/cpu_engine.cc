@@ -94,6 +94,9 @@ StatusOr<std::vector<float>> CpuEngine::Forward(const TokenBatch& batch) {
     return UnavailableError("CPU engine is down after an earlier failure: " +
                             first_error_.ToString());
   }
+  // A bad batch is the caller's error: refused before the ranks see it.
+  TP_RETURN_IF_ERROR(ValidateTokenBatch(batch, options_.config.vocab_size,
+                                        options_.config.max_position_embeddings));
   job_ = &batch;
   finished_ = 0;
   ++generation_;

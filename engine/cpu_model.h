@@ -41,6 +41,13 @@ struct TokenBatch {
 StatusOr<TokenBatch> PackSequences(const std::vector<std::vector<int32_t>>& sequences,
                                    int64_t vocab, int64_t max_positions);
 
+// Checks a packed batch as the engines receive it (naming what is wrong):
+// cu_seqlens starts at 0, rises strictly (no empty sequence) and ends at the
+// token count; one position per token, each in [0, max_positions); ids in
+// [0, vocab). The engines refuse a bad batch with INVALID_ARGUMENT before any
+// rank computes, and keep serving.
+Status ValidateTokenBatch(const TokenBatch& batch, int64_t vocab, int64_t max_positions);
+
 class CpuModel {
  public:
   // `overlap` may be null (every layer: mode none). Not thread-safe; one

@@ -274,6 +274,8 @@ StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
                                 std::to_string(lim.max_tokens) + " tokens, " +
                                 std::to_string(lim.max_seqs) + " sequences)");
   }
+  TP_RETURN_IF_ERROR(ValidateTokenBatch(batch, options_.config.vocab_size,
+                                        options_.config.max_position_embeddings));
   // A worker that died between batches: fail now instead of at the deadline.
   if (const std::string gone = LostWorker(); !gone.empty()) {
     Fail(UnavailableError(gone));

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 
 #include "engine/cpu_engine.h"
 #include "engine/engine.h"
@@ -187,6 +188,42 @@ TEST(CpuEngine, ServesRepeatedAndConcurrentForwardsLikeAOneShotRun) {
     EXPECT_EQ(results[t], expect) << "caller " << t;
   }
   EXPECT_TRUE((*engine)->healthy());
+}
+
+// A malformed batch is refused naming the problem, and the engine keeps
+// serving (the ranks never see it; an id in a worker's rows used to reach a
+// rank that could only fail).
+TEST(CpuEngine, RefusesABadBatchAndKeepsServing) {
+  CpuEngineOptions o;
+  o.config = Tiny();
+  o.tp = 2;
+  auto engine = CpuEngine::Start(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const TokenBatch good = Batch(kSeqs);
+  struct Case {
+    std::function<void(TokenBatch&)> mutate;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](TokenBatch& b) { b.ids.back() = 1024; }, "has id 1024, outside [0, 1024)"},
+      {[](TokenBatch& b) { b.ids.front() = -1; }, "token 0 has id -1"},
+      {[](TokenBatch& b) { b.positions.pop_back(); }, "positions for"},
+      {[](TokenBatch& b) { b.positions[1] = 4096; }, "has position 4096"},
+      {[](TokenBatch& b) { b.cu_seqlens[1] = b.cu_seqlens[0]; }, "sequence 0 is empty"},
+      {[](TokenBatch& b) { b.cu_seqlens.back() -= 1; }, "cu_seqlens must run from 0"},
+      {[](TokenBatch& b) { b.cu_seqlens = {0}; }, "at least one sequence"},
+  };
+  for (const Case& c : cases) {
+    TokenBatch bad = good;
+    c.mutate(bad);
+    auto got = (*engine)->Forward(bad);
+    EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(got.status().message(), HasSubstr(c.message));
+    EXPECT_TRUE((*engine)->healthy()) << c.message;
+  }
+  auto ok = (*engine)->Forward(good);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(*ok, Logits(2, good));
 }
 
 TEST(CpuEngine, StartFailsCleanlyOnABadCheckpoint) {
