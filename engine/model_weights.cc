@@ -37,12 +37,21 @@ class Checkpoint {
     v.bytes = owned_.back()->size();
     views_[name] = v;
   }
-  void AddFile(SafetensorsFile file) {
+  // INVALID_ARGUMENT when a tensor of `file` is already in an earlier file
+  // (a stray copy next to a sharded checkpoint must not silently win).
+  Status AddFile(SafetensorsFile file) {
+    for (const TensorView& v : file.tensors()) {
+      if (auto it = where_.find(v.name); it != where_.end()) {
+        return InvalidArgumentError("tensor '" + v.name + "' is in both " + it->second + " and " +
+                                    file.path() + "; remove one of the files");
+      }
+    }
     files_.push_back(std::make_unique<SafetensorsFile>(std::move(file)));
     for (const TensorView& v : files_.back()->tensors()) {
       views_[v.name] = v;
       where_[v.name] = files_.back()->path();
     }
+    return Status::Ok();
   }
   const TensorView* Find(const std::string& name) const {
     auto it = views_.find(name);
@@ -67,11 +76,18 @@ class Checkpoint {
   std::map<std::string, std::string> where_;
 };
 
+// An embedding or norm tensor (BF16 or F32, as FP8 checkpoints keep them) of
+// exactly the shape the config implies.
 StatusOr<std::vector<float>> ToFloats(const Checkpoint& ck, const TensorView& v,
-                                      int64_t expected_numel) {
-  if (v.numel() != expected_numel) {
-    return InvalidArgumentError(ck.Where(v.name) + " has " + std::to_string(v.numel()) +
-                                " elements, the config implies " + std::to_string(expected_numel));
+                                      const std::vector<int64_t>& shape) {
+  if (v.shape != shape) {
+    auto text = [](const std::vector<int64_t>& s) {
+      std::string t;
+      for (int64_t d : s) t += (t.empty() ? "" : ",") + std::to_string(d);
+      return "[" + t + "]";
+    };
+    return InvalidArgumentError(ck.Where(v.name) + " has shape " + text(v.shape) +
+                                ", the config implies " + text(shape));
   }
   std::vector<float> out(v.numel());
   switch (v.dtype) {
@@ -85,13 +101,11 @@ StatusOr<std::vector<float>> ToFloats(const Checkpoint& ck, const TensorView& v,
         out[i] = BFloat16ToFloat(b);
       }
       break;
-    case StDtype::kF8E4M3:
-      for (int64_t i = 0; i < v.numel(); ++i) out[i] = Fp8E4M3ToFloat(v.data[i]);
-      break;
     default:
       return UnimplementedError(ck.Where(v.name) + " has dtype " +
                                 std::string(StDtypeName(v.dtype)) +
-                                " (supported here: F32, BF16, F8_E4M3)");
+                                " (embeddings and norms: F32 or BF16; only the linear layers' "
+                                "weights may be F8_E4M3)");
   }
   return out;
 }
@@ -232,9 +246,9 @@ StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType
   w.rank = rank;
   w.dtype = dtype;
   TP_ASSIGN_OR_RETURN(const TensorView* embed, ck.Get("model.embed_tokens.weight"));
-  TP_ASSIGN_OR_RETURN(w.embed, ToFloats(ck, *embed, v * h));
+  TP_ASSIGN_OR_RETURN(w.embed, ToFloats(ck, *embed, {v, h}));
   TP_ASSIGN_OR_RETURN(const TensorView* norm, ck.Get("model.norm.weight"));
-  TP_ASSIGN_OR_RETURN(w.final_norm, ToFloats(ck, *norm, h));
+  TP_ASSIGN_OR_RETURN(w.final_norm, ToFloats(ck, *norm, {h}));
   // Tied embeddings: no lm_head tensor means the embedding table.
   const std::string head = ck.Find("lm_head.weight") ? "lm_head" : "model.embed_tokens";
   TP_ASSIGN_OR_RETURN(Block lm, ReadBlock(ck, head, v, h, rank * v_l, (rank + 1) * v_l, 0, h));
@@ -243,9 +257,9 @@ StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType
     const std::string p = HfLayerPrefix(i);
     LayerWeights l;
     TP_ASSIGN_OR_RETURN(const TensorView* in_norm, ck.Get(p + ".input_layernorm.weight"));
-    TP_ASSIGN_OR_RETURN(l.input_norm, ToFloats(ck, *in_norm, h));
+    TP_ASSIGN_OR_RETURN(l.input_norm, ToFloats(ck, *in_norm, {h}));
     TP_ASSIGN_OR_RETURN(const TensorView* post, ck.Get(p + ".post_attention_layernorm.weight"));
-    TP_ASSIGN_OR_RETURN(l.post_norm, ToFloats(ck, *post, h));
+    TP_ASSIGN_OR_RETURN(l.post_norm, ToFloats(ck, *post, {h}));
     TP_ASSIGN_OR_RETURN(Block q, ReadBlock(ck, p + ".self_attn.q_proj", nh * hd, h,
                                            rank * nh_l * hd, (rank + 1) * nh_l * hd, 0, h));
     TP_ASSIGN_OR_RETURN(Block kk, ReadBlock(ck, p + ".self_attn.k_proj", nkv * hd, h,
@@ -378,7 +392,7 @@ StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig&
   std::sort(files.begin(), files.end());
   for (const std::string& f : files) {
     TP_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(f));
-    ck.AddFile(std::move(file));
+    TP_RETURN_IF_ERROR(ck.AddFile(std::move(file)));
   }
   return Shard(ck, config, dtype, tp, rank);
 }

@@ -144,6 +144,67 @@ TEST(CpuModel, CheckpointsLoadInBf16WhenAsked) {
   std::filesystem::remove_all(dir);
 }
 
+// Rewrites the tiny FP8 checkpoint in `dir` into `out` with `edit` applied
+// to the embedding tensor's entry.
+void RewriteEmbedding(const std::string& dir, const std::string& out,
+                      const std::function<void(TensorToWrite&)>& edit) {
+  auto file = SafetensorsFile::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  std::vector<TensorToWrite> tensors;
+  for (const TensorView& v : file->tensors()) {
+    tensors.push_back({v.name, v.dtype, v.shape, v.data, v.bytes});
+    if (v.name == "model.embed_tokens.weight") edit(tensors.back());
+  }
+  std::filesystem::create_directories(out);
+  ASSERT_TRUE(WriteSafetensors(out + "/model.safetensors", tensors).ok());
+}
+
+TEST(CpuModel, CheckpointTensorsAreCheckedForDuplicatesShapeAndType) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_ckpt_checks";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir + "/ok").ok());
+  ASSERT_TRUE(LoadRankWeights(dir + "/ok", Tiny(), 2, 0).ok());
+
+  // A second file holding a tensor of the first: refused, naming both files.
+  std::vector<float> norm(Tiny().hidden_size, 1.0f);
+  ASSERT_TRUE(WriteSafetensors(dir + "/ok/extra.safetensors", {{"model.norm.weight",
+                                                                StDtype::kF32,
+                                                                {Tiny().hidden_size},
+                                                                norm.data(),
+                                                                norm.size() * 4}})
+                  .ok());
+  auto dup = LoadRankWeights(dir + "/ok", Tiny(), 2, 0);
+  EXPECT_EQ(dup.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(dup.status().message(), HasSubstr("'model.norm.weight' is in both"));
+  EXPECT_THAT(dup.status().message(), HasSubstr("extra.safetensors"));
+  EXPECT_THAT(dup.status().message(), HasSubstr("/ok/model.safetensors"));
+  std::filesystem::remove(dir + "/ok/extra.safetensors");
+
+  // The embedding transposed: same element count, refused by shape.
+  RewriteEmbedding(dir + "/ok", dir + "/transposed", [](TensorToWrite& t) {
+    t.shape = {t.shape[1], t.shape[0]};
+  });
+  std::filesystem::copy(dir + "/ok/config.json", dir + "/transposed/config.json");
+  auto transposed = LoadRankWeights(dir + "/transposed", Tiny(), 2, 0);
+  EXPECT_EQ(transposed.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(transposed.status().message(),
+              HasSubstr("'model.embed_tokens.weight' has shape [512,1024], the config implies "
+                        "[1024,512]"));
+
+  // An FP8 embedding (no scale would apply to it): refused by type.
+  std::vector<uint8_t> codes(Tiny().vocab_size * Tiny().hidden_size, 0x38);
+  RewriteEmbedding(dir + "/ok", dir + "/fp8embed", [&](TensorToWrite& t) {
+    t.dtype = StDtype::kF8E4M3;
+    t.data = codes.data();
+    t.bytes = codes.size();
+  });
+  std::filesystem::copy(dir + "/ok/config.json", dir + "/fp8embed/config.json");
+  auto fp8 = LoadRankWeights(dir + "/fp8embed", Tiny(), 2, 0);
+  EXPECT_EQ(fp8.status().code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(fp8.status().message(), HasSubstr("embeddings and norms: F32 or BF16"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CpuModel, LoadingReportsTheMissingTensorAndFile) {
   const std::string dir = ::testing::TempDir() + "/tpserve_bad_ckpt";
   std::filesystem::create_directories(dir);
