@@ -5,6 +5,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 namespace tpserve {
@@ -173,10 +174,30 @@ Status ModelConfig::ValidateForTp(int tp) const {
 
 StatusOr<ModelConfig> ParseModelConfigJson(std::string_view json_text, const std::string& source) {
   Json root;
+  // JSON leaves repeated keys undefined and nlohmann keeps the last one: a
+  // silent choice, so a repeat (in any object) is refused, naming the key.
+  std::vector<std::set<std::string>> keys_of_open_objects;
+  std::string repeated;
+  auto watch = [&](int, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) {
+      keys_of_open_objects.emplace_back();
+    } else if (event == Json::parse_event_t::object_end && !keys_of_open_objects.empty()) {
+      keys_of_open_objects.pop_back();
+    } else if (event == Json::parse_event_t::key && !keys_of_open_objects.empty() &&
+               parsed.is_string() && !keys_of_open_objects.back().insert(parsed).second &&
+               repeated.empty()) {
+      repeated = parsed.get<std::string>();
+    }
+    return true;
+  };
   try {
-    root = Json::parse(json_text.begin(), json_text.end());
+    root = Json::parse(json_text.begin(), json_text.end(), watch);
   } catch (const Json::exception& e) {
     return InvalidArgumentError(source + ": JSON syntax error: " + e.what());
+  }
+  if (!repeated.empty()) {
+    return InvalidArgumentError(source + ": key '" + repeated +
+                                "' appears more than once in one object");
   }
   if (!root.is_object()) {
     return InvalidArgumentError(source + ": must be a JSON object, got " + root.type_name());

@@ -55,8 +55,9 @@ struct TensorView {
 // Caps that bound the work and memory a hostile file can cause.
 struct SafetensorsLimits {
   // Largest accepted header length N (the JSON text). Matches the reference
-  // implementation's 100 MB cap.
-  uint64_t max_header_bytes = 100 << 20;
+  // implementation's cap of 100,000,000 bytes (decimal, not 100 MiB), so
+  // that every file WriteSafetensors accepts to write, it accepts to read.
+  uint64_t max_header_bytes = 100'000'000;
   // Most tensor entries (not counting "__metadata__").
   size_t max_tensors = 1 << 20;
 };

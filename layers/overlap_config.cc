@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <fstream>
 #include <initializer_list>
+#include <set>
 #include <sstream>
 
 namespace tpserve {
@@ -52,12 +53,16 @@ class Parser {
                    std::initializer_list<const char*> allowed,
                    std::initializer_list<const char*> more = {}) const {
     TP_RETURN_IF_ERROR(CheckMap(node, path));
+    std::set<std::string> seen;
     for (const auto& kv : node) {
       if (!kv.first.IsScalar()) {
         return Error(kv.first, path,
                      "keys must be plain strings (allowed: " + Join(allowed, more) + ")");
       }
       const std::string key = kv.first.Scalar();
+      // yaml-cpp keeps both entries of a repeated key and returns the first:
+      // a silent choice, so the repeat is refused.
+      if (!seen.insert(key).second) return Error(kv.first, path + "." + key, "duplicate key");
       if (!In(key, allowed) && !In(key, more)) {
         return Error(kv.first, path + "." + key,
                      "unknown key (allowed: " + Join(allowed, more) + ")");
@@ -149,8 +154,6 @@ class Parser {
         cc.cta_policy = *p;
       }
     }
-    // Mode none runs one collective and one GEMM: chunks do not apply.
-    if (!s->auto_mode && s->knobs.mode == OverlapMode::kNone) s->knobs.chunks = 1;
     if (Status st = s->knobs.comm.Validate(); !st.ok()) return Error(node, path, st.message());
     return Status::Ok();
   }
@@ -257,6 +260,7 @@ class Parser {
         OverlapConfig::Setting s;
         TP_RETURN_IF_ERROR(ReadKnobs(t, path, &s));
         if (s.auto_mode) return Error(t["mode"], path + ".mode", "a tuned entry cannot be auto");
+        if (s.knobs.mode == OverlapMode::kNone) s.knobs.chunks = 1;  // chunks do not apply
         if (Status st = ValidateLinearKnobs(s.knobs, e.op); !st.ok()) {
           return Error(t, path, st.message());
         }
@@ -387,6 +391,10 @@ StatusOr<LinearKnobs> OverlapConfig::Resolve(std::string_view layer_name, Overla
     const Tuned* best = below != nullptr ? below : above;
     if (best != nullptr) knobs = best->knobs;
   }
+  // Mode none runs one collective and one GEMM: chunks do not apply. (Only
+  // here, on the resolved knobs: a level in mode none passes its inherited
+  // chunk count on to inner levels that choose another mode.)
+  if (knobs.mode == OverlapMode::kNone) knobs.chunks = 1;
   if (Status s = ValidateLinearKnobs(knobs, op); !s.ok()) {
     return InvalidArgumentError("overlap config " + where + " for layer '" +
                                 std::string(layer_name) + "': " + s.message());

@@ -216,6 +216,18 @@ TEST(ModelConfig, SyntaxErrorAndNonObject) {
   EXPECT_THAT(s.message(), AllOf(HasSubstr("bad/config.json"), HasSubstr("object")));
 }
 
+TEST(ModelConfig, RepeatedKeysAreRefused) {
+  std::string text = kMinimal;
+  text.insert(text.find('{') + 1, "\"hidden_size\": 64,");
+  Status s = ParseError(text);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("bad/config.json"),
+                                 HasSubstr("key 'hidden_size' appears more than once")));
+  // The same key in two different objects is fine.
+  EXPECT_TRUE(
+      ParseModelConfigJson(MinimalWith("quantization_config", "{\"hidden_size\": 1}"), "x").ok());
+}
+
 TEST(ModelConfig, OnlyLlamaModelType) {
   EXPECT_TRUE(ParseModelConfigJson(MinimalWith("model_type", "\"llama\""), "x").ok());
   const Status s = ParseError(MinimalWith("model_type", "\"mistral\""));

@@ -126,6 +126,36 @@ TEST(OverlapConfig, CopyEngineOnARowParallelLayerResolvesInEveryMode) {
   ASSERT_TRUE(tuned.ok()) << tuned.status().ToString();
 }
 
+// A level in mode none does not reset what inner levels inherit: its own
+// resolved knobs have one chunk, an M range below it that picks ring gets the
+// defaults' four.
+TEST(OverlapConfig, ModeNoneDoesNotResetTheChunksInnerLevelsInherit) {
+  const OverlapConfig cfg = MustParse(R"(version: 1
+defaults: {mode: ring, chunks: 4}
+layers:
+  - match: "*"
+    mode: none
+    m_ranges:
+      - {m_min: 1, m_max: 1024}
+      - {m_min: 1025, mode: ring}
+)");
+  auto small = cfg.Resolve("layers.0.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 8192, 512, 2);
+  auto large = cfg.Resolve("layers.0.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 8192, 4096, 2);
+  ASSERT_TRUE(small.ok() && large.ok());
+  EXPECT_EQ(small->mode, OverlapMode::kNone);
+  EXPECT_EQ(small->chunks, 1);
+  EXPECT_EQ(large->mode, OverlapMode::kRing);
+  EXPECT_EQ(large->chunks, 4);
+}
+
+TEST(OverlapConfig, RepeatedKeysAreRefusedNamingTheLine) {
+  const Status s = ParseError("version: 1\ndefaults:\n  mode: none\n  mode: ring\n");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("bad.yaml:4: defaults.mode: duplicate key"));
+  EXPECT_THAT(ParseError("version: 1\nversion: 1\n").message(),
+              HasSubstr("(top).version: duplicate key"));
+}
+
 TEST(OverlapConfig, RoundTripsThroughYaml) {
   const OverlapConfig cfg = MustParse(kExample);
   const std::string text = cfg.ToYaml();

@@ -420,6 +420,13 @@ TEST(SafetensorsMalformedTest, HeaderLengthOverLimit) {
   // A length near 2^64 with the default limit, and no data behind it.
   ExpectOpenInvalid(LengthPrefix(UINT64_MAX) + "{}",
                     {"header length 18446744073709551615 exceeds the limit"});
+  // The default is the reference implementation's decimal 100,000,000 bytes:
+  // one byte more is refused as too long, exactly that many is not (it then
+  // fails for running past this short file).
+  ExpectOpenInvalid(LengthPrefix(100'000'001) + "{}",
+                    {"header length 100000001 exceeds the limit of 100000000"});
+  ExpectOpenInvalid(LengthPrefix(100'000'000) + "{}",
+                    {"header length 100000000 runs past the end of the file"});
 }
 
 TEST(SafetensorsMalformedTest, HeaderLengthPastEndOfFile) {
