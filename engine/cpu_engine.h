@@ -23,7 +23,7 @@ namespace tpserve {
 struct CpuEngineOptions {
   ModelConfig config;                            // the model's shape
   int tp = 1;                                    // ranks (threads)
-  DataType dtype = DataType::kFloat8E4M3;        // of random weights (checkpoints bring their own)
+  DataType dtype = DataType::kFloat8E4M3;        // of the TP layers (random or loaded)
   uint64_t seed = 7;                             // of random weights
   std::string checkpoint_dir;                    // empty: random weights
   std::shared_ptr<const OverlapConfig> overlap;  // may be null: every layer mode none

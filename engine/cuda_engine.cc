@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <optional>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "comm/cuda_check.h"
 #include "comm/nccl_bootstrap.h"
@@ -176,10 +178,33 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
 }
 
 void CudaEngine::MonitorWorkers() {
-  // Blocks until a child exits (WNOWAIT: StopWorkers reaps it later).
+  // Blocks until a worker exits (WNOWAIT: StopWorkers reaps it later). Each
+  // worker is waited for by pid: another child of this process (one the
+  // embedding application started) must not be taken for a lost rank.
+  std::vector<pid_t> pids;
+  {
+    // StopWorkers rewrites workers_, but only after stopping_ is set.
+    std::lock_guard lock(monitor_mu_);
+    if (stopping_) return;
+    pids = workers_;
+  }
   siginfo_t info{};
-  while (waitid(P_ALL, 0, &info, WEXITED | WNOWAIT) != 0) {
-    if (errno != EINTR) return;  // no children left
+  for (bool exited = false; !exited;) {
+    for (pid_t pid : pids) {
+      siginfo_t one{};
+      if (waitid(P_PID, static_cast<id_t>(pid), &one, WEXITED | WNOWAIT | WNOHANG) == 0 &&
+          one.si_pid == pid) {
+        info = one;
+        exited = true;
+        break;
+      }
+    }
+    if (exited) break;
+    {
+      std::lock_guard lock(monitor_mu_);
+      if (stopping_) return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   // Held while the monitor uses pool_, so that the destructor cannot reset it
   // meanwhile; monitor_mu_ is not held during the abort: healthy() takes it,
@@ -189,8 +214,8 @@ void CudaEngine::MonitorWorkers() {
     std::lock_guard lock(monitor_mu_);
     if (stopping_) return;
     int rank = 0;
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      if (workers_[i] == info.si_pid) rank = static_cast<int>(i) + 1;
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (pids[i] == info.si_pid) rank = static_cast<int>(i) + 1;
     }
     lost_ = "worker rank " + std::to_string(rank) + " (pid " + std::to_string(info.si_pid) + ") " +
             (info.si_code == CLD_EXITED ? "exited with status " + std::to_string(info.si_status)
@@ -230,7 +255,7 @@ CudaEngine::~CudaEngine() {
     pool_.reset();  // collective with the workers' own teardown when graceful
   }
   StopWorkers(graceful);
-  if (monitor_.joinable()) monitor_.join();  // woken by the workers' exit
+  if (monitor_.joinable()) monitor_.join();  // it polls stopping_ every 20 ms
 }
 
 void CudaEngine::StopWorkers(bool graceful) {

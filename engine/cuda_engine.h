@@ -44,7 +44,7 @@ namespace tpserve {
 struct CudaEngineOptions {
   ModelConfig config;                      // the model's shape
   int tp = 1;                              // ranks = GPUs = processes
-  DataType dtype = DataType::kFloat8E4M3;  // of random weights
+  DataType dtype = DataType::kFloat8E4M3;  // of the TP layers (random or loaded)
   uint64_t seed = 7;                       // of random weights
   std::string checkpoint_dir;              // empty: random weights
   // Random weights generated on the GPUs (CudaModel::CreateRandom: seconds

@@ -1,6 +1,6 @@
 // Engine: what the server needs from a model backend. CpuEngine (ranks as
-// threads on the CPU reference executor) implements it; the CUDA engine
-// (one process per GPU) will too.
+// threads on the CPU reference executor) and CudaEngine (one process per
+// GPU, engine/cuda_engine.h) implement it.
 #pragma once
 
 #include <string>
