@@ -72,16 +72,7 @@ Status ValidateTokenBatch(const TokenBatch& b, int64_t vocab, int64_t max_positi
 StatusOr<std::unique_ptr<CpuModel>> CpuModel::Create(const ModelConfig& config, RankWeights weights,
                                                      const OverlapConfig* overlap,
                                                      Communicator& comm) {
-  TP_RETURN_IF_ERROR(config.ValidateForTp(comm.size()));
-  if (weights.tp != comm.size() || weights.rank != comm.rank()) {
-    return InvalidArgumentError("weights are rank " + std::to_string(weights.rank) + " of " +
-                                std::to_string(weights.tp) + ", the communicator is rank " +
-                                std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
-  }
-  if (static_cast<int64_t>(weights.layers.size()) != config.num_hidden_layers) {
-    return InvalidArgumentError("weights have " + std::to_string(weights.layers.size()) +
-                                " layers, the config " + std::to_string(config.num_hidden_layers));
-  }
+  TP_RETURN_IF_ERROR(ValidateRankWeights(config, weights, comm.size(), comm.rank()));
   return std::unique_ptr<CpuModel>(new CpuModel(config, std::move(weights), overlap, comm));
 }
 

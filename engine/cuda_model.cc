@@ -125,16 +125,9 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
                                                        const OverlapConfig* overlap,
                                                        NcclCommPool& pool,
                                                        const CudaModelOptions& options) {
-  const int tp = pool.base().size(), rank = pool.base().rank();
-  if (weights.tp != tp || weights.rank != rank) {
-    return InvalidArgumentError("weights are rank " + std::to_string(weights.rank) + " of " +
-                                std::to_string(weights.tp) + ", the communicator is rank " +
-                                std::to_string(rank) + " of " + std::to_string(tp));
-  }
-  if (static_cast<int64_t>(weights.layers.size()) != config.num_hidden_layers) {
-    return InvalidArgumentError("weights have " + std::to_string(weights.layers.size()) +
-                                " layers, the config " + std::to_string(config.num_hidden_layers));
-  }
+  const int tp = pool.base().size();
+  // Sizes and types against the config, before anything is uploaded.
+  TP_RETURN_IF_ERROR(ValidateRankWeights(config, weights, tp, pool.base().rank()));
   TP_ASSIGN_OR_RETURN(auto model, NewShell(config, weights.dtype, overlap, pool, options));
   CudaModel& md = *model;
   auto upload_linear = [&](const LinearWeight& lw, const std::string& name, Linear* out) -> Status {
@@ -512,22 +505,42 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
 void CudaModel::SetOverlap(const OverlapConfig* overlap) { overlap_ = overlap; }
 
 Status CudaModel::WarmUp() {
-  // A batch that fills each bucket: plans, eager run, capture (collective).
+  // One batch per (bucket, sequence slots) that a request batch can reach:
+  // plans, eager run, capture (collective). A slot count s serves batches of
+  // s/2 .. s-1 sequences (plus the padding one); it is reachable in bucket m
+  // when such a batch can hold more tokens than the bucket below (each
+  // sequence at most max_position_embeddings long, each at least one token).
+  const int64_t max_pos = config_.max_position_embeddings;
+  int64_t below = 0;
   for (int64_t m : buckets_) {
-    const int64_t tokens = std::min(m, options_.max_tokens);
-    int64_t len = std::min(tokens, config_.max_position_embeddings);
-    if ((tokens + len - 1) / len > options_.max_seqs) {
-      len = (tokens + options_.max_seqs - 1) / options_.max_seqs;
+    const int64_t most = std::min(m, options_.max_tokens);
+    std::vector<int64_t> slot_counts;
+    for (int64_t n = 1; n <= options_.max_seqs; ++n) {
+      const int64_t s = SequenceSlots(n + 1, options_.max_seqs);
+      if (slot_counts.empty() || slot_counts.back() != s) slot_counts.push_back(s);
     }
-    TokenBatch b;
-    b.cu_seqlens.push_back(0);
-    for (int64_t t = 0; t < tokens; ++t) {
-      b.ids.push_back(static_cast<int32_t>(t % config_.vocab_size));
-      b.positions.push_back(static_cast<int32_t>(t % len));
-      if (t % len == len - 1 || t == tokens - 1)
-        b.cu_seqlens.push_back(static_cast<int32_t>(t + 1));
+    for (int64_t s : slot_counts) {
+      // The most sequences this slot count takes (their count n satisfies
+      // SequenceSlots(n + 1) == s), and as many tokens as fit the bucket.
+      int64_t n = std::min({s - 1, options_.max_seqs, most});
+      while (n > 1 && SequenceSlots(n + 1, options_.max_seqs) != s) --n;
+      if (SequenceSlots(n + 1, options_.max_seqs) != s) continue;
+      const int64_t tokens = std::min(most, n * max_pos);
+      if (tokens <= below || tokens < n) continue;  // lands in a smaller bucket
+      TokenBatch b;
+      b.cu_seqlens.push_back(0);
+      for (int64_t q = 0; q < n; ++q) {
+        const int64_t len = tokens / n + (q < tokens % n ? 1 : 0);
+        for (int64_t t = 0; t < len; ++t) {
+          b.ids.push_back(static_cast<int32_t>(b.ids.size() % config_.vocab_size));
+          b.positions.push_back(static_cast<int32_t>(t));
+        }
+        b.cu_seqlens.push_back(static_cast<int32_t>(b.ids.size()));
+      }
+      TP_RETURN_IF_ERROR(Forward(b).status().WithContext("warming up bucket " + std::to_string(m) +
+                                                         " with " + std::to_string(s) + " slots"));
     }
-    TP_RETURN_IF_ERROR(Forward(b).status().WithContext("warming up bucket " + std::to_string(m)));
+    below = m;
   }
   return Status::Ok();
 }

@@ -27,7 +27,7 @@
 // (overlap settings, bucket, slots) serves every batch that fits it: the
 // first such batch runs eagerly (planning the TP layers and setting up
 // NCCL's connections), then the graph is captured and replayed from then on
-// (WarmUp() does this for every bucket at start). TP
+// (WarmUp() does this for every bucket and slot count at start). TP
 // layers are created on first use, one per distinct (op, shape, knobs) —
 // layers of the same shape share one CudaLinear, since weights are passed
 // per call — and prepared per bucket.
@@ -94,8 +94,9 @@ class CudaModel {
   // rank. INVALID_ARGUMENT for a batch over the options' limits.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
 
-  // Runs one batch per bucket (eager, then capture): every graph exists
-  // before the first request. Collective.
+  // Runs one batch per (bucket, sequence slots) that requests can reach
+  // (eager, then capture): every graph exists before the first request, so
+  // no request pays for planning or capture. Collective.
   Status WarmUp();
 
   const std::vector<int64_t>& buckets() const { return buckets_; }

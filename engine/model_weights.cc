@@ -397,4 +397,56 @@ StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig&
   return Shard(ck, config, dtype, tp, rank);
 }
 
+Status ValidateRankWeights(const ModelConfig& c, const RankWeights& w, int tp, int rank) {
+  TP_RETURN_IF_ERROR(c.ValidateForTp(tp));
+  if (w.tp != tp || w.rank != rank) {
+    return InvalidArgumentError("weights are rank " + std::to_string(w.rank) + " of " +
+                                std::to_string(w.tp) + ", expected rank " + std::to_string(rank) +
+                                " of " + std::to_string(tp));
+  }
+  if (w.dtype != DataType::kFloat8E4M3 && w.dtype != DataType::kBFloat16) {
+    return InvalidArgumentError("weights: the TP layers must be fp8_e4m3 or bf16, got " +
+                                std::string(DataTypeName(w.dtype)));
+  }
+  const int64_t h = c.hidden_size, hd = c.head_dim(), v = c.vocab_size;
+  auto floats = [&](const std::string& name, const std::vector<float>& t, int64_t want) {
+    if (static_cast<int64_t>(t.size()) == want) return Status::Ok();
+    return InvalidArgumentError("weights: " + name + " has " + std::to_string(t.size()) +
+                                " values, the config implies " + std::to_string(want));
+  };
+  auto linear = [&](const std::string& name, const LinearWeight& lw, DataType dtype, int64_t n,
+                    int64_t k) {
+    if (lw.dtype != dtype || lw.n != n || lw.k != k ||
+        lw.data.size() != static_cast<size_t>(n * k) * DataTypeSize(dtype)) {
+      return InvalidArgumentError(
+          "weights: " + name + " is " + std::string(DataTypeName(lw.dtype)) + " [" +
+          std::to_string(lw.n) + ", " + std::to_string(lw.k) + "] with " +
+          std::to_string(lw.data.size()) + " bytes; rank " + std::to_string(rank) + " of " +
+          std::to_string(tp) + " needs " + std::string(DataTypeName(dtype)) + " [" +
+          std::to_string(n) + ", " + std::to_string(k) + "]");
+    }
+    return Status::Ok();
+  };
+  TP_RETURN_IF_ERROR(floats("embed", w.embed, v * h));
+  TP_RETURN_IF_ERROR(floats("final_norm", w.final_norm, h));
+  TP_RETURN_IF_ERROR(linear("lm_head", w.lm_head, DataType::kBFloat16, v / tp, h));
+  if (static_cast<int64_t>(w.layers.size()) != c.num_hidden_layers) {
+    return InvalidArgumentError("weights have " + std::to_string(w.layers.size()) +
+                                " layers, the config " + std::to_string(c.num_hidden_layers));
+  }
+  const int64_t q_rows = (c.num_attention_heads + 2 * c.num_key_value_heads) / tp * hd;
+  const int64_t heads_cols = c.num_attention_heads / tp * hd, inter_l = c.intermediate_size / tp;
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& l = w.layers[i];
+    const std::string p = "layers." + std::to_string(i);
+    TP_RETURN_IF_ERROR(floats(p + ".input_norm", l.input_norm, h));
+    TP_RETURN_IF_ERROR(floats(p + ".post_norm", l.post_norm, h));
+    TP_RETURN_IF_ERROR(linear(p + ".attn.qkv", l.qkv, w.dtype, q_rows, h));
+    TP_RETURN_IF_ERROR(linear(p + ".attn.o", l.o, w.dtype, h, heads_cols));
+    TP_RETURN_IF_ERROR(linear(p + ".mlp.gate_up", l.gate_up, w.dtype, 2 * inter_l, h));
+    TP_RETURN_IF_ERROR(linear(p + ".mlp.down", l.down, w.dtype, h, inter_l));
+  }
+  return Status::Ok();
+}
+
 }  // namespace tpserve

@@ -43,6 +43,11 @@ struct RankWeights {
   std::vector<LayerWeights> layers;
 };
 
+// INVALID_ARGUMENT naming the first tensor whose size or type does not fit
+// rank `rank` of `tp` for `config` (the layout above): the engines check
+// weights handed to them before anything reads past a buffer.
+Status ValidateRankWeights(const ModelConfig& config, const RankWeights& weights, int tp, int rank);
+
 // HuggingFace tensor names of layer `i` (e.g. "model.layers.3.mlp.down_proj").
 std::string HfLayerPrefix(int64_t layer);
 

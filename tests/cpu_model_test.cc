@@ -205,6 +205,31 @@ TEST(CpuModel, CheckpointTensorsAreCheckedForDuplicatesShapeAndType) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(CpuModel, WeightsThatDoNotFitTheConfigAreRefusedNamingTheTensor) {
+  auto w = MakeRandomRankWeights(Tiny(), DataType::kFloat8E4M3, 2, 1, 7);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_TRUE(ValidateRankWeights(Tiny(), *w, 2, 1).ok());
+  EXPECT_THAT(ValidateRankWeights(Tiny(), *w, 2, 0).message(),
+              HasSubstr("weights are rank 1 of 2, expected rank 0 of 2"));
+  RankWeights bad = *w;
+  bad.layers[1].down.k /= 2;
+  Status s = ValidateRankWeights(Tiny(), bad, 2, 1);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("layers.1.mlp.down is fp8_e4m3 [512, 128]"));
+  bad = *w;
+  bad.layers[0].qkv.data.pop_back();
+  EXPECT_THAT(ValidateRankWeights(Tiny(), bad, 2, 1).message(), HasSubstr("layers.0.attn.qkv"));
+  bad = *w;
+  bad.embed.resize(10);
+  EXPECT_THAT(ValidateRankWeights(Tiny(), bad, 2, 1).message(),
+              HasSubstr("embed has 10 values, the config implies 524288"));
+  // A shard made for tp=1 handed to a tp=2 model.
+  auto whole = MakeRandomRankWeights(Tiny(), DataType::kFloat8E4M3, 1, 0, 7);
+  ASSERT_TRUE(whole.ok());
+  whole->tp = 2;
+  EXPECT_THAT(ValidateRankWeights(Tiny(), *whole, 2, 0).message(), HasSubstr("lm_head"));
+}
+
 TEST(CpuModel, LoadingReportsTheMissingTensorAndFile) {
   const std::string dir = ::testing::TempDir() + "/tpserve_bad_ckpt";
   std::filesystem::create_directories(dir);
