@@ -146,10 +146,12 @@ PY
       --max-batch-tokens 8192 --max-tokens-per-request 1024 > "$out/serve.out" 2> "$out/serve.log" &
     pid=$!
     for _ in $(seq 1 240); do grep -q "gRPC port" "$out/serve.out" 2>/dev/null && break; sleep 1; done
-    # 15 s windows: at saturation the server completes one batch of 8 requests
-    # every ~0.6 s, so a 5 s window counts throughput in steps of 12.5 %.
+    # 10 s windows: at saturation the server completes one batch of 8 requests
+    # every ~0.6 s, so a 5 s window counts throughput in steps of 12.5 % (10 s:
+    # ~6 %); 3 of them, the fewest that tpserve-loadtest checks stability on
+    # (earlier runs used 2 × 15 s windows, whose "stable" compared only 2).
     timeout 300 .gpu/bin/tpserve-loadtest -u 127.0.0.1:8001 -m llama3-70b \
-      --concurrency-range 4:64:20 --prompt-len 1024 --duration 15 --warmup 3 --max-trials 2 \
+      --concurrency-range 4:64:20 --prompt-len 1024 --duration 10 --warmup 3 --max-trials 3 \
       --json "$out/loadtest-llama3-70b.json" > "$out/loadtest.log" 2>&1 || rc=1
     tail -15 "$out/loadtest.log"
     # The run's provenance beside the client's own report.

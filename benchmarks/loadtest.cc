@@ -28,6 +28,7 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "proto/grpc_service.grpc.pb.h"
@@ -224,6 +226,11 @@ std::string BuildPrompts(const Flags& f, std::vector<Prompt>* prompts) {
     hi = static_cast<int64_t>(b);
   }
   if (lo < 1) return "--prompt-len must be >= 1";
+  constexpr int64_t kMaxPromptLen = int64_t{1} << 20;
+  if (hi > kMaxPromptLen) {
+    return "prompts of at most " + std::to_string(kMaxPromptLen) + " tokens, got " +
+           std::to_string(hi);
+  }
   if (f.vocab < 1) return "--vocab must be >= 1";
   std::mt19937_64 rng(f.seed);
   std::uniform_int_distribution<int64_t> len(lo, hi), id(0, f.vocab - 1);
@@ -422,14 +429,22 @@ std::optional<ServerStats> GetServerStats(inference::GRPCInferenceService::Stub*
 
 double RequestsPerSec(const Window& w) { return w.seconds > 0 ? w.ok / w.seconds : 0; }
 
-// True when every value is within pct percent of their mean.
-bool Stable(const std::vector<double>& values, double pct) {
-  if (values.empty()) return false;
+// Windows whose requests/s must agree for a step to count as stable.
+constexpr size_t kStableWindows = 3;
+
+// Whether the last kStableWindows windows' requests/s are all within pct
+// percent of their mean: true / false, or null when it cannot be told (fewer
+// windows than that, or no request succeeded in them).
+Json Stable(const std::vector<double>& rps, double pct) {
+  if (rps.size() < kStableWindows) return nullptr;
+  const std::vector<double> last(rps.end() - static_cast<std::ptrdiff_t>(kStableWindows),
+                                 rps.end());
   double mean = 0;
-  for (double v : values) mean += v;
-  mean /= static_cast<double>(values.size());
-  for (double v : values) {
-    if (mean == 0 ? v != 0 : std::abs(v - mean) > mean * pct / 100.0) return false;
+  for (double v : last) mean += v;
+  mean /= static_cast<double>(last.size());
+  if (!(mean > 0)) return nullptr;
+  for (double v : last) {
+    if (std::abs(v - mean) > mean * pct / 100.0) return false;
   }
   return true;
 }
@@ -438,7 +453,7 @@ Json NumberOrNull(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr);
 
 // One step's result from its reported windows.
 Json StepResult(const std::string& key, double value, const std::vector<Window>& windows,
-                size_t trials, bool stable) {
+                size_t trials, const Json& stable) {
   Window all;
   bool have_server = true;
   for (const auto& w : windows) {
@@ -472,6 +487,10 @@ Json StepResult(const std::string& key, double value, const std::vector<Window>&
   r["max_ms"] = NumberOrNull(lat.empty() ? std::nan("") : lat.back());
   r["requests"] = all.ok;
   r["error_count"] = all.failed;
+  // The percentiles above are over successful requests only: read them with
+  // the share of requests that failed (timeouts included).
+  r["error_share"] =
+      NumberOrNull(static_cast<double>(all.failed) / static_cast<double>(all.ok + all.failed));
   r["errors"] = Json::object();
   for (const auto& [name, n] : all.errors) r["errors"][name] = n;
   const double n = (have_server && all.server_count > 0) ? all.server_count : std::nan("");
@@ -503,20 +522,11 @@ std::string ErrorsString(const Json& errors) {
   return s;
 }
 
-const std::vector<std::string> kScalarFields = {"requests_per_sec",
-                                                "tokens_per_sec",
-                                                "p50_ms",
-                                                "p90_ms",
-                                                "p95_ms",
-                                                "p99_ms",
-                                                "max_ms",
-                                                "requests",
-                                                "error_count",
-                                                "server_queue_ms",
-                                                "server_compute_ms",
-                                                "window_s",
-                                                "trials",
-                                                "stable"};
+const std::vector<std::string> kScalarFields = {
+    "requests_per_sec", "tokens_per_sec", "p50_ms",          "p90_ms",
+    "p95_ms",           "p99_ms",         "max_ms",          "requests",
+    "error_count",      "error_share",    "server_queue_ms", "server_compute_ms",
+    "window_s",         "trials",         "stable"};
 
 std::string UtcNow() {
   std::time_t t = std::time(nullptr);
@@ -542,6 +552,35 @@ int Run(const Flags& f, const std::string& command) {
       return 2;
     }
     levels = *r;
+  }
+  if (!rate_mode) {
+    for (double v : levels) {
+      if (v < 1 || std::abs(v - std::round(v)) > 1e-9) {
+        std::cerr << "error: --concurrency-range values are outstanding requests: whole numbers "
+                     ">= 1, got "
+                  << v << "\n";
+        return 2;
+      }
+    }
+  }
+  if (f.requests < 0) {
+    std::cerr << "error: --requests must be >= 1, got " << f.requests << "\n";
+    return 2;
+  }
+  if (f.datatype == "INT32" && f.vocab > std::numeric_limits<int32_t>::max()) {
+    std::cerr << "error: --vocab " << f.vocab << " does not fit --datatype INT32\n";
+    return 2;
+  }
+  // Output files are opened before any load runs: a path that cannot be
+  // written fails now, not after the sweep.
+  std::ofstream json_out, csv_out;
+  for (auto [path, stream] : {std::pair{&f.json, &json_out}, std::pair{&f.csv, &csv_out}}) {
+    if (path->empty()) continue;
+    stream->open(*path);
+    if (!*stream) {
+      std::cerr << "error: cannot write " << *path << "\n";
+      return 2;
+    }
   }
   if (f.duration_s <= 0 && f.requests <= 0) {
     std::cerr << "error: --duration must be > 0\n";
@@ -591,7 +630,7 @@ int Run(const Flags& f, const std::string& command) {
     std::this_thread::sleep_for(std::chrono::duration<double>(f.warmup_s));
     std::vector<Window> windows;
     std::vector<double> rps;
-    bool stable = false;
+    Json stable = nullptr;
     for (int trial = 1; trial <= f.max_trials; ++trial) {
       auto before = GetServerStats(stub.get(), f.model);
       driver.BeginWindow();
@@ -628,28 +667,27 @@ int Run(const Flags& f, const std::string& command) {
       }
       rps.push_back(RequestsPerSec(w));
       windows.push_back(std::move(w));
-      const size_t need = static_cast<size_t>(std::min(3, f.max_trials));
-      if (rps.size() >= need &&
-          Stable(std::vector<double>(rps.end() - static_cast<std::ptrdiff_t>(need), rps.end()),
-                 f.stability_pct)) {
-        stable = true;
-        break;
-      }
+      stable = Stable(rps, f.stability_pct);
+      if (stable == Json(true)) break;
     }
     driver.StopLoad();
     if (tty) std::printf("\r\033[K");
-    const size_t keep = std::min<size_t>(3, windows.size());
+    const size_t keep = std::min(kStableWindows, windows.size());
     std::vector<Window> last(windows.end() - static_cast<std::ptrdiff_t>(keep), windows.end());
     Json r = StepResult(key, level, last, windows.size(), stable);
     std::printf(
         "%s %s: %s req/s, %s tok/s, p50 %s ms, p90 %s ms, p95 %s ms, p99 %s ms, max %s ms, "
-        "server queue %s ms, compute %s ms, errors %s, %s after %zu trials\n",
+        "server queue %s ms, compute %s ms, errors %s (%s of requests), %s after %zu trials\n",
         key.c_str(), Fmt(r[key]).c_str(), Fmt(r["requests_per_sec"], 1).c_str(),
         Fmt(r["tokens_per_sec"], 1).c_str(), Fmt(r["p50_ms"], 3).c_str(),
         Fmt(r["p90_ms"], 3).c_str(), Fmt(r["p95_ms"], 3).c_str(), Fmt(r["p99_ms"], 3).c_str(),
         Fmt(r["max_ms"], 3).c_str(), Fmt(r["server_queue_ms"], 3).c_str(),
         Fmt(r["server_compute_ms"], 3).c_str(), r["errors"].dump().c_str(),
-        stable ? "stable" : "NOT stable", windows.size());
+        Fmt(r["error_share"], 3).c_str(),
+        stable.is_null()     ? "stability unchecked (fewer than 3 windows, or none succeeded)"
+        : stable.get<bool>() ? "stable"
+                             : "NOT stable",
+        windows.size());
     std::fflush(stdout);
     steps.push_back(std::move(r));
   }
@@ -675,15 +713,16 @@ int Run(const Flags& f, const std::string& command) {
     Json doc;
     doc["meta"] = {{"url", f.url}, {"model", f.model}, {"command", command}, {"date", UtcNow()}};
     doc["steps"] = steps;
-    std::ofstream out(f.json);
+    std::ofstream& out = json_out;
     out << doc.dump(2) << "\n";
+    out.flush();
     if (!out) {
       std::cerr << "error: cannot write " << f.json << "\n";
       rc = 2;
     }
   }
   if (!f.csv.empty()) {
-    std::ofstream out(f.csv);
+    std::ofstream& out = csv_out;
     out << key;
     for (const auto& name : kScalarFields) out << "," << name;
     out << ",errors\n";
@@ -695,6 +734,7 @@ int Run(const Flags& f, const std::string& command) {
       }
       out << "," << ErrorsString(r["errors"]) << "\n";
     }
+    out.flush();
     if (!out) {
       std::cerr << "error: cannot write " << f.csv << "\n";
       rc = 2;
@@ -732,7 +772,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", f.seed, "random seed (prompts, poisson arrivals)")
       ->capture_default_str();
   auto* conc = app.add_option("--concurrency-range", f.concurrency_range,
-                              "closed loop: start:end:step outstanding requests (default 1)");
+                              "closed loop: start:end:step outstanding requests, whole numbers "
+                              ">= 1 (default 1)");
   auto* rate = app.add_option("--request-rate-range", f.request_rate_range,
                               "open loop: start:end:step requests per second");
   conc->excludes(rate);
@@ -748,13 +789,19 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", f.warmup_s, "seconds of load before measuring, per step")
       ->capture_default_str();
   app.add_option("--stability", f.stability_pct,
-                 "3 consecutive windows' requests/s must agree within this percent")
+                 "a step is stable when its last 3 windows' requests/s agree within this percent "
+                 "(with --max-trials < 3 stability is not checked and reported as '-')")
       ->capture_default_str();
-  app.add_option("--max-trials", f.max_trials, "most measurement windows per step")
+  app.add_option("--max-trials", f.max_trials,
+                 "most measurement windows per step (a step ends early once stable)")
       ->capture_default_str();
   app.add_option("--timeout-ms", f.timeout_ms, "deadline of each request in milliseconds")
       ->capture_default_str();
   app.add_option("--csv", f.csv, "write one CSV row per step to FILE");
+  app.footer(
+      "Latency percentiles and requests/s count successful requests; error_count and "
+      "error_share (timeouts included) say how many failed. Exit status: 0; 1 when every "
+      "request failed; 2 on bad arguments or an output file that cannot be written.");
   app.add_option("--json", f.json, "write the results as JSON to FILE");
   try {
     app.parse(argc, argv);

@@ -57,16 +57,24 @@ def load(path, impl):
     return data
 
 
-def load_all(paths, impl):
-    """The inputs of one impl concatenated (meta from the first), or None."""
+def load_all(paths, impl, missing):
+    """The inputs of one impl concatenated (meta from the first), or None.
+    An input that does not exist (its tool died before writing it) is left
+    out with a warning and appended to `missing`, so that what the other
+    inputs hold is still written."""
     out = None
     for path in paths or []:
+        if not os.path.exists(path):
+            warn("%s: no such file (left out)" % path)
+            missing.append(path)
+            continue
         part = load(path, impl)
         if out is None:
             out = part
+            out["skipped"] = list(out.get("skipped") or [])
         else:
             out["records"].extend(part["records"])
-            out.setdefault("skipped", []).extend(part.get("skipped", []) or [])
+            out["skipped"].extend(part.get("skipped") or [])
     return out
 
 
@@ -164,9 +172,10 @@ def main(argv=None):
         p.error("give --ours, --peer or both")
     if args.date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date):
         p.error("--date must be YYYY-MM-DD, got %r" % args.date)
+    missing = []
     try:
-        ours = load_all(args.ours, "tpserve")
-        peer = load_all(args.peer, "torch")
+        ours = load_all(args.ours, "tpserve", missing)
+        peer = load_all(args.peer, "torch", missing)
     except (OSError, ValueError) as e:
         sys.stderr.write("merge_results: %s\n" % e)
         return 1
@@ -176,7 +185,12 @@ def main(argv=None):
         warn("no --ours: the file holds PyTorch records only")
     if peer is None:
         warn("no --peer: the file holds tpserve records only")
+    if ours is None and peer is None:
+        sys.stderr.write("merge_results: none of the inputs exists: %s\n" % ", ".join(missing))
+        return 1
     out = merge(ours, peer, args.commit, args.date, args.device, args.command)
+    if missing:
+        out["missing_inputs"] = missing
     d = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(d, exist_ok=True)
     tmp = args.out + ".tmp"
@@ -189,7 +203,8 @@ def main(argv=None):
     print("wrote %s: %d tpserve + %d torch records%s" % (
         args.out, n_ours, n_peer,
         ", %d skipped" % len(out["skipped"]) if "skipped" in out else ""))
-    return 0
+    # Written, but not a complete run: the caller must notice.
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

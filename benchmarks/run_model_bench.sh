@@ -19,19 +19,29 @@ date=$(date -u +%Y-%m-%d)
 rc=0
 ours=".gpu/bin/tpserve-bench-model --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds --overlap $overlap --commit $commit"
 peer="python3 benchmarks/torch_model.py --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds"
+# Never merge an earlier run's file under this commit.
+rm -f /tmp/model-ours.json /tmp/model-peer.json
 echo "== $ours"
 timeout ${BENCH_TIMEOUT:-300} $ours --out /tmp/model-ours.json 2>&1 | tee "$out/model-bench.log" | grep -E "tokens/s|error" || rc=1
 echo "== $peer"
 PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-300} $peer --out /tmp/model-peer.json 2>&1 | tee -a "$out/model-bench.log" | grep -E "tokens/s|fatal|Error" || rc=1
 device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 python3 - "$out/$date-model-$model-tp$tp.json" "$commit" "$ours ; $peer" "$date" "$device" <<'PY' || rc=1
-import json, sys
+import json, os, sys
 path, commit, command, date, device = sys.argv[1:6]
-docs = [json.load(open(p)) for p in ("/tmp/model-ours.json", "/tmp/model-peer.json")]
-meta = dict(docs[0]["meta"], torch=docs[1]["meta"].get("torch"), commit=commit, command=command,
-            date=date, device="%sx %s" % (docs[0]["meta"].get("tp", "?"), device))
-records = docs[0]["records"] + docs[1]["records"]
-json.dump({"meta": meta, "records": records}, open(path, "w"), indent=1)
+inputs = [p for p in ("/tmp/model-ours.json", "/tmp/model-peer.json") if os.path.exists(p)]
+missing = [p for p in ("/tmp/model-ours.json", "/tmp/model-peer.json") if p not in inputs]
+if not inputs:
+    sys.exit("merge: neither benchmark wrote its file")
+docs = [json.load(open(p)) for p in inputs]
+meta = dict(docs[0]["meta"], commit=commit, command=command, date=date,
+            device="%sx %s" % (docs[0]["meta"].get("tp", "?"), device))
+meta["torch"] = next((d["meta"].get("torch") for d in docs if d["meta"].get("torch")), None)
+records = [r for d in docs for r in d["records"]]
+doc = {"meta": meta, "records": records}
+if missing:
+    doc["missing_inputs"] = missing  # a benchmark died: not a complete comparison
+json.dump(doc, open(path, "w"), indent=1)
 print("wrote %s (%d records)" % (path, len(records)))
 by = {}
 for r in records:
@@ -45,5 +55,6 @@ for tokens, v in sorted(by.items()):
           "tuned/torch %s (goal >= 1.3)" % (tokens, none and round(none), tuned and round(tuned),
                                             torch and round(torch), ratio(tuned, none),
                                             ratio(tuned, torch)))
+sys.exit(1 if missing else 0)
 PY
 exit $rc

@@ -134,6 +134,26 @@ class MergeTest(unittest.TestCase):
             self.assertIn("bad.json", r.stderr)
             self.assertIn("records", r.stderr)
 
+    def test_a_missing_input_is_left_out_and_the_rest_still_written(self):
+        with tempfile.TemporaryDirectory() as d:
+            ours = self.write(d, "ours.json", {"meta": {"commit": "abc"}, "skipped": None,
+                                               "records": [record("tpserve", "none", 1.0)]})
+            gone = os.path.join(d, "peer-pre.json")
+            out = os.path.join(d, "m.json")
+            r = subprocess.run([sys.executable, os.path.join(HERE, "merge_results.py"),
+                                "--ours", ours, "--peer", gone, "--out", out],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)  # not a complete run
+            self.assertIn("peer-pre.json: no such file", r.stderr)
+            with open(out) as f:
+                merged = json.load(f)
+            self.assertEqual([x["impl"] for x in merged["records"]], ["tpserve"])
+            self.assertEqual(merged["missing_inputs"], [gone])
+            r = subprocess.run([sys.executable, os.path.join(HERE, "merge_results.py"),
+                                "--peer", gone, "--out", out], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("none of the inputs exists", r.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

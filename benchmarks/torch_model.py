@@ -15,7 +15,8 @@ sequence's last row and the LM head. Random weights of the model's shapes
       --batches 8x1024 16x1024 --rounds 10 --out torch-model.json
 
 Each batch runs --warmup times, then --rounds timed forward passes (host
-clock around the whole pass after a barrier, as tpserve-bench-model does;
+clock around the whole pass after a barrier, as tpserve-bench-model does: the
+token ids and positions uploaded from the host, the logits downloaded to it;
 eager: attention per sequence cannot be one CUDA graph across batch shapes).
 Rank 0 writes records with impl "torch", method "torch_eager".
 """
@@ -208,9 +209,10 @@ def worker(rank, args, port):
     for seqs, length in args.shapes:
         tokens = seqs * length
         m = -(-tokens // args.tp) * args.tp
-        ids = torch.arange(m, device=model.dev) * 7919 % model.vocab
-        pos = torch.cat([torch.arange(length, device=model.dev)] * seqs +
-                        [torch.arange(m - tokens, device=model.dev)])
+        # On the host, as a server holds a batch: the timed pass uploads them
+        # and downloads the logits, as tpserve-bench-model's Forward() does.
+        ids_host = torch.arange(m) * 7919 % model.vocab
+        pos_host = torch.cat([torch.arange(length)] * seqs + [torch.arange(m - tokens)])
         cu = [i * length for i in range(seqs + 1)] + ([m] if m > tokens else [])
         times = []
         with torch.no_grad():
@@ -218,8 +220,11 @@ def worker(rank, args, port):
                 torch.cuda.synchronize()
                 dist.barrier()
                 t0 = time.perf_counter()
-                model.forward(ids, pos, cu)
+                ids = ids_host.to(model.dev)
+                pos = pos_host.to(model.dev)
+                logits = model.forward(ids, pos, cu).cpu().float()
                 torch.cuda.synchronize()
+                del logits
                 if r >= args.warmup:
                     times.append((time.perf_counter() - t0) * 1000)
         times.sort()
