@@ -109,6 +109,10 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
 }
 
 StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
+  // Every rank checks the same batch and so fails alike, before any
+  // collective (an empty sequence would otherwise never find its owner).
+  TP_RETURN_IF_ERROR(
+      ValidateTokenBatch(batch, config_.vocab_size, config_.max_position_embeddings));
   const ModelConfig& c = config_;
   const int tp = comm_.size(), rank = comm_.rank();
   const int64_t m = batch.tokens(), h = c.hidden_size, hd = c.head_dim();

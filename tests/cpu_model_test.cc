@@ -312,6 +312,16 @@ TEST(CpuEngine, RefusesABadBatchAndKeepsServing) {
   EXPECT_EQ(*ok, Logits(2, good));
 }
 
+// Called directly (as `tpserve run` does), the model refuses it on every
+// rank alike, without a collective left waiting.
+TEST(CpuModel, RefusesABadBatchOnEveryRank) {
+  TokenBatch bad = Batch(kSeqs);
+  bad.cu_seqlens[1] = 0;  // an empty first sequence
+  auto got = RunCpuModel(Tiny(), 2, DataType::kFloat8E4M3, 7, "", nullptr, bad);
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(got.status().message(), HasSubstr("sequence 0 is empty"));
+}
+
 TEST(CpuEngine, StartFailsCleanlyOnABadCheckpoint) {
   CpuEngineOptions o;
   o.config = Tiny();
