@@ -188,24 +188,26 @@ void CudaEngine::MonitorWorkers() {
     if (stopping_) return;
     pids = workers_;
   }
-  siginfo_t info{};
-  for (bool exited = false; !exited;) {
+  // The first worker that has exited, if any (without reaping it).
+  auto exited = [&]() -> std::optional<siginfo_t> {
     for (pid_t pid : pids) {
       siginfo_t one{};
       if (waitid(P_PID, static_cast<id_t>(pid), &one, WEXITED | WNOWAIT | WNOHANG) == 0 &&
           one.si_pid == pid) {
-        info = one;
-        exited = true;
-        break;
+        return one;
       }
     }
-    if (exited) break;
+    return std::nullopt;
+  };
+  std::optional<siginfo_t> gone;
+  while (!(gone = exited())) {
     {
       std::lock_guard lock(monitor_mu_);
       if (stopping_) return;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  const siginfo_t& info = *gone;
   // Held while the monitor uses pool_, so that the destructor cannot reset it
   // meanwhile; monitor_mu_ is not held during the abort: healthy() takes it,
   // and must answer while the communicators are being torn down.
@@ -289,18 +291,19 @@ StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
   if (broken_) {
     return UnavailableError("the CUDA engine failed earlier: " + first_error_.ToString());
   }
+  // Well-formed (ids, positions, sequence boundaries; at least one token),
+  // then within what the engine was sized for. Refused before anything
+  // reaches the workers.
+  TP_RETURN_IF_ERROR(ValidateTokenBatch(batch, options_.config.vocab_size,
+                                        options_.config.max_position_embeddings));
   const CudaModelOptions& lim = options_.model;
-  if (batch.tokens() < 1 || batch.sequences() < 1 || batch.tokens() > lim.max_tokens ||
-      batch.sequences() > lim.max_seqs || batch.positions.size() != batch.ids.size()) {
-    // Refused before anything reaches the workers.
+  if (batch.tokens() > lim.max_tokens || batch.sequences() > lim.max_seqs) {
     return InvalidArgumentError("batch of " + std::to_string(batch.tokens()) + " tokens in " +
                                 std::to_string(batch.sequences()) +
                                 " sequences is outside the engine's limits (" +
                                 std::to_string(lim.max_tokens) + " tokens, " +
                                 std::to_string(lim.max_seqs) + " sequences)");
   }
-  TP_RETURN_IF_ERROR(ValidateTokenBatch(batch, options_.config.vocab_size,
-                                        options_.config.max_position_embeddings));
   // A worker that died between batches: fail now instead of at the deadline.
   if (const std::string gone = LostWorker(); !gone.empty()) {
     Fail(UnavailableError(gone));

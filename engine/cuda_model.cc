@@ -511,14 +511,14 @@ Status CudaModel::WarmUp() {
   // when such a batch can hold more tokens than the bucket below (each
   // sequence at most max_position_embeddings long, each at least one token).
   const int64_t max_pos = config_.max_position_embeddings;
+  std::vector<int64_t> slot_counts;  // every value SequenceSlots takes, ascending
+  for (int64_t n = 1; n <= options_.max_seqs; ++n) {
+    const int64_t s = SequenceSlots(n + 1, options_.max_seqs);
+    if (slot_counts.empty() || slot_counts.back() != s) slot_counts.push_back(s);
+  }
   int64_t below = 0;
   for (int64_t m : buckets_) {
     const int64_t most = std::min(m, options_.max_tokens);
-    std::vector<int64_t> slot_counts;
-    for (int64_t n = 1; n <= options_.max_seqs; ++n) {
-      const int64_t s = SequenceSlots(n + 1, options_.max_seqs);
-      if (slot_counts.empty() || slot_counts.back() != s) slot_counts.push_back(s);
-    }
     for (int64_t s : slot_counts) {
       // The most sequences this slot count takes (their count n satisfies
       // SequenceSlots(n + 1) == s), and as many tokens as fit the bucket.

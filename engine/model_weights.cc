@@ -11,6 +11,7 @@
 #include <random>
 
 #include "engine/safetensors.h"
+#include "engine/tp_layers.h"
 #include "layers/fp8.h"
 
 namespace tpserve {
@@ -76,18 +77,20 @@ class Checkpoint {
   std::map<std::string, std::string> where_;
 };
 
+// "[a,b]": a shape in the loader's errors.
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string t;
+  for (int64_t d : shape) t += (t.empty() ? "" : ",") + std::to_string(d);
+  return "[" + t + "]";
+}
+
 // An embedding or norm tensor (BF16 or F32, as FP8 checkpoints keep them) of
 // exactly the shape the config implies.
 StatusOr<std::vector<float>> ToFloats(const Checkpoint& ck, const TensorView& v,
                                       const std::vector<int64_t>& shape) {
   if (v.shape != shape) {
-    auto text = [](const std::vector<int64_t>& s) {
-      std::string t;
-      for (int64_t d : s) t += (t.empty() ? "" : ",") + std::to_string(d);
-      return "[" + t + "]";
-    };
-    return InvalidArgumentError(ck.Where(v.name) + " has shape " + text(v.shape) +
-                                ", the config implies " + text(shape));
+    return InvalidArgumentError(ck.Where(v.name) + " has shape " + ShapeText(v.shape) +
+                                ", the config implies " + ShapeText(shape));
   }
   std::vector<float> out(v.numel());
   switch (v.dtype) {
@@ -143,11 +146,9 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
                           int64_t col_end) {
   const std::string wname = base + ".weight";
   TP_ASSIGN_OR_RETURN(const TensorView* w, ck.Get(wname));
-  if (w->shape != std::vector<int64_t>{full_rows, full_cols}) {
-    std::string got;
-    for (int64_t d : w->shape) got += (got.empty() ? "" : ",") + std::to_string(d);
-    return InvalidArgumentError(ck.Where(wname) + " has shape [" + got + "], the config implies [" +
-                                std::to_string(full_rows) + "," + std::to_string(full_cols) + "]");
+  if (const std::vector<int64_t> want{full_rows, full_cols}; w->shape != want) {
+    return InvalidArgumentError(ck.Where(wname) + " has shape " + ShapeText(w->shape) +
+                                ", the config implies " + ShapeText(want));
   }
   float scale = 1.0f;
   if (w->dtype == StDtype::kF8E4M3) {
@@ -408,7 +409,7 @@ Status ValidateRankWeights(const ModelConfig& c, const RankWeights& w, int tp, i
     return InvalidArgumentError("weights: the TP layers must be fp8_e4m3 or bf16, got " +
                                 std::string(DataTypeName(w.dtype)));
   }
-  const int64_t h = c.hidden_size, hd = c.head_dim(), v = c.vocab_size;
+  const int64_t h = c.hidden_size, v = c.vocab_size;
   auto floats = [&](const std::string& name, const std::vector<float>& t, int64_t want) {
     if (static_cast<int64_t>(t.size()) == want) return Status::Ok();
     return InvalidArgumentError("weights: " + name + " has " + std::to_string(t.size()) +
@@ -434,17 +435,17 @@ Status ValidateRankWeights(const ModelConfig& c, const RankWeights& w, int tp, i
     return InvalidArgumentError("weights have " + std::to_string(w.layers.size()) +
                                 " layers, the config " + std::to_string(c.num_hidden_layers));
   }
-  const int64_t q_rows = (c.num_attention_heads + 2 * c.num_key_value_heads) / tp * hd;
-  const int64_t heads_cols = c.num_attention_heads / tp * hd, inter_l = c.intermediate_size / tp;
+  const auto shapes = TpLayerShapes(c);
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& l = w.layers[i];
     const std::string p = "layers." + std::to_string(i);
     TP_RETURN_IF_ERROR(floats(p + ".input_norm", l.input_norm, h));
     TP_RETURN_IF_ERROR(floats(p + ".post_norm", l.post_norm, h));
-    TP_RETURN_IF_ERROR(linear(p + ".attn.qkv", l.qkv, w.dtype, q_rows, h));
-    TP_RETURN_IF_ERROR(linear(p + ".attn.o", l.o, w.dtype, h, heads_cols));
-    TP_RETURN_IF_ERROR(linear(p + ".mlp.gate_up", l.gate_up, w.dtype, 2 * inter_l, h));
-    TP_RETURN_IF_ERROR(linear(p + ".mlp.down", l.down, w.dtype, h, inter_l));
+    const LinearWeight* in_block_order[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (const TpLayerShape& s : shapes) {
+      TP_RETURN_IF_ERROR(linear(s.Name(static_cast<int64_t>(i)), *in_block_order[s.index], w.dtype,
+                                s.local_n(tp), s.local_k(tp)));
+    }
   }
   return Status::Ok();
 }

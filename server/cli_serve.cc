@@ -4,7 +4,6 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -280,14 +279,6 @@ int Serve(const ServeFlags& f) {
     return 1;
   }
   InferenceServer* srv = server->get();
-  const int64_t longest =
-      std::min({f.max_tokens_per_request, config.max_position_embeddings, f.max_batch_tokens});
-  if (longest < f.max_tokens_per_request) {
-    spdlog::info(
-        "requests are limited to {} tokens, not --max-tokens-per-request {} "
-        "(--max-batch-tokens {}, max_position_embeddings {})",
-        longest, f.max_tokens_per_request, f.max_batch_tokens, config.max_position_embeddings);
-  }
 
   httplib::Server metrics;
   metrics.Get("/metrics", [srv](const httplib::Request&, httplib::Response& res) {

@@ -79,6 +79,13 @@ void LogFailure(const char* rpc, const std::string& id, const Status& s) {
   }
 }
 
+// The longest request accepted: a request must also fit one engine batch
+// (the batcher never splits one) and the model's positions.
+int64_t LongestRequest(const ServerOptions& o, const ModelConfig& c) {
+  return std::min(
+      {o.max_tokens_per_request, c.max_position_embeddings, o.batcher.max_batch_tokens});
+}
+
 }  // namespace
 
 std::string PrometheusLabelValue(std::string_view v) {
@@ -315,10 +322,7 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   const ServerOptions options_;
   const Engine& engine_;
   const ModelConfig config_;
-  // A request must fit one engine batch (the batcher never splits one).
-  const RequestLimits limits_{config_.vocab_size, std::min({options_.max_tokens_per_request,
-                                                            config_.max_position_embeddings,
-                                                            options_.batcher.max_batch_tokens})};
+  const RequestLimits limits_{config_.vocab_size, LongestRequest(options_, config_)};
   TokenBatcher& batcher_;
   std::atomic<bool> serving_{false};
   std::atomic<uint64_t> success_count_{0}, fail_count_{0}, success_ns_{0}, queue_ns_{0},
@@ -335,6 +339,14 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
       std::make_unique<TokenBatcher>(options.batcher, eng->config().vocab_size,
                                      [eng](const TokenBatch& b) { return eng->Forward(b); });
   s->service_ = std::make_unique<InferenceService>(options, *eng, *s->batcher_);
+  if (const int64_t longest = LongestRequest(options, eng->config());
+      longest < options.max_tokens_per_request) {
+    spdlog::info(
+        "requests are limited to {} tokens, not --max-tokens-per-request {} "
+        "(--max-batch-tokens {}, max_position_embeddings {})",
+        longest, options.max_tokens_per_request, options.batcher.max_batch_tokens,
+        eng->config().max_position_embeddings);
+  }
   TP_ASSIGN_OR_RETURN(auto credentials, MakeCredentials(options));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -245,11 +245,16 @@ TEST(CpuModel, LoadingReportsTheMissingTensorAndFile) {
   EXPECT_EQ(LoadRankWeights(dir, Tiny(), 2, 0).status().code(), StatusCode::kNotFound);
 }
 
-TEST(CpuEngine, ServesRepeatedAndConcurrentForwardsLikeAOneShotRun) {
+// The tiny model's CPU engine, tp = 2, random weights of seed 7 (as Logits()).
+StatusOr<std::unique_ptr<CpuEngine>> StartTinyEngine() {
   CpuEngineOptions o;
   o.config = Tiny();
   o.tp = 2;
-  auto engine = CpuEngine::Start(o);
+  return CpuEngine::Start(o);
+}
+
+TEST(CpuEngine, ServesRepeatedAndConcurrentForwardsLikeAOneShotRun) {
+  auto engine = StartTinyEngine();
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const TokenBatch b = Batch(kSeqs);
   const std::vector<float> want = Logits(2, b);
@@ -280,10 +285,7 @@ TEST(CpuEngine, ServesRepeatedAndConcurrentForwardsLikeAOneShotRun) {
 // serving (the ranks never see it; an id in a worker's rows used to reach a
 // rank that could only fail).
 TEST(CpuEngine, RefusesABadBatchAndKeepsServing) {
-  CpuEngineOptions o;
-  o.config = Tiny();
-  o.tp = 2;
-  auto engine = CpuEngine::Start(o);
+  auto engine = StartTinyEngine();
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const TokenBatch good = Batch(kSeqs);
   struct Case {
