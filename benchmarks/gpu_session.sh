@@ -20,12 +20,15 @@
 #   model   the model benchmark with PyTorch (run_model_bench.sh)
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
+#   threads ranks as threads: tpserve-probe-free-sync (does an allocation call
+#           on one GPU wait for another GPU's queued work?), then the copy-engine
+#           layer tests repeated REPEAT times (default 40) to count hangs
 # TP=N (default 2) runs the layer check, overlap, model and load parts on N
 # GPUs (the tests part's tiny-model run stays at 2: 4 KV heads), with
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load|threads}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -179,6 +182,20 @@ own = max(r["tokens_per_sec"] for r in engine)
 print("server at saturation %.0f tokens/s; engine alone %.0f tokens/s; ratio %.3f (goal >= 0.95)"
       % (served, own, served / own))
 PY
+    ;;
+  threads)
+    echo "== tpserve-probe-free-sync"
+    timeout 90 .gpu/bin/tpserve-probe-free-sync --json "$out/probe-free-sync.json" \
+      > "$out/probe-free-sync.log" 2>&1 || rc=1
+    cat "$out/probe-free-sync.log"
+    echo "== copy-engine layer tests, ranks as threads, ${REPEAT:-40} repeats"
+    # A hang ends at the communicator's 120 s deadline; the timeout bounds the rest.
+    timeout 170 .gpu/bin/tpserve_gpu_tests --gtest_repeat=${REPEAT:-40} \
+      --gtest_filter='GpuLinearTest.CopyEngine*:GpuLinearTest.*CopyEngine*' \
+      > "$out/ce-thread-tests.log" 2>&1
+    echo "exit $?"
+    grep -cE "^\[       OK \]" "$out/ce-thread-tests.log"
+    grep -E "^\[  (PASSED|FAILED) |FAILED|deadline|did not complete" "$out/ce-thread-tests.log" | sort | uniq -c | head
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
