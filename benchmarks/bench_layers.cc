@@ -559,7 +559,7 @@ int Main(int argc, char** argv) {
                  "gives the layer at this M), none_ce, pipeline_ce and ring_ce "
                  "(peer memory instead of NCCL kernels: copy-engine pulls, and for gemm_rs "
                  "none_ce a sum kernel reading the peers' partials; chunks 1 included; "
-                 "with --ranks threads, gemm_rs ring_ce hung: bound such runs with --timeout-s), "
+                 "they need --ranks processes), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,
@@ -573,8 +573,8 @@ int Main(int argc, char** argv) {
   app.add_option("--ranks", f.ranks,
                  "How ranks run: processes (one per GPU, as tpserve serves; this process is "
                  "rank 0 and starts the others with the same arguments) or threads (one "
-                 "process; copy-engine transfers then read another device's memory directly, "
-                 "which hung for gemm_rs ring)")
+                 "process, which refuses the copy-engine methods: their graph replays hung with "
+                 "ranks as threads)")
       ->check(CLI::IsMember({"processes", "threads"}))
       ->capture_default_str();
   app.add_option("--warmup", f.warmup, "Graph replays before timing")->capture_default_str();
@@ -624,6 +624,17 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   ApplyGemmAlgo(f.gemm_algo);
+  if (f.ranks == "threads") {
+    for (const std::string& m : f.methods) {
+      if (m.size() > 3 && m.compare(m.size() - 3, 3, "_ce") == 0) {
+        spdlog::error(
+            "--methods {}: copy-engine methods need --ranks processes (CudaLinear refuses copy "
+            "engines with ranks as threads: their graph replays hung)",
+            m);
+        return 2;
+      }
+    }
+  }
 
   auto made = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
                               std::chrono::seconds(f.timeout_s));

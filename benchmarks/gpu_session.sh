@@ -20,15 +20,14 @@
 #   model   the model benchmark with PyTorch (run_model_bench.sh)
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
-#   threads ranks as threads: tpserve-probe-free-sync (does an allocation call
-#           on one GPU wait for another GPU's queued work?), then the copy-engine
-#           layer tests repeated REPEAT times (default 40) to count hangs
+#   stress  copy-engine layers in the process model, ITERS (default 3000) graph
+#           replays per case, each case's last replay checked against eager
 # TP=N (default 2) runs the layer check, overlap, model and load parts on N
 # GPUs (the tests part's tiny-model run stays at 2: 4 KV heads), with
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load|threads}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load|stress}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -183,19 +182,23 @@ print("server at saturation %.0f tokens/s; engine alone %.0f tokens/s; ratio %.3
       % (served, own, served / own))
 PY
     ;;
-  threads)
-    echo "== tpserve-probe-free-sync"
-    timeout 90 .gpu/bin/tpserve-probe-free-sync --json "$out/probe-free-sync.json" \
-      > "$out/probe-free-sync.log" 2>&1 || rc=1
-    cat "$out/probe-free-sync.log"
-    echo "== copy-engine layer tests, ranks as threads, ${REPEAT:-40} repeats"
-    # A hang ends at the communicator's 120 s deadline; the timeout bounds the rest.
-    timeout 170 .gpu/bin/tpserve_gpu_tests --gtest_repeat=${REPEAT:-40} \
-      --gtest_filter='GpuLinearTest.CopyEngine*:GpuLinearTest.*CopyEngine*' \
-      > "$out/ce-thread-tests.log" 2>&1
-    echo "exit $?"
-    grep -cE "^\[       OK \]" "$out/ce-thread-tests.log"
-    grep -E "^\[  (PASSED|FAILED) |FAILED|deadline|did not complete" "$out/ce-thread-tests.log" | sort | uniq -c | head
+  stress)
+    # Copy-engine graph replays in the production process model, many of them:
+    # with ranks as threads, one replay in ~1,400 of ag_gemm pipeline hung
+    # (NOTES.md), which is why CudaLinear refuses that setting. Each case ends
+    # with one more replay checked bit for bit against the eager run.
+    while read -r m args; do
+      echo "== tpserve layer --backend cuda --tp $tp --m $m --n 1024 --k 1024 --iters ${ITERS:-3000} $args"
+      timeout 120 .gpu/bin/tpserve layer --backend cuda --tp "$tp" --m "$m" --n 1024 --k 1024 \
+        --iters ${ITERS:-3000} $args 2>&1 | grep -vE "\[info\] NCCL communicator" || rc=1
+    done <<'CASES' | tee "$out/stress.log"
+4099 --op ag_gemm --mode pipeline --chunks 4 --copy-engine
+4099 --op ag_gemm --mode ring --chunks 2 --copy-engine
+4099 --op gemm_rs --mode ring --chunks 4 --copy-engine
+4099 --op gemm_rs --mode pipeline --chunks 4 --copy-engine
+4099 --op gemm_rs --mode none --chunks 1 --copy-engine
+CASES
+    echo "PASS lines: $(grep -c PASS "$out/stress.log") of $((5 * tp))"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

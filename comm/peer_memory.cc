@@ -261,26 +261,17 @@ Status PeerBuffer::CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes
                                 std::to_string(offset) + " from peer buffer '" + name_ + "' (" +
                                 std::to_string(bytes_) + " bytes)");
   }
-  const char* src = static_cast<const char*>(peer(rank)) + offset;
   if (same_process(rank)) {
-    // Another device's memory of this process. Eagerly, a plain
-    // cudaMemcpyAsync from it may be ordered against work on that device:
-    // copy-engine layers with ranks as threads hung in their first eager run,
-    // while the same layers across processes did not. cudaMemcpyPeerAsync is
-    // documented as asynchronous with respect to all work on other devices,
-    // but stream capture refuses it (cudaErrorStreamCaptureUnsupported, seen
-    // on the H200 host). A captured copy becomes a graph node, ordered only by
-    // the graph's own edges, so capture takes the plain call.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    TP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone) {
-      TP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, device_, src, peer_devices_[rank], bytes, stream));
-    } else {
-      TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
-    }
-  } else {
-    TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    // Another device's memory of this process: copies from it hung on the
+    // 2xH200 host, eagerly and in graph replays (benchmarks/NOTES.md), while
+    // copies from CUDA IPC mappings never did.
+    return FailedPreconditionError("copy from peer buffer '" + name_ + "' of rank " +
+                                   std::to_string(rank) +
+                                   ", a thread of this process: copy-engine transfers need one "
+                                   "process per GPU");
   }
+  const char* src = static_cast<const char*>(peer(rank)) + offset;
+  TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
   return Status::Ok();
 }
 

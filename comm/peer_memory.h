@@ -67,12 +67,12 @@ class PeerBuffer {
   int peer_device(int rank) const { return peer_devices_.at(rank); }
   // Whether rank `rank`'s copy belongs to another device of this process
   // (ranks as threads) rather than being mapped into this device's context
-  // by CUDA IPC. Copies from such memory must go through cudaMemcpyPeerAsync
-  // (see CopyFromPeer).
+  // by CUDA IPC. Copy-engine transfers refuse such peers (see CopyFromPeer).
   bool same_process(int rank) const { return rank != own_rank_ && !ipc_opened_.at(rank); }
 
   // Enqueues a copy of `bytes` from rank `rank`'s copy at `offset` to `dst`
-  // (this device) on `stream`, on a copy engine.
+  // (this device) on `stream`, on a copy engine. FAILED_PRECONDITION when
+  // that rank is a thread of this process: such copies hung (NOTES.md).
   Status CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes, cudaStream_t stream) const;
   size_t bytes() const { return bytes_; }
   const std::string& name() const { return name_; }

@@ -210,17 +210,22 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       }
     }
   }
-  if (ce && shape.op == OverlapOp::kGemmReduceScatter) {
-    for (int r = 0; r < tp; ++r) {
-      if (!im.peer_partial.same_process(r)) continue;
-      // Seen on the 2xH200 host: with ranks as threads, replaying a captured
-      // copy-engine ReduceScatter (ring and pipeline) hung, while one
-      // process per GPU passes every mode. Refused rather than left to hang.
-      return FailedPreconditionError(
-          ctx + ": copy_engine with gemm_rs needs one process per GPU (CUDA IPC peers); rank " +
-          std::to_string(r) +
-          " is a thread of this process, where graph replays of it hung "
-          "(run tpserve serve/layer, or tpserve-bench --ranks processes)");
+  if (ce) {
+    for (const PeerBuffer* b : {&im.peer_input, &im.peer_gather, &im.peer_partial}) {
+      if (b->data() == nullptr) continue;
+      for (int r = 0; r < tp; ++r) {
+        if (!b->same_process(r)) continue;
+        // Seen on the 2xH200 host with ranks as threads: graph replays of
+        // copy-engine layers hung, gemm_rs (ring, pipeline) and ag_gemm
+        // (pipeline: 1 in 14 repeats of its test), while one process per GPU
+        // passes every mode (benchmarks/NOTES.md). Refused rather than left to
+        // hang.
+        return FailedPreconditionError(
+            ctx + ": copy_engine needs one process per GPU (CUDA IPC peers); rank " +
+            std::to_string(r) +
+            " is a thread of this process, where graph replays of copy-engine layers hung "
+            "(run tpserve serve/layer, or tpserve-bench --ranks processes)");
+      }
     }
   }
   if (ce) {

@@ -32,8 +32,8 @@ struct LinearKnobs {
   // element-wise kernel adds them; mode none (nothing to overlap with) has
   // that kernel read the peers' partials in place over NVLink instead. All ranks on one node.
   // Captures into CUDA graphs. Verified with one process per GPU, as tpserve serves. With ranks
-  // as threads of one process, graph replays of a copy-engine gemm_rs hung, so CudaLinear
-  // refuses that combination (FAILED_PRECONDITION); ag_gemm works there too.
+  // as threads of one process, graph replays of copy-engine layers hung (gemm_rs always,
+  // ag_gemm rarely), so CudaLinear refuses copy engines there (FAILED_PRECONDITION).
   bool copy_engine = false;
   // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
   int gemm_sm_count = 0;
