@@ -613,7 +613,9 @@ int Main(int argc, char** argv) {
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();
   app.add_option("--tune-out", f.tune_out,
                  "Autotune: write an overlap config (YAML) with the fastest layer method per "
-                 "shape and M (needs exactly one --dtype)");
+                 "shape and M (needs exactly one --dtype; tpserve-tune writes overlap.yaml "
+                 "unless told otherwise, tpserve-bench nothing)")
+      ->capture_default_str();
   app.add_option("--tune-finalists", f.finalists,
                  "Autotune: time this many of each case's fastest layer methods again, among "
                  "themselves and plain none, and choose from that round (their medians are "

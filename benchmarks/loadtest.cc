@@ -11,14 +11,20 @@
 // windows' requests/s agree within --stability percent (or --max-trials); the
 // step reports the last (up to) 3 windows together.
 //
-// Exit: 0 run completed (errors are counted and reported), 1 every request
-// failed, 2 usage error or unreachable server.
+// Results (--json, --csv) are rewritten after every step, each time to
+// FILE.tmp and renamed over FILE, so a run stopped part way keeps the steps
+// it finished and a run that fails before its first step leaves FILE as it
+// was.
+//
+// Exit: 0 run completed (errors are counted and reported), 1 every measured
+// request failed, 2 usage error, unreachable server or unknown model.
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -137,8 +143,12 @@ bool ParseDouble(const std::string& s, double* out) {
   }
 }
 
+// Most steps a range may give.
+constexpr size_t kMaxRangeValues = 10000;
+
 // "start:end:step" (also "start" and "start:end", step 1) into the list of
-// values start, start+step, ... <= end.
+// values start, start+step, ... <= end; nullopt when malformed or longer than
+// kMaxRangeValues.
 std::optional<std::vector<double>> ParseRange(const std::string& s) {
   auto parts = Split(s, ':');
   if (parts.empty() || parts.size() > 3) return std::nullopt;
@@ -151,7 +161,8 @@ std::optional<std::vector<double>> ParseRange(const std::string& s) {
   std::vector<double> values;
   for (int i = 0;; ++i) {
     const double v = start + i * step;
-    if (v > end + 1e-9 || values.size() >= 10000) break;
+    if (v > end + 1e-9) break;
+    if (values.size() >= kMaxRangeValues) return std::nullopt;
     values.push_back(v);
   }
   return values;
@@ -187,6 +198,7 @@ Prompt MakePrompt(const Flags& f, const std::vector<int64_t>& ids) {
 // The prompts: from --prompt-file, else random ids of a fixed or uniformly
 // drawn length. Returns an error message on failure.
 std::string BuildPrompts(const Flags& f, std::vector<Prompt>* prompts) {
+  constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
   if (!f.prompt_file.empty()) {
     std::ifstream in(f.prompt_file);
     if (!in) return "cannot read --prompt-file " + f.prompt_file;
@@ -207,6 +219,13 @@ std::string BuildPrompts(const Flags& f, std::vector<Prompt>* prompts) {
         } catch (const std::exception&) {
           return f.prompt_file + ":" + std::to_string(lineno) + ": bad token id '" + tok + "'";
         }
+        const int64_t most =
+            f.datatype == "INT32" ? std::numeric_limits<int32_t>::max() : kMaxInt64;
+        if (ids.back() < 0 || ids.back() > most) {
+          return f.prompt_file + ":" + std::to_string(lineno) + ": token id " + tok +
+                 " out of range for --datatype " + f.datatype + " (0.." + std::to_string(most) +
+                 ")";
+        }
       }
       if (!ids.empty()) prompts->push_back(MakePrompt(f, ids));
     }
@@ -218,9 +237,9 @@ std::string BuildPrompts(const Flags& f, std::vector<Prompt>* prompts) {
     auto parts = Split(f.prompt_len_range, ':');
     double a = 0, b = 0;
     if (parts.size() != 2 || !ParseDouble(parts[0], &a) || !ParseDouble(parts[1], &b) || a < 1 ||
-        b < a) {
-      return "--prompt-len-range must be MIN:MAX with 1 <= MIN <= MAX, got '" + f.prompt_len_range +
-             "'";
+        b < a || a != std::floor(a) || b != std::floor(b)) {
+      return "--prompt-len-range must be MIN:MAX, whole numbers with 1 <= MIN <= MAX, got '" +
+             f.prompt_len_range + "'";
     }
     lo = static_cast<int64_t>(a);
     hi = static_cast<int64_t>(b);
@@ -250,6 +269,7 @@ struct Window {
   std::map<std::string, int64_t> errors;
   bool have_server = false;
   uint64_t server_count = 0, server_queue_ns = 0, server_compute_ns = 0;
+  int64_t in_flight_at_end = 0;  // requests still outstanding when the window closed
 };
 
 // Drives the load: issues async ModelInfer calls and collects completions.
@@ -313,6 +333,7 @@ class Driver {
     std::lock_guard<std::mutex> lock(mu_);
     collecting_ = false;
     window_.seconds = std::chrono::duration<double>(Clock::now() - window_start_).count();
+    window_.in_flight_at_end = outstanding_;
     return std::move(window_);
   }
 
@@ -496,7 +517,10 @@ Json StepResult(const std::string& key, double value, const std::vector<Window>&
   const double n = (have_server && all.server_count > 0) ? all.server_count : std::nan("");
   r["server_queue_ms"] = NumberOrNull(all.server_queue_ns / n / 1e6);
   r["server_compute_ms"] = NumberOrNull(all.server_compute_ns / n / 1e6);
-  r["window_s"] = all.seconds;
+  r["window_s"] = all.seconds;  // the reported windows together
+  // Requests the last window left outstanding: their outcome falls in no
+  // window (a server that stops answering shows here, not as errors).
+  r["in_flight_at_end"] = windows.empty() ? 0 : windows.back().in_flight_at_end;
   r["trials"] = trials;
   r["stable"] = stable;
   return r;
@@ -523,10 +547,10 @@ std::string ErrorsString(const Json& errors) {
 }
 
 const std::vector<std::string> kScalarFields = {
-    "requests_per_sec", "tokens_per_sec", "p50_ms",          "p90_ms",
-    "p95_ms",           "p99_ms",         "max_ms",          "requests",
-    "error_count",      "error_share",    "server_queue_ms", "server_compute_ms",
-    "window_s",         "trials",         "stable"};
+    "requests_per_sec", "tokens_per_sec",   "p50_ms",          "p90_ms",
+    "p95_ms",           "p99_ms",           "max_ms",          "requests",
+    "error_count",      "error_share",      "server_queue_ms", "server_compute_ms",
+    "window_s",         "in_flight_at_end", "trials",          "stable"};
 
 std::string UtcNow() {
   std::time_t t = std::time(nullptr);
@@ -536,6 +560,77 @@ std::string UtcNow() {
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
 }
+
+// Writes `content` to `path` through `path`.tmp and a rename, so that `path`
+// holds either its old contents or all of the new ones. Returns an error
+// message, or "" on success.
+std::string WriteReplacing(const std::string& path, const std::string& content) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << content;
+    out.flush();
+    if (!out) {
+      std::remove(tmp.c_str());
+      return "cannot write " + tmp;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    return "cannot replace " + path + " with " + tmp + ": " + why;
+  }
+  return "";
+}
+
+// Whether results can be written next to `path` (creates and removes
+// `path`.tmp; `path` itself is not touched). Returns an error message or "".
+std::string CheckWritable(const std::string& path) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp, std::ios::trunc);
+  if (!out) return "cannot write " + path + " (tried " + tmp + ")";
+  out.close();
+  std::remove(tmp.c_str());
+  return "";
+}
+
+// The --json and --csv files of the steps so far; `complete` is false while
+// the sweep still runs (meta.complete in the JSON).
+std::string WriteResults(const Flags& f, const std::string& key, const Json& steps,
+                         const std::string& command, bool complete) {
+  if (!f.json.empty()) {
+    Json doc;
+    doc["meta"] = {{"url", f.url},
+                   {"model", f.model},
+                   {"command", command},
+                   {"date", UtcNow()},
+                   {"complete", complete}};
+    doc["steps"] = steps;
+    if (std::string err = WriteReplacing(f.json, doc.dump(2) + "\n"); !err.empty()) return err;
+  }
+  if (!f.csv.empty()) {
+    std::ostringstream out;
+    out << key;
+    for (const auto& name : kScalarFields) out << "," << name;
+    out << ",errors\n";
+    for (const auto& r : steps) {
+      out << Fmt(r[key], 6);
+      for (const auto& name : kScalarFields) {
+        const Json& v = r[name];
+        out << "," << (v.is_null() ? std::string() : v.is_boolean() ? v.dump() : Fmt(v, 6));
+      }
+      out << "," << ErrorsString(r["errors"]) << "\n";
+    }
+    if (std::string err = WriteReplacing(f.csv, out.str()); !err.empty()) return err;
+  }
+  return "";
+}
+
+// Bounds of the sweep: outstanding requests, requests per second, and the
+// shortest measurement window.
+constexpr double kMaxConcurrency = 65536;
+constexpr double kMaxRate = 1e6;
+constexpr double kMinDurationS = 0.1;
 
 int Run(const Flags& f, const std::string& command) {
   std::vector<double> levels;
@@ -547,21 +642,25 @@ int Run(const Flags& f, const std::string& command) {
     auto r = ParseRange(spec);
     if (!r || r->empty()) {
       std::cerr << "error: " << (rate_mode ? "--request-rate-range" : "--concurrency-range")
-                << " must be start[:end[:step]] with 0 < start <= end and step > 0, got '" << spec
-                << "'\n";
+                << " must be start[:end[:step]] with 0 < start <= end, step > 0 and at most "
+                << kMaxRangeValues << " values, got '" << spec << "'\n";
       return 2;
     }
     levels = *r;
   }
   if (!rate_mode) {
     for (double v : levels) {
-      if (v < 1 || std::abs(v - std::round(v)) > 1e-9) {
+      if (v < 1 || std::abs(v - std::round(v)) > 1e-9 || v > kMaxConcurrency) {
         std::cerr << "error: --concurrency-range values are outstanding requests: whole numbers "
-                     ">= 1, got "
-                  << v << "\n";
+                     "from 1 to "
+                  << kMaxConcurrency << ", got " << v << "\n";
         return 2;
       }
     }
+  } else if (levels.back() > kMaxRate) {
+    std::cerr << "error: --request-rate-range values are requests per second, at most " << kMaxRate
+              << ", got " << levels.back() << "\n";
+    return 2;
   }
   if (f.requests < 0) {
     std::cerr << "error: --requests must be >= 1, got " << f.requests << "\n";
@@ -571,25 +670,31 @@ int Run(const Flags& f, const std::string& command) {
     std::cerr << "error: --vocab " << f.vocab << " does not fit --datatype INT32\n";
     return 2;
   }
-  // Output files are opened before any load runs: a path that cannot be
-  // written fails now, not after the sweep.
-  std::ofstream json_out, csv_out;
-  for (auto [path, stream] : {std::pair{&f.json, &json_out}, std::pair{&f.csv, &csv_out}}) {
+  // Where results go is tried before any load runs (FILE.tmp, created and
+  // removed; FILE itself is left alone until the first step's results).
+  for (const std::string* path : {&f.json, &f.csv}) {
     if (path->empty()) continue;
-    stream->open(*path);
-    if (!*stream) {
-      std::cerr << "error: cannot write " << *path << "\n";
+    if (std::string err = CheckWritable(*path); !err.empty()) {
+      std::cerr << "error: " << err << "\n";
       return 2;
     }
   }
-  if (f.duration_s <= 0 && f.requests <= 0) {
-    std::cerr << "error: --duration must be > 0\n";
+  if (f.requests <= 0 && !(std::isfinite(f.duration_s) && f.duration_s >= kMinDurationS)) {
+    std::cerr << "error: --duration must be at least " << kMinDurationS << " s, got "
+              << f.duration_s << "\n";
     return 2;
   }
-  if (f.max_trials < 1 || f.timeout_ms < 1 || f.stability_pct < 0 || f.warmup_s < 0) {
+  if (f.max_trials < 1 || f.timeout_ms < 1 || !std::isfinite(f.stability_pct) ||
+      f.stability_pct < 0 || !std::isfinite(f.warmup_s) || f.warmup_s < 0) {
     std::cerr << "error: --max-trials and --timeout-ms must be >= 1, --stability and --warmup "
-                 ">= 0\n";
+                 "finite and >= 0\n";
     return 2;
+  }
+  if (f.requests > 0 && !rate_mode && f.requests < 4 * static_cast<int64_t>(levels.back())) {
+    std::cerr << "warning: --requests " << f.requests << " is less than 4 x concurrency "
+              << levels.back()
+              << ": a window closes at its last completion, so when requests finish in batches "
+                 "its requests/s can read high; use --duration for throughput\n";
   }
   std::vector<Prompt> prompts;
   if (auto err = BuildPrompts(f, &prompts); !err.empty()) {
@@ -610,6 +715,21 @@ int Run(const Flags& f, const std::string& command) {
     if (!s.ok() || !live.live()) {
       std::cerr << "cannot reach the server at " << f.url << ": "
                 << (s.ok() ? std::string("server is not live")
+                           : std::string(StatusName(s.error_code())) + ": " + s.error_message())
+                << "\n";
+      return 2;
+    }
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    inference::ModelReadyRequest req;
+    req.set_name(f.model);
+    inference::ModelReadyResponse ready;
+    grpc::Status s = stub->ModelReady(&ctx, req, &ready);
+    if (!s.ok() || !ready.ready()) {
+      std::cerr << "model '" << f.model << "' is not ready at " << f.url << ": "
+                << (s.ok() ? std::string("the server says not ready")
                            : std::string(StatusName(s.error_code())) + ": " + s.error_message())
                 << "\n";
       return 2;
@@ -690,6 +810,10 @@ int Run(const Flags& f, const std::string& command) {
         windows.size());
     std::fflush(stdout);
     steps.push_back(std::move(r));
+    if (std::string err = WriteResults(f, key, steps, command, /*complete=*/false); !err.empty()) {
+      std::cerr << "error: " << err << "\n";
+      return 2;
+    }
   }
   driver.StopLoad();
 
@@ -708,41 +832,17 @@ int Run(const Flags& f, const std::string& command) {
   }
   std::fflush(stdout);
 
-  int rc = 0;
-  if (!f.json.empty()) {
-    Json doc;
-    doc["meta"] = {{"url", f.url}, {"model", f.model}, {"command", command}, {"date", UtcNow()}};
-    doc["steps"] = steps;
-    std::ofstream& out = json_out;
-    out << doc.dump(2) << "\n";
-    out.flush();
-    if (!out) {
-      std::cerr << "error: cannot write " << f.json << "\n";
-      rc = 2;
-    }
+  if (std::string err = WriteResults(f, key, steps, command, /*complete=*/true); !err.empty()) {
+    std::cerr << "error: " << err << "\n";
+    return 2;
   }
-  if (!f.csv.empty()) {
-    std::ofstream& out = csv_out;
-    out << key;
-    for (const auto& name : kScalarFields) out << "," << name;
-    out << ",errors\n";
-    for (const auto& r : steps) {
-      out << Fmt(r[key], 6);
-      for (const auto& name : kScalarFields) {
-        const Json& v = r[name];
-        out << "," << (v.is_null() ? std::string() : v.is_boolean() ? v.dump() : Fmt(v, 6));
-      }
-      out << "," << ErrorsString(r["errors"]) << "\n";
-    }
-    out.flush();
-    if (!out) {
-      std::cerr << "error: cannot write " << f.csv << "\n";
-      rc = 2;
-    }
+  int64_t measured_ok = 0, measured_failed = 0;
+  for (const auto& r : steps) {
+    measured_ok += r["requests"].get<int64_t>();
+    measured_failed += r["error_count"].get<int64_t>();
   }
-  if (rc != 0) return rc;
-  if (driver.total_ok() == 0) {
-    std::cerr << "error: every request failed (" << driver.total_failed() << " requests)\n";
+  if (measured_ok == 0) {
+    std::cerr << "error: every measured request failed (" << measured_failed << " requests)\n";
     return 1;
   }
   return 0;
@@ -773,18 +873,22 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   auto* conc = app.add_option("--concurrency-range", f.concurrency_range,
                               "closed loop: start:end:step outstanding requests, whole numbers "
-                              ">= 1 (default 1)");
+                              "from 1 to 65536 (default 1)");
   auto* rate = app.add_option("--request-rate-range", f.request_rate_range,
-                              "open loop: start:end:step requests per second");
+                              "open loop: start:end:step requests per second (at most 1e6)");
   conc->excludes(rate);
   app.add_option("--distribution", f.distribution,
                  "arrival process of --request-rate-range: constant or poisson")
       ->check(CLI::IsMember({"constant", "poisson"}))
       ->capture_default_str();
-  auto* dur = app.add_option("--duration", f.duration_s, "seconds per measurement window")
+  auto* dur = app.add_option("--duration", f.duration_s, "seconds per measurement window (>= 0.1)")
                   ->capture_default_str();
   auto* reqs =
-      app.add_option("--requests", f.requests, "completed requests per measurement window");
+      app.add_option("--requests", f.requests,
+                     "completed requests (successes and failures) per measurement window, "
+                     "instead of --duration; the window closes at the last one, so with fewer "
+                     "requests than complete together in a server batch its requests/s reads "
+                     "high");
   dur->excludes(reqs);
   app.add_option("--warmup", f.warmup_s, "seconds of load before measuring, per step")
       ->capture_default_str();
@@ -799,9 +903,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--csv", f.csv, "write one CSV row per step to FILE");
   app.footer(
-      "Latency percentiles and requests/s count successful requests; error_count and "
-      "error_share (timeouts included) say how many failed. Exit status: 0; 1 when every "
-      "request failed; 2 on bad arguments or an output file that cannot be written.");
+      "Per step (the last 3 windows together): latency percentiles, requests/s and 'requests' "
+      "count successful requests; error_count and error_share (timeouts included) say how many "
+      "failed; window_s is the measured seconds of those windows; in_flight_at_end the requests "
+      "still outstanding when the last window closed. --json/--csv are rewritten after every "
+      "step (meta.complete false until the sweep ends). Exit status: 0; 1 when every measured "
+      "request failed; 2 on bad arguments, an output file that cannot be written, an "
+      "unreachable server or a model that is not ready.");
   app.add_option("--json", f.json, "write the results as JSON to FILE");
   try {
     app.parse(argc, argv);

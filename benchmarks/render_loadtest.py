@@ -24,22 +24,30 @@ SERIES = (("p50_ms", "p50", (31, 119, 180)), ("p90_ms", "p90", (255, 127, 14)),
 THROUGHPUT = ("tokens_per_sec", "tokens/s", (44, 160, 44))
 
 
+def is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def load(path):
     with open(path) as f:
         doc = json.load(f)
-    steps = doc.get("steps")
+    steps = doc.get("steps") if isinstance(doc, dict) else None
     if not isinstance(steps, list) or not steps:
         raise ValueError("%s: no 'steps' (is it a tpserve-loadtest --json report?)" % path)
-    key = "concurrency" if "concurrency" in steps[0] else "request_rate"
-    if key not in steps[0]:
-        raise ValueError("%s: steps have neither 'concurrency' nor 'request_rate'" % path)
+    first = steps[0] if isinstance(steps[0], dict) else {}
+    key = "concurrency" if "concurrency" in first else "request_rate"
+    for i, s in enumerate(steps):
+        if not isinstance(s, dict) or not is_number(s.get(key)):
+            raise ValueError("%s: step %d has no numeric '%s' (the first step's load axis)"
+                             % (path, i, key))
     steps = sorted(steps, key=lambda s: s[key])
     return doc.get("meta") or {}, key, steps
 
 
 def values(steps, key, field):
-    return [(s[key], s[field]) for s in steps
-            if isinstance(s.get(field), (int, float)) and s.get(field) is not None]
+    """(load, value) per step; value None where the step has none (every
+    request failed), so that lines break there instead of bridging it."""
+    return [(s[key], s[field] if is_number(s.get(field)) else None) for s in steps]
 
 
 # --- matplotlib path --------------------------------------------------------
@@ -51,9 +59,9 @@ def render_matplotlib(meta, key, steps, png, title):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for field, label, color in SERIES:
         pts = values(steps, key, field)
-        if pts:
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label,
-                     color=[c / 255 for c in color])
+        if any(y is not None for _, y in pts):
+            ax1.plot([p[0] for p in pts], [math.nan if p[1] is None else p[1] for p in pts],
+                     "o-", label=label, color=[c / 255 for c in color])
     bad = [s[key] for s in steps if s.get("error_count")]
     for x in bad:
         ax1.axvline(x, color="red", alpha=0.3)
@@ -62,7 +70,8 @@ def render_matplotlib(meta, key, steps, png, title):
     ax1.legend()
     ax1.grid(alpha=0.3)
     pts = values(steps, key, THROUGHPUT[0])
-    ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="green", label="tokens/s")
+    ax2.plot([p[0] for p in pts], [math.nan if p[1] is None else p[1] for p in pts], "o-",
+             color="green", label="tokens/s")
     ax2.set_xlabel(key.replace("_", " "))
     ax2.set_ylabel("tokens/s")
     ax2.grid(alpha=0.3)
@@ -191,7 +200,7 @@ def fmt_tick(v):
 
 def panel(cv, x0, y0, w, h, series, xlabel, ylabel, bad_x):
     xs = [x for _, pts, _ in series for x, _ in pts] or [0, 1]
-    ys = [y for _, pts, _ in series for _, y in pts] or [0, 1]
+    ys = [y for _, pts, _ in series for _, y in pts if y is not None] or [0, 1]
     xt = nice_ticks(min(xs), max(xs))
     yt = nice_ticks(0, max(ys) * 1.05)
     xlo, xhi, ylo, yhi = xt[0], xt[-1], yt[0], yt[-1]
@@ -214,6 +223,9 @@ def panel(cv, x0, y0, w, h, series, xlabel, ylabel, bad_x):
     for i, (label, pts, rgb) in enumerate(series):
         prev = None
         for x, y in pts:
+            if y is None:  # no value at this step: the line breaks
+                prev = None
+                continue
             p = to(x, y)
             cv.box(p[0], p[1], 2, rgb)
             if prev:

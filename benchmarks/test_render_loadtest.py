@@ -74,6 +74,45 @@ class RenderLoadtestTest(unittest.TestCase):
         _, _, rows = read_png(png)
         self.assertGreater(count(rows, (220, 0, 0)), 5)  # the error tick
 
+    def test_a_step_without_values_breaks_the_line(self):
+        # The middle step had no successful request: no latency, no tokens/s.
+        steps = [{"concurrency": 1, "tokens_per_sec": 1000.0, "p50_ms": 100.0, "p90_ms": 100.0,
+                  "p99_ms": 100.0, "error_count": 0},
+                 {"concurrency": 2, "tokens_per_sec": None, "p50_ms": None, "p90_ms": None,
+                  "p99_ms": None, "error_count": 5},
+                 {"concurrency": 3, "tokens_per_sec": 1000.0, "p50_ms": 100.0, "p90_ms": 100.0,
+                  "p99_ms": 100.0, "error_count": 0}]
+        png = os.path.join(self.tmp.name, "gap.png")
+        self.assertEqual(render_loadtest.main([self.report(steps), "--png", png, "--builtin"]),
+                         0)
+        _, _, rows = read_png(png)
+        # The same steps with the middle one filled in: one long line each.
+        full = [dict(s, tokens_per_sec=1000.0, p50_ms=100.0, p90_ms=100.0, p99_ms=100.0)
+                for s in steps]
+        joined_png = os.path.join(self.tmp.name, "joined.png")
+        self.assertEqual(
+            render_loadtest.main([self.report(full), "--png", joined_png, "--builtin"]), 0)
+        _, _, joined = read_png(joined_png)
+        # Broken at the gap, each colour is its markers and legend box only.
+        for rgb in (render_loadtest.SERIES[2][2], render_loadtest.THROUGHPUT[2]):
+            self.assertLess(count(rows, rgb), 150, rgb)
+            self.assertGreater(count(joined, rgb), 400, rgb)
+
+    def test_bad_steps_are_errors_naming_the_step(self):
+        for steps in ([{"concurrency": 1}, {"p50_ms": 3.0}], [{"concurrency": 1}, 7],
+                      [{"concurrency": "4"}]):
+            path = self.report(steps)
+            png = os.path.join(self.tmp.name, "x.png")
+            with self.assertRaises(ValueError) as ctx:
+                render_loadtest.load(path)
+            self.assertIn("step", str(ctx.exception))
+            self.assertEqual(render_loadtest.main([path, "--png", png]), 2)
+            self.assertFalse(os.path.exists(png))
+        path = os.path.join(self.tmp.name, "list.json")
+        with open(path, "w") as f:
+            json.dump([1, 2], f)
+        self.assertEqual(render_loadtest.main([path, "--png", png]), 2)
+
     def test_not_a_report_is_an_error(self):
         path = os.path.join(self.tmp.name, "bad.json")
         with open(path, "w") as f:

@@ -20,7 +20,7 @@ RENDERER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench
 
 STEP_FIELDS = ["requests_per_sec", "tokens_per_sec", "p50_ms", "p90_ms", "p95_ms", "p99_ms",
                "max_ms", "errors", "error_share", "server_queue_ms", "server_compute_ms",
-               "stable"]
+               "window_s", "in_flight_at_end", "stable"]
 
 
 def loadtest(*args, timeout=60):
@@ -56,6 +56,7 @@ class LoadTest(unittest.TestCase):
         self.assertEqual(doc["meta"]["url"], self.url)
         self.assertEqual(doc["meta"]["model"], "tiny")
         self.assertIn("date", doc["meta"])
+        self.assertIs(doc["meta"]["complete"], True)
         self.assertIn(LOADTEST, doc["meta"]["command"])
         self.assertEqual(len(doc["steps"]), n, doc)
         for step in doc["steps"]:
@@ -123,24 +124,39 @@ class LoadTest(unittest.TestCase):
         self.server.send_signal(signal.SIGTERM)
         self.assertEqual(self.server.wait(timeout=30), 0)
 
-        # Now nothing listens on the port: exit 2 at once with a clear message.
+        # Now nothing listens on the port: exit 2 at once with a clear message,
+        # and the earlier report given as --json is left as it was.
+        with open(out_json) as f:
+            before = f.read()
         start = time.monotonic()
-        p = loadtest("-u", self.url, "--duration", "1", timeout=30)
+        p = loadtest("-u", self.url, "--duration", "1", "--json", out_json, timeout=30)
         self.assertLess(time.monotonic() - start, 5)
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
         self.assertIn(f"cannot reach the server at {self.url}", p.stderr)
+        with open(out_json) as f:
+            self.assertEqual(f.read(), before)
+        self.assertFalse(os.path.exists(out_json + ".tmp"))
 
     def test_errors_are_counted_and_all_failed_exits_1(self):
+        # Every request names an input the model does not have.
         out_json = self.path("bad.json")
-        p = loadtest("-u", self.url, "-m", "no-such-model", "--requests", "5", "--warmup", "0",
-                     "--max-trials", "1", "--json", out_json)
+        p = loadtest("-u", self.url, "--input-name", "no_such_input", "--requests", "5",
+                     "--warmup", "0", "--max-trials", "1", "--json", out_json)
         self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertIn("every measured request failed", p.stderr)
         with open(out_json) as f:
             step = json.load(f)["steps"][0]
-        self.assertGreaterEqual(step["errors"].get("NOT_FOUND", 0), 5, step)
+        self.assertGreaterEqual(step["errors"].get("INVALID_ARGUMENT", 0), 5, step)
         self.assertEqual(step["requests_per_sec"], 0)
         self.assertEqual(step["error_share"], 1.0, step)
         self.assertIsNone(step["stable"], step)  # nothing succeeded: not "stable"
+
+    def test_unknown_model_exits_2_before_any_load(self):
+        p = loadtest("-u", self.url, "-m", "no-such-model", "--requests", "5", "--warmup", "0",
+                     timeout=10)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("model 'no-such-model' is not ready", p.stderr)
+        self.assertIn("NOT_FOUND", p.stderr)
 
     def test_prompt_file(self):
         prompts = self.path("prompts.txt")
@@ -157,10 +173,27 @@ class LoadTest(unittest.TestCase):
         self.assertIsNone(step["stable"], step)  # one window cannot show stability
 
     def test_usage_errors_exit_2(self):
+        negative = self.path("negative.txt")
+        with open(negative, "w") as f:
+            f.write("1 2 3\n4 -5 6\n")
+        wide = self.path("wide.txt")
+        with open(wide, "w") as f:
+            f.write("1 4294967296\n")
         for args, says in (
+                (["--duration", "nan"], "--duration must be at least 0.1 s"),
+                (["--duration", "1e-6"], "--duration must be at least 0.1 s"),
+                (["--stability", "nan"], "--stability and --warmup finite"),
+                (["--warmup", "inf"], "--stability and --warmup finite"),
+                (["--concurrency-range", "3000000000"], "from 1 to 65536"),
+                (["--request-rate-range", "2e6"], "at most 1e+06"),
+                (["--request-rate-range", "0.5:10000:0.5"], "at most 10000 values"),
+                (["--prompt-len-range", "1.5:3"], "whole numbers"),
+                (["--prompt-file", negative], negative + ":2: token id -5 out of range"),
+                (["--prompt-file", wide], wide + ":1: token id 4294967296 out of range for "
+                                                 "--datatype INT32"),
                 (["--concurrency-range", "1", "--request-rate-range", "5"], "excludes"),
                 (["--concurrency-range", "4:1"], "--concurrency-range"),
-                (["--concurrency-range", "0.4"], "whole numbers >= 1"),
+                (["--concurrency-range", "0.4"], "whole numbers from 1 to 65536"),
                 (["--datatype", "FP32"], "FP32"),
                 (["--prompt-file", self.path("missing.txt")], "missing.txt"),
                 (["--requests", "-5"], "--requests must be >= 1"),
