@@ -73,6 +73,7 @@ struct Flags {
   std::string gemm_algo = "timed";  // GemmAlgoSelection of every GEMM
   std::string out = "bench.json";
   std::string commit = "unknown";
+  std::string run_label;  // recorded as "run" in every record (one session, several runs)
 #ifdef TPSERVE_TUNE_MAIN
   std::string tune_out = "overlap.yaml";  // tpserve-tune: the tuned overlap config
 #else
@@ -510,6 +511,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
                {"chunks", m.knobs.chunks},
                {"config", KnobsJson(m.knobs)},
                {"l2_flush_mib", f.l2_flush_mib}};
+      if (!f.run_label.empty()) rec["run"] = f.run_label;
       rec.update(Stats(prepared[i].times));
       if (!checks[i].is_null()) rec["check_rel_diff_vs_none"] = checks[i];
       if (!final_times[i].empty()) {
@@ -577,7 +579,9 @@ int Main(int argc, char** argv) {
                  "ranks as threads)")
       ->check(CLI::IsMember({"processes", "threads"}))
       ->capture_default_str();
-  app.add_option("--warmup", f.warmup, "Graph replays before timing")->capture_default_str();
+  app.add_option("--warmup", f.warmup, "Graph replays before timing")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--queue-delay-us", f.queue_delay_us,
                  "Before each round of timed replays the GPU spins this many microseconds per "
                  "method, so that the host has queued the round before it runs (0: off; then "
@@ -590,7 +594,9 @@ int Main(int argc, char** argv) {
                  "each layer's weights are new; the PyTorch peer does the same); 0: off")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--rounds", f.rounds, "Timed graph replays per case")->capture_default_str();
+  app.add_option("--rounds", f.rounds, "Timed graph replays per case")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--overlap", f.overlap,
                  "Overlap config (YAML, e.g. deploy/overlap-llama3-70b-tp2.yaml) that method "
                  "auto resolves per layer and M, as the server would; needed for --methods auto")
@@ -622,6 +628,10 @@ int Main(int argc, char** argv) {
                  "recorded as tune_final_median_ms; 0: choose from the sweep)")
       ->check(CLI::Range(0, 16))
       ->capture_default_str();
+  app.add_option("--run-label", f.run_label,
+                 "Recorded as \"run\" in every record and in the meta: tells apart the runs of "
+                 "one session merged into one results file (run_overlap_bench.sh: sweep, auto), "
+                 "so that render_results.py judges each shape within one run");
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -663,6 +673,28 @@ int Main(int argc, char** argv) {
              {"gemm_algo", f.gemm_algo},
              {"command", cmd.str()}}},
            {"records", json::array()}};
+  if (!f.run_label.empty()) out["meta"]["run"] = f.run_label;
+  // The results so far, rewritten after every case (through a .tmp file and
+  // a rename), so that a run stopped by a timeout keeps what it measured.
+  auto write_results = [&](const std::vector<json>& records) {
+    if (!group->leader()) return true;
+    json doc = out;
+    for (const json& r : records) doc["records"].push_back(r);
+    const std::string tmp = f.out + ".tmp";
+    {
+      std::ofstream file(tmp);
+      file << doc.dump(1) << "\n";
+      if (!file.flush()) {
+        spdlog::error("cannot write {}", tmp);
+        return false;
+      }
+    }
+    if (std::rename(tmp.c_str(), f.out.c_str()) != 0) {
+      spdlog::error("cannot rename {} to {}", tmp, f.out);
+      return false;
+    }
+    return true;
+  };
   if (!f.tune_out.empty() && f.dtypes.size() != 1) {
     spdlog::error("--tune-out tunes one operand type: give exactly one --dtype");
     return 2;
@@ -698,7 +730,9 @@ int Main(int argc, char** argv) {
   int failures = 0;
   const std::vector<ShapeCase> shapes = MakeShapes(f);
   size_t done = 0;
+  bool stopped = false;  // the communicators were aborted: no later case can run
   for (const ShapeCase& sc : shapes) {
+    if (stopped) break;
     for (const std::string& d : f.dtypes) {
       const DataType dtype = d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
       const size_t first = records.size();
@@ -707,9 +741,15 @@ int Main(int argc, char** argv) {
       if (!s.ok()) {
         spdlog::error("{} m={} {}: {}", sc.layer, sc.m, d, s.ToString());
         ++failures;
-        if (s.code() == StatusCode::kAborted || s.code() == StatusCode::kDeadlineExceeded) break;
+        if (s.code() == StatusCode::kAborted || s.code() == StatusCode::kDeadlineExceeded) {
+          spdlog::error("communicators aborted: the {} case(s) left are not run",
+                        shapes.size() * f.dtypes.size() - done);
+          stopped = true;
+          break;
+        }
         continue;
       }
+      if (!write_results(records)) ++failures;
       // The tuned choice (benchmarks/tune_choice.h): the finalists' second
       // round when there was one, else the sweep.
       const std::vector<Method> methods = MakeMethods(f, sc, overlap_ptr);
@@ -745,8 +785,7 @@ int Main(int argc, char** argv) {
     const Status finished = group->Finish(std::chrono::seconds(10));
     return failures == 0 && finished.ok() ? 0 : 1;
   }
-  for (json& r : records) out["records"].push_back(r);
-  std::ofstream(f.out) << out.dump(1) << "\n";
+  if (!write_results(records)) ++failures;
   spdlog::info("wrote {} records to {} ({} failed cases)", records.size(), f.out, failures);
   if (!f.tune_out.empty()) {
     std::ofstream yaml(f.tune_out);

@@ -133,7 +133,7 @@ PY
     # seed's shape, each in its own file and both in one (COMBINED).
     COMMIT=$commit PRESETS="${PRESETS:-llama70b seed}" COMBINED=llama70b-seed-fp8-tp$tp DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
       METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce layer_gemm auto" \
-      SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=60 PEER_TIMEOUT=200 \
+      SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=90 PEER_TIMEOUT=200 \
       BENCH_ARGS="${BENCH_ARGS:---breakdown}" \
       bash benchmarks/run_overlap_bench.sh || rc=1
     ;;

@@ -136,6 +136,8 @@ def merge(ours, peer, commit=None, date=None, device=None, command=None):
         "torch": pm.get("torch"),
         "command": command,
     }
+    if om.get("gemm_algo"):
+        meta["gemm_algo"] = om["gemm_algo"]
     records = list((ours or {}).get("records", [])) + list((peer or {}).get("records", []))
     out = {"meta": meta, "records": records}
     skipped = []

@@ -15,7 +15,17 @@ sorted by median, with Min / Max / Mean / StdDev / Median / IQR / Rounds and
 then a summary: per (layer, m, dtype) the best tpserve method, the best
 torch method, tpserve none, and the time ratios best-tpserve / none and
 best-tpserve / best-torch (< 1: tpserve faster). Records whose correctness
-check failed (rel diff > 1e-2) are marked "!" and never chosen as best.
+check failed (rel diff > 1e-2), or that carry no check at all (a run with
+--no-check; every method but PyTorch's torch_seq, the peer's reference, must
+have one), are marked "!" and never chosen as best.
+
+One run per shape: a session may merge several tpserve runs into one file
+(run_overlap_bench.sh with TUNE=1: the tuning sweep, then a run of gemm_only,
+comm_only, none and auto with the tuned config), each record tagged "run".
+Their contexts differ (the sweep interleaves dozens of graphs), so the
+summary and the criteria take tpserve's best, none and floor of a shape from
+one run: the one holding its auto record (else the one with most records);
+the tables list every run's records, named with their run.
 
 The PNG (matplotlib, imported only for --png) has one panel per layer (a row
 per dtype): x = m (log2), y = median ms (log) of each impl+method's best
@@ -45,11 +55,14 @@ def load(path):
 
 
 def check_failed(r):
-    for key in CHECK_KEYS:
-        v = r.get(key)
-        if v is not None and not (v <= CHECK_TOLERANCE):
-            return True
-    return False
+    """Whether `r` is not a checked, valid run of its layer: its check failed,
+    or a method that must be checked (every layer method of tpserve; every
+    PyTorch method but torch_seq, the reference of the others) has none."""
+    values = [r.get(key) for key in CHECK_KEYS if r.get(key) is not None]
+    if any(not (v <= CHECK_TOLERANCE) for v in values):
+        return True
+    needs_check = r.get("method") not in DIAGNOSTIC and r.get("method") != "torch_seq"
+    return needs_check and not values
 
 
 def config_summary(r):
@@ -105,6 +118,8 @@ def row_name(r):
     extra = " ".join(w for w in extra.split() if w != "ce")
     if extra:
         name += " [%s]" % extra
+    if r.get("run") is not None:
+        name += " (run %s)" % r["run"]
     if check_failed(r):
         name += " !"
     return name
@@ -133,6 +148,25 @@ def median_of(recs, impl, method):
     vals = [r["median_ms"] for r in recs
             if r.get("impl") == impl and r.get("method") == method and "median_ms" in r]
     return min(vals) if vals else None
+
+
+def judged_run(recs):
+    """The tpserve records of a shape that the summary and criteria judge:
+    those of one run (see the module doc), or all when they carry no run."""
+    ours = [r for r in recs if r.get("impl") == "tpserve"]
+    runs = []
+    for r in ours:
+        if r.get("run") not in runs:
+            runs.append(r.get("run"))
+    if len(runs) <= 1:
+        return recs
+    with_auto = [run for run in runs
+                 if any(r.get("run") == run and r.get("method") == "auto" for r in ours)]
+    if with_auto:
+        chosen = with_auto[-1]
+    else:
+        chosen = max(runs, key=lambda run: sum(1 for r in ours if r.get("run") == run))
+    return [r for r in recs if r.get("impl") != "tpserve" or r.get("run") == chosen]
 
 
 def references(recs, fallback=False):
@@ -203,6 +237,7 @@ def summary_rows(grouped):
     rows = []
     for key, recs in grouped.items():
         layer, m, dtype, tp = key
+        recs = judged_run(recs)
         none, floor = references(recs)
         bt, bp = best(recs, "tpserve"), best(recs, "torch")
         bt_med = bt["median_ms"] if bt else None
@@ -227,18 +262,27 @@ def criteria(grouped, dtype="fp8"):
     correctness check) fails the criterion instead of dropping out of it, and
     an auto record that failed its check counts as infinitely slow."""
     keys = [k for k in grouped if k[2] == dtype]
+    grouped = {k: judged_run(grouped[k]) for k in keys}
     has_torch = any(r.get("impl") == "torch" for k in keys for r in grouped[k])
     has_floor = any(references(grouped[k])[1] is not None for k in keys if int(k[1]) >= 4096)
     has_auto = any(r.get("impl") == "tpserve" and r.get("method") == "auto"
                    for k in keys for r in grouped[k])
     over_torch, speedups, over_floor, auto_over_none = [], [], [], []
     missing = {"torch": [], "floor": [], "auto": []}
+    mismatched = []
     for key in keys:
         layer, m, d, tp = key
         recs = grouped[key]
         none, floor = references(recs)
         bt, bp = best(recs, "tpserve"), best(recs, "torch")
         name = "%s m=%s" % (layer, m)
+        if bt and bp:
+            # Both sides must have been measured alike.
+            for field, get in (("l2_flush_mib", lambda r: r.get("l2_flush_mib")),
+                               ("fast_accum", lambda r: bool((r.get("config") or {})
+                                                             .get("fast_accum")))):
+                if get(bt) != get(bp):
+                    mismatched.append("%s (%s %s vs %s)" % (name, field, get(bt), get(bp)))
         if bt and bp:
             over_torch.append((bt["median_ms"] / bp["median_ms"], name))
             speedups.append(bp["median_ms"] / bt["median_ms"])
@@ -274,6 +318,8 @@ def criteria(grouped, dtype="fp8"):
             detail += "; %d shape(s) without a comparison: %s" % (len(lost), ", ".join(lost))
         return (what, not bad and not lost, detail)
 
+    for m in mismatched:
+        missing["torch"].append(m + ": measured differently")
     out = [worst(over_torch, missing["torch"], 1.02,
                  "best tpserve <= 1.02 x best PyTorch, every shape")]
     geo_what = "geometric-mean speedup over best PyTorch >= 1.10"
@@ -315,8 +361,8 @@ def render_text(data):
         parts.append(render_group(key, recs))
     if any(check_failed(r) for r in records):
         parts.append("! = output differs from the reference by more than %g (relative "
-                     "Frobenius norm): not a valid run of the layer, never chosen as best"
-                     % CHECK_TOLERANCE)
+                     "Frobenius norm), or was not checked: not a valid run of the layer, never "
+                     "chosen as best" % CHECK_TOLERANCE)
     headers = ["layer", "m", "dtype", "best tpserve", "median", "best torch", "median",
                "tpserve none", "max(gemm,comm)", "best/none", "best/torch"]
     parts.append("=== summary (medians in ms; ratios are times: < 1 means best tpserve is "

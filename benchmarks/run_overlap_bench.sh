@@ -64,13 +64,14 @@ run_preset() {  # preset, extra args for tpserve-bench
   local sweep_methods="$methods" tuned="" ours_files=()
   # TUNE=1: the sweep also tunes (--tune-out), and method auto is then
   # measured in a second run that resolves the config just written, so that
-  # auto, none and PyTorch come from one session.
+  # auto, none and PyTorch come from one session. The runs' records are
+  # tagged (--run-label sweep / auto); the criteria judge the auto run.
   if [ -n "${TUNE:-}" ]; then
     tuned="$out/$date-overlap-$preset-tp$tp-tuned.yaml"
     sweep_methods=$(for x in $methods; do [ "$x" = auto ] || printf '%s ' "$x"; done)
   fi
   local cmd_ours=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit --gemm-algo $gemm_algo $* --methods $sweep_methods ${BENCH_ARGS:-}"
-  [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned" || cmd_ours="$cmd_ours --overlap $overlap"
+  [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned --run-label sweep" || cmd_ours="$cmd_ours --overlap $overlap"
   local cmd_peer="python3 benchmarks/torch_peer.py --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
   local peer_files=() peer_cmds=""
   if [ "$bracket" = 1 ]; then
@@ -86,7 +87,9 @@ run_preset() {  # preset, extra args for tpserve-bench
   ours_files+=(--ours "/tmp/ours-$preset.json")
   local cmd_all="$cmd_ours"
   if [ -n "$tuned" ] && [[ " $methods " == *" auto "* ]] && [ -s "$tuned" ]; then
-    local cmd_auto=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --gemm-algo $gemm_algo --methods none auto --overlap $tuned"
+    # Its own gemm_only and comm_only: render_results.py judges each shape
+    # within one run (best, none and floor measured in the same context).
+    local cmd_auto=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --rounds $rounds --commit $commit --gemm-algo $gemm_algo --methods gemm_only comm_only none auto --overlap $tuned --run-label auto"
     echo "== $preset: $cmd_auto" | tee -a "$log"
     rm -f "/tmp/ours-auto-$preset.json"
     timeout ${AUTO_TIMEOUT:-120} $cmd_auto --out "/tmp/ours-auto-$preset.json" >> "$log" 2>&1 || rc=1

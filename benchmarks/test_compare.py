@@ -94,6 +94,30 @@ class CompareTest(unittest.TestCase):
         self.assertEqual(rc, 0, out + err)
         self.assertIn("6 cases compared, 0 slower than threshold", out)
 
+    def test_runs_of_one_session_are_separate_cases(self):
+        # A session file: the sweep and the auto run both time plain none.
+        def session(auto_none):
+            sweep = [dict(r, run="sweep") for r in base_records() if r["impl"] == "tpserve"]
+            auto = dict(record(method="none", chunks=1, median=auto_none), run="auto")
+            return results(sweep + [auto])
+        old = self.write("old.json", session(0.065))
+        new = self.write("new.json", session(0.065 * 1.2))
+        rc, out, err = self.run_compare(old, old)
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("6 cases compared, 0 slower than threshold", out)
+        rc, out, err = self.run_compare(old, new)
+        self.assertEqual(rc, 1, out + err)
+        slow = self.row(out, "SLOWER")
+        self.assertIn("run=auto", slow)
+        self.assertIn(" none c=1", slow)
+        # Without the tags the two none records are one key: bad input.
+        untagged = session(0.065)
+        for r in untagged["records"]:
+            del r["run"]
+        rc, out, err = self.run_compare(self.write("untagged.json", untagged), old)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("have the same key", err)
+
     def test_ten_percent_slower_is_flagged(self):
         new_records = base_records()
         new_records[2]["median_ms"] = 0.088 * 1.10  # ring c=2, max_ctas 0

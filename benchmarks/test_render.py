@@ -8,10 +8,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import render_results  # noqa: E402
 
 
-def rec(impl, method, median, layer="llama70b.qkv", m=8192, dtype="fp8"):
-    return {"impl": impl, "layer": layer, "op": "ag_gemm", "method": method, "dtype": dtype,
-            "tp": 2, "m": m, "n": 10240, "k": 8192, "chunks": 1, "config": {},
-            "median_ms": median}
+def rec(impl, method, median, layer="llama70b.qkv", m=8192, dtype="fp8", run=None,
+        checked=True):
+    """A record as the harnesses write it: layer methods carry their
+    correctness check (tpserve: vs mode none; PyTorch: vs torch_seq)."""
+    r = {"impl": impl, "layer": layer, "op": "ag_gemm", "method": method, "dtype": dtype,
+         "tp": 2, "m": m, "n": 10240, "k": 8192, "chunks": 1, "config": {},
+         "median_ms": median, "l2_flush_mib": 128}
+    if run is not None:
+        r["run"] = run
+    if checked and method not in render_results.DIAGNOSTIC and method != "torch_seq":
+        r["check_rel_diff_vs_none" if impl == "tpserve" else "check_rel_diff_vs_seq"] = 0.001
+    return r
 
 
 def by_name(results):
@@ -104,6 +112,66 @@ class CriteriaTest(unittest.TestCase):
         self.assertIn("llama70b.qkv m=512 (no auto record)", detail)
 
 
+    def test_unchecked_records_are_never_best(self):
+        # A --no-check run: the fast ring has no check, so the shape has no
+        # valid tpserve record; an unchecked PyTorch method is left out too.
+        records = [rec("tpserve", "ring", 0.5, checked=False),
+                   rec("tpserve", "gemm_only", 0.5), rec("tpserve", "comm_only", 0.3),
+                   rec("torch", "torch_seq", 0.9), rec("torch", "torch_symm_mem", 0.4,
+                                                       checked=False)]
+        self.assertTrue(render_results.check_failed(records[0]))
+        self.assertFalse(render_results.check_failed(records[3]))  # the peer's reference
+        self.assertIsNone(render_results.best(records, "tpserve"))
+        self.assertEqual(render_results.best(records, "torch")["method"], "torch_seq")
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        ok, detail = got["best tpserve <= 1.02 x best PyTorch, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("no valid tpserve record", detail)
+
+    def test_each_shape_is_judged_within_one_run(self):
+        # The sweep (heavier context) and the auto run: best, none and floor
+        # all come from the auto run, not the minimum over both.
+        records = [rec("tpserve", "none", 1.10, run="sweep"),
+                   rec("tpserve", "ring", 0.70, run="sweep"),
+                   rec("tpserve", "gemm_only", 0.60, run="sweep"),
+                   rec("tpserve", "comm_only", 0.30, run="sweep"),
+                   rec("tpserve", "none", 1.00, run="auto"),
+                   rec("tpserve", "auto", 0.80, run="auto"),
+                   rec("tpserve", "gemm_only", 0.74, run="auto"),
+                   rec("tpserve", "comm_only", 0.30, run="auto"),
+                   rec("torch", "torch_symm_mem", 0.79)]
+        grouped = render_results.groups(records)
+        judged = render_results.judged_run(next(iter(grouped.values())))
+        self.assertEqual({r.get("run") for r in judged if r["impl"] == "tpserve"}, {"auto"})
+        got = by_name(render_results.criteria(grouped))
+        # 0.80 / 0.79 = 1.013 (the sweep's 0.70 would have given 0.886).
+        ok, detail = got["best tpserve <= 1.02 x best PyTorch, every shape"]
+        self.assertTrue(ok)
+        self.assertIn("worst 1.013", detail)
+        # 0.80 / 0.74 = 1.081 against the auto run's own GEMM (vs the sweep's
+        # 0.60 it would read 1.333, mixing contexts).
+        ok, detail = got["m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"]
+        self.assertFalse(ok)
+        self.assertIn("worst 1.081", detail)
+        ok, detail = got["auto <= 1.02 x none, every shape"]
+        self.assertTrue(ok)
+        self.assertIn("worst 0.800", detail)
+        # The tables still list every run's records, named with their run.
+        text = render_results.render_text({"records": records})
+        self.assertIn("tpserve ring c=1 (run sweep)", text)
+        self.assertIn("tpserve auto (run auto)", text)
+
+    def test_sides_measured_differently_fail(self):
+        records = [rec("tpserve", "none", 1.0), rec("tpserve", "auto", 0.8),
+                   rec("torch", "torch_seq", 0.9)]
+        records[2]["l2_flush_mib"] = 0
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        ok, detail = got["best tpserve <= 1.02 x best PyTorch, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("l2_flush_mib 128 vs 0", detail)
+        self.assertIn("measured differently", detail)
+
+
 class RowNameTest(unittest.TestCase):
     def test_breakdown_parts_name_their_method(self):
         r = rec("tpserve", "layer_gemm", 0.4)
@@ -117,8 +185,11 @@ class RowNameTest(unittest.TestCase):
         r = rec("tpserve", "layer_gemm", 0.4)
         r["config"] = {"mode": "none", "chunks": 1}
         self.assertEqual(render_results.row_name(r), "tpserve layer_gemm")
-        r.update(method="ring", chunks=2, config={"mode": "ring", "chunks": 2, "max_ctas": 8})
+        r.update(method="ring", chunks=2, config={"mode": "ring", "chunks": 2, "max_ctas": 8},
+                 check_rel_diff_vs_none=0.001)
         self.assertEqual(render_results.row_name(r), "tpserve ring c=2 [maxctas=8]")
+        del r["check_rel_diff_vs_none"]  # a layer method without its check
+        self.assertEqual(render_results.row_name(r), "tpserve ring c=2 [maxctas=8] !")
 
 
 if __name__ == "__main__":
