@@ -88,6 +88,8 @@ class CheckPodSpec:
         limits = c["resources"]["limits"]
         self.assertGreaterEqual(int(limits["nvidia.com/gpu"]), 1, label)
         self.assertEqual(env_map(c).get("NCCL_NVLS_ENABLE"), "0", label)
+        # A pod that sees no GPUs must fail, not serve on the CPU engine.
+        self.assertEqual(arg_value(args, "--backend"), "cuda", label)
         shm = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
         self.assertEqual(len(shm), 1, label + ": no /dev/shm mount")
         vols = {v["name"]: v for v in spec["volumes"]}
@@ -162,6 +164,25 @@ class MultiNodeLws(unittest.TestCase, CheckPodSpec):
                     self.assertNotIn(injected, env)
                 self.assertEqual(int(arg_value(c["args"], "--tp")),
                                  self.tmpl["size"] * gpus_per_node)
+
+    def test_workers_take_the_leaders_engine_flags(self):
+        # Workers size their buffers and build their layers from their own
+        # flags: every flag but the leader's serving ones must match.
+        serving_only = {"--model-name", "--host", "--grpc-port", "--metrics-host",
+                        "--metrics-port"}
+
+        def flags(template):
+            args = self.tmpl[template]["spec"]["containers"][0]["args"]
+            out = {}
+            for a in args:
+                self.assertTrue(a.startswith("--") and "=" in a,
+                                "%s: write flags as --flag=value, got %r" % (template, a))
+                name, value = a.split("=", 1)
+                out[name] = value
+            return out
+        leader, worker = flags("leaderTemplate"), flags("workerTemplate")
+        self.assertEqual({k: v for k, v in leader.items() if k not in serving_only}, worker)
+        self.assertEqual(worker.get("--backend"), "cuda")
 
     def test_probes_on_leader_only(self):
         leader = self.check_serving_pod(self.tmpl["leaderTemplate"]["spec"], "leader")
