@@ -729,6 +729,14 @@ int Main(int argc, char** argv) {
   std::vector<json> records;
   int failures = 0;
   const std::vector<ShapeCase> shapes = MakeShapes(f);
+  // Every case this run means to measure: a reader (render_results.py) can
+  // then tell a case that failed or was never reached from one not asked for.
+  out["meta"]["planned_cases"] = json::array();
+  for (const ShapeCase& sc : shapes) {
+    for (const std::string& d : f.dtypes) {
+      out["meta"]["planned_cases"].push_back({{"layer", sc.layer}, {"m", sc.m}, {"dtype", d}});
+    }
+  }
   size_t done = 0;
   bool stopped = false;  // the communicators were aborted: no later case can run
   for (const ShapeCase& sc : shapes) {

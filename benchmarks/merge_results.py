@@ -69,12 +69,17 @@ def load_all(paths, impl, missing):
             missing.append(path)
             continue
         part = load(path, impl)
+        planned = part.get("meta", {}).get("planned_cases") or []
         if out is None:
             out = part
             out["skipped"] = list(out.get("skipped") or [])
+            out["planned_cases"] = []
         else:
             out["records"].extend(part["records"])
             out["skipped"].extend(part.get("skipped") or [])
+        for case in planned:
+            if case not in out["planned_cases"]:
+                out["planned_cases"].append(case)
     return out
 
 
@@ -138,6 +143,10 @@ def merge(ours, peer, commit=None, date=None, device=None, command=None):
     }
     if om.get("gemm_algo"):
         meta["gemm_algo"] = om["gemm_algo"]
+    # The cases tpserve's runs meant to measure (tpserve-bench's
+    # meta.planned_cases, every --ours file's).
+    if (ours or {}).get("planned_cases"):
+        meta["planned_cases"] = ours["planned_cases"]
     records = list((ours or {}).get("records", [])) + list((peer or {}).get("records", []))
     out = {"meta": meta, "records": records}
     skipped = []

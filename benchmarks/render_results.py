@@ -251,7 +251,7 @@ def summary_rows(grouped):
     return rows
 
 
-def criteria(grouped, dtype="fp8"):
+def criteria(grouped, dtype="fp8", planned=None):
     """The overlap criteria of the project (issue 4), for records of `dtype`:
     (name, passed or None when unmeasured, detail). Ratios are times.
 
@@ -260,7 +260,12 @@ def criteria(grouped, dtype="fp8"):
     From then on every shape must have it: a shape without a valid record on
     one side (the peer failed there, or every tpserve method failed its
     correctness check) fails the criterion instead of dropping out of it, and
-    an auto record that failed its check counts as infinitely slow."""
+    an auto record that failed its check counts as infinitely slow.
+
+    planned: the cases tpserve's runs meant to measure (meta.planned_cases:
+    [{"layer", "m", "dtype"}]); one of `dtype` without any record fails every
+    criterion it belongs to, so that a run cut short cannot pass on the
+    shapes it reached."""
     keys = [k for k in grouped if k[2] == dtype]
     grouped = {k: judged_run(grouped[k]) for k in keys}
     has_torch = any(r.get("impl") == "torch" for k in keys for r in grouped[k])
@@ -269,6 +274,17 @@ def criteria(grouped, dtype="fp8"):
                    for k in keys for r in grouped[k])
     over_torch, speedups, over_floor, auto_over_none = [], [], [], []
     missing = {"torch": [], "floor": [], "auto": []}
+    present = {(k[0], int(k[1])) for k in keys}
+    unmeasured = []
+    for case in planned or []:
+        if case.get("dtype") == dtype and (case.get("layer"), int(case.get("m", -1))) not in present:
+            unmeasured.append((case.get("layer"), int(case["m"])))
+    for layer, m in unmeasured:
+        name = "%s m=%s (planned, no record)" % (layer, m)
+        missing["torch"].append(name)
+        if m >= 4096:
+            missing["floor"].append(name)
+        missing["auto"].append(name)
     mismatched = []
     for key in keys:
         layer, m, d, tp = key
@@ -339,9 +355,9 @@ def criteria(grouped, dtype="fp8"):
     return out
 
 
-def render_criteria(grouped, dtype="fp8"):
+def render_criteria(grouped, dtype="fp8", planned=None):
     lines = ["=== criteria (%s) ===" % dtype]
-    for what, ok, detail in criteria(grouped, dtype):
+    for what, ok, detail in criteria(grouped, dtype, planned):
         mark = "n/a " if ok is None else ("PASS" if ok else "FAIL")
         lines.append("%s  %s: %s" % (mark, what, detail))
     return "\n".join(lines)
@@ -368,7 +384,7 @@ def render_text(data):
     parts.append("=== summary (medians in ms; ratios are times: < 1 means best tpserve is "
                  "faster) ===\n" + table(headers, summary_rows(grouped),
                                           "llllrlrrrrr"))
-    parts.append(render_criteria(grouped))
+    parts.append(render_criteria(grouped, planned=meta.get("planned_cases")))
     skipped = data.get("skipped") or []
     if skipped:
         lines = ["=== skipped (%d) ===" % len(skipped)]

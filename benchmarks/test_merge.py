@@ -51,6 +51,25 @@ class MergeTest(unittest.TestCase):
             self.assertEqual(len(merged["skipped"]), 1)
             self.assertEqual(merged["skipped"][0]["impl"], "tpserve")
 
+    def test_planned_cases_of_every_ours_file_are_kept_once(self):
+        with tempfile.TemporaryDirectory() as d:
+            a = {"layer": "x", "m": 512, "dtype": "fp8"}
+            b = {"layer": "seed", "m": 65536, "dtype": "fp8"}
+            sweep = self.write(d, "sweep.json", {
+                "meta": {"commit": "abc", "planned_cases": [a], "gemm_algo": "timed"},
+                "records": [record("tpserve", "none", 1.0)]})
+            auto = self.write(d, "auto.json", {"meta": {"planned_cases": [a]},
+                                               "records": [record("tpserve", "auto", 0.7)]})
+            seed = self.write(d, "seed.json", {"meta": {"planned_cases": [b]}, "records": []})
+            out = os.path.join(d, "merged.json")
+            rc = merge_results.main(["--ours", sweep, "--ours", auto, "--ours", seed,
+                                     "--out", out])
+            self.assertEqual(rc, 0)
+            with open(out) as f:
+                meta = json.load(f)["meta"]
+            self.assertEqual(meta["planned_cases"], [a, b])
+            self.assertEqual(meta["gemm_algo"], "timed")
+
     def test_several_presets_merge_into_one_file(self):
         # One file per session: each preset's sweep and each preset's peer run.
         with tempfile.TemporaryDirectory() as d:

@@ -161,6 +161,30 @@ class CriteriaTest(unittest.TestCase):
         self.assertIn("tpserve ring c=1 (run sweep)", text)
         self.assertIn("tpserve auto (run auto)", text)
 
+    def test_a_planned_case_without_records_fails(self):
+        # The run planned m=512 and m=8192 but was cut short after m=8192.
+        records = [rec("tpserve", "none", 1.0), rec("tpserve", "auto", 0.8),
+                   rec("tpserve", "gemm_only", 0.78), rec("tpserve", "comm_only", 0.3),
+                   rec("torch", "torch_seq", 0.9)]
+        planned = [{"layer": "llama70b.qkv", "m": m, "dtype": "fp8"} for m in (512, 8192)]
+        planned.append({"layer": "llama70b.qkv", "m": 512, "dtype": "bf16"})  # other dtype
+        grouped = render_results.groups(records)
+        got = by_name(render_results.criteria(grouped))
+        self.assertTrue(got["best tpserve <= 1.02 x best PyTorch, every shape"][0])
+        got = by_name(render_results.criteria(grouped, planned=planned))
+        for what in ("best tpserve <= 1.02 x best PyTorch, every shape",
+                     "geometric-mean speedup over best PyTorch >= 1.10",
+                     "auto <= 1.02 x none, every shape"):
+            ok, detail = got[what]
+            self.assertFalse(ok, what)
+        self.assertIn("llama70b.qkv m=512 (planned, no record)",
+                      got["auto <= 1.02 x none, every shape"][1])
+        # m=512 is below the floor criterion's range: it still passes there.
+        self.assertTrue(got["m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"][0])
+        text = render_results.render_text({"meta": {"planned_cases": planned},
+                                           "records": records})
+        self.assertIn("(planned, no record)", text)
+
     def test_sides_measured_differently_fail(self):
         records = [rec("tpserve", "none", 1.0), rec("tpserve", "auto", 0.8),
                    rec("torch", "torch_seq", 0.9)]
