@@ -21,7 +21,7 @@
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
 #   stress  copy-engine layers in the process model, ITERS (default 3000) graph
-#           replays per case, each case's last replay checked against eager
+#           replays per case, then 10 replays alternating two inputs, checked against eager
 # TP=N (default 2) runs the layer check, overlap, model and load parts on N
 # GPUs (the tests part's tiny-model run stays at 2: 4 KV heads), with
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
@@ -186,7 +186,8 @@ PY
     # Copy-engine graph replays in the production process model, many of them:
     # with ranks as threads, one replay in ~1,400 of ag_gemm pipeline hung
     # (NOTES.md), which is why CudaLinear refuses that setting. Each case ends
-    # with one more replay checked bit for bit against the eager run.
+    # with 10 replays, the input alternating between two tensors, each checked
+    # bit for bit against the eager run of its input.
     while read -r m args; do
       echo "== tpserve layer --backend cuda --tp $tp --m $m --n 1024 --k 1024 --iters ${ITERS:-3000} $args"
       timeout 120 .gpu/bin/tpserve layer --backend cuda --tp "$tp" --m "$m" --n 1024 --k 1024 \

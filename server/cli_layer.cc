@@ -110,7 +110,8 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
   cmd->add_option("--seed", f->seed, "Random seed of the operands")->capture_default_str();
   cmd->add_option("--iters", f->iters,
                   "Timed iterations (cpu: the best is reported; cuda: the median graph replay, "
-                  "then one more replay checked bit for bit against the eager run)")
+                  "then 10 replays with the input alternating between two tensors, each "
+                  "checked bit for bit against the eager run of its input)")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
   cmd->add_option("--tolerance", f->tolerance,

@@ -22,10 +22,15 @@ namespace {
 struct RankResult {
   LinearError err;
   float median_ms = 0;
-  // After the timed replays: one more replay into a poisoned output, compared
-  // bit for bit with the eager run's output.
+  // After the timed replays: kCheckedReplays replays into a poisoned output,
+  // the input alternating between X and X with its rows reversed, each
+  // compared bit for bit with the eager run of the same input. A transfer
+  // that a replay skips or reads too early (stale rows of the other input)
+  // shows as a difference.
   bool replay_identical = false;
 };
+
+constexpr int kCheckedReplays = 10;
 
 // One rank's whole run: communicator, layer, check, timed graph replays.
 StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncclUniqueId& id) {
@@ -77,6 +82,27 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   RankResult res;
   TP_ASSIGN_OR_RETURN(res.err, CompareRankWithReference(p, r, host));
 
+  // The second input: this rank's X with its rows in reverse order, and the
+  // eager output for it (the expectation of the alternating replays below).
+  const std::vector<uint8_t>& x1 = p.x_local[r];
+  const size_t row_bytes = static_cast<size_t>(p.k_local()) * DataTypeSize(dtype);
+  const size_t rows = row_bytes > 0 ? x1.size() / row_bytes : 0;
+  std::vector<uint8_t> x2(x1.size());
+  for (size_t i = 0; i < rows; ++i) {
+    std::copy_n(x1.begin() + static_cast<std::ptrdiff_t>((rows - 1 - i) * row_bytes), row_bytes,
+                x2.begin() + static_cast<std::ptrdiff_t>(i * row_bytes));
+  }
+  auto set_input = [&](const std::vector<uint8_t>& x) -> Status {
+    TP_CUDA_CHECK(cudaMemcpy(layer->input(f.m), x.data(), x.size(), cudaMemcpyHostToDevice));
+    return LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st);
+  };
+  TP_RETURN_IF_ERROR(set_input(x2));
+  TP_RETURN_IF_ERROR(run());
+  TP_RETURN_IF_ERROR(comm.WaitStream(st));
+  std::vector<BFloat16> host2(out);
+  TP_CUDA_CHECK(cudaMemcpy(host2.data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
+  TP_RETURN_IF_ERROR(set_input(x1));
+
   TP_ASSIGN_OR_RETURN(CudaGraphExec graph,
                       CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, run));
   std::vector<float> times;
@@ -92,13 +118,22 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   }
   std::sort(times.begin(), times.end());
   res.median_ms = times[times.size() / 2];
-  TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st));
-  TP_RETURN_IF_ERROR(graph.Launch(st));
-  TP_RETURN_IF_ERROR(comm.WaitStream(st));
+  res.replay_identical = true;
   std::vector<BFloat16> replayed(out);
-  TP_CUDA_CHECK(cudaMemcpy(replayed.data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
-  res.replay_identical = std::equal(replayed.begin(), replayed.end(), host.begin(),
-                                    [](BFloat16 a, BFloat16 b) { return a.bits == b.bits; });
+  for (int i = 0; i < kCheckedReplays; ++i) {
+    const bool second = i % 2 == 0;  // the first checked replay changes the input
+    TP_RETURN_IF_ERROR(set_input(second ? x2 : x1));
+    TP_RETURN_IF_ERROR(graph.Launch(st));
+    TP_RETURN_IF_ERROR(comm.WaitStream(st));
+    TP_CUDA_CHECK(cudaMemcpy(replayed.data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
+    const std::vector<BFloat16>& want = second ? host2 : host;
+    if (!std::equal(replayed.begin(), replayed.end(), want.begin(),
+                    [](BFloat16 a, BFloat16 b) { return a.bits == b.bits; })) {
+      spdlog::error("rank {}: checked replay {} ({} input) differs from the eager run", r, i,
+                    second ? "row-reversed" : "original");
+      res.replay_identical = false;
+    }
+  }
   graph = CudaGraphExec();  // graphs before the layer and its communicators
   TP_RETURN_IF_ERROR(comm.Barrier());
   return res;
@@ -156,11 +191,12 @@ int RunLayerCuda(const LayerFlags& f, const std::vector<std::string>& argv) {
     std::printf(
         "rank %d/%d %s %s %s m=%lld n=%lld k=%lld chunks=%d backend=cuda: graph replay median "
         "%.4f ms over %d; vs CPU reference: rel_frobenius=%.3g max_abs=%.3g unwritten=%lld; "
-        "graph replay vs eager: %s -> %s (tolerance %.g)\n",
+        "%d graph replays, two inputs alternating, vs eager: %s -> %s (tolerance %.g)\n",
         who.rank, f.tp, f.op.c_str(), f.mode.c_str(), f.dtype.c_str(), static_cast<long long>(f.m),
         static_cast<long long>(f.n), static_cast<long long>(f.k), f.chunks, res->median_ms, f.iters,
         res->err.rel_frobenius, res->err.max_abs, static_cast<long long>(res->err.unwritten),
-        res->replay_identical ? "bit-identical" : "DIFFERS", pass ? "PASS" : "FAIL", f.tolerance);
+        kCheckedReplays, res->replay_identical ? "bit-identical" : "DIFFERS",
+        pass ? "PASS" : "FAIL", f.tolerance);
     std::fflush(stdout);
   }
   if (!res.ok()) {

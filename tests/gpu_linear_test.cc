@@ -242,7 +242,8 @@ TEST_F(GpuLinearTest, AllGatherGemmPipelineGraphReplayIsBitIdenticalAndAllocatio
 // production process model (one process per GPU, CUDA IPC) every copy-engine
 // mode of both ops is checked by `tpserve layer --copy-engine`
 // (benchmarks/gpu_layer_cli.sh: the eager output against the CPU reference,
-// and a graph replay against the eager output, bit for bit).
+// and 10 graph replays, the input alternating between two tensors, against
+// the eager outputs bit for bit).
 TEST_F(GpuLinearTest, CopyEngineWithRanksAsThreadsIsRefused) {
   for (OverlapOp op : {OverlapOp::kAllGatherGemm, OverlapOp::kGemmReduceScatter}) {
     for (OverlapMode mode : {OverlapMode::kNone, OverlapMode::kPipeline, OverlapMode::kRing}) {
