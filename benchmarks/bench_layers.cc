@@ -435,6 +435,34 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
           times[i].push_back(ms);
         }
       }
+      // Each replay's time is the slowest rank's: the layer is done when its
+      // last rank is (the ranks start each replay aligned, above). The
+      // PyTorch peer reports the same (torch_peer.py, rank_times "max").
+      const size_t n = which.size() * static_cast<size_t>(f.rounds);
+      if (n == 0 || tp == 1) return Status::Ok();
+      TP_ASSIGN_OR_RETURN(DeviceBuffer gathered,
+                          DeviceBuffer::Allocate((tp + 1) * n * sizeof(float), "bench.times"));
+      std::vector<float> table(tp * n);
+      for (size_t j = 0; j < which.size(); ++j) {
+        const std::vector<float>& t = times[which[j]];
+        if (t.size() < static_cast<size_t>(f.rounds)) return InternalError("round count");
+        std::copy(t.end() - f.rounds, t.end(), table.begin() + j * f.rounds);
+      }
+      float* send = gathered.as<float>() + tp * n;
+      TP_CUDA_CHECK(cudaMemcpy(send, table.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+      TP_RETURN_IF_ERROR(base.AllGather(send, gathered.data(), n * sizeof(float), st));
+      TP_RETURN_IF_ERROR(base.WaitStream(st));
+      TP_CUDA_CHECK(cudaMemcpy(table.data(), gathered.data(), tp * n * sizeof(float),
+                               cudaMemcpyDeviceToHost));
+      for (size_t j = 0; j < which.size(); ++j) {
+        std::vector<float>& t = times[which[j]];
+        for (int round = 0; round < f.rounds; ++round) {
+          float slowest = 0;
+          for (int q = 0; q < tp; ++q)
+            slowest = std::max(slowest, table[q * n + j * f.rounds + round]);
+          t[t.size() - f.rounds + round] = slowest;
+        }
+      }
       return Status::Ok();
     };
     std::vector<size_t> all(methods.size());
@@ -510,7 +538,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
                {"k", sc.k},
                {"chunks", m.knobs.chunks},
                {"config", KnobsJson(m.knobs)},
-               {"l2_flush_mib", f.l2_flush_mib}};
+               {"l2_flush_mib", f.l2_flush_mib},
+               {"rank_times", tp > 1 ? "max" : "rank0"}};
       if (!f.run_label.empty()) rec["run"] = f.run_label;
       rec.update(Stats(prepared[i].times));
       if (!checks[i].is_null()) rec["check_rel_diff_vs_none"] = checks[i];

@@ -295,6 +295,7 @@ def criteria(grouped, dtype="fp8", planned=None):
         if bt and bp:
             # Both sides must have been measured alike.
             for field, get in (("l2_flush_mib", lambda r: r.get("l2_flush_mib")),
+                               ("rank_times", lambda r: r.get("rank_times")),
                                ("fast_accum", lambda r: bool((r.get("config") or {})
                                                              .get("fast_accum")))):
                 if get(bt) != get(bp):

@@ -14,7 +14,7 @@ def rec(impl, method, median, layer="llama70b.qkv", m=8192, dtype="fp8", run=Non
     correctness check (tpserve: vs mode none; PyTorch: vs torch_seq)."""
     r = {"impl": impl, "layer": layer, "op": "ag_gemm", "method": method, "dtype": dtype,
          "tp": 2, "m": m, "n": 10240, "k": 8192, "chunks": 1, "config": {},
-         "median_ms": median, "l2_flush_mib": 128}
+         "median_ms": median, "l2_flush_mib": 128, "rank_times": "max"}
     if run is not None:
         r["run"] = run
     if checked and method not in render_results.DIAGNOSTIC and method != "torch_seq":
@@ -194,6 +194,13 @@ class CriteriaTest(unittest.TestCase):
         self.assertFalse(ok)
         self.assertIn("l2_flush_mib 128 vs 0", detail)
         self.assertIn("measured differently", detail)
+        # One side reporting rank 0's times, the other the slowest rank's.
+        records[2]["l2_flush_mib"] = 128
+        del records[2]["rank_times"]
+        ok, detail = by_name(render_results.criteria(render_results.groups(records)))[
+            "best tpserve <= 1.02 x best PyTorch, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("rank_times max vs None", detail)
 
 
 class RowNameTest(unittest.TestCase):

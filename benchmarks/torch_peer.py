@@ -607,6 +607,14 @@ def time_method(ctx, fn, use_graph):
             out = r
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    # Each round's time is the slowest rank's, as tpserve-bench reports its
+    # own (rank_times "max"): the op is done when its last rank is.
+    if ctx.tp > 1:
+        every = ctx.gather_objects("times", times)
+        if any(len(t) != len(times) for t in every):
+            raise RuntimeError("ranks timed different round counts: %s"
+                               % [len(t) for t in every])
+        times = [max(t[i] for t in every) for i in range(len(times))]
     return times, graph_used, out, graph_error, graph
 
 
@@ -699,6 +707,7 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
             "chunks": chunks,
             "config": cfg,
             "l2_flush_mib": args.l2_flush_mib,
+            "rank_times": "max" if ctx.tp > 1 else "rank0",
         }
         rec.update(summarize(times))
         # Every round's time, so that merge_results.py --pool-peer-passes can
