@@ -542,6 +542,9 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
                {"rank_times", tp > 1 ? "max" : "rank0"}};
       if (!f.run_label.empty()) rec["run"] = f.run_label;
       rec.update(Stats(prepared[i].times));
+      // Every round's time (the slowest rank's), as the peer records its own.
+      rec["times_ms"] = json::array();
+      for (float t : prepared[i].times) rec["times_ms"].push_back(std::round(t * 1e6) / 1e6);
       if (!checks[i].is_null()) rec["check_rel_diff_vs_none"] = checks[i];
       if (!final_times[i].empty()) {
         // The tuner's second round (see above): median among the finalists.
