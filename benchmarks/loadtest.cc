@@ -47,9 +47,18 @@
 #include <utility>
 #include <vector>
 
+#include "benchmarks/loadtest_stats.h"
 #include "proto/grpc_service.grpc.pb.h"
 
 namespace {
+
+using tpserve::loadtest::kMaxRangeValues;
+using tpserve::loadtest::kStableWindows;
+using tpserve::loadtest::NearestRankPercentile;
+using tpserve::loadtest::ParseDouble;
+using tpserve::loadtest::ParseRange;
+using tpserve::loadtest::Split;
+using tpserve::loadtest::Stable;
 
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
@@ -117,56 +126,6 @@ struct Flags {
   std::string csv;
   std::string json;
 };
-
-std::vector<std::string> Split(const std::string& s, char sep) {
-  std::vector<std::string> parts;
-  std::string cur;
-  for (char c : s) {
-    if (c == sep) {
-      parts.push_back(cur);
-      cur.clear();
-    } else {
-      cur += c;
-    }
-  }
-  parts.push_back(cur);
-  return parts;
-}
-
-bool ParseDouble(const std::string& s, double* out) {
-  try {
-    size_t pos = 0;
-    *out = std::stod(s, &pos);
-    return pos == s.size() && std::isfinite(*out);
-  } catch (const std::exception&) {
-    return false;
-  }
-}
-
-// Most steps a range may give.
-constexpr size_t kMaxRangeValues = 10000;
-
-// "start:end:step" (also "start" and "start:end", step 1) into the list of
-// values start, start+step, ... <= end; nullopt when malformed or longer than
-// kMaxRangeValues.
-std::optional<std::vector<double>> ParseRange(const std::string& s) {
-  auto parts = Split(s, ':');
-  if (parts.empty() || parts.size() > 3) return std::nullopt;
-  double start = 0, end = 0, step = 1;
-  if (!ParseDouble(parts[0], &start)) return std::nullopt;
-  end = start;
-  if (parts.size() >= 2 && !ParseDouble(parts[1], &end)) return std::nullopt;
-  if (parts.size() == 3 && !ParseDouble(parts[2], &step)) return std::nullopt;
-  if (start <= 0 || end < start || step <= 0) return std::nullopt;
-  std::vector<double> values;
-  for (int i = 0;; ++i) {
-    const double v = start + i * step;
-    if (v > end + 1e-9) break;
-    if (values.size() >= kMaxRangeValues) return std::nullopt;
-    values.push_back(v);
-  }
-  return values;
-}
 
 // A request ready to send and the number of prompt tokens in it.
 struct Prompt {
@@ -450,26 +409,6 @@ std::optional<ServerStats> GetServerStats(inference::GRPCInferenceService::Stub*
 
 double RequestsPerSec(const Window& w) { return w.seconds > 0 ? w.ok / w.seconds : 0; }
 
-// Windows whose requests/s must agree for a step to count as stable.
-constexpr size_t kStableWindows = 3;
-
-// Whether the last kStableWindows windows' requests/s are all within pct
-// percent of their mean: true / false, or null when it cannot be told (fewer
-// windows than that, or no request succeeded in them).
-Json Stable(const std::vector<double>& rps, double pct) {
-  if (rps.size() < kStableWindows) return nullptr;
-  const std::vector<double> last(rps.end() - static_cast<std::ptrdiff_t>(kStableWindows),
-                                 rps.end());
-  double mean = 0;
-  for (double v : last) mean += v;
-  mean /= static_cast<double>(last.size());
-  if (!(mean > 0)) return nullptr;
-  for (double v : last) {
-    if (std::abs(v - mean) > mean * pct / 100.0) return false;
-  }
-  return true;
-}
-
 Json NumberOrNull(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
 
 // One step's result from its reported windows.
@@ -491,11 +430,7 @@ Json StepResult(const std::string& key, double value, const std::vector<Window>&
   }
   auto& lat = all.latencies_ms;
   std::sort(lat.begin(), lat.end());
-  auto pct = [&](double p) {
-    if (lat.empty()) return std::nan("");
-    size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(lat.size())));
-    return lat[std::clamp<size_t>(rank, 1, lat.size()) - 1];
-  };
+  auto pct = [&](double p) { return NearestRankPercentile(lat, p); };
   const double secs = all.seconds > 0 ? all.seconds : std::nan("");
   Json r;
   r[key] = (key == "concurrency") ? Json(static_cast<int64_t>(std::llround(value))) : Json(value);
@@ -787,8 +722,9 @@ int Run(const Flags& f, const std::string& command) {
       }
       rps.push_back(RequestsPerSec(w));
       windows.push_back(std::move(w));
-      stable = Stable(rps, f.stability_pct);
-      if (stable == Json(true)) break;
+      const std::optional<bool> verdict = Stable(rps, f.stability_pct);
+      stable = verdict ? Json(*verdict) : Json(nullptr);
+      if (verdict == true) break;
     }
     driver.StopLoad();
     if (tty) std::printf("\r\033[K");
