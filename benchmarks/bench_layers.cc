@@ -260,7 +260,10 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     // x and w scales 16 bytes apart (cuBLASLt wants them 16-byte aligned).
     TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(8 * sizeof(float), "scales"));
     const float sc_host[8] = {1.0f / 16, 0, 0, 0, 1.0f / 16, 0, 0, 0};
-    TP_CUDA_CHECK(cudaMemcpy(scales.data(), sc_host, sizeof sc_host, cudaMemcpyHostToDevice));
+    // On `st`: a cudaMemcpy from pageable memory may return before its DMA
+    // lands, and `st` (non-blocking) would not wait for it.
+    TP_CUDA_CHECK(
+        cudaMemcpyAsync(scales.data(), sc_host, sizeof sc_host, cudaMemcpyHostToDevice, st));
     const float* xs = scales.as<float>();
     const float* ws = scales.as<float>() + 4;
     const bool fp8 = dtype == DataType::kFloat8E4M3;
@@ -449,7 +452,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         std::copy(t.end() - f.rounds, t.end(), table.begin() + j * f.rounds);
       }
       float* send = gathered.as<float>() + tp * n;
-      TP_CUDA_CHECK(cudaMemcpy(send, table.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+      TP_CUDA_CHECK(
+          cudaMemcpyAsync(send, table.data(), n * sizeof(float), cudaMemcpyHostToDevice, st));
       TP_RETURN_IF_ERROR(base.AllGather(send, gathered.data(), n * sizeof(float), st));
       TP_RETURN_IF_ERROR(base.WaitStream(st));
       TP_CUDA_CHECK(cudaMemcpy(table.data(), gathered.data(), tp * n * sizeof(float),
@@ -499,8 +503,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
       }
       TP_ASSIGN_OR_RETURN(DeviceBuffer shared,
                           DeviceBuffer::Allocate(pick.size() * sizeof(int32_t), "bench.finals"));
-      TP_CUDA_CHECK(cudaMemcpy(shared.data(), pick.data(), pick.size() * sizeof(int32_t),
-                               cudaMemcpyHostToDevice));
+      TP_CUDA_CHECK(cudaMemcpyAsync(shared.data(), pick.data(), pick.size() * sizeof(int32_t),
+                                    cudaMemcpyHostToDevice, st));
       TP_RETURN_IF_ERROR(base.Broadcast(shared.data(), pick.size() * sizeof(int32_t), 0, st));
       TP_RETURN_IF_ERROR(base.WaitStream(st));
       TP_CUDA_CHECK(cudaMemcpy(pick.data(), shared.data(), pick.size() * sizeof(int32_t),
@@ -766,9 +770,14 @@ int Main(int argc, char** argv) {
   out["meta"]["planned_cases"] = json::array();
   for (const ShapeCase& sc : shapes) {
     for (const std::string& d : f.dtypes) {
-      out["meta"]["planned_cases"].push_back({{"layer", sc.layer}, {"m", sc.m}, {"dtype", d}});
+      json planned{{"layer", sc.layer}, {"m", sc.m}, {"dtype", d}};
+      if (!f.run_label.empty()) planned["run"] = f.run_label;
+      out["meta"]["planned_cases"].push_back(planned);
     }
   }
+  // The plan on disk before the first case: a run that dies early still
+  // leaves a file that says what it meant to measure.
+  if (!write_results(records)) ++failures;
   size_t done = 0;
   bool stopped = false;  // the communicators were aborted: no later case can run
   for (const ShapeCase& sc : shapes) {

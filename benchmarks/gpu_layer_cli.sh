@@ -30,5 +30,10 @@ done <<'CASES' | tee "$out/layer_cli.log"
 4099 --op gemm_rs --mode ring --chunks 2 --gemm-sms 120
 4099 --op gemm_rs --mode none --chunks 1 --dtype bf16
 CASES
-grep -c PASS "$out/layer_cli.log"
+# The loop ran in a pipeline's subshell, where rc=1 does not reach this
+# shell: the verdict comes from the result lines, one PASS per rank and case.
+cases=$(grep -c "^== tpserve layer" "$out/layer_cli.log")
+passes=$(grep -c -- "-> PASS" "$out/layer_cli.log")
+echo "$passes"
+[ "$passes" -eq $((cases * ${TP:-2})) ] || rc=1
 exit $rc

@@ -125,7 +125,8 @@ PY
     timeout 60 .gpu/bin/tpserve_gpu_tests --gtest_filter='GpuTest.*:GpuOpsTest.*' \
       > "$out/gpu_kernel_tests.log" 2>&1 || rc=1
     grep -E "^\[  (PASSED|FAILED) " "$out/gpu_kernel_tests.log"
-    timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -E "FAIL|error" ; grep -c PASS "$out/layer_cli.log"
+    timeout 150 bash benchmarks/gpu_layer_cli.sh > /dev/null 2>&1 || rc=1
+    grep -E "FAIL|error" "$out/layer_cli.log"; grep -c -- "-> PASS" "$out/layer_cli.log"
     ;;
   overlap)
     # The sweep, which also tunes the overlap config, then auto (resolving
@@ -199,7 +200,11 @@ PY
 4099 --op gemm_rs --mode pipeline --chunks 4 --copy-engine
 4099 --op gemm_rs --mode none --chunks 1 --copy-engine
 CASES
-    echo "PASS lines: $(grep -c PASS "$out/stress.log") of $((5 * tp))"
+    # The loop ran in a pipeline's subshell, where rc=1 does not reach this
+    # shell: the verdict comes from the PASS lines.
+    passes=$(grep -c -- "-> PASS" "$out/stress.log")
+    echo "PASS lines: $passes of $((5 * tp))"
+    [ "$passes" -eq $((5 * tp)) ] || rc=1
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -454,7 +454,8 @@ Json StepResult(const std::string& key, double value, const std::vector<Window>&
   r["server_compute_ms"] = NumberOrNull(all.server_compute_ns / n / 1e6);
   r["window_s"] = all.seconds;  // the reported windows together
   // Requests the last window left outstanding: their outcome falls in no
-  // window (a server that stops answering shows here, not as errors).
+  // window. With --request-rate-range a server that stops answering shows
+  // here, not as errors; in closed loop it always equals the concurrency.
   r["in_flight_at_end"] = windows.empty() ? 0 : windows.back().in_flight_at_end;
   r["trials"] = trials;
   r["stable"] = stable;
@@ -842,7 +843,8 @@ int main(int argc, char** argv) {
       "Per step (the last 3 windows together): latency percentiles, requests/s and 'requests' "
       "count successful requests; error_count and error_share (timeouts included) say how many "
       "failed; window_s is the measured seconds of those windows; in_flight_at_end the requests "
-      "still outstanding when the last window closed. --json/--csv are rewritten after every "
+      "still outstanding when the last window closed (open loop: a server that stops answering "
+      "shows there; closed loop: always the concurrency). --json/--csv are rewritten after every "
       "step (meta.complete false until the sweep ends). Exit status: 0; 1 when every measured "
       "request failed; 2 on bad arguments, an output file that cannot be written, an "
       "unreachable server or a model that is not ready.");

@@ -61,7 +61,12 @@ def check_failed(r):
     values = [r.get(key) for key in CHECK_KEYS if r.get(key) is not None]
     if any(not (v <= CHECK_TOLERANCE) for v in values):
         return True
-    needs_check = r.get("method") not in DIAGNOSTIC and r.get("method") != "torch_seq"
+    # The references: PyTorch's torch_seq, and in files from before
+    # tpserve-bench computed its reference separately, tpserve's plain none.
+    reference = r.get("method") == "torch_seq" or (
+        r.get("impl") == "tpserve" and r.get("method") == "none"
+        and not (r.get("config") or {}).get("copy_engine"))
+    needs_check = r.get("method") not in DIAGNOSTIC and not reference
     return needs_check and not values
 
 
@@ -251,7 +256,7 @@ def summary_rows(grouped):
     return rows
 
 
-def criteria(grouped, dtype="fp8", planned=None):
+def criteria(grouped, dtype="fp8", planned=None, missing_inputs=None):
     """The overlap criteria of the project (issue 4), for records of `dtype`:
     (name, passed or None when unmeasured, detail). Ratios are times.
 
@@ -263,10 +268,14 @@ def criteria(grouped, dtype="fp8", planned=None):
     an auto record that failed its check counts as infinitely slow.
 
     planned: the cases tpserve's runs meant to measure (meta.planned_cases:
-    [{"layer", "m", "dtype"}]); one of `dtype` without any record fails every
-    criterion it belongs to, so that a run cut short cannot pass on the
-    shapes it reached."""
+    [{"layer", "m", "dtype", "run"}]); one of `dtype` without a tpserve record
+    of its run fails every criterion it belongs to, so that a run cut short
+    cannot pass on the shapes it reached. missing_inputs: input files the
+    merge could not find (a tool died before writing): every criterion fails."""
     keys = [k for k in grouped if k[2] == dtype]
+    # Every run's records count as present (before judging within one run).
+    present = {(r.get("layer"), int(r.get("m", -1)), r.get("run"))
+               for k in keys for r in grouped[k] if r.get("impl") == "tpserve"}
     grouped = {k: judged_run(grouped[k]) for k in keys}
     has_torch = any(r.get("impl") == "torch" for k in keys for r in grouped[k])
     has_floor = any(references(grouped[k])[1] is not None for k in keys if int(k[1]) >= 4096)
@@ -274,17 +283,23 @@ def criteria(grouped, dtype="fp8", planned=None):
                    for k in keys for r in grouped[k])
     over_torch, speedups, over_floor, auto_over_none = [], [], [], []
     missing = {"torch": [], "floor": [], "auto": []}
-    present = {(k[0], int(k[1])) for k in keys}
     unmeasured = []
+    present_any_run = {p[:2] for p in present}
     for case in planned or []:
-        if case.get("dtype") == dtype and (case.get("layer"), int(case.get("m", -1))) not in present:
-            unmeasured.append((case.get("layer"), int(case["m"])))
+        key = (case.get("layer"), int(case.get("m", -1)), case.get("run"))
+        found = key in present if "run" in case else key[:2] in present_any_run
+        if case.get("dtype") == dtype and not found and key[:2] not in unmeasured:
+            unmeasured.append(key[:2])
     for layer, m in unmeasured:
         name = "%s m=%s (planned, no record)" % (layer, m)
         missing["torch"].append(name)
         if m >= 4096:
             missing["floor"].append(name)
         missing["auto"].append(name)
+    for path in missing_inputs or []:
+        name = "input %s missing" % path
+        for lost in missing.values():
+            lost.append(name)
     mismatched = []
     for key in keys:
         layer, m, d, tp = key
@@ -335,9 +350,8 @@ def criteria(grouped, dtype="fp8", planned=None):
             detail += "; %d shape(s) without a comparison: %s" % (len(lost), ", ".join(lost))
         return (what, not bad and not lost, detail)
 
-    for m in mismatched:
-        missing["torch"].append(m + ": measured differently")
-    out = [worst(over_torch, missing["torch"], 1.02,
+    over_torch_lost = missing["torch"] + [m + ": measured differently" for m in mismatched]
+    out = [worst(over_torch, over_torch_lost, 1.02,
                  "best tpserve <= 1.02 x best PyTorch, every shape")]
     geo_what = "geometric-mean speedup over best PyTorch >= 1.10"
     if speedups:
@@ -345,7 +359,9 @@ def criteria(grouped, dtype="fp8", planned=None):
         detail = "%.3f over %d shapes" % (geo, len(speedups))
         if missing["torch"]:
             detail += "; %d shape(s) left out, without a comparison" % len(missing["torch"])
-        out.append((geo_what, geo >= 1.10 and not missing["torch"], detail))
+        if mismatched:
+            detail += "; %d shape(s) measured differently on the two sides" % len(mismatched)
+        out.append((geo_what, geo >= 1.10 and not missing["torch"] and not mismatched, detail))
     elif missing["torch"]:
         out.append((geo_what, False, "no shape with both sides: %s" % ", ".join(missing["torch"])))
     else:
@@ -356,9 +372,9 @@ def criteria(grouped, dtype="fp8", planned=None):
     return out
 
 
-def render_criteria(grouped, dtype="fp8", planned=None):
+def render_criteria(grouped, dtype="fp8", planned=None, missing_inputs=None):
     lines = ["=== criteria (%s) ===" % dtype]
-    for what, ok, detail in criteria(grouped, dtype, planned):
+    for what, ok, detail in criteria(grouped, dtype, planned, missing_inputs):
         mark = "n/a " if ok is None else ("PASS" if ok else "FAIL")
         lines.append("%s  %s: %s" % (mark, what, detail))
     return "\n".join(lines)
@@ -385,7 +401,8 @@ def render_text(data):
     parts.append("=== summary (medians in ms; ratios are times: < 1 means best tpserve is "
                  "faster) ===\n" + table(headers, summary_rows(grouped),
                                           "llllrlrrrrr"))
-    parts.append(render_criteria(grouped, planned=meta.get("planned_cases")))
+    parts.append(render_criteria(grouped, planned=meta.get("planned_cases"),
+                                 missing_inputs=data.get("missing_inputs")))
     skipped = data.get("skipped") or []
     if skipped:
         lines = ["=== skipped (%d) ===" % len(skipped)]

@@ -185,6 +185,43 @@ class CriteriaTest(unittest.TestCase):
                                            "records": records})
         self.assertIn("(planned, no record)", text)
 
+    def test_planned_cases_count_per_run_and_missing_inputs_fail(self):
+        # The sweep measured m=8192; the auto run planned it too but died
+        # before writing a record: the shape must not be judged on the sweep.
+        records = [rec("tpserve", "none", 1.0, run="sweep"), rec("tpserve", "ring", 0.8, run="sweep"),
+                   rec("tpserve", "gemm_only", 0.78, run="sweep"),
+                   rec("tpserve", "comm_only", 0.3, run="sweep"), rec("torch", "torch_seq", 0.9)]
+        planned = [{"layer": "llama70b.qkv", "m": 8192, "dtype": "fp8", "run": run}
+                   for run in ("sweep", "auto")]
+        got = by_name(render_results.criteria(render_results.groups(records), planned=planned))
+        ok, detail = got["best tpserve <= 1.02 x best PyTorch, every shape"]
+        self.assertFalse(ok)
+        self.assertIn("llama70b.qkv m=8192 (planned, no record)", detail)
+        # With the auto run's records present, the same plan passes.
+        records += [rec("tpserve", "none", 1.0, run="auto"), rec("tpserve", "auto", 0.8, run="auto"),
+                    rec("tpserve", "gemm_only", 0.78, run="auto"),
+                    rec("tpserve", "comm_only", 0.3, run="auto")]
+        got = by_name(render_results.criteria(render_results.groups(records), planned=planned))
+        self.assertTrue(got["best tpserve <= 1.02 x best PyTorch, every shape"][0])
+        # An input file the merge could not find fails every criterion.
+        got = by_name(render_results.criteria(render_results.groups(records), planned=planned,
+                                              missing_inputs=["/tmp/ours-auto-seed.json"]))
+        for what, (ok, detail) in got.items():
+            self.assertFalse(ok, what)
+            if what.startswith("geometric-mean"):
+                self.assertIn("left out", detail)
+            else:
+                self.assertIn("input /tmp/ours-auto-seed.json missing", detail)
+
+    def test_old_files_plain_none_needs_no_check(self):
+        # Before the separate reference layer, plain none was the reference
+        # and carried no check.
+        none = rec("tpserve", "none", 1.0, checked=False)
+        none.pop("check_rel_diff_vs_none", None)
+        self.assertFalse(render_results.check_failed(none))
+        none_ce = dict(none, config={"copy_engine": True})
+        self.assertTrue(render_results.check_failed(none_ce))
+
     def test_sides_measured_differently_fail(self):
         records = [rec("tpserve", "none", 1.0), rec("tpserve", "auto", 0.8),
                    rec("torch", "torch_seq", 0.9)]
@@ -194,6 +231,9 @@ class CriteriaTest(unittest.TestCase):
         self.assertFalse(ok)
         self.assertIn("l2_flush_mib 128 vs 0", detail)
         self.assertIn("measured differently", detail)
+        ok, detail = got["geometric-mean speedup over best PyTorch >= 1.10"]
+        self.assertFalse(ok)
+        self.assertIn("1 shape(s) measured differently", detail)
         # One side reporting rank 0's times, the other the slowest rank's.
         records[2]["l2_flush_mib"] = 128
         del records[2]["rank_times"]

@@ -607,14 +607,6 @@ def time_method(ctx, fn, use_graph):
             out = r
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    # Each round's time is the slowest rank's, as tpserve-bench reports its
-    # own (rank_times "max"): the op is done when its last rank is.
-    if ctx.tp > 1:
-        every = ctx.gather_objects("times", times)
-        if any(len(t) != len(times) for t in every):
-            raise RuntimeError("ranks timed different round counts: %s"
-                               % [len(t) for t in every])
-        times = [max(t[i] for t in every) for i in range(len(times))]
     return times, graph_used, out, graph_error, graph
 
 
@@ -682,6 +674,7 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
     label = "%s %s m=%d %s %s chunks=%d" % (sc.layer, sc.op, sc.m, dtype, method, chunks)
     err = None
     rec = None
+    times = None
     fn = keep = graph = out = None
     try:
         if method == "torch_seq":
@@ -709,10 +702,6 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
             "l2_flush_mib": args.l2_flush_mib,
             "rank_times": "max" if ctx.tp > 1 else "rank0",
         }
-        rec.update(summarize(times))
-        # Every round's time, so that merge_results.py --pool-peer-passes can
-        # pool this method's rounds from several passes of the peer.
-        rec["times_ms"] = [round(float(t), 6) for t in times]
         if method == "torch_seq":
             ref_holder["ref"] = out.clone()
     except Exception as e:
@@ -721,8 +710,24 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
         traceback.print_exc()
         sys.stderr.flush()
 
-    errors = ctx.gather_objects("method " + label, err)
+    # Every rank's outcome and round times in one exchange (a rank that failed
+    # still reaches it, so the ranks stay in step).
+    results = ctx.gather_objects("method " + label, (err, times if err is None else None))
+    errors = [e for e, _ in results]
     failed = [e for e in errors if e]
+    if not failed:
+        every = [t for _, t in results]
+        if any(len(t) != len(every[0]) for t in every):
+            errors = ["timed %d rounds" % len(t) for t in every]
+            failed = errors
+        else:
+            # Each round's time is the slowest rank's, as tpserve-bench reports
+            # its own (rank_times "max"): the op is done when its last rank is.
+            times = [max(t[i] for t in every) for i in range(len(every[0]))]
+            rec.update(summarize(times))
+            # Every round's time, so that merge_results.py --pool-peer-passes
+            # can pool this method's rounds from several passes of the peer.
+            rec["times_ms"] = [round(float(t), 6) for t in times]
     check = None
     if not failed and args.check and method != "torch_seq":
         check_err = None

@@ -171,7 +171,9 @@ StatusOr<PeerBuffer> PeerBuffer::Create(NcclCommunicator& comm, size_t bytes, st
                       DeviceBuffer::Allocate(sizeof(Exported) * (n + 1), buf.name_ + ".handles"));
   TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   char* send = dev.as<char>() + sizeof(Exported) * n;
-  TP_CUDA_CHECK(cudaMemcpy(send, &mine, sizeof mine, cudaMemcpyHostToDevice));
+  // On `stream`, which the AllGather follows (a cudaMemcpy from pageable
+  // memory may return before its DMA lands).
+  TP_CUDA_CHECK(cudaMemcpyAsync(send, &mine, sizeof mine, cudaMemcpyHostToDevice, stream.get()));
   TP_RETURN_IF_ERROR(comm.AllGather(send, dev.data(), sizeof(Exported), stream.get()));
   TP_RETURN_IF_ERROR(comm.WaitStream(stream.get()).WithContext(what));
   std::vector<Exported> all(n);

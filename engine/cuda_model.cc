@@ -164,6 +164,10 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
     TP_RETURN_IF_ERROR(upload_linear(lw.gate_up, p + ".mlp.gate_up", &dl.gate_up));
     TP_RETURN_IF_ERROR(upload_linear(lw.down, p + ".mlp.down", &dl.down));
   }
+  // The uploads are cudaMemcpy calls from pageable memory, which may return
+  // before their DMA lands; the model's streams are non-blocking, so wait for
+  // them here (they ran on the legacy stream).
+  TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   TP_RETURN_IF_ERROR(md.AllocateActivations());
   return model;
 }
@@ -224,6 +228,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
     }
   }
   TP_RETURN_IF_ERROR(md.stream_.Synchronize());
+  TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));  // SetScales' uploads (see Create)
   TP_RETURN_IF_ERROR(md.AllocateActivations());
   return model;
 }

@@ -240,6 +240,9 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   TP_RETURN_IF_ERROR(alloc(im.unit_scales, 8 * sizeof(float), "unit_scales"));
   const float ones[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
   TP_CUDA_CHECK(cudaMemcpy(im.unit_scales.data(), ones, sizeof ones, cudaMemcpyHostToDevice));
+  // A cudaMemcpy from pageable memory may return before its DMA lands; the
+  // layer's streams are non-blocking, so wait for it (the legacy stream).
+  TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   spdlog::debug("{}: rank {}/{} {} knobs {} device bytes {}", layer->name_, layer->rank_, tp,
                 OverlapOpName(shape.op), knobs.ToString(), im.Bytes());
   return layer;

@@ -60,14 +60,17 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("cli.layer", shape, knobs, pool));
   TP_RETURN_IF_ERROR(layer->Prepare(f.m));
   TP_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(p.w_local[r].size(), "cli.w"));
-  TP_CUDA_CHECK(
-      cudaMemcpy(w.data(), p.w_local[r].data(), p.w_local[r].size(), cudaMemcpyHostToDevice));
+  TP_CUDA_CHECK(cudaMemcpyAsync(w.data(), p.w_local[r].data(), p.w_local[r].size(),
+                                cudaMemcpyHostToDevice, st));
   // The two scales 16 bytes apart: cuBLASLt wants them 16-byte aligned.
   TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(8 * sizeof(float), "scales"));
   const float sc[8] = {p.x_scale, 0, 0, 0, p.w_scale, 0, 0, 0};
-  TP_CUDA_CHECK(cudaMemcpy(scales.data(), sc, sizeof sc, cudaMemcpyHostToDevice));
-  TP_CUDA_CHECK(cudaMemcpy(layer->input(f.m), p.x_local[r].data(), p.x_local[r].size(),
-                           cudaMemcpyHostToDevice));
+  TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), sc, sizeof sc, cudaMemcpyHostToDevice, st));
+  // Host-to-device copies on `st`, the stream the layer runs on: a cudaMemcpy
+  // from pageable memory may return before its DMA lands, and `st` is
+  // non-blocking.
+  TP_CUDA_CHECK(cudaMemcpyAsync(layer->input(f.m), p.x_local[r].data(), p.x_local[r].size(),
+                                cudaMemcpyHostToDevice, st));
   const int64_t out = layer->output_elements(f.m);
   TP_ASSIGN_OR_RETURN(DeviceBuffer y, DeviceBuffer::Allocate(std::max<int64_t>(out, 1) * 2, "y"));
   TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st));
@@ -93,7 +96,8 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
                 x2.begin() + static_cast<std::ptrdiff_t>(i * row_bytes));
   }
   auto set_input = [&](const std::vector<uint8_t>& x) -> Status {
-    TP_CUDA_CHECK(cudaMemcpy(layer->input(f.m), x.data(), x.size(), cudaMemcpyHostToDevice));
+    TP_CUDA_CHECK(
+        cudaMemcpyAsync(layer->input(f.m), x.data(), x.size(), cudaMemcpyHostToDevice, st));
     return LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st);
   };
   TP_RETURN_IF_ERROR(set_input(x2));
