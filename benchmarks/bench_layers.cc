@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "benchmarks/tune_choice.h"
+#include "benchmarks/write_replacing.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/rank_group.h"
@@ -716,17 +717,8 @@ int Main(int argc, char** argv) {
     if (!group->leader()) return true;
     json doc = out;
     for (const json& r : records) doc["records"].push_back(r);
-    const std::string tmp = f.out + ".tmp";
-    {
-      std::ofstream file(tmp);
-      file << doc.dump(1) << "\n";
-      if (!file.flush()) {
-        spdlog::error("cannot write {}", tmp);
-        return false;
-      }
-    }
-    if (std::rename(tmp.c_str(), f.out.c_str()) != 0) {
-      spdlog::error("cannot rename {} to {}", tmp, f.out);
+    if (std::string err = WriteReplacing(f.out, doc.dump(1) + "\n"); !err.empty()) {
+      spdlog::error("{}", err);
       return false;
     }
     return true;

@@ -24,7 +24,6 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -48,10 +47,12 @@
 #include <vector>
 
 #include "benchmarks/loadtest_stats.h"
+#include "benchmarks/write_replacing.h"
 #include "proto/grpc_service.grpc.pb.h"
 
 namespace {
 
+using tpserve::WriteReplacing;
 using tpserve::loadtest::kMaxRangeValues;
 using tpserve::loadtest::kStableWindows;
 using tpserve::loadtest::NearestRankPercentile;
@@ -495,28 +496,6 @@ std::string UtcNow() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
-}
-
-// Writes `content` to `path` through `path`.tmp and a rename, so that `path`
-// holds either its old contents or all of the new ones. Returns an error
-// message, or "" on success.
-std::string WriteReplacing(const std::string& path, const std::string& content) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << content;
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      return "cannot write " + tmp;
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = std::strerror(errno);
-    std::remove(tmp.c_str());
-    return "cannot replace " + path + " with " + tmp + ": " + why;
-  }
-  return "";
 }
 
 // Whether results can be written next to `path` (creates and removes
