@@ -10,6 +10,8 @@
 #   e2e     the server's e2e suite against the CUDA engine (tpserve_e2e_tests)
 #   reference  tpserve vs a PyTorch model on one llama3-8b-shaped checkpoint
 #   refsweep   the same on fewer layers, the tiny model and the scaled init
+#   trained    the reference on a checkpoint whose LM head is trained on a synthetic
+#              language (torch_reference.py --head markov), FP8 and BF16
 #   selfcheck  tpserve against itself (mode none vs ring on copy engines) on the
 #              same checkpoints, next to tpserve against PyTorch
 #   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
@@ -27,7 +29,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|selfcheck|overlap|model|load|stress}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|model|load|stress}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -89,6 +91,23 @@ PY
         --dir "/tmp/ref-$tag" --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" \
         > "$out/reference-$tag.log" 2>&1
       echo "$tag: exit $? $(grep -E 'top-1 agreement|Error' "$out/reference-$tag.log" | tail -1)"
+      rm -rf "/tmp/ref-$tag"
+    done
+    ;;
+  trained)
+    # The reference with confident predictions: the LM head trained on a
+    # synthetic Markov language from the random blocks' hidden states, the
+    # prompts held-out text of that language (llama3-8b shapes, 32 layers,
+    # 1,000 positions). TRAINED: cases separated by ';', each "dtype init".
+    IFS=';' read -ra specs <<< "${TRAINED:-fp8 scaled;bf16 scaled}"
+    for spec in "${specs[@]}"; do
+      set -- $spec
+      tag="llama3-8b-L32-cuda-$2-$1-markov"
+      PYTHONUNBUFFERED=1 timeout 330 python3 benchmarks/torch_reference.py --model llama3-8b \
+        --head markov --dtype "$1" --init "$2" --seqs 8 --len 125 --tpserve .gpu/bin/tpserve \
+        --commit "$commit" --dir "/tmp/ref-$tag" \
+        --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" > "$out/reference-$tag.log" 2>&1
+      echo "$tag: exit $?"; grep -E 'head training: held|top-1 agreement|Error' "$out/reference-$tag.log" | tail -4
       rm -rf "/tmp/ref-$tag"
     done
     ;;

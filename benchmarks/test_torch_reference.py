@@ -90,5 +90,40 @@ class CheckpointTest(unittest.TestCase):
             self.assertIn("x: 4 bytes, the header says 8", str(e.exception))
 
 
+class MarkovLanguageTest(unittest.TestCase):
+    """--head markov's language: what the head is trained on and the prompts are drawn from."""
+
+    def test_the_language_is_distinct_ids_with_a_permutation_of_them_as_successors(self):
+        ids, successor = ref.markov_language(5000, 300, seed=7)
+        self.assertEqual(len(ids), 300)
+        self.assertEqual(len(set(ids)), 300)
+        self.assertTrue(all(0 <= t < 5000 for t in ids))
+        self.assertEqual(sorted(successor), sorted(ids))
+        self.assertEqual(sorted(successor.values()), sorted(ids))
+        self.assertEqual(ref.markov_language(5000, 300, seed=7), (ids, successor))
+        self.assertNotEqual(ref.markov_language(5000, 300, seed=8)[0], ids)
+
+    def follow_fraction(self, follow_p, length=20000):
+        language = ref.markov_language(100000, 64, seed=3)
+        seq = ref.markov_sequence(language, length, random.Random(11), follow_p)
+        self.assertEqual(len(seq), length)
+        self.assertTrue(set(seq) <= set(language[0]))
+        return sum(language[1][a] == b for a, b in zip(seq, seq[1:])) / (length - 1)
+
+    def test_a_token_is_followed_by_its_successor_with_the_stated_probability(self):
+        self.assertEqual(self.follow_fraction(1.0), 1.0)
+        # A uniformly drawn token is the successor one time in 64 as well.
+        self.assertAlmostEqual(self.follow_fraction(0.9), 0.9 + 0.1 / 64, delta=0.01)
+        self.assertAlmostEqual(self.follow_fraction(0.0), 1 / 64, delta=0.005)
+
+    def test_bad_language_settings_are_refused(self):
+        for flags in (["--language-size", "1"], ["--language-size", "128257"],
+                      ["--follow-p", "1.5"], ["--train-seqs", "2"], ["--train-steps", "0"]):
+            with self.subTest(flags=flags), self.assertRaises(SystemExit):
+                ref.parse_args(["--out", "x.json", "--head", "markov"] + flags)
+        args = ref.parse_args(["--out", "x.json", "--head", "markov", "--language-size", "128256"])
+        self.assertEqual(args.language_size, 128256)
+
+
 if __name__ == "__main__":
     unittest.main()

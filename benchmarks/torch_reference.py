@@ -31,6 +31,16 @@ Steps:
  4. Compares per position and writes one JSON file: meta, summary (top-1
     agreement, relative Frobenius error of the logits: median, p99, max) and
     one record per position.
+ --head markov trains the checkpoint's LM head before step 1, so that the
+    model's predictions are confident the way a trained model's are, instead
+    of a random head's near-ties over 128k tokens: a synthetic language over
+    --language-size token ids (each token is followed by its fixed successor
+    with probability --follow-p, else by a uniformly drawn one) and the head
+    fitted by cross-entropy (Adam) to the next tokens of --train-seqs
+    sequences, from the final hidden states of the FP8 PyTorch model (the
+    blocks stay random). The prompts are then held-out sequences of the same
+    language. The blocks' rounding differences still reach the hidden states
+    the head reads; what changes is how far the top-1 stands from the rest.
 """
 
 import os
@@ -45,6 +55,7 @@ import ctypes
 import datetime
 import json
 import math
+import random
 import struct
 import subprocess
 import sys
@@ -93,6 +104,21 @@ def parse_args(argv):
                     "model with it: fp8 = FP8 GEMMs of activations quantized with the "
                     "input scales; bf16 = the checkpoint's FP8 weights dequantized to BF16 "
                     "and BF16 GEMMs of BF16 activations (no activation quantization)")
+    ap.add_argument("--head", default="random", choices=["random", "markov"],
+                    help="the LM head: random = N(0, 0.02) like every other weight; markov = "
+                    "trained on a synthetic Markov language (see above), the prompts drawn "
+                    "from that language")
+    ap.add_argument("--language-size", type=int, default=1024,
+                    help="--head markov: the language's distinct token ids")
+    ap.add_argument("--follow-p", type=float, default=0.9,
+                    help="--head markov: probability that a token is followed by its successor")
+    ap.add_argument("--train-seqs", type=int, default=32,
+                    help="--head markov: training sequences (the last two are held out to "
+                    "report the head's accuracy)")
+    ap.add_argument("--train-len", type=int, default=1024,
+                    help="--head markov: tokens per training sequence")
+    ap.add_argument("--train-steps", type=int, default=300,
+                    help="--head markov: Adam steps of 4096 positions each")
     ap.add_argument("--overlap-config", default="",
                     help="overlap config (YAML) for tpserve serve (default: none, every "
                     "layer in mode none)")
@@ -108,7 +134,40 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.seqs < 1 or args.len < 1:
         ap.error("--seqs and --len must be positive")
+    if args.head == "markov":
+        vocab = PRESETS[args.model][5]
+        if not 2 <= args.language_size <= vocab:
+            ap.error("--language-size must be in [2, %d] (the %s vocabulary)" % (vocab, args.model))
+        if not 0.0 <= args.follow_p <= 1.0:
+            ap.error("--follow-p must be in [0, 1]")
+        if args.train_seqs < 3 or args.train_len < 2 or args.train_steps < 1:
+            ap.error("--train-seqs must be at least 3, --train-len at least 2 and "
+                     "--train-steps at least 1")
     return args
+
+
+# ---------------------------------------------------------------------------
+# The synthetic language of --head markov (plain Python: tested without torch)
+
+
+def markov_language(vocab, size, seed):
+    """size distinct token ids of [0, vocab) and each one's successor: a random
+    permutation of them. Returns (ids, successor dict)."""
+    rng = random.Random(seed)
+    ids = rng.sample(range(vocab), size)
+    order = ids[:]
+    rng.shuffle(order)
+    return ids, dict(zip(ids, order))
+
+
+def markov_sequence(language, length, rng, follow_p):
+    """length tokens: the first drawn uniformly from the language, each next one
+    the previous one's successor with probability follow_p, else drawn uniformly."""
+    ids, successor = language
+    seq = [rng.choice(ids)]
+    while len(seq) < length:
+        seq.append(successor[seq[-1]] if rng.random() < follow_p else rng.choice(ids))
+    return seq
 
 
 # ---------------------------------------------------------------------------
@@ -304,6 +363,12 @@ class Reference:
 
     def forward(self, ids):
         """ids: int64 [L] on the GPU -> BF16 logits [L, vocab] as FP32."""
+        normed = self.hidden(ids)
+        return self.torch.matmul(normed, self.w.tensors["lm_head.weight"].t()).float()
+
+    def hidden(self, ids):
+        """ids: int64 [L] on the GPU -> the final RMSNorm's output [L, hidden], BF16:
+        what the LM head multiplies."""
         torch, w, t = self.torch, self.w, self.w.tensors
         L, hd, nh, nkv = ids.shape[0], w.hd, w.nh, w.nkv
         positions = torch.arange(L, device=ids.device)
@@ -334,8 +399,74 @@ class Reference:
             pending = self.fp8_linear(act, p + ".mlp.down_proj")
         if pending is not None:
             x = (x.float() + pending.float()).to(torch.bfloat16)
-        normed = self.rms_norm(x, "model.norm.weight").to(torch.bfloat16)
-        return torch.matmul(normed, t["lm_head.weight"].t()).float()  # BF16 logits
+        return self.rms_norm(x, "model.norm.weight").to(torch.bfloat16)
+
+
+def train_head(torch, w, language, args, dev):
+    """--head markov: fits the LM head (BF16 in the checkpoint) to the language's
+    next tokens from the FP8 PyTorch model's final hidden states, then replaces
+    w.tensors["lm_head.weight"] with it. The blocks and norms are unchanged.
+    Returns what the JSON file records about the training."""
+    rng = random.Random(args.seed + 2)
+    ref = Reference(torch, w, dtype="fp8")
+    feats, targets = [], []
+    t0 = time.time()
+    with torch.no_grad():
+        for s in range(args.train_seqs):
+            seq = markov_sequence(language, args.train_len + 1, rng, args.follow_p)
+            feats.append(ref.hidden(torch.tensor(seq[:-1], dtype=torch.int64, device=dev)))
+            targets.append(torch.tensor(seq[1:], dtype=torch.int64, device=dev))
+    held = 2  # sequences held out to report the head's accuracy on unseen text
+    x_train = torch.cat(feats[:-held]).float()
+    y_train = torch.cat(targets[:-held])
+    x_val = torch.cat(feats[-held:])
+    y_val = torch.cat(targets[-held:])
+    del feats
+    log("head training: %d positions of hidden states (%.1f s)" % (x_train.shape[0],
+                                                                   time.time() - t0))
+    head = w.tensors["lm_head.weight"].float().clone().requires_grad_(True)
+    opt = torch.optim.Adam([head], lr=1e-3)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(args.seed + 3)
+    batch = min(4096, x_train.shape[0])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # training only; the comparison runs without
+    try:
+        for step in range(1, args.train_steps + 1):
+            idx = torch.randint(0, x_train.shape[0], (batch,), device=dev, generator=gen)
+            loss = torch.nn.functional.cross_entropy(torch.matmul(x_train[idx], head.t()),
+                                                     y_train[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if step % 50 == 0 or step == args.train_steps:
+                log("head training: step %d/%d, loss %.4f" % (step, args.train_steps,
+                                                              float(loss)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    final_loss = float(loss)
+    trained = head.detach().to(torch.bfloat16).contiguous()
+    del loss, head, opt, x_train, y_train
+    with torch.no_grad():
+        logits = torch.matmul(x_val, trained.t()).float()
+        top2 = logits.topk(2, dim=1)
+        accuracy = float((top2.indices[:, 0] == y_val).float().mean())
+        margins = (top2.values[:, 0] - top2.values[:, 1]).sort().values
+    ideal = args.follow_p + (1.0 - args.follow_p) / args.language_size
+    w.tensors["lm_head.weight"] = trained
+    torch.cuda.empty_cache()
+    stats = {"language_size": args.language_size, "follow_p": args.follow_p,
+             "train_positions": (args.train_seqs - held) * args.train_len,
+             "train_steps": args.train_steps, "final_loss": final_loss,
+             "held_out_positions": held * args.train_len,
+             "held_out_accuracy": accuracy, "bayes_accuracy": ideal,
+             "held_out_margin_median": float(margins[margins.shape[0] // 2]),
+             "held_out_margin_p01": float(margins[margins.shape[0] // 100])}
+    log("head training: held-out next-token accuracy %.4f (the language allows %.4f), "
+        "top-1 margin median %.2f, 1st percentile %.2f logits (%.1f s)" % (
+            accuracy, ideal, stats["held_out_margin_median"], stats["held_out_margin_p01"],
+            time.time() - t0))
+    return stats
 
 
 # ---------------------------------------------------------------------------
@@ -415,6 +546,11 @@ def main(argv=None):
 
     log("generating %s weights (seed %d)" % (args.model, args.seed))
     w = Weights(torch, args, dev)
+    head_stats = None
+    language = None
+    if args.head == "markov":
+        language = markov_language(w.vocab, args.language_size, args.seed + 4)
+        head_stats = train_head(torch, w, language, args, dev)
     tmpdir = None
     directory = args.dir
     if not directory:
@@ -422,10 +558,16 @@ def main(argv=None):
         directory = os.path.join(tmpdir.name, "ref")
     w.write(torch, directory)
 
-    g = torch.Generator()
-    g.manual_seed(args.seed + 1)
-    prompts = [torch.randint(0, w.vocab, (args.len,), generator=g).tolist()
-               for _ in range(args.seqs)]
+    if language is not None:
+        # Held out: train_head draws its sequences from another seed.
+        rng = random.Random(args.seed + 1)
+        prompts = [markov_sequence(language, args.len, rng, args.follow_p)
+                   for _ in range(args.seqs)]
+    else:
+        g = torch.Generator()
+        g.manual_seed(args.seed + 1)
+        prompts = [torch.randint(0, w.vocab, (args.len,), generator=g).tolist()
+                   for _ in range(args.seqs)]
 
     served = serve_logits(args, directory, prompts, w.vocab, args.overlap_config)
     second = (serve_logits(args, directory, prompts, w.vocab, args.compare_overlap)
@@ -508,6 +650,7 @@ def main(argv=None):
                     "model": args.model, "layers": w.layers, "seqs": args.seqs, "len": args.len,
                     "seed": args.seed, "tp": args.tp,
                     "backend": args.backend, "init": args.init, "dtype": args.dtype,
+                    "head": args.head, "head_training": head_stats,
                     "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])},
            "summary": summary, "records": records}
     with open(args.out, "w") as f:
