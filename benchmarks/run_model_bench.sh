@@ -5,6 +5,7 @@
 #   COMMIT=<sha> bash benchmarks/run_model_bench.sh
 # Knobs: MODEL (llama3-70b), LAYERS (8), BATCHES ("8x1024 16x1024"), ROUNDS (10),
 # TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s).
+# LAYERS=0: all of the model's layers (llama3-70b: 80; FP8 weights ≈ 35 GB per GPU at TP=2).
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
@@ -21,10 +22,47 @@ ours=".gpu/bin/tpserve-bench-model --tp $tp --model $model --layers $layers --ba
 peer="python3 benchmarks/torch_model.py --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds"
 # Never merge an earlier run's file under this commit.
 rm -f /tmp/model-ours.json /tmp/model-peer.json
+# The GPUs' SM clock, power and temperature every 200 ms while both benchmarks
+# run (read only), with each benchmark's start and end marked, so that a
+# difference between runs of different lengths can be put down to clocks or not.
+clocks="$out/gpu-clocks.csv"
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
+  --format=csv,noheader -lms 200 > "$clocks" 2>/dev/null &
+smi=$!
+mark() { echo "# $(date '+%Y/%m/%d %H:%M:%S.%3N') $1" >> "$clocks"; }
+mark "start ours"
 echo "== $ours"
 timeout ${BENCH_TIMEOUT:-300} $ours --out /tmp/model-ours.json 2>&1 | tee "$out/model-bench.log" | grep -E "tokens/s|error" || rc=1
+mark "end ours"
 echo "== $peer"
+mark "start peer"
 PYTHONUNBUFFERED=1 timeout ${PEER_TIMEOUT:-300} $peer --out /tmp/model-peer.json 2>&1 | tee -a "$out/model-bench.log" | grep -E "tokens/s|fatal|Error" || rc=1
+mark "end peer"
+kill $smi 2>/dev/null; wait $smi 2>/dev/null
+python3 - "$clocks" <<'PY' || true
+import sys
+phase, rows = None, {}
+for line in open(sys.argv[1]):
+    if line.startswith("# "):
+        parts = line.split()
+        phase = parts[-1] if parts[-2] == "start" else None
+        continue
+    f = [x.strip() for x in line.split(",")]
+    if phase is None or len(f) < 5:
+        continue
+    try:
+        clock, power = float(f[2].split()[0]), float(f[3].split()[0])
+    except ValueError:
+        continue
+    rows.setdefault((phase, f[1]), []).append((clock, power))
+for (ph, gpu), v in sorted(rows.items()):
+    busy = [c for c in v if c[1] > 300]  # samples under load
+    if busy:
+        cl = sorted(c for c, _ in busy)
+        print("clocks %-4s GPU %s: %d samples over 300 W, SM clock median %.0f MHz (min %.0f), "
+              "power mean %.0f W" % (ph, gpu, len(busy), cl[len(cl) // 2], cl[0],
+                                     sum(p for _, p in busy) / len(busy)))
+PY
 device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 python3 - "$out/$date-model-$model-tp$tp.json" "$commit" "$ours ; $peer" "$date" "$device" <<'PY' || rc=1
 import json, os, sys
