@@ -41,7 +41,7 @@ using json = nlohmann::json;
 
 struct Flags {
   std::string model = "llama3-70b";
-  int layers = 8;  // blocks to build (0 = the model's own count)
+  int layers = 0;  // blocks to build (0 = the model's own count: all of them)
   int tp = 2;
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   std::string dtype = "fp8";

@@ -3,15 +3,18 @@
 # throughput with mode none and the tuned overlap config, and the PyTorch
 # model on the same shapes, in one call; merged into one results file.
 #   COMMIT=<sha> bash benchmarks/run_model_bench.sh
-# Knobs: MODEL (llama3-70b), LAYERS (8), BATCHES ("8x1024 16x1024"), ROUNDS (10),
+# Knobs: MODEL (llama3-70b), LAYERS (0), BATCHES ("8x1024 16x1024"), ROUNDS (10),
 # TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s).
-# LAYERS=0: all of the model's layers (llama3-70b: 80; FP8 weights ≈ 35 GB per GPU at TP=2).
+# LAYERS=0 (the default): all of the model's layers (llama3-70b: 80; FP8 weights ≈ 35 GB per
+# GPU at TP=2, so all of them fit). Fewer layers measure a short burst: the GPUs spend part of
+# each round below their power limit and clock higher, which favours overlap (NOTES.md,
+# seventh session).
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 commit=${COMMIT:-unknown}
 model=${MODEL:-llama3-70b}
-layers=${LAYERS:-8}
+layers=${LAYERS:-0}
 batches=${BATCHES:-8x1024 16x1024}
 rounds=${ROUNDS:-10}
 tp=${TP:-2}
@@ -26,8 +29,11 @@ rm -f /tmp/model-ours.json /tmp/model-peer.json
 # run (read only), with each benchmark's start and end marked, so that a
 # difference between runs of different lengths can be put down to clocks or not.
 clocks="$out/gpu-clocks.csv"
+: > "$clocks"
+# Appending (O_APPEND) on both sides keeps the marks: a plain '>' lets nvidia-smi
+# write over them from its own file offset.
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
-  --format=csv,noheader -lms 200 > "$clocks" 2>/dev/null &
+  --format=csv,noheader -lms 200 >> "$clocks" 2>/dev/null &
 smi=$!
 mark() { echo "# $(date '+%Y/%m/%d %H:%M:%S.%3N') $1" >> "$clocks"; }
 mark "start ours"

@@ -11,7 +11,7 @@ SwiGLU, down, ReduceScatter; then the final norm, an AllGather, each
 sequence's last row and the LM head. Random weights of the model's shapes
 (the numbers are not compared with tpserve's: this measures speed).
 
-  python3 benchmarks/torch_model.py --model llama3-70b --layers 8 --tp 2 \\
+  python3 benchmarks/torch_model.py --model llama3-70b --layers 0 --tp 2 \\
       --batches 8x1024 16x1024 --rounds 10 --out torch-model.json
 
 Each batch runs --warmup times, then --rounds timed forward passes (host
@@ -46,7 +46,7 @@ FP8_MAX = 448.0
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3-70b", choices=sorted(PRESETS))
-    ap.add_argument("--layers", type=int, default=8, help="blocks (0 = the preset's)")
+    ap.add_argument("--layers", type=int, default=0, help="blocks (0 = all of the preset's)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="fp8", choices=("fp8", "bf16"))
     ap.add_argument("--batches", nargs="+", default=["8x1024", "16x1024"],
