@@ -37,6 +37,13 @@ commit=${COMMIT:-unknown}
 tp=${TP:-2}  # GPUs of the layer check, benchmarks and server (overlap, model, load)
 export TP=$tp
 rc=0
+# An overlap config with every layer in mode ring on copy engines, 2 chunks
+# (trained and selfcheck parts); prints its path.
+ring_ce_config() {
+  printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 2\n  copy_engine: true\n' \
+    > /tmp/ring-ce-all.yaml
+  echo /tmp/ring-ce-all.yaml
+}
 case "$part" in
   tests)
     { nvidia-smi; nvidia-smi topo -m; } > "$out/nvidia-smi.txt" 2>&1
@@ -98,14 +105,18 @@ PY
     # The reference with confident predictions: the LM head trained on a
     # synthetic Markov language from the random blocks' hidden states, the
     # prompts held-out text of that language (llama3-8b shapes, 32 layers,
-    # 1,000 positions). TRAINED: cases separated by ';', each "dtype init".
+    # 1,000 positions). TRAINED: cases separated by ';', each "dtype init" or
+    # "dtype init ringce" (served with every layer in mode ring on copy engines,
+    # 2 chunks, instead of mode none).
+    cfg=$(ring_ce_config)
     IFS=';' read -ra specs <<< "${TRAINED:-fp8 scaled;bf16 scaled}"
     for spec in "${specs[@]}"; do
       set -- $spec
-      tag="llama3-8b-L32-cuda-$2-$1-markov"
+      tag="llama3-8b-L32-cuda-$2-$1-markov${3:+-$3}"
+      overlap=(); [ "${3:-}" = ringce ] && overlap=(--overlap-config "$cfg")
       PYTHONUNBUFFERED=1 timeout 330 python3 benchmarks/torch_reference.py --model llama3-8b \
         --head markov --dtype "$1" --init "$2" --seqs 8 --len 125 --tpserve .gpu/bin/tpserve \
-        --commit "$commit" --dir "/tmp/ref-$tag" \
+        "${overlap[@]}" --commit "$commit" --dir "/tmp/ref-$tag" \
         --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" > "$out/reference-$tag.log" 2>&1
       echo "$tag: exit $?"; grep -E 'head training: held|top-1 agreement|Error' "$out/reference-$tag.log" | tail -4
       rm -rf "/tmp/ref-$tag"
@@ -117,8 +128,7 @@ PY
     # engines (2 chunks), two valid executions that differ only in the order
     # of their additions, next to tpserve vs PyTorch from the same run.
     # SELFCHECK: cases separated by ';', each "model layers init seqs len".
-    cfg=/tmp/ring-ce-all.yaml
-    printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 2\n  copy_engine: true\n' > "$cfg"
+    cfg=$(ring_ce_config)
     IFS=';' read -ra specs <<< "${SELFCHECK:-llama3-8b 32 scaled 8 125;llama3-8b 1 plain 2 50}"
     for spec in "${specs[@]}"; do
       set -- $spec
