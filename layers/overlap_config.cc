@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <fstream>
 #include <initializer_list>
+#include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 namespace tpserve {
 namespace {
@@ -233,6 +236,9 @@ class Parser {
     }
     if (const YAML::Node tuned = root["tuned"]) {
       if (!tuned.IsSequence()) return Error(tuned, "tuned", "must be a list");
+      // (op, n, k, m) -> the index of the entry that gave it: a second entry
+      // for the same key is an error, not a silent override.
+      std::map<std::tuple<int, int64_t, int64_t, int64_t>, size_t> seen;
       for (size_t i = 0; i < tuned.size(); ++i) {
         const YAML::Node t = tuned[i];
         const std::string path = "tuned[" + std::to_string(i) + "]";
@@ -265,6 +271,13 @@ class Parser {
           return Error(t, path, st.message());
         }
         e.knobs = s.knobs;
+        const auto key = std::make_tuple(static_cast<int>(e.op), e.n, e.k, e.m);
+        if (auto [it, inserted] = seen.emplace(key, i); !inserted) {
+          return Error(t, path,
+                       "repeats the op, n, k and m of tuned[" + std::to_string(it->second) +
+                           "] (line " + std::to_string(tuned[it->second].Mark().line + 1) +
+                           "); keep one entry per shape and m");
+        }
         cfg.AddTuned(e);
       }
     }
@@ -327,7 +340,14 @@ StatusOr<OverlapConfig> OverlapConfig::LoadFile(const std::string& path) {
 StatusOr<OverlapConfig> OverlapConfig::Parse(std::string_view yaml, const std::string& source) {
   YAML::Node root;
   try {
-    root = YAML::Load(std::string(yaml));
+    const std::vector<YAML::Node> docs = YAML::LoadAll(std::string(yaml));
+    if (docs.size() > 1) {
+      // yaml-cpp's Load would read the first document and drop the rest.
+      return InvalidArgumentError(source + ":" + std::to_string(docs[1].Mark().line + 1) +
+                                  ": a second YAML document ('---'); an overlap config is one "
+                                  "document");
+    }
+    if (!docs.empty()) root = docs[0];
   } catch (const YAML::ParserException& e) {
     return InvalidArgumentError(source + ":" + std::to_string(e.mark.line + 1) +
                                 ": YAML syntax error: " + e.msg);

@@ -24,12 +24,14 @@
 //        median_ms: 1.68, none_ms: 1.75}
 //
 // Knobs given at an outer level are inherited by inner levels (defaults ->
-// rule -> m range). `mode: auto` resolves to the `tuned` entry of the layer's
-// shape (op, global n, global k) whose m is the largest one <= M (else the
-// smallest), and to `none` when the table has no entry for the shape.
+// rule -> m range). A rule whose m ranges leave gaps does not apply to an M in
+// a gap: the next rule that matches the layer applies, else the defaults. `mode: auto` resolves to
+// the `tuned` entry of the layer's shape (op, global n, global k) whose m is the largest one <= M
+// (else the smallest), and to `none` when the table has no entry for the shape.
 //
 // The loader is strict: unknown keys, values of the wrong type or outside
-// their range, overlapping M ranges of one rule and an unsupported version are
+// their range, overlapping M ranges of one rule, two tuned entries for one
+// (op, n, k, m), more than one YAML document and an unsupported version are
 // errors (INVALID_ARGUMENT) that name the file, the line, the key and the
 // allowed values.
 #pragma once

@@ -148,6 +148,26 @@ layers:
   EXPECT_EQ(large->chunks, 4);
 }
 
+TEST(OverlapConfig, AnMInAGapOfARulesRangesFallsThroughToTheNextRule) {
+  const OverlapConfig cfg = MustParse(R"(version: 1
+defaults: {mode: pipeline, chunks: 2}
+layers:
+  - match: "layers.*.mlp.down"
+    m_ranges:
+      - {m_min: 1, m_max: 10, mode: ring, chunks: 2}
+      - {m_min: 20, mode: ring, chunks: 4}
+  - match: "layers.1.*"
+    mode: none
+)");
+  const auto down = [&](const char* name, int64_t m) {
+    return *cfg.Resolve(name, OverlapOp::kGemmReduceScatter, 8192, 28672, m, 2);
+  };
+  EXPECT_EQ(down("layers.1.mlp.down", 10).chunks, 2);
+  EXPECT_EQ(down("layers.1.mlp.down", 15).mode, OverlapMode::kNone);      // the next rule
+  EXPECT_EQ(down("layers.2.mlp.down", 15).mode, OverlapMode::kPipeline);  // the defaults
+  EXPECT_EQ(down("layers.2.mlp.down", 20).chunks, 4);
+}
+
 TEST(OverlapConfig, RepeatedKeysAreRefusedNamingTheLine) {
   const Status s = ParseError("version: 1\ndefaults:\n  mode: none\n  mode: ring\n");
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
@@ -247,6 +267,12 @@ TEST(OverlapConfig, StrictLoaderNamesFileLineKeyAndAllowedValues) {
       // Found by fuzz_overlap_config: a mapping used as a key.
       {"version: 1\ndefaults:\n  ? {a: 1}\n  : 2\n", "keys must be plain strings"},
       {"version: 1\n? [x]\n: 1\n", "keys must be plain strings"},
+      // yaml-cpp's Load reads the first document only: the rest would be lost.
+      {"version: 1\n---\nversion: 1\nbogus: 3\n",
+       "bad.yaml:3: a second YAML document ('---'); an overlap config is one document"},
+      {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: ring, chunks: 2}\n"
+       "  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: none}\n",
+       "bad.yaml:4: tuned[1]: repeats the op, n, k and m of tuned[0] (line 3)"},
   };
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.yaml);
