@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <utility>
@@ -327,7 +328,9 @@ Status PeerSignals::Wait(Kind kind, const std::vector<Flag>& from, cudaStream_t 
 Status PeerSignals::SignalThenWait(Kind signal_kind, const std::vector<Flag>& to, Kind wait_kind,
                                    const std::vector<Flag>& from, cudaStream_t stream) const {
   // In the order given: the peers' flags set, then each awaited flag waited
-  // for and re-armed. One batch: one node in a captured graph.
+  // for and re-armed. One batch (one node in a captured graph) when it fits the
+  // driver's limit, else consecutive batches on the same stream, which keep
+  // the order (TP = 8 with many chunks waits for 2 * chunks * 7 operations).
   std::vector<CUstreamBatchMemOpParams> ops;
   ops.reserve(to.size() + 2 * from.size());
   for (const Flag& f : to) {
@@ -340,15 +343,14 @@ Status PeerSignals::SignalThenWait(Kind signal_kind, const std::vector<Flag>& to
     ops.push_back(WaitEqOp(flag, 1));
     ops.push_back(WriteOp(flag, 0));
   }
-  if (ops.empty()) return Status::Ok();
-  if (ops.size() > kMaxBatchOps) {
-    return InvalidArgumentError("peer signals: " + std::to_string(ops.size()) +
-                                " memory operations in one batch, at most " +
-                                std::to_string(kMaxBatchOps));
+  for (size_t begin = 0; begin < ops.size(); begin += kMaxBatchOps) {
+    const size_t count = std::min(kMaxBatchOps, ops.size() - begin);
+    TP_RETURN_IF_ERROR(
+        DriverCheck(g_batch_mem_op(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(count),
+                                   ops.data() + begin, 0),
+                    "cuStreamBatchMemOp"));
   }
-  return DriverCheck(g_batch_mem_op(reinterpret_cast<CUstream>(stream),
-                                    static_cast<unsigned>(ops.size()), ops.data(), 0),
-                     "cuStreamBatchMemOp");
+  return Status::Ok();
 }
 
 }  // namespace tpserve

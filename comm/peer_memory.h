@@ -118,8 +118,9 @@ class PeerSignals {
   // its own scheduling latency (measured: benchmarks/NOTES.md).
   Status SignalThenWait(Kind signal_kind, const std::vector<Flag>& to, Kind wait_kind,
                         const std::vector<Flag>& from, cudaStream_t stream) const;
-  // At most this many flags written plus twice the flags awaited in one call
-  // (the driver's limit on one batch is 255 operations).
+  // Operations per cuStreamBatchMemOp call (the driver's limit on one batch);
+  // a call with more flags (written once, awaited twice) is issued as several
+  // batches in order, one graph node each.
   static constexpr size_t kMaxBatchOps = 255;
 
   int slots() const { return slots_; }

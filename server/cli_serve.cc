@@ -186,10 +186,15 @@ class SignalBox {
     cv_.notify_all();
     return true;
   }
-  // Serve: marks the server up and blocks until a signal arrives.
-  int Serving() {
-    std::unique_lock<std::mutex> lock(mu_);
+  // Serve, as soon as the gRPC server accepts requests: from here on a
+  // signal starts the drain instead of ending the process.
+  void MarkServing() {
+    std::lock_guard<std::mutex> lock(mu_);
     serving_ = true;
+  }
+  // Serve: blocks until a signal arrives (at once if one came after MarkServing).
+  int Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return sig_ != 0; });
     return sig_;
   }
@@ -273,23 +278,33 @@ int Serve(const ServeFlags& f) {
   so.batcher.max_queue_delay = std::chrono::microseconds(f.max_queue_delay_us);
   so.batcher.max_queue_size = static_cast<size_t>(f.max_queue_size);
   so.batcher.max_batch_sequences = f.max_batch_sequences;
+  // The metrics port is bound before the gRPC server starts, so that a port
+  // already in use fails the start before any request is accepted.
+  httplib::Server metrics;
+  std::atomic<InferenceServer*> metrics_source{nullptr};
+  metrics.Get("/metrics", [&metrics_source](const httplib::Request&, httplib::Response& res) {
+    InferenceServer* source = metrics_source.load();
+    if (source == nullptr) {
+      res.status = 503;
+      res.set_content("the server is not serving\n", "text/plain");
+      return;
+    }
+    res.set_content(source->MetricsText(), "text/plain; version=0.0.4");
+  });
+  if (f.metrics_port > 0 && !metrics.bind_to_port(f.metrics_host, f.metrics_port)) {
+    spdlog::error("cannot serve metrics on {}:{}", f.metrics_host, f.metrics_port);
+    return 1;
+  }
   auto server = InferenceServer::Start(so, *engine);
   if (!server.ok()) {
     spdlog::error("{}", server.status().ToString());
     return 1;
   }
   InferenceServer* srv = server->get();
-
-  httplib::Server metrics;
-  metrics.Get("/metrics", [srv](const httplib::Request&, httplib::Response& res) {
-    res.set_content(srv->MetricsText(), "text/plain; version=0.0.4");
-  });
+  box.MarkServing();  // requests may be accepted from here on: a signal drains them
+  metrics_source = srv;
   std::thread metrics_thread;
   if (f.metrics_port > 0) {
-    if (!metrics.bind_to_port(f.metrics_host, f.metrics_port)) {
-      spdlog::error("cannot serve metrics on {}:{}", f.metrics_host, f.metrics_port);
-      return 1;
-    }
     metrics_thread = std::thread([&] { metrics.listen_after_bind(); });
     spdlog::info("metrics on http://{}:{}/metrics", f.metrics_host, f.metrics_port);
   }
@@ -311,7 +326,7 @@ int Serve(const ServeFlags& f) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   });
-  const int sig = box.Serving();
+  const int sig = box.Wait();
   watching = false;
   engine_watch.join();
   watched.reset();
@@ -338,11 +353,12 @@ int Serve(const ServeFlags& f) {
     spdlog::default_logger()->flush();
     std::_Exit(1);
   }).detach();
-  srv->Shutdown(deadline);
+  srv->Shutdown(deadline);  // metrics stay up while the server drains
   if (metrics_thread.joinable()) {
     metrics.stop();
     metrics_thread.join();
   }
+  metrics_source = nullptr;
   server->reset();  // engine threads stop after the server
   spdlog::info("stopped");
   if (engine_failed) {

@@ -1,11 +1,14 @@
 #include "server/inference_server.h"
 
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -19,6 +22,8 @@ constexpr char kInput[] = "input_ids";
 constexpr char kLogits[] = "logits";
 constexpr char kNextToken[] = "next_token_id";
 constexpr char kVersion[] = "1";
+// RPC threads beyond --max-queue-size: open streams, health and metadata calls.
+constexpr size_t kSpareRpcThreads = 64;
 
 grpc::Status ToGrpc(const Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -73,9 +78,9 @@ void LogFailure(const char* rpc, const std::string& id, const Status& s) {
                       c == StatusCode::kDeadlineExceeded || c == StatusCode::kCancelled ||
                       c == StatusCode::kResourceExhausted || c == StatusCode::kFailedPrecondition;
   if (client) {
-    spdlog::info("{} id='{}': {}", rpc, id, s.ToString());
+    spdlog::info("{} id='{}': {}", rpc, ClientText(id), s.ToString());
   } else {
-    spdlog::error("{} id='{}': {}", rpc, id, s.ToString());
+    spdlog::error("{} id='{}': {}", rpc, ClientText(id), s.ToString());
   }
 }
 
@@ -111,6 +116,17 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
       : options_(options), engine_(engine), config_(engine.config()), batcher_(batcher) {}
 
   void set_serving(bool serving) { serving_ = serving; }
+
+  // The start of a shutdown: every open stream ends after the request it is
+  // answering (UNAVAILABLE), and streams idle in a read are cancelled now
+  // instead of holding the drain open until its deadline.
+  void BeginDrain() {
+    std::lock_guard lock(streams_mu_);
+    draining_ = true;
+    for (const auto& [ctx, busy] : streams_) {
+      if (!busy) ctx->TryCancel();
+    }
+  }
 
   grpc::Status ServerLive(grpc::ServerContext*, const inference::ServerLiveRequest*,
                           inference::ServerLiveResponse* r) override {
@@ -171,10 +187,26 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
       grpc::ServerContext* ctx,
       grpc::ServerReaderWriter<inference::ModelStreamInferResponse, inference::ModelInferRequest>*
           stream) override {
+    const grpc::Status shutting_down(grpc::StatusCode::UNAVAILABLE,
+                                     "the server is shutting down: this stream's earlier "
+                                     "requests were answered, send the rest to another replica");
+    {
+      std::lock_guard lock(streams_mu_);
+      if (draining_) return shutting_down;
+      streams_[ctx] = false;  // idle: waiting for a request
+    }
+    // Marks the stream busy (true) or idle (false); false when the server drains.
+    auto set_busy = [&](bool busy) {
+      std::lock_guard lock(streams_mu_);
+      streams_[ctx] = busy;
+      return !draining_;
+    };
+    grpc::Status end = grpc::Status::OK;
     inference::ModelInferRequest q;
     while (stream->Read(&q)) {
       inference::ModelStreamInferResponse out;
-      const Status s = Infer(ctx, q, out.mutable_infer_response());
+      Status s = set_busy(true) ? Infer(ctx, q, out.mutable_infer_response())
+                                : UnavailableError("the server is shutting down");
       if (!s.ok()) {
         ++fail_count_;
         LogFailure("ModelStreamInfer", q.id(), s);
@@ -182,8 +214,14 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
         out.set_error_message(s.ToString());
       }
       if (!stream->Write(out)) break;
+      if (!set_busy(false)) {
+        end = shutting_down;
+        break;
+      }
     }
-    return grpc::Status::OK;
+    std::lock_guard lock(streams_mu_);
+    streams_.erase(ctx);
+    return end;
   }
 
   grpc::Status ModelStatistics(grpc::ServerContext*, const inference::ModelStatisticsRequest* q,
@@ -263,11 +301,12 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
  private:
   Status CheckModel(const std::string& name, const std::string& version) const {
     if (name != options_.model_name) {
-      return NotFoundError("unknown model '" + name + "' (this server serves '" +
+      return NotFoundError("unknown model '" + ClientText(name) + "' (this server serves '" +
                            options_.model_name + "')");
     }
     if (!version.empty() && version != kVersion) {
-      return NotFoundError("model '" + name + "' has no version '" + version + "' (available: 1)");
+      return NotFoundError("model '" + name + "' has no version '" + ClientText(version) +
+                           "' (available: 1)");
     }
     return Status::Ok();
   }
@@ -325,6 +364,10 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   const RequestLimits limits_{config_.vocab_size, LongestRequest(options_, config_)};
   TokenBatcher& batcher_;
   std::atomic<bool> serving_{false};
+  // Open ModelStreamInfer calls and whether each is answering a request.
+  std::mutex streams_mu_;
+  std::map<grpc::ServerContext*, bool> streams_;
+  bool draining_ = false;  // guarded by streams_mu_
   std::atomic<uint64_t> success_count_{0}, fail_count_{0}, success_ns_{0}, queue_ns_{0},
       compute_ns_{0}, last_inference_ms_{0};
 };
@@ -352,7 +395,20 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.grpc_address, credentials, &s->port_);
   builder.RegisterService(s->service_.get());
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  // Bounds on what one client can make the server hold. Each RPC in progress
+  // (a queued unary request, an open stream) holds a thread of the
+  // synchronous server: at most the queue's size plus room for streams,
+  // health and metadata calls; beyond it new calls get RESOURCE_EXHAUSTED.
+  // A request carries at most the longest accepted prompt (int64 varints:
+  // up to 10 bytes a token); the margin lets a somewhat longer one through to
+  // the precise INVALID_ARGUMENT that names the limit.
+  grpc::ResourceQuota quota("tpserve");
+  quota.SetMaxThreads(static_cast<int>(
+      std::min<size_t>(options.batcher.max_queue_size + kSpareRpcThreads, INT_MAX)));
+  builder.SetResourceQuota(quota);
+  const int64_t max_message =
+      std::max<int64_t>(1 << 20, 16 * LongestRequest(options, eng->config()) + (64 << 10));
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT_MAX)));
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
     return UnavailableError("cannot listen on " + options.grpc_address +
@@ -386,11 +442,14 @@ void InferenceServer::Shutdown(std::chrono::system_clock::time_point deadline) {
   if (server_) {
     service_->set_serving(false);
     server_->GetHealthCheckService()->SetServingStatus(false);
+    service_->BeginDrain();
     server_->Shutdown(deadline);  // waits for in-flight RPCs (the batcher still runs)
     server_->Wait();
   }
+  // Stopped, not destroyed: the service (and MetricsText, which a metrics
+  // scrape may call during or after the drain) keeps a reference to it; the
+  // destructor frees it after the service, and its worker has nothing left.
   if (batcher_) batcher_->Stop();
-  batcher_.reset();
 }
 
 std::string InferenceServer::MetricsText() const { return service_->MetricsText(); }

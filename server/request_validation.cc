@@ -24,13 +24,57 @@ Status BadId(int64_t i, int64_t v, int64_t vocab) {
                               std::to_string(v) + ", outside [0, " + std::to_string(vocab) + ")");
 }
 
+// The first key of a parameters map, for the error naming it (sorted: the
+// map's iteration order is unspecified).
+template <typename Map>
+std::string FirstKey(const Map& m) {
+  std::string first;
+  for (const auto& [key, value] : m) {
+    if (first.empty() || key < first) first = key;
+  }
+  return first;
+}
+
 }  // namespace
+
+std::string ClientText(std::string_view s) {
+  std::string out;
+  const size_t shown = std::min(s.size(), kClientTextMax);
+  for (size_t i = 0; i < shown; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else if (c < 0x20 || c >= 0x7f) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (shown < s.size()) out += "...(" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
 
 StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest& q,
                                              const RequestLimits& limits) {
+  if (!q.parameters().empty()) {
+    return InvalidArgumentError("request parameter '" + ClientText(FirstKey(q.parameters())) +
+                                "' is not supported (this model takes no parameters)");
+  }
   if (q.inputs_size() != 1 || q.inputs(0).name() != kInput) {
     std::string names;
-    for (const auto& in : q.inputs()) names += (names.empty() ? "'" : ", '") + in.name() + "'";
+    int listed = 0;
+    for (const auto& in : q.inputs()) {
+      if (++listed > 8) {
+        names += ", ...";
+        break;
+      }
+      names += (names.empty() ? "'" : ", '") + ClientText(in.name()) + "'";
+    }
     return InvalidArgumentError("expected exactly one input named 'input_ids', got " +
                                 std::to_string(q.inputs_size()) + " input(s)" +
                                 (names.empty() ? "" : ": " + names));
@@ -39,7 +83,11 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
   const bool i32 = in.datatype() == "INT32", i64 = in.datatype() == "INT64";
   if (!i32 && !i64) {
     return InvalidArgumentError("input 'input_ids': datatype must be INT32 or INT64, got '" +
-                                in.datatype() + "'");
+                                ClientText(in.datatype()) + "'");
+  }
+  if (!in.parameters().empty()) {
+    return InvalidArgumentError("input 'input_ids': parameter '" +
+                                ClientText(FirstKey(in.parameters())) + "' is not supported");
   }
   ParsedRequest p;
   int64_t n = -1;
@@ -123,14 +171,24 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
   if (q.outputs_size() > 0) {
     p.want_logits = p.want_next = false;
     for (const auto& o : q.outputs()) {
+      bool* wanted = nullptr;
       if (o.name() == kLogits) {
-        p.want_logits = true;
+        wanted = &p.want_logits;
       } else if (o.name() == kNextToken) {
-        p.want_next = true;
+        wanted = &p.want_next;
       } else {
-        return InvalidArgumentError("unknown requested output '" + o.name() +
+        return InvalidArgumentError("unknown requested output '" + ClientText(o.name()) +
                                     "' (outputs: logits, next_token_id)");
       }
+      if (*wanted) {
+        return InvalidArgumentError("output '" + o.name() + "' is requested twice");
+      }
+      if (!o.parameters().empty()) {
+        return InvalidArgumentError("output '" + o.name() + "': parameter '" +
+                                    ClientText(FirstKey(o.parameters())) +
+                                    "' is not supported (outputs are raw logits and the argmax)");
+      }
+      *wanted = true;
     }
   }
   return p;

@@ -3,7 +3,10 @@
 // unit-tested and fuzzed on its own.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "comm/status.h"
@@ -23,8 +26,18 @@ struct ParsedRequest {
   bool want_logits = true, want_next = true;
 };
 
+// A client-supplied string as it may appear in an error message or a log
+// line: control characters and non-ASCII bytes escaped (\n, \xNN), and cut
+// after kClientTextMax bytes with the full length noted, so that a long name
+// cannot push a status past the client's metadata limit or flood the log.
+constexpr size_t kClientTextMax = 128;
+std::string ClientText(std::string_view s);
+
 // INVALID_ARGUMENT naming the input, the expected and the actual value for
 // anything malformed (model name and version are checked by the caller).
+// Parameters (request, input or output) are refused naming the key: none is
+// supported, and ignoring one (e.g. an output's "classification") would
+// answer something other than what was asked.
 StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest& q,
                                              const RequestLimits& limits);
 

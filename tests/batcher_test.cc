@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <stdexcept>
 #include <thread>
 
 namespace tpserve {
@@ -156,6 +157,28 @@ TEST(TokenBatcher, EngineErrorsReachEveryRequestOfTheBatch) {
   auto c = *b.Submit({2}, Far(), nullptr);
   EXPECT_EQ(a.get().status().message(), "engine down");
   EXPECT_EQ(c.get().status().code(), StatusCode::kUnavailable);
+}
+
+TEST(TokenBatcher, AnEngineThatThrowsOrMiscountsFailsItsBatchAndTheBatcherKeepsServing) {
+  std::atomic<int> calls{0};
+  TokenBatcher b({8192, 0ms, 64}, kVocab,
+                 [&](const TokenBatch& tb) -> StatusOr<std::vector<float>> {
+                   const int call = ++calls;
+                   if (call == 1) throw std::runtime_error("out of host memory");
+                   if (call == 2) return std::vector<float>(kVocab * tb.sequences() - 1, 0.0f);
+                   return std::vector<float>(kVocab * tb.sequences(), 1.0f);
+                 });
+  auto thrown = b.Submit({1}, Far(), nullptr)->get();
+  EXPECT_EQ(thrown.status().code(), StatusCode::kInternal);
+  EXPECT_THAT(thrown.status().message(),
+              ::testing::HasSubstr("the engine threw: out of host memory"));
+  auto short_output = b.Submit({2}, Far(), nullptr)->get();
+  EXPECT_EQ(short_output.status().code(), StatusCode::kInternal);
+  EXPECT_THAT(short_output.status().message(),
+              ::testing::HasSubstr("the engine returned 3 logits for 1 sequences of vocabulary 4"));
+  auto fine = b.Submit({3}, Far(), nullptr)->get();  // the worker thread is still there
+  ASSERT_TRUE(fine.ok()) << fine.status().ToString();
+  EXPECT_EQ(fine->logits, std::vector<float>(kVocab, 1.0f));
 }
 
 }  // namespace

@@ -349,6 +349,28 @@ TEST_F(ServerE2eTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
          for (int i = 0; i < 3; ++i) q.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1);
        },
        grpc::StatusCode::INVALID_ARGUMENT, "but fp32_contents holds 3 value(s)"},
+      {[](auto& q) {
+         q.add_outputs()->set_name("logits");
+         q.add_outputs()->set_name("logits");
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "output 'logits' is requested twice"},
+      {[](auto& q) {
+         auto* o = q.add_outputs();
+         o->set_name("logits");
+         (*o->mutable_parameters())["classification"].set_int64_param(3);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "output 'logits': parameter 'classification' is not supported"},
+      {[](auto& q) { (*q.mutable_parameters())["priority"].set_int64_param(5); },
+       grpc::StatusCode::INVALID_ARGUMENT, "request parameter 'priority' is not supported"},
+      {[](auto& q) { (*q.mutable_inputs(0)->mutable_parameters())["x"].set_bool_param(true); },
+       grpc::StatusCode::INVALID_ARGUMENT, "input 'input_ids': parameter 'x' is not supported"},
+      // A client's long or binary string is echoed cut and escaped: the
+      // status still fits the client's metadata limit.
+      {[](auto& q) { q.set_model_name(std::string(20000, 'm') + "\n"); },
+       grpc::StatusCode::NOT_FOUND, "mmm...(20001 bytes)' (this server serves 'tiny')"},
+      {[](auto& q) { q.mutable_inputs(0)->set_datatype(std::string("IN\x01T\n", 5)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "got 'IN\\x01T\\n'"},
   };
   for (const Case& c : cases) {
     inference::ModelInferRequest q = Request({1, 2, 3});
@@ -479,6 +501,64 @@ TEST_F(ServerE2eTest, ShutdownFinishesEveryAcceptedRequest) {
     EXPECT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
   inference::ModelInferResponse r;
   EXPECT_FALSE(Infer(Request({1}), &r, std::chrono::milliseconds(500)).ok());  // no longer serving
+  // A metrics scrape during or after the drain reads the stopped server's
+  // counters (it read a freed batcher before).
+  EXPECT_THAT(server_->MetricsText(),
+              HasSubstr("nv_inference_request_success{model=\"tiny\",version=\"1\"} 16"));
+}
+
+TEST_F(ServerE2eTest, ShutdownEndsOpenStreamsInsteadOfWaitingForTheirClients) {
+  Start();
+  if (HasFatalFailure() || IsSkipped()) return;
+  // One stream has had its answer and waits for the next request; one was
+  // opened and never used. Neither may hold the drain until its deadline.
+  grpc::ClientContext used_ctx, idle_ctx;
+  auto used = stub_->ModelStreamInfer(&used_ctx);
+  auto idle = stub_->ModelStreamInfer(&idle_ctx);
+  ASSERT_TRUE(used->Write(Request({4, 5})));
+  inference::ModelStreamInferResponse out;
+  ASSERT_TRUE(used->Read(&out));
+  EXPECT_TRUE(out.error_message().empty()) << out.error_message();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // both handlers running
+  const auto start = std::chrono::steady_clock::now();
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_FALSE(used->Read(&out));
+  EXPECT_FALSE(used->Finish().ok());
+  EXPECT_FALSE(idle->Read(&out));
+  EXPECT_FALSE(idle->Finish().ok());
+}
+
+TEST_F(ServerE2eTest, OpenCallsBeyondTheQueueAndSpareThreadsAreResourceExhausted) {
+  // Queue of 4: at most 4 + 64 RPC threads. Every open stream holds one.
+  Start({8192, std::chrono::milliseconds(1), 4});
+  if (HasFatalFailure() || IsSkipped()) return;
+  constexpr int kStreams = 150;
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+  std::vector<std::unique_ptr<
+      grpc::ClientReaderWriter<inference::ModelInferRequest, inference::ModelStreamInferResponse>>>
+      streams;
+  for (int i = 0; i < kStreams; ++i) {
+    ctxs.push_back(std::make_unique<grpc::ClientContext>());
+    streams.push_back(stub_->ModelStreamInfer(ctxs.back().get()));
+  }
+  int answered = 0, exhausted = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    if (streams[i]->Write(Request({1, 2}))) {
+      inference::ModelStreamInferResponse out;
+      if (streams[i]->Read(&out) && out.error_message().empty()) ++answered;
+    }
+  }
+  for (int i = 0; i < kStreams; ++i) {
+    streams[i]->WritesDone();
+    const grpc::Status st = streams[i]->Finish();
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++exhausted;
+  }
+  EXPECT_GT(answered, 0);
+  EXPECT_GT(exhausted, 0) << answered << " of " << kStreams << " streams were answered";
+  EXPECT_EQ(answered + exhausted, kStreams);
+  inference::ModelInferResponse r;
+  EXPECT_TRUE(Infer(Request({1, 2, 3}), &r).ok());  // the streams are closed: serving again
 }
 
 // An engine that fails on demand, to see the server notice.
