@@ -269,7 +269,7 @@ int Serve(const ServeFlags& f) {
   so.model_name = f.model_name.empty()
                       ? (from_dir ? std::filesystem::path(f.model).filename().string() : f.model)
                       : f.model_name;
-  so.grpc_address = f.host + ":" + std::to_string(f.grpc_port);
+  so.grpc_address = GrpcListenAddress(f.host, f.grpc_port);
   so.max_tokens_per_request = f.max_tokens_per_request;
   so.tls_cert_file = f.tls_cert;
   so.tls_key_file = f.tls_key;
@@ -291,7 +291,11 @@ int Serve(const ServeFlags& f) {
     }
     res.set_content(source->MetricsText(), "text/plain; version=0.0.4");
   });
-  if (f.metrics_port > 0 && !metrics.bind_to_port(f.metrics_host, f.metrics_port)) {
+  std::string metrics_host = f.metrics_host;  // httplib takes an IPv6 address without brackets
+  if (metrics_host.size() > 2 && metrics_host.front() == '[' && metrics_host.back() == ']') {
+    metrics_host = metrics_host.substr(1, metrics_host.size() - 2);
+  }
+  if (f.metrics_port > 0 && !metrics.bind_to_port(metrics_host, f.metrics_port)) {
     spdlog::error("cannot serve metrics on {}:{}", f.metrics_host, f.metrics_port);
     return 1;
   }
@@ -425,11 +429,17 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"fp8", "bf16"}))
       ->capture_default_str();
   cmd->add_option("--seed", f->seed, "Seed of random weights")->capture_default_str();
-  cmd->add_option("--host", f->host, "gRPC bind address")->capture_default_str();
+  cmd->add_option("--host", f->host,
+                  "gRPC bind address: a name, an IPv4 address or an IPv6 address (with or "
+                  "without brackets: ::1 and [::1] are the same)")
+      ->capture_default_str();
   cmd->add_option("--grpc-port", f->grpc_port, "gRPC port (0: pick a free one)")
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
-  cmd->add_option("--metrics-host", f->metrics_host, "Metrics bind address")->capture_default_str();
+  cmd->add_option("--metrics-host", f->metrics_host,
+                  "Metrics bind address: a name, an IPv4 or an IPv6 address (brackets are "
+                  "removed)")
+      ->capture_default_str();
   cmd->add_option("--metrics-port", f->metrics_port, "Prometheus /metrics port (0: off)")
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
@@ -452,12 +462,14 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                 "for llama3-70b) instead of on the host (what the CPU backend uses, so logits "
                 "compare; minutes for large models)");
   cmd->add_option("--max-queue-delay-us", f->max_queue_delay_us,
-                  "Longest wait for batch-mates, microseconds")
-      ->check(CLI::NonNegativeNumber)
+                  "Longest wait for batch-mates, microseconds (at most 10 s)")
+      ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
   cmd->add_option("--max-queue-size", f->max_queue_size,
-                  "Queued requests beyond this get RESOURCE_EXHAUSTED")
-      ->check(CLI::PositiveNumber)
+                  "Queued requests beyond this get RESOURCE_EXHAUSTED; also bounds the "
+                  "server's RPC threads (this + 64: calls beyond them, open streams included, "
+                  "get RESOURCE_EXHAUSTED too); at most 65536")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
       ->capture_default_str();
   cmd->add_option("--max-tokens-per-request", f->max_tokens_per_request,
                   "Longest prompt accepted (INVALID_ARGUMENT beyond); capped by --max-batch-tokens "

@@ -110,6 +110,11 @@ std::string PrometheusLabelValue(std::string_view v) {
   return out;
 }
 
+std::string GrpcListenAddress(std::string_view host, int port) {
+  const bool ipv6 = host.find(':') != std::string_view::npos && !host.starts_with('[');
+  return (ipv6 ? "[" + std::string(host) + "]" : std::string(host)) + ":" + std::to_string(port);
+}
+
 class InferenceService final : public inference::GRPCInferenceService::Service {
  public:
   InferenceService(const ServerOptions& options, const Engine& engine, TokenBatcher& batcher)

@@ -43,6 +43,10 @@ struct ServerOptions {
 
 class InferenceService;
 
+// "host:port" for gRPC's listening address: an IPv6 host (it contains ':')
+// goes in brackets unless it already is ("::1" -> "[::1]:8001").
+std::string GrpcListenAddress(std::string_view host, int port);
+
 // `v` escaped for a Prometheus label value (backslash, double quote and
 // newline, as the text exposition format requires).
 std::string PrometheusLabelValue(std::string_view v);

@@ -469,6 +469,13 @@ TEST_F(ServerE2eTest, RequestsLongerThanOneBatchAreRefusedNamingTheInput) {
   EXPECT_TRUE(Infer(Request(std::vector<int32_t>(16, 1)), &r).ok());
 }
 
+TEST(GrpcListenAddress, BracketsAnIpv6HostOnce) {
+  EXPECT_EQ(GrpcListenAddress("0.0.0.0", 8001), "0.0.0.0:8001");
+  EXPECT_EQ(GrpcListenAddress("localhost", 1), "localhost:1");
+  EXPECT_EQ(GrpcListenAddress("::1", 8001), "[::1]:8001");
+  EXPECT_EQ(GrpcListenAddress("[::]", 0), "[::]:0");
+}
+
 TEST(PrometheusLabelValue, EscapesBackslashQuoteAndNewline) {
   EXPECT_EQ(PrometheusLabelValue("tiny"), "tiny");
   EXPECT_EQ(PrometheusLabelValue("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
