@@ -75,14 +75,18 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
       if (stop_ || broken_) return;
       seen = generation_;
       job = job_;
+      ++running_;
     }
     auto logits = (*model)->Forward(*job);
-    if (!logits.ok()) return fail(logits.status());
     {
       std::lock_guard lock(mu_);
-      if (rank == 0) logits_ = std::move(logits).value();
-      ++finished_;
+      --running_;  // this rank no longer reads the caller's batch
+      if (logits.ok()) {
+        if (rank == 0) logits_ = std::move(logits).value();
+        ++finished_;
+      }
     }
+    if (!logits.ok()) return fail(logits.status());
     cv_.notify_all();
   }
 }
@@ -101,7 +105,9 @@ StatusOr<std::vector<float>> CpuEngine::Forward(const TokenBatch& batch) {
   finished_ = 0;
   ++generation_;
   cv_.notify_all();
-  cv_.wait(lock, [&] { return finished_ == options_.tp || broken_; });
+  // On a failure, the ranks still inside the job read `batch` until their
+  // next collective fails: it must outlive them, so wait for every one.
+  cv_.wait(lock, [&] { return finished_ == options_.tp || (broken_ && running_ == 0); });
   job_ = nullptr;
   if (broken_) return UnavailableError("CPU engine failed: " + first_error_.ToString());
   return std::move(logits_);

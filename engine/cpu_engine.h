@@ -56,6 +56,7 @@ class CpuEngine final : public Engine {
   uint64_t generation_ = 0;  // bumped per job
   int started_ = 0;          // ranks that finished loading
   int finished_ = 0;         // ranks done with the current job
+  int running_ = 0;          // ranks inside the current job (reading *job_)
   bool stop_ = false;
   bool broken_ = false;
   Status first_error_;

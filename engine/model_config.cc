@@ -225,8 +225,36 @@ StatusOr<ModelConfig> ParseModelConfigJson(std::string_view json_text, const std
                               "plain RoPE (rope_scaling: null)");
   }
 
+  // Architecture options this engine does not implement: refused, never
+  // silently computed as a plain Llama block.
+  if (const auto it = root.find("hidden_act"); it != root.end() && !it->is_null()) {
+    if (!it->is_string()) return WrongType(source, "hidden_act", "a string", *it);
+    if (it->get<std::string>() != "silu") {
+      return UnimplementedError(source + ": hidden_act '" + it->get<std::string>() +
+                                "' is not supported (allowed: silu)");
+    }
+  }
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    if (const auto it = root.find(key); it != root.end() && !it->is_null()) {
+      if (!it->is_boolean()) return WrongType(source, key, "true or false", *it);
+      if (it->get<bool>()) {
+        return UnimplementedError(source + ": " + key +
+                                  " is true: linear layers with biases are not supported");
+      }
+    }
+  }
+
   ModelConfig c;
   c.name = source;
+  // A key a file leaves out takes HuggingFace LlamaConfig's default (not the
+  // presets' Llama 3 values): a Llama 2 file without rope_theta means 10000.
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 10000.0;
+  c.max_position_embeddings = 2048;
+  if (const auto it = root.find("tie_word_embeddings"); it != root.end() && !it->is_null()) {
+    if (!it->is_boolean()) return WrongType(source, "tie_word_embeddings", "true or false", *it);
+    c.tie_word_embeddings = it->get<bool>();
+  }
   TP_RETURN_IF_ERROR(ReadInt(root, source, "hidden_size", true, &c.hidden_size));
   TP_RETURN_IF_ERROR(ReadInt(root, source, "intermediate_size", true, &c.intermediate_size));
   TP_RETURN_IF_ERROR(ReadInt(root, source, "num_attention_heads", true, &c.num_attention_heads));
@@ -290,6 +318,7 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   j["rope_theta"] = c.rope_theta;
   j["rope_scaling"] = nullptr;
   j["max_position_embeddings"] = c.max_position_embeddings;
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
   return j.dump(2) + "\n";
 }
 

@@ -33,6 +33,8 @@ struct ModelConfig {
   double rms_norm_eps = 1e-5;              // epsilon inside every RMSNorm
   double rope_theta = 500000.0;            // RoPE base (Llama 3: 500000, Llama 2: 10000)
   int64_t max_position_embeddings = 8192;  // longest sequence the model supports
+  // The LM head is the embedding table (the checkpoint needs no lm_head.weight).
+  bool tie_word_embeddings = false;
 
   // Per-head width: hidden_size / num_attention_heads unless the json gives
   // "head_dim" (stored in head_dim_override).
@@ -61,14 +63,17 @@ struct ModelConfig {
 // text in errors and becomes ModelConfig::name.
 //   required: hidden_size, intermediate_size, num_attention_heads,
 //             num_hidden_layers, vocab_size (integers)
-//   optional: num_key_value_heads (default: num_attention_heads),
-//             rms_norm_eps, rope_theta (numbers), max_position_embeddings,
-//             head_dim (integers); a JSON null means "absent", as in HF
+//   optional, with HF LlamaConfig's defaults: num_key_value_heads
+//             (num_attention_heads), rms_norm_eps (1e-6), rope_theta (10000),
+//             max_position_embeddings (2048), head_dim (derived),
+//             tie_word_embeddings (false); a JSON null means "absent", as in HF
 //   checked if present: model_type must be "llama"; rope_scaling must be
-//             null (Llama 3.1 rope scaling is not implemented)
+//             null (Llama 3.1 rope scaling is not implemented); hidden_act
+//             must be "silu"; attention_bias and mlp_bias must be false
 //   everything else: ignored.
 // Errors: INVALID_ARGUMENT (syntax, missing key, wrong type, unsupported
-// model_type, failed Validate()), UNIMPLEMENTED (rope_scaling).
+// model_type, failed Validate()), UNIMPLEMENTED (rope_scaling, hidden_act,
+// biases).
 StatusOr<ModelConfig> ParseModelConfigJson(std::string_view json_text, const std::string& source);
 
 // Reads and parses `path`: a config.json file, or a model directory holding

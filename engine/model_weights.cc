@@ -1,5 +1,7 @@
 #include "engine/model_weights.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -68,6 +70,7 @@ class Checkpoint {
   }
   const std::map<std::string, TensorView>& views() const { return views_; }
   void set_source(std::string s) { source_ = std::move(s); }
+  const std::string& source() const { return source_; }
 
  private:
   std::string source_ = "random weights";
@@ -167,6 +170,11 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
     for (int64_t c = 0; c < b.cols; ++c) {
       float v;
       if (w->dtype == StDtype::kF8E4M3) {
+        if ((row[c] & 0x7f) == 0x7f) {  // E4M3's only NaN codes
+          return InvalidArgumentError(ck.Where(wname) + " holds a NaN code at row " +
+                                      std::to_string(row_begin + r) + ", column " +
+                                      std::to_string(col_begin + c));
+        }
         v = Fp8E4M3ToFloat(row[c]) * scale;
       } else if (w->dtype == StDtype::kBF16) {
         BFloat16 h;
@@ -190,6 +198,11 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
         v = BFloat16ToFloat(hv);
       } else {
         std::memcpy(&v, w->data + 4 * i, 4);
+      }
+      if (!std::isfinite(v)) {
+        // One inf would make the scale infinite and every code 0 (or NaN).
+        return InvalidArgumentError(ck.Where(wname) + " holds a non-finite value (" +
+                                    std::to_string(v) + ") at element " + std::to_string(i));
       }
       amax = std::max(amax, std::fabs(v));
     }
@@ -250,8 +263,37 @@ StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType
   TP_ASSIGN_OR_RETURN(w.embed, ToFloats(ck, *embed, {v, h}));
   TP_ASSIGN_OR_RETURN(const TensorView* norm, ck.Get("model.norm.weight"));
   TP_ASSIGN_OR_RETURN(w.final_norm, ToFloats(ck, *norm, {h}));
-  // Tied embeddings: no lm_head tensor means the embedding table.
-  const std::string head = ck.Find("lm_head.weight") ? "lm_head" : "model.embed_tokens";
+  // Tied embeddings (config.json's tie_word_embeddings): the embedding table
+  // is the LM head, as in HF. Untied, lm_head.weight must be there.
+  if (dtype == DataType::kFloat8E4M3 && rank == 0) {
+    // A BF16 checkpoint (or an FP8 one without calibration) gives no input
+    // scales: FP8 activations then use the default static scale, which
+    // saturates values beyond 8 in magnitude. Said once, by rank 0.
+    int64_t missing = 0, linear = 0;
+    for (const auto& [name, view] : ck.views()) {
+      const std::string suffix = "_proj.weight";
+      if (name.size() <= suffix.size() ||
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+        continue;
+      }
+      ++linear;
+      const std::string base = name.substr(0, name.size() - std::string(".weight").size());
+      if (ck.Find(base + ".input_scale") == nullptr) ++missing;
+    }
+    if (missing > 0) {
+      spdlog::warn(
+          "{}: {} of {} linear layers have no input_scale: their FP8 activations use the "
+          "default static scale 8/448 and saturate beyond 8 in magnitude (serve with --dtype "
+          "bf16, or use a checkpoint calibrated with input scales)",
+          ck.source(), missing, linear);
+    }
+  }
+  if (!c.tie_word_embeddings && !ck.Find("lm_head.weight")) {
+    return NotFoundError(ck.Where("lm_head.weight") +
+                         " is missing (config.json's tie_word_embeddings is false; a model "
+                         "whose LM head is its embedding table sets it true)");
+  }
+  const std::string head = c.tie_word_embeddings ? "model.embed_tokens" : "lm_head";
   TP_ASSIGN_OR_RETURN(Block lm, ReadBlock(ck, head, v, h, rank * v_l, (rank + 1) * v_l, 0, h));
   w.lm_head = Fuse({lm}, DataType::kBFloat16);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {

@@ -24,6 +24,11 @@ constexpr size_t kLengthPrefixBytes = 8;
 // A valid header nests three levels deep (header, entry, shape); anything much
 // deeper is garbage, and the cap keeps the parser's stacks small.
 constexpr size_t kMaxJsonDepth = 32;
+// A header's arrays are shapes and data_offsets: no tensor has more
+// dimensions than this. Bounds the memory a header's DOM takes.
+constexpr size_t kMaxArrayElements = 64;
+// Entries of "__metadata__" (HF writes one: "format").
+constexpr size_t kMaxMetadataEntries = 65536;
 // Names quoted in errors, and nlohmann's messages (which end with the
 // offending token, possibly megabytes of it), are cut to these many bytes.
 constexpr size_t kMaxQuotedBytes = 200;
@@ -197,6 +202,12 @@ class HeaderSax final : public nlohmann::json_sax<Json> {
       }
       return false;
     }
+    if (stack_.size() == 2 && stack_[1].key == kMetadataKey &&
+        top.value->size() >= kMaxMetadataEntries) {
+      semantic_error_ = std::string(kMetadataKey) + ": more than " +
+                        std::to_string(kMaxMetadataEntries) + " entries";
+      return false;
+    }
     if (stack_.size() == 1 && k != kMetadataKey && ++top_level_tensors_ > max_tensors_) {
       semantic_error_ =
           "more than " + std::to_string(max_tensors_) + " tensors (SafetensorsLimits::max_tensors)";
@@ -244,6 +255,12 @@ class HeaderSax final : public nlohmann::json_sax<Json> {
       return &obj.emplace(pending_key_, std::move(v)).first->second;
     }
     auto& arr = parent.get_ref<Json::array_t&>();
+    if (arr.size() >= kMaxArrayElements) {
+      semantic_error_ = TopLevelContext() + "an array with more than " +
+                        std::to_string(kMaxArrayElements) +
+                        " elements (a shape has at most that many dimensions)";
+      return nullptr;
+    }
     arr.push_back(std::move(v));
     return &arr.back();
   }
@@ -256,6 +273,7 @@ class HeaderSax final : public nlohmann::json_sax<Json> {
     std::string key;
     if (!stack_.empty() && stack_.back().value->is_object()) key = pending_key_;
     Json* v = Add(std::move(container));
+    if (v == nullptr) return false;
     stack_.push_back(Frame{v, std::move(key)});
     return true;
   }

@@ -205,6 +205,83 @@ TEST(CpuModel, CheckpointTensorsAreCheckedForDuplicatesShapeAndType) {
   std::filesystem::remove_all(dir);
 }
 
+// The checkpoint in `dir` rewritten into `out` with tensor `name`'s first
+// `bytes.size()` bytes replaced.
+void RewriteTensorStart(const std::string& dir, const std::string& out, const std::string& name,
+                        const std::vector<uint8_t>& bytes) {
+  auto file = SafetensorsFile::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  std::vector<uint8_t> edited;
+  std::vector<TensorToWrite> tensors;
+  for (const TensorView& v : file->tensors()) {
+    tensors.push_back({v.name, v.dtype, v.shape, v.data, v.bytes});
+    if (v.name == name) {
+      edited.assign(v.data, v.data + v.bytes);
+      std::copy(bytes.begin(), bytes.end(), edited.begin());
+      tensors.back().data = edited.data();
+    }
+  }
+  std::filesystem::create_directories(out);
+  ASSERT_TRUE(WriteSafetensors(out + "/model.safetensors", tensors).ok());
+}
+
+TEST(CpuModel, NonFiniteWeightsAreRefusedNamingTheTensor) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_ckpt_nonfinite";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kBFloat16, 7, dir + "/bf16").ok());
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir + "/fp8").ok());
+  // BF16 +inf (0x7f80) as o_proj's first element: its FP8 scale would be inf.
+  RewriteTensorStart(dir + "/bf16", dir + "/inf", "model.layers.0.self_attn.o_proj.weight",
+                     {0x80, 0x7f});
+  auto inf = LoadRankWeights(dir + "/inf", Tiny(), 2, 0, DataType::kFloat8E4M3);
+  EXPECT_EQ(inf.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(inf.status().message(),
+              HasSubstr("tensor 'model.layers.0.self_attn.o_proj.weight' holds a non-finite "
+                        "value (inf) at element 0"));
+  // E4M3's NaN code in q_proj's first row (rank 0's rows).
+  RewriteTensorStart(dir + "/fp8", dir + "/nan", "model.layers.1.self_attn.q_proj.weight", {0x7f});
+  auto nan = LoadRankWeights(dir + "/nan", Tiny(), 2, 0);
+  EXPECT_EQ(nan.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(nan.status().message(),
+              HasSubstr("tensor 'model.layers.1.self_attn.q_proj.weight' holds a NaN code at "
+                        "row 0, column 0"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CpuModel, AMissingLmHeadIsTheEmbeddingOnlyWhenTheConfigTiesThem) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_ckpt_tied";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir + "/full").ok());
+  auto file = SafetensorsFile::Open(dir + "/full/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  std::vector<TensorToWrite> tensors;
+  for (const TensorView& v : file->tensors()) {
+    if (v.name != "lm_head.weight") tensors.push_back({v.name, v.dtype, v.shape, v.data, v.bytes});
+  }
+  std::filesystem::create_directories(dir + "/nohead");
+  ASSERT_TRUE(WriteSafetensors(dir + "/nohead/model.safetensors", tensors).ok());
+
+  auto untied = LoadRankWeights(dir + "/nohead", Tiny(), 2, 1);
+  EXPECT_EQ(untied.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(untied.status().message(),
+              HasSubstr("tensor 'lm_head.weight' is missing (config.json's tie_word_embeddings "
+                        "is false"));
+
+  ModelConfig tied_config = Tiny();
+  tied_config.tie_word_embeddings = true;
+  auto tied = LoadRankWeights(dir + "/nohead", tied_config, 2, 1);
+  ASSERT_TRUE(tied.ok()) << tied.status().ToString();
+  // Rank 1's LM head rows are the second half of the vocabulary's embeddings.
+  const int64_t h = Tiny().hidden_size, v_l = Tiny().vocab_size / 2;
+  ASSERT_EQ(tied->lm_head.data.size(), static_cast<size_t>(v_l * h * 2));
+  for (int64_t i : {int64_t{0}, v_l * h / 2, v_l * h - 1}) {
+    BFloat16 b;
+    std::memcpy(&b.bits, tied->lm_head.data.data() + 2 * i, 2);
+    EXPECT_EQ(BFloat16ToFloat(b), tied->embed[v_l * h + i]) << i;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CpuModel, WeightsThatDoNotFitTheConfigAreRefusedNamingTheTensor) {
   auto w = MakeRandomRankWeights(Tiny(), DataType::kFloat8E4M3, 2, 1, 7);
   ASSERT_TRUE(w.ok()) << w.status().ToString();

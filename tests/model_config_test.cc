@@ -134,15 +134,47 @@ TEST(ModelConfig, OptionalKeysTakeDefaults) {
   auto c = ParseModelConfigJson(kMinimal, "min.json");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->num_key_value_heads, 4);  // = num_attention_heads
-  EXPECT_EQ(c->rms_norm_eps, 1e-5);
-  EXPECT_EQ(c->rope_theta, 500000.0);
-  EXPECT_EQ(c->max_position_embeddings, 8192);
+  // HuggingFace LlamaConfig's defaults: a Llama 2 file without rope_theta is
+  // a 10000 model, not a Llama 3 one.
+  EXPECT_EQ(c->rms_norm_eps, 1e-6);
+  EXPECT_EQ(c->rope_theta, 10000.0);
+  EXPECT_EQ(c->max_position_embeddings, 2048);
+  EXPECT_FALSE(c->tie_word_embeddings);
   EXPECT_EQ(c->head_dim(), 16);
 
   // null is HF's None: the default, as if absent.
   auto n = ParseModelConfigJson(MinimalWith("num_key_value_heads", "null"), "min.json");
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   EXPECT_EQ(n->num_key_value_heads, 4);
+}
+
+TEST(ModelConfig, ArchitectureOptionsThatAreNotImplementedAreRefused) {
+  struct Case {
+    std::string key, value, message;
+  };
+  const Case cases[] = {
+      {"hidden_act", "\"gelu\"", "min.json: hidden_act 'gelu' is not supported (allowed: silu)"},
+      {"attention_bias", "true",
+       "min.json: attention_bias is true: linear layers with biases are not supported"},
+      {"mlp_bias", "true", "min.json: mlp_bias is true"},
+  };
+  for (const Case& c : cases) {
+    auto r = ParseModelConfigJson(MinimalWith(c.key, c.value), "min.json");
+    ASSERT_FALSE(r.ok()) << c.key;
+    EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented) << c.key;
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message));
+  }
+  auto wrong = ParseModelConfigJson(MinimalWith("attention_bias", "1"), "min.json");
+  EXPECT_EQ(wrong.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(wrong.status().message(), HasSubstr("attention_bias"));
+  for (const auto& [key, value] :
+       {std::pair{"hidden_act", "\"silu\""}, std::pair{"attention_bias", "false"},
+        std::pair{"mlp_bias", "null"}}) {
+    EXPECT_TRUE(ParseModelConfigJson(MinimalWith(key, value), "min.json").ok()) << key;
+  }
+  auto tied = ParseModelConfigJson(MinimalWith("tie_word_embeddings", "true"), "min.json");
+  ASSERT_TRUE(tied.ok());
+  EXPECT_TRUE(tied->tie_word_embeddings);
 }
 
 TEST(ModelConfig, IntegerValuedThetaAndEpsAreAccepted) {

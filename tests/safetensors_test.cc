@@ -643,6 +643,19 @@ TEST(SafetensorsMalformedTest, DeepNestingIsRejectedWithoutRecursion) {
   ExpectOpenInvalid(RawFile("{\"w\":" + std::string(100, '[')), {"nested deeper than"});
 }
 
+TEST(SafetensorsMalformedTest, LongShapesAndHugeMetadataAreRefusedBeforeTheyTakeMemory) {
+  // 65 dimensions of 1: a valid product, but no tensor has that many; the
+  // parser stops at the 65th element instead of building a DOM of millions.
+  std::string dims = "1";
+  for (int i = 1; i < 65; ++i) dims += ",1";
+  ExpectOpenInvalid(
+      RawFile("{\"w\":{\"dtype\":\"F32\",\"shape\":[" + dims + "],\"data_offsets\":[0,4]}}"),
+      {"tensor \"w\": an array with more than 64 elements"});
+  std::string meta = "{\"__metadata__\":{";
+  for (int i = 0; i <= 65536; ++i) meta += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":\"v\"";
+  ExpectOpenInvalid(RawFile(meta + "}}"), {"__metadata__: more than 65536 entries"});
+}
+
 TEST(SafetensorsMalformedTest, MessagesStayShortAndPrintable) {
   // A megabyte-long string that ends in an invalid byte: nlohmann's message
   // quotes the whole token; ours must not.
