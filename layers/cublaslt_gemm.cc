@@ -660,6 +660,11 @@ Status CheckRunPointers(const GemmParams& r, const void* a, const void* b, const
 
 }  // namespace
 
+Status CublasLtGemm::CheckPointers(const GemmParams& p, const void* a, const void* b, const void* c,
+                                   const void* d) {
+  return CheckRunPointers(p, a, b, c, d);
+}
+
 Status CublasLtGemm::Run(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
                          cudaStream_t stream) {
   if (!impl_) return FailedPreconditionError("CublasLtGemm::Run on an empty object");

@@ -160,6 +160,11 @@ class CublasLtGemm {
   Status Run(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
              cudaStream_t stream);
 
+  // Run()'s pointer checks alone, enqueueing nothing: for a caller that must
+  // know every GEMM of a sequence will be accepted before it enqueues the first.
+  static Status CheckPointers(const GemmParams& p, const void* a, const void* b, const void* c,
+                              const void* d);
+
   // Number of cached plans (distinct shapes/configs seen).
   size_t num_plans() const;
   // (device, shape/config) pairs chosen so far in this process (GemmAlgoSelection::kTimed).

@@ -710,6 +710,24 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     return ps.stream == StepStream::kComm ? side : stream;
   };
 
+  // Everything that can be refused is checked before the first enqueue: a
+  // step refused after a peer was signalled would leave the peer waiting for
+  // the rest, and this rank's flags half-set for the next Run.
+  for (const PreparedStep& ps : prep.steps) {
+    if (!ps.is_gemm || !with_gemm) continue;
+    for (const GemmCall& call : ps.gemms) {
+      GemmParams p = call.params;
+      if (fp8) {
+        p.a_scale = x_scale;
+        p.b_scale = w_scale;
+      }
+      if (Status st =
+              CublasLtGemm::CheckPointers(p, resolve(call.a), w, resolve(call.c), resolve(call.d));
+          !st.ok()) {
+        return st.WithContext("layer '" + name_ + "'");
+      }
+    }
+  }
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));
   for (size_t i = 0; i < prep.steps.size(); ++i) {

@@ -267,6 +267,54 @@ TEST_F(GpuLinearTest, CopyEngineWithRanksAsThreadsIsRefused) {
     }
   }
 }
+// A Run that cuBLASLt would refuse (an output not 16-byte aligned) is refused
+// before anything is enqueued, naming the layer, and the layer then runs
+// correctly: nothing half-done is left on the streams or with the peers.
+TEST_F(GpuLinearTest, ARefusedRunEnqueuesNothingAndTheLayerStaysUsable) {
+  const int64_t m = 1002, n = 64 * kTp, k = 128;
+  auto p =
+      MakeRandomLinearProblem(OverlapOp::kAllGatherGemm, DataType::kFloat8E4M3, kTp, m, n, k, 7);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  for (OverlapMode mode : {OverlapMode::kNone, OverlapMode::kRing}) {
+    SCOPED_TRACE(OverlapModeName(mode));
+    LinearKnobs knobs;
+    knobs.mode = mode;
+    knobs.chunks = mode == OverlapMode::kNone ? 1 : 2;
+    std::vector<std::vector<BFloat16>> y(kTp);
+    const Status s = group_->Run([&](int r) -> Status {
+      TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(*p, r));
+      CudaLinearShape shape{p->op, p->dtype, p->m, p->n_local(), p->k_local()};
+      TP_ASSIGN_OR_RETURN(auto layer,
+                          CudaLinear::Create("test.misaligned", shape, knobs, group_->pool(r)));
+      TP_RETURN_IF_ERROR(layer->Prepare(m));
+      TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+      TP_CUDA_CHECK(cudaMemcpy(layer->input(m), p->x_local[r].data(), p->x_local[r].size(),
+                               cudaMemcpyHostToDevice));
+      const int64_t out = layer->output_elements(m);
+      TP_ASSIGN_OR_RETURN(DeviceBuffer dy, DeviceBuffer::Allocate(out * 2 + 16, "test.y"));
+      const Status refused = layer->Run(m, ops.w.data(), ops.x_scale(), ops.w_scale(),
+                                        static_cast<char*>(dy.data()) + 2, stream.get());
+      if (refused.code() != StatusCode::kInvalidArgument ||
+          refused.message().find("layer 'test.misaligned'") == std::string::npos) {
+        return InternalError("rank " + std::to_string(r) + ": the misaligned run gave " +
+                             refused.ToString());
+      }
+      TP_RETURN_IF_ERROR(LaunchPoisonFill(dy.data(), DataType::kBFloat16, out, stream.get()));
+      TP_RETURN_IF_ERROR(
+          layer->Run(m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get()));
+      TP_RETURN_IF_ERROR(group_->pool(r).base().WaitStream(stream.get()));
+      y[r].resize(out);
+      TP_CUDA_CHECK(cudaMemcpy(y[r].data(), dy.data(), out * 2, cudaMemcpyDeviceToHost));
+      return Status::Ok();
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    auto err = CompareWithReference(*p, y);
+    ASSERT_TRUE(err.ok()) << err.status().ToString();
+    EXPECT_EQ(err->unwritten, 0);
+    EXPECT_LE(err->rel_frobenius, kRelTol) << "max_abs " << err->max_abs;
+  }
+}
+
 TEST_F(GpuLinearTest, AllGatherGemmRingGraphReplayIsBitIdenticalAndAllocationFree) {
   CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kRing, 2);
 }
