@@ -263,8 +263,6 @@ StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType
   TP_ASSIGN_OR_RETURN(w.embed, ToFloats(ck, *embed, {v, h}));
   TP_ASSIGN_OR_RETURN(const TensorView* norm, ck.Get("model.norm.weight"));
   TP_ASSIGN_OR_RETURN(w.final_norm, ToFloats(ck, *norm, {h}));
-  // Tied embeddings (config.json's tie_word_embeddings): the embedding table
-  // is the LM head, as in HF. Untied, lm_head.weight must be there.
   if (dtype == DataType::kFloat8E4M3 && rank == 0) {
     // A BF16 checkpoint (or an FP8 one without calibration) gives no input
     // scales: FP8 activations then use the default static scale, which
@@ -288,6 +286,8 @@ StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType
           ck.source(), missing, linear);
     }
   }
+  // Tied embeddings (config.json's tie_word_embeddings): the embedding table
+  // is the LM head, as in HF. Untied, lm_head.weight must be there.
   if (!c.tie_word_embeddings && !ck.Find("lm_head.weight")) {
     return NotFoundError(ck.Where("lm_head.weight") +
                          " is missing (config.json's tie_word_embeddings is false; a model "
