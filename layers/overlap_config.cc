@@ -1,5 +1,6 @@
 #include "layers/overlap_config.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -337,17 +338,44 @@ StatusOr<OverlapConfig> OverlapConfig::LoadFile(const std::string& path) {
   return Parse(text.str(), path);
 }
 
+namespace {
+
+// Where each YAML document starts; every other parse event is ignored.
+class DocumentStarts final : public YAML::EventHandler {
+ public:
+  std::vector<YAML::Mark> marks;
+  void OnDocumentStart(const YAML::Mark& mark) override { marks.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+}  // namespace
+
 StatusOr<OverlapConfig> OverlapConfig::Parse(std::string_view yaml, const std::string& source) {
   YAML::Node root;
   try {
-    const std::vector<YAML::Node> docs = YAML::LoadAll(std::string(yaml));
-    if (docs.size() > 1) {
-      // yaml-cpp's Load would read the first document and drop the rest.
-      return InvalidArgumentError(source + ":" + std::to_string(docs[1].Mark().line + 1) +
+    root = YAML::Load(std::string(yaml));
+    // Load reads the first document and drops the rest: a second one is an
+    // error. (Not LoadAll: on some malformed input it never returns, as the
+    // fuzzer found; here at most two documents are looked at.)
+    std::stringstream in{std::string(yaml)};
+    YAML::Parser events(in);
+    DocumentStarts starts;
+    if (events.HandleNextDocument(starts) && events.HandleNextDocument(starts) &&
+        starts.marks.size() > 1) {
+      return InvalidArgumentError(source + ":" + std::to_string(starts.marks[1].line + 1) +
                                   ": a second YAML document ('---'); an overlap config is one "
                                   "document");
     }
-    if (!docs.empty()) root = docs[0];
   } catch (const YAML::ParserException& e) {
     return InvalidArgumentError(source + ":" + std::to_string(e.mark.line + 1) +
                                 ": YAML syntax error: " + e.msg);

@@ -148,6 +148,13 @@ layers:
   EXPECT_EQ(large->chunks, 4);
 }
 
+TEST(OverlapConfig, MalformedInputThatMadeYamlLoadAllLoopIsAnErrorAtOnce) {
+  // Found by fuzz_overlap_config: yaml-cpp's LoadAll never returned on it.
+  const std::string input("\x2c\xf7\x66\x61\x75\xff\xff\xff\xff\xff\x65\x72\x28\x73\x3a", 15);
+  const Status s = ParseError(input);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+}
+
 TEST(OverlapConfig, AnMInAGapOfARulesRangesFallsThroughToTheNextRule) {
   const OverlapConfig cfg = MustParse(R"(version: 1
 defaults: {mode: pipeline, chunks: 2}
@@ -269,7 +276,7 @@ TEST(OverlapConfig, StrictLoaderNamesFileLineKeyAndAllowedValues) {
       {"version: 1\n? [x]\n: 1\n", "keys must be plain strings"},
       // yaml-cpp's Load reads the first document only: the rest would be lost.
       {"version: 1\n---\nversion: 1\nbogus: 3\n",
-       "bad.yaml:3: a second YAML document ('---'); an overlap config is one document"},
+       "bad.yaml:2: a second YAML document ('---'); an overlap config is one document"},
       {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: ring, chunks: 2}\n"
        "  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: none}\n",
        "bad.yaml:4: tuned[1]: repeats the op, n, k and m of tuned[0] (line 3)"},
