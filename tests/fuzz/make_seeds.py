@@ -169,18 +169,28 @@ tuned:
         "bad_version.yaml": "version: 2\n",
         "bad_type.yaml": "version: 1\ndefaults:\n  chunks: many\n",
         "bad_syntax.yaml": "version: 1\nlayers: [\n",
+        "two_documents.yaml": "version: 1\n---\nversion: 1\n",
     }
     for name, data in seeds.items():
         write("overlap_config", name, data)
 
 
 def main():
+    # Inputs the fuzzer found (named regression-*) were added by hand: kept.
+    kept = {}
     if os.path.isdir(CORPUS):
+        for target in os.listdir(CORPUS):
+            for name in os.listdir(os.path.join(CORPUS, target)):
+                if name.startswith("regression-"):
+                    with open(os.path.join(CORPUS, target, name), "rb") as f:
+                        kept[(target, name)] = f.read()
         shutil.rmtree(CORPUS)
     os.makedirs(os.path.join(CORPUS, "overlap_config"))
     infer_request_seeds()
     safetensors_seeds()
     overlap_config_seeds()
+    for (target, name), data in kept.items():
+        write(target, name, data)
     for t in sorted(os.listdir(CORPUS)):
         print(f"{t}: {len(os.listdir(os.path.join(CORPUS, t)))} seeds")
 
