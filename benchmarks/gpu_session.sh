@@ -44,6 +44,25 @@ ring_ce_config() {
     > /tmp/ring-ce-all.yaml
   echo /tmp/ring-ce-all.yaml
 }
+# One torch_reference.py case named TAG, bounded to LIMIT seconds: the
+# script's own arguments follow; the common ones (binary, commit, checkpoint
+# directory, results file under $out, log) are added here, the checkpoint is
+# removed afterwards, and the log lines matching PATTERN are shown (the last
+# LINES of them; with 1, on the exit line).
+reference_case() {
+  local tag=$1 limit=$2 pattern=$3 lines=$4
+  shift 4
+  PYTHONUNBUFFERED=1 timeout "$limit" python3 benchmarks/torch_reference.py "$@" \
+    --tpserve .gpu/bin/tpserve --commit "$commit" --dir "/tmp/ref-$tag" \
+    --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" > "$out/reference-$tag.log" 2>&1
+  local status=$?
+  if [ "$lines" = 1 ]; then
+    echo "$tag: exit $status $(grep -E "$pattern" "$out/reference-$tag.log" | tail -1)"
+  else
+    echo "$tag: exit $status"; grep -E "$pattern" "$out/reference-$tag.log" | tail -"$lines"
+  fi
+  rm -rf "/tmp/ref-$tag"
+}
 case "$part" in
   tests)
     { nvidia-smi; nvidia-smi topo -m; } > "$out/nvidia-smi.txt" 2>&1
@@ -92,13 +111,8 @@ PY
     IFS=';' read -ra specs <<< "${REFSWEEP:-tiny 0 cuda plain 4 125;tiny 0 cpu plain 4 125;llama3-8b 1 cuda plain 2 50;llama3-8b 4 cuda plain 2 50;llama3-8b 32 cuda scaled 8 125}"
     for spec in "${specs[@]}"; do
       set -- $spec
-      tag="$1-L$2-$3-$4"
-      PYTHONUNBUFFERED=1 timeout 300 python3 benchmarks/torch_reference.py --model "$1" --layers "$2" \
-        --backend "$3" --init "$4" --seqs "$5" --len "$6" --tpserve .gpu/bin/tpserve --commit "$commit" \
-        --dir "/tmp/ref-$tag" --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" \
-        > "$out/reference-$tag.log" 2>&1
-      echo "$tag: exit $? $(grep -E 'top-1 agreement|Error' "$out/reference-$tag.log" | tail -1)"
-      rm -rf "/tmp/ref-$tag"
+      reference_case "$1-L$2-$3-$4" 300 'top-1 agreement|Error' 1 --model "$1" --layers "$2" \
+        --backend "$3" --init "$4" --seqs "$5" --len "$6"
     done
     ;;
   trained)
@@ -112,14 +126,10 @@ PY
     IFS=';' read -ra specs <<< "${TRAINED:-fp8 scaled;bf16 scaled}"
     for spec in "${specs[@]}"; do
       set -- $spec
-      tag="llama3-8b-L32-cuda-$2-$1-markov${3:+-$3}"
       overlap=(); [ "${3:-}" = ringce ] && overlap=(--overlap-config "$cfg")
-      PYTHONUNBUFFERED=1 timeout 330 python3 benchmarks/torch_reference.py --model llama3-8b \
-        --head markov --dtype "$1" --init "$2" --seqs 8 --len 125 --tpserve .gpu/bin/tpserve \
-        "${overlap[@]}" --commit "$commit" --dir "/tmp/ref-$tag" \
-        --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" > "$out/reference-$tag.log" 2>&1
-      echo "$tag: exit $?"; grep -E 'head training: held|top-1 agreement|Error' "$out/reference-$tag.log" | tail -4
-      rm -rf "/tmp/ref-$tag"
+      reference_case "llama3-8b-L32-cuda-$2-$1-markov${3:+-$3}" 330 \
+        'head training: held|top-1 agreement|Error' 4 --model llama3-8b --head markov \
+        --dtype "$1" --init "$2" --seqs 8 --len 125 "${overlap[@]}"
     done
     ;;
   selfcheck)
@@ -132,13 +142,8 @@ PY
     IFS=';' read -ra specs <<< "${SELFCHECK:-llama3-8b 32 scaled 8 125;llama3-8b 1 plain 2 50}"
     for spec in "${specs[@]}"; do
       set -- $spec
-      tag="$1-L$2-cuda-$3-selfcheck"
-      PYTHONUNBUFFERED=1 timeout 400 python3 benchmarks/torch_reference.py --model "$1" --layers "$2" \
-        --init "$3" --seqs "$4" --len "$5" --compare-overlap "$cfg" --tpserve .gpu/bin/tpserve \
-        --commit "$commit" --dir "/tmp/ref-$tag" \
-        --out "$out/$(date -u +%F)-torch-reference-$tag-$commit.json" > "$out/reference-$tag.log" 2>&1
-      echo "$tag: exit $?"; grep -E 'top-1 agreement|Error' "$out/reference-$tag.log" | tail -3
-      rm -rf "/tmp/ref-$tag"
+      reference_case "$1-L$2-cuda-$3-selfcheck" 400 'top-1 agreement|Error' 3 --model "$1" \
+        --layers "$2" --init "$3" --seqs "$4" --len "$5" --compare-overlap "$cfg"
     done
     ;;
   e2e)

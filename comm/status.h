@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cassert>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -114,6 +115,20 @@ class [[nodiscard]] StatusOr {
  private:
   std::variant<Status, T> v_;
 };
+
+// fn() (returning a Status or StatusOr) with any exception it throws turned
+// into INTERNAL "<what> threw: ...": for threads that must fail like any
+// other error (a rank, the batcher) instead of ending the process.
+template <typename F>
+auto CallCatching(std::string_view what, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return InternalError(std::string(what) + " threw: " + e.what());
+  } catch (...) {
+    return InternalError(std::string(what) + " threw a non-standard exception");
+  }
+}
 
 }  // namespace tpserve
 

@@ -2,9 +2,6 @@
 
 #include <spdlog/spdlog.h>
 
-#include <exception>
-#include <string>
-
 #include "comm/local_communicator.h"
 
 namespace tpserve {
@@ -48,24 +45,6 @@ bool CpuEngine::healthy() const {
   return !broken_;
 }
 
-namespace {
-
-// fn() with any exception (std::bad_alloc on a large model, ...) turned into
-// an INTERNAL status: a rank thread must fail like a rank, not terminate the
-// process.
-template <typename F>
-auto Guarded(const char* what, F&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    return InternalError(std::string(what) + " threw: " + e.what());
-  } catch (...) {
-    return InternalError(std::string(what) + " threw a non-standard exception");
-  }
-}
-
-}  // namespace
-
 void CpuEngine::RankLoop(int rank, Communicator* comm) {
   auto fail = [&](const Status& s) {
     spdlog::error("CPU engine rank {}: {}", rank, s.ToString());
@@ -76,13 +55,13 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
     cv_.notify_all();
   };
   const CpuEngineOptions& o = options_;
-  StatusOr<RankWeights> w = Guarded("loading the weights", [&]() -> StatusOr<RankWeights> {
+  StatusOr<RankWeights> w = CallCatching("loading the weights", [&]() -> StatusOr<RankWeights> {
     return o.checkpoint_dir.empty()
                ? MakeRandomRankWeights(o.config, o.dtype, o.tp, rank, o.seed)
                : LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank, o.dtype);
   });
   if (!w.ok()) return fail(w.status());
-  auto model = Guarded("building the model", [&] {
+  auto model = CallCatching("building the model", [&] {
     return CpuModel::Create(o.config, std::move(w).value(), o.overlap.get(), *comm);
   });
   if (!model.ok()) return fail(model.status());
@@ -102,7 +81,7 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
       job = job_;
       ++running_;
     }
-    auto logits = Guarded("the forward pass", [&] { return (*model)->Forward(*job); });
+    auto logits = CallCatching("the forward pass", [&] { return (*model)->Forward(*job); });
     {
       std::lock_guard lock(mu_);
       --running_;  // this rank no longer reads the caller's batch

@@ -269,13 +269,9 @@ StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType
     // saturates values beyond 8 in magnitude. Said once, by rank 0.
     int64_t missing = 0, linear = 0;
     for (const auto& [name, view] : ck.views()) {
-      const std::string suffix = "_proj.weight";
-      if (name.size() <= suffix.size() ||
-          name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-        continue;
-      }
+      if (!name.ends_with("_proj.weight")) continue;
       ++linear;
-      const std::string base = name.substr(0, name.size() - std::string(".weight").size());
+      const std::string base = name.substr(0, name.size() - std::string_view(".weight").size());
       if (ck.Find(base + ".input_scale") == nullptr) ++missing;
     }
     if (missing > 0) {

@@ -713,16 +713,20 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   // Everything that can be refused is checked before the first enqueue: a
   // step refused after a peer was signalled would leave the peer waiting for
   // the rest, and this rank's flags half-set for the next Run.
+  // A GEMM call's parameters with this run's scales.
+  auto params_of = [&](const GemmCall& call) {
+    GemmParams p = call.params;
+    if (fp8) {
+      p.a_scale = x_scale;
+      p.b_scale = w_scale;
+    }
+    return p;
+  };
   for (const PreparedStep& ps : prep.steps) {
     if (!ps.is_gemm || !with_gemm) continue;
     for (const GemmCall& call : ps.gemms) {
-      GemmParams p = call.params;
-      if (fp8) {
-        p.a_scale = x_scale;
-        p.b_scale = w_scale;
-      }
-      if (Status st =
-              CublasLtGemm::CheckPointers(p, resolve(call.a), w, resolve(call.c), resolve(call.d));
+      if (Status st = CublasLtGemm::CheckPointers(params_of(call), resolve(call.a), w,
+                                                  resolve(call.c), resolve(call.d));
           !st.ok()) {
         return st.WithContext("layer '" + name_ + "'");
       }
@@ -742,12 +746,8 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     }
     if (ps.is_gemm) {
       for (const GemmCall& call : ps.gemms) {
-        GemmParams p = call.params;
-        if (fp8) {
-          p.a_scale = x_scale;
-          p.b_scale = w_scale;
-        }
-        TP_RETURN_IF_ERROR(im.gemm.Run(p, resolve(call.a), w, resolve(call.c), resolve(call.d), s));
+        TP_RETURN_IF_ERROR(
+            im.gemm.Run(params_of(call), resolve(call.a), w, resolve(call.c), resolve(call.d), s));
       }
     } else if (ps.comm.copy_engine) {
       const CommCall& c = ps.comm;

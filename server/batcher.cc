@@ -3,7 +3,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <exception>
 #include <string>
 
 namespace tpserve {
@@ -116,16 +115,9 @@ void TokenBatcher::Loop() {
       tb.cu_seqlens.push_back(static_cast<int32_t>(tb.ids.size()));
     }
     const auto start = Clock::now();
-    StatusOr<std::vector<float>> logits = InternalError("the engine did not run");
-    try {
-      logits = forward_(tb);
-    } catch (const std::exception& e) {
-      // An exception must not end this thread (std::terminate): every request
-      // of the batch gets the error, and the server keeps serving.
-      logits = InternalError(std::string("the engine threw: ") + e.what());
-    } catch (...) {
-      logits = InternalError("the engine threw a non-standard exception");
-    }
+    // An exception must not end this thread (std::terminate): every request
+    // of the batch gets the error, and the server keeps serving.
+    StatusOr<std::vector<float>> logits = CallCatching("the engine", [&] { return forward_(tb); });
     if (logits.ok() && logits->size() != batch.size() * static_cast<size_t>(vocab_)) {
       logits = InternalError("the engine returned " + std::to_string(logits->size()) +
                              " logits for " + std::to_string(batch.size()) +

@@ -387,8 +387,8 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
       std::make_unique<TokenBatcher>(options.batcher, eng->config().vocab_size,
                                      [eng](const TokenBatch& b) { return eng->Forward(b); });
   s->service_ = std::make_unique<InferenceService>(options, *eng, *s->batcher_);
-  if (const int64_t longest = LongestRequest(options, eng->config());
-      longest < options.max_tokens_per_request) {
+  const int64_t longest = LongestRequest(options, eng->config());
+  if (longest < options.max_tokens_per_request) {
     spdlog::info(
         "requests are limited to {} tokens, not --max-tokens-per-request {} "
         "(--max-batch-tokens {}, max_position_embeddings {})",
@@ -411,8 +411,7 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
   quota.SetMaxThreads(static_cast<int>(
       std::min<size_t>(options.batcher.max_queue_size + kSpareRpcThreads, INT_MAX)));
   builder.SetResourceQuota(quota);
-  const int64_t max_message =
-      std::max<int64_t>(1 << 20, 16 * LongestRequest(options, eng->config()) + (64 << 10));
+  const int64_t max_message = std::max<int64_t>(1 << 20, 16 * longest + (64 << 10));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT_MAX)));
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {

@@ -144,19 +144,29 @@ TEST(CpuModel, CheckpointsLoadInBf16WhenAsked) {
   std::filesystem::remove_all(dir);
 }
 
-// Rewrites the tiny FP8 checkpoint in `dir` into `out` with `edit` applied
-// to the embedding tensor's entry.
-void RewriteEmbedding(const std::string& dir, const std::string& out,
-                      const std::function<void(TensorToWrite&)>& edit) {
+// Rewrites the checkpoint in `dir` into `out`: `edit` sees every tensor's
+// entry (and may change it) and returns false to leave the tensor out.
+void RewriteCheckpoint(const std::string& dir, const std::string& out,
+                       const std::function<bool(TensorToWrite&)>& edit) {
   auto file = SafetensorsFile::Open(dir + "/model.safetensors");
   ASSERT_TRUE(file.ok()) << file.status().ToString();
   std::vector<TensorToWrite> tensors;
   for (const TensorView& v : file->tensors()) {
-    tensors.push_back({v.name, v.dtype, v.shape, v.data, v.bytes});
-    if (v.name == "model.embed_tokens.weight") edit(tensors.back());
+    TensorToWrite t{v.name, v.dtype, v.shape, v.data, v.bytes};
+    if (edit(t)) tensors.push_back(std::move(t));
   }
   std::filesystem::create_directories(out);
   ASSERT_TRUE(WriteSafetensors(out + "/model.safetensors", tensors).ok());
+}
+
+// Rewrites the tiny FP8 checkpoint in `dir` into `out` with `edit` applied
+// to the embedding tensor's entry.
+void RewriteEmbedding(const std::string& dir, const std::string& out,
+                      const std::function<void(TensorToWrite&)>& edit) {
+  RewriteCheckpoint(dir, out, [&](TensorToWrite& t) {
+    if (t.name == "model.embed_tokens.weight") edit(t);
+    return true;
+  });
 }
 
 TEST(CpuModel, CheckpointTensorsAreCheckedForDuplicatesShapeAndType) {
@@ -209,20 +219,16 @@ TEST(CpuModel, CheckpointTensorsAreCheckedForDuplicatesShapeAndType) {
 // `bytes.size()` bytes replaced.
 void RewriteTensorStart(const std::string& dir, const std::string& out, const std::string& name,
                         const std::vector<uint8_t>& bytes) {
-  auto file = SafetensorsFile::Open(dir + "/model.safetensors");
-  ASSERT_TRUE(file.ok()) << file.status().ToString();
   std::vector<uint8_t> edited;
-  std::vector<TensorToWrite> tensors;
-  for (const TensorView& v : file->tensors()) {
-    tensors.push_back({v.name, v.dtype, v.shape, v.data, v.bytes});
-    if (v.name == name) {
-      edited.assign(v.data, v.data + v.bytes);
+  RewriteCheckpoint(dir, out, [&](TensorToWrite& t) {
+    if (t.name == name) {
+      const auto* data = static_cast<const uint8_t*>(t.data);
+      edited.assign(data, data + t.bytes);
       std::copy(bytes.begin(), bytes.end(), edited.begin());
-      tensors.back().data = edited.data();
+      t.data = edited.data();
     }
-  }
-  std::filesystem::create_directories(out);
-  ASSERT_TRUE(WriteSafetensors(out + "/model.safetensors", tensors).ok());
+    return true;
+  });
 }
 
 TEST(CpuModel, NonFiniteWeightsAreRefusedNamingTheTensor) {
@@ -252,14 +258,8 @@ TEST(CpuModel, AMissingLmHeadIsTheEmbeddingOnlyWhenTheConfigTiesThem) {
   const std::string dir = ::testing::TempDir() + "/tpserve_ckpt_tied";
   std::filesystem::remove_all(dir);
   ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir + "/full").ok());
-  auto file = SafetensorsFile::Open(dir + "/full/model.safetensors");
-  ASSERT_TRUE(file.ok()) << file.status().ToString();
-  std::vector<TensorToWrite> tensors;
-  for (const TensorView& v : file->tensors()) {
-    if (v.name != "lm_head.weight") tensors.push_back({v.name, v.dtype, v.shape, v.data, v.bytes});
-  }
-  std::filesystem::create_directories(dir + "/nohead");
-  ASSERT_TRUE(WriteSafetensors(dir + "/nohead/model.safetensors", tensors).ok());
+  RewriteCheckpoint(dir + "/full", dir + "/nohead",
+                    [](TensorToWrite& t) { return t.name != "lm_head.weight"; });
 
   auto untied = LoadRankWeights(dir + "/nohead", Tiny(), 2, 1);
   EXPECT_EQ(untied.status().code(), StatusCode::kNotFound);
