@@ -245,16 +245,16 @@ LinearWeight Fuse(const std::vector<Block>& parts, DataType dtype) {
   return lw;
 }
 
-StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType dtype, int tp,
-                            int rank) {
+// The embedding, final norm and LM head of rank `rank` (w.tp, w.rank and
+// w.dtype set; no layers).
+StatusOr<RankWeights> ShardGlobals(const Checkpoint& ck, const ModelConfig& c, DataType dtype,
+                                   int tp, int rank) {
   TP_RETURN_IF_ERROR(c.ValidateForTp(tp));
   if (rank < 0 || rank >= tp) {
     return InvalidArgumentError("rank " + std::to_string(rank) +
                                 " outside tp=" + std::to_string(tp));
   }
-  const int64_t h = c.hidden_size, hd = c.head_dim(), nh = c.num_attention_heads,
-                nkv = c.num_key_value_heads, inter = c.intermediate_size, v = c.vocab_size;
-  const int64_t nh_l = nh / tp, nkv_l = nkv / tp, inter_l = inter / tp, v_l = v / tp;
+  const int64_t h = c.hidden_size, v = c.vocab_size, v_l = v / tp;
   RankWeights w;
   w.tp = tp;
   w.rank = rank;
@@ -292,31 +292,47 @@ StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType
   const std::string head = c.tie_word_embeddings ? "model.embed_tokens" : "lm_head";
   TP_ASSIGN_OR_RETURN(Block lm, ReadBlock(ck, head, v, h, rank * v_l, (rank + 1) * v_l, 0, h));
   w.lm_head = Fuse({lm}, DataType::kBFloat16);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = HfLayerPrefix(i);
-    LayerWeights l;
-    TP_ASSIGN_OR_RETURN(const TensorView* in_norm, ck.Get(p + ".input_layernorm.weight"));
-    TP_ASSIGN_OR_RETURN(l.input_norm, ToFloats(ck, *in_norm, {h}));
-    TP_ASSIGN_OR_RETURN(const TensorView* post, ck.Get(p + ".post_attention_layernorm.weight"));
-    TP_ASSIGN_OR_RETURN(l.post_norm, ToFloats(ck, *post, {h}));
-    TP_ASSIGN_OR_RETURN(Block q, ReadBlock(ck, p + ".self_attn.q_proj", nh * hd, h,
-                                           rank * nh_l * hd, (rank + 1) * nh_l * hd, 0, h));
-    TP_ASSIGN_OR_RETURN(Block kk, ReadBlock(ck, p + ".self_attn.k_proj", nkv * hd, h,
-                                            rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
-    TP_ASSIGN_OR_RETURN(Block vv, ReadBlock(ck, p + ".self_attn.v_proj", nkv * hd, h,
-                                            rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
-    l.qkv = Fuse({q, kk, vv}, dtype);
-    TP_ASSIGN_OR_RETURN(Block o, ReadBlock(ck, p + ".self_attn.o_proj", h, nh * hd, 0, h,
-                                           rank * nh_l * hd, (rank + 1) * nh_l * hd));
-    l.o = Fuse({o}, dtype);
-    TP_ASSIGN_OR_RETURN(Block gate, ReadBlock(ck, p + ".mlp.gate_proj", inter, h, rank * inter_l,
-                                              (rank + 1) * inter_l, 0, h));
-    TP_ASSIGN_OR_RETURN(Block up, ReadBlock(ck, p + ".mlp.up_proj", inter, h, rank * inter_l,
+  return w;
+}
+
+// Block i's weights of rank `rank` (ck holds at least that block).
+StatusOr<LayerWeights> ShardLayer(const Checkpoint& ck, const ModelConfig& c, DataType dtype,
+                                  int tp, int rank, int64_t i) {
+  const int64_t h = c.hidden_size, hd = c.head_dim(), nh = c.num_attention_heads,
+                nkv = c.num_key_value_heads, inter = c.intermediate_size;
+  const int64_t nh_l = nh / tp, nkv_l = nkv / tp, inter_l = inter / tp;
+  const std::string p = HfLayerPrefix(i);
+  LayerWeights l;
+  TP_ASSIGN_OR_RETURN(const TensorView* in_norm, ck.Get(p + ".input_layernorm.weight"));
+  TP_ASSIGN_OR_RETURN(l.input_norm, ToFloats(ck, *in_norm, {h}));
+  TP_ASSIGN_OR_RETURN(const TensorView* post, ck.Get(p + ".post_attention_layernorm.weight"));
+  TP_ASSIGN_OR_RETURN(l.post_norm, ToFloats(ck, *post, {h}));
+  TP_ASSIGN_OR_RETURN(Block q, ReadBlock(ck, p + ".self_attn.q_proj", nh * hd, h, rank * nh_l * hd,
+                                         (rank + 1) * nh_l * hd, 0, h));
+  TP_ASSIGN_OR_RETURN(Block kk, ReadBlock(ck, p + ".self_attn.k_proj", nkv * hd, h,
+                                          rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
+  TP_ASSIGN_OR_RETURN(Block vv, ReadBlock(ck, p + ".self_attn.v_proj", nkv * hd, h,
+                                          rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
+  l.qkv = Fuse({q, kk, vv}, dtype);
+  TP_ASSIGN_OR_RETURN(Block o, ReadBlock(ck, p + ".self_attn.o_proj", h, nh * hd, 0, h,
+                                         rank * nh_l * hd, (rank + 1) * nh_l * hd));
+  l.o = Fuse({o}, dtype);
+  TP_ASSIGN_OR_RETURN(Block gate, ReadBlock(ck, p + ".mlp.gate_proj", inter, h, rank * inter_l,
                                             (rank + 1) * inter_l, 0, h));
-    l.gate_up = Fuse({gate, up}, dtype);
-    TP_ASSIGN_OR_RETURN(Block down, ReadBlock(ck, p + ".mlp.down_proj", h, inter, 0, h,
-                                              rank * inter_l, (rank + 1) * inter_l));
-    l.down = Fuse({down}, dtype);
+  TP_ASSIGN_OR_RETURN(Block up, ReadBlock(ck, p + ".mlp.up_proj", inter, h, rank * inter_l,
+                                          (rank + 1) * inter_l, 0, h));
+  l.gate_up = Fuse({gate, up}, dtype);
+  TP_ASSIGN_OR_RETURN(Block down, ReadBlock(ck, p + ".mlp.down_proj", h, inter, 0, h,
+                                            rank * inter_l, (rank + 1) * inter_l));
+  l.down = Fuse({down}, dtype);
+  return l;
+}
+
+StatusOr<RankWeights> Shard(const Checkpoint& ck, const ModelConfig& c, DataType dtype, int tp,
+                            int rank) {
+  TP_ASSIGN_OR_RETURN(RankWeights w, ShardGlobals(ck, c, dtype, tp, rank));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    TP_ASSIGN_OR_RETURN(LayerWeights l, ShardLayer(ck, c, dtype, tp, rank, i));
     w.layers.push_back(std::move(l));
   }
   return w;
@@ -328,8 +344,12 @@ uint64_t Mix(uint64_t seed, const std::string& name) {
   return hsh;
 }
 
-// The full random checkpoint in memory (HF names, ModelOpt FP8 layout).
-Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t seed) {
+// Random checkpoint tensors (HF names, ModelOpt FP8 layout): with
+// `globals`, the embedding, final norm and LM head; then blocks
+// [first_layer, end_layer). Each tensor's values depend only on the seed and
+// its name, so any split into parts gives the same tensors.
+Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t seed, bool globals,
+                                int64_t first_layer, int64_t end_layer) {
   Checkpoint ck;
   const int64_t h = c.hidden_size, hd = c.head_dim();
   auto normal = [&](const std::string& name, int64_t count, float sd) {
@@ -366,10 +386,12 @@ Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t s
       bf16(base + ".weight", {rows, cols}, x);
     }
   };
-  bf16("model.embed_tokens.weight", {c.vocab_size, h}, normal("embed", c.vocab_size * h, 1.0f));
-  f32("model.norm.weight", {h}, std::vector<float>(h, 1.0f));
-  bf16("lm_head.weight", {c.vocab_size, h}, normal("lm_head", c.vocab_size * h, 0.02f));
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  if (globals) {
+    bf16("model.embed_tokens.weight", {c.vocab_size, h}, normal("embed", c.vocab_size * h, 1.0f));
+    f32("model.norm.weight", {h}, std::vector<float>(h, 1.0f));
+    bf16("lm_head.weight", {c.vocab_size, h}, normal("lm_head", c.vocab_size * h, 0.02f));
+  }
+  for (int64_t i = first_layer; i < end_layer; ++i) {
     const std::string p = HfLayerPrefix(i);
     f32(p + ".input_layernorm.weight", {h}, std::vector<float>(h, 1.0f));
     f32(p + ".post_attention_layernorm.weight", {h}, std::vector<float>(h, 1.0f));
@@ -391,7 +413,18 @@ std::string HfLayerPrefix(int64_t layer) { return "model.layers." + std::to_stri
 StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType dtype, int tp,
                                             int rank, uint64_t seed) {
   TP_RETURN_IF_ERROR(config.ValidateForTp(tp));
-  return Shard(MakeRandomCheckpoint(config, dtype, seed), config, dtype, tp, rank);
+  // One block at a time: the host holds this rank's shard and one full
+  // block, not the whole model (tp ranks as threads would hold tp copies).
+  TP_ASSIGN_OR_RETURN(
+      RankWeights w,
+      ShardGlobals(MakeRandomCheckpoint(config, dtype, seed, true, 0, 0), config, dtype, tp, rank));
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    TP_ASSIGN_OR_RETURN(LayerWeights l,
+                        ShardLayer(MakeRandomCheckpoint(config, dtype, seed, false, i, i + 1),
+                                   config, dtype, tp, rank, i));
+    w.layers.push_back(std::move(l));
+  }
+  return w;
 }
 
 Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t seed,
@@ -400,7 +433,8 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return UnavailableError("cannot create directory " + dir + ": " + ec.message());
-  const Checkpoint ck = MakeRandomCheckpoint(config, dtype, seed);
+  const Checkpoint ck =
+      MakeRandomCheckpoint(config, dtype, seed, true, 0, config.num_hidden_layers);
   std::vector<TensorToWrite> tensors;
   for (const auto& [name, v] : ck.views()) {
     tensors.push_back({name, v.dtype, v.shape, v.data, v.bytes});
