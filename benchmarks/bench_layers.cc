@@ -560,6 +560,9 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     // Graphs before the layers and communicators they captured.
     for (Prepared& p : prepared) p.graph = CudaGraphExec();
     TP_RETURN_IF_ERROR(base.WaitStream(st));
+    for (Prepared& p : prepared) {
+      if (p.layer != nullptr) TP_RETURN_IF_ERROR(p.layer->Close());
+    }
     return base.Barrier();
   });
   TP_RETURN_IF_ERROR(s);

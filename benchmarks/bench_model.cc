@@ -213,7 +213,7 @@ int Main(int argc, char** argv) {
         }
       }
     }
-    return Status::Ok();
+    return model->Close();
   });
   if (!s.ok()) {
     spdlog::error("{}", s.ToString());

@@ -168,18 +168,40 @@ std::vector<std::string> NcclEnvOverrides(const NcclCommConfig& config, const En
 
 // ---- NcclCommunicator ------------------------------------------------------------
 
+void CancelFlag::Cancel(std::string reason) {
+  std::lock_guard lock(mu_);
+  if (!cancelled_.load(std::memory_order_relaxed)) reason_ = std::move(reason);
+  cancelled_.store(true, std::memory_order_release);
+}
+
+std::string CancelFlag::reason() const {
+  std::lock_guard lock(mu_);
+  return reason_;
+}
+
 NcclCommunicator::NcclCommunicator(int rank, int nranks, int device, const NcclCommConfig& config,
-                                   std::chrono::milliseconds timeout)
+                                   std::chrono::milliseconds timeout,
+                                   std::shared_ptr<const CancelFlag> cancel)
     : rank_(rank),
       nranks_(nranks),
       device_(device),
       config_(config),
       timeout_(timeout),
+      cancel_(std::move(cancel)),
       name_("tpserve[" + config.Key() + "]") {}
+
+Status NcclCommunicator::CheckCancelLocked(const std::string& what) {
+  if (cancel_ == nullptr || !cancel_->cancelled()) return Status::Ok();
+  Status s = AbortedError(what + " given up (rank " + std::to_string(rank_) + " of " +
+                          std::to_string(nranks_) + ", communicator " + name_ +
+                          "): " + cancel_->reason() + "; communicator aborted");
+  AbortLocked(s.message());
+  return s;
+}
 
 StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     const ncclUniqueId& id, int nranks, int rank, int cuda_device, const NcclCommConfig& config,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout, std::shared_ptr<const CancelFlag> cancel) {
   if (nranks < 1 || rank < 0 || rank >= nranks) {
     return InvalidArgumentError("NcclCommunicator::Create: rank " + std::to_string(rank) +
                                 " is not in [0, " + std::to_string(nranks) + ")");
@@ -201,7 +223,7 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   LogEnvOverrides(config);
 
   std::unique_ptr<NcclCommunicator> comm(
-      new NcclCommunicator(rank, nranks, cuda_device, config, timeout));
+      new NcclCommunicator(rank, nranks, cuda_device, config, timeout, std::move(cancel)));
   TP_RETURN_IF_ERROR(comm->CreateBarrierResources());
 
   ncclConfig_t nc = ToNcclConfig(config, comm->name_.c_str());
@@ -264,11 +286,23 @@ NcclCommunicator::~NcclCommunicator() {
   if (barrier_stream_ != nullptr) TP_CUDA_LOG(cudaStreamDestroy(barrier_stream_));
 }
 
+void NcclCommunicator::AbandonUnsplit(std::unique_ptr<NcclCommunicator> child) {
+  // NCCL's split thread holds &child->comm_ and may still store the new
+  // handle there (the parent's abort waits for it only kAbortWait). Freeing
+  // the object could let that store land in freed memory, so a failed
+  // split's few bytes (and its barrier buffer and stream) are kept instead.
+  spdlog::warn(
+      "NCCL communicator {} (rank {}): a failed split's communicator object is kept "
+      "for NCCL's late store",
+      name_, rank_);
+  (void)child.release();
+}
+
 StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(const NcclCommConfig& config) {
   TP_RETURN_IF_ERROR(config.Validate());
   LogEnvOverrides(config);
   std::unique_ptr<NcclCommunicator> child(
-      new NcclCommunicator(rank_, nranks_, device_, config, timeout_));
+      new NcclCommunicator(rank_, nranks_, device_, config, timeout_, cancel_));
   TP_RETURN_IF_ERROR(child->CreateBarrierResources());
   ncclConfig_t nc = ToNcclConfig(config, child->name_.c_str());
   nc.splitShare = 1;
@@ -288,8 +322,12 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(const NcclCo
     if (!s.ok()) {
       // A failed parent was aborted by FinishLocked (an aborted parent joins
       // the split's thread); abort the child too if NCCL made one.
-      std::lock_guard child_lock(child->mu_);
-      child->AbortLocked(s.message());
+      const bool stored = __atomic_load_n(&child->comm_, __ATOMIC_ACQUIRE) != nullptr;
+      {
+        std::lock_guard child_lock(child->mu_);
+        child->AbortLocked(s.message());
+      }
+      if (!stored) AbandonUnsplit(std::move(child));
       return s;
     }
   }
@@ -299,11 +337,21 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(const NcclCo
   while (__atomic_load_n(&child->comm_, __ATOMIC_ACQUIRE) == nullptr && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
-  std::unique_lock child_lock(child->mu_);
-  if (child->comm_ == nullptr) {
-    return InternalError("ncclCommSplit reported success but returned no communicator (rank " +
-                         std::to_string(rank_) + ", config " + config.Key() + ")");
+  if (__atomic_load_n(&child->comm_, __ATOMIC_ACQUIRE) == nullptr) {
+    Status s =
+        InternalError("ncclCommSplit reported success but stored no communicator within " +
+                      std::to_string(MillisSince(start)) + " ms (rank " + std::to_string(rank_) +
+                      ", config " + config.Key() + "); parent communicator aborted");
+    {
+      std::lock_guard lock(mu_);
+      AbortLocked(s.message());
+    }
+    // A store that lands now is never aborted; the leaked object's handle
+    // then lives until the process exits, as a failed server does soon.
+    AbandonUnsplit(std::move(child));
+    return s;
   }
+  std::unique_lock child_lock(child->mu_);
   TP_RETURN_IF_ERROR(
       child->AwaitReadyLocked(child_lock, "ncclCommSplit (new communicator)", __LINE__, deadline));
   child_lock.unlock();
@@ -384,6 +432,7 @@ Status NcclCommunicator::AwaitReadyLocked(std::unique_lock<std::mutex>& lock, st
       AbortLocked(s.message());
       return s;
     }
+    TP_RETURN_IF_ERROR(CheckCancelLocked(subject()));
     if (Clock::now() >= deadline) {
       Status s = DeadlineExceededError(
           subject() + " still in progress after " + std::to_string(MillisSince(start)) +
@@ -546,6 +595,7 @@ Status NcclCommunicator::WaitStream(cudaStream_t stream, Clock::time_point deadl
         AbortLocked(s.message());
         return s;
       }
+      TP_RETURN_IF_ERROR(CheckCancelLocked("NCCL work on a stream"));
       if (Clock::now() >= deadline) {
         Status s = DeadlineExceededError(
             "NCCL work on a stream did not complete within " + std::to_string(MillisSince(start)) +

@@ -82,6 +82,25 @@ std::vector<std::string> NcclEnvOverrides(const NcclCommConfig& config,
 
 class NcclSymmetricBuffer;
 
+// Raised by another thread to make every wait of the communicators that hold
+// it give up now rather than at their deadline: rank 0's watcher raises it
+// when a worker process exits while the model loads, so that start-up fails
+// within milliseconds, naming the worker, instead of after --rank-timeout-s.
+// A communicator that sees it raised while waiting aborts (as on a missed
+// deadline) and returns ABORTED with the reason. Thread-safe.
+class CancelFlag {
+ public:
+  // The first reason is kept.
+  void Cancel(std::string reason);
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+  std::string reason() const;
+
+ private:
+  std::atomic<bool> cancelled_{false};
+  mutable std::mutex mu_;
+  std::string reason_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   using Clock = std::chrono::steady_clock;
@@ -91,11 +110,11 @@ class NcclCommunicator final : public Communicator {
   // rank calls it with the same id and nranks. Initialisation runs in NCCL's
   // background thread; this waits for it for at most `timeout`, then aborts
   // and returns DEADLINE_EXCEEDED. `timeout` also bounds every later internal
-  // wait (see the file comment) and Barrier().
-  static StatusOr<std::unique_ptr<NcclCommunicator>> Create(const ncclUniqueId& id, int nranks,
-                                                            int rank, int cuda_device,
-                                                            const NcclCommConfig& config,
-                                                            std::chrono::milliseconds timeout);
+  // wait (see the file comment) and Barrier(). `cancel` (optional; shared with
+  // communicators split from this one) ends any wait early once raised.
+  static StatusOr<std::unique_ptr<NcclCommunicator>> Create(
+      const ncclUniqueId& id, int nranks, int rank, int cuda_device, const NcclCommConfig& config,
+      std::chrono::milliseconds timeout, std::shared_ptr<const CancelFlag> cancel = nullptr);
 
   // Finalizes and destroys the NCCL communicator (waiting at most timeout()
   // for outstanding work and peers, then aborting), or aborts it if it is in
@@ -168,7 +187,13 @@ class NcclCommunicator final : public Communicator {
   friend class NcclSymmetricBuffer;
 
   NcclCommunicator(int rank, int nranks, int device, const NcclCommConfig& config,
-                   std::chrono::milliseconds timeout);
+                   std::chrono::milliseconds timeout, std::shared_ptr<const CancelFlag> cancel);
+  // Non-OK (and the communicator aborted) once cancel_ is raised; `what` is
+  // the wait's subject.
+  Status CheckCancelLocked(const std::string& what);
+  // Disposes of a child whose ncclCommSplit failed before NCCL stored its
+  // handle: deliberately leaked, since NCCL may still store it.
+  void AbandonUnsplit(std::unique_ptr<NcclCommunicator> child);
 
   Status CreateBarrierResources();
   Clock::time_point DefaultDeadline() const { return Clock::now() + timeout_; }
@@ -195,6 +220,7 @@ class NcclCommunicator final : public Communicator {
   const int device_;
   const NcclCommConfig config_;
   const std::chrono::milliseconds timeout_;
+  const std::shared_ptr<const CancelFlag> cancel_;
   // Handed to NCCL as ncclConfig_t.commName; lives as long as the communicator.
   const std::string name_;
 

@@ -238,15 +238,28 @@ PeerBuffer& PeerBuffer::operator=(PeerBuffer&& other) noexcept {
 
 PeerBuffer::~PeerBuffer() { Reset(); }
 
+void PeerBuffer::CloseImports() noexcept {
+  if (device_ < 0) return;
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+  if (previous != device_) TP_CUDA_LOG(cudaSetDevice(device_));
+  for (size_t r = 0; r < peers_.size(); ++r) {
+    if (!ipc_opened_[r] || ipc_bases_[r] == nullptr)
+      continue;  // ipc_opened_ stays: the peer's kind
+    TP_CUDA_LOG(cudaIpcCloseMemHandle(ipc_bases_[r]));
+    ipc_bases_[r] = nullptr;
+    peers_[r] = nullptr;
+  }
+  if (previous >= 0 && previous != device_) TP_CUDA_LOG(cudaSetDevice(previous));
+}
+
 void PeerBuffer::Reset() noexcept {
-  if (device_ >= 0) {
+  CloseImports();
+  if (device_ >= 0 && local_ != nullptr) {
     int previous = -1;
     if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
     if (previous != device_) TP_CUDA_LOG(cudaSetDevice(device_));
-    for (size_t r = 0; r < peers_.size(); ++r) {
-      if (ipc_opened_[r]) TP_CUDA_LOG(cudaIpcCloseMemHandle(ipc_bases_[r]));
-    }
-    if (local_ != nullptr) TP_CUDA_LOG(cudaFree(local_));
+    TP_CUDA_LOG(cudaFree(local_));
     if (previous >= 0 && previous != device_) TP_CUDA_LOG(cudaSetDevice(previous));
   }
   peers_.clear();
@@ -272,6 +285,10 @@ Status PeerBuffer::CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes
                                    std::to_string(rank) +
                                    ", a thread of this process: copy-engine transfers need one "
                                    "process per GPU");
+  }
+  if (peer(rank) == nullptr) {
+    return FailedPreconditionError("copy from peer buffer '" + name_ + "' of rank " +
+                                   std::to_string(rank) + ": its mapping was closed (teardown)");
   }
   const char* src = static_cast<const char*>(peer(rank)) + offset;
   TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));

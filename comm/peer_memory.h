@@ -26,7 +26,11 @@
 // Only compiled when TPSERVE_WITH_CUDA is on. All ranks must be on one node
 // (Create returns FAILED_PRECONDITION otherwise). Not thread-safe; one object
 // per rank. Destroy on every rank together, after the graphs that use it and
-// before the communicator.
+// before the communicator. CUDA leaves it undefined what happens when memory
+// is freed while another process still has it mapped, so an orderly teardown
+// is: CloseImports() on every rank, a barrier, then destruction (CudaLinear::
+// Close does that for a layer's buffers); destruction alone (an error path)
+// unmaps and frees at once.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -76,6 +80,9 @@ class PeerBuffer {
   Status CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes, cudaStream_t stream) const;
   size_t bytes() const { return bytes_; }
   const std::string& name() const { return name_; }
+  // Unmaps the peers' copies opened with CUDA IPC (peer() is then null for
+  // them); this rank's own copy stays until destruction. Idempotent.
+  void CloseImports() noexcept;
 
  private:
   void Reset() noexcept;
@@ -122,6 +129,9 @@ class PeerSignals {
   // a call with more flags (written once, awaited twice) is issued as several
   // batches in order, one graph node each.
   static constexpr size_t kMaxBatchOps = 255;
+
+  // PeerBuffer::CloseImports of the flags (teardown; no Signal or Wait after).
+  void CloseImports() noexcept { flags_.CloseImports(); }
 
   int slots() const { return slots_; }
   int rank() const { return rank_; }

@@ -35,10 +35,10 @@ size_t PayloadBytes(const CudaModelOptions& m) {
 }
 
 StatusOr<RankState> SetUpRank(const CudaEngineOptions& o, const ncclUniqueId& id, int rank,
-                              int device) {
+                              int device, std::shared_ptr<const CancelFlag> cancel) {
   RankState st;
-  TP_ASSIGN_OR_RETURN(
-      auto comm, NcclCommunicator::Create(id, o.tp, rank, device, NcclCommConfig{}, o.timeout));
+  TP_ASSIGN_OR_RETURN(auto comm, NcclCommunicator::Create(id, o.tp, rank, device, NcclCommConfig{},
+                                                          o.timeout, std::move(cancel)));
   st.pool = std::make_unique<NcclCommPool>(std::move(comm));
   if (o.checkpoint_dir.empty() && o.device_random_weights) {
     TP_ASSIGN_OR_RETURN(st.model, CudaModel::CreateRandom(o.config, o.dtype, o.seed,
@@ -151,12 +151,20 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
   if (spawned.ok()) engine->workers_ = std::move(spawned).value();
   spdlog::info("CudaEngine: started {} worker process(es); loading rank 0",
                engine->workers_.size());
-  auto rank0 =
-      spawned.ok() ? SetUpRank(o, id, 0, plan.local_rank) : StatusOr<RankState>(spawned.status());
+  // Watched from now on: a worker that dies while loading cancels rank 0's
+  // waits (SetUpRank's communicators hold cancel_).
+  if (!engine->workers_.empty()) {
+    engine->monitor_ = std::thread(&CudaEngine::MonitorWorkers, engine.get());
+  }
+  auto rank0 = spawned.ok() ? SetUpRank(o, id, 0, plan.local_rank, engine->cancel_)
+                            : StatusOr<RankState>(spawned.status());
   if (id_server.joinable()) id_server.join();
   Status ready = rank0.ok() ? served : rank0.status();
   if (ready.ok()) {
-    engine->pool_ = std::move(rank0->pool);
+    {
+      std::lock_guard abort_lock(engine->abort_mu_);  // the monitor may abort it already
+      engine->pool_ = std::move(rank0->pool);
+    }
     engine->model_ = std::move(rank0->model);
     engine->header_ = std::move(rank0->header);
     engine->payload_ = std::move(rank0->payload);
@@ -166,14 +174,16 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
   }
   if (!ready.ok()) {
     engine->broken_ = true;  // the destructor kills the workers
+    // The lost worker is the cause; rank 0's cancelled wait is the symptom.
+    if (const std::string lost = engine->LostWorker(); !lost.empty()) {
+      ready = UnavailableError(lost + " while the engine was starting (rank 0: " + ready.message() +
+                               ")");
+    }
     return ready.WithContext("starting the CUDA engine");
   }
   engine->device_bytes_ = engine->model_->device_bytes();
   spdlog::info("CudaEngine: {} ranks ready ({} MiB on rank 0's GPU)", o.tp,
                engine->device_bytes_.load() >> 20);
-  if (!engine->workers_.empty()) {
-    engine->monitor_ = std::thread(&CudaEngine::MonitorWorkers, engine.get());
-  }
   return engine;
 }
 
@@ -223,8 +233,10 @@ void CudaEngine::MonitorWorkers() {
             (info.si_code == CLD_EXITED ? "exited with status " + std::to_string(info.si_status)
                                         : "was killed by signal " + std::to_string(info.si_status));
     spdlog::error("CudaEngine: {}; aborting the communicators", lost_);
+    cancel_->Cancel(lost_);
   }
-  // A Forward in flight returns ABORTED now (each abort waits a bounded time).
+  // A Forward in flight returns ABORTED now (each abort waits a bounded time);
+  // while loading, pool_ is not set yet and cancel_ ends rank 0's waits.
   if (pool_ != nullptr) pool_->Abort();
 }
 
@@ -244,6 +256,14 @@ CudaEngine::~CudaEngine() {
     Status s = SendBatch(pool_->base(), header_, payload_, stream_.get(), nullptr);
     if (!s.ok()) {
       spdlog::warn("CudaEngine: telling the workers to stop failed: {}", s.ToString());
+      graceful = false;
+    }
+  }
+  if (graceful && model_ != nullptr) {
+    // Collective with the workers' Close after their stop header.
+    Status closed = model_->Close();
+    if (!closed.ok()) {
+      spdlog::warn("CudaEngine: closing the model: {}", closed.ToString());
       graceful = false;
     }
   }
@@ -358,7 +378,7 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
     TP_ASSIGN_OR_RETURN(local, SpawnWorkers(options.worker_argv, options.tp, plan.spawn_ranks, id));
   }
   spdlog::info("worker rank {}/{}: loading on GPU {}", plan.rank, plan.world_size, plan.local_rank);
-  TP_ASSIGN_OR_RETURN(RankState st, SetUpRank(options, id, plan.rank, plan.local_rank));
+  TP_ASSIGN_OR_RETURN(RankState st, SetUpRank(options, id, plan.rank, plan.local_rank, nullptr));
   const RankInfo info{plan.rank, plan.world_size, plan.local_rank, "", 0};
   NcclCommunicator& comm = st.pool->base();
   TP_RETURN_IF_ERROR(comm.Barrier());
@@ -372,6 +392,10 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
     ++batches;
   }
   spdlog::info("worker rank {}: stop after {} batches", info.rank, batches);
+  // Collective with rank 0's Close (CudaEngine's destructor).
+  if (Status closed = st.model->Close(); !closed.ok()) {
+    spdlog::warn("worker rank {}: closing the model: {}", info.rank, closed.ToString());
+  }
   st.model.reset();
   st.pool.reset();
   for (pid_t pid : local) {

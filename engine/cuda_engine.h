@@ -10,9 +10,12 @@
 // rank runs CudaModel::Forward; rank 0 returns the logits. A stop header ends
 // the workers' loops.
 //
-// Failure: a monitor thread waits for the worker processes; a worker that
-// exits while the engine runs makes it abort the communicators at once, so a
-// Forward() in flight returns within moments instead of at the deadline. A
+// Failure: a monitor thread waits for the worker processes from the moment
+// they are started. A worker that exits while the model loads ends Start()
+// within moments, naming the worker (the communicators' waits are cancelled,
+// CancelFlag), instead of at the deadline; one that exits while the engine
+// runs makes it abort the communicators at once, so a Forward() in flight
+// returns within moments as well. A
 // rank that hangs instead makes rank 0's collective miss its deadline
 // (options.timeout), with the same outcome. Either way this and every later
 // Forward() answers UNAVAILABLE and healthy() turns false (the server then
@@ -99,9 +102,12 @@ class CudaEngine final : public Engine {
   Status first_error_;
 
   mutable std::mutex monitor_mu_;  // guards stopping_ and lost_ (healthy() reads them)
-  std::mutex abort_mu_;            // the monitor's abort of pool_ vs. its reset
+  std::mutex abort_mu_;            // the monitor's abort of pool_ vs. its set and reset
   bool stopping_ = false;
   std::string lost_;
+  // Raised by the monitor with lost_: every communicator of pool_ holds it,
+  // so waits during loading (before pool_ exists here) end too.
+  std::shared_ptr<CancelFlag> cancel_ = std::make_shared<CancelFlag>();
   std::thread monitor_;
   std::atomic<size_t> device_bytes_{0};
 };

@@ -52,6 +52,16 @@ StatusOr<DeviceBuffer> Alloc(int64_t bytes, const std::string& name) {
 
 CudaModel::~CudaModel() = default;
 
+Status CudaModel::Close() {
+  graphs_.clear();  // they captured the layers' transfers
+  Status first;
+  for (auto& [key, layer] : linears_) {  // map order: the same on every rank
+    Status s = layer->Close();
+    if (first.ok() && !s.ok()) first = std::move(s);
+  }
+  return first;
+}
+
 StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& config, DataType dtype,
                                                          const OverlapConfig* overlap,
                                                          NcclCommPool& pool,

@@ -90,6 +90,12 @@ class CudaModel {
                                                            const CudaModelOptions& options = {});
   ~CudaModel();
 
+  // Orderly teardown, collective: destroys the graphs, then CudaLinear::Close
+  // on every layer (unmap the peers' buffers, barrier, free). Call on every
+  // rank before destruction when all ranks are alive; Forward answers
+  // FAILED_PRECONDITION afterwards. Returns the first error; closes all.
+  Status Close();
+
   // Logits [sequences, vocab] of the last token of every sequence, on every
   // rank. INVALID_ARGUMENT for a batch over the options' limits.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);

@@ -111,6 +111,27 @@ struct CudaLinear::Impl {
 
 CudaLinear::~CudaLinear() = default;
 
+Status CudaLinear::Close() {
+  if (closed_) return Status::Ok();
+  closed_ = true;
+  Impl& im = *impl_;
+  im.prepared.clear();
+  const bool peer_memory = im.signals.slots() > 0 || im.PeerOf(BufRef::kInput) != nullptr ||
+                           im.PeerOf(BufRef::kGather) != nullptr ||
+                           im.PeerOf(BufRef::kPartial) != nullptr;
+  if (!peer_memory) return Status::Ok();  // the same on every rank: same knobs
+  for (PeerBuffer* b : {&im.peer_input, &im.peer_gather, &im.peer_partial}) b->CloseImports();
+  im.signals.CloseImports();
+  // No rank frees what a peer still maps; a failed barrier (a peer gone)
+  // still frees, as destruction would.
+  const Status all_unmapped = im.comm->Barrier();
+  im.peer_input = PeerBuffer();
+  im.peer_gather = PeerBuffer();
+  im.peer_partial = PeerBuffer();
+  im.signals = PeerSignals();
+  return all_unmapped.WithContext("closing layer " + name_);
+}
+
 StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
                                                          const CudaLinearShape& shape,
                                                          const LinearKnobs& knobs,
@@ -273,6 +294,7 @@ Status CudaLinear::Prepare(int64_t m) {
     return InvalidArgumentError("layer " + name_ + ": m=" + std::to_string(m) +
                                 " outside [1, max_m=" + std::to_string(shape_.max_m) + "]");
   }
+  if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
   Impl& im = *impl_;
   if (im.prepared.count(m)) return Status::Ok();
   TP_ASSIGN_OR_RETURN(OverlapPlan plan,
@@ -661,6 +683,7 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
                            void* y, cudaStream_t stream, Steps steps) {
   const bool with_comm = steps != Steps::kGemm;
   const bool with_gemm = steps != Steps::kComm;
+  if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
   Impl& im = *impl_;
   auto it = im.prepared.find(m);
   if (it == im.prepared.end()) {

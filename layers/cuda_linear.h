@@ -83,6 +83,16 @@ class CudaLinear {
   // layer. Every rank must run the same.
   Status RunCommOnly(int64_t m, void* y, cudaStream_t stream);
 
+  // Orderly teardown, collective (every rank closes the same layers in the
+  // same order, after the graphs that captured them): unmaps the peers'
+  // buffers, waits on a barrier until every rank has, then frees this rank's
+  // peer-mapped buffers, which a peer may no longer have mapped when freed
+  // (PeerBuffer). A layer without peer memory returns at once. Afterwards
+  // Prepare and Run answer FAILED_PRECONDITION. The barrier's error, if any,
+  // is returned after the buffers are freed anyway. Destruction alone skips
+  // the barrier (for error paths, where a peer may be gone).
+  Status Close();
+
   const std::string& name() const { return name_; }
   const LinearKnobs& knobs() const { return knobs_; }
   const CudaLinearShape& shape() const { return shape_; }
@@ -104,6 +114,7 @@ class CudaLinear {
   LinearKnobs knobs_;
   int tp_ = 1;
   int rank_ = 0;
+  bool closed_ = false;
   std::unique_ptr<Impl> impl_;
 };
 

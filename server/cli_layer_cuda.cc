@@ -139,6 +139,7 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
     }
   }
   graph = CudaGraphExec();  // graphs before the layer and its communicators
+  TP_RETURN_IF_ERROR(layer->Close());
   TP_RETURN_IF_ERROR(comm.Barrier());
   return res;
 }

@@ -267,6 +267,46 @@ TEST_F(GpuLinearTest, CopyEngineWithRanksAsThreadsIsRefused) {
     }
   }
 }
+// Close (the orderly, collective teardown) is idempotent, and a closed layer
+// refuses Prepare and Run instead of touching freed buffers. (With ranks as
+// threads no layer has peer memory, so the unmap-barrier-free sequence itself
+// runs in the process model: `tpserve layer --copy-engine`, the CUDA engine.)
+TEST_F(GpuLinearTest, AClosedLayerRefusesPrepareAndRun) {
+  const int64_t m = 256;
+  auto p = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, DataType::kFloat8E4M3, kTp, m, 64,
+                                   64 * kTp, 5);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  LinearKnobs knobs;
+  knobs.mode = OverlapMode::kRing;
+  knobs.chunks = 2;
+  std::vector<Status> prepare(kTp), run(kTp);
+  const Status s = group_->Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(*p, r));
+    CudaLinearShape shape{p->op, p->dtype, p->m, p->n_local(), p->k_local()};
+    TP_ASSIGN_OR_RETURN(auto layer,
+                        CudaLinear::Create("test.closed", shape, knobs, group_->pool(r)));
+    TP_RETURN_IF_ERROR(layer->Prepare(m));
+    TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+    TP_ASSIGN_OR_RETURN(DeviceBuffer dy,
+                        DeviceBuffer::Allocate(layer->output_elements(m) * 2 + 16, "test.y"));
+    TP_RETURN_IF_ERROR(
+        layer->Run(m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get()));
+    TP_RETURN_IF_ERROR(group_->pool(r).base().WaitStream(stream.get()));
+    TP_RETURN_IF_ERROR(layer->Close());
+    TP_RETURN_IF_ERROR(layer->Close());
+    prepare[r] = layer->Prepare(m);
+    run[r] = layer->Run(m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get());
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  for (int r = 0; r < kTp; ++r) {
+    EXPECT_EQ(prepare[r].code(), StatusCode::kFailedPrecondition) << prepare[r].ToString();
+    EXPECT_EQ(run[r].code(), StatusCode::kFailedPrecondition) << run[r].ToString();
+    EXPECT_NE(run[r].message().find("test.closed is closed"), std::string::npos)
+        << run[r].ToString();
+  }
+}
+
 // A Run that cuBLASLt would refuse (an output not 16-byte aligned) is refused
 // before anything is enqueued, naming the layer, and the layer then runs
 // correctly: nothing half-done is left on the streams or with the peers.

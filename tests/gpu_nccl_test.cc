@@ -711,6 +711,31 @@ TEST_F(GpuNcclTest, CreateTimesOutWhenAPeerIsMissing) {
   EXPECT_LT(ms, 10'000);
 }
 
+// A raised CancelFlag ends the wait for a missing peer long before the
+// timeout (rank 0 of CudaEngine, when a worker dies while loading), with
+// ABORTED and the flag's reason.
+TEST_F(GpuNcclTest, CreateGivesUpWhenItsCancelFlagIsRaised) {
+  auto cancel = std::make_shared<CancelFlag>();
+  const auto start = Clock::now();
+  StatusOr<std::unique_ptr<NcclCommunicator>> comm = InternalError("not run");
+  std::thread t([&] {
+    SetCurrentRank(0);
+    comm = NcclCommunicator::Create(id_, 2, 0, 0, NcclCommConfig{}, milliseconds(60'000), cancel);
+  });
+  std::this_thread::sleep_for(milliseconds(300));
+  cancel->Cancel("worker rank 1 exited (test)");
+  cancel->Cancel("a second reason is not kept");
+  t.join();
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kAborted) << comm.status().ToString();
+  EXPECT_NE(comm.status().message().find("worker rank 1 exited (test)"), std::string::npos)
+      << comm.status().ToString();
+  EXPECT_EQ(cancel->reason(), "worker rank 1 exited (test)");
+  EXPECT_GE(ms, 300);
+  EXPECT_LT(ms, 10'000);  // the timeout is 60 s
+}
+
 TEST_F(GpuNcclTest, CreateRejectsBadArguments) {
   NcclCommConfig bad;
   bad.min_ctas = 4;

@@ -4,7 +4,8 @@ KServe v2 request through Debian's python3-grpcio, the logits compared with
 the CPU reference backend, and the failure path: a worker killed with SIGKILL
 while requests are in flight must make the server answer UNAVAILABLE (never
 hang), log which rank was lost, and exit with status 1 within seconds (the
-orchestrator restarts it). Skipped (not failed) where fewer than 2 GPUs are
+orchestrator restarts it); a worker killed while the model loads must fail the
+start within seconds too, naming it, not at --rank-timeout-s. Skipped (not failed) where fewer than 2 GPUs are
 visible.
 
 Tolerance: the GPU keeps activations in BF16 (the CPU reference in FP32), so
@@ -211,6 +212,23 @@ class RankZeroEnds(unittest.TestCase):
             sys.stderr.write("SIGTERM arrived after the server was up\n")
             self.assertEqual(rc, 0, log[-3000:])
         self.assertTrue(wait_gone(worker, 20), f"worker {worker} outlived rank 0")
+
+    def test_worker_killed_while_loading_fails_the_start_within_seconds(self):
+        # --rank-timeout-s stays at its default (300 s): rank 0 must learn of
+        # the lost worker from the process, not from a collective's deadline.
+        server, log_path = self.start()
+        worker = self.worker_of(server)  # spawned moments ago: still loading
+        os.kill(worker, signal.SIGKILL)
+        started = time.monotonic()
+        rc = server.wait(timeout=120)
+        took = time.monotonic() - started
+        with open(log_path, errors="replace") as f:
+            log = f.read()
+        self.assertNotEqual(rc, 0, log[-3000:])
+        self.assertLess(took, 60, log[-3000:])
+        self.assertIn("worker rank 1", log)
+        self.assertIn("killed by signal 9 while the engine was starting", log, log[-3000:])
+        sys.stderr.write(f"server exited {rc} {took:.1f} s after the kill\n")
 
 
 if __name__ == "__main__":
