@@ -244,8 +244,8 @@ void PeerBuffer::CloseImports() noexcept {
   if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
   if (previous != device_) TP_CUDA_LOG(cudaSetDevice(device_));
   for (size_t r = 0; r < peers_.size(); ++r) {
-    if (!ipc_opened_[r] || ipc_bases_[r] == nullptr)
-      continue;  // ipc_opened_ stays: the peer's kind
+    // ipc_opened_ stays set: it tells what kind of peer r is (same_process).
+    if (!ipc_opened_[r] || ipc_bases_[r] == nullptr) continue;
     TP_CUDA_LOG(cudaIpcCloseMemHandle(ipc_bases_[r]));
     ipc_bases_[r] = nullptr;
     peers_[r] = nullptr;
