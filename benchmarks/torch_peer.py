@@ -20,14 +20,14 @@ fails) and timed over --rounds replays with CUDA events; rank 0 writes the
 records of benchmarks/README.md's schema (impl "torch"). Each method's output
 is checked against torch_seq's (relative Frobenius distance <= 1e-2).
 
-The file is rewritten after every case, so a crash keeps the cases done so
+The file is rewritten after every method, so a crash keeps the methods done so
 far. Workers end with os._exit: a process that captured NCCL collectives in a
-CUDA graph can hang in destroy_process_group (shared/GPU_HOST.md).
+CUDA graph can hang in destroy_process_group (../shared/GPU_HOST.md).
 """
 
 import os
 
-# NVLink multicast must stay off on the GPU host (shared/GPU_HOST.md). Set
+# NVLink multicast must stay off on the GPU host (../shared/GPU_HOST.md). Set
 # before torch is imported, here and (inherited) in every spawned worker.
 for _name, _value in (
     ("NCCL_NVLS_ENABLE", "0"),
@@ -636,7 +636,7 @@ def rel_diff_global(ctx, out, ref):
 
 
 class Writer:
-    """Rank 0's output: rewritten after every case."""
+    """Rank 0's output: rewritten after every method."""
 
     def __init__(self, ctx, skipped):
         self.ctx = ctx
