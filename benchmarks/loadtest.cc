@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -207,7 +208,8 @@ std::string BuildPrompts(const Flags& f, std::vector<Prompt>* prompts) {
   if (lo < 1) return "--prompt-len must be >= 1";
   constexpr int64_t kMaxPromptLen = int64_t{1} << 20;
   if (hi > kMaxPromptLen) {
-    return "prompts of at most " + std::to_string(kMaxPromptLen) + " tokens, got " +
+    return std::string(f.prompt_len_range.empty() ? "--prompt-len" : "--prompt-len-range") +
+           ": prompts of at most " + std::to_string(kMaxPromptLen) + " tokens, got " +
            std::to_string(hi);
   }
   if (f.vocab < 1) return "--vocab must be >= 1";
@@ -323,15 +325,20 @@ class Driver {
   };
 
   void Issue() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++outstanding_;
+    }
+    Send();
+  }
+
+  // Starts one call; the caller has counted it in outstanding_.
+  void Send() {
     const Prompt& p = (*prompts_)[next_prompt_.fetch_add(1) % prompts_->size()];
     auto* call = new Call;
     call->tokens = p.tokens;
     call->ctx.set_deadline(std::chrono::system_clock::now() +
                            std::chrono::milliseconds(timeout_ms_));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++outstanding_;
-    }
     call->start = Clock::now();
     call->reader = stub_->PrepareAsyncModelInfer(&call->ctx, p.request, &cq_);
     call->reader->StartCall();
@@ -346,8 +353,11 @@ class Driver {
       const double ms =
           std::chrono::duration<double, std::milli>(Clock::now() - call->start).count();
       const bool success = ok && call->status.ok();
-      // Closed loop: replace the finished request before counting it done.
-      if (concurrency_mode_ && loading_) Issue();
+      // Closed loop: the replacement takes the finished request's place in
+      // outstanding_ (never 0 in between for StopLoad, never above the
+      // concurrency for in_flight_at_end).
+      const bool replace = concurrency_mode_ && loading_;
+      if (replace) Send();
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (success) {
@@ -365,7 +375,7 @@ class Driver {
             ++window_.errors[ok ? StatusName(call->status.error_code()) : "CANCELLED"];
           }
         }
-        --outstanding_;
+        if (!replace) --outstanding_;
       }
       cv_.notify_all();
     }
@@ -501,6 +511,8 @@ std::string UtcNow() {
 // Whether results can be written next to `path` (creates and removes
 // `path`.tmp; `path` itself is not touched). Returns an error message or "".
 std::string CheckWritable(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return "cannot write " + path + ": a directory";
   const std::string tmp = path + ".tmp";
   std::ofstream out(tmp, std::ios::trunc);
   if (!out) return "cannot write " + path + " (tried " + tmp + ")";
@@ -521,7 +533,10 @@ std::string WriteResults(const Flags& f, const std::string& key, const Json& ste
                    {"date", UtcNow()},
                    {"complete", complete}};
     doc["steps"] = steps;
-    if (std::string err = WriteReplacing(f.json, doc.dump(2) + "\n"); !err.empty()) return err;
+    // Invalid UTF-8 (a path, model name or argument in another encoding)
+    // becomes U+FFFD rather than an exception that would lose the results.
+    const std::string text = doc.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
+    if (std::string err = WriteReplacing(f.json, text); !err.empty()) return err;
   }
   if (!f.csv.empty()) {
     std::ostringstream out;
@@ -542,10 +557,16 @@ std::string WriteResults(const Flags& f, const std::string& key, const Json& ste
 }
 
 // Bounds of the sweep: outstanding requests, requests per second, and the
-// shortest measurement window.
+// shortest measurement window. The upper bounds on times (and the lower one
+// on the rate, whose inverse is the gap between requests) keep them within
+// the nanosecond clocks: beyond, they would wrap (a window that ends at once,
+// no warmup, every request past its deadline, requests sent flat out).
 constexpr double kMaxConcurrency = 65536;
+constexpr double kMinRate = 1e-3;
 constexpr double kMaxRate = 1e6;
 constexpr double kMinDurationS = 0.1;
+constexpr double kMaxSeconds = 1e6;
+constexpr int64_t kMaxTimeoutMs = 1'000'000'000;
 
 int Run(const Flags& f, const std::string& command) {
   std::vector<double> levels;
@@ -576,6 +597,10 @@ int Run(const Flags& f, const std::string& command) {
     std::cerr << "error: --request-rate-range values are requests per second, at most " << kMaxRate
               << ", got " << levels.back() << "\n";
     return 2;
+  } else if (levels.front() < kMinRate) {
+    std::cerr << "error: --request-rate-range values are requests per second, at least " << kMinRate
+              << ", got " << levels.front() << "\n";
+    return 2;
   }
   if (f.requests < 0) {
     std::cerr << "error: --requests must be >= 1, got " << f.requests << "\n";
@@ -587,6 +612,15 @@ int Run(const Flags& f, const std::string& command) {
   }
   // Where results go is tried before any load runs (FILE.tmp, created and
   // removed; FILE itself is left alone until the first step's results).
+  if (!f.json.empty() && !f.csv.empty()) {
+    std::error_code ec1, ec2;
+    if (std::filesystem::weakly_canonical(f.json, ec1) ==
+        std::filesystem::weakly_canonical(f.csv, ec2)) {
+      std::cerr << "error: --json and --csv name the same file " << f.json
+                << " (each step's CSV would replace the JSON)\n";
+      return 2;
+    }
+  }
   for (const std::string* path : {&f.json, &f.csv}) {
     if (path->empty()) continue;
     if (std::string err = CheckWritable(*path); !err.empty()) {
@@ -594,15 +628,26 @@ int Run(const Flags& f, const std::string& command) {
       return 2;
     }
   }
-  if (f.requests <= 0 && !(std::isfinite(f.duration_s) && f.duration_s >= kMinDurationS)) {
-    std::cerr << "error: --duration must be at least " << kMinDurationS << " s, got "
-              << f.duration_s << "\n";
+  if (f.requests <= 0 && !(std::isfinite(f.duration_s) && f.duration_s >= kMinDurationS &&
+                           f.duration_s <= kMaxSeconds)) {
+    std::cerr << "error: --duration must be at least " << kMinDurationS << " s and at most "
+              << kMaxSeconds << " s, got " << f.duration_s << "\n";
     return 2;
   }
   if (f.max_trials < 1 || f.timeout_ms < 1 || !std::isfinite(f.stability_pct) ||
       f.stability_pct < 0 || !std::isfinite(f.warmup_s) || f.warmup_s < 0) {
     std::cerr << "error: --max-trials and --timeout-ms must be >= 1, --stability and --warmup "
                  "finite and >= 0\n";
+    return 2;
+  }
+  if (f.warmup_s > kMaxSeconds) {
+    std::cerr << "error: --warmup must be at most " << kMaxSeconds << " s, got " << f.warmup_s
+              << "\n";
+    return 2;
+  }
+  if (f.timeout_ms > kMaxTimeoutMs) {
+    std::cerr << "error: --timeout-ms must be at most " << kMaxTimeoutMs
+              << " (about 11.6 days), got " << f.timeout_ms << "\n";
     return 2;
   }
   if (f.requests > 0 && !rate_mode && f.requests < 4 * static_cast<int64_t>(levels.back())) {
@@ -791,14 +836,16 @@ int main(int argc, char** argv) {
                               "closed loop: start:end:step outstanding requests, whole numbers "
                               "from 1 to 65536 (default 1)");
   auto* rate = app.add_option("--request-rate-range", f.request_rate_range,
-                              "open loop: start:end:step requests per second (at most 1e6)");
+                              "open loop: start:end:step requests per second (from 1e-3 to 1e6)");
   conc->excludes(rate);
   app.add_option("--distribution", f.distribution,
                  "arrival process of --request-rate-range: constant or poisson")
       ->check(CLI::IsMember({"constant", "poisson"}))
+      ->needs(rate)
       ->capture_default_str();
-  auto* dur = app.add_option("--duration", f.duration_s, "seconds per measurement window (>= 0.1)")
-                  ->capture_default_str();
+  auto* dur =
+      app.add_option("--duration", f.duration_s, "seconds per measurement window (0.1 to 1e6)")
+          ->capture_default_str();
   auto* reqs =
       app.add_option("--requests", f.requests,
                      "completed requests (successes and failures) per measurement window, "
@@ -806,7 +853,7 @@ int main(int argc, char** argv) {
                      "requests than complete together in a server batch its requests/s reads "
                      "high");
   dur->excludes(reqs);
-  app.add_option("--warmup", f.warmup_s, "seconds of load before measuring, per step")
+  app.add_option("--warmup", f.warmup_s, "seconds of load before measuring, per step (at most 1e6)")
       ->capture_default_str();
   app.add_option("--stability", f.stability_pct,
                  "a step is stable when its last 3 windows' requests/s agree within this percent "
@@ -815,7 +862,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-trials", f.max_trials,
                  "most measurement windows per step (a step ends early once stable)")
       ->capture_default_str();
-  app.add_option("--timeout-ms", f.timeout_ms, "deadline of each request in milliseconds")
+  app.add_option("--timeout-ms", f.timeout_ms,
+                 "deadline of each request in milliseconds (1 to 1e9)")
       ->capture_default_str();
   app.add_option("--csv", f.csv, "write one CSV row per step to FILE");
   app.footer(

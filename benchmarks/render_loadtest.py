@@ -77,7 +77,7 @@ def render_matplotlib(meta, key, steps, png, title):
     ax2.grid(alpha=0.3)
     fig.suptitle(title or "tpserve-loadtest: %s" % meta.get("model", ""))
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=100, format="png")  # at --png as given, whatever its suffix
 
 
 # --- built-in rasteriser ----------------------------------------------------
@@ -263,11 +263,15 @@ def main(argv=None):
         sys.stderr.write("render_loadtest: %s\n" % e)
         return 2
     try:
-        if args.builtin:
-            raise ImportError("--builtin")
-        render_matplotlib(meta, key, steps, args.png, args.title)
-    except ImportError:
-        render_builtin(meta, key, steps, args.png, args.title)
+        try:
+            if args.builtin:
+                raise ImportError("--builtin")
+            render_matplotlib(meta, key, steps, args.png, args.title)
+        except ImportError:
+            render_builtin(meta, key, steps, args.png, args.title)
+    except OSError as e:  # --png not writable
+        sys.stderr.write("render_loadtest: cannot write %s: %s\n" % (args.png, e))
+        return 2
     print("wrote %s (%d steps, x = %s)" % (args.png, len(steps), key))
     return 0
 

@@ -113,6 +113,29 @@ class RenderLoadtestTest(unittest.TestCase):
             json.dump([1, 2], f)
         self.assertEqual(render_loadtest.main([path, "--png", png]), 2)
 
+    def test_png_is_written_at_the_given_path(self):
+        # matplotlib picks the format from the suffix (none: it appends .png;
+        # .jpg: a JPEG): the picture must be a PNG at --png as given.
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            self.skipTest("matplotlib is not installed")
+        path = self.report([{"concurrency": c, "tokens_per_sec": 1.0, "p50_ms": 1.0,
+                             "p90_ms": 2.0, "p99_ms": 3.0, "error_count": 0} for c in (1, 2)])
+        for name in ("out", "out.jpg"):
+            png = os.path.join(self.tmp.name, name)
+            self.assertEqual(render_loadtest.main([path, "--png", png]), 0)
+            with open(png, "rb") as f:
+                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n", name)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp.name, "out.png")))
+
+    def test_unwritable_png_is_an_error(self):
+        path = self.report([{"concurrency": 1, "tokens_per_sec": 1.0, "p50_ms": 1.0}])
+        for png in (os.path.join(self.tmp.name, "no", "such", "dir", "x.png"), self.tmp.name):
+            for extra in (["--builtin"], []):
+                with self.subTest(png=png, extra=extra):
+                    self.assertEqual(render_loadtest.main([path, "--png", png] + extra), 2)
+
     def test_not_a_report_is_an_error(self):
         path = os.path.join(self.tmp.name, "bad.json")
         with open(path, "w") as f:

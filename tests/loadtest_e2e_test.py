@@ -172,6 +172,51 @@ class LoadTest(unittest.TestCase):
         self.assertEqual(step["errors"], {})
         self.assertIsNone(step["stable"], step)  # one window cannot show stability
 
+    def test_server_killed_mid_sweep(self):
+        # The server dies during the first step: the sweep goes on without
+        # hanging, counts the failures, and closes the report.
+        out_json = self.path("killed.json")
+        lt = subprocess.Popen(
+            [LOADTEST, "-u", self.url, "--concurrency-range", "1:4", "--duration", "0.3",
+             "--warmup", "0.2", "--max-trials", "3", "--json", out_json],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.8)
+        self.server.kill()
+        self.server.wait()
+        out, err = lt.communicate(timeout=60)
+        self.assertEqual(lt.returncode, 0, out + err)  # the first window succeeded
+        with open(out_json) as f:
+            doc = json.load(f)
+        self.assertIs(doc["meta"]["complete"], True)
+        steps = doc["steps"]
+        self.assertEqual([s["concurrency"] for s in steps], [1, 2, 3, 4])
+        self.assertGreater(steps[0]["requests"], 0, steps[0])
+        self.assertGreater(steps[0]["error_count"], 0, steps[0])
+        for step in steps:
+            # Closed loop: exactly the concurrency outstanding, never a
+            # replacement counted before the request it replaces is done.
+            self.assertEqual(step["in_flight_at_end"], step["concurrency"], step)
+        for step in steps[1:]:
+            self.assertEqual(step["requests"], 0, step)
+            self.assertEqual(step["errors"], {"UNAVAILABLE": step["error_count"]}, step)
+            self.assertEqual(step["error_share"], 1.0, step)
+            self.assertIsNone(step["p50_ms"], step)
+            self.assertIsNone(step["server_compute_ms"], step)
+
+    def test_report_survives_arguments_that_are_not_utf8(self):
+        # A --csv path in another encoding: the JSON report (whose meta holds
+        # the command line) is still written, with U+FFFD for the bad byte.
+        out_json = self.path("utf8.json")
+        out_csv = self.path("r\udce9sultats.csv")  # b"r\xe9sultats.csv" on the command line
+        p = loadtest("-u", self.url, "--requests", "5", "--warmup", "0", "--max-trials", "1",
+                     "--json", out_json, "--csv", out_csv)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        with open(out_json) as f:
+            doc = json.load(f)
+        self.assertIn("r\ufffdsultats.csv", doc["meta"]["command"])
+        self.assertEqual(len(doc["steps"]), 1)
+        self.assertTrue(os.path.exists(out_csv))
+
     def test_usage_errors_exit_2(self):
         negative = self.path("negative.txt")
         with open(negative, "w") as f:
@@ -197,7 +242,22 @@ class LoadTest(unittest.TestCase):
                 (["--datatype", "FP32"], "FP32"),
                 (["--prompt-file", self.path("missing.txt")], "missing.txt"),
                 (["--requests", "-5"], "--requests must be >= 1"),
-                (["--prompt-len-range", "1:1e13"], "prompts of at most 1048576 tokens"),
+                (["--prompt-len-range", "1:1e13"],
+                 "--prompt-len-range: prompts of at most 1048576 tokens"),
+                (["--prompt-len", "2000000"], "--prompt-len: prompts of at most 1048576 tokens"),
+                # Times beyond the nanosecond clocks wrapped: a window that
+                # closed at once, no warmup, every request past its deadline,
+                # requests sent flat out.
+                (["--duration", "1e12"], "--duration must be at least 0.1 s and at most 1e+06 s"),
+                (["--warmup", "1e300"], "--warmup must be at most 1e+06 s"),
+                (["--timeout-ms", "9223372036854775807"], "--timeout-ms must be at most"),
+                (["--request-rate-range", "1e-12"], "at least 0.001, got 1e-12"),
+                # Closed loop has no arrival process: not silently ignored.
+                (["--concurrency-range", "2", "--distribution", "poisson"],
+                 "--distribution requires --request-rate-range"),
+                (["--json", self.tmp.name], "a directory"),
+                (["--json", self.path("r"), "--csv", os.path.join(self.tmp.name, ".", "r")],
+                 "--json and --csv name the same file"),
                 (["--vocab", "3000000000"], "does not fit --datatype INT32"),
                 (["--json", self.path("no/such/dir/out.json")], "cannot write")):
             start = time.monotonic()
