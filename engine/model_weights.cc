@@ -116,20 +116,47 @@ StatusOr<std::vector<float>> ToFloats(const Checkpoint& ck, const TensorView& v,
   return out;
 }
 
-StatusOr<float> Scalar(const Checkpoint& ck, const std::string& name) {
+// An FP8 weight's dequantization scale of each of its `rows` rows, from
+// `name` (its weight_scale): one value for the whole tensor (shape [] or
+// [1]; ModelOpt, compressed-tensors' tensor strategy) or one per output
+// channel (shape [rows] or [rows, 1]; compressed-tensors' channel strategy).
+// F32 or BF16; every value a positive finite number.
+// rows = 0: a per-tensor scale only (an input_scale); one value is returned.
+StatusOr<std::vector<float>> RowScales(const Checkpoint& ck, const std::string& name,
+                                       int64_t rows) {
   TP_ASSIGN_OR_RETURN(const TensorView* v, ck.Get(name));
-  if (v->dtype != StDtype::kF32 || v->numel() != 1) {
-    return InvalidArgumentError(ck.Where(name) + " must be one F32 value, got " +
-                                std::string(StDtypeName(v->dtype)) + " with " +
-                                std::to_string(v->numel()) + " elements");
+  const std::vector<int64_t>& sh = v->shape;
+  const bool per_tensor = sh.empty() || sh == std::vector<int64_t>{1};
+  const bool per_row =
+      rows > 0 && (sh == std::vector<int64_t>{rows} || sh == std::vector<int64_t>{rows, 1});
+  if (!per_tensor && !per_row) {
+    return InvalidArgumentError(
+        ck.Where(name) + " has shape " + ShapeText(sh) + ": " +
+        (rows > 0 ? "a weight scale is one value ([] or [1]) or one per output channel ([" +
+                        std::to_string(rows) + "] or [" + std::to_string(rows) + ",1])"
+                  : std::string("an input scale is one value ([] or [1]); activations are "
+                                "scaled per tensor")));
   }
-  float f;
-  std::memcpy(&f, v->data, 4);
-  if (!(f > 0) || !std::isfinite(f)) {
-    return InvalidArgumentError(ck.Where(name) + " must be a positive finite scale, got " +
-                                std::to_string(f));
+  if (v->dtype != StDtype::kF32 && v->dtype != StDtype::kBF16) {
+    return InvalidArgumentError(ck.Where(name) + " has dtype " +
+                                std::string(StDtypeName(v->dtype)) + " (F32 or BF16)");
   }
-  return f;
+  std::vector<float> values(v->numel());
+  for (int64_t i = 0; i < v->numel(); ++i) {
+    if (v->dtype == StDtype::kF32) {
+      std::memcpy(&values[i], v->data + 4 * i, 4);
+    } else {
+      BFloat16 h;
+      std::memcpy(&h.bits, v->data + 2 * i, 2);
+      values[i] = BFloat16ToFloat(h);
+    }
+    if (!(values[i] > 0) || !std::isfinite(values[i])) {
+      return InvalidArgumentError(ck.Where(name) + " must hold positive finite scales, got " +
+                                  std::to_string(values[i]) + " at element " + std::to_string(i));
+    }
+  }
+  if (per_tensor) values.assign(std::max<int64_t>(rows, 1), values.front());
+  return values;
 }
 
 // A block of rows [row_begin, row_end) and columns [col_begin, col_end) of a
@@ -153,9 +180,9 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
     return InvalidArgumentError(ck.Where(wname) + " has shape " + ShapeText(w->shape) +
                                 ", the config implies " + ShapeText(want));
   }
-  float scale = 1.0f;
+  std::vector<float> row_scale;
   if (w->dtype == StDtype::kF8E4M3) {
-    TP_ASSIGN_OR_RETURN(scale, Scalar(ck, base + ".weight_scale"));
+    TP_ASSIGN_OR_RETURN(row_scale, RowScales(ck, base + ".weight_scale", full_rows));
   } else if (w->dtype != StDtype::kBF16 && w->dtype != StDtype::kF32) {
     return UnimplementedError(ck.Where(wname) + " has dtype " + std::string(StDtypeName(w->dtype)) +
                               " (supported: F8_E4M3 with weight_scale, BF16, F32)");
@@ -175,7 +202,7 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
                                       std::to_string(row_begin + r) + ", column " +
                                       std::to_string(col_begin + c));
         }
-        v = Fp8E4M3ToFloat(row[c]) * scale;
+        v = Fp8E4M3ToFloat(row[c]) * row_scale[row_begin + r];
       } else if (w->dtype == StDtype::kBF16) {
         BFloat16 h;
         std::memcpy(&h.bits, row + 2 * c, 2);
@@ -187,7 +214,12 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
     }
   }
   if (w->dtype == StDtype::kF8E4M3) {
-    b.scale = scale;
+    // The GEMM takes one scale per tensor (cuBLASLt's FP8 scaling on
+    // Hopper): the largest row scale of the whole tensor. Its rows keep their
+    // codes; rows with smaller scales are requantized by Fuse, where E4M3's
+    // exponent keeps their relative precision unless a row's scale is below
+    // 1/2^6 of the largest (values then fall into subnormals).
+    b.scale = *std::max_element(row_scale.begin(), row_scale.end());
   } else {
     float amax = 0.0f;
     for (int64_t i = 0; i < full_rows * full_cols; ++i) {
@@ -209,7 +241,9 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
     b.scale = ScaleFromAmax(amax, Fp8Format::kE4M3);
   }
   if (ck.Find(base + ".input_scale") != nullptr) {
-    TP_ASSIGN_OR_RETURN(b.input_scale, Scalar(ck, base + ".input_scale"));
+    // Static, per tensor.
+    TP_ASSIGN_OR_RETURN(std::vector<float> input_scale, RowScales(ck, base + ".input_scale", 0));
+    b.input_scale = input_scale.front();
   }
   return b;
 }

@@ -8,7 +8,10 @@
 // Sources: random from a seed (every rank draws the same full tensors and
 // keeps its shard), or a HuggingFace-style safetensors checkpoint with FP8
 // `weight` + `weight_scale` (+ `input_scale`) per linear layer, as NVIDIA
-// ModelOpt writes them, or BF16 `weight`s (quantized on load).
+// ModelOpt and compressed-tensors write them, or BF16 `weight`s (quantized
+// on load). A weight_scale is per tensor or per output channel (then
+// requantized to one scale per tensor, the largest, since the FP8 GEMM takes
+// one); F32 or BF16. An input_scale is per tensor (static).
 #pragma once
 
 #include <cstdint>

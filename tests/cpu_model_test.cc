@@ -5,12 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
+#include <span>
 
 #include "engine/cpu_engine.h"
 #include "engine/engine.h"
 #include "engine/safetensors.h"
+#include "layers/fp8.h"
 
 #include <thread>
 
@@ -251,6 +255,158 @@ TEST(CpuModel, NonFiniteWeightsAreRefusedNamingTheTensor) {
   EXPECT_THAT(nan.status().message(),
               HasSubstr("tensor 'model.layers.1.self_attn.q_proj.weight' holds a NaN code at "
                         "row 0, column 0"));
+  std::filesystem::remove_all(dir);
+}
+
+// compressed-tensors' channel strategy: a weight_scale with one value per
+// output row ([rows, 1]). The GEMM takes one scale per tensor, so the loader
+// requantizes to the largest row scale.
+TEST(CpuModel, PerChannelWeightScalesLoadAsOnePerTensorScale) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_ckpt_per_channel";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir + "/tensor").ok());
+  auto with_config = [&](const std::string& sub) {
+    std::filesystem::copy(dir + "/tensor/config.json", dir + "/" + sub + "/config.json");
+  };
+  const std::string o = "model.layers.0.self_attn.o_proj";
+  const TokenBatch b = Batch(kSeqs);
+  const std::vector<float> reference = Logits(2, b, nullptr, dir + "/tensor");
+  auto ref_w = LoadRankWeights(dir + "/tensor", Tiny(), 2, 1);
+  ASSERT_TRUE(ref_w.ok()) << ref_w.status().ToString();
+
+  // 1. Every linear layer's scale repeated per row ([rows, 1], F32): the
+  //    same weights, so the same logits bit for bit.
+  std::vector<std::vector<float>> keep;
+  std::map<std::string, int64_t> rows;  // weight name -> rows
+  {
+    auto file = SafetensorsFile::Open(dir + "/tensor/model.safetensors");
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    for (const TensorView& v : file->tensors()) {
+      if (v.name.ends_with("_proj.weight")) rows[v.name] = v.shape[0];
+    }
+  }
+  auto per_row = [&](TensorToWrite& t, const std::function<float(int64_t, float)>& scale_of) {
+    if (!t.name.ends_with(".weight_scale")) return;
+    const std::string weight = t.name.substr(0, t.name.size() - 6);  // "...weight"
+    float s;
+    std::memcpy(&s, t.data, 4);
+    std::vector<float>& v = keep.emplace_back(rows.at(weight));
+    for (int64_t r = 0; r < static_cast<int64_t>(v.size()); ++r) v[r] = scale_of(r, s);
+    t.shape = {static_cast<int64_t>(v.size()), 1};
+    t.data = v.data();
+    t.bytes = v.size() * 4;
+  };
+  RewriteCheckpoint(dir + "/tensor", dir + "/channel", [&](TensorToWrite& t) {
+    per_row(t, [](int64_t, float s) { return s; });
+    return true;
+  });
+  with_config("channel");
+  EXPECT_EQ(Logits(2, b, nullptr, dir + "/channel"), reference);
+  // The same in BF16 (as compressed-tensors often stores scales): each scale
+  // rounded to BF16, so close to the F32 logits, not equal.
+  std::vector<std::vector<uint16_t>> keep16;
+  RewriteCheckpoint(dir + "/channel", dir + "/channel16", [&](TensorToWrite& t) {
+    if (t.name.ends_with(".weight_scale")) {
+      const auto* f = static_cast<const float*>(t.data);
+      std::vector<uint16_t>& h = keep16.emplace_back(t.shape[0]);
+      for (size_t r = 0; r < h.size(); ++r) h[r] = FloatToBFloat16(f[r]).bits;
+      t.dtype = StDtype::kBF16;
+      t.data = h.data();
+      t.bytes = h.size() * 2;
+    }
+    return true;
+  });
+  with_config("channel16");
+  EXPECT_LE(RelDiff(Logits(2, b, nullptr, dir + "/channel16"), reference), 2e-2);
+
+  // 2. o_proj's odd rows: scale doubled, codes halved. The largest row scale
+  //    (2s) becomes the tensor's. Halving, and requantizing the even rows at
+  //    2s, are exact in E4M3 except where a code falls among the subnormals
+  //    (one step there is 2^-9 x 2s); a loader applying one scale to every
+  //    row would be off by 2x in half of the weights.
+  std::vector<uint8_t> halved;
+  RewriteCheckpoint(dir + "/tensor", dir + "/doubled", [&](TensorToWrite& t) {
+    if (t.name == o + ".weight_scale") {
+      per_row(t, [](int64_t r, float s) { return r % 2 == 1 ? 2 * s : s; });
+    } else if (t.name == o + ".weight") {
+      const auto* codes = static_cast<const uint8_t*>(t.data);
+      halved.assign(codes, codes + t.bytes);
+      const int64_t cols = t.shape[1];
+      for (int64_t r = 1; r < t.shape[0]; r += 2) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float half = Fp8E4M3ToFloat(codes[r * cols + c]) / 2;
+          QuantizeFp8(std::span<const float>(&half, 1), 1.0f, Fp8Format::kE4M3,
+                      std::span<uint8_t>(&halved[r * cols + c], 1));
+        }
+      }
+      t.data = halved.data();
+    }
+    return true;
+  });
+  with_config("doubled");
+  auto doubled_w = LoadRankWeights(dir + "/doubled", Tiny(), 2, 1);
+  ASSERT_TRUE(doubled_w.ok()) << doubled_w.status().ToString();
+  EXPECT_EQ(doubled_w->layers[0].o.weight_scale, 2 * ref_w->layers[0].o.weight_scale);
+  auto values = [](const LinearWeight& w) {
+    std::vector<float> v;
+    for (uint8_t c : w.data) v.push_back(Fp8E4M3ToFloat(c) * w.weight_scale);
+    return v;
+  };
+  const std::vector<float> got = values(doubled_w->layers[0].o);
+  const std::vector<float> want = values(ref_w->layers[0].o);
+  ASSERT_EQ(got.size(), want.size());
+  size_t differ = 0;
+  float worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) ++differ;
+    worst = std::max(worst, std::fabs(got[i] - want[i]));
+  }
+  EXPECT_LT(differ, got.size() / 100);
+  EXPECT_LE(worst, std::ldexp(doubled_w->layers[0].o.weight_scale, -9));
+  EXPECT_NE(doubled_w->layers[0].o.data, ref_w->layers[0].o.data);  // requantized codes
+  EXPECT_LE(RelDiff(Logits(2, b, nullptr, dir + "/doubled"), reference), 1e-3);
+
+  // 3. Refused, naming the tensor: a scale of the wrong length, a zero
+  //    scale, an input scale per channel.
+  RewriteCheckpoint(dir + "/channel", dir + "/long", [&](TensorToWrite& t) {
+    if (t.name == o + ".weight_scale") t.shape = {t.shape[0] / 2, 2};
+    return true;
+  });
+  auto long_scale = LoadRankWeights(dir + "/long", Tiny(), 2, 0);
+  EXPECT_EQ(long_scale.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(long_scale.status().message(),
+              HasSubstr("'" + o +
+                        ".weight_scale' has shape [256,2]: a weight scale is one value "
+                        "([] or [1]) or one per output channel ([512] or [512,1])"));
+  std::vector<float> zero;
+  RewriteCheckpoint(dir + "/channel", dir + "/zero", [&](TensorToWrite& t) {
+    if (t.name == o + ".weight_scale") {
+      const auto* f = static_cast<const float*>(t.data);
+      zero.assign(f, f + t.shape[0]);
+      zero[3] = 0.0f;
+      t.data = zero.data();
+    }
+    return true;
+  });
+  auto zero_scale = LoadRankWeights(dir + "/zero", Tiny(), 2, 0);
+  EXPECT_EQ(zero_scale.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(zero_scale.status().message(),
+              HasSubstr("'" + o +
+                        ".weight_scale' must hold positive finite scales, got "
+                        "0.000000 at element 3"));
+  std::vector<float> inputs(4, 8.0f / 448);
+  RewriteCheckpoint(dir + "/tensor", dir + "/input", [&](TensorToWrite& t) {
+    if (t.name == o + ".input_scale") {
+      t.shape = {4};
+      t.data = inputs.data();
+      t.bytes = 16;
+    }
+    return true;
+  });
+  auto input_scale = LoadRankWeights(dir + "/input", Tiny(), 2, 0);
+  EXPECT_EQ(input_scale.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(input_scale.status().message(),
+              HasSubstr("'" + o + ".input_scale' has shape [4]: an input scale is one value"));
   std::filesystem::remove_all(dir);
 }
 
