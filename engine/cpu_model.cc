@@ -87,9 +87,24 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
                                                          m, knobs.chunks}));
   // Activations in the layer's operand type.
   std::vector<uint8_t> xq;
+  float x_scale = w.input_scale;
   if (w.dtype == DataType::kFloat8E4M3) {
+    if (w.dynamic_input) {
+      // This batch's scale from the whole input's amax, the largest over
+      // the ranks' parts (rows for a column-parallel layer, columns for a
+      // row-parallel one): the scale an unsharded model would compute, so
+      // the TP size does not change it (as in CudaModel).
+      float amax = Amax(x);
+      if (comm_.size() > 1) {
+        std::vector<float> all(comm_.size());
+        TP_RETURN_IF_ERROR(comm_.AllGather(&amax, all.data(), sizeof(float), nullptr)
+                               .WithContext("layer " + name + ": input amax"));
+        amax = *std::max_element(all.begin(), all.end());
+      }
+      x_scale = ScaleFromAmax(amax, Fp8Format::kE4M3);
+    }
     xq.resize(x.size());
-    QuantizeFp8(x, w.input_scale, Fp8Format::kE4M3, xq);
+    QuantizeFp8(x, x_scale, Fp8Format::kE4M3, xq);
   } else {
     xq.resize(x.size() * 2);
     for (size_t i = 0; i < x.size(); ++i) {
@@ -100,8 +115,7 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
   const int64_t out_rows =
       op == OverlapOp::kAllGatherGemm ? m : ShardRows(m, comm_.size(), comm_.rank()).size();
   std::vector<BFloat16> out(out_rows * w.n);
-  CpuLinearArgs a{w.dtype,        w.n,       w.k, xq.data(), w.input_scale, w.data.data(),
-                  w.weight_scale, out.data()};
+  CpuLinearArgs a{w.dtype, w.n, w.k, xq.data(), x_scale, w.data.data(), w.weight_scale, out.data()};
   TP_RETURN_IF_ERROR(RunCpuLinear(plan, comm_, a).WithContext("layer " + name));
   y->resize(out.size());
   for (size_t i = 0; i < out.size(); ++i) (*y)[i] = BFloat16ToFloat(out[i]);

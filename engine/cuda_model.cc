@@ -22,6 +22,9 @@ struct CudaModel::Linear {
   DeviceBuffer w;
   DeviceBuffer scales;  // input (x) scale at 0, weight scale at 16 bytes (cuBLASLt alignment)
   int64_t n = 0, k = 0;
+  // FP8 input scaled per batch from its amax (LinearWeight::dynamic_input):
+  // the forward pass writes x_scale before the layer reads it.
+  bool dynamic = false;
   const float* x_scale() const { return scales.as<float>(); }
   const float* w_scale() const { return scales.as<float>() + 4; }
 };
@@ -125,6 +128,12 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(logits_local_, Alloc(seqs * vocab_l * 2, "logits_local"));
   TP_ASSIGN_OR_RETURN(logits_all_, Alloc(tp_ * seqs * vocab_l * 2, "logits_all"));
   TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
+  if (dynamic_inputs_) {
+    // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
+    // and SwiGLU's BF16 output staged for down's amax.
+    TP_ASSIGN_OR_RETURN(amax_, Alloc((4 + tp_) * 4, "input_amax"));
+    TP_ASSIGN_OR_RETURN(act_, Alloc(m * inter_l * 2, "swiglu_out"));
+  }
   spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank_, tp_,
                layers_.size(), weight_bytes_ / 1048576.0, pool_->base().device());
   return Status::Ok();
@@ -150,6 +159,8 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
     TP_CUDA_CHECK(
         cudaMemcpy(out->w.data(), lw.data.data(), lw.data.size(), cudaMemcpyHostToDevice));
     TP_RETURN_IF_ERROR(md.SetScales(out, lw.input_scale, lw.weight_scale, name));
+    out->dynamic = lw.dtype == DataType::kFloat8E4M3 && lw.dynamic_input;
+    md.dynamic_inputs_ = md.dynamic_inputs_ || out->dynamic;
     md.weight_bytes_ += lw.data.size();
     return Status::Ok();
   };
@@ -308,24 +319,50 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   emb.error_flag = error_flag_.as<int32_t>();
   TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, st));
 
-  // add & norm into a TP layer's input: FP8 with the layer's input scale, or BF16.
+  NcclCommunicator& comm = pool_->base();
+  // A dynamic layer's FP8 input from `count` BF16 values at `src`: amax,
+  // the largest over all ranks' parts (the whole input's, as an unsharded
+  // model computes it, and one scale for a gathered operand), the scale into
+  // the layer's x_scale (which its GEMM reads), then the quantization.
+  auto quantize_dynamic = [&](const BFloat16* src, int64_t count, const Linear& w,
+                              void* out) -> Status {
+    float* amax = amax_.as<float>();
+    TP_RETURN_IF_ERROR(
+        LaunchAbsMax({src, DataType::kBFloat16, static_cast<size_t>(count), amax}, st));
+    const bool gather = tp_ > 1;
+    if (gather) TP_RETURN_IF_ERROR(comm.AllGather(amax, amax + 4, sizeof(float), st));
+    float* scale = const_cast<float*>(w.x_scale());
+    TP_RETURN_IF_ERROR(LaunchScaleFromAmax(gather ? amax + 4 : amax, gather ? tp_ : 1, scale, st));
+    QuantizeFp8Params q;
+    q.input = src;
+    q.input_type = DataType::kBFloat16;
+    q.output = static_cast<uint8_t*>(out);
+    q.count = static_cast<size_t>(count);
+    q.scale = scale;
+    return LaunchQuantizeToFp8E4M3(q, st);
+  };
+
+  // add & norm into a TP layer's input: FP8 with the layer's input scale
+  // (static, or from this batch via BF16 in normed_), or BF16.
   auto add_norm = [&](const BFloat16* residual, const DeviceBuffer& weight, CudaLinear& next,
-                      const Linear& next_w) {
+                      const Linear& next_w) -> Status {
     RmsNormParams p;
     p.input = x;
     p.residual = residual;
     p.residual_out = residual != nullptr ? x : nullptr;
     p.weight = weight.as<BFloat16>();
-    if (fp8) {
+    if (fp8 && !next_w.dynamic) {
       p.out_fp8 = static_cast<uint8_t*>(next.input(m));
       p.out_fp8_scale = next_w.x_scale();
     } else {
-      p.out = static_cast<BFloat16*>(next.input(m));
+      p.out = fp8 ? normed_.as<BFloat16>() : static_cast<BFloat16*>(next.input(m));
     }
     p.rows = rows;
     p.dim = h;
     p.eps = static_cast<float>(c.rms_norm_eps);
-    return LaunchRmsNorm(p, st);
+    TP_RETURN_IF_ERROR(LaunchRmsNorm(p, st));
+    if (!fp8 || !next_w.dynamic) return Status::Ok();
+    return quantize_dynamic(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
   };
 
   const BFloat16* pending = nullptr;  // the block output still to be added to x
@@ -369,7 +406,9 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     at.kv_heads = nkv_l;
     at.head_dim = hd;
     TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
-    if (fp8) {
+    if (fp8 && lw.o.dynamic) {
+      TP_RETURN_IF_ERROR(quantize_dynamic(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
+    } else if (fp8) {
       QuantizeFp8Params q;
       q.input = attn_.data();
       q.input_type = DataType::kBFloat16;
@@ -384,15 +423,19 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
     SwiGluParams sw;
     sw.gate_up = gate_up_out_.as<BFloat16>();
-    if (fp8) {
+    if (fp8 && !lw.down.dynamic) {
       sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
       sw.out_fp8_scale = lw.down.x_scale();
     } else {
-      sw.out = static_cast<BFloat16*>(down->input(m));
+      sw.out = fp8 ? act_.as<BFloat16>() : static_cast<BFloat16*>(down->input(m));
     }
     sw.rows = m;
     sw.inter = inter_l;
     TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
+    if (fp8 && lw.down.dynamic) {
+      TP_RETURN_IF_ERROR(
+          quantize_dynamic(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
+    }
     TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data()));
     pending = down_out_.as<BFloat16>();
   }
@@ -408,7 +451,6 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   fin.dim = h;
   fin.eps = static_cast<float>(c.rms_norm_eps);
   TP_RETURN_IF_ERROR(LaunchRmsNorm(fin, st));
-  NcclCommunicator& comm = pool_->base();
   TP_RETURN_IF_ERROR(comm.AllGather(normed_.data(), full_.data(), rows * h * 2, st));
   GatherRowsParams g;
   g.input = full_.as<BFloat16>();

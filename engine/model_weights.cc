@@ -169,6 +169,7 @@ struct Block {
   // quantize identically whatever the TP size.
   float scale = 1.0f;
   float input_scale = kDefaultInputScale;
+  bool has_input_scale = false;  // the checkpoint's own (static) input_scale
 };
 
 StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t full_rows,
@@ -244,6 +245,7 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
     // Static, per tensor.
     TP_ASSIGN_OR_RETURN(std::vector<float> input_scale, RowScales(ck, base + ".input_scale", 0));
     b.input_scale = input_scale.front();
+    b.has_input_scale = true;
   }
   return b;
 }
@@ -260,6 +262,9 @@ LinearWeight Fuse(const std::vector<Block>& parts, DataType dtype) {
     lw.n += b.rows;
     scale = std::max(scale, b.scale);
     input_scale = std::max(input_scale, b.input_scale);
+    // A part without a static scale (q_proj without, k_proj with, say)
+    // makes the fused layer dynamic: no single static scale is known good.
+    lw.dynamic_input = lw.dynamic_input || (dtype == DataType::kFloat8E4M3 && !b.has_input_scale);
   }
   lw.input_scale = input_scale;
   std::vector<float> all;
@@ -299,8 +304,8 @@ StatusOr<RankWeights> ShardGlobals(const Checkpoint& ck, const ModelConfig& c, D
   TP_ASSIGN_OR_RETURN(w.final_norm, ToFloats(ck, *norm, {h}));
   if (dtype == DataType::kFloat8E4M3 && rank == 0) {
     // A BF16 checkpoint (or an FP8 one without calibration) gives no input
-    // scales: FP8 activations then use the default static scale, which
-    // saturates values beyond 8 in magnitude. Said once, by rank 0.
+    // scales: those layers' FP8 inputs are then scaled per batch from their
+    // amax (LinearWeight::dynamic_input). Said once, by rank 0.
     int64_t missing = 0, linear = 0;
     for (const auto& [name, view] : ck.views()) {
       if (!name.ends_with("_proj.weight")) continue;
@@ -309,10 +314,10 @@ StatusOr<RankWeights> ShardGlobals(const Checkpoint& ck, const ModelConfig& c, D
       if (ck.Find(base + ".input_scale") == nullptr) ++missing;
     }
     if (missing > 0) {
-      spdlog::warn(
-          "{}: {} of {} linear layers have no input_scale: their FP8 activations use the "
-          "default static scale 8/448 and saturate beyond 8 in magnitude (serve with --dtype "
-          "bf16, or use a checkpoint calibrated with input scales)",
+      spdlog::info(
+          "{}: {} of {} linear layers have no input_scale: their FP8 inputs are scaled per "
+          "batch from their absolute maximum (dynamic scaling: one more pass over each such "
+          "input, and one float exchanged between the ranks)",
           ck.source(), missing, linear);
     }
   }

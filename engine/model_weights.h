@@ -11,7 +11,8 @@
 // ModelOpt and compressed-tensors write them, or BF16 `weight`s (quantized
 // on load). A weight_scale is per tensor or per output channel (then
 // requantized to one scale per tensor, the largest, since the FP8 GEMM takes
-// one); F32 or BF16. An input_scale is per tensor (static).
+// one); F32 or BF16. An input_scale is per tensor (static); without one, the
+// layer's FP8 input is scaled per batch from its amax (dynamic_input).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,10 @@ struct LinearWeight {
   std::vector<uint8_t> data;               // row-major elements of dtype
   float weight_scale = 1.0f;               // FP8 dequantization scale of the weight
   float input_scale = 1.0f;                // FP8 static dequantization scale of the input
+  // FP8: the input's scale is computed for every batch from the whole
+  // input's amax (the largest over the ranks' parts) instead of input_scale;
+  // set when the checkpoint gives no input_scale for (a part of) the layer.
+  bool dynamic_input = false;
 };
 
 struct LayerWeights {

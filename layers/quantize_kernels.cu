@@ -140,6 +140,15 @@ __global__ void DequantizeKernel(const uint8_t* __restrict__ in, Out* __restrict
   }
 }
 
+__global__ void ScaleFromAmaxKernel(const float* __restrict__ amax, int count,
+                                    float* __restrict__ scale) {
+  float m = 0.0f;
+  for (int i = 0; i < count; ++i) m = fmaxf(m, amax[i]);
+  // As ScaleFromAmax (layers/fp8.cc): IEEE division, never below the
+  // smallest subnormal, 1 for an all-zero input.
+  *scale = m == 0.0f ? 1.0f : fmaxf(__fdiv_rn(m, 448.0f), 1.40129846e-45f);
+}
+
 template <typename T>
 __global__ void FillKernel(T* __restrict__ dst, size_t count, T value) {
   const size_t stride = GridThreads();
@@ -230,6 +239,18 @@ Status LaunchAbsMax(const AbsMaxParams& p, cudaStream_t stream) {
   if (p.count == 0) return Status::Ok();
   if (p.input_type == DataType::kBFloat16) return LaunchAbsMaxTyped<uint16_t>(p, stream);
   return LaunchAbsMaxTyped<float>(p, stream);
+}
+
+Status LaunchScaleFromAmax(const float* amax, int count, float* scale, cudaStream_t stream) {
+  if (amax == nullptr || scale == nullptr || count < 1) {
+    return InvalidArgumentError("LaunchScaleFromAmax: amax and scale non-null, count >= 1");
+  }
+  if (!IsAligned(amax, alignof(float)) || !IsAligned(scale, alignof(float))) {
+    return InvalidArgumentError("LaunchScaleFromAmax: amax and scale aligned to 4 bytes");
+  }
+  ScaleFromAmaxKernel<<<1, 1, 0, stream>>>(amax, count, scale);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
 }
 
 Status LaunchDequantizeFp8E4M3(const DequantizeFp8Params& p, cudaStream_t stream) {

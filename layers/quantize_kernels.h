@@ -45,6 +45,11 @@ struct AbsMaxParams {
 };
 Status LaunchAbsMax(const AbsMaxParams& p, cudaStream_t stream);
 
+// *scale = ScaleFromAmax(max(amax[0..count)), E4M3) of layers/fp8.h: the dequantization scale
+// that maps the largest of `count` partial amaxes (one per rank, say) to 448; 1 when it is 0.
+// One thread; amax and scale on the device (run-time, dynamic activation scaling).
+Status LaunchScaleFromAmax(const float* amax, int count, float* scale, cudaStream_t stream);
+
 // out[i] = Fp8E4M3ToFloat(in[i]) * *scale, rounded to output_type (RNE for BF16).
 struct DequantizeFp8Params {
   const uint8_t* input = nullptr;              // count FP8 E4M3 codes

@@ -1006,6 +1006,26 @@ void CheckAbsMax(cudaStream_t stream, DataType type) {
 TEST_F(GpuTest, AbsMaxBf16IsExact) { CheckAbsMax(stream(), DataType::kBFloat16); }
 TEST_F(GpuTest, AbsMaxFp32IsExact) { CheckAbsMax(stream(), DataType::kFloat32); }
 
+// The device's scale from partial amaxes equals the CPU's ScaleFromAmax of
+// their maximum, bit for bit: the largest of several, all zero (1), one
+// below 448 times the smallest subnormal (clamped), and inf.
+TEST_F(GpuTest, ScaleFromAmaxMatchesTheCpuReference) {
+  const std::vector<std::vector<float>> cases = {
+      {0.5f, 3.25f, 1e-3f}, {0.0f, 0.0f}, {1e-44f}, {7.0f, INFINITY}, {123.456f}};
+  for (const std::vector<float>& amax : cases) {
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer damax, Upload(amax, "amax"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dscale, DeviceScalar(-1.0f, "scale"));
+    TP_ASSERT_OK(LaunchScaleFromAmax(damax.as<float>(), static_cast<int>(amax.size()),
+                                     dscale.as<float>(), stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(std::vector<float> got, Download<float>(dscale.data(), 1));
+    const float want = ScaleFromAmax(*std::max_element(amax.begin(), amax.end()), Fp8Format::kE4M3);
+    EXPECT_EQ(got[0], want) << "max amax " << *std::max_element(amax.begin(), amax.end());
+  }
+  EXPECT_EQ(LaunchScaleFromAmax(nullptr, 1, nullptr, stream()).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_F(GpuTest, DequantizeFp8IsBitExactWithCpuReference) {
   const float scale = 0.37f;
   std::vector<uint8_t> codes(1003 * 4 + 9);
