@@ -52,7 +52,8 @@ struct Flags {
   uint64_t seed = 7;
   std::string out = "model.json";
   std::string commit = "unknown";
-  std::string gemm_algo = "timed";  // GemmAlgoSelection of every GEMM
+  std::string gemm_algo = "timed";    // GemmAlgoSelection of every GEMM
+  bool dynamic_input_scales = false;  // FP8 inputs scaled per batch (CudaModelOptions)
 };
 
 struct BatchShape {
@@ -133,6 +134,9 @@ int Main(int argc, char** argv) {
   app.add_option("--seed", f.seed, "Seed of the random weights and token ids")
       ->capture_default_str();
   AddGemmAlgoFlag(&app, &f.gemm_algo);
+  app.add_flag("--dynamic-input-scales", f.dynamic_input_scales,
+               "Scale every FP8 layer's input per batch from its amax, as for a checkpoint "
+               "without input scales (default: the static scales of the random weights)");
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
@@ -185,6 +189,7 @@ int Main(int argc, char** argv) {
   options.max_tokens = max_tokens;
   options.max_seqs = max_seqs;
   for (const BatchShape& b : shapes) options.buckets.push_back(b.seqs * b.len);
+  options.dynamic_input_scales = f.dynamic_input_scales;
 
   // times[batch][setting]
   std::vector<std::vector<std::vector<double>>> times(
@@ -230,7 +235,8 @@ int Main(int argc, char** argv) {
              {"layers", config.num_hidden_layers},
              {"tp", f.tp},
              {"dtype", f.dtype},
-             {"gemm_algo", f.gemm_algo}}},
+             {"gemm_algo", f.gemm_algo},
+             {"input_scales", f.dynamic_input_scales ? "dynamic" : "static"}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {
     for (size_t c = 0; c < configs.size(); ++c) {

@@ -233,6 +233,8 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
     out->k = k;
     const bool fp8 = dtype == DataType::kFloat8E4M3;
     TP_RETURN_IF_ERROR(random(&out->w, dtype, n * k, fp8 ? 448.0f : a, name + ".weight"));
+    out->dynamic = fp8 && options.dynamic_input_scales;
+    md.dynamic_inputs_ = md.dynamic_inputs_ || out->dynamic;
     return md.SetScales(out, 8.0f / 448.0f, fp8 ? a / 448.0f : 1.0f, name);
   };
   TP_RETURN_IF_ERROR(random(&md.embed_, DataType::kBFloat16, c.vocab_size * h, 1.0f, "embed"));
@@ -258,7 +260,7 @@ size_t CudaModel::device_bytes() const {
   size_t total = weight_bytes_;
   for (const DeviceBuffer* b :
        {&ids_, &positions_, &cu_seqlens_, &x_, &o_out_, &down_out_, &normed_, &qkv_out_, &attn_,
-        &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_}) {
+        &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_, &amax_, &act_}) {
     total += b->size();
   }
   for (const auto& [key, layer] : linears_) total += layer->device_bytes();

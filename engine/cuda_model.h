@@ -65,6 +65,9 @@ struct CudaModelOptions {
   // always max_tokens rounded up). Empty: 256 tokens doubling up to that.
   std::vector<int64_t> buckets;
   bool cuda_graphs = true;  // replay a captured graph per bucket (false: always eager)
+  // CreateRandom only: every FP8 layer scales its input per batch, as the
+  // layers of a checkpoint without input scales do (to measure that cost).
+  bool dynamic_input_scales = false;
 };
 
 class CudaModel {
