@@ -322,25 +322,27 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, st));
 
   NcclCommunicator& comm = pool_->base();
-  // A dynamic layer's FP8 input from `count` BF16 values at `src`: amax,
-  // the largest over all ranks' parts (the whole input's, as an unsharded
-  // model computes it, and one scale for a gathered operand), the scale into
-  // the layer's x_scale (which its GEMM reads), then the quantization.
-  auto quantize_dynamic = [&](const BFloat16* src, int64_t count, const Linear& w,
-                              void* out) -> Status {
-    float* amax = amax_.as<float>();
-    TP_RETURN_IF_ERROR(
-        LaunchAbsMax({src, DataType::kBFloat16, static_cast<size_t>(count), amax}, st));
-    const bool gather = tp_ > 1;
-    if (gather) TP_RETURN_IF_ERROR(comm.AllGather(amax, amax + 4, sizeof(float), st));
-    float* scale = const_cast<float*>(w.x_scale());
-    TP_RETURN_IF_ERROR(LaunchScaleFromAmax(gather ? amax + 4 : amax, gather ? tp_ : 1, scale, st));
+  // A TP layer's FP8 input from `count` BF16 values at `src`, quantized
+  // with the layer's x_scale (which its GEMM reads). A dynamic layer first
+  // sets x_scale from this batch: the amax, the largest over all ranks'
+  // parts (the whole input's, as an unsharded model computes it, and one
+  // scale for a gathered operand).
+  auto quantize = [&](const BFloat16* src, int64_t count, const Linear& w, void* out) -> Status {
+    if (w.dynamic) {
+      float* amax = amax_.as<float>();
+      TP_RETURN_IF_ERROR(
+          LaunchAbsMax({src, DataType::kBFloat16, static_cast<size_t>(count), amax}, st));
+      const bool gather = tp_ > 1;
+      if (gather) TP_RETURN_IF_ERROR(comm.AllGather(amax, amax + 4, sizeof(float), st));
+      TP_RETURN_IF_ERROR(LaunchScaleFromAmax(gather ? amax + 4 : amax, gather ? tp_ : 1,
+                                             w.scales.as<float>(), st));
+    }
     QuantizeFp8Params q;
     q.input = src;
     q.input_type = DataType::kBFloat16;
     q.output = static_cast<uint8_t*>(out);
     q.count = static_cast<size_t>(count);
-    q.scale = scale;
+    q.scale = w.x_scale();
     return LaunchQuantizeToFp8E4M3(q, st);
   };
 
@@ -364,7 +366,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     p.eps = static_cast<float>(c.rms_norm_eps);
     TP_RETURN_IF_ERROR(LaunchRmsNorm(p, st));
     if (!fp8 || !next_w.dynamic) return Status::Ok();
-    return quantize_dynamic(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
+    return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
   };
 
   const BFloat16* pending = nullptr;  // the block output still to be added to x
@@ -408,17 +410,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     at.kv_heads = nkv_l;
     at.head_dim = hd;
     TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
-    if (fp8 && lw.o.dynamic) {
-      TP_RETURN_IF_ERROR(quantize_dynamic(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
-    } else if (fp8) {
-      QuantizeFp8Params q;
-      q.input = attn_.data();
-      q.input_type = DataType::kBFloat16;
-      q.output = static_cast<uint8_t*>(o->input(m));
-      q.count = static_cast<size_t>(m * nh_l * hd);
-      q.scale = lw.o.x_scale();
-      TP_RETURN_IF_ERROR(LaunchQuantizeToFp8E4M3(q, st));
-    }
+    if (fp8) TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
     TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data()));
 
     TP_RETURN_IF_ERROR(add_norm(o_out_.as<BFloat16>(), lw.post_norm, *gate_up, lw.gate_up));
@@ -435,8 +427,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     sw.inter = inter_l;
     TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
     if (fp8 && lw.down.dynamic) {
-      TP_RETURN_IF_ERROR(
-          quantize_dynamic(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
+      TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
     }
     TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data()));
     pending = down_out_.as<BFloat16>();
