@@ -324,14 +324,18 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   NcclCommunicator& comm = pool_->base();
   // A TP layer's FP8 input from `count` BF16 values at `src`, quantized
   // with the layer's x_scale (which its GEMM reads). A dynamic layer first
-  // sets x_scale from this batch: the amax, the largest over all ranks'
-  // parts (the whole input's, as an unsharded model computes it, and one
-  // scale for a gathered operand).
-  auto quantize = [&](const BFloat16* src, int64_t count, const Linear& w, void* out) -> Status {
+  // sets x_scale from this batch: the amax (in amax_[0] already when the
+  // producer wrote it, `amax_ready`), the largest over all ranks' parts (the
+  // whole input's, as an unsharded model computes it, and one scale for a
+  // gathered operand).
+  auto quantize = [&](const BFloat16* src, int64_t count, const Linear& w, void* out,
+                      bool amax_ready) -> Status {
     if (w.dynamic) {
       float* amax = amax_.as<float>();
-      TP_RETURN_IF_ERROR(
-          LaunchAbsMax({src, DataType::kBFloat16, static_cast<size_t>(count), amax}, st));
+      if (!amax_ready) {
+        TP_RETURN_IF_ERROR(
+            LaunchAbsMax({src, DataType::kBFloat16, static_cast<size_t>(count), amax}, st));
+      }
       const bool gather = tp_ > 1;
       if (gather) TP_RETURN_IF_ERROR(comm.AllGather(amax, amax + 4, sizeof(float), st));
       TP_RETURN_IF_ERROR(LaunchScaleFromAmax(gather ? amax + 4 : amax, gather ? tp_ : 1,
@@ -358,15 +362,18 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     if (fp8 && !next_w.dynamic) {
       p.out_fp8 = static_cast<uint8_t*>(next.input(m));
       p.out_fp8_scale = next_w.x_scale();
+    } else if (fp8) {  // dynamic: BF16 staging and its amax
+      p.out = normed_.as<BFloat16>();
+      p.out_amax = amax_.as<float>();
     } else {
-      p.out = fp8 ? normed_.as<BFloat16>() : static_cast<BFloat16*>(next.input(m));
+      p.out = static_cast<BFloat16*>(next.input(m));
     }
     p.rows = rows;
     p.dim = h;
     p.eps = static_cast<float>(c.rms_norm_eps);
     TP_RETURN_IF_ERROR(LaunchRmsNorm(p, st));
     if (!fp8 || !next_w.dynamic) return Status::Ok();
-    return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
+    return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m), true);
   };
 
   const BFloat16* pending = nullptr;  // the block output still to be added to x
@@ -410,7 +417,8 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     at.kv_heads = nkv_l;
     at.head_dim = hd;
     TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
-    if (fp8) TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
+    if (fp8)
+      TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m), false));
     TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data()));
 
     TP_RETURN_IF_ERROR(add_norm(o_out_.as<BFloat16>(), lw.post_norm, *gate_up, lw.gate_up));
@@ -420,14 +428,17 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     if (fp8 && !lw.down.dynamic) {
       sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
       sw.out_fp8_scale = lw.down.x_scale();
+    } else if (fp8) {  // dynamic: BF16 staging and its amax
+      sw.out = act_.as<BFloat16>();
+      sw.out_amax = amax_.as<float>();
     } else {
-      sw.out = fp8 ? act_.as<BFloat16>() : static_cast<BFloat16*>(down->input(m));
+      sw.out = static_cast<BFloat16*>(down->input(m));
     }
     sw.rows = m;
     sw.inter = inter_l;
     TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
     if (fp8 && lw.down.dynamic) {
-      TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
+      TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m), true));
     }
     TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data()));
     pending = down_out_.as<BFloat16>();

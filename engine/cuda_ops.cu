@@ -112,6 +112,41 @@ __device__ float BlockSum(float v) {
   return warp_sums[0];
 }
 
+// Max over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+// fmaxf drops a NaN operand, so NaN values are skipped, as in layers/fp8.h's Amax.
+__device__ float BlockMax(float v) {
+  __shared__ float warp_maxes[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  if (lane == 0) warp_maxes[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < warps ? warp_maxes[lane] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    if (lane == 0) warp_maxes[0] = v;
+  }
+  __syncthreads();
+  return warp_maxes[0];
+}
+
+// The block's largest |bf16(y)| into *amax (zeroed by the launcher): one
+// atomic per block. Non-negative floats order as their bit patterns.
+__device__ __forceinline__ void BlockAmaxInto(float* amax, float local) {
+  const float m = BlockMax(local);
+  if (threadIdx.x == 0 && m > 0.0f) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
+}
+
+// |y| after rounding to BF16, as the BF16 output stores it.
+__device__ __forceinline__ float AbsBf16(float y) { return fabsf(Bf16ToFloat(FloatToBf16(y))); }
+
 __device__ __forceinline__ int64_t GlobalThread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
@@ -155,6 +190,7 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
   const float inv_rms = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
   const float fp8_scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
+  float amax = 0.0f;
 #pragma unroll
   for (int k = 0; k < kRmsVecsPerThread; ++k) {
     const int v = threadIdx.x + k * blockDim.x;
@@ -166,7 +202,12 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
     for (int i = 0; i < 8; ++i) y[i] = h[k][i] * inv_rms * w[i];
     if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + offset)[v] = PackBf16x8(y);
     if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8_scale);
+    if (p.out_amax != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
+    }
   }
+  if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -466,6 +507,7 @@ __global__ void SwiGluVecKernel(SwiGluParams p) {
   const int64_t total = p.rows * vecs_per_row;
   const float scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
   const uint4* in = reinterpret_cast<const uint4*>(p.gate_up);
+  float amax = 0.0f;
   for (int64_t v = GlobalThread(); v < total; v += GridThreads()) {
     const int64_t r = v / vecs_per_row;
     const int64_t c = v % vecs_per_row;
@@ -476,12 +518,18 @@ __global__ void SwiGluVecKernel(SwiGluParams p) {
     for (int i = 0; i < 8; ++i) y[i] = Silu(gate[i]) * up[i];
     if (p.out != nullptr) reinterpret_cast<uint4*>(p.out)[v] = PackBf16x8(y);
     if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + 8 * v, y, scale);
+    if (p.out_amax != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
+    }
   }
+  if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 }
 
 __global__ void SwiGluScalarKernel(SwiGluParams p) {
   const int64_t total = p.rows * p.inter;
   const float scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  float amax = 0.0f;
   const uint16_t* in = reinterpret_cast<const uint16_t*>(p.gate_up);
   for (int64_t i = GlobalThread(); i < total; i += GridThreads()) {
     const int64_t r = i / p.inter;
@@ -491,7 +539,9 @@ __global__ void SwiGluScalarKernel(SwiGluParams p) {
     const float y = Silu(gate) * up;
     if (p.out != nullptr) reinterpret_cast<uint16_t*>(p.out)[i] = FloatToBf16(y);
     if (p.out_fp8 != nullptr) p.out_fp8[i] = QuantizeE4M3(y, scale);
+    if (p.out_amax != nullptr) amax = fmaxf(amax, AbsBf16(y));
   }
+  if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -551,6 +601,18 @@ Status CheckScale(const char* params, const char* field, const float* scale) {
   return Status::Ok();
 }
 
+// An optional out_amax: checked (it is the BF16 output's amax, so `out`
+// must be set) and zeroed on `stream` before the kernel adds to it.
+Status ZeroAmax(const char* params, float* amax, const void* out, cudaStream_t stream) {
+  if (amax == nullptr) return Status::Ok();
+  if (out == nullptr) return NullField(params, "out", "when out_amax is set");
+  if (!IsAligned(amax, alignof(float))) {
+    return MisalignedField(params, "out_amax", alignof(float));
+  }
+  TP_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
@@ -574,6 +636,7 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
     return InvalidArgumentError(std::string(kP) +
                                 ": residual and residual_out must be both set or both null");
   }
+  TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));  // 0 rows: amax 0
   if (p.rows == 0) return Status::Ok();
   if (p.input == nullptr) return NullField(kP, "input");
   if (p.weight == nullptr) return NullField(kP, "weight");
@@ -709,6 +772,7 @@ Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream) {
   if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
     return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
   }
+  TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));  // 0 rows: amax 0
   if (p.rows == 0) return Status::Ok();
   if (p.gate_up == nullptr) return NullField(kP, "gate_up");
   if (!IsAligned(p.gate_up, 2)) return MisalignedField(kP, "gate_up", 2);

@@ -44,9 +44,13 @@ struct RmsNormParams {
   BFloat16* out = nullptr;               // optional
   uint8_t* out_fp8 = nullptr;            // optional; any alignment
   const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
-  int64_t rows = 0;                      // >= 0; 0 launches nothing
-  int64_t dim = 0;                       // multiple of 8, 8..16384
-  float eps = 1e-5f;                     // >= 0
+  // Optional (needs out): max |out| over every row, NaN skipped; zeroed by
+  // the launcher on the stream first (0 for 0 rows). Dynamic FP8 scaling
+  // reads it instead of a separate AbsMax pass over out.
+  float* out_amax = nullptr;
+  int64_t rows = 0;   // >= 0; 0 launches nothing
+  int64_t dim = 0;    // multiple of 8, 8..16384
+  float eps = 1e-5f;  // >= 0
 };
 Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
 
@@ -122,6 +126,7 @@ struct SwiGluParams {
   BFloat16* out = nullptr;               // optional
   uint8_t* out_fp8 = nullptr;            // optional
   const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
+  float* out_amax = nullptr;             // optional (needs out): as RmsNormParams::out_amax
   int64_t rows = 0;                      // >= 0; 0 launches nothing
   int64_t inter = 0;                     // >= 1
 };

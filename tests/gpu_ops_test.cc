@@ -190,6 +190,8 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_resi
                           PoisonedBuffer(DataType::kBFloat16, n, "residual_out", stream));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8,
                           PoisonedBuffer(DataType::kFloat8E4M3, n, "out_fp8", stream));
+  // Garbage in out_amax: the launcher must zero it first.
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_amax, Upload(std::vector<float>{1e30f}, "amax"));
 
   RmsNormParams p;
   p.input = d_x.as<BFloat16>();
@@ -201,6 +203,7 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_resi
   p.out = d_out.as<BFloat16>();
   p.out_fp8 = d_fp8.as<uint8_t>();
   p.out_fp8_scale = d_scale.as<float>();
+  p.out_amax = d_amax.as<float>();
   p.rows = rows;
   p.dim = dim;
   p.eps = eps;
@@ -211,6 +214,9 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_resi
   TP_ASSERT_OK_AND_ASSIGN(auto fp8, Download<uint8_t>(d_fp8.data(), n));
   ExpectBf16Near(out, ref, kBf16Rel, 1e-6, what);
   ExpectFp8Near(fp8, ref, scale, what + " fp8");
+  // out_amax: exactly the largest |out| the kernel stored.
+  TP_ASSERT_OK_AND_ASSIGN(auto amax, Download<float>(d_amax.data(), 1));
+  EXPECT_EQ(amax[0], Amax(Widen(out))) << what;
   if (with_residual) {
     TP_ASSERT_OK_AND_ASSIGN(auto res_out, Download<BFloat16>(d_res_out.data(), n));
     size_t mismatches = 0;
@@ -482,11 +488,13 @@ void CheckSwiGlu(cudaStream_t stream, int64_t rows, int64_t inter, uint32_t seed
                           PoisonedBuffer(DataType::kBFloat16, rows * inter, "out", stream));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8,
                           PoisonedBuffer(DataType::kFloat8E4M3, rows * inter, "out_fp8", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_amax, Upload(std::vector<float>{1e30f}, "amax"));
   SwiGluParams p;
   p.gate_up = d_in.as<BFloat16>();
   p.out = d_out.as<BFloat16>();
   p.out_fp8 = d_fp8.as<uint8_t>();
   p.out_fp8_scale = d_scale.as<float>();
+  p.out_amax = d_amax.as<float>();
   p.rows = rows;
   p.inter = inter;
   TP_ASSERT_OK(LaunchSwiGlu(p, stream));
@@ -495,6 +503,8 @@ void CheckSwiGlu(cudaStream_t stream, int64_t rows, int64_t inter, uint32_t seed
   TP_ASSERT_OK_AND_ASSIGN(auto fp8, Download<uint8_t>(d_fp8.data(), rows * inter));
   ExpectBf16Near(out, ref, kBf16Rel, 1e-6, what);
   ExpectFp8Near(fp8, ref, scale, what + " fp8");
+  TP_ASSERT_OK_AND_ASSIGN(auto amax, Download<float>(d_amax.data(), 1));
+  EXPECT_EQ(amax[0], Amax(Widen(out))) << what;
 }
 
 TEST_F(GpuOpsTest, SwiGluMatchesReference) {
@@ -663,6 +673,18 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     RmsNormParams p = norm;
     p.residual = bf;
     ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "residual_out");
+  }
+  {
+    // out_amax is the BF16 output's amax: refused without out, and misaligned.
+    RmsNormParams p = norm;
+    p.out = nullptr;
+    p.out_fp8 = bytes;
+    p.out_fp8_scale = scale;
+    p.out_amax = scale;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "when out_amax is set");
+    p.out = bf;
+    p.out_amax = reinterpret_cast<float*>(bytes + 2);
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "out_amax");
   }
   {
     RmsNormParams p = norm;
