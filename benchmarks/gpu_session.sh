@@ -63,6 +63,16 @@ reference_case() {
   fi
   rm -rf "/tmp/ref-$tag"
 }
+# Calls FN once per case of SPECS (cases separated by ';'), with the case's
+# words as its arguments: each_case SPECS FN.
+each_case() {
+  local specs spec
+  IFS=';' read -ra specs <<< "$1"
+  for spec in "${specs[@]}"; do
+    # shellcheck disable=SC2086  # the case's words are the arguments
+    "$2" $spec
+  done
+}
 case "$part" in
   tests)
     { nvidia-smi; nvidia-smi topo -m; } > "$out/nvidia-smi.txt" 2>&1
@@ -108,12 +118,11 @@ PY
     # layers, on the tiny model (CUDA and the CPU reference engine), and on
     # all 32 layers with the scaled init, a few positions each.
     # REFSWEEP: cases separated by ';', each "model layers backend init seqs len".
-    IFS=';' read -ra specs <<< "${REFSWEEP:-tiny 0 cuda plain 4 125;tiny 0 cpu plain 4 125;llama3-8b 1 cuda plain 2 50;llama3-8b 4 cuda plain 2 50;llama3-8b 32 cuda scaled 8 125}"
-    for spec in "${specs[@]}"; do
-      set -- $spec
+    refsweep_case() {  # model layers backend init seqs len
       reference_case "$1-L$2-$3-$4" 300 'top-1 agreement|Error' 1 --model "$1" --layers "$2" \
         --backend "$3" --init "$4" --seqs "$5" --len "$6"
-    done
+    }
+    each_case "${REFSWEEP:-tiny 0 cuda plain 4 125;tiny 0 cpu plain 4 125;llama3-8b 1 cuda plain 2 50;llama3-8b 4 cuda plain 2 50;llama3-8b 32 cuda scaled 8 125}" refsweep_case
     ;;
   trained)
     # The reference with confident predictions: the LM head trained on a
@@ -123,14 +132,14 @@ PY
     # "dtype init ringce" (served with every layer in mode ring on copy engines,
     # 2 chunks, instead of mode none).
     cfg=$(ring_ce_config)
-    IFS=';' read -ra specs <<< "${TRAINED:-fp8 scaled;bf16 scaled}"
-    for spec in "${specs[@]}"; do
-      set -- $spec
-      overlap=(); [ "${3:-}" = ringce ] && overlap=(--overlap-config "$cfg")
+    trained_case() {  # dtype init [ringce]
+      local overlap=()
+      [ "${3:-}" = ringce ] && overlap=(--overlap-config "$cfg")
       reference_case "llama3-8b-L32-cuda-$2-$1-markov${3:+-$3}" 330 \
         'head training: held|top-1 agreement|Error' 4 --model llama3-8b --head markov \
         --dtype "$1" --init "$2" --seqs 8 --len 125 "${overlap[@]}"
-    done
+    }
+    each_case "${TRAINED:-fp8 scaled;bf16 scaled}" trained_case
     ;;
   selfcheck)
     # How far tpserve lands from itself: the same checkpoint and prompts served
@@ -139,12 +148,11 @@ PY
     # of their additions, next to tpserve vs PyTorch from the same run.
     # SELFCHECK: cases separated by ';', each "model layers init seqs len".
     cfg=$(ring_ce_config)
-    IFS=';' read -ra specs <<< "${SELFCHECK:-llama3-8b 32 scaled 8 125;llama3-8b 1 plain 2 50}"
-    for spec in "${specs[@]}"; do
-      set -- $spec
+    selfcheck_case() {  # model layers init seqs len
       reference_case "$1-L$2-cuda-$3-selfcheck" 400 'top-1 agreement|Error' 3 --model "$1" \
         --layers "$2" --init "$3" --seqs "$4" --len "$5" --compare-overlap "$cfg"
-    done
+    }
+    each_case "${SELFCHECK:-llama3-8b 32 scaled 8 125;llama3-8b 1 plain 2 50}" selfcheck_case
     ;;
   e2e)
     # The server's e2e suite (every RPC, bad inputs, 64 concurrent requests,

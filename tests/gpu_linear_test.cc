@@ -92,6 +92,15 @@ std::vector<Config> AllConfigs() {
   return out;
 }
 
+// Rank r's layer `name` for problem p with `knobs`, prepared for p.m rows.
+StatusOr<std::unique_ptr<CudaLinear>> PreparedLayer(const std::string& name, const LinearProblem& p,
+                                                    const LinearKnobs& knobs, NcclCommPool& pool) {
+  CudaLinearShape shape{p.op, p.dtype, p.m, p.n_local(), p.k_local()};
+  TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create(name, shape, knobs, pool));
+  TP_RETURN_IF_ERROR(layer->Prepare(p.m));
+  return layer;
+}
+
 // Runs `problem` through a CudaLinear with `knobs` on every rank; returns the
 // ranks' outputs (poisoned before the run).
 StatusOr<std::vector<std::vector<BFloat16>>> RunOnGpus(NcclThreadGroup& group,
@@ -100,9 +109,7 @@ StatusOr<std::vector<std::vector<BFloat16>>> RunOnGpus(NcclThreadGroup& group,
   std::vector<std::vector<BFloat16>> y(p.tp);
   TP_RETURN_IF_ERROR(group.Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(p, r));
-    CudaLinearShape shape{p.op, p.dtype, p.m, p.n_local(), p.k_local()};
-    TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("test.layer", shape, knobs, group.pool(r)));
-    TP_RETURN_IF_ERROR(layer->Prepare(p.m));
+    TP_ASSIGN_OR_RETURN(auto layer, PreparedLayer("test.layer", p, knobs, group.pool(r)));
     TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
     TP_CUDA_CHECK(cudaMemcpy(layer->input(p.m), p.x_local[r].data(), p.x_local[r].size(),
                              cudaMemcpyHostToDevice));
@@ -282,10 +289,7 @@ TEST_F(GpuLinearTest, AClosedLayerRefusesPrepareAndRun) {
   std::vector<Status> prepare(kTp), run(kTp);
   const Status s = group_->Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(*p, r));
-    CudaLinearShape shape{p->op, p->dtype, p->m, p->n_local(), p->k_local()};
-    TP_ASSIGN_OR_RETURN(auto layer,
-                        CudaLinear::Create("test.closed", shape, knobs, group_->pool(r)));
-    TP_RETURN_IF_ERROR(layer->Prepare(m));
+    TP_ASSIGN_OR_RETURN(auto layer, PreparedLayer("test.closed", *p, knobs, group_->pool(r)));
     TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
     TP_ASSIGN_OR_RETURN(DeviceBuffer dy,
                         DeviceBuffer::Allocate(layer->output_elements(m) * 2 + 16, "test.y"));
@@ -323,10 +327,7 @@ TEST_F(GpuLinearTest, ARefusedRunEnqueuesNothingAndTheLayerStaysUsable) {
     std::vector<std::vector<BFloat16>> y(kTp);
     const Status s = group_->Run([&](int r) -> Status {
       TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(*p, r));
-      CudaLinearShape shape{p->op, p->dtype, p->m, p->n_local(), p->k_local()};
-      TP_ASSIGN_OR_RETURN(auto layer,
-                          CudaLinear::Create("test.misaligned", shape, knobs, group_->pool(r)));
-      TP_RETURN_IF_ERROR(layer->Prepare(m));
+      TP_ASSIGN_OR_RETURN(auto layer, PreparedLayer("test.misaligned", *p, knobs, group_->pool(r)));
       TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
       TP_CUDA_CHECK(cudaMemcpy(layer->input(m), p->x_local[r].data(), p->x_local[r].size(),
                                cudaMemcpyHostToDevice));
