@@ -24,12 +24,19 @@
 #           GPUs) under a tpserve-loadtest concurrency sweep
 #   stress  copy-engine layers in the process model, ITERS (default 3000) graph
 #           replays per case, then 10 replays alternating two inputs, checked against eager
+#   sustained  the whole model (8x1024) with the overlap config and variants of it made by
+#           line edits (1 chunk everywhere; only the row- or column-parallel layers
+#           overlapped; gate_up not overlapped), all interleaved round by round in one
+#           process: which per-layer choices pay under the GPUs' sustained power limit
+#   ab      the model benchmark of this build against a base build staged as
+#           .gpu/bin/tpserve-bench-model-base (commit BASE_COMMIT), processes alternating
+#           base, new, base, new with static input scales, then base, new with dynamic ones
 # TP=N (default 2) runs the layer check, overlap, model and load parts on N
 # GPUs (the tests part's tiny-model run stays at 2: 4 KV heads), with
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|model|load|stress}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|model|load|stress|sustained|ab}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -247,6 +254,39 @@ CASES
     passes=$(grep -c -- "-> PASS" "$out/stress.log")
     echo "PASS lines: $passes of $((5 * tp))"
     [ "$passes" -eq $((5 * tp)) ] || rc=1
+    ;;
+  sustained)
+    base=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}
+    # Entries are one line each (flow style), so each variant is a line edit.
+    sed 's/chunks: [0-9]*,/chunks: 1,/' "$base" > /tmp/overlap-c1.yaml
+    grep -v "op: ag_gemm" "$base" > /tmp/overlap-rs-only.yaml
+    grep -v "op: gemm_rs" "$base" > /tmp/overlap-ag-only.yaml
+    grep -v "op: ag_gemm, n: 57344" "$base" > /tmp/overlap-no-gate-up.yaml
+    cp /tmp/overlap-{c1,rs-only,ag-only,no-gate-up}.yaml "$out/"
+    timeout 300 .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b --layers 0 \
+      --batches 8x1024 --rounds ${ROUNDS:-10} --commit "$commit" \
+      --overlap "$base" /tmp/overlap-{c1,rs-only,ag-only,no-gate-up}.yaml \
+      --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-sustained-variants-$commit.json" \
+      > "$out/sustained.log" 2>&1 || rc=1
+    grep -E "tokens/s|error" "$out/sustained.log"
+    ;;
+  ab)
+    # The same benchmark from two builds, alternating, so that the GPUs'
+    # state drifts over both alike.
+    base_commit=${BASE_COMMIT:?BASE_COMMIT names the base build}
+    i=0
+    for run in static:base static:new static:base static:new dynamic:base dynamic:new; do
+      i=$((i + 1)); scales=${run%%:*} which=${run##*:}
+      bin=.gpu/bin/tpserve-bench-model; c=$commit
+      [ "$which" = base ] && { bin=.gpu/bin/tpserve-bench-model-base; c=$base_commit; }
+      flag=""; [ "$scales" = dynamic ] && flag=--dynamic-input-scales
+      echo "== $which ($c) $scales"
+      timeout 120 $bin --tp $tp --model llama3-70b --layers 0 --batches 8x1024 --rounds ${ROUNDS:-10} \
+        --overlap deploy/overlap-llama3-70b-tp$tp.yaml --commit "$c" $flag \
+        --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-ab-$i-$scales-$which-$c.json" \
+        > "$out/ab-$i-$scales-$which.log" 2>&1 || rc=1
+      grep -E "tokens/s|error" "$out/ab-$i-$scales-$which.log" | tail -2
+    done
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -121,7 +121,6 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(down_out_, Alloc(rows * h * 2, "down_out"));
   TP_ASSIGN_OR_RETURN(normed_, Alloc(rows * h * 2, "normed"));
   TP_ASSIGN_OR_RETURN(qkv_out_, Alloc(m * qkv_n * 2, "qkv_out"));
-  TP_ASSIGN_OR_RETURN(attn_, Alloc(m * attn_n * 2, "attn"));
   TP_ASSIGN_OR_RETURN(gate_up_out_, Alloc(m * 2 * inter_l * 2, "gate_up_out"));
   TP_ASSIGN_OR_RETURN(full_, Alloc(m * h * 2, "full_normed"));
   TP_ASSIGN_OR_RETURN(last_, Alloc(seqs * h * 2, "last_rows"));
@@ -130,8 +129,10 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
   if (dynamic_inputs_) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
-    // and SwiGLU's BF16 output staged for down's amax.
+    // and the BF16 outputs of attention and SwiGLU staged for o's and down's
+    // quantization (static scales quantize in those kernels).
     TP_ASSIGN_OR_RETURN(amax_, Alloc((4 + tp_) * 4, "input_amax"));
+    TP_ASSIGN_OR_RETURN(attn_, Alloc(m * attn_n * 2, "attn"));
     TP_ASSIGN_OR_RETURN(act_, Alloc(m * inter_l * 2, "swiglu_out"));
   }
   spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank_, tp_,
@@ -324,18 +325,13 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   NcclCommunicator& comm = pool_->base();
   // A TP layer's FP8 input from `count` BF16 values at `src`, quantized
   // with the layer's x_scale (which its GEMM reads). A dynamic layer first
-  // sets x_scale from this batch: the amax (in amax_[0] already when the
-  // producer wrote it, `amax_ready`), the largest over all ranks' parts (the
-  // whole input's, as an unsharded model computes it, and one scale for a
-  // gathered operand).
-  auto quantize = [&](const BFloat16* src, int64_t count, const Linear& w, void* out,
-                      bool amax_ready) -> Status {
+  // sets x_scale from this batch: the amax of `src`, which its producer
+  // (RMSNorm, attention, SwiGLU) left in amax_[0], the largest over all
+  // ranks' parts (the whole input's, as an unsharded model computes it, and
+  // one scale for a gathered operand).
+  auto quantize = [&](const BFloat16* src, int64_t count, const Linear& w, void* out) -> Status {
     if (w.dynamic) {
       float* amax = amax_.as<float>();
-      if (!amax_ready) {
-        TP_RETURN_IF_ERROR(
-            LaunchAbsMax({src, DataType::kBFloat16, static_cast<size_t>(count), amax}, st));
-      }
       const bool gather = tp_ > 1;
       if (gather) TP_RETURN_IF_ERROR(comm.AllGather(amax, amax + 4, sizeof(float), st));
       TP_RETURN_IF_ERROR(LaunchScaleFromAmax(gather ? amax + 4 : amax, gather ? tp_ : 1,
@@ -373,7 +369,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     p.eps = static_cast<float>(c.rms_norm_eps);
     TP_RETURN_IF_ERROR(LaunchRmsNorm(p, st));
     if (!fp8 || !next_w.dynamic) return Status::Ok();
-    return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m), true);
+    return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
   };
 
   const BFloat16* pending = nullptr;  // the block output still to be added to x
@@ -406,9 +402,20 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     at.k_row_stride = qkv_n_l;
     at.v = qkv_y + (nh_l + nkv_l) * hd;
     at.v_row_stride = qkv_n_l;
-    // BF16 layers read the attention output straight from o's input.
-    at.out = fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m));
-    at.out_row_stride = nh_l * hd;
+    // Into o's input: BF16 layers read the output as is; FP8 layers with a static scale get
+    // its E4M3 codes from the kernel; dynamic ones stage BF16 and its amax for `quantize`.
+    if (!fp8) {
+      at.out = static_cast<BFloat16*>(o->input(m));
+      at.out_row_stride = nh_l * hd;
+    } else if (!lw.o.dynamic) {
+      at.out_fp8 = static_cast<uint8_t*>(o->input(m));
+      at.out_fp8_row_stride = nh_l * hd;
+      at.out_fp8_scale = lw.o.x_scale();
+    } else {
+      at.out = attn_.as<BFloat16>();
+      at.out_row_stride = nh_l * hd;
+      at.out_amax = amax_.as<float>();
+    }
     at.cu_seqlens = cu_seqlens_.as<int32_t>();
     at.num_seqs = seq_slots;
     at.tokens = m;
@@ -417,8 +424,9 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     at.kv_heads = nkv_l;
     at.head_dim = hd;
     TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
-    if (fp8)
-      TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m), false));
+    if (fp8 && lw.o.dynamic) {
+      TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
+    }
     TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data()));
 
     TP_RETURN_IF_ERROR(add_norm(o_out_.as<BFloat16>(), lw.post_norm, *gate_up, lw.gate_up));
@@ -438,7 +446,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     sw.inter = inter_l;
     TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
     if (fp8 && lw.down.dynamic) {
-      TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m), true));
+      TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
     }
     TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data()));
     pending = down_out_.as<BFloat16>();

@@ -160,13 +160,14 @@ class CudaModel {
   DeviceBuffer embed_, final_norm_, lm_head_;
   // Batch metadata and activations.
   DeviceBuffer ids_, positions_, cu_seqlens_, error_flag_;
-  DeviceBuffer x_, o_out_, down_out_, normed_, qkv_out_, attn_, gate_up_out_, full_, last_,
-      logits_local_, logits_all_;
+  DeviceBuffer x_, o_out_, down_out_, normed_, qkv_out_, gate_up_out_, full_, last_, logits_local_,
+      logits_all_;
   CublasLtGemm lm_gemm_;
   // Layers with dynamic FP8 input scales, and what they need (allocated
-  // only then): amaxes [4 + tp] floats, SwiGLU's BF16 output [max_m, I/tp].
+  // only then): amaxes [4 + tp] floats, attention's BF16 output
+  // [max_m, heads/tp x head_dim], SwiGLU's BF16 output [max_m, I/tp].
   bool dynamic_inputs_ = false;
-  DeviceBuffer amax_, act_;
+  DeviceBuffer amax_, attn_, act_;
   std::map<std::string, std::unique_ptr<CudaLinear>> linears_;  // by op/shape/knobs
   size_t weight_bytes_ = 0;
   // Last member: destroyed first, before the layers and buffers it uses.

@@ -334,8 +334,13 @@ __global__ void __launch_bounds__(kAttnThreads)
       reinterpret_cast<const uint16_t*>(p.k) + begin * p.k_row_stride + kv_head * kHeadDim;
   const uint16_t* v_base =
       reinterpret_cast<const uint16_t*>(p.v) + begin * p.v_row_stride + kv_head * kHeadDim;
-  uint16_t* out_base =
-      reinterpret_cast<uint16_t*>(p.out) + begin * p.out_row_stride + head * kHeadDim;
+  uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
+                                              begin * p.out_row_stride + head * kHeadDim
+                                        : nullptr;
+  uint8_t* fp8_base =
+      p.out_fp8 != nullptr ? p.out_fp8 + begin * p.out_fp8_row_stride + head * kHeadDim : nullptr;
+  const float fp8_scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  float amax = 0.0f;  // of the BF16-rounded values this thread stores (out_amax)
 
   // Tiles from the last (the most keys) down, so the heaviest are scheduled first (blockIdx.y
   // varies slowest). Every condition below is uniform over the block, so the __syncthreads
@@ -480,21 +485,34 @@ __global__ void __launch_bounds__(kAttnThreads)
       // Every real row sees its own key, so its sum is >= 1; rows past len are not stored.
       inv_sum[i] = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;
     }
-    if (row_lo < len) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out_base + row_lo * p.out_row_stride);
+    // This thread's two adjacent values per n8 tile of each of its rows: BF16, and/or the
+    // E4M3 codes of those BF16 values (what a quantize pass over `out` would give).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = half == 0 ? row_lo : row_hi;
+      if (row >= len) continue;
+      uint32_t* dst = out_base != nullptr
+                          ? reinterpret_cast<uint32_t*>(out_base + row * p.out_row_stride)
+                          : nullptr;
+      uint16_t* dst_fp8 = fp8_base != nullptr
+                              ? reinterpret_cast<uint16_t*>(fp8_base + row * p.out_fp8_row_stride)
+                              : nullptr;
 #pragma unroll
       for (int dt = 0; dt < kDimTiles; ++dt) {
-        dst[dt * 4 + t] = PackBf16x2(o[dt][0] * inv_sum[0], o[dt][1] * inv_sum[0]);
-      }
-    }
-    if (row_hi < len) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out_base + row_hi * p.out_row_stride);
-#pragma unroll
-      for (int dt = 0; dt < kDimTiles; ++dt) {
-        dst[dt * 4 + t] = PackBf16x2(o[dt][2] * inv_sum[1], o[dt][3] * inv_sum[1]);
+        const uint32_t pair =
+            PackBf16x2(o[dt][2 * half] * inv_sum[half], o[dt][2 * half + 1] * inv_sum[half]);
+        if (dst != nullptr) dst[dt * 4 + t] = pair;
+        const float lo = Bf16ToFloat(pair & 0xFFFFu), hi = Bf16ToFloat(pair >> 16);
+        if (dst_fp8 != nullptr) {
+          dst_fp8[dt * 4 + t] = static_cast<uint16_t>(QuantizeE4M3(lo, fp8_scale) |
+                                                      (QuantizeE4M3(hi, fp8_scale) << 8));
+        }
+        if (p.out_amax != nullptr) amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
       }
     }
   }
+  // Every thread of the block gets here (the tile loop's bounds are uniform).
+  if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -716,20 +734,30 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   if (p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max()) {
     return BadField(kP, "tokens", p.tokens, "must be in [0, 2^31 - 1] (cu_seqlens are int32)");
   }
+  if (p.out == nullptr && p.out_fp8 == nullptr) {
+    return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
+  }
+  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
+    return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
+  }
   const struct {
     const char* name;
     int64_t stride;
     int64_t min;
-  } strides[] = {{"q_row_stride", p.q_row_stride, p.q_heads * p.head_dim},
-                 {"k_row_stride", p.k_row_stride, p.kv_heads * p.head_dim},
-                 {"v_row_stride", p.v_row_stride, p.kv_heads * p.head_dim},
-                 {"out_row_stride", p.out_row_stride, p.q_heads * p.head_dim}};
+    bool used;
+  } strides[] = {
+      {"q_row_stride", p.q_row_stride, p.q_heads * p.head_dim, true},
+      {"k_row_stride", p.k_row_stride, p.kv_heads * p.head_dim, true},
+      {"v_row_stride", p.v_row_stride, p.kv_heads * p.head_dim, true},
+      {"out_row_stride", p.out_row_stride, p.q_heads * p.head_dim, p.out != nullptr},
+      {"out_fp8_row_stride", p.out_fp8_row_stride, p.q_heads * p.head_dim, p.out_fp8 != nullptr}};
   for (const auto& s : strides) {
-    if (s.stride < s.min || s.stride % 8 != 0) {
+    if (s.used && (s.stride < s.min || s.stride % 8 != 0)) {
       return BadField(kP, s.name, s.stride,
                       "must be a multiple of 8 and >= heads * head_dim (" + Str(s.min) + ")");
     }
   }
+  TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));  // nothing to attend: amax 0
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
   if (p.max_seqlen < 1) return BadField(kP, "max_seqlen", p.max_seqlen, "must be >= 1");
   if (p.num_seqs * p.q_heads > kMaxGridX) {
@@ -739,11 +767,17 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   const struct {
     const char* name;
     const void* ptr;
-  } tensors[] = {{"q", p.q}, {"k", p.k}, {"v", p.v}, {"out", p.out}};
+    bool required;
+  } tensors[] = {{"q", p.q, true},
+                 {"k", p.k, true},
+                 {"v", p.v, true},
+                 {"out", p.out, false},
+                 {"out_fp8", p.out_fp8, false}};
   for (const auto& t : tensors) {
-    if (t.ptr == nullptr) return NullField(kP, t.name);
+    if (t.ptr == nullptr && t.required) return NullField(kP, t.name);
     if (!IsAligned(t.ptr, 16)) return MisalignedField(kP, t.name, 16);
   }
+  if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
   if (p.cu_seqlens == nullptr) return NullField(kP, "cu_seqlens");
   if (!IsAligned(p.cu_seqlens, 4)) return MisalignedField(kP, "cu_seqlens", 4);
 

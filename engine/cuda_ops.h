@@ -86,6 +86,7 @@ Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 //   q: [tokens, q_heads, head_dim], row stride q_row_stride
 //   k, v: [tokens, kv_heads, head_dim], row strides k_row_stride, v_row_stride
 //   out: [tokens, q_heads, head_dim], row stride out_row_stride; must not overlap q, k or v
+//   out_fp8 (and/or out): the same in E4M3 codes, row stride out_fp8_row_stride
 // Flash-attention-2 style: tensor-core BF16 MMAs with FP32 accumulation, online softmax in
 // FP32, the probabilities rounded to BF16 for the P.V product. Memory is O(tokens): no
 // [seq, seq] matrix exists anywhere.
@@ -102,16 +103,23 @@ struct AttentionParams {
   const BFloat16* k = nullptr;
   int64_t k_row_stride = 0;  // >= kv_heads * head_dim
   const BFloat16* v = nullptr;
-  int64_t v_row_stride = 0;  // >= kv_heads * head_dim
-  BFloat16* out = nullptr;
-  int64_t out_row_stride = 0;           // >= q_heads * head_dim
-  const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
-  int64_t num_seqs = 0;                 // >= 0; 0 launches nothing
-  int64_t tokens = 0;                   // >= 0; 0 launches nothing
-  int64_t max_seqlen = 0;               // longest sequence (>= 1 when tokens > 0)
-  int64_t q_heads = 0;                  // multiple of kv_heads
-  int64_t kv_heads = 0;                 // >= 1
-  int64_t head_dim = 0;                 // 64 or 128
+  int64_t v_row_stride = 0;    // >= kv_heads * head_dim
+  BFloat16* out = nullptr;     // optional when out_fp8 is set
+  int64_t out_row_stride = 0;  // >= q_heads * head_dim (when out is set)
+  // Optional fused quantization for an FP8 consumer (o's input): E4M3 codes of the
+  // BF16-rounded output divided by *out_fp8_scale, bit-identical to LaunchQuantizeToFp8E4M3
+  // run over `out`. Row stride out_fp8_row_stride (>= q_heads * head_dim, a multiple of 8).
+  uint8_t* out_fp8 = nullptr;
+  int64_t out_fp8_row_stride = 0;
+  const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
+  float* out_amax = nullptr;             // optional (needs out): as RmsNormParams::out_amax
+  const int32_t* cu_seqlens = nullptr;   // [num_seqs + 1]
+  int64_t num_seqs = 0;                  // >= 0; 0 launches nothing
+  int64_t tokens = 0;                    // >= 0; 0 launches nothing
+  int64_t max_seqlen = 0;                // longest sequence (>= 1 when tokens > 0)
+  int64_t q_heads = 0;                   // multiple of kv_heads
+  int64_t kv_heads = 0;                  // >= 1
+  int64_t head_dim = 0;                  // 64 or 128
 };
 Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream);
 

@@ -403,9 +403,18 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
 
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu_seqlens, "cu_seqlens"));
+  const float scale = SaturatingScale(ref);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scale, Upload(std::vector<float>{scale}, "scale"));
+  const int64_t out_elems = std::max<int64_t>(tokens * out_stride, 1);
+  // Run 1 stores every output: BF16, its E4M3 codes and its amax (garbage first: the
+  // launcher must zero it). Run 2 stores the codes only, as the FP8 model does.
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
-                          PoisonedBuffer(DataType::kBFloat16,
-                                         std::max<int64_t>(tokens * out_stride, 1), "out", stream));
+                          PoisonedBuffer(DataType::kBFloat16, out_elems, "out", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8,
+                          PoisonedBuffer(DataType::kFloat8E4M3, out_elems, "out_fp8", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8_only,
+                          PoisonedBuffer(DataType::kFloat8E4M3, out_elems, "out_fp8_only", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_amax, Upload(std::vector<float>{1e30f}, "amax"));
   AttentionParams p;
   p.q = d_qkv.as<BFloat16>();
   p.q_row_stride = stride;
@@ -415,6 +424,10 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
   p.v_row_stride = stride;
   p.out = d_out.as<BFloat16>();
   p.out_row_stride = out_stride;
+  p.out_fp8 = d_fp8.as<uint8_t>();
+  p.out_fp8_row_stride = out_stride;
+  p.out_fp8_scale = d_scale.as<float>();
+  p.out_amax = d_amax.as<float>();
   p.cu_seqlens = d_cu.as<int32_t>();
   p.num_seqs = num_seqs;
   p.tokens = tokens;
@@ -423,18 +436,42 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
   p.kv_heads = c.kv_heads;
   p.head_dim = hd;
   TP_ASSERT_OK(LaunchCausalAttention(p, stream));
+  AttentionParams fp8_only = p;
+  fp8_only.out = nullptr;
+  fp8_only.out_row_stride = 0;
+  fp8_only.out_amax = nullptr;
+  fp8_only.out_fp8 = d_fp8_only.as<uint8_t>();
+  TP_ASSERT_OK(LaunchCausalAttention(fp8_only, stream));
   TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
   TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), tokens * out_stride));
+  TP_ASSERT_OK_AND_ASSIGN(auto fp8, Download<uint8_t>(d_fp8.data(), tokens * out_stride));
+  TP_ASSERT_OK_AND_ASSIGN(auto fp8_only_codes,
+                          Download<uint8_t>(d_fp8_only.data(), tokens * out_stride));
+  TP_ASSERT_OK_AND_ASSIGN(auto amax, Download<float>(d_amax.data(), 1));
 
   std::vector<BFloat16> gpu(tokens * q_width);
-  size_t padding_written = 0;
+  size_t padding_written = 0, fp8_padding_written = 0, codes_wrong = 0, codes_differ = 0;
   for (int64_t r = 0; r < tokens; ++r) {
     std::copy_n(out.begin() + r * out_stride, q_width, gpu.begin() + r * q_width);
+    for (int64_t j = 0; j < q_width; ++j) {
+      const int64_t i = r * out_stride + j;
+      // Exactly the codes a quantize pass over the stored BF16 output gives.
+      codes_wrong += fp8[i] != FloatToFp8E4M3(BFloat16ToFloat(out[i]) / scale);
+      codes_differ += fp8_only_codes[i] != fp8[i];
+    }
     for (int64_t j = q_width; j < out_stride; ++j) {
-      padding_written += out[r * out_stride + j].bits != kBf16PoisonBits;
+      const int64_t i = r * out_stride + j;
+      padding_written += out[i].bits != kBf16PoisonBits;
+      fp8_padding_written +=
+          (fp8[i] != kFp8E4M3PoisonBits) + (fp8_only_codes[i] != kFp8E4M3PoisonBits);
     }
   }
   EXPECT_EQ(padding_written, 0u) << what << ": wrote past q_heads * head_dim";
+  EXPECT_EQ(fp8_padding_written, 0u) << what << ": out_fp8 written past q_heads * head_dim";
+  EXPECT_EQ(codes_wrong, 0u) << what << ": out_fp8 is not the E4M3 codes of out / scale";
+  EXPECT_EQ(codes_differ, 0u) << what << ": out_fp8 alone differs from out_fp8 beside out";
+  // out_amax: exactly the largest |out| stored (0 when no token was attended).
+  EXPECT_EQ(amax[0], Amax(Widen(gpu))) << what;
   const double v_max = MaxAbs(v_f);
   ExpectBf16Near(gpu, ref, kBf16Rel, std::ldexp(v_max, -8), what);
   double err_sq = 0, ref_sq = 0;
@@ -767,6 +804,25 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     p.cu_seqlens = ints;
     p.v = bf_misaligned;
     ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "v");
+  }
+  {
+    // The fused FP8 output: one output at least, its scale, its stride and alignment; and
+    // out_amax, the BF16 output's amax, only beside out.
+    AttentionParams p = attn;
+    p.out = nullptr;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "out and out_fp8 are both null");
+    p.out_fp8 = bytes;
+    p.out_fp8_row_stride = 8 * 128;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "out_fp8_scale");
+    p.out_fp8_scale = scale;
+    p.out_fp8_row_stride = 8 * 128 - 8;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "out_fp8_row_stride");
+    p.out_fp8_row_stride = 8 * 128;
+    p.out_fp8 = bytes + 8;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "out_fp8");
+    p.out_fp8 = bytes;
+    p.out_amax = scale;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "when out_amax is set");
   }
 
   SwiGluParams swiglu;
