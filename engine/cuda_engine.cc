@@ -153,16 +153,16 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
                engine->workers_.size());
   // Watched from now on: a worker that dies while loading cancels rank 0's
   // waits (SetUpRank's communicators hold cancel_).
-  if (!engine->workers_.empty()) {
-    engine->monitor_ = std::thread(&CudaEngine::MonitorWorkers, engine.get());
-  }
+  engine->watch_ = std::make_unique<WorkerWatch>(
+      engine->workers_, plan.spawn_ranks,
+      [e = engine.get()](const std::string& lost) { e->OnWorkerLost(lost); });
   auto rank0 = spawned.ok() ? SetUpRank(o, id, 0, plan.local_rank, engine->cancel_)
                             : StatusOr<RankState>(spawned.status());
   if (id_server.joinable()) id_server.join();
   Status ready = rank0.ok() ? served : rank0.status();
   if (ready.ok()) {
     {
-      std::lock_guard abort_lock(engine->abort_mu_);  // the monitor may abort it already
+      std::lock_guard abort_lock(engine->abort_mu_);  // the watch may abort it already
       engine->pool_ = std::move(rank0->pool);
     }
     engine->model_ = std::move(rank0->model);
@@ -187,51 +187,15 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
   return engine;
 }
 
-void CudaEngine::MonitorWorkers() {
-  // Blocks until a worker exits (WNOWAIT: StopWorkers reaps it later). Each
-  // worker is waited for by pid: another child of this process (one the
-  // embedding application started) must not be taken for a lost rank.
-  std::vector<pid_t> pids;
-  {
-    // StopWorkers rewrites workers_, but only after stopping_ is set.
-    std::lock_guard lock(monitor_mu_);
-    if (stopping_) return;
-    pids = workers_;
-  }
-  // The first worker that has exited, if any (without reaping it).
-  auto exited = [&]() -> std::optional<siginfo_t> {
-    for (pid_t pid : pids) {
-      siginfo_t one{};
-      if (waitid(P_PID, static_cast<id_t>(pid), &one, WEXITED | WNOWAIT | WNOHANG) == 0 &&
-          one.si_pid == pid) {
-        return one;
-      }
-    }
-    return std::nullopt;
-  };
-  std::optional<siginfo_t> gone;
-  while (!(gone = exited())) {
-    {
-      std::lock_guard lock(monitor_mu_);
-      if (stopping_) return;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  const siginfo_t& info = *gone;
-  // Held while the monitor uses pool_, so that the destructor cannot reset it
+void CudaEngine::OnWorkerLost(const std::string& lost) {
+  // Held while this uses pool_, so that the destructor cannot reset it
   // meanwhile; monitor_mu_ is not held during the abort: healthy() takes it,
   // and must answer while the communicators are being torn down.
   std::lock_guard abort_lock(abort_mu_);
   {
     std::lock_guard lock(monitor_mu_);
-    if (stopping_) return;
-    int rank = 0;
-    for (size_t i = 0; i < pids.size(); ++i) {
-      if (pids[i] == info.si_pid) rank = static_cast<int>(i) + 1;
-    }
-    lost_ = "worker rank " + std::to_string(rank) + " (pid " + std::to_string(info.si_pid) + ") " +
-            (info.si_code == CLD_EXITED ? "exited with status " + std::to_string(info.si_status)
-                                        : "was killed by signal " + std::to_string(info.si_status));
+    if (stopping_) return;  // workers exit when the engine stops
+    lost_ = lost;
     spdlog::error("CudaEngine: {}; aborting the communicators", lost_);
     cancel_->Cancel(lost_);
   }
@@ -250,6 +214,8 @@ CudaEngine::~CudaEngine() {
     std::lock_guard lock(monitor_mu_);
     stopping_ = true;
   }
+  // Workers exit from here on; a lost-worker call in progress ends first.
+  if (watch_ != nullptr) watch_->Stop();
   std::lock_guard lock(mu_);
   bool graceful = !broken_ && pool_ != nullptr;
   if (graceful) {
@@ -273,11 +239,10 @@ CudaEngine::~CudaEngine() {
   header_ = DeviceBuffer();
   payload_ = DeviceBuffer();
   {
-    std::lock_guard abort_lock(abort_mu_);  // not while the monitor aborts it
+    std::lock_guard abort_lock(abort_mu_);  // not while the watch aborts it
     pool_.reset();  // collective with the workers' own teardown when graceful
   }
   StopWorkers(graceful);
-  if (monitor_.joinable()) monitor_.join();  // it polls stopping_ every 20 ms
 }
 
 void CudaEngine::StopWorkers(bool graceful) {
@@ -372,13 +337,40 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
     TP_ASSIGN_OR_RETURN(id, UniqueIdFromEnv());
   }
   // This node's other ranks (a LeaderWorkerSet pod with several GPUs); they
-  // die with this process (PR_SET_PDEATHSIG in theirs).
+  // die with this process (PR_SET_PDEATHSIG in theirs). One that exits
+  // before the stop header cancels this rank's waits (while loading) or
+  // aborts its communicators (while serving), so that this process exits
+  // with an error naming it rather than waiting for a rank that is gone.
   std::vector<pid_t> local;
   if (!plan.spawn_ranks.empty()) {
     TP_ASSIGN_OR_RETURN(local, SpawnWorkers(options.worker_argv, options.tp, plan.spawn_ranks, id));
   }
+  auto cancel = std::make_shared<CancelFlag>();
+  std::mutex pool_mu;     // the watch's abort vs. st's set-up
+  RankState st;           // set under pool_mu once loaded
+  bool stopping = false;  // under pool_mu: the stop header came, workers exit now
+  // Declared after what it uses, so destroyed (stopped) before them on every return.
+  WorkerWatch watch(local, plan.spawn_ranks, [&](const std::string& lost) {
+    std::lock_guard lock(pool_mu);
+    if (stopping) return;
+    spdlog::error("worker rank {}: {}; aborting the communicators", plan.rank, lost);
+    cancel->Cancel(lost);
+    if (st.pool != nullptr) st.pool->Abort();
+  });
   spdlog::info("worker rank {}/{}: loading on GPU {}", plan.rank, plan.world_size, plan.local_rank);
-  TP_ASSIGN_OR_RETURN(RankState st, SetUpRank(options, id, plan.rank, plan.local_rank, nullptr));
+  {
+    StatusOr<RankState> set_up = SetUpRank(options, id, plan.rank, plan.local_rank, cancel);
+    if (!set_up.ok()) {
+      if (cancel->cancelled()) {
+        return UnavailableError(cancel->reason() + " while worker rank " +
+                                std::to_string(plan.rank) +
+                                " was loading: " + set_up.status().message());
+      }
+      return set_up.status();
+    }
+    std::lock_guard lock(pool_mu);
+    st = std::move(set_up).value();
+  }
   const RankInfo info{plan.rank, plan.world_size, plan.local_rank, "", 0};
   NcclCommunicator& comm = st.pool->base();
   TP_RETURN_IF_ERROR(comm.Barrier());
@@ -392,6 +384,11 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
     ++batches;
   }
   spdlog::info("worker rank {}: stop after {} batches", info.rank, batches);
+  {
+    std::lock_guard lock(pool_mu);
+    stopping = true;
+  }
+  watch.Stop();
   // Collective with rank 0's Close (CudaEngine's destructor).
   if (Status closed = st.model->Close(); !closed.ok()) {
     spdlog::warn("worker rank {}: closing the model: {}", info.rank, closed.ToString());

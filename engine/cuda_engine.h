@@ -10,7 +10,7 @@
 // rank runs CudaModel::Forward; rank 0 returns the logits. A stop header ends
 // the workers' loops.
 //
-// Failure: a monitor thread waits for the worker processes from the moment
+// Failure: a WorkerWatch waits for the worker processes from the moment
 // they are started. A worker that exits while the model loads ends Start()
 // within moments, naming the worker (the communicators' waits are cancelled,
 // CancelFlag), instead of at the deadline; one that exits while the engine
@@ -41,6 +41,7 @@
 #include "comm/nccl_communicator.h"
 #include "engine/cuda_model.h"
 #include "engine/engine.h"
+#include "engine/worker_watch.h"
 
 namespace tpserve {
 
@@ -87,8 +88,8 @@ class CudaEngine final : public Engine {
   explicit CudaEngine(CudaEngineOptions options) : options_(std::move(options)) {}
   void Fail(const Status& why);  // under mu_
   void StopWorkers(bool graceful);
-  void MonitorWorkers();           // the monitor thread
-  std::string LostWorker() const;  // what the monitor saw ("" if nothing)
+  void OnWorkerLost(const std::string& lost);  // on watch_'s thread
+  std::string LostWorker() const;              // what the watch saw ("" if nothing)
 
   CudaEngineOptions options_;
   std::vector<pid_t> workers_;
@@ -102,13 +103,13 @@ class CudaEngine final : public Engine {
   Status first_error_;
 
   mutable std::mutex monitor_mu_;  // guards stopping_ and lost_ (healthy() reads them)
-  std::mutex abort_mu_;            // the monitor's abort of pool_ vs. its set and reset
+  std::mutex abort_mu_;            // OnWorkerLost's abort of pool_ vs. its set and reset
   bool stopping_ = false;
   std::string lost_;
-  // Raised by the monitor with lost_: every communicator of pool_ holds it,
+  // Raised by OnWorkerLost with lost_: every communicator of pool_ holds it,
   // so waits during loading (before pool_ exists here) end too.
   std::shared_ptr<CancelFlag> cancel_ = std::make_shared<CancelFlag>();
-  std::thread monitor_;
+  std::unique_ptr<WorkerWatch> watch_;  // the workers, from the moment they start
   std::atomic<size_t> device_bytes_{0};
 };
 
