@@ -52,8 +52,9 @@ class Communicator {
   // then Recv) suits implementations whose Send does not wait for the peer.
   virtual Status SendRecv(const void* send_buf, size_t send_bytes, int send_peer, void* recv_buf,
                           size_t recv_bytes, int recv_peer, StreamHandle stream) {
-    if (send_peer >= 0) TP_RETURN_IF_ERROR(Send(send_buf, send_bytes, send_peer, stream));
-    if (recv_peer >= 0) TP_RETURN_IF_ERROR(Recv(recv_buf, recv_bytes, recv_peer, stream));
+    // Only -1 skips: another negative peer is a caller's error that Send/Recv report.
+    if (send_peer != -1) TP_RETURN_IF_ERROR(Send(send_buf, send_bytes, send_peer, stream));
+    if (recv_peer != -1) TP_RETURN_IF_ERROR(Recv(recv_buf, recv_bytes, recv_peer, stream));
     return Status::Ok();
   }
   virtual Status Broadcast(void* buf, size_t bytes, int root, StreamHandle stream) = 0;

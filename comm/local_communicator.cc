@@ -9,6 +9,8 @@
 #include <thread>
 #include <utility>
 
+#include "comm/deadline.h"
+
 namespace tpserve {
 namespace {
 
@@ -16,7 +18,7 @@ namespace {
 class LocalGroup {
  public:
   LocalGroup(int size, LocalCommOptions options)
-      : size_(size), options_(options), slots_(size, nullptr) {}
+      : size_(size), options_(options), slots_(size, nullptr), present_(size, false) {}
 
   int size() const { return size_; }
 
@@ -25,21 +27,29 @@ class LocalGroup {
     std::unique_lock lock(mu_);
     if (aborted_) return Aborted(what);
     const uint64_t gen = generation_;
+    present_[rank] = true;
     if (++arrived_ == size_) {
       arrived_ = 0;
+      present_.assign(size_, false);
       ++generation_;
       cv_.notify_all();
       return Status::Ok();
     }
     const bool done =
-        cv_.wait_for(lock, options_.timeout, [&] { return generation_ != gen || aborted_; });
+        cv_.wait_until(lock, DeadlineAfter(std::chrono::steady_clock::now(), options_.timeout),
+                       [&] { return generation_ != gen || aborted_; });
     if (generation_ != gen) return Status::Ok();
     if (!done) {
       aborted_ = true;
       cv_.notify_all();
+      std::string missing;
+      for (int r = 0; r < size_; ++r) {
+        if (!present_[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
       return DeadlineExceededError("local communicator: rank " + std::to_string(rank) + " waited " +
                                    std::to_string(options_.timeout.count()) + " ms in " + what +
-                                   " for its peers; group aborted");
+                                   " for its peers; rank(s) " + missing +
+                                   " did not arrive; group aborted");
     }
     return Aborted(what);
   }
@@ -64,7 +74,9 @@ class LocalGroup {
   Status TakeMessage(int src, int dst, void* buf, size_t bytes) {
     std::unique_lock lock(mu_);
     auto& box = mailboxes_[{src, dst}];
-    const bool got = cv_.wait_for(lock, options_.timeout, [&] { return !box.empty() || aborted_; });
+    const bool got =
+        cv_.wait_until(lock, DeadlineAfter(std::chrono::steady_clock::now(), options_.timeout),
+                       [&] { return !box.empty() || aborted_; });
     if (!box.empty()) {
       std::vector<std::byte> msg = std::move(box.front());
       box.pop_front();
@@ -112,6 +124,7 @@ class LocalGroup {
   uint64_t generation_ = 0;
   bool aborted_ = false;
   std::vector<const void*> slots_;
+  std::vector<bool> present_;  // ranks that have arrived at the current barrier
   std::map<std::pair<int, int>, std::deque<std::vector<std::byte>>> mailboxes_;
 };
 
@@ -248,7 +261,8 @@ Status RunOnLocalRanks(int size, const std::function<Status(Communicator&)>& fn,
   threads.reserve(size);
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
-      results[r] = fn(*comms[r]);
+      // An exception must fail this rank like an error, not end the process.
+      results[r] = CallCatching("rank " + std::to_string(r), [&] { return fn(*comms[r]); });
       if (!results[r].ok()) comms[r]->Abort();
     });
   }

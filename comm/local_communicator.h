@@ -29,7 +29,8 @@ StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicators(
 
 // Runs fn(comm) on `size` threads, one per rank, and returns the first non-OK
 // status in rank order (OK if all succeeded). A rank that fails aborts the
-// group so that the others do not wait for it until the timeout.
+// group so that the others do not wait for it until the timeout; an exception
+// thrown by fn fails its rank with INTERNAL ("rank r threw: ...").
 Status RunOnLocalRanks(int size, const std::function<Status(Communicator&)>& fn,
                        LocalCommOptions options = {});
 

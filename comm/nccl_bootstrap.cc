@@ -1,6 +1,7 @@
 #include "comm/nccl_bootstrap.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -24,6 +25,8 @@
 #include <utility>
 
 #include <spdlog/spdlog.h>
+
+#include "comm/deadline.h"
 
 extern char** environ;
 
@@ -339,6 +342,28 @@ bool IsOverriddenVar(const char* entry) {
   return false;
 }
 
+// This process's descriptors above stderr without FD_CLOEXEC (sockets and
+// files opened without it, here or in a library): a child must not hold
+// them (it would keep their ports and files open, also after we exit).
+// Best effort: empty without /proc.
+std::vector<int> InheritableFds() {
+  std::vector<int> fds;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return fds;
+  const int own = ::dirfd(dir);
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string_view name(entry->d_name);
+    int fd = -1;
+    const auto [end, ec] = std::from_chars(name.data(), name.data() + name.size(), fd);
+    if (ec != std::errc() || end != name.data() + name.size()) continue;
+    if (fd <= STDERR_FILENO || fd == own) continue;
+    const int flags = ::fcntl(fd, F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC) == 0) fds.push_back(fd);
+  }
+  ::closedir(dir);
+  return fds;
+}
+
 void KillAndReap(const std::vector<pid_t>& pids) {
   for (pid_t pid : pids) ::kill(pid, SIGKILL);
   for (pid_t pid : pids) {
@@ -351,7 +376,7 @@ void KillAndReap(const std::vector<pid_t>& pids) {
 }  // namespace
 
 Status ReapWorkers(const std::vector<pid_t>& pids, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = DeadlineAfter(std::chrono::steady_clock::now(), timeout);
   std::vector<bool> done(pids.size(), false);
   std::string failures;
   auto note = [&](size_t i, const std::string& what) {
@@ -359,6 +384,14 @@ Status ReapWorkers(const std::vector<pid_t>& pids, std::chrono::milliseconds tim
                 " (pid " + std::to_string(pids[i]) + ") " + what;
   };
   size_t left = pids.size();
+  // waitpid and kill read 0 and negative pids as process groups (-1: every
+  // process we may signal): never pass them on.
+  for (size_t i = 0; i < pids.size(); ++i) {
+    if (pids[i] > 0) continue;
+    done[i] = true;
+    --left;
+    note(i, "is not a process id");
+  }
   while (left > 0) {
     for (size_t i = 0; i < pids.size(); ++i) {
       if (done[i]) continue;
@@ -574,6 +607,22 @@ StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, 
     ~AttrGuard() { ::posix_spawnattr_destroy(a); }
   } attr_guard{&attr};
 
+  // The children start with stdin, stdout and stderr only.
+  posix_spawn_file_actions_t actions;
+  if (const int err = ::posix_spawn_file_actions_init(&actions); err != 0) {
+    return InternalError("SpawnWorkers: posix_spawn_file_actions_init: " + ErrnoText(err));
+  }
+  struct ActionsGuard {
+    posix_spawn_file_actions_t* a;
+    ~ActionsGuard() { ::posix_spawn_file_actions_destroy(a); }
+  } actions_guard{&actions};
+  for (int fd : InheritableFds()) {
+    if (const int err = ::posix_spawn_file_actions_addclose(&actions, fd); err != 0) {
+      return InternalError("SpawnWorkers: posix_spawn_file_actions_addclose(" + std::to_string(fd) +
+                           "): " + ErrnoText(err));
+    }
+  }
+
   std::vector<pid_t> pids;
   for (size_t i = 0; i < ranks.size(); ++i) {
     const int rank = ranks[i];
@@ -587,7 +636,7 @@ StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, 
     envp.push_back(nullptr);
 
     pid_t pid = -1;
-    const int err = ::posix_spawn(&pid, argv[0].c_str(), nullptr, &attr, args.data(), envp.data());
+    const int err = ::posix_spawn(&pid, argv[0].c_str(), &actions, &attr, args.data(), envp.data());
     if (err != 0) {
       KillAndReap(pids);
       return InternalError("SpawnLocalWorkers: starting rank " + std::to_string(rank) + " of " +
@@ -697,6 +746,12 @@ Status UniqueIdServer::Serve(const ncclUniqueId& id, int expected_clients,
     std::string e = ReadAll(conn.get(), hello, kHelloBytes, io_deadline);
     if (e.empty() && std::memcmp(hello, kRendezvousHello, kHelloBytes) != 0) {
       e = "it did not send the tpserve rendezvous greeting";
+    }
+    // A fetcher that gave up waiting (its connection sat in the backlog) has
+    // closed its end and retries on a new connection: the reply would still
+    // be "sent", and counting it would leave the retrying rank unserved.
+    if (char c; e.empty() && ::recv(conn.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
+      e = "the client had already closed the connection";
     }
     if (e.empty()) e = WriteAll(conn.get(), reply, sizeof reply, io_deadline);
     if (!e.empty()) {

@@ -22,7 +22,9 @@
 // Rendezvous wire protocol (TCP, one short connection per fetching rank): the
 // client sends the 8 bytes kRendezvousHello; the server answers with the same
 // 8 bytes followed by the 128 id bytes and closes. Connections that do not
-// greet correctly (port scanners, health probes) are dropped and not counted.
+// greet correctly (port scanners, health probes), or whose client has already
+// closed them (a fetcher that gave up and retries), are dropped and not
+// counted.
 // There is no authentication: whoever fetches the id can join the NCCL
 // bootstrap, so the port must only be reachable inside the trusted cluster
 // network. Every wait is bounded by the caller's deadline (poll() with
@@ -150,7 +152,8 @@ StatusOr<LaunchPlan> PlanLaunch(const StatusOr<RankInfo>& info, int tp);
 // path (e.g. "/proc/self/exe"; no PATH search) and argv the full argument
 // vector. Each child's environment is this process's environment with
 // TPSERVE_RANK=r, TPSERVE_WORLD_SIZE, TPSERVE_LOCAL_RANK=r and
-// TPSERVE_NCCL_ID=<hex> replacing any inherited values. Returns the children's
+// TPSERVE_NCCL_ID=<hex> replacing any inherited values; of this process's file
+// descriptors they inherit only 0, 1 and 2. Returns the children's
 // pids, element i being rank i+1; the caller owns them (waitpid, and SIGTERM
 // at shutdown). If starting rank r fails, the ranks already started are sent
 // SIGKILL and reaped before the error (naming the executable and rank) is
@@ -166,8 +169,8 @@ StatusOr<std::vector<pid_t>> SpawnWorkers(const std::vector<std::string>& argv, 
 // Waits until every pid in `pids` has exited or `timeout` has passed, then
 // sends SIGKILL to those left and reaps them. INTERNAL naming each worker
 // (as rank i+1 of pids[i]) that exited non-zero, died of a signal or had to
-// be killed; OK when all exited 0. Unknown or already reaped pids count as
-// failures.
+// be killed; OK when all exited 0. Unknown or already reaped pids, and pids
+// <= 0 (never waited for or signalled), count as failures.
 Status ReapWorkers(const std::vector<pid_t>& pids, std::chrono::milliseconds timeout);
 
 // ---------------------------------------------------------------------------

@@ -236,8 +236,8 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     comm->aborted_.store(true, std::memory_order_release);
     return NcclError(r, nullptr, "ncclCommInitRankConfig", __LINE__);
   }
-  TP_RETURN_IF_ERROR(
-      comm->FinishLocked(lock, r, "ncclCommInitRankConfig", __LINE__, start + timeout));
+  TP_RETURN_IF_ERROR(comm->FinishLocked(lock, r, "ncclCommInitRankConfig", __LINE__,
+                                        DeadlineAfter(start, timeout)));
   spdlog::info("NCCL communicator {} ready: rank {} of {} on device {} in {} ms", comm->name_, rank,
                nranks, cuda_device, MillisSince(start));
   lock.unlock();
@@ -309,7 +309,7 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(const NcclCo
 
   ScopedDevice guard(device_);
   const Clock::time_point start = Clock::now();
-  const Clock::time_point deadline = start + timeout_;
+  const Clock::time_point deadline = DeadlineAfter(start, timeout_);
   {
     std::unique_lock lock(mu_);
     TP_RETURN_IF_ERROR(
@@ -638,13 +638,19 @@ StatusOr<NcclSymmetricBuffer> NcclSymmetricBuffer::Create(NcclCommunicator& comm
   // As with ncclCommSplit, a non-blocking communicator may store the window
   // handle from NCCL's background thread after the call reports success (seen
   // with NCCL 2.28.9): wait for it here, while `buf` cannot move.
-  const auto deadline = NcclCommunicator::Clock::now() + comm.timeout();
+  const auto deadline = DeadlineAfter(NcclCommunicator::Clock::now(), comm.timeout());
   while (s.ok() && __atomic_load_n(&buf.window_, __ATOMIC_ACQUIRE) == nullptr &&
          NcclCommunicator::Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
-  if (s.ok() && buf.window_ == nullptr) {
-    s = InternalError(register_what + " returned no window");
+  if (s.ok() && __atomic_load_n(&buf.window_, __ATOMIC_ACQUIRE) == nullptr) {
+    s = InternalError(register_what + " returned no window within " +
+                      std::to_string(comm.timeout().count()) + " ms; communicator aborted");
+    // A missed deadline aborts, as every other wait here does: left running,
+    // the registration could complete on a live communicator after `buf`'s
+    // memory is freed below.
+    std::lock_guard lock(comm.mu_);
+    comm.AbortLocked(s.message());
   }
   if (!s.ok()) return s;  // buf's destructor frees the memory
   buf.comm_ = &comm;

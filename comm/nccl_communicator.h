@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/deadline.h"
 #include "comm/nccl_bootstrap.h"
 #include "comm/nccl_config.h"
 #include "comm/status.h"
@@ -196,7 +197,7 @@ class NcclCommunicator final : public Communicator {
   void AbandonUnsplit(std::unique_ptr<NcclCommunicator> child);
 
   Status CreateBarrierResources();
-  Clock::time_point DefaultDeadline() const { return Clock::now() + timeout_; }
+  Clock::time_point DefaultDeadline() const { return DeadlineAfter(Clock::now(), timeout_); }
 
   // Issues `call` and applies the protocol. `line` locates the call site.
   Status Issue(std::string_view what, int line,

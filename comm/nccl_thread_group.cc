@@ -81,7 +81,8 @@ NcclThreadGroup::~NcclThreadGroup() {
 
 Status NcclThreadGroup::Run(const std::function<Status(int rank)>& fn) {
   return FirstError(OnThreads(size(), [&](int r) -> Status {
-    Status s = fn(r);
+    // An exception must fail this rank like an error, not end the process.
+    Status s = CallCatching("rank " + std::to_string(r), [&] { return fn(r); });
     if (!s.ok()) {
       for (auto& p : pools_) p->Abort();
     }

@@ -2,9 +2,11 @@
 
 #include <cuda.h>
 #include <spdlog/spdlog.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <utility>
@@ -21,9 +23,25 @@ struct Exported {
   uint64_t ptr;
   uint64_t offset;  // of ptr in its allocation (what the IPC handle maps)
   uint64_t host_hash;
-  int32_t pid;
+  uint64_t process;  // ProcessToken()
   int32_t device;
 };
+
+// Tells this process apart from every other: pids do not, since they repeat
+// across PID namespaces (containers that share a hostname, each running
+// tpserve as pid 1), and a peer taken for this process would have its
+// pointer used unmapped.
+uint64_t ProcessToken() {
+  static const uint64_t token = [] {
+    uint64_t t = 0;
+    if (::getrandom(&t, sizeof t, 0) != static_cast<ssize_t>(sizeof t)) {
+      t = (static_cast<uint64_t>(getpid()) << 32) ^
+          static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    }
+    return t;
+  }();
+  return token;
+}
 
 uint64_t HostHash() {
   char name[256] = {};
@@ -163,7 +181,7 @@ StatusOr<PeerBuffer> PeerBuffer::Create(NcclCommunicator& comm, size_t bytes, st
   // IPC handle maps that allocation from its start.
   TP_ASSIGN_OR_RETURN(mine.offset, OffsetInAllocation(buf.local_));
   mine.host_hash = HostHash();
-  mine.pid = static_cast<int32_t>(getpid());
+  mine.process = ProcessToken();
   mine.device = buf.device_;
 
   // Exchange over the communicator (a device AllGather; this is set-up, not
@@ -190,7 +208,7 @@ StatusOr<PeerBuffer> PeerBuffer::Create(NcclCommunicator& comm, size_t bytes, st
     }
     TP_RETURN_IF_ERROR(EnablePeerAccess(buf.device_, e.device, what));
     buf.peer_devices_[r] = e.device;
-    if (e.pid == mine.pid) {
+    if (e.process == mine.process) {
       buf.peers_[r] = reinterpret_cast<void*>(e.ptr);  // same process: one address space
     } else {
       void* p = nullptr;
@@ -272,7 +290,13 @@ void PeerBuffer::Reset() noexcept {
 
 Status PeerBuffer::CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes,
                                 cudaStream_t stream) const {
-  if (offset + bytes > bytes_) {
+  if (rank < 0 || static_cast<size_t>(rank) >= peers_.size()) {
+    return InvalidArgumentError("copy from peer buffer '" + name_ + "': rank " +
+                                std::to_string(rank) + " is not one of its " +
+                                std::to_string(peers_.size()) + " ranks");
+  }
+  // Not offset + bytes > bytes_, which wraps for offsets near SIZE_MAX.
+  if (offset > bytes_ || bytes > bytes_ - offset) {
     return InvalidArgumentError("copy of " + std::to_string(bytes) + " bytes at offset " +
                                 std::to_string(offset) + " from peer buffer '" + name_ + "' (" +
                                 std::to_string(bytes_) + " bytes)");

@@ -77,6 +77,8 @@ class PeerBuffer {
   // Enqueues a copy of `bytes` from rank `rank`'s copy at `offset` to `dst`
   // (this device) on `stream`, on a copy engine. FAILED_PRECONDITION when
   // that rank is a thread of this process: such copies hung (NOTES.md).
+  // INVALID_ARGUMENT for a rank outside the communicator or a range outside
+  // the buffer.
   Status CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes, cudaStream_t stream) const;
   size_t bytes() const { return bytes_; }
   const std::string& name() const { return name_; }

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <chrono>
 #include <numeric>
+#include <stdexcept>
+#include <thread>
 #include <vector>
 
 namespace tpserve {
@@ -178,6 +180,76 @@ TEST(LocalComm, OperationsAfterAbortReturnAborted) {
   EXPECT_EQ((*comms)[0]->Barrier().code(), StatusCode::kAborted);
   int v = 0;
   EXPECT_EQ((*comms)[0]->Recv(&v, sizeof v, 1, nullptr).code(), StatusCode::kAborted);
+}
+
+// milliseconds::max() ("no practical limit") used to wrap to a deadline in
+// the past: every wait timed out at once and aborted the group.
+TEST(LocalComm, HugeTimeoutDoesNotExpireAtOnce) {
+  LocalCommOptions opts;
+  opts.timeout = milliseconds::max();
+  Status s = RunOnLocalRanks(
+      2,
+      [](Communicator& c) -> Status {
+        int v = 7;
+        if (c.rank() == 1) {
+          std::this_thread::sleep_for(milliseconds(100));  // rank 0 waits in Recv
+          TP_RETURN_IF_ERROR(c.Send(&v, sizeof v, 0, nullptr));
+          std::this_thread::sleep_for(milliseconds(100));  // rank 0 waits in Barrier
+          return c.Barrier();
+        }
+        int got = 0;
+        TP_RETURN_IF_ERROR(c.Recv(&got, sizeof got, 1, nullptr));
+        if (got != 7) return InternalError("received " + std::to_string(got));
+        return c.Barrier();
+      },
+      opts);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+}
+
+TEST(LocalComm, BarrierTimeoutNamesTheMissingRanks) {
+  LocalCommOptions opts;
+  opts.timeout = milliseconds(100);
+  Status s = RunOnLocalRanks(
+      4,
+      [](Communicator& c) -> Status {
+        if (c.rank() == 1 || c.rank() == 3) return Status::Ok();  // never arrive
+        return c.Barrier();
+      },
+      opts);
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("rank(s) 1, 3 did not arrive"), std::string::npos) << s.ToString();
+}
+
+// An exception in a rank used to escape its std::thread and end the process
+// (std::terminate), defeating the callers' CallCatching.
+TEST(LocalComm, ThrowingRankFailsLikeAnErrorAndAbortsTheOthers) {
+  LocalCommOptions opts;
+  opts.timeout = milliseconds(30000);  // the abort, not the timeout, must end it
+  const auto start = std::chrono::steady_clock::now();
+  Status s = RunOnLocalRanks(
+      3,
+      [](Communicator& c) -> Status {
+        if (c.rank() == 1) throw std::runtime_error("boom");
+        return c.Barrier();
+      },
+      opts);
+  EXPECT_EQ(s.code(), StatusCode::kInternal) << s.ToString();
+  EXPECT_EQ(s.message(), "rank 1 threw: boom");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+// Only -1 means "no peer" (as in NcclCommunicator::SendRecv); the default
+// SendRecv used to skip every negative peer silently.
+TEST(LocalComm, SendRecvRejectsNegativePeersOtherThanMinusOne) {
+  auto comms = MakeLocalCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  int v = 1;
+  int w = 0;
+  EXPECT_EQ((*comms)[0]->SendRecv(&v, sizeof v, -2, &w, sizeof w, -1, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*comms)[0]->SendRecv(&v, sizeof v, -1, &w, sizeof w, -5, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*comms)[0]->SendRecv(&v, sizeof v, -1, &w, sizeof w, -1, nullptr).ok());
 }
 
 }  // namespace

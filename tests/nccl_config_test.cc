@@ -3,6 +3,7 @@
 // addresses, NCCL environment overrides, NcclCommConfig, the TCP unique-id
 // rendezvous on 127.0.0.1, and SpawnLocalWorkers.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -635,6 +636,35 @@ TEST(RendezvousTest, ServeReportsMissingClientsAtTheDeadline) {
   EXPECT_LT(Clock::now() - start, milliseconds(1500));
 }
 
+// A fetcher whose connection waited in the backlog past its I/O deadline
+// closes it and retries. The server used to answer the abandoned connection
+// (the write "succeeds"), count it, and stop before the retry was served.
+TEST(RendezvousTest, ConnectionClosedByAFetcherThatGaveUpIsNotCounted) {
+  auto server = UniqueIdServer::Listen(0);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  const uint16_t port = server->port();
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::send(fd, kRendezvousHello, sizeof kRendezvousHello, MSG_NOSIGNAL),
+            static_cast<ssize_t>(sizeof kRendezvousHello));
+  ::close(fd);  // gave up before Serve() started
+
+  const ncclUniqueId id = RandomId(13);
+  const auto deadline = Clock::now() + std::chrono::seconds(3);
+  Status served;
+  std::thread serve([&] { served = server->Serve(id, 1, deadline); });
+  auto got = FetchUniqueId("127.0.0.1", port, deadline);
+  serve.join();
+  EXPECT_TRUE(served.ok()) << served.ToString();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(SameId(*got, id));
+}
+
 TEST(RendezvousTest, ServeRejectsNegativeClientCount) {
   auto server = UniqueIdServer::Listen(0);
   ASSERT_TRUE(server.ok());
@@ -717,6 +747,21 @@ TEST(SpawnLocalWorkersTest, ChildrenStartWithTerminationSignalsUnblocked) {
   EXPECT_EQ(WTERMSIG(status), SIGTERM);
 }
 
+// Descriptors without FD_CLOEXEC (sockets, files a library opened) used to
+// be inherited by every worker.
+TEST(SpawnLocalWorkersTest, ChildrenInheritNoDescriptorsBeyondStderr) {
+  const int fd = ::open("/dev/null", O_RDONLY);  // no O_CLOEXEC
+  ASSERT_GT(fd, 2);
+  const std::string script =
+      "[ -e /proc/$$/fd/" + std::to_string(fd) + " ] && exit 3; [ -e /proc/$$/fd/2 ] || exit 4";
+  auto pids = SpawnLocalWorkers({"/bin/sh", "-c", script}, 2, RandomId(4));
+  ASSERT_TRUE(pids.ok()) << pids.status().ToString();
+  const Status s = ReapWorkers(*pids, std::chrono::seconds(10));
+  EXPECT_TRUE(s.ok()) << s.ToString() << " (status 3: the child inherited fd " << fd << ")";
+  EXPECT_EQ(::fcntl(fd, F_GETFD), 0) << "the parent's descriptor must stay open and inheritable";
+  ::close(fd);
+}
+
 TEST(SpawnLocalWorkersTest, SingleRankStartsNothing) {
   auto pids = SpawnLocalWorkers({"/bin/true"}, 1, RandomId(1));
   ASSERT_TRUE(pids.ok()) << pids.status().ToString();
@@ -763,6 +808,38 @@ TEST(ReapWorkersTest, NamesFailedAndKilledWorkersAndBoundsTheWait) {
 }
 
 TEST(ReapWorkersTest, NoWorkersIsOk) { EXPECT_TRUE(ReapWorkers({}, milliseconds(0)).ok()); }
+
+// milliseconds::max() used to wrap to a deadline in the past: the workers
+// were killed at once instead of being waited for.
+TEST(ReapWorkersTest, HugeTimeoutWaitsInsteadOfKillingAtOnce) {
+  auto pids = SpawnLocalWorkers({"/bin/sh", "-c", "sleep 0.3"}, 2, RandomId(5));
+  ASSERT_TRUE(pids.ok()) << pids.status().ToString();
+  const Status s = ReapWorkers(*pids, milliseconds::max());
+  EXPECT_TRUE(s.ok()) << s.ToString();
+}
+
+// waitpid(0) / kill(0) act on the whole process group and -1 on every
+// process we may signal: such "pids" were passed on as they were. Run in a
+// child in its own process group so that a regression cannot hit the test
+// runner.
+TEST(ReapWorkersTest, NonPositivePidsAreFailuresNotProcessGroups) {
+  EXPECT_EXIT(
+      {
+        ::setpgid(0, 0);
+        auto pids = SpawnLocalWorkers({"/bin/sh", "-c", "exit 7"}, 2, RandomId(6));
+        if (!pids.ok() || pids->size() != 1) std::_Exit(10);
+        const Status s = ReapWorkers({0, -1}, std::chrono::seconds(5));
+        int status = 0;  // the real worker must still be ours to reap
+        if (::waitpid(pids->front(), &status, 0) != pids->front()) std::_Exit(11);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 7) std::_Exit(12);
+        if (s.ok() || !Contains(s.message(), "rank 1 (pid 0) is not a process id") ||
+            !Contains(s.message(), "rank 2 (pid -1) is not a process id")) {
+          std::_Exit(13);
+        }
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
 
 }  // namespace
 }  // namespace tpserve
