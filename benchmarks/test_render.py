@@ -60,6 +60,7 @@ class CriteriaTest(unittest.TestCase):
     def test_unmeasured_criteria_are_not_passes(self):
         records = [rec("tpserve", "none", 1.0)]
         got = by_name(render_results.criteria(render_results.groups(records)))
+        self.assertEqual(len(got), 4, got)
         for what, (ok, detail) in got.items():
             self.assertIsNone(ok, what)
             self.assertEqual(detail, "not measured")
@@ -206,6 +207,7 @@ class CriteriaTest(unittest.TestCase):
         # An input file the merge could not find fails every criterion.
         got = by_name(render_results.criteria(render_results.groups(records), planned=planned,
                                               missing_inputs=["/tmp/ours-auto-seed.json"]))
+        self.assertEqual(len(got), 4, got)
         for what, (ok, detail) in got.items():
             self.assertFalse(ok, what)
             if what.startswith("geometric-mean"):

@@ -44,8 +44,9 @@ struct LinearKnobs {
   std::string ToString() const;
 };
 
-// INVALID_ARGUMENT naming the field, for `op` (copy_engine with gemm_rs needs
-// mode ring; chunks as MakeOverlapPlan allows; sm count >= 0).
+// INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none;
+// sm count >= 0; the comm knobs valid. Every op and mode takes every knob
+// (`op` is not looked at).
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

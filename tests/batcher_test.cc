@@ -43,6 +43,17 @@ BatchForward Forward(FakeEngine& e) {
 
 Clock::time_point Far() { return Clock::now() + 60s; }
 
+// Waits (at most 10 s) until the worker has taken a batch into the engine:
+// FakeEngine counts a call before its delay, so the engine is busy from here.
+bool WaitForEngineCalls(const FakeEngine& e, int calls) {
+  const auto give_up = Clock::now() + 10s;
+  while (e.calls.load() < calls) {
+    if (Clock::now() > give_up) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
 TEST(TokenBatcher, PacksConcurrentRequestsIntoOneBatchAndRoutesResults) {
   FakeEngine e;
   TokenBatcher b({8192, 100ms, 64}, kVocab, Forward(e));
@@ -92,7 +103,7 @@ TEST(TokenBatcher, FullQueueIsResourceExhausted) {
   TokenBatcher b({8192, 0ms, 2}, kVocab, Forward(e));
   auto first = b.Submit({1}, Far(), nullptr);  // taken by the worker at once
   ASSERT_TRUE(first.ok());
-  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(WaitForEngineCalls(e, 1));  // the queue is empty again, the engine busy
   ASSERT_TRUE(b.Submit({2}, Far(), nullptr).ok());
   ASSERT_TRUE(b.Submit({3}, Far(), nullptr).ok());
   auto over = b.Submit({4}, Far(), nullptr);
@@ -105,7 +116,7 @@ TEST(TokenBatcher, ExpiredAndCancelledRequestsAreAnsweredWithoutComputing) {
   e.delay = 100ms;
   TokenBatcher b({8192, 0ms, 64}, kVocab, Forward(e));
   auto busy = *b.Submit({1}, Far(), nullptr);  // occupies the engine
-  std::this_thread::sleep_for(20ms);
+  ASSERT_TRUE(WaitForEngineCalls(e, 1));
   auto expired = *b.Submit({2}, Clock::now() + 10ms, nullptr);
   auto flag = std::make_shared<std::atomic<bool>>(false);
   auto cancelled = *b.Submit({3}, Far(), flag);

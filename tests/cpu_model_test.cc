@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <span>
 
@@ -26,7 +27,13 @@ using ::testing::HasSubstr;
 
 ModelConfig Tiny() { return *ModelPreset("tiny"); }
 
+// Relative Frobenius distance of a from b; infinite (and a test failure) when
+// their sizes differ or both are empty, so that a failed run cannot pass as 0.
 double RelDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size() || a.empty()) {
+    ADD_FAILURE() << "RelDiff of " << a.size() << " and " << b.size() << " values";
+    return std::numeric_limits<double>::infinity();
+  }
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
@@ -73,8 +80,10 @@ TEST(CpuModel, TensorParallelSizesAgree) {
 // and every sum happens in the same order wherever the token sits.
 TEST(CpuModel, SequenceResultDoesNotDependOnBatchMates) {
   const std::vector<float> packed = Logits(2, Batch(kSeqs));
+  ASSERT_EQ(packed.size(), kSeqs.size() * 1024);
   for (size_t s = 0; s < kSeqs.size(); ++s) {
     const std::vector<float> alone = Logits(2, Batch({kSeqs[s]}));
+    ASSERT_EQ(alone.size(), 1024u) << "sequence " << s;
     for (int64_t j = 0; j < 1024; ++j) {
       ASSERT_EQ(alone[j], packed[s * 1024 + j]) << "sequence " << s << " logit " << j;
     }
@@ -634,7 +643,9 @@ TEST(OverlapSettingsAt, CountsTheLayersOfEachKindPerSetting) {
   // A config made for another TP size cannot resolve: counted as errors.
   auto tp8 = OverlapConfig::Parse("version: 1\ntp: 8\n", "tp8.yaml");
   ASSERT_TRUE(tp8.ok()) << tp8.status().ToString();
-  for (const OverlapSettingCount& e : OverlapSettingsAt(c, &*tp8, 2, 512)) {
+  const std::vector<OverlapSettingCount> errors = OverlapSettingsAt(c, &*tp8, 2, 512);
+  ASSERT_EQ(errors.size(), 4u);  // one per kind
+  for (const OverlapSettingCount& e : errors) {
     EXPECT_EQ(e.mode, "error");
     EXPECT_NE(e.knobs.find("tp"), std::string::npos) << e.knobs;
   }

@@ -348,7 +348,8 @@ TEST(CpuSwiGlu, MatchesFormula) {
   gate_up[0] = 0.0f;     // silu(0) = 0
   gate_up[1] = -200.0f;  // exp(200) is large, not a NaN
   gate_up[2] = 200.0f;
-  std::vector<float> out(kRows * kInter);
+  // Poisoned: an element SwiGlu does not write fails, even where the result is 0.
+  std::vector<float> out(kRows * kInter, std::numeric_limits<float>::quiet_NaN());
   SwiGlu(gate_up.data(), kRows, kInter, out.data());
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t j = 0; j < kInter; ++j) {

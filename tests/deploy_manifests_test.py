@@ -261,10 +261,13 @@ class OverlapConfigs(unittest.TestCase):
 
     def test_manifests_reference_existing_overlap_configs(self):
         names = {os.path.basename(p) for p in glob.glob(os.path.join(DEPLOY_DIR, "overlap-*.yaml"))}
+        checked = 0
         for path in glob.glob(os.path.join(DEPLOY_DIR, "k8s", "*.yaml")):
             with open(path, encoding="utf-8") as f:
                 for ref in re.findall(r"/etc/tpserve/(overlap-[\w.-]+\.yaml)", f.read()):
                     self.assertIn(ref, names, path)
+                    checked += 1
+        self.assertGreater(checked, 0, "no manifest references an overlap config")
 
 
 if __name__ == "__main__":

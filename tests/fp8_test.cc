@@ -348,7 +348,7 @@ TEST_P(Fp8FormatTest, ScaleFromAmaxMapsAmaxToFormatMax) {
   const float tiny = std::numeric_limits<float>::denorm_min();
   EXPECT_GT(ScaleFromAmax(tiny, f), 0.0f);
   const std::vector<float> in = {tiny, 0.0f};
-  std::vector<uint8_t> out(in.size());
+  std::vector<uint8_t> out(in.size(), 0xAB);  // poisoned
   QuantizeFp8(in, ScaleFromAmax(Amax(in), f), f, out);
   EXPECT_TRUE(std::isfinite(Fp8ToFloat(out[0], f)));
   EXPECT_GT(Fp8ToFloat(out[0], f), 0.0f);
@@ -365,7 +365,7 @@ TEST_P(Fp8FormatTest, ValueAtAmaxQuantizesToMaxCode) {
     const float amax = std::fabs(a);
     const std::vector<float> in = {amax / 3, -amax, 0.0f, amax};
     const float scale = ScaleFromAmax(Amax(in), f);
-    std::vector<uint8_t> out(in.size());
+    std::vector<uint8_t> out(in.size(), 0xAB);  // poisoned
     QuantizeFp8(in, scale, f, out);
     ASSERT_EQ(out[1], 0x80 | max_code) << Describe(amax);
     ASSERT_EQ(out[2], 0x00) << Describe(amax);

@@ -714,6 +714,7 @@ TEST_F(GpuTest, GemmRunIsCapturableInCudaGraphAfterPrepare) {
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(0.011f, "b_scale"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer eager, DeviceBuffer::Allocate(m * n * 2, "D_eager"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer graphed, DeviceBuffer::Allocate(m * n * 2, "D_graph"));
+  TP_ASSERT_OK(LaunchPoisonFill(eager.data(), DataType::kBFloat16, m * n, stream()));
   TP_ASSERT_OK(LaunchPoisonFill(graphed.data(), DataType::kBFloat16, m * n, stream()));
   GemmParams p;
   p.m = m;
@@ -766,7 +767,8 @@ TEST_F(GpuTest, GemmRunWithoutPrepareWhileCapturingFailsCleanly) {
   EXPECT_EQ(graph.status().code(), StatusCode::kFailedPrecondition) << graph.status().ToString();
   EXPECT_NE(graph.status().message().find("Prepare"), std::string::npos);
   EXPECT_EQ(gemm.num_plans(), 0u);
-  // The stream left capture and still works.
+  // The stream left capture and still works (D poisoned: the zeros must be written).
+  TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, m * n, stream()));
   TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream()));
   TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
   TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), m * n));
@@ -1037,6 +1039,8 @@ TEST_F(GpuTest, DequantizeFp8IsBitExactWithCpuReference) {
       SCOPED_TRACE(std::string(DataTypeName(out_type)) + " offset " + std::to_string(offset));
       const size_t count = codes.size() - offset;
       TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dout, DeviceBuffer::Allocate(codes.size() * 4, "out"));
+      // Poisoned: a fresh allocation may hold the previous iteration's (correct) results.
+      TP_ASSERT_OK(LaunchPoisonFill(dout.data(), out_type, codes.size(), stream()));
       DequantizeFp8Params p;
       p.input = din.as<uint8_t>() + offset;
       p.output = dout.as<char>() + offset * DataTypeSize(out_type);
@@ -1058,6 +1062,9 @@ TEST_F(GpuTest, DequantizeFp8IsBitExactWithCpuReference) {
             mismatches += got.bits != FloatToBFloat16(want).bits;
           }
         }
+        if (offset == 1) {
+          EXPECT_EQ(out[0].bits, kBf16PoisonBits) << "wrote before the output";
+        }
       } else {
         TP_ASSERT_OK_AND_ASSIGN(std::vector<float> out, Download<float>(dout.data(), codes.size()));
         for (size_t i = 0; i < count; ++i) {
@@ -1068,6 +1075,11 @@ TEST_F(GpuTest, DequantizeFp8IsBitExactWithCpuReference) {
           } else {
             mismatches += std::memcmp(&want, &got, sizeof want) != 0;
           }
+        }
+        if (offset == 1) {
+          uint32_t first;
+          std::memcpy(&first, out.data(), sizeof first);
+          EXPECT_EQ(first, kFp32PoisonBits) << "wrote before the output";
         }
       }
       EXPECT_EQ(mismatches, 0u);

@@ -718,15 +718,18 @@ TEST_F(GpuNcclTest, CreateGivesUpWhenItsCancelFlagIsRaised) {
   auto cancel = std::make_shared<CancelFlag>();
   const auto start = Clock::now();
   StatusOr<std::unique_ptr<NcclCommunicator>> comm = InternalError("not run");
+  Clock::time_point returned;  // when Create returned, measured on its own thread
   std::thread t([&] {
     SetCurrentRank(0);
     comm = NcclCommunicator::Create(id_, 2, 0, 0, NcclCommConfig{}, milliseconds(60'000), cancel);
+    returned = Clock::now();
   });
   std::this_thread::sleep_for(milliseconds(300));
   cancel->Cancel("worker rank 1 exited (test)");
   cancel->Cancel("a second reason is not kept");
   t.join();
-  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  // Create waited for the flag (not the join, which follows the 300 ms sleep anyway).
+  const auto ms = std::chrono::duration_cast<milliseconds>(returned - start).count();
   ASSERT_FALSE(comm.ok());
   EXPECT_EQ(comm.status().code(), StatusCode::kAborted) << comm.status().ToString();
   EXPECT_NE(comm.status().message().find("worker rank 1 exited (test)"), std::string::npos)

@@ -6,12 +6,15 @@ import csv
 import json
 import os
 import select
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
+import urllib.request
 
 TPSERVE = os.environ.get("TPSERVE_BIN", "build/bin/tpserve")
 LOADTEST = os.environ.get("LOADTEST_BIN", "build/bin/tpserve-loadtest")
@@ -27,13 +30,20 @@ def loadtest(*args, timeout=60):
     return subprocess.run([LOADTEST, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class LoadTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.addCleanup(self.tmp.cleanup)
+        self.metrics_port = free_port()
         self.server = subprocess.Popen(
             [TPSERVE, "serve", "--model", "tiny", "--tp", "2", "--backend", "cpu", "--grpc-port", "0",
-             "--metrics-port", "0", "--host", "127.0.0.1"],
+             "--metrics-port", str(self.metrics_port), "--host", "127.0.0.1"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.addCleanup(self._kill_server)
         ready, _, _ = select.select([self.server.stdout], [], [], 30)
@@ -48,6 +58,19 @@ class LoadTest(unittest.TestCase):
             self.server.kill()
             self.server.wait()
         self.server.stdout.close()
+
+    def wait_for_served_requests(self, count, seconds=30):
+        """Waits until the server has answered `count` inference requests (its metrics)."""
+        deadline = time.monotonic() + seconds
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                m = re.search(r'^nv_inference_request_success\{[^}]*\} (\d+)$',
+                              r.read().decode(), re.M)
+            if m and int(m.group(1)) >= count:
+                return
+            time.sleep(0.01)
+        self.fail(f"the server answered fewer than {count} requests in {seconds} s")
 
     def path(self, name):
         return os.path.join(self.tmp.name, name)
@@ -180,7 +203,13 @@ class LoadTest(unittest.TestCase):
             [LOADTEST, "-u", self.url, "--concurrency-range", "1:4", "--duration", "0.3",
              "--warmup", "0.2", "--max-trials", "3", "--json", out_json],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(0.8)
+        self.addCleanup(lambda: lt.poll() is None and lt.kill())
+        # The first step is 0.2 s of warmup, then three 0.3 s windows. Kill the
+        # server 0.45 s after it answered the load's first request: inside the
+        # step, after some of its measured requests succeeded, whatever the
+        # client's start-up took.
+        self.wait_for_served_requests(1)
+        time.sleep(0.45)
         self.server.kill()
         self.server.wait()
         out, err = lt.communicate(timeout=60)

@@ -121,9 +121,27 @@ TEST(OverlapConfig, CopyEngineOnARowParallelLayerResolvesInEveryMode) {
   EXPECT_TRUE(k->copy_engine);
   EXPECT_EQ(k->mode, OverlapMode::kPipeline);
   EXPECT_EQ(k->chunks, 2);
+  // Every mode, from the defaults.
+  for (const OverlapMode mode : {OverlapMode::kNone, OverlapMode::kPipeline, OverlapMode::kRing}) {
+    SCOPED_TRACE(OverlapModeName(mode));
+    const OverlapConfig c =
+        MustParse("version: 1\ndefaults: {mode: " + std::string(OverlapModeName(mode)) +
+                  ", chunks: 2, copy_engine: true}\n");
+    auto r = c.Resolve("layers.0.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 8192, 64, 2);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->mode, mode);
+    EXPECT_TRUE(r->copy_engine);
+  }
+  // And from the tuned table, through mode auto.
   auto tuned = OverlapConfig::Parse(
-      "version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, copy_engine: true}\n", "t.yaml");
+      "version: 1\ndefaults: {mode: auto}\ntuned:\n"
+      "  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: ring, chunks: 2, copy_engine: true}\n",
+      "t.yaml");
   ASSERT_TRUE(tuned.ok()) << tuned.status().ToString();
+  auto t = tuned->Resolve("layers.0.mlp.down", OverlapOp::kGemmReduceScatter, 8, 8, 8, 2);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->mode, OverlapMode::kRing);
+  EXPECT_TRUE(t->copy_engine);
 }
 
 // A level in mode none does not reset what inner levels inherit: its own
@@ -230,9 +248,15 @@ TEST(OverlapConfig, LoadFileReadsWhatWasWritten) {
   const std::string path = ::testing::TempDir() + "/overlap_config_test.yaml";
   std::ofstream(path) << kExample;
   auto cfg = OverlapConfig::LoadFile(path);
+  std::remove(path.c_str());
   ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
   EXPECT_EQ(cfg->source(), path);
-  std::remove(path.c_str());
+  // The file's contents, not just its name: the same config as parsed from the text.
+  const OverlapConfig parsed = MustParse(kExample);
+  EXPECT_EQ(cfg->tp(), 2);
+  EXPECT_EQ(cfg->rules().size(), 3u);
+  EXPECT_EQ(cfg->tuned().size(), 2u);
+  EXPECT_EQ(cfg->ToYaml(), parsed.ToYaml());
 }
 
 struct BadCase {

@@ -309,6 +309,7 @@ TEST(SafetensorsRoundTripTest, MoveKeepsViewsValid) {
   StatusOr<SafetensorsFile> opened = SafetensorsFile::Open(path);
   ASSERT_TRUE(opened.ok());
   const TensorView* before = opened->Find("v");
+  ASSERT_NE(before, nullptr);
   SafetensorsFile moved(std::move(opened).value());
   EXPECT_EQ(moved.Find("v"), before);
   StatusOr<SafetensorsFile> other = SafetensorsFile::Open(path);
@@ -520,8 +521,10 @@ TEST(SafetensorsMalformedTest, ZeroDimensionMakesHugeShapeEmpty) {
           R"({"w":{"dtype":"F64","shape":[4611686018427387904,0,4611686018427387904],"data_offsets":[0,0]}})"));
   StatusOr<SafetensorsFile> f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
-  EXPECT_EQ(f->Find("w")->numel(), 0);
-  EXPECT_EQ(f->Find("w")->bytes, 0u);
+  const TensorView* w = f->Find("w");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->numel(), 0);
+  EXPECT_EQ(w->bytes, 0u);
 }
 
 TEST(SafetensorsMalformedTest, DataOffsetsNotTwoNonNegativeIntegers) {
@@ -588,9 +591,13 @@ TEST(SafetensorsMalformedTest, GapsTrailingBytesAndEmptyTensorsInsideOthersAreAl
   StatusOr<SafetensorsFile> f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
   ASSERT_EQ(f->tensors().size(), 3u);
-  EXPECT_EQ(f->Find("a")->data[0], 2);
-  EXPECT_EQ(f->Find("b")->data[1], 11);
-  EXPECT_EQ(f->Find("e")->bytes, 0u);
+  const TensorView* a = f->Find("a");
+  const TensorView* b = f->Find("b");
+  const TensorView* e = f->Find("e");
+  ASSERT_TRUE(a && b && e);
+  EXPECT_EQ(a->data[0], 2);
+  EXPECT_EQ(b->data[1], 11);
+  EXPECT_EQ(e->bytes, 0u);
 }
 
 TEST(SafetensorsMalformedTest, MetadataNotObjectOfStrings) {

@@ -63,6 +63,13 @@ void ExpectSameLogits(const std::vector<float>& got, const std::vector<float>& w
       << what;
 }
 
+// The value of `name{model="tiny",version="1"}` in a metrics text, or -1.
+long long MetricValue(const std::string& metrics, const std::string& name) {
+  const std::string key = name + "{model=\"tiny\",version=\"1\"} ";
+  const size_t at = metrics.find(key);
+  return at == std::string::npos ? -1 : std::stoll(metrics.substr(at + key.size()));
+}
+
 class ServerE2eTest : public ::testing::Test {
  protected:
   void Start(BatcherOptions batcher = {}) {
@@ -242,6 +249,8 @@ TEST_F(ServerE2eTest, InferReturnsTheEnginesLogitsAndArgmax) {
   inference::ModelInferResponse r;
   ASSERT_TRUE(Infer(Request(ids), &r).ok());
   ASSERT_EQ(r.outputs_size(), 2);
+  ASSERT_EQ(r.raw_output_contents_size(), 2);
+  ASSERT_EQ(r.raw_output_contents(1).size(), 4u);
   EXPECT_EQ(r.outputs(0).datatype(), "FP32");
   EXPECT_EQ(r.outputs(0).shape_size(), 1);
   const std::vector<float> logits = LogitsOf(r);
@@ -263,6 +272,8 @@ TEST_F(ServerE2eTest, InferReturnsTheEnginesLogitsAndArgmax) {
   inference::ModelInferResponse r2;
   ASSERT_TRUE(Infer(q, &r2).ok());
   ASSERT_EQ(r2.outputs_size(), 1);
+  ASSERT_EQ(r2.raw_output_contents_size(), 1);
+  ASSERT_EQ(r2.raw_output_contents(0).size(), 4u);
   EXPECT_EQ(r2.outputs(0).name(), "next_token_id");
   EXPECT_EQ(r2.outputs(0).shape_size(), 2);
   int32_t next2;
@@ -431,6 +442,12 @@ TEST_F(ServerE2eTest, SixtyFourConcurrentRequestsAreBatchInvariant) {
     ASSERT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
     ExpectSameLogits(got[i], Direct(prompts[i]), "request " + std::to_string(i));
   }
+  // Invariance is only shown if requests shared batches.
+  const std::string metrics = server_->MetricsText();
+  EXPECT_EQ(MetricValue(metrics, "tpserve_batch_sequences_total"), 64);
+  const long long batches = MetricValue(metrics, "nv_inference_exec_count");
+  EXPECT_GE(batches, 1);
+  EXPECT_LT(batches, 64) << "every request ran alone: nothing was batched";
 }
 
 TEST_F(ServerE2eTest, DeadlineExpiringInTheQueueIsDeadlineExceeded) {
@@ -482,9 +499,9 @@ TEST(PrometheusLabelValue, EscapesBackslashQuoteAndNewline) {
 }
 
 TEST_F(ServerE2eTest, ShutdownFinishesEveryAcceptedRequest) {
-  // Requests wait 300 ms for batch-mates, so all 16 are queued when the
-  // shutdown starts.
-  Start({8192, std::chrono::milliseconds(300), 1024});
+  // Requests wait 2 s for batch-mates, so all 16 are queued when the
+  // shutdown starts (checked below: the drain of a queue is what is tested).
+  Start({8192, std::chrono::seconds(2), 1024});
   if (HasFatalFailure() || IsSkipped()) return;
   std::vector<grpc::Status> status(16);
   std::vector<std::thread> threads;
@@ -494,16 +511,15 @@ TEST_F(ServerE2eTest, ShutdownFinishesEveryAcceptedRequest) {
       status[i] = Infer(Request({i + 1, 2, 3}), &r);
     });
   }
-  for (int tries = 0; tries < 200; ++tries) {
-    if (server_->MetricsText().find(
-            "nv_inference_pending_request_count{model=\"tiny\",version=\"1\"} 16") !=
-        std::string::npos) {
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  bool all_queued = false;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  while (!all_queued && std::chrono::steady_clock::now() < give_up) {
+    all_queued = MetricValue(server_->MetricsText(), "nv_inference_pending_request_count") == 16;
+    if (!all_queued) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30));
   for (auto& t : threads) t.join();
+  EXPECT_TRUE(all_queued) << "the 16 requests were not all queued when the shutdown began";
   for (int i = 0; i < 16; ++i)
     EXPECT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
   inference::ModelInferResponse r;

@@ -37,8 +37,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const char* layer : kLayers) {
     for (int64_t m : kMs) {
       for (auto op : {tpserve::OverlapOp::kAllGatherGemm, tpserve::OverlapOp::kGemmReduceScatter}) {
-        // Resolve may refuse a knob set for an op (e.g. copy_engine with
-        // gemm_rs); it must say why, not crash.
+        // Resolve may refuse what it resolves to (e.g. chunks above 1 with
+        // mode none); it must say why, not crash.
         auto k = cfg.Resolve(layer, op, 8192, 28672, m, tp);
         if (!k.ok() && k.status().message().empty()) Fail("Resolve error without a message", "");
       }
