@@ -54,6 +54,7 @@ struct Flags {
   std::string commit = "unknown";
   std::string gemm_algo = "timed";    // GemmAlgoSelection of every GEMM
   bool dynamic_input_scales = false;  // FP8 inputs scaled per batch (CudaModelOptions)
+  bool stages = false;                // also where an eager pass spends its time
 };
 
 struct BatchShape {
@@ -137,6 +138,11 @@ int Main(int argc, char** argv) {
   app.add_flag("--dynamic-input-scales", f.dynamic_input_scales,
                "Scale every FP8 layer's input per batch from its amax, as for a checkpoint "
                "without input scales (default: the static scales of the random weights)");
+  app.add_flag("--stages", f.stages,
+               "After the timed rounds, one eager pass per (batch, setting) timed stage by stage "
+               "with CUDA events on rank 0 (embedding, norm, qkv, rope, attention, o, gate_up, "
+               "swiglu, down, head; each summed over the blocks): printed, and in each record "
+               "as stages_ms. Eager, so launch gaps count; not the graph the rounds replay");
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
@@ -191,9 +197,11 @@ int Main(int argc, char** argv) {
   for (const BatchShape& b : shapes) options.buckets.push_back(b.seqs * b.len);
   options.dynamic_input_scales = f.dynamic_input_scales;
 
-  // times[batch][setting]
+  // times[batch][setting]; stages[batch][setting]: rank 0's stage times (--stages)
   std::vector<std::vector<std::vector<double>>> times(
       shapes.size(), std::vector<std::vector<double>>(configs.size()));
+  std::vector<std::vector<std::vector<std::pair<std::string, double>>>> stages(
+      shapes.size(), std::vector<std::vector<std::pair<std::string, double>>>(configs.size()));
   Status s = group->Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(config, dtype, f.seed, nullptr,
                                                             group->pool(r), options));
@@ -216,6 +224,16 @@ int Main(int argc, char** argv) {
                   .count();
           if (round >= 0 && r == 0) times[b][c].push_back(ms);
         }
+      }
+      for (size_t c = 0; f.stages && c < configs.size(); ++c) {
+        model->SetOverlap(configs[c].get());
+        TP_RETURN_IF_ERROR(comm.Barrier());
+        // The second of two passes: the first may still set up connections.
+        std::vector<std::pair<std::string, double>> got;
+        for (int pass = 0; pass < 2; ++pass) {
+          TP_ASSIGN_OR_RETURN(got, model->ProfileStages(batch));
+        }
+        if (r == 0) stages[b][c] = std::move(got);
       }
     }
     return model->Close();
@@ -256,6 +274,19 @@ int Main(int argc, char** argv) {
       spdlog::info("{:>6} tokens ({}x{}) {:40} median {:.3f} ms  {:.0f} tokens/s", tokens,
                    shapes[b].seqs, shapes[b].len, names[c], rec["median_ms"].get<double>(),
                    rec["tokens_per_sec"].get<double>());
+      if (f.stages) {
+        json st = json::object();
+        std::string line;
+        double total = 0;
+        for (const auto& [name, ms] : stages[b][c]) {
+          st[name] = ms;
+          total += ms;
+          line += fmt::format(" {} {:.1f}", name, ms);
+        }
+        rec["stages_ms"] = st;
+        spdlog::info("{:>6} tokens ({}x{}) {:40} eager stages, ms per pass (total {:.1f}):{}",
+                     tokens, shapes[b].seqs, shapes[b].len, names[c], total, line);
+      }
       out["records"].push_back(rec);
     }
   }

@@ -28,6 +28,8 @@
 #           line edits (1 chunk everywhere; only the row- or column-parallel layers
 #           overlapped; gate_up not overlapped), all interleaved round by round in one
 #           process: which per-layer choices pay under the GPUs' sustained power limit
+#   stages  where the model's time goes: tpserve-bench-model --stages (8x1024, all layers,
+#           mode none and the overlap config), one eager pass timed stage by stage
 #   ab      the model benchmark of this build against a base build staged as
 #           .gpu/bin/tpserve-bench-model-base (commit BASE_COMMIT), processes alternating
 #           base, new, base, new with static input scales, then base, new with dynamic ones
@@ -36,7 +38,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|model|load|stress|sustained|ab}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|model|load|stress|sustained|stages|ab}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -269,6 +271,14 @@ CASES
       --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-sustained-variants-$commit.json" \
       > "$out/sustained.log" 2>&1 || rc=1
     grep -E "tokens/s|error" "$out/sustained.log"
+    ;;
+  stages)
+    timeout 200 .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b --layers 0 \
+      --batches ${BATCHES:-8x1024} --rounds ${ROUNDS:-5} --stages --commit "$commit" \
+      --overlap "${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}" \
+      --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-stages-$commit.json" \
+      > "$out/stages.log" 2>&1 || rc=1
+    grep -E "tokens/s|stages|error" "$out/stages.log"
     ;;
   ab)
     # The same benchmark from two builds, alternating, so that the GPUs'

@@ -311,6 +311,15 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   const int64_t rows = shard.size();
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
   auto* x = x_.as<BFloat16>();
+  // ProfileStages' events: the start (null), then the end of each stage.
+  auto mark = [&](const char* stage) -> Status {
+    if (stage_marks_ == nullptr) return Status::Ok();
+    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(/*enable_timing=*/true));
+    TP_RETURN_IF_ERROR(e.Record(st));
+    stage_marks_->emplace_back(stage, std::move(e));
+    return Status::Ok();
+  };
+  TP_RETURN_IF_ERROR(mark(nullptr));
 
   EmbeddingParams emb;
   emb.table = embed_.as<BFloat16>();
@@ -321,6 +330,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   emb.out = x;
   emb.error_flag = error_flag_.as<int32_t>();
   TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, st));
+  TP_RETURN_IF_ERROR(mark("embedding"));
 
   NcclCommunicator& comm = pool_->base();
   // A TP layer's FP8 input from `count` BF16 values at `src`, quantized
@@ -379,8 +389,10 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     CudaLinear *qkv = block[0], *o = block[1], *gate_up = block[2], *down = block[3];
 
     TP_RETURN_IF_ERROR(add_norm(pending, lw.input_norm, *qkv, lw.qkv));
+    TP_RETURN_IF_ERROR(mark("norm"));
     auto* qkv_y = qkv_out_.as<BFloat16>();
     TP_RETURN_IF_ERROR(RunLinear(*qkv, lw.qkv, m, qkv_y));
+    TP_RETURN_IF_ERROR(mark("qkv"));
 
     RopeParams rope;
     rope.q = qkv_y;
@@ -394,6 +406,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     rope.rows = m;
     rope.theta = c.rope_theta;
     TP_RETURN_IF_ERROR(LaunchRope(rope, st));
+    TP_RETURN_IF_ERROR(mark("rope"));
 
     AttentionParams at;
     at.q = qkv_y;
@@ -427,10 +440,14 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     if (fp8 && lw.o.dynamic) {
       TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
     }
+    TP_RETURN_IF_ERROR(mark("attention"));
     TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data()));
+    TP_RETURN_IF_ERROR(mark("o"));
 
     TP_RETURN_IF_ERROR(add_norm(o_out_.as<BFloat16>(), lw.post_norm, *gate_up, lw.gate_up));
+    TP_RETURN_IF_ERROR(mark("norm"));
     TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
+    TP_RETURN_IF_ERROR(mark("gate_up"));
     SwiGluParams sw;
     sw.gate_up = gate_up_out_.as<BFloat16>();
     if (fp8 && !lw.down.dynamic) {
@@ -448,7 +465,9 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     if (fp8 && lw.down.dynamic) {
       TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
     }
+    TP_RETURN_IF_ERROR(mark("swiglu"));
     TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data()));
+    TP_RETURN_IF_ERROR(mark("down"));
     pending = down_out_.as<BFloat16>();
   }
 
@@ -483,7 +502,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
       lm_gemm_.Run(lm, last_.data(), lm_head_.data(), nullptr, logits_local_.data(), st));
   TP_RETURN_IF_ERROR(
       comm.AllGather(logits_local_.data(), logits_all_.data(), seq_slots * vocab_l * 2, st));
-  return Status::Ok();
+  return mark("head");
 }
 
 Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {
@@ -500,8 +519,7 @@ Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {
   return lm_gemm_.Prepare(lm);
 }
 
-StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
-  const ModelConfig& c = config_;
+StatusOr<std::pair<int64_t, int64_t>> CudaModel::UploadBatch(const TokenBatch& batch) {
   const int64_t tokens = batch.tokens(), seqs = batch.sequences();
   if (tokens < 1 || seqs < 1 || tokens > options_.max_tokens || seqs > options_.max_seqs) {
     return InvalidArgumentError("batch of " + std::to_string(tokens) + " tokens in " +
@@ -518,17 +536,49 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   // a power of two (the attention grid and the LM head scale with them).
   const int64_t seq_slots = SequenceSlots(seqs + 1, options_.max_seqs);
   const TokenBatch padded = PadBatch(batch, m, seq_slots);
-  const std::vector<int32_t>& ids = padded.ids;
-  const std::vector<int32_t>& positions = padded.positions;
-  const std::vector<int32_t>& cu = padded.cu_seqlens;
-
   TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
   cudaStream_t st = stream_.get();
-  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), ids.data(), m * 4, cudaMemcpyHostToDevice, st));
-  TP_CUDA_CHECK(
-      cudaMemcpyAsync(positions_.data(), positions.data(), m * 4, cudaMemcpyHostToDevice, st));
-  TP_CUDA_CHECK(
-      cudaMemcpyAsync(cu_seqlens_.data(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), padded.ids.data(), m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(cudaMemcpyAsync(positions_.data(), padded.positions.data(), m * 4,
+                                cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(cudaMemcpyAsync(cu_seqlens_.data(), padded.cu_seqlens.data(),
+                                padded.cu_seqlens.size() * 4, cudaMemcpyHostToDevice, st));
+  // `padded` may go on return: a copy from pageable memory returns once its
+  // source has been staged.
+  return std::pair<int64_t, int64_t>{m, seq_slots};
+}
+
+StatusOr<std::vector<std::pair<std::string, double>>> CudaModel::ProfileStages(
+    const TokenBatch& batch) {
+  TP_ASSIGN_OR_RETURN(const auto shape, UploadBatch(batch));
+  const auto [m, seq_slots] = shape;
+  TP_RETURN_IF_ERROR(PrepareBucket(m, seq_slots));
+  std::vector<std::pair<const char*, CudaEvent>> marks;
+  stage_marks_ = &marks;
+  const Status enqueued = Enqueue(m, seq_slots);
+  stage_marks_ = nullptr;
+  TP_RETURN_IF_ERROR(enqueued);
+  TP_RETURN_IF_ERROR(pool_->base().WaitStream(stream_.get()));
+  std::vector<std::pair<std::string, double>> stages;
+  for (size_t i = 1; i < marks.size(); ++i) {
+    TP_ASSIGN_OR_RETURN(const float ms, CudaEvent::ElapsedMs(marks[i - 1].second, marks[i].second));
+    auto it = std::find_if(stages.begin(), stages.end(),
+                           [&](const auto& s) { return s.first == marks[i].first; });
+    if (it == stages.end()) {
+      stages.emplace_back(marks[i].first, ms);
+    } else {
+      it->second += ms;
+    }
+  }
+  return stages;
+}
+
+StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
+  const ModelConfig& c = config_;
+  const int64_t seqs = batch.sequences();
+  TP_ASSIGN_OR_RETURN(const auto shape, UploadBatch(batch));
+  const auto [m, seq_slots] = shape;
+  cudaStream_t st = stream_.get();
 
   const GraphKey key{overlap_, m, seq_slots};
   auto graph = graphs_.find(key);

@@ -103,6 +103,17 @@ class CudaModel {
   // rank. INVALID_ARGUMENT for a batch over the options' limits.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
 
+  // Where one eager pass of `batch` spends its time on this rank: each
+  // stage's total over all blocks in milliseconds, between CUDA events on the
+  // model's stream (a TP layer's side streams and copy engines join it before
+  // the layer returns), in the order the stages first run: embedding, norm
+  // (add & norm, and the quantization of its output), qkv, rope, attention,
+  // o, gate_up, swiglu, down, head (final norm, row gather, LM head, logits
+  // gather). Eager, not the graph: a stage's time includes its launch gaps,
+  // and a collective's includes waiting for the slowest rank. The logits are
+  // not returned. Collective: all ranks call it with the same batch.
+  StatusOr<std::vector<std::pair<std::string, double>>> ProfileStages(const TokenBatch& batch);
+
   // Runs one batch per (bucket, sequence slots) that requests can reach
   // (eager, then capture): every graph exists before the first request, so
   // no request pays for planning or capture. Collective.
@@ -126,6 +137,10 @@ class CudaModel {
 
  private:
   CudaModel() = default;
+  // Validates the batch against the options, pads it to its bucket and
+  // uploads ids, positions and sequence boundaries on stream_: {bucket m,
+  // sequence slots}.
+  StatusOr<std::pair<int64_t, int64_t>> UploadBatch(const TokenBatch& batch);
   // Validates, and sets up everything but the weights and activations.
   static StatusOr<std::unique_ptr<CudaModel>> NewShell(const ModelConfig& config, DataType dtype,
                                                        const OverlapConfig* overlap,
@@ -169,6 +184,9 @@ class CudaModel {
   bool dynamic_inputs_ = false;
   DeviceBuffer amax_, attn_, act_;
   std::map<std::string, std::unique_ptr<CudaLinear>> linears_;  // by op/shape/knobs
+  // Set by ProfileStages for one eager Enqueue: an event recorded at its
+  // start (null name) and at the end of every stage (the stage's name).
+  std::vector<std::pair<const char*, CudaEvent>>* stage_marks_ = nullptr;
   size_t weight_bytes_ = 0;
   // Last member: destroyed first, before the layers and buffers it uses.
   using GraphKey = std::tuple<const OverlapConfig*, int64_t, int64_t>;  // settings, bucket, slots

@@ -242,5 +242,48 @@ TEST_F(GpuModelTest, BatchOverTheLimitsIsRejected) {
   EXPECT_TRUE(s.ok()) << s.ToString();
 }
 
+TEST_F(GpuModelTest, ProfileStagesTimesEveryStageAndLeavesForwardIntact) {
+  // ProfileStages enqueues the same pass as Forward with events between the
+  // stages: every stage is named once, in order, with a time >= 0. Profiled
+  // on another batch of the bucket (which overwrites the logits), it leaves
+  // the captured graph intact: the next Forward replays the eager logits.
+  const ModelConfig c = SmallConfig();
+  auto batch = PackSequences({std::vector<int32_t>(50, 5), {9, 8, 7}}, c.vocab_size,
+                             c.max_position_embeddings);
+  auto other = PackSequences({std::vector<int32_t>(40, 77), {1, 2}}, c.vocab_size,
+                             c.max_position_embeddings);
+  ASSERT_TRUE(batch.ok() && other.ok());
+  std::vector<std::pair<std::string, double>> stages;
+  std::vector<std::vector<float>> got(2);
+  Status s = group_->Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, 5));
+    CudaModelOptions o;
+    o.max_tokens = 64;
+    o.max_seqs = 4;
+    TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group_->pool(r), o));
+    TP_ASSIGN_OR_RETURN(got[0], model->Forward(*batch));  // eager, then captured
+    TP_ASSIGN_OR_RETURN(auto profiled, model->ProfileStages(*other));
+    TP_ASSIGN_OR_RETURN(std::vector<float> again, model->Forward(*batch));  // replay
+    if (r == 0) {
+      stages = std::move(profiled);
+      got[1] = std::move(again);
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  const std::vector<std::string> want = {"embedding", "norm",    "qkv",    "rope", "attention",
+                                         "o",         "gate_up", "swiglu", "down", "head"};
+  ASSERT_EQ(stages.size(), want.size());
+  double total = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(stages[i].first, want[i]);
+    EXPECT_GE(stages[i].second, 0.0) << want[i];
+    total += stages[i].second;
+  }
+  EXPECT_GT(total, 0.0);
+  EXPECT_FALSE(got[0].empty());
+  EXPECT_EQ(got[0], got[1]) << "Forward after ProfileStages differs from before";
+}
+
 }  // namespace
 }  // namespace tpserve
