@@ -300,6 +300,30 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], u
 #endif
 }
 
+// Four 8x8 BF16 matrices from shared memory (ldmatrix .x4): lanes 8i..8i+7 give the
+// addresses of matrix i's eight 16-byte rows; r[i] receives this lane's pair of matrix i,
+// row lane/4, columns 2(lane%4) and +1 (kTrans: column lane/4, rows 2(lane%4) and +1), the
+// lower index in the low half.
+template <bool kTrans>
+__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const uint16_t* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+#else
+  (void)row;
+  r[0] = r[1] = r[2] = r[3] = 0;
+  __trap();
+#endif
+}
+
 template <int kHeadDim>
 __global__ void __launch_bounds__(kAttnThreads)
     CausalAttentionKernel(AttentionParams p, float scale_log2) {
@@ -401,12 +425,16 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
-        for (int nt = 0; nt < kKeyTiles; ++nt) {
-          // B[k = dim][n = key] = K[key][dim]: two adjacent dims of one key row per register.
-          const uint16_t* k_row = k_tile + (nt * 8 + g) * kPitch + ks * 16 + 2 * t;
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(k_row);
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(k_row + 8);
-          MmaBf16(s[nt], q_frag[ks], b0, b1);
+        for (int nt = 0; nt < kKeyTiles; nt += 2) {
+          // B[k = dim][n = key] = K[key][dim]: matrices (keys nt*8.., dims ks*16 + 0 / 8)
+          // and the same for keys (nt+1)*8..; each lane's pair is (key g, dims 2t, 2t+1).
+          const int mat = lane >> 3;
+          const uint16_t* row =
+              k_tile + ((nt + (mat >> 1)) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat & 1) * 8;
+          uint32_t b[4];
+          LoadMatrixX4<false>(b, row);
+          MmaBf16(s[nt], q_frag[ks], b[0], b[1]);
+          MmaBf16(s[nt + 1], q_frag[ks], b[2], b[3]);
         }
       }
 
@@ -465,14 +493,17 @@ __global__ void __launch_bounds__(kAttnThreads)
                                     PackBf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                     PackBf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-        for (int dt = 0; dt < kDimTiles; ++dt) {
-          // B[k = key][n = dim] = V[key][dim]: two keys (rows) of one dim per register.
-          const uint16_t* v_col = v_tile + (kk * 16 + 2 * t) * kPitch + dt * 8 + g;
-          const uint32_t b0 =
-              static_cast<uint32_t>(v_col[0]) | (static_cast<uint32_t>(v_col[kPitch]) << 16);
-          const uint32_t b1 = static_cast<uint32_t>(v_col[8 * kPitch]) |
-                              (static_cast<uint32_t>(v_col[9 * kPitch]) << 16);
-          MmaBf16(o[dt], p_frag, b0, b1);
+        for (int dt = 0; dt < kDimTiles; dt += 2) {
+          // B[k = key][n = dim] = V[key][dim], transposed on load: matrices (keys
+          // kk*16 + 0 / 8.., dims dt*8..) and the same for dims (dt+1)*8..; each lane's pair
+          // is (keys 2t, 2t+1 of its half, dim g).
+          const int mat = lane >> 3;
+          const uint16_t* row =
+              v_tile + (kk * 16 + (mat & 1) * 8 + (lane & 7)) * kPitch + (dt + (mat >> 1)) * 8;
+          uint32_t b[4];
+          LoadMatrixX4<true>(b, row);
+          MmaBf16(o[dt], p_frag, b[0], b[1]);
+          MmaBf16(o[dt + 1], p_frag, b[2], b[3]);
         }
       }
     }
