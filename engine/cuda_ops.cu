@@ -324,6 +324,39 @@ __device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const uint16_t* r
 #endif
 }
 
+// 16 bytes global -> shared without a trip through registers (cp.async, L2 only); `zero`
+// fills the 16 bytes with zeros instead (src is then not read).
+__device__ __forceinline__ void CopyAsync16(uint16_t* dst, const uint16_t* src, bool zero) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const int src_bytes = zero ? 0 : 16;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+               "r"(src_bytes));
+#else
+  (void)dst, (void)src, (void)zero;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void CopyAsyncCommit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most kPending of this thread's committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+
+// Shared memory of the attention kernel (dynamic): K and V tiles, two of each (the next
+// tile loads while this one is used).
+template <int kHeadDim>
+constexpr size_t AttentionSmemBytes() {
+  return 4 * static_cast<size_t>(kAttnBc) * (kHeadDim + 8) * sizeof(uint16_t);
+}
+
 template <int kHeadDim>
 __global__ void __launch_bounds__(kAttnThreads)
     CausalAttentionKernel(AttentionParams p, float scale_log2) {
@@ -334,8 +367,9 @@ __global__ void __launch_bounds__(kAttnThreads)
   constexpr int kKSteps = kHeadDim / 16;   // k-steps of Q.K^T
   constexpr int kDimTiles = kHeadDim / 8;  // n8 tiles of O
   constexpr int kKeyTiles = kAttnBc / 8;   // n8 tiles of S
-  __shared__ __align__(16) uint16_t k_tile[kAttnBc * kPitch];
-  __shared__ __align__(16) uint16_t v_tile[kAttnBc * kPitch];
+  constexpr int kTileElems = kAttnBc * kPitch;
+  // [K buffer 0 | K buffer 1 | V buffer 0 | V buffer 1]
+  extern __shared__ __align__(16) uint16_t attn_smem[];
 
   const int64_t seq = blockIdx.x / p.q_heads;
   const int64_t head = blockIdx.x % p.q_heads;
@@ -401,22 +435,35 @@ __global__ void __launch_bounds__(kAttnThreads)
 
     // Causal: the tile's last row is q0 + kAttnBr - 1, so no key at or beyond kv_end matters.
     const int64_t kv_end = q0 + kAttnBr < len ? q0 + kAttnBr : len;
-    for (int64_t kv0 = 0; kv0 < kv_end; kv0 += kAttnBc) {
-      __syncthreads();  // everyone is done with the previous tile
+    // Starts loading the key tile at kv0 into buffer `buf` (one commit group per thread).
+    auto load_tile = [&](int buf, int64_t kv0) {
+      uint16_t* k_dst = attn_smem + buf * kTileElems;
+      uint16_t* v_dst = attn_smem + (2 + buf) * kTileElems;
       for (int idx = threadIdx.x; idx < kAttnBc * kVecsPerRow; idx += kAttnThreads) {
         const int r = idx / kVecsPerRow;
         const int c = (idx % kVecsPerRow) * 8;
-        uint4 kv = make_uint4(0, 0, 0, 0);
-        uint4 vv = make_uint4(0, 0, 0, 0);
         // Zeros past kv_end: such keys are masked, and 0 * V must not meet a NaN there.
-        if (kv0 + r < kv_end) {
-          kv = *reinterpret_cast<const uint4*>(k_base + (kv0 + r) * p.k_row_stride + c);
-          vv = *reinterpret_cast<const uint4*>(v_base + (kv0 + r) * p.v_row_stride + c);
-        }
-        *reinterpret_cast<uint4*>(k_tile + r * kPitch + c) = kv;
-        *reinterpret_cast<uint4*>(v_tile + r * kPitch + c) = vv;
+        const bool past = kv0 + r >= kv_end;
+        const int64_t row = past ? 0 : kv0 + r;  // a valid address either way
+        CopyAsync16(k_dst + r * kPitch + c, k_base + row * p.k_row_stride + c, past);
+        CopyAsync16(v_dst + r * kPitch + c, v_base + row * p.v_row_stride + c, past);
       }
-      __syncthreads();
+      CopyAsyncCommit();
+    };
+    load_tile(0, 0);
+    int buf = 0;
+    for (int64_t kv0 = 0; kv0 < kv_end; kv0 += kAttnBc, buf ^= 1) {
+      // The next tile loads into the other buffer (everyone finished reading it at the end
+      // of the previous step) while this one is used.
+      if (kv0 + kAttnBc < kv_end) {
+        load_tile(buf ^ 1, kv0 + kAttnBc);
+        CopyAsyncWait<1>();
+      } else {
+        CopyAsyncWait<0>();
+      }
+      __syncthreads();  // this tile, from every thread's copies
+      const uint16_t* k_tile = attn_smem + buf * kTileElems;
+      const uint16_t* v_tile = attn_smem + (2 + buf) * kTileElems;
 
       // S = Q K^T for this warp's 16 rows and the tile's kAttnBc keys.
       float s[kKeyTiles][4];
@@ -506,6 +553,7 @@ __global__ void __launch_bounds__(kAttnThreads)
           MmaBf16(o[dt + 1], p_frag, b[2], b[3]);
         }
       }
+      __syncthreads();  // everyone is done with this buffer before it loads again
     }
 
     float inv_sum[2];
@@ -640,6 +688,20 @@ __global__ void GatherLastTokensKernel(GatherLastTokensParams p) {
     const bool valid = row >= begin && row >= 0 && row < p.tokens;
     p.out[i] = valid ? Bf16ToFloat(in[row * p.input_row_stride + j]) : 0.0f;
   }
+}
+
+// The kernel's tiles take more than the 48 KiB of shared memory a launch gets by default
+// (head_dim 128: 69,632 bytes). The opt-in holds per device (context), and ranks may be
+// threads of one process on several devices: set before every launch (a host-side call,
+// allowed while a stream is captured; a graph replay does not repeat it).
+template <int kHeadDim>
+Status LaunchAttention(dim3 grid, const AttentionParams& p, float scale_log2, cudaStream_t stream) {
+  constexpr size_t kSmem = AttentionSmemBytes<kHeadDim>();
+  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionKernel<kHeadDim>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kSmem)));
+  CausalAttentionKernel<kHeadDim><<<grid, kAttnThreads, kSmem, stream>>>(p, scale_log2);
+  return Status::Ok();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -819,9 +881,9 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   constexpr double kLog2E = 1.4426950408889634;  // exp(x) = exp2(x * log2(e))
   const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
   if (p.head_dim == 64) {
-    CausalAttentionKernel<64><<<grid, kAttnThreads, 0, stream>>>(p, scale_log2);
+    TP_RETURN_IF_ERROR(LaunchAttention<64>(grid, p, scale_log2, stream));
   } else {
-    CausalAttentionKernel<128><<<grid, kAttnThreads, 0, stream>>>(p, scale_log2);
+    TP_RETURN_IF_ERROR(LaunchAttention<128>(grid, p, scale_log2, stream));
   }
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
