@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -537,6 +538,23 @@ uint16_t FreePort() {
   return server.ok() ? server->port() : 0;
 }
 
+// A TCP connection to 127.0.0.1:port (-1 on failure, errno set).
+int ConnectLoopback(uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    const int err = errno;
+    ::close(fd);
+    errno = err;
+    return -1;
+  }
+  return fd;
+}
+
 TEST(RendezvousTest, TwoFetchersGetTheServedId) {
   auto server = UniqueIdServer::Listen(0);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
@@ -599,13 +617,8 @@ TEST(RendezvousTest, ServerDropsClientsWithoutGreeting) {
   std::thread serve([&] { served = server->Serve(id, 1, deadline); });
 
   // A stray client (an HTTP probe) connects first and gets nothing.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const int fd = ConnectLoopback(port);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
   const char probe[] = "GET / HTTP/1.0\r\n\r\n";
   ASSERT_EQ(::send(fd, probe, sizeof probe - 1, MSG_NOSIGNAL),
             static_cast<ssize_t>(sizeof probe - 1));
@@ -643,13 +656,8 @@ TEST(RendezvousTest, ConnectionClosedByAFetcherThatGaveUpIsNotCounted) {
   auto server = UniqueIdServer::Listen(0);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   const uint16_t port = server->port();
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const int fd = ConnectLoopback(port);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
   ASSERT_EQ(::send(fd, kRendezvousHello, sizeof kRendezvousHello, MSG_NOSIGNAL),
             static_cast<ssize_t>(sizeof kRendezvousHello));
   ::close(fd);  // gave up before Serve() started
