@@ -20,6 +20,7 @@
 
 #include "benchmarks/tune_choice.h"
 #include "benchmarks/write_replacing.h"
+#include "comm/cli_numbers.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/rank_group.h"
@@ -422,8 +423,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         // The GPU waits while the host queues the whole round: no timed
         // interval then holds host launch latency (small cases are shorter
         // than a graph launch plus the AllGather's).
-        TP_RETURN_IF_ERROR(
-            LaunchGpuDelay(f.queue_delay_us * 1000 * static_cast<int64_t>(which.size()), st));
+        TP_RETURN_IF_ERROR(LaunchGpuDelay(
+            int64_t{f.queue_delay_us} * 1000 * static_cast<int64_t>(which.size()), st));
         for (size_t i : which) {
           if (flush_bytes > 0)
             TP_CUDA_CHECK(cudaMemsetAsync(flush.data(), i & 0xff, flush_bytes, st));
@@ -593,9 +594,17 @@ int Main(int argc, char** argv) {
                  "--m), seed (m=65536 k=4096 n=1024*tp), small")
       ->check(CLI::IsMember({"llama70b", "seed", "small"}))
       ->capture_default_str();
-  app.add_option("--m", f.ms, "Global M values (tokens) for llama70b/small")->capture_default_str();
-  app.add_option("--dtype", f.dtypes, "Operand types: fp8, bf16")->capture_default_str();
-  app.add_option("--chunks", f.chunks, "Chunk counts for pipeline and ring")->capture_default_str();
+  CLI::Option* m_option =
+      app.add_option("--m", f.ms,
+                     "Global M values (tokens) for llama70b/small (seed: its own, 65536)")
+          ->check(Positive())
+          ->capture_default_str();
+  app.add_option("--dtype", f.dtypes, "Operand types: fp8, bf16")
+      ->check(CLI::IsMember({"fp8", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--chunks", f.chunks, "Chunk counts for pipeline and ring (1 to 64)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   app.add_option("--methods", f.methods,
                  "Methods: gemm_only, comm_only, none, pipeline, ring, auto (the knobs --overlap "
                  "gives the layer at this M), none_ce, pipeline_ce and ring_ce "
@@ -603,15 +612,23 @@ int Main(int argc, char** argv) {
                  "none_ce a sum kernel reading the peers' partials; chunks 1 included; "
                  "they need --ranks processes), "
                  "layer_gemm (the layer's GEMM steps without communication)")
+      ->check(CLI::IsMember({"gemm_only", "comm_only", "none", "pipeline", "ring", "auto",
+                             "none_ce", "pipeline_ce", "ring_ce", "layer_gemm"}))
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,
-                 "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default)")
+                 "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default; at most 64)")
+      ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_option("--gemm-sms", f.gemm_sms,
                  "GEMM SM budgets (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) to sweep for "
                  "pipeline/ring (0 = all SMs)")
+      ->check(NonNegative())
       ->capture_default_str();
-  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs)")->capture_default_str();
+  app.add_option("--tp", f.tp,
+                 "Tensor-parallel size (GPUs); must divide each shape's split dimension (n of "
+                 "ag_gemm, k of gemm_rs)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   app.add_option("--ranks", f.ranks,
                  "How ranks run: processes (one per GPU, as tpserve serves; this process is "
                  "rank 0 and starts the others with the same arguments) or threads (one "
@@ -620,22 +637,22 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"processes", "threads"}))
       ->capture_default_str();
   app.add_option("--warmup", f.warmup, "Graph replays before timing")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->capture_default_str();
   app.add_option("--queue-delay-us", f.queue_delay_us,
                  "Before each round of timed replays the GPU spins this many microseconds per "
                  "method, so that the host has queued the round before it runs (0: off; then "
-                 "short cases include host launch latency)")
-      ->check(CLI::NonNegativeNumber)
+                 "short cases include host launch latency; at most 1000000)")
+      ->check(CLI::Range(0, 1'000'000))
       ->capture_default_str();
   app.add_option("--l2-flush-mib", f.l2_flush_mib,
                  "Before each timed replay (outside its timing) write this many MiB, so that "
                  "no method finds its operands in the GPU's L2 cache (as in a model, where "
                  "each layer's weights are new; the PyTorch peer does the same); 0: off")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->capture_default_str();
   app.add_option("--rounds", f.rounds, "Timed graph replays per case")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   app.add_option("--overlap", f.overlap,
                  "Overlap config (YAML, e.g. deploy/overlap-llama3-70b-tp2.yaml) that method "
@@ -644,7 +661,7 @@ int Main(int argc, char** argv) {
   app.add_option("--timeout-s", f.timeout_s,
                  "Seconds any wait for the GPUs may take before the run aborts with an error "
                  "(NCCL work, copy-engine signals)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   app.add_flag("!--no-check", f.check,
                "Skip comparing each overlap method's output with mode none");
@@ -674,8 +691,31 @@ int Main(int argc, char** argv) {
                  "so that render_results.py judges each shape within one run");
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
+  StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
   ApplyGemmAlgo(f.gemm_algo);
+  // Usage errors before any GPU work (a process group starts the other ranks).
+  if (f.shapes == "seed" && m_option->count() > 0 && f.ms != std::vector<int64_t>{65536}) {
+    spdlog::error("--m: --shapes seed has its own m (65536); --m is for llama70b and small");
+    return 2;
+  }
+  for (const ShapeCase& sc : MakeShapes(f)) {
+    const bool ag = sc.op == OverlapOp::kAllGatherGemm;
+    if ((ag ? sc.n : sc.k) % f.tp != 0) {
+      spdlog::error("--tp {}: {} splits {}={} over the ranks, which does not divide by {}", f.tp,
+                    sc.layer, ag ? "n" : "k", ag ? sc.n : sc.k, f.tp);
+      return 2;
+    }
+  }
+  if (!f.tune_out.empty() && f.dtypes.size() != 1) {
+    spdlog::error("--tune-out tunes one operand type: give exactly one --dtype");
+    return 2;
+  }
+  if (std::find(f.methods.begin(), f.methods.end(), "auto") != f.methods.end() &&
+      f.overlap.empty()) {
+    spdlog::error("--methods auto needs --overlap FILE (the config auto resolves)");
+    return 2;
+  }
   if (f.ranks == "threads") {
     for (const std::string& m : f.methods) {
       if (m.size() > 3 && m.compare(m.size() - 3, 3, "_ce") == 0) {
@@ -726,10 +766,6 @@ int Main(int argc, char** argv) {
     }
     return true;
   };
-  if (!f.tune_out.empty() && f.dtypes.size() != 1) {
-    spdlog::error("--tune-out tunes one operand type: give exactly one --dtype");
-    return 2;
-  }
   OverlapConfig tuned;
   tuned.set_tp(f.tp);
   {
@@ -743,11 +779,6 @@ int Main(int argc, char** argv) {
   }
   // Method auto: the overlap config as the server would load it.
   std::optional<OverlapConfig> overlap;
-  const bool wants_auto = std::find(f.methods.begin(), f.methods.end(), "auto") != f.methods.end();
-  if (wants_auto && f.overlap.empty()) {
-    spdlog::error("--methods auto needs --overlap FILE (the config auto resolves)");
-    return 2;
-  }
   if (!f.overlap.empty()) {
     auto loaded = OverlapConfig::LoadFile(f.overlap);
     if (!loaded.ok()) {
@@ -840,8 +871,14 @@ int Main(int argc, char** argv) {
             "mode auto picks the\n# entry with the largest m <= M (else the smallest) and "
             "none for shapes not listed.\n"
          << tuned.ToYaml();
-    spdlog::info("wrote the tuned overlap config ({} entries) to {}", tuned.tuned().size(),
-                 f.tune_out);
+    yaml.close();
+    if (!yaml) {
+      spdlog::error("--tune-out: cannot write {}", f.tune_out);
+      ++failures;
+    } else {
+      spdlog::info("wrote the tuned overlap config ({} entries) to {}", tuned.tuned().size(),
+                   f.tune_out);
+    }
   }
   if (const Status finished = group->Finish(std::chrono::seconds(f.timeout_s)); !finished.ok()) {
     spdlog::error("{}", finished.ToString());

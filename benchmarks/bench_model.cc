@@ -18,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/cli_numbers.h"
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
@@ -109,28 +111,34 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"tiny", "llama3-8b", "llama3-70b"}))
       ->capture_default_str();
   app.add_option("--layers", f.layers,
-                 "Transformer blocks to build (0 = all of the preset's); fewer than the full "
-                 "model when the weights would not fit")
-      ->check(CLI::NonNegativeNumber)
+                 "Transformer blocks to build (0 = all of the preset's; at most the preset's "
+                 "count); fewer than the full model when the weights would not fit")
+      ->check(NonNegative())
       ->capture_default_str();
   app.add_option("--ranks", f.ranks,
                  "How ranks run: processes (one per GPU, as tpserve serves; this process is "
                  "rank 0 and starts the others with the same arguments) or threads")
       ->check(CLI::IsMember({"processes", "threads"}))
       ->capture_default_str();
-  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs)")->capture_default_str();
+  app.add_option("--tp", f.tp, "Tensor-parallel size (GPUs)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   app.add_option("--dtype", f.dtype, "Weights and activations of the TP layers: fp8 or bf16")
       ->check(CLI::IsMember({"fp8", "bf16"}))
       ->capture_default_str();
-  app.add_option("--batches", f.batches, "Batch shapes SEQSxLEN (sequences x tokens each)")
+  app.add_option("--batches", f.batches,
+                 "Batch shapes SEQSxLEN (sequences x tokens each; LEN at most the model's "
+                 "max_position_embeddings, SEQS x LEN at most 2147483647)")
       ->capture_default_str();
   app.add_option("--overlap", f.overlaps,
                  "Overlap config files (YAML) to time besides mode none (e.g. "
                  "deploy/overlap-llama3-70b-tp2.yaml)")
       ->check(CLI::ExistingFile);
-  app.add_option("--warmup", f.warmup, "Untimed rounds after the capture")->capture_default_str();
+  app.add_option("--warmup", f.warmup, "Untimed rounds after the capture")
+      ->check(NonNegative())
+      ->capture_default_str();
   app.add_option("--rounds", f.rounds, "Timed rounds per (batch, setting)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   app.add_option("--seed", f.seed, "Seed of the random weights and token ids")
       ->capture_default_str();
@@ -146,6 +154,7 @@ int Main(int argc, char** argv) {
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
+  StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
   ApplyGemmAlgo(f.gemm_algo);
 
@@ -155,14 +164,25 @@ int Main(int argc, char** argv) {
     return 2;
   }
   ModelConfig config = *preset;
-  if (f.layers > 0)
-    config.num_hidden_layers = std::min<int64_t>(f.layers, config.num_hidden_layers);
+  if (f.layers > config.num_hidden_layers) {
+    spdlog::error("--layers {}: {} has {} layers", f.layers, f.model, config.num_hidden_layers);
+    return 2;
+  }
+  if (f.layers > 0) config.num_hidden_layers = f.layers;
   std::vector<BatchShape> shapes;
   int64_t max_tokens = 0, max_seqs = 0;
   for (const std::string& b : f.batches) {
     auto s = ParseBatch(b);
     if (!s.ok()) {
       spdlog::error("{}", s.status().ToString());
+      return 2;
+    }
+    // Token offsets and positions are int32; a sequence is at most the model's positions.
+    if (s->len > config.max_position_embeddings || s->seqs > INT32_MAX / s->len) {
+      spdlog::error(
+          "--batches: '{}': LEN must be at most {} ({}'s max_position_embeddings) and "
+          "SEQS x LEN at most {}",
+          b, config.max_position_embeddings, f.model, INT32_MAX);
       return 2;
     }
     shapes.push_back(*s);

@@ -49,6 +49,7 @@
 
 #include "benchmarks/loadtest_stats.h"
 #include "benchmarks/write_replacing.h"
+#include "comm/cli_numbers.h"
 #include "proto/grpc_service.grpc.pb.h"
 
 namespace {
@@ -120,7 +121,8 @@ struct Flags {
   std::string request_rate_range;
   std::string distribution = "constant";
   double duration_s = 2;
-  int64_t requests = 0;
+  int64_t requests = 0;  // 0: not given (windows of --duration)
+  bool requests_given = false;
   double warmup_s = 1;
   double stability_pct = 10;
   int max_trials = 5;
@@ -602,7 +604,7 @@ int Run(const Flags& f, const std::string& command) {
               << ", got " << levels.front() << "\n";
     return 2;
   }
-  if (f.requests < 0) {
+  if (f.requests_given && f.requests < 1) {
     std::cerr << "error: --requests must be >= 1, got " << f.requests << "\n";
     return 2;
   }
@@ -876,12 +878,15 @@ int main(int argc, char** argv) {
       "request failed; 2 on bad arguments, an output file that cannot be written, an "
       "unreachable server or a model that is not ready.");
   app.add_option("--json", f.json, "write the results as JSON to FILE");
+  // Integers decimal and in range (a negative --seed wrapped); Run checks the floats itself.
+  tpserve::StrictNumbers(app, /*finite_floats=*/false);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
   }
+  f.requests_given = reqs->count() > 0;
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
   return Run(f, command);

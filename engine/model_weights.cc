@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -383,12 +384,37 @@ uint64_t Mix(uint64_t seed, const std::string& name) {
   return hsh;
 }
 
+// Progress of long work over a model's layers: at most one line per kProgressEveryS seconds,
+// so a model made in seconds prints nothing.
+class LayerProgress {
+ public:
+  static constexpr double kProgressEveryS = 5;
+  // `what` is null: silent.
+  LayerProgress(const char* what, int64_t layers) : what_(what), layers_(layers) {}
+  void LayerDone(int64_t done) {
+    if (what_ == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (std::chrono::duration<double>(now - last_).count() < kProgressEveryS) return;
+    last_ = now;
+    spdlog::info("{}: {} of {} layers ({:.0f} s)", what_, done, layers_,
+                 std::chrono::duration<double>(now - start_).count());
+  }
+
+ private:
+  const char* what_;
+  int64_t layers_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
+};
+
 // Random checkpoint tensors (HF names, ModelOpt FP8 layout): with
 // `globals`, the embedding, final norm and LM head; then blocks
 // [first_layer, end_layer). Each tensor's values depend only on the seed and
-// its name, so any split into parts gives the same tensors.
+// its name, so any split into parts gives the same tensors. `progress`: what
+// to call the work in progress lines (null: none).
 Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t seed, bool globals,
-                                int64_t first_layer, int64_t end_layer) {
+                                int64_t first_layer, int64_t end_layer,
+                                const char* progress = nullptr) {
+  LayerProgress layers_done(progress, end_layer - first_layer);
   Checkpoint ck;
   const int64_t h = c.hidden_size, hd = c.head_dim();
   auto normal = [&](const std::string& name, int64_t count, float sd) {
@@ -429,6 +455,7 @@ Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t s
     bf16("model.embed_tokens.weight", {c.vocab_size, h}, normal("embed", c.vocab_size * h, 1.0f));
     f32("model.norm.weight", {h}, std::vector<float>(h, 1.0f));
     bf16("lm_head.weight", {c.vocab_size, h}, normal("lm_head", c.vocab_size * h, 0.02f));
+    layers_done.LayerDone(0);
   }
   for (int64_t i = first_layer; i < end_layer; ++i) {
     const std::string p = HfLayerPrefix(i);
@@ -441,6 +468,7 @@ Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t s
     linear(p + ".mlp.gate_proj", c.intermediate_size, h);
     linear(p + ".mlp.up_proj", c.intermediate_size, h);
     linear(p + ".mlp.down_proj", h, c.intermediate_size);
+    layers_done.LayerDone(i + 1 - first_layer);
   }
   return ck;
 }
@@ -452,16 +480,20 @@ std::string HfLayerPrefix(int64_t layer) { return "model.layers." + std::to_stri
 StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType dtype, int tp,
                                             int rank, uint64_t seed) {
   TP_RETURN_IF_ERROR(config.ValidateForTp(tp));
+  // Minutes for a large model on the host: rank 0 says how far it is.
+  LayerProgress progress(rank == 0 ? "random weights" : nullptr, config.num_hidden_layers);
   // One block at a time: the host holds this rank's shard and one full
   // block, not the whole model (tp ranks as threads would hold tp copies).
   TP_ASSIGN_OR_RETURN(
       RankWeights w,
       ShardGlobals(MakeRandomCheckpoint(config, dtype, seed, true, 0, 0), config, dtype, tp, rank));
+  progress.LayerDone(0);  // the embedding and the LM head
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     TP_ASSIGN_OR_RETURN(LayerWeights l,
                         ShardLayer(MakeRandomCheckpoint(config, dtype, seed, false, i, i + 1),
                                    config, dtype, tp, rank, i));
     w.layers.push_back(std::move(l));
+    progress.LayerDone(i + 1);
   }
   return w;
 }
@@ -472,8 +504,8 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return UnavailableError("cannot create directory " + dir + ": " + ec.message());
-  const Checkpoint ck =
-      MakeRandomCheckpoint(config, dtype, seed, true, 0, config.num_hidden_layers);
+  const Checkpoint ck = MakeRandomCheckpoint(config, dtype, seed, true, 0, config.num_hidden_layers,
+                                             "random checkpoint");
   std::vector<TensorToWrite> tensors;
   for (const auto& [name, v] : ck.views()) {
     tensors.push_back({name, v.dtype, v.shape, v.data, v.bytes});

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "comm/local_communicator.h"
 #include "layers/fp8.h"
@@ -35,6 +36,18 @@ StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, in
   }
   if (tp < 1 || m < 1 || n < 1 || k < 1) {
     return InvalidArgumentError("linear problem: tp, m, n, k must be >= 1");
+  }
+  // Each operand and the output is held on the host (several copies): m x k, n x k and m x n
+  // elements each at most 2^34, which also keeps every byte count within int64.
+  constexpr int64_t kMaxElements = int64_t{1} << 34;
+  const std::tuple<int64_t, int64_t, const char*> products[] = {
+      {m, k, "m x k"}, {n, k, "n x k"}, {m, n, "m x n"}};
+  for (const auto& [a, b, what] : products) {
+    if (a > kMaxElements / b) {
+      return InvalidArgumentError("linear problem: " + std::string(what) + " = " +
+                                  std::to_string(a) + " x " + std::to_string(b) +
+                                  " elements, more than 2^34 (17179869184)");
+    }
   }
   const bool ag = op == OverlapOp::kAllGatherGemm;
   if ((ag ? n : k) % tp != 0) {

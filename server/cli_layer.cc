@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "comm/cli_numbers.h"
 #include "layers/gemm_algo_flag.h"
 #include "layers/linear_problem.h"
 #include "server/cli.h"
@@ -15,7 +17,30 @@
 namespace tpserve {
 namespace {
 
-int RunLayer(const LayerFlags& f, const std::vector<std::string>& argv) {
+// The flags that only the cuda backend reads.
+constexpr const char* kCudaOnlyFlags[] = {"--max-ctas", "--cta-policy", "--copy-engine",
+                                          "--gemm-sms"};
+
+// `given_cuda_only`: those of kCudaOnlyFlags on the command line.
+int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
+             const std::vector<std::string>& given_cuda_only) {
+  if (f.mode == "none" && f.chunks != 1) {
+    if (f.chunks_given) {
+      std::fprintf(stderr,
+                   "error: --chunks %d: mode none runs one chunk (--chunks 1); chunks are for "
+                   "pipeline and ring\n",
+                   f.chunks);
+      return 2;
+    }
+    f.chunks = 1;
+  }
+  if (f.backend == "cpu" && !given_cuda_only.empty()) {
+    std::fprintf(stderr,
+                 "error: %s applies to --backend cuda only (the cpu backend has no NCCL "
+                 "communicator, copy engines or GEMM SM budget)\n",
+                 given_cuda_only.front().c_str());
+    return 2;
+  }
   if (f.backend == "cuda") {
 #if TPSERVE_WITH_CUDA
     ApplyGemmAlgo(f.gemm_algo);
@@ -62,7 +87,7 @@ int RunLayer(const LayerFlags& f, const std::vector<std::string>& argv) {
   const bool pass = err->unwritten == 0 && err->rel_frobenius <= f.tolerance;
   std::printf(
       "%s %s %s tp=%d m=%lld n=%lld k=%lld chunks=%d backend=%s: best %.3f ms; vs reference: "
-      "rel_frobenius=%.3g max_abs=%.3g differing=%lld unwritten=%lld -> %s (tolerance %.g)\n",
+      "rel_frobenius=%.3g max_abs=%.3g differing=%lld unwritten=%lld -> %s (tolerance %g)\n",
       f.op.c_str(), f.mode.c_str(), f.dtype.c_str(), f.tp, static_cast<long long>(f.m),
       static_cast<long long>(f.n), static_cast<long long>(f.k), f.chunks, f.backend.c_str(),
       best_ms, err->rel_frobenius, err->max_abs, static_cast<long long>(err->differing),
@@ -95,18 +120,19 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
   cmd->add_option("--tp", f->tp, "Tensor-parallel size")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  cmd->add_option("--m", f->m, "Global rows (tokens)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  cmd->add_option("--m", f->m, "Global rows (tokens)")->check(Positive())->capture_default_str();
   cmd->add_option("--n", f->n, "Global output features (ag_gemm: split over ranks)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--k", f->k, "Global input features (gemm_rs: split over ranks)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
-  cmd->add_option("--chunks", f->chunks, "Chunks per rank's shard (mode none: 1)")
-      ->check(CLI::Range(1, 64))
-      ->capture_default_str();
+  CLI::Option* chunks =
+      cmd->add_option("--chunks", f->chunks,
+                      "Chunks per rank's shard, for pipeline and ring (mode none: 1, its "
+                      "default)")
+          ->check(CLI::Range(1, 64))
+          ->capture_default_str();
   cmd->add_option("--seed", f->seed, "Random seed of the operands")->capture_default_str();
   cmd->add_option("--iters", f->iters,
                   "Timed iterations (cpu: the best is reported; cuda: the median graph replay, "
@@ -115,7 +141,8 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
   cmd->add_option("--tolerance", f->tolerance,
-                  "Largest relative Frobenius error vs the reference that passes")
+                  "Largest relative Frobenius error vs the reference that passes (>= 0)")
+      ->check(NonNegative())
       ->capture_default_str();
   cmd->add_option("--max-ctas", f->max_ctas,
                   "cuda: NCCL max CTAs of the layer's communicator (0 = NCCL's default)")
@@ -129,10 +156,17 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                 "cuda: move data with copy engines (peers pull from CUDA-IPC-mapped buffers; "
                 "no SMs): any op and mode; all ranks on one node");
   cmd->add_option("--gemm-sms", f->gemm_sm_count, "cuda: GEMM SM budget (0 = all SMs)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->capture_default_str();
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
-  cmd->callback([f, exit_code, argv] { *exit_code = RunLayer(*f, argv); });
+  cmd->callback([f, exit_code, argv, cmd, chunks] {
+    f->chunks_given = chunks->count() > 0;
+    std::vector<std::string> given_cuda_only;
+    for (const char* name : kCudaOnlyFlags) {
+      if (cmd->count(name) > 0) given_cuda_only.push_back(name);
+    }
+    *exit_code = RunLayer(*f, argv, given_cuda_only);
+  });
 }
 
 }  // namespace tpserve

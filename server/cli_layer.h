@@ -17,6 +17,7 @@ struct LayerFlags {
   int64_t n = 256;
   int64_t k = 256;
   int chunks = 4;
+  bool chunks_given = false;  // --chunks on the command line (mode none defaults to 1)
   int max_ctas = 0;
   std::string cta_policy = "default";
   bool copy_engine = false;

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/cli_numbers.h"
 #include "layers/overlap_plan.h"
 #include "server/cli.h"
 
@@ -15,14 +16,28 @@ struct PlanFlags {
   int tp = 2;
   int64_t m = 37;
   int chunks = 4;
-  int rank = -1;
+  bool chunks_given = false;  // --chunks on the command line (mode none defaults to 1)
+  int rank = -1;              // -1: every rank
 };
 
-int RunPlan(const PlanFlags& f) {
+int RunPlan(PlanFlags f) {
   auto op = ParseOverlapOp(f.op);
   auto mode = ParseOverlapMode(f.mode);
   if (!op.ok() || !mode.ok()) {
     std::cerr << "error: " << (!op.ok() ? op.status() : mode.status()).message() << "\n";
+    return 2;
+  }
+  if (*mode == OverlapMode::kNone && f.chunks != 1) {
+    if (f.chunks_given) {
+      std::cerr << "error: --chunks " << f.chunks
+                << ": mode none runs one chunk (--chunks 1); chunks are for pipeline and ring\n";
+      return 2;
+    }
+    f.chunks = 1;
+  }
+  if (f.rank != -1 && (f.rank < 0 || f.rank >= f.tp)) {
+    std::cerr << "error: --rank " << f.rank << ": the ranks are 0 to " << f.tp - 1 << " (--tp "
+              << f.tp << ")\n";
     return 2;
   }
   std::vector<OverlapPlan> plans;
@@ -64,13 +79,21 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   cmd->add_option("--m", flags->m, "Rows (tokens) of the global problem")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
-  cmd->add_option("--chunks", flags->chunks, "Chunks per rank's shard (none: 1)")
-      ->check(CLI::Range(1, 64))
-      ->capture_default_str();
-  cmd->add_option("--rank", flags->rank, "Print only this rank's plan (default: all ranks)");
-  cmd->callback([flags, exit_code] { *exit_code = RunPlan(*flags); });
+  CLI::Option* chunks =
+      cmd->add_option("--chunks", flags->chunks,
+                      "Chunks per rank's shard, for pipeline and ring (mode none: 1, its "
+                      "default)")
+          ->check(CLI::Range(1, 64))
+          ->capture_default_str();
+  cmd->add_option("--rank", flags->rank,
+                  "Print only this rank's plan, 0 to --tp - 1 (default: all ranks; all are "
+                  "checked either way)");
+  cmd->callback([flags, exit_code, chunks] {
+    flags->chunks_given = chunks->count() > 0;
+    *exit_code = RunPlan(*flags);
+  });
 }
 
 }  // namespace tpserve

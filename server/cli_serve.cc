@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "comm/cli_numbers.h"
 #include "comm/nccl_config.h"
 #include "engine/cpu_engine.h"
 #if TPSERVE_WITH_CUDA
@@ -444,12 +445,12 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
   cmd->add_option("--max-batch-tokens", f->max_batch_tokens, "Tokens per engine batch")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--max-batch-sequences", f->max_batch_sequences,
                   "Requests per engine batch (the GPU engine sizes its per-sequence buffers "
                   "by it)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--rank-timeout-s", f->rank_timeout_s,
                   "cuda: seconds a collective may take before the engine declares a rank lost "
@@ -475,7 +476,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                   "Longest prompt accepted (INVALID_ARGUMENT beyond); capped by --max-batch-tokens "
                   "(a request is never split over batches) and the model's "
                   "max_position_embeddings")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option(
          "--exit-timeout", f->exit_timeout_s,
@@ -485,10 +486,20 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(0.0, kMaxTimeoutS))
       ->capture_default_str();
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
-  cmd->add_option("--tls-cert", f->tls_cert, "PEM certificate chain: serve gRPC over TLS");
-  cmd->add_option("--tls-key", f->tls_key, "PEM private key of --tls-cert");
+  // Checked before the model loads (minutes for a large one), not when the server starts.
+  CLI::Option* tls_cert =
+      cmd->add_option("--tls-cert", f->tls_cert,
+                      "PEM certificate chain: serve gRPC over TLS (needs --tls-key)")
+          ->check(CLI::ExistingFile);
+  CLI::Option* tls_key = cmd->add_option("--tls-key", f->tls_key, "PEM private key of --tls-cert")
+                             ->check(CLI::ExistingFile);
+  tls_cert->needs(tls_key);
+  tls_key->needs(tls_cert);
   cmd->add_option("--tls-client-ca", f->tls_client_ca,
-                  "PEM CA bundle: require client certificates signed by it (mutual TLS)");
+                  "PEM CA bundle: require client certificates signed by it (mutual TLS; needs "
+                  "--tls-cert and --tls-key)")
+      ->check(CLI::ExistingFile)
+      ->needs(tls_cert);
   cmd->callback([f, exit_code] { *exit_code = Serve(*f); });
 
   // The worker ranks of `serve --backend cuda`: started by rank 0 with the
@@ -507,11 +518,11 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
   wcmd->add_option("--seed", w->seed, "As serve --seed")->capture_default_str();
   wcmd->add_option("--overlap-config", w->overlap_config, "As serve --overlap-config");
   wcmd->add_option("--max-batch-tokens", w->max_batch_tokens, "As serve --max-batch-tokens")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   wcmd->add_option("--max-batch-sequences", w->max_batch_sequences,
                    "As serve --max-batch-sequences")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   wcmd->add_flag("--device-random-weights", w->device_random_weights,
                  "As serve --device-random-weights");

@@ -3,7 +3,9 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <new>
 
+#include "comm/cli_numbers.h"
 #include "server/cli.h"
 
 int main(int argc, char** argv) {
@@ -18,10 +20,15 @@ int main(int argc, char** argv) {
   tpserve::AddModelCommands(app, &exit_code);
   tpserve::AddServeCommand(app, &exit_code);
   tpserve::AddLayerCommand(app, &exit_code, std::vector<std::string>(argv, argv + argc));
+  tpserve::StrictNumbers(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const std::bad_alloc&) {
+    // Sizes from the command line (e.g. `plan --m`) too large for this machine's memory.
+    spdlog::error("out of memory: the sizes given are too large for this machine");
+    return 1;
   }
   return exit_code;
 }

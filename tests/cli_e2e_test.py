@@ -74,5 +74,141 @@ class RunCommand(unittest.TestCase):
         self.assertEqual(a["logits"], b["logits"])
 
 
+class CommandLineChecks(unittest.TestCase):
+    """Bad values are refused at once, naming the flag; nothing is silently reinterpreted."""
+
+    def refused(self, args, says, code=None):
+        p = run(*args, check=False)
+        if code is None:
+            self.assertGreater(p.returncode, 0, (args, p.stdout, p.stderr))  # not a signal
+        else:
+            self.assertEqual(p.returncode, code, (args, p.stdout, p.stderr))
+        self.assertIn(says, p.stderr + p.stdout, args)
+        return p
+
+    def test_integers_are_decimal_and_within_their_type(self):
+        # CLI11 read "010" as octal 8, "0x3" as hex, wrapped "-1" to 2^64-1 for unsigned
+        # flags and saturated values beyond 64 bits.
+        self.assertIn("plans of all 10 ranks", run("plan", "--tp", "010", "--chunks", "1").stdout)
+        self.refused(["plan", "--tp", "0x3"], "--tp: '0x3' is not a whole number")
+        for cmd in ("run", "make-checkpoint", "serve", "worker"):
+            self.refused([cmd, "--seed", "-1"], "--seed: '-1' is not a whole number from 0")
+        self.refused(["plan", "--m", "99999999999999999999"], "--m: '99999999999999999999'")
+
+    def test_floats_are_finite(self):
+        # --exit-timeout nan passed the range check, then a clean SIGTERM drain exited 1.
+        p = self.refused(["serve", "--backend", "cpu", "--exit-timeout", "nan"],
+                         "--exit-timeout: 'nan' is not a finite number")
+        self.assertNotIn("loading", p.stderr)
+        self.refused(["serve", "--rank-timeout-s", "inf"], "--rank-timeout-s: 'inf'")
+        self.refused(["layer", "--tolerance", "nan"], "--tolerance: 'nan'")
+
+    def test_range_messages_say_the_range(self):
+        p = self.refused(["layer", "--m", "0"], "--m: '0' is not positive")
+        self.assertNotIn("1797693", p.stderr)  # not the largest double's 309 digits
+        self.refused(["layer", "--gemm-sms", "-1"], "--gemm-sms: '-1' is negative")
+        self.refused(["layer", "--tolerance", "-0.5"], "--tolerance: '-0.5' is negative")
+
+    def test_plan_rank_must_be_one_of_the_ranks(self):
+        self.refused(["plan", "--tp", "2", "--rank", "2"], "--rank 2: the ranks are 0 to 1", 2)
+        self.refused(["plan", "--tp", "4", "--rank", "-2"], "--rank -2", 2)
+        out = run("plan", "--tp", "2", "--rank", "1", "--chunks", "1").stdout
+        self.assertIn("plans of all 2 ranks checked", out)
+
+    def test_mode_none_runs_one_chunk_by_default(self):
+        # The default --chunks 4 made `plan --mode none` and `layer --mode none` fail.
+        run("plan", "--mode", "none")
+        out = run("layer", "--mode", "none", "--m", "8").stdout
+        self.assertIn("chunks=1", out)
+        for cmd in ("plan", "layer"):
+            self.refused([cmd, "--mode", "none", "--chunks", "3"],
+                         "--chunks 3: mode none runs one chunk", 2)
+
+    def test_layer_prints_the_tolerance_it_used(self):
+        out = run("layer", "--m", "8", "--tolerance", "0.015").stdout
+        self.assertIn("(tolerance 0.015)", out)  # "%.g" printed 0.01
+
+    def test_layer_refuses_cuda_knobs_on_the_cpu_backend(self):
+        for knob in (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
+                     ["--gemm-sms", "8"]):
+            self.refused(["layer", "--backend", "cpu", "--m", "8", *knob],
+                         knob[0] + " applies to --backend cuda only", 2)
+
+    def test_layer_sizes_beyond_memory_are_an_error_not_a_crash(self):
+        # m x k overflowed int64: a segmentation fault.
+        self.refused(["layer", "--m", "4611686018427387904"], "more than 2^34", 2)
+        self.refused(["plan", "--m", "9223372036854775807", "--chunks", "1"], "out of memory", 1)
+
+    def test_tls_flags_are_checked_before_the_model_loads(self):
+        with tempfile.NamedTemporaryFile("w", suffix=".pem") as key:
+            p = self.refused(["serve", "--backend", "cpu", "--tls-key", key.name],
+                             "--tls-key requires --tls-cert")
+            self.assertNotIn("loading", p.stderr)
+            self.refused(["serve", "--tls-cert", "/nonexistent.pem", "--tls-key", key.name],
+                         "/nonexistent.pem")
+            self.refused(["serve", "--tls-client-ca", key.name], "--tls-client-ca requires")
+
+    def test_host_random_weights_print_progress(self):
+        # llama3-8b's random weights take minutes on the host; they printed nothing.
+        p = subprocess.Popen([BIN, "run", "--model", "llama3-8b", "--tp", "1", "--ids", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            seen = []
+            for line in p.stderr:
+                seen.append(line)
+                if "random weights:" in line:
+                    break
+            self.assertRegex("".join(seen), r"random weights: \d+ of 32 layers")
+        finally:
+            p.kill()
+            p.wait()
+            p.stderr.close()
+
+
+BENCH = os.environ.get("BENCH_BIN")
+BENCH_MODEL = os.environ.get("BENCH_MODEL_BIN")
+
+
+@unittest.skipUnless(BENCH and BENCH_MODEL, "the benchmarks are built with CUDA only")
+class BenchmarkUsageErrors(unittest.TestCase):
+    """Checked before any GPU work, so visible here without GPUs (they fail with 1 there)."""
+
+    def refused(self, binary, args, says):
+        with tempfile.TemporaryDirectory() as d:
+            p = subprocess.run([binary, *args, "--ranks", "threads", "--out",
+                                os.path.join(d, "out.json")],
+                               capture_output=True, text=True, timeout=60)
+        self.assertNotIn(p.returncode, (0, 1), (args, p.stdout, p.stderr))
+        self.assertIn(says, p.stdout + p.stderr, args)
+
+    def test_bench(self):
+        for args, says in (
+                # Anything but bf16 ran (and was recorded) as fp8; unknown methods were skipped.
+                (["--dtype", "fp16"], "--dtype: fp16 not in {fp8,bf16}"),
+                (["--methods", "rign"], "--methods: rign not in"),
+                (["--tp", "0"], "--tp"),
+                (["--m", "-5"], "--m: '-5' is not positive"),
+                (["--chunks", "0"], "--chunks"),
+                (["--max-ctas", "-1"], "--max-ctas"),
+                (["--queue-delay-us", "3000000"], "--queue-delay-us"),  # overflowed an int
+                (["--shapes", "seed", "--m", "512"], "--m: --shapes seed has its own m"),
+                # n_local = n / tp was truncated: a different shape, recorded as the asked one.
+                (["--tp", "3"], "--tp 3: llama70b.qkv splits n=10240"),
+                (["--dtype", "fp8", "--dtype", "bf16", "--tune-out", "t.yaml"],
+                 "give exactly one --dtype"),
+                (["--methods", "auto"], "--methods auto needs --overlap")):
+            self.refused(BENCH, args, says)
+
+    def test_bench_model(self):
+        for args, says in (
+                (["--model", "tiny", "--layers", "500"], "--layers 500: tiny has 2 layers"),
+                (["--warmup", "-1"], "--warmup: '-1' is negative"),
+                (["--tp", "0"], "--tp"),
+                (["--seed", "-1"], "--seed: '-1'"),
+                (["--model", "tiny", "--batches", "1x3000"], "LEN must be at most 2048"),
+                (["--batches", "300000x8192"], "SEQS x LEN at most 2147483647")):
+            self.refused(BENCH_MODEL, args, says)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -271,6 +271,8 @@ class LoadTest(unittest.TestCase):
                 (["--datatype", "FP32"], "FP32"),
                 (["--prompt-file", self.path("missing.txt")], "missing.txt"),
                 (["--requests", "-5"], "--requests must be >= 1"),
+                (["--requests", "0"], "--requests must be >= 1"),  # was: windows of --duration
+                (["--seed", "-1"], "--seed: '-1' is not a whole number"),  # wrapped to 2^64-1
                 (["--prompt-len-range", "1:1e13"],
                  "--prompt-len-range: prompts of at most 1048576 tokens"),
                 (["--prompt-len", "2000000"], "--prompt-len: prompts of at most 1048576 tokens"),
