@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 namespace tpserve {
 
@@ -58,26 +59,30 @@ inline std::string CheckFinite(const std::string& s) {
 // A number > 0 and a number >= 0. CLI11 2.1's PositiveNumber and NonNegativeNumber are ranges
 // up to the largest double, and their messages say so: "Value 0 not in range 0.000000 to"
 // followed by 309 digits.
-inline CLI::Validator Positive() {
+namespace cli_numbers_detail {
+// A validator named `name` that accepts a number for which ok(value) holds; `fails` ends the
+// message for one that does not (after "'VALUE' ").
+template <typename Ok>
+CLI::Validator NumberValidator(Ok ok, std::string fails, std::string name) {
   return CLI::Validator(
-      [](std::string& s) -> std::string {
+      [ok, fails](std::string& s) -> std::string {
         char* end = nullptr;
         const double v = std::strtod(s.c_str(), &end);
         if (end == s.c_str() || *end != '\0') return "'" + s + "' is not a number";
-        return v > 0 ? "" : "'" + s + "' is not positive: give a number > 0";
+        return ok(v) ? "" : "'" + s + "' " + fails;
       },
-      "POSITIVE");
+      std::move(name));
+}
+}  // namespace cli_numbers_detail
+
+inline CLI::Validator Positive() {
+  return cli_numbers_detail::NumberValidator([](double v) { return v > 0; },
+                                             "is not positive: give a number > 0", "POSITIVE");
 }
 
 inline CLI::Validator NonNegative() {
-  return CLI::Validator(
-      [](std::string& s) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(s.c_str(), &end);
-        if (end == s.c_str() || *end != '\0') return "'" + s + "' is not a number";
-        return v >= 0 ? "" : "'" + s + "' is negative: give a number >= 0";
-      },
-      "NONNEGATIVE");
+  return cli_numbers_detail::NumberValidator([](double v) { return v >= 0; },
+                                             "is negative: give a number >= 0", "NONNEGATIVE");
 }
 
 inline void StrictNumbers(CLI::App& app, bool finite_floats = true) {

@@ -15,6 +15,14 @@ namespace tpserve {
 // HuggingFace config.json and *.safetensors (*from_dir is set to which).
 StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir);
 
+// --chunks of `plan` and `layer`: chunks per rank's shard for pipeline and
+// ring (1 to 64). Mode none runs one: see ChunksForMode.
+CLI::Option* AddChunksOption(CLI::App* cmd, int* chunks);
+// After parsing: with mode none, *chunks becomes 1 unless --chunks was given
+// (`given`), in which case a value above 1 is an error. Returns the error
+// message ("" when fine).
+std::string ChunksForMode(bool mode_is_none, bool given, int* chunks);
+
 void AddPlanCommand(CLI::App& app, int* exit_code);
 void AddModelCommands(CLI::App& app, int* exit_code);
 void AddServeCommand(CLI::App& app, int* exit_code);

@@ -24,15 +24,10 @@ constexpr const char* kCudaOnlyFlags[] = {"--max-ctas", "--cta-policy", "--copy-
 // `given_cuda_only`: those of kCudaOnlyFlags on the command line.
 int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
              const std::vector<std::string>& given_cuda_only) {
-  if (f.mode == "none" && f.chunks != 1) {
-    if (f.chunks_given) {
-      std::fprintf(stderr,
-                   "error: --chunks %d: mode none runs one chunk (--chunks 1); chunks are for "
-                   "pipeline and ring\n",
-                   f.chunks);
-      return 2;
-    }
-    f.chunks = 1;
+  if (const std::string e = ChunksForMode(f.mode == "none", f.chunks_given, &f.chunks);
+      !e.empty()) {
+    std::fprintf(stderr, "error: %s\n", e.c_str());
+    return 2;
   }
   if (f.backend == "cpu" && !given_cuda_only.empty()) {
     std::fprintf(stderr,
@@ -127,12 +122,7 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
   cmd->add_option("--k", f->k, "Global input features (gemm_rs: split over ranks)")
       ->check(Positive())
       ->capture_default_str();
-  CLI::Option* chunks =
-      cmd->add_option("--chunks", f->chunks,
-                      "Chunks per rank's shard, for pipeline and ring (mode none: 1, its "
-                      "default)")
-          ->check(CLI::Range(1, 64))
-          ->capture_default_str();
+  CLI::Option* chunks = AddChunksOption(cmd, &f->chunks);
   cmd->add_option("--seed", f->seed, "Random seed of the operands")->capture_default_str();
   cmd->add_option("--iters", f->iters,
                   "Timed iterations (cpu: the best is reported; cuda: the median graph replay, "

@@ -27,13 +27,10 @@ int RunPlan(PlanFlags f) {
     std::cerr << "error: " << (!op.ok() ? op.status() : mode.status()).message() << "\n";
     return 2;
   }
-  if (*mode == OverlapMode::kNone && f.chunks != 1) {
-    if (f.chunks_given) {
-      std::cerr << "error: --chunks " << f.chunks
-                << ": mode none runs one chunk (--chunks 1); chunks are for pipeline and ring\n";
-      return 2;
-    }
-    f.chunks = 1;
+  if (const std::string e = ChunksForMode(*mode == OverlapMode::kNone, f.chunks_given, &f.chunks);
+      !e.empty()) {
+    std::cerr << "error: " << e << "\n";
+    return 2;
   }
   if (f.rank != -1 && (f.rank < 0 || f.rank >= f.tp)) {
     std::cerr << "error: --rank " << f.rank << ": the ranks are 0 to " << f.tp - 1 << " (--tp "
@@ -65,6 +62,24 @@ int RunPlan(PlanFlags f) {
 
 }  // namespace
 
+CLI::Option* AddChunksOption(CLI::App* cmd, int* chunks) {
+  return cmd
+      ->add_option("--chunks", *chunks,
+                   "Chunks per rank's shard, for pipeline and ring (mode none: 1, its default)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+}
+
+std::string ChunksForMode(bool mode_is_none, bool given, int* chunks) {
+  if (!mode_is_none || *chunks == 1) return "";
+  if (given) {
+    return "--chunks " + std::to_string(*chunks) +
+           ": mode none runs one chunk (--chunks 1); chunks are for pipeline and ring";
+  }
+  *chunks = 1;
+  return "";
+}
+
 void AddPlanCommand(CLI::App& app, int* exit_code) {
   auto flags = std::make_shared<PlanFlags>();
   CLI::App* cmd = app.add_subcommand(
@@ -81,12 +96,7 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--m", flags->m, "Rows (tokens) of the global problem")
       ->check(Positive())
       ->capture_default_str();
-  CLI::Option* chunks =
-      cmd->add_option("--chunks", flags->chunks,
-                      "Chunks per rank's shard, for pipeline and ring (mode none: 1, its "
-                      "default)")
-          ->check(CLI::Range(1, 64))
-          ->capture_default_str();
+  CLI::Option* chunks = AddChunksOption(cmd, &flags->chunks);
   cmd->add_option("--rank", flags->rank,
                   "Print only this rank's plan, 0 to --tp - 1 (default: all ranks; all are "
                   "checked either way)");
