@@ -63,6 +63,18 @@ Comparison Compare(const std::vector<float>& gpu, const std::vector<float>& ref,
   return out;
 }
 
+// Runs `order` through `model` one batch after another; rank 0 keeps each
+// batch's logits in (*got)[i].
+Status ForwardInOrder(CudaModel& model, const std::vector<const TokenBatch*>& order, int rank,
+                      std::vector<std::vector<float>>* got) {
+  got->resize(order.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    TP_ASSIGN_OR_RETURN(std::vector<float> logits, model.Forward(*order[i]));
+    if (rank == 0) (*got)[i] = std::move(logits);
+  }
+  return Status::Ok();
+}
+
 class GpuModelTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -132,12 +144,7 @@ TEST_F(GpuModelTest, GraphReplayEqualsEagerAndServesOtherBatchesOfTheBucket) {
     o.max_seqs = 4;
     o.buckets = {64};
     TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group_->pool(r), o));
-    const TokenBatch* order[3] = {&*first, &*second, &*first};
-    for (int i = 0; i < 3; ++i) {
-      TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(*order[i]));
-      if (r == 0) got[i] = std::move(logits);
-    }
-    return Status::Ok();
+    return ForwardInOrder(*model, {&*first, &*second, &*first}, r, &got);
   });
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(got[0], got[2]) << "graph replay differs from the eager run";
@@ -192,12 +199,7 @@ TEST_F(GpuModelTest, DynamicInputScalesMatchCpuReferenceAndReplayEqualsEager) {
       o.max_tokens = batch->tokens();
       o.max_seqs = batch->sequences();
       TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, overlap, group_->pool(r), o));
-      const TokenBatch* order[3] = {&*batch, &*other, &*batch};
-      for (int i = 0; i < 3; ++i) {
-        TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(*order[i]));
-        if (r == 0) got[i] = std::move(logits);
-      }
-      return Status::Ok();
+      return ForwardInOrder(*model, {&*batch, &*other, &*batch}, r, &got);
     });
     EXPECT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(got[0], got[2]) << ckpt << ": graph replay differs from the eager run";

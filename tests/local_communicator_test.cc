@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <numeric>
 #include <stdexcept>
 #include <thread>
@@ -156,20 +157,25 @@ TEST(LocalComm, MissingPeerTimesOutInsteadOfHanging) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
-TEST(LocalComm, FailingRankAbortsTheOthers) {
+// Three ranks, where `fail` ends one of them and the others wait in a barrier:
+// the group's status, which must come well before the 30 s timeout (the
+// abort, not the timeout, must end the others).
+Status RunWithOneFailingRank(const std::function<Status(Communicator&)>& fail) {
   LocalCommOptions opts;
-  opts.timeout = milliseconds(30000);  // the abort, not the timeout, must end it
+  opts.timeout = milliseconds(30000);
   const auto start = std::chrono::steady_clock::now();
-  Status s = RunOnLocalRanks(
-      3,
-      [](Communicator& c) -> Status {
-        if (c.rank() == 2) return InternalError("rank 2 failed");
-        return c.Barrier();
-      },
-      opts);
+  Status s = RunOnLocalRanks(3, fail, opts);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  return s;
+}
+
+TEST(LocalComm, FailingRankAbortsTheOthers) {
+  Status s = RunWithOneFailingRank([](Communicator& c) -> Status {
+    if (c.rank() == 2) return InternalError("rank 2 failed");
+    return c.Barrier();
+  });
   EXPECT_EQ(s.code(), StatusCode::kInternal);
   EXPECT_EQ(s.message(), "rank 2 failed");
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
 TEST(LocalComm, OperationsAfterAbortReturnAborted) {
@@ -223,19 +229,12 @@ TEST(LocalComm, BarrierTimeoutNamesTheMissingRanks) {
 // An exception in a rank used to escape its std::thread and end the process
 // (std::terminate), defeating the callers' CallCatching.
 TEST(LocalComm, ThrowingRankFailsLikeAnErrorAndAbortsTheOthers) {
-  LocalCommOptions opts;
-  opts.timeout = milliseconds(30000);  // the abort, not the timeout, must end it
-  const auto start = std::chrono::steady_clock::now();
-  Status s = RunOnLocalRanks(
-      3,
-      [](Communicator& c) -> Status {
-        if (c.rank() == 1) throw std::runtime_error("boom");
-        return c.Barrier();
-      },
-      opts);
+  Status s = RunWithOneFailingRank([](Communicator& c) -> Status {
+    if (c.rank() == 1) throw std::runtime_error("boom");
+    return c.Barrier();
+  });
   EXPECT_EQ(s.code(), StatusCode::kInternal) << s.ToString();
   EXPECT_EQ(s.message(), "rank 1 threw: boom");
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
 // Only -1 means "no peer" (as in NcclCommunicator::SendRecv); the default
