@@ -33,12 +33,15 @@
 #   ab      the model benchmark of this build against a base build staged as
 #           .gpu/bin/tpserve-bench-model-base (commit BASE_COMMIT), processes alternating
 #           base, new, base, new with static input scales, then base, new with dynamic ones
+#   profile Nsight Compute on one GPU (tp 1, llama3-70b, 2 blocks, 8x1024): the elementwise
+#           and attention kernels' speed-of-light, occupancy, warp stalls and hot SASS lines
+#           (KERNELS, a regex, default all of engine/cuda_ops.cu's), clocks left alone
 # TP=N (default 2) runs the layer check, overlap, model and load parts on N
 # GPUs (the tests part's tiny-model run stays at 2: 4 KV heads), with
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|model|load|stress|sustained|stages|ab}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -297,6 +300,21 @@ CASES
         > "$out/ab-$i-$scales-$which.log" 2>&1 || rc=1
       grep -E "tokens/s|error" "$out/ab-$i-$scales-$which.log" | tail -2
     done
+    ;;
+  profile)
+    kernels=${KERNELS:-CausalAttention|SwiGlu|RmsNorm|Rope}
+    timeout 400 ncu --clock-control none --set full --import-source no -k "regex:$kernels" \
+      -c ${COUNT:-6} --page details --print-details all \
+      .gpu/bin/tpserve-bench-model --tp 1 --model llama3-70b --layers 2 --batches 8x1024 \
+      --rounds 1 --warmup 0 --gemm-algo heuristic --out /tmp/profile-model.json \
+      > "$out/profile.log" 2>&1 || rc=1
+    timeout 120 ncu --clock-control none --set full --import-source no \
+      -k "regex:${SASS_KERNEL:-CausalAttention}" -c 1 --page source --print-source sass \
+      .gpu/bin/tpserve-bench-model --tp 1 --model llama3-70b --layers 2 --batches 8x1024 \
+      --rounds 1 --warmup 0 --gemm-algo heuristic --out /tmp/profile-model.json \
+      > "$out/profile-sass.log" 2>&1 || rc=1
+    grep -E "^  [A-Za-z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per" \
+      "$out/profile.log" | head -60
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -9,6 +9,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -357,10 +358,22 @@ constexpr size_t AttentionSmemBytes() {
   return 4 * static_cast<size_t>(kAttnBc) * (kHeadDim + 8) * sizeof(uint16_t);
 }
 
+// 2^x on the multi-function unit; results below 2^-126 flush to zero (softmax weights
+// that small vanish next to the row's largest, which is 1).
+__device__ __forceinline__ float Exp2Approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Blocks of the attention kernel resident per SM (its __launch_bounds__); the launcher
+// sizes the grid with it.
+constexpr int kAttnBlocksPerSm = 3;
+
 template <int kHeadDim>
 // Three blocks per SM (168 registers, a few spilled; 236 without the bound): measured
 // 7 % faster than two (benchmarks/NOTES.md).
-__global__ void __launch_bounds__(kAttnThreads, 3)
+__global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
     CausalAttentionKernel(AttentionParams p, float scale_log2) {
   // Rows padded by 8 BF16 (16 bytes): rows stay 16-byte aligned for the vector stores, and
   // the fragment reads below hit 32 distinct banks.
@@ -370,46 +383,66 @@ __global__ void __launch_bounds__(kAttnThreads, 3)
   constexpr int kDimTiles = kHeadDim / 8;  // n8 tiles of O
   constexpr int kKeyTiles = kAttnBc / 8;   // n8 tiles of S
   constexpr int kTileElems = kAttnBc * kPitch;
+  // Each thread copies the same 16-byte column of every kRowStep-th row of a K or V tile.
+  constexpr int kRowStep = kAttnThreads / kVecsPerRow;
+  constexpr int kCopies = kAttnBc / kRowStep;
+  static_assert(kAttnThreads % kVecsPerRow == 0 && kAttnBc % kRowStep == 0, "tile copy");
   // [K buffer 0 | K buffer 1 | V buffer 0 | V buffer 1]
   extern __shared__ __align__(16) uint16_t attn_smem[];
 
-  const int64_t seq = blockIdx.x / p.q_heads;
-  const int64_t head = blockIdx.x % p.q_heads;
-  const int64_t kv_head = head / (p.q_heads / p.kv_heads);
+  // The sequence first, so that a block with no tile leaves at once (the grid covers the
+  // longest sequence the bucket allows; most blocks of a batch of short ones have none).
+  // The launcher bounds num_seqs * q_heads and tokens by 2^31 - 1: 32-bit from here on.
+  const int q_heads = static_cast<int>(p.q_heads);
+  const int seq = static_cast<int>(blockIdx.x) / q_heads;
+  const int head = static_cast<int>(blockIdx.x) - seq * q_heads;
   // Clamped, so that a corrupt cu_seqlens cannot send a block outside [0, tokens).
-  int64_t begin = p.cu_seqlens[seq];
-  int64_t end = p.cu_seqlens[seq + 1];
-  begin = begin < 0 ? 0 : (begin > p.tokens ? p.tokens : begin);
-  end = end < begin ? begin : (end > p.tokens ? p.tokens : end);
-  const int64_t len = end - begin;
+  const int tokens = static_cast<int>(p.tokens);
+  int begin = p.cu_seqlens[seq];
+  int end = p.cu_seqlens[seq + 1];
+  begin = begin < 0 ? 0 : (begin > tokens ? tokens : begin);
+  end = end < begin ? begin : (end > tokens ? tokens : end);
+  const int len = end - begin;
+  const int num_tiles = len / kAttnBr + (len % kAttnBr != 0 ? 1 : 0);
+  if (static_cast<int>(blockIdx.y) >= num_tiles) return;  // uniform over the block
 
+  const int kv_head = head / (q_heads / static_cast<int>(p.kv_heads));
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
 
-  const uint16_t* q_base =
-      reinterpret_cast<const uint16_t*>(p.q) + begin * p.q_row_stride + head * kHeadDim;
-  const uint16_t* k_base =
-      reinterpret_cast<const uint16_t*>(p.k) + begin * p.k_row_stride + kv_head * kHeadDim;
-  const uint16_t* v_base =
-      reinterpret_cast<const uint16_t*>(p.v) + begin * p.v_row_stride + kv_head * kHeadDim;
-  uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
-                                              begin * p.out_row_stride + head * kHeadDim
-                                        : nullptr;
+  const uint16_t* q_base = reinterpret_cast<const uint16_t*>(p.q) +
+                           static_cast<int64_t>(begin) * p.q_row_stride + head * kHeadDim;
+  const uint16_t* k_base = reinterpret_cast<const uint16_t*>(p.k) +
+                           static_cast<int64_t>(begin) * p.k_row_stride + kv_head * kHeadDim;
+  const uint16_t* v_base = reinterpret_cast<const uint16_t*>(p.v) +
+                           static_cast<int64_t>(begin) * p.v_row_stride + kv_head * kHeadDim;
+  uint16_t* out_base = p.out != nullptr
+                           ? reinterpret_cast<uint16_t*>(p.out) +
+                                 static_cast<int64_t>(begin) * p.out_row_stride + head * kHeadDim
+                           : nullptr;
   uint8_t* fp8_base =
-      p.out_fp8 != nullptr ? p.out_fp8 + begin * p.out_fp8_row_stride + head * kHeadDim : nullptr;
+      p.out_fp8 != nullptr
+          ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride + head * kHeadDim
+          : nullptr;
   const float fp8_scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
   float amax = 0.0f;  // of the BF16-rounded values this thread stores (out_amax)
+
+  // This thread's share of every tile copy: rows copy_row + i * kRowStep, column copy_col.
+  const int copy_row = threadIdx.x / kVecsPerRow;
+  const int copy_col = (threadIdx.x % kVecsPerRow) * 8;
+  const int64_t k_step = kRowStep * p.k_row_stride;
+  const int64_t v_step = kRowStep * p.v_row_stride;
 
   // Tiles from the last (the most keys) down, so the heaviest are scheduled first (blockIdx.y
   // varies slowest). Every condition below is uniform over the block, so the __syncthreads
   // inside are safe.
-  const int64_t num_tiles = (len + kAttnBr - 1) / kAttnBr;
-  for (int64_t tile = num_tiles - 1 - blockIdx.y; tile >= 0; tile -= gridDim.y) {
-    const int64_t q0 = tile * kAttnBr;
-    const int64_t row_lo = q0 + warp * 16 + g;  // this thread's two query rows
-    const int64_t row_hi = row_lo + 8;
+  for (int tile = num_tiles - 1 - static_cast<int>(blockIdx.y); tile >= 0;
+       tile -= static_cast<int>(gridDim.y)) {
+    const int q0 = tile * kAttnBr;
+    const int row_lo = q0 + warp * 16 + g;  // this thread's two query rows
+    const int row_hi = row_lo + 8;
 
     uint32_t q_frag[kKSteps][4];
     {
@@ -432,32 +465,39 @@ __global__ void __launch_bounds__(kAttnThreads, 3)
     float o[kDimTiles][4];
 #pragma unroll
     for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
-    float row_max[2] = {-INFINITY, -INFINITY};  // running max of the scaled (log2) scores
-    float row_sum[2] = {0.0f, 0.0f};            // this thread's share of the denominators
+    // Running max of the raw scores Q.K (the positive scale is applied inside the exponent)
+    // and this thread's share of the denominators.
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};
 
     // Causal: the tile's last row is q0 + kAttnBr - 1, so no key at or beyond kv_end matters.
-    const int64_t kv_end = q0 + kAttnBr < len ? q0 + kAttnBr : len;
+    const int kv_end = len - q0 > kAttnBr ? q0 + kAttnBr : len;
     // Starts loading the key tile at kv0 into buffer `buf` (one commit group per thread).
-    auto load_tile = [&](int buf, int64_t kv0) {
-      uint16_t* k_dst = attn_smem + buf * kTileElems;
-      uint16_t* v_dst = attn_smem + (2 + buf) * kTileElems;
-      for (int idx = threadIdx.x; idx < kAttnBc * kVecsPerRow; idx += kAttnThreads) {
-        const int r = idx / kVecsPerRow;
-        const int c = (idx % kVecsPerRow) * 8;
+    auto load_tile = [&](int buf, int kv0) {
+      uint16_t* k_dst = attn_smem + buf * kTileElems + copy_row * kPitch + copy_col;
+      uint16_t* v_dst = attn_smem + (2 + buf) * kTileElems + copy_row * kPitch + copy_col;
+      const int64_t first = static_cast<int64_t>(kv0 + copy_row);
+      const uint16_t* k_src = k_base + first * p.k_row_stride + copy_col;
+      const uint16_t* v_src = v_base + first * p.v_row_stride + copy_col;
+      const int rows_left = kv_end - kv0 - copy_row;  // this thread's rows before kv_end
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
         // Zeros past kv_end: such keys are masked, and 0 * V must not meet a NaN there.
-        const bool past = kv0 + r >= kv_end;
-        const int64_t row = past ? 0 : kv0 + r;  // a valid address either way
-        CopyAsync16(k_dst + r * kPitch + c, k_base + row * p.k_row_stride + c, past);
-        CopyAsync16(v_dst + r * kPitch + c, v_base + row * p.v_row_stride + c, past);
+        // The address stays valid (the sequence's first row) when nothing is read.
+        const bool past = i * kRowStep >= rows_left;
+        CopyAsync16(k_dst + i * kRowStep * kPitch, past ? k_base + copy_col : k_src, past);
+        CopyAsync16(v_dst + i * kRowStep * kPitch, past ? v_base + copy_col : v_src, past);
+        k_src += k_step;
+        v_src += v_step;
       }
       CopyAsyncCommit();
     };
     load_tile(0, 0);
     int buf = 0;
-    for (int64_t kv0 = 0; kv0 < kv_end; kv0 += kAttnBc, buf ^= 1) {
+    for (int kv0 = 0; kv0 < kv_end; kv0 += kAttnBc, buf ^= 1) {
       // The next tile loads into the other buffer (everyone finished reading it at the end
       // of the previous step) while this one is used.
-      if (kv0 + kAttnBc < kv_end) {
+      if (kv_end - kv0 > kAttnBc) {
         load_tile(buf ^ 1, kv0 + kAttnBc);
         CopyAsyncWait<1>();
       } else {
@@ -487,22 +527,31 @@ __global__ void __launch_bounds__(kAttnThreads, 3)
         }
       }
 
-      // Scale into log2 units, mask, and the tile's row maxima (over the 4 lanes of a row).
+      // Masks: a key after the row (causal) or past the sequence. Only the tiles that reach
+      // the diagonal of this warp's rows or the sequence's end have any (warp-uniform).
+      if (kv0 + kAttnBc - 1 > q0 + warp * 16 || len - kv0 < kAttnBc) {
+        // Element (nt, e) holds key kv0 + nt*8 + 2t + (e & 1) of row row_lo (e < 2) or
+        // row_hi: it is visible iff nt*8 + (e & 1) <= limit[e >> 1].
+        const int last_key = len - 1 - kv0 - 2 * t;
+        const int limit[2] = {min(row_lo - kv0 - 2 * t, last_key),
+                              min(row_hi - kv0 - 2 * t, last_key)};
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (nt * 8 + (e & 1) > limit[e >> 1]) s[nt][e] = -INFINITY;
+          }
+        }
+      }
+      // The tile's row maxima (over the 4 lanes of a row).
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t key = kv0 + nt * 8 + 2 * t + (e & 1);
-          const int64_t row = e < 2 ? row_lo : row_hi;
-          float x = s[nt][e] * scale_log2;
-          if (key > row || key >= len) x = -INFINITY;
-          s[nt][e] = x;
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
-        }
+        for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
       }
       float alpha[2];
-      float base[2];
+      float base[2];  // the new max, in log2 units
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
@@ -510,8 +559,8 @@ __global__ void __launch_bounds__(kAttnThreads, 3)
         const float new_max = fmaxf(row_max[i], tile_max[i]);
         // A row with no visible key yet keeps max -inf; subtracting 0 instead keeps
         // exp2(-inf - -inf) = NaN out (every p and alpha is then 0).
-        base[i] = new_max == -INFINITY ? 0.0f : new_max;
-        alpha[i] = exp2f(row_max[i] - base[i]);
+        base[i] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+        alpha[i] = Exp2Approx(fmaf(row_max[i], scale_log2, -base[i]));
         row_max[i] = new_max;
       }
       float tile_sum[2] = {0.0f, 0.0f};
@@ -519,7 +568,7 @@ __global__ void __launch_bounds__(kAttnThreads, 3)
       for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pr = exp2f(s[nt][e] - base[e >> 1]);
+          const float pr = Exp2Approx(fmaf(s[nt][e], scale_log2, -base[e >> 1]));
           s[nt][e] = pr;
           tile_sum[e >> 1] += pr;
         }
@@ -599,7 +648,10 @@ __global__ void __launch_bounds__(kAttnThreads, 3)
 // ---------------------------------------------------------------------------------------------
 // SwiGLU
 
-__device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
+// exp and the division on the multi-function unit (a few ulp of FP32, far below the BF16 or
+// E4M3 rounding after): with IEEE expf and division the kernel was bound by its arithmetic,
+// not by memory. For g < -88, exp(-g) is infinite and the quotient -0, as it should be.
+__device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 __global__ void SwiGluVecKernel(SwiGluParams p) {
   const int64_t vecs_per_row = p.inter / 8;
@@ -876,9 +928,21 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   if (p.cu_seqlens == nullptr) return NullField(kP, "cu_seqlens");
   if (!IsAligned(p.cu_seqlens, 4)) return MisalignedField(kP, "cu_seqlens", 4);
 
+  // grid.y: tiles per (sequence, head) in flight at once; a block takes tiles
+  // num_tiles - 1 - y, then gridDim.y fewer each time. The longest sequence the bucket
+  // allows would need no loop, but the graph is captured once per bucket, and for a batch of
+  // many short sequences most of those blocks would find no tile, and each still costs a
+  // launch and a read of cu_seqlens. So: the tiles of the average sequence, and at least
+  // enough blocks that one long sequence alone occupies every SM.
   const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
-  int64_t tiles = (longest + kAttnBr - 1) / kAttnBr;
-  if (tiles > kMaxGridY) tiles = kMaxGridY;  // blocks loop over the remaining tiles
+  const int64_t most_tiles = (longest + kAttnBr - 1) / kAttnBr;
+  const int64_t average = (p.tokens + p.num_seqs - 1) / p.num_seqs;
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t fill = (int64_t{sms} * kAttnBlocksPerSm + p.q_heads - 1) / p.q_heads;
+  int64_t tiles = std::max((average + kAttnBr - 1) / kAttnBr, fill);
+  tiles = std::min({tiles, most_tiles, kMaxGridY});
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
   constexpr double kLog2E = 1.4426950408889634;  // exp(x) = exp2(x * log2(e))
   const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
