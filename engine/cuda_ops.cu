@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "comm/cuda_check.h"
+#include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
 
 namespace tpserve {
@@ -68,17 +69,11 @@ __device__ __forceinline__ uint4 PackBf16x8(const float (&f)[8]) {
                     PackBf16x2(f[6], f[7]));
 }
 
-__device__ __forceinline__ uint8_t QuantizeE4M3(float x, float scale) {
-  // __fdiv_rn: IEEE division whatever the compile flags, as in layers/quantize_kernels.cu.
-  return static_cast<uint8_t>(
-      __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3));
-}
-
 // Eight codes: one 8-byte store when aligned, bytes otherwise.
-__device__ __forceinline__ void StoreFp8x8(uint8_t* dst, const float (&f)[8], float scale) {
+__device__ __forceinline__ void StoreFp8x8(uint8_t* dst, const float (&f)[8], const Fp8Divisor& d) {
   uint8_t q[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) q[i] = QuantizeE4M3(f[i], scale);
+  for (int i = 0; i < 8; ++i) q[i] = QuantizeToE4M3(f[i], d);
   if ((reinterpret_cast<uintptr_t>(dst) & 7u) == 0) {
     uint2 w;
     memcpy(&w, q, sizeof w);
@@ -189,7 +184,7 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
   }
   sum_sq = BlockSum(sum_sq);
   const float inv_rms = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
-  const float fp8_scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
   float amax = 0.0f;
 #pragma unroll
@@ -202,7 +197,7 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
 #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = h[k][i] * inv_rms * w[i];
     if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + offset)[v] = PackBf16x8(y);
-    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8_scale);
+    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8);
     if (p.out_amax != nullptr) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
@@ -426,7 +421,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
       p.out_fp8 != nullptr
           ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride + head * kHeadDim
           : nullptr;
-  const float fp8_scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
   float amax = 0.0f;  // of the BF16-rounded values this thread stores (out_amax)
 
   // This thread's share of every tile copy: rows copy_row + i * kRowStep, column copy_col.
@@ -634,8 +629,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
         if (dst != nullptr) dst[dt * 4 + t] = pair;
         const float lo = Bf16ToFloat(pair & 0xFFFFu), hi = Bf16ToFloat(pair >> 16);
         if (dst_fp8 != nullptr) {
-          dst_fp8[dt * 4 + t] = static_cast<uint16_t>(QuantizeE4M3(lo, fp8_scale) |
-                                                      (QuantizeE4M3(hi, fp8_scale) << 8));
+          dst_fp8[dt * 4 + t] =
+              static_cast<uint16_t>(QuantizeToE4M3(lo, fp8) | (QuantizeToE4M3(hi, fp8) << 8));
         }
         if (p.out_amax != nullptr) amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
       }
@@ -656,7 +651,7 @@ __device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __e
 __global__ void SwiGluVecKernel(SwiGluParams p) {
   const int64_t vecs_per_row = p.inter / 8;
   const int64_t total = p.rows * vecs_per_row;
-  const float scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
   const uint4* in = reinterpret_cast<const uint4*>(p.gate_up);
   float amax = 0.0f;
   for (int64_t v = GlobalThread(); v < total; v += GridThreads()) {
@@ -668,7 +663,7 @@ __global__ void SwiGluVecKernel(SwiGluParams p) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = Silu(gate[i]) * up[i];
     if (p.out != nullptr) reinterpret_cast<uint4*>(p.out)[v] = PackBf16x8(y);
-    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + 8 * v, y, scale);
+    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + 8 * v, y, fp8);
     if (p.out_amax != nullptr) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
@@ -679,7 +674,7 @@ __global__ void SwiGluVecKernel(SwiGluParams p) {
 
 __global__ void SwiGluScalarKernel(SwiGluParams p) {
   const int64_t total = p.rows * p.inter;
-  const float scale = p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f;
+  const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
   float amax = 0.0f;
   const uint16_t* in = reinterpret_cast<const uint16_t*>(p.gate_up);
   for (int64_t i = GlobalThread(); i < total; i += GridThreads()) {
@@ -689,7 +684,7 @@ __global__ void SwiGluScalarKernel(SwiGluParams p) {
     const float up = Bf16ToFloat(in[r * 2 * p.inter + p.inter + c]);
     const float y = Silu(gate) * up;
     if (p.out != nullptr) reinterpret_cast<uint16_t*>(p.out)[i] = FloatToBf16(y);
-    if (p.out_fp8 != nullptr) p.out_fp8[i] = QuantizeE4M3(y, scale);
+    if (p.out_fp8 != nullptr) p.out_fp8[i] = QuantizeToE4M3(y, fp8);
     if (p.out_amax != nullptr) amax = fmaxf(amax, AbsBf16(y));
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);

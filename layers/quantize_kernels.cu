@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "comm/cuda_check.h"
+#include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
 
 namespace tpserve {
@@ -28,12 +29,6 @@ __device__ __forceinline__ void FromFloat(float x, uint16_t* bf16_bits) {
   *bf16_bits = __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 __device__ __forceinline__ void FromFloat(float x, float* out) { *out = x; }
-
-__device__ __forceinline__ uint8_t QuantizeOne(float x, float scale) {
-  // __fdiv_rn: IEEE division whatever the compile flags, to match the CPU's x / scale.
-  return static_cast<uint8_t>(
-      __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3));
-}
 
 __device__ __forceinline__ float DecodeE4M3(uint8_t code) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(code, __NV_E4M3);
@@ -54,7 +49,7 @@ __global__ void QuantizeKernel(const In* __restrict__ in, uint8_t* __restrict__ 
   constexpr int kVec = 16 / sizeof(In);
   using OutVec = typename std::conditional<kVec == 8, uint2, uint32_t>::type;
   static_assert(sizeof(OutVec) == kVec, "one output byte per input element");
-  const float s = *scale;
+  const Fp8Divisor d = MakeFp8Divisor(*scale);
   const size_t stride = GridThreads();
   for (size_t v = GlobalThread(); v < vec_count; v += stride) {
     const uint4 raw = reinterpret_cast<const uint4*>(in)[v];
@@ -62,13 +57,13 @@ __global__ void QuantizeKernel(const In* __restrict__ in, uint8_t* __restrict__ 
     memcpy(vals, &raw, sizeof raw);
     uint8_t q[kVec];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) q[i] = QuantizeOne(ToFloat(vals[i]), s);
+    for (int i = 0; i < kVec; ++i) q[i] = QuantizeToE4M3(ToFloat(vals[i]), d);
     OutVec o;
     memcpy(&o, q, sizeof o);
     reinterpret_cast<OutVec*>(out)[v] = o;
   }
   for (size_t i = vec_count * kVec + GlobalThread(); i < count; i += stride) {
-    out[i] = QuantizeOne(ToFloat(in[i]), s);
+    out[i] = QuantizeToE4M3(ToFloat(in[i]), d);
   }
 }
 

@@ -1,0 +1,48 @@
+// x / scale for an FP8 conversion, correctly rounded like the CPU's float division, without
+// the IEEE division routine per element. Device code only; included by .cu files.
+//
+// With inv = RN(1 / scale) (the correctly rounded reciprocal, once per thread), q0 = RN(x *
+// inv) is within an ulp of x / scale, the remainder x - q0 * scale is exact in one FMA, and
+// RN(q0 + remainder * inv) is then the correctly rounded quotient (Markstein's correction
+// step, the same one the IEEE routine takes on its fast path). It needs inv to be a normal
+// number, so scales outside [2^-126, 2^126] keep the IEEE division; and where q0 overflows,
+// the correction would turn the infinity into a NaN, so the infinity stands (both saturate to
+// the same E4M3 code). Quotients below 2^-126, where the step may miss, are far below E4M3's
+// smallest step (2^-9) and encode as a signed zero either way.
+// tests/gpu_gemm_test.cc checks the codes against the CPU for every BF16 value and millions
+// of FP32 bit patterns over a range of scales.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace tpserve {
+
+struct Fp8Divisor {
+  float scale = 1.0f;
+  float inv = 0.0f;  // RN(1 / scale), or 0: use the IEEE division
+};
+
+__device__ __forceinline__ Fp8Divisor MakeFp8Divisor(float scale) {
+  Fp8Divisor d;
+  d.scale = scale;
+  const bool normal_reciprocal = scale >= 0x1p-126f && scale <= 0x1p126f;  // false for NaN
+  d.inv = normal_reciprocal ? __frcp_rn(scale) : 0.0f;
+  return d;
+}
+
+__device__ __forceinline__ float DivideForFp8(float x, const Fp8Divisor& d) {
+  if (d.inv == 0.0f) return __fdiv_rn(x, d.scale);
+  const float q0 = x * d.inv;
+  const float remainder = fmaf(-q0, d.scale, x);
+  const float q = fmaf(remainder, d.inv, q0);
+  return isinf(q0) ? q0 : q;
+}
+
+// The E4M3 code of x / scale, saturating to +-448 (NaN stays NaN).
+__device__ __forceinline__ uint8_t QuantizeToE4M3(float x, const Fp8Divisor& d) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(DivideForFp8(x, d), __NV_SATFINITE, __NV_E4M3));
+}
+
+}  // namespace tpserve
