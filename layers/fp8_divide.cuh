@@ -5,12 +5,12 @@
 // inv) is within an ulp of x / scale, the remainder x - q0 * scale is exact in one FMA, and
 // RN(q0 + remainder * inv) is then the correctly rounded quotient (Markstein's correction
 // step, the same one the IEEE routine takes on its fast path). It needs inv to be a normal
-// number, so scales outside [2^-126, 2^126] keep the IEEE division; and where q0 overflows,
-// the correction would turn the infinity into a NaN, so the infinity stands (both saturate to
-// the same E4M3 code). Quotients below 2^-126, where the step may miss, are far below E4M3's
-// smallest step (2^-9) and encode as a signed zero either way.
-// tests/gpu_gemm_test.cc checks the codes against the CPU for every BF16 value and millions
-// of FP32 bit patterns over a range of scales.
+// number, so scales outside [2^-126, 2^126] keep the IEEE division; where q0 overflows, the
+// correction would turn the infinity into a NaN, so the infinity stands (both saturate to the
+// same E4M3 code); and an exact q0 (remainder 0) stands, which keeps -0 from becoming +0. Quotients
+// below 2^-126, where the step may miss, are far below E4M3's smallest step (2^-9) and encode as a
+// signed zero either way. tests/gpu_gemm_test.cc checks the codes against the CPU for every BF16
+// value and millions of FP32 bit patterns over a range of scales.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -36,8 +36,10 @@ __device__ __forceinline__ float DivideForFp8(float x, const Fp8Divisor& d) {
   if (d.inv == 0.0f) return __fdiv_rn(x, d.scale);
   const float q0 = x * d.inv;
   const float remainder = fmaf(-q0, d.scale, x);
-  const float q = fmaf(remainder, d.inv, q0);
-  return isinf(q0) ? q0 : q;
+  // A zero remainder means q0 is exact; it also keeps the sign of x = -0, which the
+  // correction would turn into +0 (-0 + +0).
+  if (remainder == 0.0f || isinf(q0)) return q0;
+  return fmaf(remainder, d.inv, q0);
 }
 
 // The E4M3 code of x / scale, saturating to +-448 (NaN stays NaN).
