@@ -488,7 +488,9 @@ def serve_logits(args, directory, prompts, vocab, overlap=""):
     flags = ["--model", directory, "--model-name", "ref", "--tp", str(args.tp), "--backend",
              args.backend, "--dtype", args.dtype,
              "--max-tokens-per-request", str(max(len(p) for p in prompts)),
-             "--max-batch-tokens", "8192", "--rank-timeout-s", "120"]
+             "--max-batch-tokens", "8192"]
+    if args.backend == "cuda":  # serve refuses the CUDA-only flag on the cpu backend
+        flags += ["--rank-timeout-s", "120"]
     if overlap:
         flags += ["--overlap-config", overlap]
     log("starting tpserve serve %s" % " ".join(flags))

@@ -12,7 +12,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include "comm/cli_numbers.h"
 #include "comm/nccl_config.h"
@@ -55,7 +57,31 @@ struct ServeFlags {
   double exit_timeout_s = 30;
   std::string tls_cert, tls_key, tls_client_ca;
   std::string gemm_algo = "timed";
+  // Those of the cuda-only flags (CudaOnly below) given on the command line,
+  // whatever their value: --backend cpu refuses them, auto on the cpu warns.
+  std::vector<std::string> cuda_only_given;
 };
+
+// Registers `opt` as read by the cuda backend only: its help starts with
+// "cuda backend only: " (replacing a shared helper's "cuda: "), and
+// *cuda_only lists it for the check of the backend that serves.
+void CudaOnly(CLI::Option* opt, std::vector<const CLI::Option*>* cuda_only) {
+  constexpr std::string_view kShort = "cuda: ";
+  std::string help = opt->get_description();
+  if (help.starts_with(kShort)) help.erase(0, kShort.size());
+  opt->description("cuda backend only: " + help);
+  cuda_only->push_back(opt);
+}
+
+// "a", "a and b", "a, b and c".
+std::string JoinFlags(const std::vector<std::string>& flags) {
+  std::string out;
+  for (size_t i = 0; i < flags.size(); ++i) {
+    if (i > 0) out += i + 1 == flags.size() ? " and " : ", ";
+    out += flags[i];
+  }
+  return out;
+}
 
 // The model (--model) and the overlap config (--overlap-config, may be
 // absent) that serve and worker load alike.
@@ -137,23 +163,53 @@ StatusOr<CudaEngineOptions> CudaOptions(const ServeFlags& f, const ModelConfig& 
 }
 #endif
 
-// cpu, cuda, or auto (cuda when this build has CUDA and the node has --tp GPUs).
-StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelConfig& config,
-                                              bool from_dir,
-                                              std::shared_ptr<const OverlapConfig> overlap) {
-  std::string backend = f.backend;
+// The backend that serves, decided before the model loads: --backend cpu or
+// cuda as given (cuda checked against this build and node); auto is cuda when
+// this build has CUDA and the node has its share of the --tp GPUs, else cpu,
+// with *why_cpu saying why.
+StatusOr<std::string> ResolveBackend(const ServeFlags& f, std::string* why_cpu) {
+  if (f.backend == "cpu") return std::string("cpu");
 #if TPSERVE_WITH_CUDA
-  if (backend != "cpu") {
-    // This node's share of the group: itself and the ranks it starts.
-    TP_ASSIGN_OR_RETURN(LaunchPlan plan, LaunchPlanFor(f));
-    const int needed = plan.local_rank + 1 + static_cast<int>(plan.spawn_ranks.size());
-    if (backend == "auto") backend = CudaDeviceCount() >= needed ? "cuda" : "cpu";
-    if (backend == "cuda" && CudaDeviceCount() < needed) {
-      return InvalidArgumentError("--backend cuda --tp " + std::to_string(f.tp) + " needs " +
-                                  std::to_string(needed) + " GPUs on this node; it has " +
-                                  std::to_string(CudaDeviceCount()));
-    }
+  // This node's share of the group: itself and the ranks it starts.
+  TP_ASSIGN_OR_RETURN(LaunchPlan plan, LaunchPlanFor(f));
+  const int needed = plan.local_rank + 1 + static_cast<int>(plan.spawn_ranks.size());
+  const int devices = CudaDeviceCount();
+  if (devices >= needed) return std::string("cuda");
+  if (f.backend == "cuda") {
+    return InvalidArgumentError("--backend cuda --tp " + std::to_string(f.tp) + " needs " +
+                                std::to_string(needed) + " GPUs on this node; it has " +
+                                std::to_string(devices));
   }
+  *why_cpu = "this node has " + std::to_string(devices) + " GPUs, --tp " + std::to_string(f.tp) +
+             " needs " + std::to_string(needed);
+#else
+  if (f.backend == "cuda") {
+    return InvalidArgumentError(
+        "--backend cuda: this build has no CUDA (configure with a CUDA "
+        "toolkit); use --backend cpu");
+  }
+  *why_cpu = "this build has no CUDA";
+#endif
+  return std::string("cpu");
+}
+
+// The error of cuda-only flags given with --backend cpu, which would not
+// read them ("" when fine). Auto falling back to the cpu only warns (Serve).
+std::string CudaOnlyFlagsError(const ServeFlags& f) {
+  const auto& given = f.cuda_only_given;
+  if (f.backend != "cpu" || given.empty()) return "";
+  const bool one = given.size() == 1;
+  return "--backend cpu: " + JoinFlags(given) + (one ? " needs" : " need") +
+         " --backend cuda (or --backend auto on a node with the GPUs); the cpu backend does "
+         "not read " +
+         (one ? "it" : "them");
+}
+
+// `backend`: ResolveBackend's answer.
+StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const std::string& backend,
+                                              const ModelConfig& config, bool from_dir,
+                                              std::shared_ptr<const OverlapConfig> overlap) {
+#if TPSERVE_WITH_CUDA
   if (backend == "cuda") {
     TP_ASSIGN_OR_RETURN(CudaEngineOptions eo, CudaOptions(f, config, from_dir, std::move(overlap)));
     spdlog::info("loading {} ({} layers, hidden {}) on the CUDA backend, tp={}", config.name,
@@ -162,11 +218,7 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const ModelCo
     return std::shared_ptr<Engine>(std::move(engine));
   }
 #else
-  if (backend == "cuda") {
-    return InvalidArgumentError(
-        "--backend cuda: this build has no CUDA (configure with a CUDA "
-        "toolkit); use --backend cpu");
-  }
+  (void)backend;  // always cpu here: ResolveBackend refused cuda
 #endif
   auto eo = CommonEngineOptions<CpuEngineOptions>(f, config, from_dir, std::move(overlap));
   spdlog::info("loading {} ({} layers, hidden {}) on the CPU backend, tp={}", config.name,
@@ -210,6 +262,11 @@ class SignalBox {
 int Worker(const ServeFlags& f);
 
 int Serve(const ServeFlags& f) {
+  // Refused before anything else, the model's loading included.
+  if (const std::string e = CudaOnlyFlagsError(f); !e.empty()) {
+    spdlog::error("{}", e);
+    return 2;
+  }
   ApplyGemmAlgo(f.gemm_algo);
   // Signals are taken by a waiting thread, not a handler: block them in
   // every thread first (threads inherit the mask).
@@ -257,11 +314,21 @@ int Serve(const ServeFlags& f) {
     }
   });
   signal_thread.detach();
+  std::string why_cpu;
+  auto backend = ResolveBackend(f, &why_cpu);
+  if (!backend.ok()) {
+    spdlog::error("{}", backend.status().ToString());
+    return 2;
+  }
+  if (*backend == "cpu" && !f.cuda_only_given.empty()) {  // auto: --backend cpu refused them
+    spdlog::warn("--backend auto runs the cpu backend ({}): ignoring {} (cuda backend only)",
+                 why_cpu, JoinFlags(f.cuda_only_given));
+  }
   bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
   ModelConfig config;
   if (!LoadModelFlagsOrLog(f, &config, &from_dir, &overlap)) return 2;
-  auto engine = StartEngine(f, config, from_dir, overlap);
+  auto engine = StartEngine(f, *backend, config, from_dir, overlap);
   if (!engine.ok()) {
     spdlog::error("{}", engine.status().ToString());
     return engine.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
@@ -401,6 +468,8 @@ int Worker(const ServeFlags& f) {
 
 void AddServeCommand(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<ServeFlags>();
+  // The flags only the cuda backend reads (CudaOnly), for the callback.
+  auto cuda_only = std::make_shared<std::vector<const CLI::Option*>>();
   CLI::App* cmd = app.add_subcommand(
       "serve",
       "Serve a model over gRPC (KServe v2 / Open Inference Protocol) with Prometheus metrics; "
@@ -452,16 +521,18 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                   "by it)")
       ->check(Positive())
       ->capture_default_str();
-  cmd->add_option("--rank-timeout-s", f->rank_timeout_s,
-                  "cuda: seconds a collective may take before the engine declares a rank lost "
-                  "(then every request gets UNAVAILABLE and health turns NOT_SERVING); at "
-                  "most a week")
-      ->check(CLI::Range(0.001, kMaxTimeoutS))
-      ->capture_default_str();
-  cmd->add_flag("--device-random-weights", f->device_random_weights,
-                "cuda, preset models: generate the random weights on the GPUs (seconds, also "
-                "for llama3-70b) instead of on the host (what the CPU backend uses, so logits "
-                "compare; minutes for large models)");
+  CudaOnly(cmd->add_option("--rank-timeout-s", f->rank_timeout_s,
+                           "seconds a collective may take before the engine declares a rank lost "
+                           "(then every request gets UNAVAILABLE and health turns NOT_SERVING); "
+                           "at most a week")
+               ->check(CLI::Range(0.001, kMaxTimeoutS))
+               ->capture_default_str(),
+           cuda_only.get());
+  CudaOnly(cmd->add_flag("--device-random-weights", f->device_random_weights,
+                         "with a preset model, generate its random weights on the GPUs (seconds, "
+                         "also for llama3-70b) instead of on the host (what the CPU backend uses, "
+                         "so logits compare; minutes for large models)"),
+           cuda_only.get());
   cmd->add_option("--max-queue-delay-us", f->max_queue_delay_us,
                   "Longest wait for batch-mates, microseconds (at most 10 s)")
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
@@ -486,6 +557,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(0.0, kMaxTimeoutS))
       ->capture_default_str();
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
+  CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());
   // Checked before the model loads (minutes for a large one), not when the server starts.
   CLI::Option* tls_cert =
       cmd->add_option("--tls-cert", f->tls_cert,
@@ -500,7 +572,12 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                   "--tls-cert and --tls-key)")
       ->check(CLI::ExistingFile)
       ->needs(tls_cert);
-  cmd->callback([f, exit_code] { *exit_code = Serve(*f); });
+  cmd->callback([f, exit_code, cuda_only] {
+    for (const CLI::Option* opt : *cuda_only) {
+      if (opt->count() > 0) f->cuda_only_given.push_back(opt->get_name());
+    }
+    *exit_code = Serve(*f);
+  });
 
   // The worker ranks of `serve --backend cuda`: started by rank 0 with the
   // same model flags and the rank and NCCL id in the environment.

@@ -4,6 +4,8 @@ Run by CTest with TPSERVE_BIN pointing at build/bin/tpserve.
 """
 import json
 import os
+import select
+import signal
 import subprocess
 import tempfile
 import unittest
@@ -133,6 +135,81 @@ class CommandLineChecks(unittest.TestCase):
                      ["--gemm-sms", "8"]):
             self.refused(["layer", "--backend", "cpu", "--m", "8", *knob],
                          knob[0] + " applies to --backend cuda only", 2)
+
+    # serve's flags that only the cuda backend reads, with a value to give each.
+    SERVE_CUDA_ONLY = (["--rank-timeout-s", "60"], ["--device-random-weights"],
+                       ["--gemm-algo", "heuristic"])
+
+    def test_serve_refuses_cuda_only_flags_on_the_cpu_backend(self):
+        # They were silently ignored. Given with their default value they are still refused:
+        # what counts is that they were given. A model that does not exist shows that the
+        # refusal comes before the model is looked at (and keeps a server that wrongly
+        # accepted the flags from serving for good).
+        for knob in (*self.SERVE_CUDA_ONLY, ["--rank-timeout-s", "300"],
+                     ["--gemm-algo", "timed"]):
+            p = self.refused(["serve", "--backend", "cpu", "--model", "no-such-model",
+                              "--grpc-port", "0", "--metrics-port", "0", *knob],
+                             f"--backend cpu: {knob[0]} needs --backend cuda", 2)
+            self.assertNotIn("no-such-model", p.stderr)
+        p = self.refused(["serve", "--backend", "cpu", "--model", "no-such-model",
+                          *[a for knob in self.SERVE_CUDA_ONLY for a in knob]],
+                         "--backend cpu: --rank-timeout-s, --device-random-weights and "
+                         "--gemm-algo need --backend cuda", 2)
+        self.assertIn("or --backend auto on a node with the GPUs", p.stderr)
+        # The help says which flags those are, and of no other flag.
+        entries = {}  # flag -> its help entry (CLI11 may wrap the description to a new line)
+        for line in run("serve", "--help").stdout.splitlines():
+            if line.startswith("  -"):
+                flag = line.split()[0]
+                entries[flag] = line
+            elif entries and line.startswith("   "):
+                entries[flag] += " " + line.strip()
+        cuda_only = {f for f, e in entries.items() if "cuda backend only" in e}
+        self.assertEqual(cuda_only, {knob[0] for knob in self.SERVE_CUDA_ONLY}, entries)
+        for flag in cuda_only:
+            self.assertIn(" cuda backend only: ", entries[flag])
+
+    def serve_until_up_then_stop(self, args):
+        """Starts `tpserve serve ARGS` on loopback without GPUs (CUDA_VISIBLE_DEVICES empty,
+        so that auto falls back to the cpu in a CUDA build too), stops it with SIGTERM once it
+        serves; returns its stderr."""
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        with tempfile.TemporaryFile("w+") as err:
+            p = subprocess.Popen([BIN, "serve", "--model", "tiny", "--tp", "2", "--host",
+                                  "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", *args],
+                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            try:
+                ready, _, _ = select.select([p.stdout], [], [], 60)
+                self.assertTrue(ready, "tpserve printed nothing within 60 s")
+                self.assertIn("serving 'tiny' on gRPC port", p.stdout.readline())
+                p.send_signal(signal.SIGTERM)
+                self.assertEqual(p.wait(timeout=60), 0)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                p.stdout.close()
+            err.seek(0)
+            return err.read()
+
+    def test_serve_auto_on_the_cpu_warns_of_ignored_cuda_only_flags(self):
+        stderr = self.serve_until_up_then_stop(
+            [a for knob in self.SERVE_CUDA_ONLY for a in knob])
+        said = [line for line in stderr.splitlines() if "cuda backend only" in line]
+        self.assertEqual(len(said), 1, stderr)
+        self.assertIn("[warning]", said[0])
+        self.assertRegex(said[0], r"--backend auto runs the cpu backend \((this build has "
+                         r"no CUDA|this node has 0 GPUs, --tp 2 needs 2)\): ignoring "
+                         r"--rank-timeout-s, --device-random-weights and --gemm-algo "
+                         r"\(cuda backend only\)")
+        # Said before the model loads, which then loads on the CPU.
+        self.assertLess(stderr.index(said[0]), stderr.index("on the CPU backend"), stderr)
+        # One flag: named alone; none: no warning.
+        stderr = self.serve_until_up_then_stop(["--device-random-weights"])
+        self.assertRegex(stderr, r"\): ignoring --device-random-weights \(cuda backend only\)")
+        stderr = self.serve_until_up_then_stop([])
+        self.assertNotIn("ignoring", stderr)
+        self.assertNotIn("[warning]", stderr)
 
     def test_layer_sizes_beyond_memory_are_an_error_not_a_crash(self):
         # m x k overflowed int64: a segmentation fault.
