@@ -267,8 +267,10 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p) {
 // ---------------------------------------------------------------------------------------------
 // Causal varlen attention, flash-attention-2 style on mma.sync m16n8k16 (BF16 in, FP32
 // accumulate). A block owns one (sequence, query head) and a tile of kAttnBr query rows; each
-// of its warps owns 16 of those rows and keeps their Q fragments, O accumulators and softmax
-// state in registers. K and V tiles of kAttnBc keys are staged through shared memory.
+// of its warps owns kAttnMTiles m16 tiles of those rows and keeps their O accumulators and
+// softmax state in registers, so every K or V fragment read from shared memory feeds
+// kAttnMTiles products. Q, K and V tiles are staged through shared memory (K and V double
+// buffered, kAttnBc keys each).
 //
 // Fragment layouts (PTX ISA, "mma.m16n8k16" for .bf16), g = lane / 4, t = lane % 4:
 //   A (16x16, row-major) regs 0..3: (row g, cols 2t..2t+1), (row g+8, cols 2t..), (row g,
@@ -280,8 +282,9 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p) {
 
 constexpr int kAttnWarps = 4;
 constexpr int kAttnThreads = 32 * kAttnWarps;
-constexpr int kAttnBr = 16 * kAttnWarps;  // query rows per tile
-constexpr int kAttnBc = 64;               // keys per tile
+constexpr int kAttnMTiles = 2;                          // m16 tiles per warp
+constexpr int kAttnBr = 16 * kAttnMTiles * kAttnWarps;  // query rows per tile
+constexpr int kAttnBc = 64;                             // keys per tile
 
 __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
@@ -347,10 +350,10 @@ __device__ __forceinline__ void CopyAsyncWait() {
 }
 
 // Shared memory of the attention kernel (dynamic): K and V tiles, two of each (the next
-// tile loads while this one is used).
+// tile loads while this one is used), and the Q tile.
 template <int kHeadDim>
 constexpr size_t AttentionSmemBytes() {
-  return 4 * static_cast<size_t>(kAttnBc) * (kHeadDim + 8) * sizeof(uint16_t);
+  return (4 * static_cast<size_t>(kAttnBc) + kAttnBr) * (kHeadDim + 8) * sizeof(uint16_t);
 }
 
 // 2^x on the multi-function unit; results below 2^-126 flush to zero (softmax weights
@@ -363,27 +366,28 @@ __device__ __forceinline__ float Exp2Approx(float x) {
 
 // Blocks of the attention kernel resident per SM (its __launch_bounds__); the launcher
 // sizes the grid with it.
-constexpr int kAttnBlocksPerSm = 3;
+constexpr int kAttnBlocksPerSm = 2;
 
 template <int kHeadDim>
-// Three blocks per SM (168 registers, a few spilled; 236 without the bound): measured
-// 7 % faster than two (benchmarks/NOTES.md).
 __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
     CausalAttentionKernel(AttentionParams p, float scale_log2) {
-  // Rows padded by 8 BF16 (16 bytes): rows stay 16-byte aligned for the vector stores, and
-  // the fragment reads below hit 32 distinct banks.
+  // Rows padded by 8 BF16 (16 bytes): rows stay 16-byte aligned for the copies, and the
+  // ldmatrix row addresses of 8 consecutive rows hit distinct banks.
   constexpr int kPitch = kHeadDim + 8;
   constexpr int kVecsPerRow = kHeadDim / 8;
   constexpr int kKSteps = kHeadDim / 16;   // k-steps of Q.K^T
   constexpr int kDimTiles = kHeadDim / 8;  // n8 tiles of O
   constexpr int kKeyTiles = kAttnBc / 8;   // n8 tiles of S
   constexpr int kTileElems = kAttnBc * kPitch;
-  // Each thread copies the same 16-byte column of every kRowStep-th row of a K or V tile.
+  constexpr int kWarpRows = 16 * kAttnMTiles;
+  // Each thread copies the same 16-byte column of every kRowStep-th row of a tile.
   constexpr int kRowStep = kAttnThreads / kVecsPerRow;
   constexpr int kCopies = kAttnBc / kRowStep;
+  constexpr int kQCopies = kAttnBr / kRowStep;
   static_assert(kAttnThreads % kVecsPerRow == 0 && kAttnBc % kRowStep == 0, "tile copy");
-  // [K buffer 0 | K buffer 1 | V buffer 0 | V buffer 1]
+  // [K buffer 0 | K buffer 1 | V buffer 0 | V buffer 1 | Q tile]
   extern __shared__ __align__(16) uint16_t attn_smem[];
+  uint16_t* q_tile = attn_smem + 4 * kTileElems;
 
   // The sequence first, so that a block with no tile leaves at once (the grid covers the
   // longest sequence the bucket allows; most blocks of a batch of short ones have none).
@@ -407,21 +411,10 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
   const int g = lane >> 2;
   const int t = lane & 3;
 
-  const uint16_t* q_base = reinterpret_cast<const uint16_t*>(p.q) +
-                           static_cast<int64_t>(begin) * p.q_row_stride + head * kHeadDim;
   const uint16_t* k_base = reinterpret_cast<const uint16_t*>(p.k) +
                            static_cast<int64_t>(begin) * p.k_row_stride + kv_head * kHeadDim;
   const uint16_t* v_base = reinterpret_cast<const uint16_t*>(p.v) +
                            static_cast<int64_t>(begin) * p.v_row_stride + kv_head * kHeadDim;
-  uint16_t* out_base = p.out != nullptr
-                           ? reinterpret_cast<uint16_t*>(p.out) +
-                                 static_cast<int64_t>(begin) * p.out_row_stride + head * kHeadDim
-                           : nullptr;
-  uint8_t* fp8_base =
-      p.out_fp8 != nullptr
-          ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride + head * kHeadDim
-          : nullptr;
-  const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
   float amax = 0.0f;  // of the BF16-rounded values this thread stores (out_amax)
 
   // This thread's share of every tile copy: rows copy_row + i * kRowStep, column copy_col.
@@ -429,44 +422,21 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
   const int copy_col = (threadIdx.x % kVecsPerRow) * 8;
   const int64_t k_step = kRowStep * p.k_row_stride;
   const int64_t v_step = kRowStep * p.v_row_stride;
+  // ldmatrix row addresses: lanes 8i..8i+7 give matrix i's rows.
+  const int mat = lane >> 3;
 
   // Tiles from the last (the most keys) down, so the heaviest are scheduled first (blockIdx.y
-  // varies slowest). Every condition below is uniform over the block, so the __syncthreads
-  // inside are safe.
+  // varies slowest). Every condition below that guards a __syncthreads is uniform over the
+  // block.
   for (int tile = num_tiles - 1 - static_cast<int>(blockIdx.y); tile >= 0;
        tile -= static_cast<int>(gridDim.y)) {
     const int q0 = tile * kAttnBr;
-    const int row_lo = q0 + warp * 16 + g;  // this thread's two query rows
-    const int row_hi = row_lo + 8;
-
-    uint32_t q_frag[kKSteps][4];
-    {
-      const uint32_t* q_lo =
-          row_lo < len ? reinterpret_cast<const uint32_t*>(q_base + row_lo * p.q_row_stride)
-                       : nullptr;
-      const uint32_t* q_hi =
-          row_hi < len ? reinterpret_cast<const uint32_t*>(q_base + row_hi * p.q_row_stride)
-                       : nullptr;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const int word = ks * 8 + t;  // BF16 column ks*16 + 2t
-        q_frag[ks][0] = q_lo != nullptr ? q_lo[word] : 0u;
-        q_frag[ks][1] = q_hi != nullptr ? q_hi[word] : 0u;
-        q_frag[ks][2] = q_lo != nullptr ? q_lo[word + 4] : 0u;
-        q_frag[ks][3] = q_hi != nullptr ? q_hi[word + 4] : 0u;
-      }
-    }
-
-    float o[kDimTiles][4];
-#pragma unroll
-    for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
-    // Running max of the raw scores Q.K (the positive scale is applied inside the exponent)
-    // and this thread's share of the denominators.
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.0f, 0.0f};
-
-    // Causal: the tile's last row is q0 + kAttnBr - 1, so no key at or beyond kv_end matters.
+    const int warp_row0 = q0 + warp * kWarpRows;  // this warp's first query row
+    // Causal: the tile's last row is q0 + kAttnBr - 1, so no key at or beyond kv_end matters;
+    // this warp needs keys up to its own last row only.
     const int kv_end = len - q0 > kAttnBr ? q0 + kAttnBr : len;
+    const int warp_kv_end = warp_row0 + kWarpRows < kv_end ? warp_row0 + kWarpRows : kv_end;
+
     // Starts loading the key tile at kv0 into buffer `buf` (one commit group per thread).
     auto load_tile = [&](int buf, int kv0) {
       uint16_t* k_dst = attn_smem + buf * kTileElems + copy_row * kPitch + copy_col;
@@ -485,156 +455,241 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
         k_src += k_step;
         v_src += v_step;
       }
-      CopyAsyncCommit();
     };
+    // The Q tile (zeros past the sequence) joins the first key tile's commit group.
+    {
+      const uint16_t* q_base = reinterpret_cast<const uint16_t*>(p.q) +
+                               static_cast<int64_t>(begin) * p.q_row_stride + head * kHeadDim;
+      const int rows_left = len - q0 - copy_row;
+      const uint16_t* q_src =
+          q_base + static_cast<int64_t>(q0 + copy_row) * p.q_row_stride + copy_col;
+      const int64_t q_step = kRowStep * p.q_row_stride;
+#pragma unroll
+      for (int i = 0; i < kQCopies; ++i) {
+        const bool past = i * kRowStep >= rows_left;
+        CopyAsync16(q_tile + (copy_row + i * kRowStep) * kPitch + copy_col,
+                    past ? q_base + copy_col : q_src, past);
+        q_src += q_step;
+      }
+    }
     load_tile(0, 0);
+    CopyAsyncCommit();
+
+    float o[kAttnMTiles][kDimTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kAttnMTiles; ++mt) {
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.0f;
+      }
+    }
+    // Per m-tile and half (rows g, g + 8): the running max of the raw scores Q.K (the
+    // positive scale is applied inside the exponent) and this thread's share of the sum.
+    float row_max[kAttnMTiles][2], row_sum[kAttnMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kAttnMTiles; ++mt) {
+      row_max[mt][0] = row_max[mt][1] = -INFINITY;
+      row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+    }
+
     int buf = 0;
     for (int kv0 = 0; kv0 < kv_end; kv0 += kAttnBc, buf ^= 1) {
       // The next tile loads into the other buffer (everyone finished reading it at the end
       // of the previous step) while this one is used.
       if (kv_end - kv0 > kAttnBc) {
         load_tile(buf ^ 1, kv0 + kAttnBc);
+        CopyAsyncCommit();
         CopyAsyncWait<1>();
       } else {
         CopyAsyncWait<0>();
       }
-      __syncthreads();  // this tile, from every thread's copies
-      const uint16_t* k_tile = attn_smem + buf * kTileElems;
-      const uint16_t* v_tile = attn_smem + (2 + buf) * kTileElems;
+      __syncthreads();  // this tile (and the Q tile), from every thread's copies
 
-      // S = Q K^T for this warp's 16 rows and the tile's kAttnBc keys.
-      float s[kKeyTiles][4];
-#pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-#pragma unroll
-        for (int nt = 0; nt < kKeyTiles; nt += 2) {
-          // B[k = dim][n = key] = K[key][dim]: matrices (keys nt*8.., dims ks*16 + 0 / 8)
-          // and the same for keys (nt+1)*8..; each lane's pair is (key g, dims 2t, 2t+1).
-          const int mat = lane >> 3;
-          const uint16_t* row =
-              k_tile + ((nt + (mat >> 1)) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat & 1) * 8;
-          uint32_t b[4];
-          LoadMatrixX4<false>(b, row);
-          MmaBf16(s[nt], q_frag[ks], b[0], b[1]);
-          MmaBf16(s[nt + 1], q_frag[ks], b[2], b[3]);
-        }
-      }
+      // A warp whose rows all precede the tile has nothing to add (causal); it only keeps
+      // the block's barriers.
+      if (kv0 < warp_kv_end) {
+        const uint16_t* k_tile = attn_smem + buf * kTileElems;
+        const uint16_t* v_tile = attn_smem + (2 + buf) * kTileElems;
 
-      // Masks: a key after the row (causal) or past the sequence. Only the tiles that reach
-      // the diagonal of this warp's rows or the sequence's end have any (warp-uniform).
-      if (kv0 + kAttnBc - 1 > q0 + warp * 16 || len - kv0 < kAttnBc) {
-        // Element (nt, e) holds key kv0 + nt*8 + 2t + (e & 1) of row row_lo (e < 2) or
-        // row_hi: it is visible iff nt*8 + (e & 1) <= limit[e >> 1].
-        const int last_key = len - 1 - kv0 - 2 * t;
-        const int limit[2] = {min(row_lo - kv0 - 2 * t, last_key),
-                              min(row_hi - kv0 - 2 * t, last_key)};
+        // S = Q K^T for this warp's rows and the tile's kAttnBc keys.
+        float s[kAttnMTiles][kKeyTiles][4];
 #pragma unroll
-        for (int nt = 0; nt < kKeyTiles; ++nt) {
+        for (int mt = 0; mt < kAttnMTiles; ++mt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (nt * 8 + (e & 1) > limit[e >> 1]) s[nt][e] = -INFINITY;
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+            s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
           }
         }
-      }
-      // The tile's row maxima (over the 4 lanes of a row).
-      float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt) {
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          // A = Q rows (16 per m-tile) x dims ks*16..: matrices (rows 0-7 / 8-15, dims
+          // 0-7 / 8-15), in the A register order.
+          uint32_t a[kAttnMTiles][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
-      }
-      float alpha[2];
-      float base[2];  // the new max, in log2 units
+          for (int mt = 0; mt < kAttnMTiles; ++mt) {
+            LoadMatrixX4<false>(
+                a[mt], q_tile + (warp * kWarpRows + mt * 16 + (mat & 1) * 8 + (lane & 7)) * kPitch +
+                           ks * 16 + (mat >> 1) * 8);
+          }
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-        const float new_max = fmaxf(row_max[i], tile_max[i]);
-        // A row with no visible key yet keeps max -inf; subtracting 0 instead keeps
-        // exp2(-inf - -inf) = NaN out (every p and alpha is then 0).
-        base[i] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
-        alpha[i] = Exp2Approx(fmaf(row_max[i], scale_log2, -base[i]));
-        row_max[i] = new_max;
-      }
-      float tile_sum[2] = {0.0f, 0.0f};
+          for (int nt = 0; nt < kKeyTiles; nt += 2) {
+            // B[k = dim][n = key] = K[key][dim]: matrices (keys nt*8.., dims ks*16 + 0 / 8)
+            // and the same for keys (nt+1)*8..; each lane's pair is (key g, dims 2t, 2t+1).
+            uint32_t b[4];
+            LoadMatrixX4<false>(b, k_tile + ((nt + (mat >> 1)) * 8 + (lane & 7)) * kPitch +
+                                       ks * 16 + (mat & 1) * 8);
 #pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pr = Exp2Approx(fmaf(s[nt][e], scale_log2, -base[e >> 1]));
-          s[nt][e] = pr;
-          tile_sum[e >> 1] += pr;
+            for (int mt = 0; mt < kAttnMTiles; ++mt) {
+              MmaBf16(s[mt][nt], a[mt], b[0], b[1]);
+              MmaBf16(s[mt][nt + 1], a[mt], b[2], b[3]);
+            }
+          }
         }
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) row_sum[i] = row_sum[i] * alpha[i] + tile_sum[i];
-#pragma unroll
-      for (int dt = 0; dt < kDimTiles; ++dt) {
-        o[dt][0] *= alpha[0];
-        o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1];
-        o[dt][3] *= alpha[1];
-      }
 
-      // O += P V, P (BF16) straight from the S accumulators.
+        uint32_t p_frag[kAttnMTiles][kAttnBc / 16][4];
 #pragma unroll
-      for (int kk = 0; kk < kAttnBc / 16; ++kk) {
-        const uint32_t p_frag[4] = {PackBf16x2(s[2 * kk][0], s[2 * kk][1]),
-                                    PackBf16x2(s[2 * kk][2], s[2 * kk][3]),
-                                    PackBf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                    PackBf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        for (int mt = 0; mt < kAttnMTiles; ++mt) {
+          const int row_lo = warp_row0 + mt * 16 + g;  // this thread's two rows
+          // Masks: a key after the row (causal) or past the sequence. Only tiles that reach
+          // the m-tile's diagonal or the sequence's end have any (warp-uniform).
+          if (kv0 + kAttnBc - 1 > warp_row0 + mt * 16 || len - kv0 < kAttnBc) {
+            // Element (nt, e) holds key kv0 + nt*8 + 2t + (e & 1) of row row_lo (e < 2) or
+            // row_lo + 8: it is visible iff nt*8 + (e & 1) <= limit[e >> 1].
+            const int last_key = len - 1 - kv0 - 2 * t;
+            const int limit[2] = {min(row_lo - kv0 - 2 * t, last_key),
+                                  min(row_lo + 8 - kv0 - 2 * t, last_key)};
 #pragma unroll
-        for (int dt = 0; dt < kDimTiles; dt += 2) {
-          // B[k = key][n = dim] = V[key][dim], transposed on load: matrices (keys
-          // kk*16 + 0 / 8.., dims dt*8..) and the same for dims (dt+1)*8..; each lane's pair
-          // is (keys 2t, 2t+1 of its half, dim g).
-          const int mat = lane >> 3;
-          const uint16_t* row =
-              v_tile + (kk * 16 + (mat & 1) * 8 + (lane & 7)) * kPitch + (dt + (mat >> 1)) * 8;
-          uint32_t b[4];
-          LoadMatrixX4<true>(b, row);
-          MmaBf16(o[dt], p_frag, b[0], b[1]);
-          MmaBf16(o[dt + 1], p_frag, b[2], b[3]);
+            for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                if (nt * 8 + (e & 1) > limit[e >> 1]) s[mt][nt][e] = -INFINITY;
+              }
+            }
+          }
+          // The tile's row maxima (over the 4 lanes of a row).
+          float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[mt][nt][e]);
+          }
+          float alpha[2];
+          float base[2];  // the new max, in log2 units
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+            const float new_max = fmaxf(row_max[mt][i], tile_max[i]);
+            // A row with no visible key yet keeps max -inf; subtracting 0 instead keeps
+            // exp2(-inf - -inf) = NaN out (every p and alpha is then 0).
+            base[i] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+            alpha[i] = Exp2Approx(fmaf(row_max[mt][i], scale_log2, -base[i]));
+            row_max[mt][i] = new_max;
+          }
+          // P, packed to BF16 at once (the A fragments of P V; it frees S's registers):
+          // n8 tiles 2kk and 2kk+1 of S are the A fragment kk.
+          float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+            float pr[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              pr[e] = Exp2Approx(fmaf(s[mt][nt][e], scale_log2, -base[e >> 1]));
+              tile_sum[e >> 1] += pr[e];
+            }
+            p_frag[mt][nt >> 1][(nt & 1) * 2] = PackBf16x2(pr[0], pr[1]);
+            p_frag[mt][nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(pr[2], pr[3]);
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i) row_sum[mt][i] = row_sum[mt][i] * alpha[i] + tile_sum[i];
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; ++dt) {
+            o[mt][dt][0] *= alpha[0];
+            o[mt][dt][1] *= alpha[0];
+            o[mt][dt][2] *= alpha[1];
+            o[mt][dt][3] *= alpha[1];
+          }
+        }
+
+        // O += P V.
+#pragma unroll
+        for (int kk = 0; kk < kAttnBc / 16; ++kk) {
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; dt += 2) {
+            // B[k = key][n = dim] = V[key][dim], transposed on load: matrices (keys
+            // kk*16 + 0 / 8.., dims dt*8..) and the same for dims (dt+1)*8..; each lane's
+            // pair is (keys 2t, 2t+1 of its half, dim g).
+            uint32_t b[4];
+            LoadMatrixX4<true>(b, v_tile + (kk * 16 + (mat & 1) * 8 + (lane & 7)) * kPitch +
+                                      (dt + (mat >> 1)) * 8);
+#pragma unroll
+            for (int mt = 0; mt < kAttnMTiles; ++mt) {
+              MmaBf16(o[mt][dt], p_frag[mt][kk], b[0], b[1]);
+              MmaBf16(o[mt][dt + 1], p_frag[mt][kk], b[2], b[3]);
+            }
+          }
         }
       }
       __syncthreads();  // everyone is done with this buffer before it loads again
     }
 
-    float inv_sum[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
-      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
-      // Every real row sees its own key, so its sum is >= 1; rows past len are not stored.
-      inv_sum[i] = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;
-    }
     // This thread's two adjacent values per n8 tile of each of its rows: BF16, and/or the
-    // E4M3 codes of those BF16 values (what a quantize pass over `out` would give).
+    // E4M3 codes of those BF16 values (what a quantize pass over `out` would give). The
+    // output pointers are formed here, not held through the key loop (registers).
+    uint16_t* out_base = p.out != nullptr
+                             ? reinterpret_cast<uint16_t*>(p.out) +
+                                   static_cast<int64_t>(begin) * p.out_row_stride + head * kHeadDim
+                             : nullptr;
+    uint8_t* fp8_base =
+        p.out_fp8 != nullptr
+            ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride + head * kHeadDim
+            : nullptr;
+    const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
+    // Instantiated twice: with the branch-free division (fp8.inv != 0, checked once here)
+    // and with the IEEE fallback; a per-value branch made this epilogue a third of the
+    // kernel's stalls (benchmarks/NOTES.md).
+    auto store = [&](auto fast_divide) {
+      constexpr bool kFast = decltype(fast_divide)::value;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t row = half == 0 ? row_lo : row_hi;
-      if (row >= len) continue;
-      uint32_t* dst = out_base != nullptr
-                          ? reinterpret_cast<uint32_t*>(out_base + row * p.out_row_stride)
-                          : nullptr;
-      uint16_t* dst_fp8 = fp8_base != nullptr
-                              ? reinterpret_cast<uint16_t*>(fp8_base + row * p.out_fp8_row_stride)
+      for (int mt = 0; mt < kAttnMTiles; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float sum = row_sum[mt][half];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          // Every real row sees its own key, so its sum is >= 1; rows past len are not stored.
+          const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+          const int row = warp_row0 + mt * 16 + g + 8 * half;
+          if (row >= len) continue;
+          uint32_t* dst = out_base != nullptr
+                              ? reinterpret_cast<uint32_t*>(out_base + row * p.out_row_stride)
                               : nullptr;
+          uint16_t* dst_fp8 =
+              fp8_base != nullptr
+                  ? reinterpret_cast<uint16_t*>(fp8_base + row * p.out_fp8_row_stride)
+                  : nullptr;
 #pragma unroll
-      for (int dt = 0; dt < kDimTiles; ++dt) {
-        const uint32_t pair =
-            PackBf16x2(o[dt][2 * half] * inv_sum[half], o[dt][2 * half + 1] * inv_sum[half]);
-        if (dst != nullptr) dst[dt * 4 + t] = pair;
-        const float lo = Bf16ToFloat(pair & 0xFFFFu), hi = Bf16ToFloat(pair >> 16);
-        if (dst_fp8 != nullptr) {
-          dst_fp8[dt * 4 + t] =
-              static_cast<uint16_t>(QuantizeToE4M3(lo, fp8) | (QuantizeToE4M3(hi, fp8) << 8));
+          for (int dt = 0; dt < kDimTiles; ++dt) {
+            const uint32_t pair =
+                PackBf16x2(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum);
+            if (dst != nullptr) dst[dt * 4 + t] = pair;
+            const float lo = Bf16ToFloat(pair & 0xFFFFu), hi = Bf16ToFloat(pair >> 16);
+            if (dst_fp8 != nullptr) {
+              dst_fp8[dt * 4 + t] = static_cast<uint16_t>(QuantizeToE4M3<kFast>(lo, fp8) |
+                                                          (QuantizeToE4M3<kFast>(hi, fp8) << 8));
+            }
+            if (p.out_amax != nullptr) amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
+          }
         }
-        if (p.out_amax != nullptr) amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
       }
+    };
+    if (fp8.inv != 0.0f) {
+      store(std::true_type{});
+    } else {
+      store(std::false_type{});
     }
+    // The next tile's Q copy overwrites q_tile: every warp must be done reading it (the last
+    // key step's barrier already ensures that; no extra barrier needed).
   }
   // Every thread of the block gets here (the tile loop's bounds are uniform).
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);

@@ -32,19 +32,27 @@ __device__ __forceinline__ Fp8Divisor MakeFp8Divisor(float scale) {
   return d;
 }
 
-__device__ __forceinline__ float DivideForFp8(float x, const Fp8Divisor& d) {
-  if (d.inv == 0.0f) return __fdiv_rn(x, d.scale);
+// The quotient for a divisor with a normal reciprocal (d.inv != 0), without branches.
+__device__ __forceinline__ float DivideForFp8Fast(float x, const Fp8Divisor& d) {
   const float q0 = x * d.inv;
   const float remainder = fmaf(-q0, d.scale, x);
+  const float q = fmaf(remainder, d.inv, q0);
   // A zero remainder means q0 is exact; it also keeps the sign of x = -0, which the
   // correction would turn into +0 (-0 + +0).
-  if (remainder == 0.0f || isinf(q0)) return q0;
-  return fmaf(remainder, d.inv, q0);
+  return remainder == 0.0f || isinf(q0) ? q0 : q;
 }
 
-// The E4M3 code of x / scale, saturating to +-448 (NaN stays NaN).
+__device__ __forceinline__ float DivideForFp8(float x, const Fp8Divisor& d) {
+  return d.inv == 0.0f ? __fdiv_rn(x, d.scale) : DivideForFp8Fast(x, d);
+}
+
+// The E4M3 code of x / scale, saturating to +-448 (NaN stays NaN). kFast: the caller has
+// checked d.inv != 0 once for many values (a branch per value costs more than the division
+// saves where the compiler does not hoist it out of a loop).
+template <bool kFast = false>
 __device__ __forceinline__ uint8_t QuantizeToE4M3(float x, const Fp8Divisor& d) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(DivideForFp8(x, d), __NV_SATFINITE, __NV_E4M3));
+  const float q = kFast ? DivideForFp8Fast(x, d) : DivideForFp8(x, d);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
 }
 
 }  // namespace tpserve
