@@ -795,7 +795,7 @@ __global__ void GatherLastTokensKernel(GatherLastTokensParams p) {
 }
 
 // The kernel's tiles take more than the 48 KiB of shared memory a launch gets by default
-// (head_dim 128: 69,632 bytes). The opt-in holds per device (context), and ranks may be
+// (head_dim 128: 104,448 bytes). The opt-in holds per device (context), and ranks may be
 // threads of one process on several devices: set before every launch (a host-side call,
 // allowed while a stream is captured; a graph replay does not repeat it).
 template <int kHeadDim>

@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include "engine/safetensors.h"
@@ -40,6 +41,16 @@ class Checkpoint {
     v.data = owned_.back()->data();
     v.bytes = owned_.back()->size();
     views_[name] = v;
+  }
+  // A tensor's name, dtype and shape without its data (null data; bytes is
+  // its size): a plan of what a writer will get.
+  void AddShape(std::string name, StDtype dtype, std::vector<int64_t> shape) {
+    TensorView v;
+    v.name = name;
+    v.dtype = dtype;
+    v.shape = std::move(shape);
+    v.bytes = static_cast<size_t>(v.numel()) * StDtypeSize(dtype);
+    views_[name] = std::move(v);
   }
   // INVALID_ARGUMENT when a tensor of `file` is already in an earlier file
   // (a stray copy next to a sharded checkpoint must not silently win).
@@ -406,61 +417,100 @@ class LayerProgress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
 };
 
-// Random checkpoint tensors (HF names, ModelOpt FP8 layout): with
-// `globals`, the embedding, final norm and LM head; then blocks
-// [first_layer, end_layer). Each tensor's values depend only on the seed and
-// its name, so any split into parts gives the same tensors. `progress`: what
-// to call the work in progress lines (null: none).
-Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t seed, bool globals,
-                                int64_t first_layer, int64_t end_layer,
-                                const char* progress = nullptr) {
-  LayerProgress layers_done(progress, end_layer - first_layer);
+// The global (not per-block) tensors of a random checkpoint: bits of
+// RandomPart::globals.
+enum RandomGlobal : unsigned {
+  kEmbedding = 1,  // model.embed_tokens.weight
+  kFinalNorm = 2,  // model.norm.weight
+  kLmHead = 4,     // lm_head.weight
+  kAllGlobals = kEmbedding | kFinalNorm | kLmHead,
+};
+
+// Which tensors of a random checkpoint to make: some of the global ones, and
+// every tensor of blocks [first_layer, end_layer).
+struct RandomPart {
+  unsigned globals = 0;  // RandomGlobal bits
+  int64_t first_layer = 0, end_layer = 0;
+};
+
+std::map<std::string, std::string> RandomCheckpointMetadata() {
+  return {{"format", "pt"}, {"producer", "tpserve make-checkpoint"}};
+}
+
+// Random checkpoint tensors (HF names, ModelOpt FP8 layout) of `part`. Each
+// tensor's values depend only on the seed and its name, so any split into
+// parts gives the same tensors. Without `values`: only their names, dtypes
+// and shapes (views without data), what a streaming writer declares first.
+Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t seed,
+                                const RandomPart& part, bool values = true) {
   Checkpoint ck;
   const int64_t h = c.hidden_size, hd = c.head_dim();
-  auto normal = [&](const std::string& name, int64_t count, float sd) {
-    std::mt19937_64 rng(Mix(seed, name));
+  auto numel = [](const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  };
+  // `count` N(0, sd) values of the stream `stream` (a name), each to put(i, x).
+  auto draw = [&](const std::string& stream, int64_t count, float sd, auto&& put) {
+    std::mt19937_64 rng(Mix(seed, stream));
     std::normal_distribution<float> dist(0.0f, sd);
-    std::vector<float> out(count);
-    for (float& x : out) x = dist(rng);
-    return out;
+    for (int64_t i = 0; i < count; ++i) put(i, dist(rng));
   };
-  auto f32 = [&](const std::string& name, std::vector<int64_t> shape, const std::vector<float>& x) {
-    std::vector<uint8_t> bytes(x.size() * 4);
-    std::memcpy(bytes.data(), x.data(), bytes.size());
-    ck.AddOwned(name, StDtype::kF32, std::move(shape), std::move(bytes));
-  };
-  auto bf16 = [&](const std::string& name, std::vector<int64_t> shape,
-                  const std::vector<float>& x) {
-    std::vector<uint8_t> bytes(x.size() * 2);
-    for (size_t i = 0; i < x.size(); ++i) {
-      const BFloat16 b = FloatToBFloat16(x[i]);
-      std::memcpy(bytes.data() + 2 * i, &b.bits, 2);
+  // `make` returns the tensor's bytes; it runs only when making values.
+  auto add = [&](const std::string& name, StDtype st, std::vector<int64_t> shape, auto&& make) {
+    if (values) {
+      ck.AddOwned(name, st, std::move(shape), make());
+    } else {
+      ck.AddShape(name, st, std::move(shape));
     }
-    ck.AddOwned(name, StDtype::kBF16, std::move(shape), std::move(bytes));
+  };
+  auto f32 = [&](const std::string& name, std::vector<int64_t> shape, float value) {
+    const int64_t n = numel(shape);
+    add(name, StDtype::kF32, std::move(shape), [&] {
+      std::vector<uint8_t> bytes(n * 4);
+      for (int64_t i = 0; i < n; ++i) std::memcpy(bytes.data() + 4 * i, &value, 4);
+      return bytes;
+    });
+  };
+  // Drawn straight into BF16: an embedding table has no float copy.
+  auto bf16 = [&](const std::string& name, std::vector<int64_t> shape, const std::string& stream,
+                  float sd) {
+    const int64_t n = numel(shape);
+    add(name, StDtype::kBF16, std::move(shape), [&] {
+      std::vector<uint8_t> bytes(n * 2);
+      draw(stream, n, sd, [&](int64_t i, float x) {
+        const BFloat16 b = FloatToBFloat16(x);
+        std::memcpy(bytes.data() + 2 * i, &b.bits, 2);
+      });
+      return bytes;
+    });
   };
   auto linear = [&](const std::string& base, int64_t rows, int64_t cols) {
-    const std::vector<float> x = normal(base, rows * cols, 0.02f);
-    if (dtype == DataType::kFloat8E4M3) {
-      const float scale = ScaleFromAmax(Amax(x), Fp8Format::kE4M3);
+    if (dtype != DataType::kFloat8E4M3) {
+      bf16(base + ".weight", {rows, cols}, base, 0.02f);
+      return;
+    }
+    float scale = 1.0f;  // the weight's, once its values are made
+    add(base + ".weight", StDtype::kF8E4M3, {rows, cols}, [&] {
+      std::vector<float> x(rows * cols);
+      draw(base, rows * cols, 0.02f, [&](int64_t i, float v) { x[i] = v; });
+      scale = ScaleFromAmax(Amax(x), Fp8Format::kE4M3);
       std::vector<uint8_t> codes(x.size());
       QuantizeFp8(x, scale, Fp8Format::kE4M3, codes);
-      ck.AddOwned(base + ".weight", StDtype::kF8E4M3, {rows, cols}, std::move(codes));
-      f32(base + ".weight_scale", {}, {scale});
-      f32(base + ".input_scale", {}, {kDefaultInputScale});
-    } else {
-      bf16(base + ".weight", {rows, cols}, x);
-    }
+      return codes;
+    });
+    f32(base + ".weight_scale", {}, scale);
+    f32(base + ".input_scale", {}, kDefaultInputScale);
   };
-  if (globals) {
-    bf16("model.embed_tokens.weight", {c.vocab_size, h}, normal("embed", c.vocab_size * h, 1.0f));
-    f32("model.norm.weight", {h}, std::vector<float>(h, 1.0f));
-    bf16("lm_head.weight", {c.vocab_size, h}, normal("lm_head", c.vocab_size * h, 0.02f));
-    layers_done.LayerDone(0);
+  if (part.globals & kEmbedding) {
+    bf16("model.embed_tokens.weight", {c.vocab_size, h}, "embed", 1.0f);
   }
-  for (int64_t i = first_layer; i < end_layer; ++i) {
+  if (part.globals & kFinalNorm) f32("model.norm.weight", {h}, 1.0f);
+  if (part.globals & kLmHead) bf16("lm_head.weight", {c.vocab_size, h}, "lm_head", 0.02f);
+  for (int64_t i = part.first_layer; i < part.end_layer; ++i) {
     const std::string p = HfLayerPrefix(i);
-    f32(p + ".input_layernorm.weight", {h}, std::vector<float>(h, 1.0f));
-    f32(p + ".post_attention_layernorm.weight", {h}, std::vector<float>(h, 1.0f));
+    f32(p + ".input_layernorm.weight", {h}, 1.0f);
+    f32(p + ".post_attention_layernorm.weight", {h}, 1.0f);
     linear(p + ".self_attn.q_proj", c.num_attention_heads * hd, h);
     linear(p + ".self_attn.k_proj", c.num_key_value_heads * hd, h);
     linear(p + ".self_attn.v_proj", c.num_key_value_heads * hd, h);
@@ -468,7 +518,6 @@ Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t s
     linear(p + ".mlp.gate_proj", c.intermediate_size, h);
     linear(p + ".mlp.up_proj", c.intermediate_size, h);
     linear(p + ".mlp.down_proj", h, c.intermediate_size);
-    layers_done.LayerDone(i + 1 - first_layer);
   }
   return ck;
 }
@@ -484,14 +533,14 @@ StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType 
   LayerProgress progress(rank == 0 ? "random weights" : nullptr, config.num_hidden_layers);
   // One block at a time: the host holds this rank's shard and one full
   // block, not the whole model (tp ranks as threads would hold tp copies).
-  TP_ASSIGN_OR_RETURN(
-      RankWeights w,
-      ShardGlobals(MakeRandomCheckpoint(config, dtype, seed, true, 0, 0), config, dtype, tp, rank));
+  TP_ASSIGN_OR_RETURN(RankWeights w,
+                      ShardGlobals(MakeRandomCheckpoint(config, dtype, seed, {kAllGlobals, 0, 0}),
+                                   config, dtype, tp, rank));
   progress.LayerDone(0);  // the embedding and the LM head
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     TP_ASSIGN_OR_RETURN(LayerWeights l,
-                        ShardLayer(MakeRandomCheckpoint(config, dtype, seed, false, i, i + 1),
-                                   config, dtype, tp, rank, i));
+                        ShardLayer(MakeRandomCheckpoint(config, dtype, seed, {0, i, i + 1}), config,
+                                   dtype, tp, rank, i));
     w.layers.push_back(std::move(l));
     progress.LayerDone(i + 1);
   }
@@ -504,18 +553,72 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return UnavailableError("cannot create directory " + dir + ": " + ec.message());
-  const Checkpoint ck = MakeRandomCheckpoint(config, dtype, seed, true, 0, config.num_hidden_layers,
-                                             "random checkpoint");
+
+  // Made one part at a time: each global tensor alone (an embedding table
+  // is larger than a block), and each block.
+  std::vector<RandomPart> parts = {{kEmbedding}, {kFinalNorm}, {kLmHead}};
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) parts.push_back({0, i, i + 1});
+  // Every tensor and its part, by name: the file order of the whole model
+  // made in memory (WriteRandomSafetensorsInMemory), which the file keeps.
+  struct Planned {
+    StDtype dtype = StDtype::kF32;
+    std::vector<int64_t> shape;
+    size_t part = 0;  // index into `parts`
+  };
+  std::map<std::string, Planned> plan;
+  std::vector<size_t> unwritten(parts.size(), 0);  // tensors of each part
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const Checkpoint shapes = MakeRandomCheckpoint(config, dtype, seed, parts[p], false);
+    for (const auto& [name, v] : shapes.views()) {
+      plan[name] = {v.dtype, v.shape, p};
+      ++unwritten[p];
+    }
+  }
+  std::vector<TensorSpec> specs;
+  specs.reserve(plan.size());
+  for (const auto& [name, t] : plan) specs.push_back({name, t.dtype, t.shape});
+  TP_ASSIGN_OR_RETURN(SafetensorsStreamWriter out,
+                      SafetensorsStreamWriter::Create(dir + "/model.safetensors", std::move(specs),
+                                                      RandomCheckpointMetadata()));
+
+  // In name order a part's tensors are contiguous (a block's share the
+  // prefix "model.layers.<i>."; blocks come as their names sort: 0, 1, 10,
+  // ..., 2, ...), so each part is made once, when its first tensor is due,
+  // and only that part is in memory.
+  LayerProgress progress("make-checkpoint", config.num_hidden_layers);
+  std::optional<Checkpoint> made;
+  size_t made_part = parts.size();
+  int64_t blocks = 0;
+  for (const auto& [name, t] : plan) {
+    if (t.part != made_part) {
+      made.reset();  // before making the next part
+      made.emplace(MakeRandomCheckpoint(config, dtype, seed, parts[t.part]));
+      made_part = t.part;
+    }
+    TP_ASSIGN_OR_RETURN(const TensorView* v, made->Get(name));
+    TP_RETURN_IF_ERROR(out.Write(name, v->data, v->bytes));
+    if (--unwritten[t.part] == 0) {
+      if (parts[t.part].end_layer > parts[t.part].first_layer) ++blocks;
+      progress.LayerDone(blocks);
+    }
+  }
+  TP_RETURN_IF_ERROR(out.Finish());
+  std::ofstream json(dir + "/config.json");
+  json << ModelConfigToJson(config) << "\n";
+  if (!json) return UnavailableError("cannot write " + dir + "/config.json");
+  return Status::Ok();
+}
+
+Status WriteRandomSafetensorsInMemory(const ModelConfig& config, DataType dtype, uint64_t seed,
+                                      const std::string& path) {
+  TP_RETURN_IF_ERROR(config.Validate());
+  const Checkpoint ck =
+      MakeRandomCheckpoint(config, dtype, seed, {kAllGlobals, 0, config.num_hidden_layers});
   std::vector<TensorToWrite> tensors;
   for (const auto& [name, v] : ck.views()) {
     tensors.push_back({name, v.dtype, v.shape, v.data, v.bytes});
   }
-  TP_RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors,
-                                      {{"format", "pt"}, {"producer", "tpserve make-checkpoint"}}));
-  std::ofstream out(dir + "/config.json");
-  out << ModelConfigToJson(config) << "\n";
-  if (!out) return UnavailableError("cannot write " + dir + "/config.json");
-  return Status::Ok();
+  return WriteSafetensors(path, tensors, RandomCheckpointMetadata());
 }
 
 StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig& config, int tp,

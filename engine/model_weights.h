@@ -65,9 +65,19 @@ StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType 
                                             int rank, uint64_t seed);
 
 // Writes a random checkpoint (config.json + model.safetensors) into `dir`
-// (created if missing) in the ModelOpt FP8 layout (or BF16).
+// (created if missing) in the ModelOpt FP8 layout (or BF16), with the same
+// weights as MakeRandomRankWeights of the same seed. Streams: the tensors are
+// made and written one block at a time (and each global tensor alone), so
+// memory holds one block or the embedding table, whichever is larger, not the
+// model. Progress lines ("make-checkpoint: ...") on long work.
 Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t seed,
                              const std::string& dir);
+
+// WriteRandomCheckpoint's model.safetensors (only) written the simple way:
+// every tensor made in memory at once, then WriteSafetensors. Memory: the
+// whole model. Tests hold the streamed file to this one, byte for byte.
+Status WriteRandomSafetensorsInMemory(const ModelConfig& config, DataType dtype, uint64_t seed,
+                                      const std::string& path);
 
 // Loads this rank's shard from `dir` (config.json + *.safetensors), with the
 // TP layers' weights in `dtype`: FP8 (FP8 tensors as stored, BF16/F32 ones

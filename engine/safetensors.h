@@ -146,8 +146,89 @@ struct TensorToWrite {
 // dimensions, bytes != numel * dtype size, null data with bytes > 0, a header
 // over SafetensorsLimits{}.max_header_bytes. I/O errors name the path and
 // carry strerror (NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED for a full
-// disk, else UNKNOWN).
+// disk, else UNKNOWN). Memory: only what `tensors` already holds (the data is
+// written through SafetensorsStreamWriter, not copied).
 Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                         const std::map<std::string, std::string>& metadata = {});
+
+// A tensor's header entry, declared to SafetensorsStreamWriter before its data.
+struct TensorSpec {
+  std::string name;
+  StDtype dtype = StDtype::kF32;
+  std::vector<int64_t> shape;  // empty for a scalar
+};
+
+// WriteSafetensors for data that arrives one tensor at a time, so that the
+// caller never holds more than one tensor (a checkpoint larger than memory):
+// Create declares every tensor and writes the header (the offsets follow from
+// the shapes and dtypes), Write appends each tensor's bytes in the declared
+// order, Finish makes the file visible. For the same tensors, data and
+// metadata the file is WriteSafetensors's, byte for byte.
+//
+// The bytes go to `path` + ".tmp"; Finish fsyncs it and renames it over
+// `path`, so readers see the old file or the new one, never a partial one.
+// Any error is final: the .tmp file is removed and every later call returns
+// that error. Destroying a writer that has not finished also removes the .tmp
+// file (`path` itself is then untouched).
+//
+// Move-only; one thread at a time.
+class SafetensorsStreamWriter {
+ public:
+  // Checks `tensors` and `metadata` with WriteSafetensors's rules (the same
+  // INVALID_ARGUMENT messages for names, dtypes, shapes, metadata and the
+  // header size), then creates the .tmp file and writes the header. I/O errors
+  // as WriteSafetensors's. Nothing is created on a validation error.
+  static StatusOr<SafetensorsStreamWriter> Create(
+      const std::string& path, std::vector<TensorSpec> tensors,
+      const std::map<std::string, std::string>& metadata = {});
+
+  SafetensorsStreamWriter(SafetensorsStreamWriter&& other) noexcept;
+  SafetensorsStreamWriter& operator=(SafetensorsStreamWriter&& other) noexcept;
+  SafetensorsStreamWriter(const SafetensorsStreamWriter&) = delete;
+  SafetensorsStreamWriter& operator=(const SafetensorsStreamWriter&) = delete;
+  ~SafetensorsStreamWriter();
+
+  // Appends the data of the next declared tensor: `name` must be that tensor's
+  // name and `bytes` its size (numel * dtype size); `data` may be null only
+  // when bytes == 0. INVALID_ARGUMENT naming the path and the tensor when it
+  // is not the next one (or every tensor is written already), for a wrong
+  // byte count or null data; I/O errors as Create's.
+  Status Write(std::string_view name, const void* data, size_t bytes);
+
+  // Once every declared tensor is written: fsyncs, closes and renames the
+  // .tmp file over `path`. INVALID_ARGUMENT naming the path and the first
+  // tensor not written if some are missing; FAILED_PRECONDITION if already
+  // finished.
+  Status Finish();
+
+  const std::string& path() const { return path_; }
+  // The declared tensors, in file order, and how many of them are written.
+  const std::vector<TensorSpec>& tensors() const { return tensors_; }
+  size_t written() const { return next_; }
+
+ private:
+  friend Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                                 const std::map<std::string, std::string>& metadata);
+
+  // Creates the .tmp file and writes `header` (already checked) to it.
+  static StatusOr<SafetensorsStreamWriter> Start(const std::string& path,
+                                                 std::vector<TensorSpec> tensors,
+                                                 const std::string& header);
+  SafetensorsStreamWriter(std::string path, std::vector<TensorSpec> tensors, int fd);
+  // Records `error` as final and removes the .tmp file; returns `error`.
+  Status Fail(Status error);
+  // Closes and removes the .tmp file if this writer still has it open.
+  void Abandon() noexcept;
+  // Closes the .tmp file if open, and removes it.
+  void RemoveTmp() noexcept;
+
+  std::string path_;
+  std::string tmp_;  // path_ + ".tmp"
+  std::vector<TensorSpec> tensors_;
+  int fd_ = -1;      // the open .tmp file while writing, else -1
+  size_t next_ = 0;  // index of the next tensor to write
+  bool finished_ = false;
+  Status error_;  // the first error; later calls return it
+};
 
 }  // namespace tpserve

@@ -177,7 +177,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   CLI::App* mk = app.add_subcommand(
       "make-checkpoint",
       "Write a random checkpoint (config.json + model.safetensors, ModelOpt FP8 layout: weight, "
-      "weight_scale, input_scale) of a model config");
+      "weight_scale, input_scale) of a model config. Streamed one block at a time: memory stays "
+      "near one block (or the embedding table, if larger) whatever the model's size");
   AddModelFlag(mk, g.get());
   mk->add_option("--out", g->out, "Directory to write (created if missing)")->required();
   mk->callback([g, exit_code] { *exit_code = MakeCheckpoint(*g); });

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <span>
@@ -121,6 +123,67 @@ TEST(CpuModel, CheckpointOnDiskGivesTheSameLogitsAsRandomWeights) {
   EXPECT_EQ(cfg->hidden_size, Tiny().hidden_size);
   const TokenBatch b = Batch(kSeqs);
   EXPECT_EQ(Logits(2, b, nullptr, dir), Logits(2, b));
+  std::filesystem::remove_all(dir);
+}
+
+std::string FileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// make-checkpoint streams the model one block at a time; its file must stay
+// the one the whole model made in memory gave, byte for byte (same header,
+// same tensor order, same values), also past 10 blocks, where name order
+// (model.layers.1, .10, .11, .2, ...) is not block order.
+TEST(CpuModel, MakeCheckpointStreamsTheFileOfTheWholeModelInMemory) {
+  ModelConfig many = Tiny();
+  many.name = "tiny-12";
+  many.num_hidden_layers = 12;
+  many.hidden_size = 64;
+  many.intermediate_size = 96;
+  many.vocab_size = 80;
+  const std::string dir = ::testing::TempDir() + "/tpserve_stream_ckpt";
+  for (const ModelConfig& config : {Tiny(), many}) {
+    for (DataType dtype : {DataType::kFloat8E4M3, DataType::kBFloat16}) {
+      SCOPED_TRACE(config.name + " " + std::string(DataTypeName(dtype)));
+      std::filesystem::remove_all(dir);
+      const Status streamed = WriteRandomCheckpoint(config, dtype, 7, dir + "/streamed");
+      ASSERT_TRUE(streamed.ok()) << streamed.ToString();
+      std::filesystem::create_directories(dir + "/memory");
+      const Status memory =
+          WriteRandomSafetensorsInMemory(config, dtype, 7, dir + "/memory/model.safetensors");
+      ASSERT_TRUE(memory.ok()) << memory.ToString();
+      const std::string bytes = FileBytes(dir + "/streamed/model.safetensors");
+      ASSERT_EQ(bytes, FileBytes(dir + "/memory/model.safetensors"));
+      EXPECT_FALSE(std::filesystem::exists(dir + "/streamed/model.safetensors.tmp"));
+
+      auto file = SafetensorsFile::Open(dir + "/streamed/model.safetensors");
+      ASSERT_TRUE(file.ok()) << file.status().ToString();
+      const size_t per_block = dtype == DataType::kFloat8E4M3 ? 2 + 7 * 3 : 2 + 7;
+      ASSERT_EQ(file->tensors().size(), 3 + per_block * config.num_hidden_layers);
+      // Packed in name order, from the start of the byte buffer to its end.
+      uint64_t header = 0;
+      std::memcpy(&header, bytes.data(), 8);  // little-endian length prefix
+      const TensorView& first = file->tensors().front();
+      ASSERT_EQ(std::memcmp(first.data, bytes.data() + 8 + header, first.bytes), 0);
+      const uint8_t* next = first.data;
+      for (const TensorView& t : file->tensors()) {
+        ASSERT_EQ(t.data, next) << t.name;
+        next += t.bytes;
+      }
+      EXPECT_EQ(static_cast<size_t>(next - first.data), bytes.size() - 8 - header);
+      EXPECT_EQ(file->metadata().at("producer"), "tpserve make-checkpoint");
+      // Random values, not zeros: the embedding's first row is not constant.
+      const TensorView* embed = file->Find("model.embed_tokens.weight");
+      ASSERT_NE(embed, nullptr);
+      EXPECT_NE(std::memcmp(embed->data, embed->data + 2, 2), 0);
+    }
+  }
+  // Another seed, another file.
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir + "/a").ok());
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 8, dir + "/b").ok());
+  EXPECT_NE(FileBytes(dir + "/a/model.safetensors"), FileBytes(dir + "/b/model.safetensors"));
   std::filesystem::remove_all(dir);
 }
 

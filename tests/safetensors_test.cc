@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -725,6 +726,246 @@ TEST(SafetensorsWriterTest, MissingDirectoryIsNotFoundNamingThePath) {
   const std::string path = ::testing::TempDir() + "/no_such_dir_st/x.safetensors";
   std::vector<uint8_t> one = {1};
   Status s = WriteSafetensors(path, {ToWrite("x", StDtype::kU8, {1}, one)});
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.ToString();
+  EXPECT_TRUE(Contains(s.message(), path)) << s.message();
+}
+
+// ---------------------------------------------------------------------------
+// Streaming writer
+
+std::vector<TensorSpec> Specs(const std::vector<TensorToWrite>& tensors) {
+  std::vector<TensorSpec> specs;
+  for (const TensorToWrite& t : tensors) specs.push_back({t.name, t.dtype, t.shape});
+  return specs;
+}
+
+// Create(path, specs) or the test fails.
+SafetensorsStreamWriter MustCreate(const std::string& path, std::vector<TensorSpec> specs,
+                                   const std::map<std::string, std::string>& metadata = {}) {
+  StatusOr<SafetensorsStreamWriter> w =
+      SafetensorsStreamWriter::Create(path, std::move(specs), metadata);
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  return std::move(w).value();
+}
+
+// Three tensors of four-byte U8s, "a" "b" "c", for the error tests.
+std::vector<TensorSpec> Abc() {
+  return {{"a", StDtype::kU8, {4}}, {"b", StDtype::kU8, {2, 2}}, {"c", StDtype::kU8, {4}}};
+}
+
+// After an error: `later` returns the same status, `path` is untouched (does
+// not exist, or still holds `old_file`) and no .tmp file is left.
+void ExpectFinalError(SafetensorsStreamWriter& w, const Status& first, const std::string& path,
+                      const std::string& old_file = "") {
+  const std::vector<uint8_t> four(4);
+  EXPECT_EQ(w.Write("a", four.data(), 4), first);
+  EXPECT_EQ(w.Finish(), first);
+  EXPECT_FALSE(Exists(path + ".tmp"));
+  if (old_file.empty()) {
+    EXPECT_FALSE(Exists(path));
+  } else {
+    EXPECT_EQ(ReadAll(path), old_file);
+  }
+}
+
+TEST(SafetensorsStreamWriterTest, WritesWhatWriteSafetensorsWritesAndReadsBack) {
+  const std::string streamed = TempPath("_streamed"), whole = TempPath("_whole");
+  const std::vector<float> a = {1.5f, -2.0f, 3.25f};
+  const std::vector<uint8_t> b = {0x38, 0x40, 0xb8, 0x00, 0x7e};
+  const std::vector<int64_t> c = {-7};
+  const std::vector<uint8_t> a_bytes = Bytes(a), c_bytes = Bytes(c), none;
+  // File order differs from name order; an empty tensor sits in the middle.
+  const std::vector<TensorToWrite> tensors = {
+      ToWrite("z.a", StDtype::kF32, {3}, a_bytes), ToWrite("e", StDtype::kBF16, {0, 2}, none),
+      ToWrite("b.weight", StDtype::kF8E4M3, {5}, b), ToWrite("c", StDtype::kI64, {}, c_bytes)};
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+
+  SafetensorsStreamWriter w = MustCreate(streamed, Specs(tensors), metadata);
+  EXPECT_EQ(w.path(), streamed);
+  EXPECT_EQ(w.tensors().size(), 4u);
+  for (const TensorToWrite& t : tensors) {
+    ASSERT_EQ(w.Write(t.name, t.data, t.bytes), Status::Ok()) << t.name;
+  }
+  EXPECT_EQ(w.written(), 4u);
+  // Nothing is visible under the final name before Finish.
+  EXPECT_TRUE(Exists(streamed + ".tmp"));
+  EXPECT_FALSE(Exists(streamed));
+  ASSERT_EQ(w.Finish(), Status::Ok());
+  EXPECT_FALSE(Exists(streamed + ".tmp"));
+  EXPECT_EQ(w.Finish().code(), StatusCode::kFailedPrecondition);  // once only
+  EXPECT_EQ(w.Write("c", c_bytes.data(), 8).code(), StatusCode::kFailedPrecondition);
+
+  ASSERT_TRUE(WriteSafetensors(whole, tensors, metadata).ok());
+  const std::string bytes = ReadAll(streamed);
+  EXPECT_GT(bytes.size(), 8 + 12 + 5 + 8u);
+  EXPECT_EQ(bytes, ReadAll(whole));
+
+  StatusOr<SafetensorsFile> f = SafetensorsFile::Open(streamed);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->metadata().at("format"), "pt");
+  ASSERT_EQ(f->tensors().size(), 4u);
+  StatusOr<const TensorView*> ta = f->Get("z.a", StDtype::kF32, {3});
+  ASSERT_TRUE(ta.ok()) << ta.status().ToString();
+  float got[3];
+  std::memcpy(got, (*ta)->data, sizeof got);
+  EXPECT_EQ(got[0], 1.5f);
+  EXPECT_EQ(got[2], 3.25f);
+  StatusOr<const TensorView*> tb = f->Get("b.weight", StDtype::kF8E4M3, {5});
+  ASSERT_TRUE(tb.ok()) << tb.status().ToString();
+  EXPECT_EQ(std::vector<uint8_t>((*tb)->data, (*tb)->data + 5), b);
+  // Packed in the declared order.
+  EXPECT_EQ((*tb)->data, (*ta)->data + 12);
+  StatusOr<const TensorView*> tc = f->Get("c", StDtype::kI64, {});
+  ASSERT_TRUE(tc.ok()) << tc.status().ToString();
+  int64_t cv = 0;
+  std::memcpy(&cv, (*tc)->data, 8);
+  EXPECT_EQ(cv, -7);
+  EXPECT_EQ((*tc)->data, (*tb)->data + 5);
+  EXPECT_TRUE(f->Get("e", StDtype::kBF16, {0, 2}).ok());
+}
+
+TEST(SafetensorsStreamWriterTest, CreateRejectsWhatWriteSafetensorsRejectsInTheSameWords) {
+  std::vector<uint8_t> four(4);
+  const std::vector<std::vector<TensorToWrite>> bad = {
+      {ToWrite("w", StDtype::kU8, {4}, four), ToWrite("w", StDtype::kU8, {4}, four)},
+      {ToWrite("", StDtype::kU8, {4}, four)},
+      {ToWrite("__metadata__", StDtype::kU8, {4}, four)},
+      {ToWrite("w", StDtype::kU8, {-4}, four)},
+      {ToWrite("w", StDtype::kU8, {1LL << 40, 1LL << 40}, four)},
+      {ToWrite("bad\xff", StDtype::kU8, {4}, four)},
+      {TensorToWrite{"w", static_cast<StDtype>(99), {4}, four.data(), 4}},
+      // The first bad tensor is the one named.
+      {ToWrite("ok", StDtype::kU8, {4}, four), ToWrite("w", StDtype::kU8, {-1}, four),
+       ToWrite("", StDtype::kU8, {4}, four)},
+  };
+  const std::string path = TempPath();
+  for (size_t i = 0; i < bad.size(); ++i) {
+    SCOPED_TRACE("case " + std::to_string(i));
+    const Status whole = WriteSafetensors(path, bad[i]);
+    const Status streamed = SafetensorsStreamWriter::Create(path, Specs(bad[i])).status();
+    EXPECT_EQ(whole.code(), StatusCode::kInvalidArgument) << whole.ToString();
+    EXPECT_EQ(streamed, whole);
+    EXPECT_FALSE(Exists(path));
+    EXPECT_FALSE(Exists(path + ".tmp"));
+  }
+  const Status meta = SafetensorsStreamWriter::Create(path, {}, {{"k", "\xc0\xaf"}}).status();
+  ExpectInvalid(meta, path, {"__metadata__", "not valid UTF-8"});
+  EXPECT_EQ(meta, WriteSafetensors(path, {}, {{"k", "\xc0\xaf"}}));
+  EXPECT_FALSE(Exists(path + ".tmp"));
+}
+
+TEST(SafetensorsStreamWriterTest, TensorOutOfOrderIsInvalidAndFinal) {
+  const std::string path = TempPath();
+  SafetensorsStreamWriter w = MustCreate(path, Abc());
+  const std::vector<uint8_t> four(4);
+  ASSERT_EQ(w.Write("a", four.data(), 4), Status::Ok());
+  const Status s = w.Write("c", four.data(), 4);
+  ExpectInvalid(s, path,
+                {"tensor \"c\"", "out of order", "next declared tensor is \"b\" (2 of 3)"});
+  EXPECT_EQ(w.written(), 1u);
+  ExpectFinalError(w, s, path);
+}
+
+TEST(SafetensorsStreamWriterTest, UndeclaredTensorIsInvalid) {
+  const std::string path = TempPath();
+  SafetensorsStreamWriter w = MustCreate(path, Abc());
+  const std::vector<uint8_t> four(4);
+  ExpectInvalid(w.Write("x", four.data(), 4), path, {"tensor \"x\"", "out of order"});
+  EXPECT_FALSE(Exists(path + ".tmp"));
+
+  const std::string path2 = TempPath("_extra");
+  SafetensorsStreamWriter w2 = MustCreate(path2, {{"a", StDtype::kU8, {4}}});
+  ASSERT_EQ(w2.Write("a", four.data(), 4), Status::Ok());
+  const Status s = w2.Write("a", four.data(), 4);
+  ExpectInvalid(s, path2, {"tensor \"a\"", "all 1 declared tensors are written already"});
+  ExpectFinalError(w2, s, path2);
+}
+
+TEST(SafetensorsStreamWriterTest, WrongByteCountOrNullDataIsInvalid) {
+  const std::string path = TempPath();
+  const std::vector<uint8_t> eight(8);
+  {
+    SafetensorsStreamWriter w = MustCreate(path, {{"w", StDtype::kF32, {2}}});
+    const Status s = w.Write("w", eight.data(), 4);
+    ExpectInvalid(s, path, {"tensor \"w\"", "bytes is 4, but F32 [2] needs 8"});
+    ExpectFinalError(w, s, path);
+  }
+  {
+    SafetensorsStreamWriter w = MustCreate(path, {{"w", StDtype::kF32, {2}}});
+    const Status s = w.Write("w", eight.data(), 12);
+    ExpectInvalid(s, path, {"tensor \"w\"", "bytes is 12, but F32 [2] needs 8"});
+    ExpectFinalError(w, s, path);
+  }
+  {
+    SafetensorsStreamWriter w = MustCreate(path, {{"w", StDtype::kF32, {2}}});
+    const Status s = w.Write("w", nullptr, 8);
+    ExpectInvalid(s, path, {"tensor \"w\"", "data is null"});
+    ExpectFinalError(w, s, path);
+  }
+}
+
+TEST(SafetensorsStreamWriterTest, FinishWithMissingTensorsKeepsTheOldFile) {
+  const std::string path = TempPath();
+  const std::vector<uint8_t> one = {1}, four(4);
+  ASSERT_TRUE(WriteSafetensors(path, {ToWrite("old", StDtype::kU8, {1}, one)}).ok());
+  const std::string old_file = ReadAll(path);
+  SafetensorsStreamWriter w = MustCreate(path, Abc());
+  ASSERT_EQ(w.Write("a", four.data(), 4), Status::Ok());
+  const Status s = w.Finish();
+  ExpectInvalid(s, path, {"tensor \"b\"", "not written", "after 1 of 3 declared tensors"});
+  ExpectFinalError(w, s, path, old_file);
+  StatusOr<SafetensorsFile> f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_NE(f->Find("old"), nullptr);
+}
+
+TEST(SafetensorsStreamWriterTest, DestroyedUnfinishedLeavesNoFileAndNoTmp) {
+  const std::string path = TempPath();
+  const std::vector<uint8_t> four(4);
+  {
+    SafetensorsStreamWriter w = MustCreate(path, Abc());
+    ASSERT_EQ(w.Write("a", four.data(), 4), Status::Ok());
+    ASSERT_EQ(w.Write("b", four.data(), 4), Status::Ok());
+    ASSERT_EQ(w.Write("c", four.data(), 4), Status::Ok());
+    EXPECT_TRUE(Exists(path + ".tmp"));
+  }  // every tensor written, but no Finish
+  EXPECT_FALSE(Exists(path + ".tmp"));
+  EXPECT_FALSE(Exists(path));
+  {
+    SafetensorsStreamWriter w = MustCreate(path, Abc());  // nothing written
+    EXPECT_TRUE(Exists(path + ".tmp"));
+  }
+  EXPECT_FALSE(Exists(path + ".tmp"));
+  EXPECT_FALSE(Exists(path));
+}
+
+TEST(SafetensorsStreamWriterTest, MovedWriterCarriesOnAndTheMovedFromOneLetsGo) {
+  const std::string path = TempPath(), other_path = TempPath("_other");
+  const std::vector<uint8_t> four = {1, 2, 3, 4};
+  SafetensorsStreamWriter w = MustCreate(path, Abc());
+  ASSERT_EQ(w.Write("a", four.data(), 4), Status::Ok());
+  SafetensorsStreamWriter moved(std::move(w));
+  EXPECT_EQ(w.Write("b", four.data(), 4).code(), StatusCode::kFailedPrecondition);  // NOLINT
+  ASSERT_EQ(moved.Write("b", four.data(), 4), Status::Ok());
+  // Assigning over an unfinished writer abandons its file.
+  SafetensorsStreamWriter other = MustCreate(other_path, Abc());
+  EXPECT_TRUE(Exists(other_path + ".tmp"));
+  other = std::move(moved);
+  EXPECT_FALSE(Exists(other_path + ".tmp"));
+  EXPECT_EQ(other.written(), 2u);
+  ASSERT_EQ(other.Write("c", four.data(), 4), Status::Ok());
+  ASSERT_EQ(other.Finish(), Status::Ok());
+  StatusOr<SafetensorsFile> f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  StatusOr<const TensorView*> c = f->Get("c", StDtype::kU8, {4});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(std::vector<uint8_t>((*c)->data, (*c)->data + 4), four);
+  EXPECT_FALSE(Exists(other_path));
+}
+
+TEST(SafetensorsStreamWriterTest, MissingDirectoryIsNotFoundNamingThePath) {
+  const std::string path = ::testing::TempDir() + "/no_such_dir_st/x.safetensors";
+  const Status s = SafetensorsStreamWriter::Create(path, Abc()).status();
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.ToString();
   EXPECT_TRUE(Contains(s.message(), path)) << s.message();
 }
