@@ -12,28 +12,19 @@
 #include "layers/gemm_algo_flag.h"
 #include "layers/linear_problem.h"
 #include "server/cli.h"
+#include "server/cli_cuda_only.h"
 #include "server/cli_layer.h"
 
 namespace tpserve {
 namespace {
 
-// The flags that only the cuda backend reads.
-constexpr const char* kCudaOnlyFlags[] = {"--max-ctas", "--cta-policy", "--copy-engine",
-                                          "--gemm-sms"};
-
-// `given_cuda_only`: those of kCudaOnlyFlags on the command line.
+// `given_cuda_only`: the cuda-only flags (CudaOnly) on the command line.
 int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
              const std::vector<std::string>& given_cuda_only) {
-  if (const std::string e = ChunksForMode(f.mode == "none", f.chunks_given, &f.chunks);
-      !e.empty()) {
+  std::string e = CudaOnlyFlagsError(f.backend, given_cuda_only, /*offers_auto=*/false);
+  if (e.empty()) e = ChunksForMode(f.mode == "none", f.chunks_given, &f.chunks);
+  if (!e.empty()) {
     std::fprintf(stderr, "error: %s\n", e.c_str());
-    return 2;
-  }
-  if (f.backend == "cpu" && !given_cuda_only.empty()) {
-    std::fprintf(stderr,
-                 "error: %s applies to --backend cuda only (the cpu backend has no NCCL "
-                 "communicator, copy engines or GEMM SM budget)\n",
-                 given_cuda_only.front().c_str());
     return 2;
   }
   if (f.backend == "cuda") {
@@ -134,28 +125,31 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                   "Largest relative Frobenius error vs the reference that passes (>= 0)")
       ->check(NonNegative())
       ->capture_default_str();
-  cmd->add_option("--max-ctas", f->max_ctas,
-                  "cuda: NCCL max CTAs of the layer's communicator (0 = NCCL's default)")
-      ->check(CLI::Range(0, 64))
-      ->capture_default_str();
-  cmd->add_option("--cta-policy", f->cta_policy,
-                  "cuda: NCCL CTA policy of the layer's communicator: default, efficiency, zero")
-      ->check(CLI::IsMember({"default", "efficiency", "zero"}))
-      ->capture_default_str();
-  cmd->add_flag("--copy-engine", f->copy_engine,
-                "cuda: move data with copy engines (peers pull from CUDA-IPC-mapped buffers; "
-                "no SMs): any op and mode; all ranks on one node");
-  cmd->add_option("--gemm-sms", f->gemm_sm_count, "cuda: GEMM SM budget (0 = all SMs)")
-      ->check(NonNegative())
-      ->capture_default_str();
+  // The flags only the cuda backend reads (CudaOnly), for the callback.
+  auto cuda_only = std::make_shared<std::vector<const CLI::Option*>>();
+  CudaOnly(cmd->add_option("--max-ctas", f->max_ctas,
+                           "NCCL max CTAs of the layer's communicator (0 = NCCL's default)")
+               ->check(CLI::Range(0, 64))
+               ->capture_default_str(),
+           cuda_only.get());
+  CudaOnly(cmd->add_option("--cta-policy", f->cta_policy,
+                           "NCCL CTA policy of the layer's communicator: default, efficiency, zero")
+               ->check(CLI::IsMember({"default", "efficiency", "zero"}))
+               ->capture_default_str(),
+           cuda_only.get());
+  CudaOnly(cmd->add_flag("--copy-engine", f->copy_engine,
+                         "move data with copy engines (peers pull from CUDA-IPC-mapped buffers; "
+                         "no SMs): any op and mode; all ranks on one node"),
+           cuda_only.get());
+  CudaOnly(cmd->add_option("--gemm-sms", f->gemm_sm_count, "GEMM SM budget (0 = all SMs)")
+               ->check(NonNegative())
+               ->capture_default_str(),
+           cuda_only.get());
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
-  cmd->callback([f, exit_code, argv, cmd, chunks] {
+  CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());
+  cmd->callback([f, exit_code, argv, chunks, cuda_only] {
     f->chunks_given = chunks->count() > 0;
-    std::vector<std::string> given_cuda_only;
-    for (const char* name : kCudaOnlyFlags) {
-      if (cmd->count(name) > 0) given_cuda_only.push_back(name);
-    }
-    *exit_code = RunLayer(*f, argv, given_cuda_only);
+    *exit_code = RunLayer(*f, argv, GivenFlags(*cuda_only));
   });
 }
 

@@ -17,6 +17,7 @@
 #endif
 #include "layers/gemm_algo_flag.h"
 #include "server/cli.h"
+#include "server/cli_cuda_only.h"
 
 namespace tpserve {
 namespace {
@@ -57,7 +58,13 @@ int Fail(const Status& s) {
   return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
 }
 
-int RunModel(const ModelFlags& f) {
+// `given_cuda_only`: the cuda-only flags (CudaOnly) on the command line.
+int RunModel(const ModelFlags& f, const std::vector<std::string>& given_cuda_only) {
+  // Refused before anything else, the model included.
+  if (const std::string e = CudaOnlyFlagsError(f.backend, given_cuda_only, /*offers_auto=*/false);
+      !e.empty()) {
+    return Fail(InvalidArgumentError(e));
+  }
   bool from_dir = false;
   auto config = ResolveModel(f.model, &from_dir);
   if (!config.ok()) return Fail(config.status());
@@ -151,6 +158,8 @@ StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir) {
 
 void AddModelCommands(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<ModelFlags>();
+  // The flags only the cuda backend reads (CudaOnly), for the callback.
+  auto cuda_only = std::make_shared<std::vector<const CLI::Option*>>();
   CLI::App* run = app.add_subcommand(
       "run",
       "One forward pass of a model over one prompt: prints the next-token id and the top "
@@ -168,10 +177,11 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   run->add_option("--overlap-config", f->overlap_config,
                   "Overlap config (YAML) choosing each TP layer's mode by name and M");
   AddGemmAlgoFlag(run, &f->gemm_algo);
+  CudaOnly(run->get_option("--gemm-algo"), cuda_only.get());
   run->add_flag("--json", f->json,
                 "Print one JSON object: next_token_id, top_logits ([[id, value], ...], 10), "
                 "logits (the whole last-position vector)");
-  run->callback([f, exit_code] { *exit_code = RunModel(*f); });
+  run->callback([f, exit_code, cuda_only] { *exit_code = RunModel(*f, GivenFlags(*cuda_only)); });
 
   auto g = std::make_shared<ModelFlags>();
   CLI::App* mk = app.add_subcommand(

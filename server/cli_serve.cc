@@ -12,7 +12,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -25,6 +24,7 @@
 #endif
 #include "layers/gemm_algo_flag.h"
 #include "server/cli.h"
+#include "server/cli_cuda_only.h"
 #include "server/inference_server.h"
 
 namespace tpserve {
@@ -57,31 +57,10 @@ struct ServeFlags {
   double exit_timeout_s = 30;
   std::string tls_cert, tls_key, tls_client_ca;
   std::string gemm_algo = "timed";
-  // Those of the cuda-only flags (CudaOnly below) given on the command line,
+  // Those of the cuda-only flags (CudaOnly) given on the command line,
   // whatever their value: --backend cpu refuses them, auto on the cpu warns.
   std::vector<std::string> cuda_only_given;
 };
-
-// Registers `opt` as read by the cuda backend only: its help starts with
-// "cuda backend only: " (replacing a shared helper's "cuda: "), and
-// *cuda_only lists it for the check of the backend that serves.
-void CudaOnly(CLI::Option* opt, std::vector<const CLI::Option*>* cuda_only) {
-  constexpr std::string_view kShort = "cuda: ";
-  std::string help = opt->get_description();
-  if (help.starts_with(kShort)) help.erase(0, kShort.size());
-  opt->description("cuda backend only: " + help);
-  cuda_only->push_back(opt);
-}
-
-// "a", "a and b", "a, b and c".
-std::string JoinFlags(const std::vector<std::string>& flags) {
-  std::string out;
-  for (size_t i = 0; i < flags.size(); ++i) {
-    if (i > 0) out += i + 1 == flags.size() ? " and " : ", ";
-    out += flags[i];
-  }
-  return out;
-}
 
 // The model (--model) and the overlap config (--overlap-config, may be
 // absent) that serve and worker load alike.
@@ -193,18 +172,6 @@ StatusOr<std::string> ResolveBackend(const ServeFlags& f, std::string* why_cpu) 
   return std::string("cpu");
 }
 
-// The error of cuda-only flags given with --backend cpu, which would not
-// read them ("" when fine). Auto falling back to the cpu only warns (Serve).
-std::string CudaOnlyFlagsError(const ServeFlags& f) {
-  const auto& given = f.cuda_only_given;
-  if (f.backend != "cpu" || given.empty()) return "";
-  const bool one = given.size() == 1;
-  return "--backend cpu: " + JoinFlags(given) + (one ? " needs" : " need") +
-         " --backend cuda (or --backend auto on a node with the GPUs); the cpu backend does "
-         "not read " +
-         (one ? "it" : "them");
-}
-
 // `backend`: ResolveBackend's answer.
 StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const std::string& backend,
                                               const ModelConfig& config, bool from_dir,
@@ -262,8 +229,10 @@ class SignalBox {
 int Worker(const ServeFlags& f);
 
 int Serve(const ServeFlags& f) {
-  // Refused before anything else, the model's loading included.
-  if (const std::string e = CudaOnlyFlagsError(f); !e.empty()) {
+  // Refused before anything else, the model's loading included (auto
+  // falling back to the cpu only warns, below).
+  if (const std::string e = CudaOnlyFlagsError(f.backend, f.cuda_only_given, /*offers_auto=*/true);
+      !e.empty()) {
     spdlog::error("{}", e);
     return 2;
   }
@@ -573,9 +542,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::ExistingFile)
       ->needs(tls_cert);
   cmd->callback([f, exit_code, cuda_only] {
-    for (const CLI::Option* opt : *cuda_only) {
-      if (opt->count() > 0) f->cuda_only_given.push_back(opt->get_name());
-    }
+    f->cuda_only_given = GivenFlags(*cuda_only);
     *exit_code = Serve(*f);
   });
 

@@ -62,18 +62,14 @@ class RunCommand(unittest.TestCase):
 
     def test_gemm_algo_is_offered_checked_and_documented_where_gemms_run(self):
         # The cuda backend's GEMM algorithm choice: every command that runs
-        # GEMMs documents it, refuses other values naming the allowed ones,
-        # and a CPU run accepts it (nothing to choose there).
+        # GEMMs documents it and refuses other values naming the allowed ones
+        # (the cpu backend refuses it altogether: CommandLineChecks).
         for cmd in ("run", "serve", "layer", "worker"):
             help_text = run(cmd, "--help").stdout
             self.assertIn("--gemm-algo", help_text, cmd)
             p = run(cmd, "--gemm-algo", "fastest", check=False)
             self.assertNotEqual(p.returncode, 0, cmd)
             self.assertIn("fastest not in {timed,heuristic}", p.stderr + p.stdout, cmd)
-        a = json.loads(run("run", "--model", "tiny", "--ids", "4,5", "--json").stdout)
-        b = json.loads(run("run", "--model", "tiny", "--ids", "4,5", "--json", "--gemm-algo",
-                           "heuristic").stdout)
-        self.assertEqual(a["logits"], b["logits"])
 
 
 class CommandLineChecks(unittest.TestCase):
@@ -130,11 +126,67 @@ class CommandLineChecks(unittest.TestCase):
         out = run("layer", "--m", "8", "--tolerance", "0.015").stdout
         self.assertIn("(tolerance 0.015)", out)  # "%.g" printed 0.01
 
-    def test_layer_refuses_cuda_knobs_on_the_cpu_backend(self):
-        for knob in (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
-                     ["--gemm-sms", "8"]):
-            self.refused(["layer", "--backend", "cpu", "--m", "8", *knob],
-                         knob[0] + " applies to --backend cuda only", 2)
+    def help_entries(self, cmd):
+        """`tpserve CMD --help` as {flag: its help entry} (CLI11 may wrap the description to
+        a new line)."""
+        entries = {}
+        for line in run(cmd, "--help").stdout.splitlines():
+            if line.startswith("  -"):
+                flag = line.split()[0]
+                entries[flag] = line
+            elif entries and line.startswith("   "):
+                entries[flag] += " " + line.strip()
+        return entries
+
+    def assert_help_marks_cuda_only(self, cmd, flags):
+        """The help of CMD says of `flags`, and of no other flag, that only the cuda backend
+        reads them, at the start of their description."""
+        entries = self.help_entries(cmd)
+        cuda_only = {f for f, e in entries.items() if "cuda backend only" in e}
+        self.assertEqual(cuda_only, set(flags), entries)
+        for flag in cuda_only:
+            self.assertIn(" cuda backend only: ", entries[flag])
+            self.assertNotIn(" cuda: ", entries[flag])  # the shared helper's short prefix
+
+    # layer's flags that only the cuda backend reads, with a value to give each.
+    LAYER_CUDA_ONLY = (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
+                       ["--gemm-sms", "8"], ["--gemm-algo", "heuristic"])
+
+    def test_layer_refuses_cuda_only_flags_on_the_cpu_backend(self):
+        # --gemm-algo was accepted and ignored. The cpu backend, given or layer's default,
+        # refuses each flag, with its default value too, before preparing the operands.
+        for knob in (*self.LAYER_CUDA_ONLY, ["--max-ctas", "0"], ["--gemm-algo", "timed"]):
+            for backend in (["--backend", "cpu"], []):
+                p = self.refused(["layer", *backend, "--m", "8", *knob],
+                                 f"error: --backend cpu: {knob[0]} needs --backend cuda; the "
+                                 "cpu backend does not read it", 2)
+                self.assertNotIn("preparing operands", p.stderr)
+                self.assertEqual(p.stdout, "")
+        # Refused before the other checks of the flags, naming all of them.
+        p = self.refused(["layer", "--backend", "cpu", "--mode", "none", "--chunks", "3",
+                          *[a for knob in self.LAYER_CUDA_ONLY for a in knob]],
+                         "error: --backend cpu: --max-ctas, --cta-policy, --copy-engine, "
+                         "--gemm-sms and --gemm-algo need --backend cuda; the cpu backend does "
+                         "not read them", 2)
+        self.assertNotIn("--chunks 3", p.stderr)
+        self.assertNotIn("--backend auto", p.stderr)  # layer has none
+        # Without them the cpu backend runs.
+        self.assertIn("-> PASS", run("layer", "--backend", "cpu", "--m", "8").stdout)
+        self.assert_help_marks_cuda_only("layer", [knob[0] for knob in self.LAYER_CUDA_ONLY])
+
+    def test_run_refuses_cuda_only_flags_on_the_cpu_backend(self):
+        # --gemm-algo was accepted and ignored. A model that does not exist shows that the
+        # refusal comes before the model is looked at. --overlap-config is not one of them:
+        # the cpu backend reads it.
+        for value in ("heuristic", "timed"):
+            for backend in (["--backend", "cpu"], []):
+                p = self.refused(["run", *backend, "--model", "no-such-model",
+                                  "--gemm-algo", value],
+                                 "--backend cpu: --gemm-algo needs --backend cuda; the cpu "
+                                 "backend does not read it", 2)
+                self.assertNotIn("no-such-model", p.stderr)
+                self.assertEqual(p.stdout, "")
+        self.assert_help_marks_cuda_only("run", ["--gemm-algo"])
 
     # serve's flags that only the cuda backend reads, with a value to give each.
     SERVE_CUDA_ONLY = (["--rank-timeout-s", "60"], ["--device-random-weights"],
@@ -157,17 +209,7 @@ class CommandLineChecks(unittest.TestCase):
                          "--gemm-algo need --backend cuda", 2)
         self.assertIn("or --backend auto on a node with the GPUs", p.stderr)
         # The help says which flags those are, and of no other flag.
-        entries = {}  # flag -> its help entry (CLI11 may wrap the description to a new line)
-        for line in run("serve", "--help").stdout.splitlines():
-            if line.startswith("  -"):
-                flag = line.split()[0]
-                entries[flag] = line
-            elif entries and line.startswith("   "):
-                entries[flag] += " " + line.strip()
-        cuda_only = {f for f, e in entries.items() if "cuda backend only" in e}
-        self.assertEqual(cuda_only, {knob[0] for knob in self.SERVE_CUDA_ONLY}, entries)
-        for flag in cuda_only:
-            self.assertIn(" cuda backend only: ", entries[flag])
+        self.assert_help_marks_cuda_only("serve", [knob[0] for knob in self.SERVE_CUDA_ONLY])
 
     def serve_until_up_then_stop(self, args):
         """Starts `tpserve serve ARGS` on loopback without GPUs (CUDA_VISIBLE_DEVICES empty,
