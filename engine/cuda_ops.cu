@@ -384,13 +384,16 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
   constexpr int kRowStep = kAttnThreads / kVecsPerRow;
   constexpr int kCopies = kAttnBc / kRowStep;
   constexpr int kQCopies = kAttnBr / kRowStep;
-  static_assert(kAttnThreads % kVecsPerRow == 0 && kAttnBc % kRowStep == 0, "tile copy");
+  static_assert(
+      kAttnThreads % kVecsPerRow == 0 && kAttnBc % kRowStep == 0 && kAttnBr % kRowStep == 0,
+      "tile copies");
   // [K buffer 0 | K buffer 1 | V buffer 0 | V buffer 1 | Q tile]
   extern __shared__ __align__(16) uint16_t attn_smem[];
   uint16_t* q_tile = attn_smem + 4 * kTileElems;
 
-  // The sequence first, so that a block with no tile leaves at once (the grid covers the
-  // longest sequence the bucket allows; most blocks of a batch of short ones have none).
+  // The sequence first, so that a block with no tile leaves at once (grid.y is sized for a
+  // typical sequence of the bucket: a block whose y is at least its sequence's tile count has
+  // nothing to do).
   // The launcher bounds num_seqs * q_heads and tokens by 2^31 - 1: 32-bit from here on.
   const int q_heads = static_cast<int>(p.q_heads);
   const int seq = static_cast<int>(blockIdx.x) / q_heads;
@@ -412,9 +415,11 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
   const int t = lane & 3;
 
   const uint16_t* k_base = reinterpret_cast<const uint16_t*>(p.k) +
-                           static_cast<int64_t>(begin) * p.k_row_stride + kv_head * kHeadDim;
+                           static_cast<int64_t>(begin) * p.k_row_stride +
+                           int64_t{kv_head} * kHeadDim;
   const uint16_t* v_base = reinterpret_cast<const uint16_t*>(p.v) +
-                           static_cast<int64_t>(begin) * p.v_row_stride + kv_head * kHeadDim;
+                           static_cast<int64_t>(begin) * p.v_row_stride +
+                           int64_t{kv_head} * kHeadDim;
   float amax = 0.0f;  // of the BF16-rounded values this thread stores (out_amax)
 
   // This thread's share of every tile copy: rows copy_row + i * kRowStep, column copy_col.
@@ -459,7 +464,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
     // The Q tile (zeros past the sequence) joins the first key tile's commit group.
     {
       const uint16_t* q_base = reinterpret_cast<const uint16_t*>(p.q) +
-                               static_cast<int64_t>(begin) * p.q_row_stride + head * kHeadDim;
+                               static_cast<int64_t>(begin) * p.q_row_stride +
+                               int64_t{head} * kHeadDim;
       const int rows_left = len - q0 - copy_row;
       const uint16_t* q_src =
           q_base + static_cast<int64_t>(q0 + copy_row) * p.q_row_stride + copy_col;
@@ -636,14 +642,14 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
     // This thread's two adjacent values per n8 tile of each of its rows: BF16, and/or the
     // E4M3 codes of those BF16 values (what a quantize pass over `out` would give). The
     // output pointers are formed here, not held through the key loop (registers).
-    uint16_t* out_base = p.out != nullptr
-                             ? reinterpret_cast<uint16_t*>(p.out) +
-                                   static_cast<int64_t>(begin) * p.out_row_stride + head * kHeadDim
-                             : nullptr;
-    uint8_t* fp8_base =
-        p.out_fp8 != nullptr
-            ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride + head * kHeadDim
-            : nullptr;
+    uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
+                                                static_cast<int64_t>(begin) * p.out_row_stride +
+                                                int64_t{head} * kHeadDim
+                                          : nullptr;
+    uint8_t* fp8_base = p.out_fp8 != nullptr
+                            ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride +
+                                  int64_t{head} * kHeadDim
+                            : nullptr;
     const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
     // Instantiated twice: with the branch-free division (fp8.inv != 0, checked once here)
     // and with the IEEE fallback; a per-value branch made this epilogue a third of the
@@ -700,7 +706,8 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
 
 // exp and the division on the multi-function unit (a few ulp of FP32, far below the BF16 or
 // E4M3 rounding after): with IEEE expf and division the kernel was bound by its arithmetic,
-// not by memory. For g < -88, exp(-g) is infinite and the quotient -0, as it should be.
+// not by memory. For g below about -87.3, 1 + exp(-g) exceeds 2^126 (or is infinite) and
+// __fdividef gives -0, as the quotient should be.
 __device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 __global__ void SwiGluVecKernel(SwiGluParams p) {
@@ -928,8 +935,10 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
                     "must be a positive multiple of kv_heads (" + Str(p.kv_heads) + ")");
   }
   if (p.num_seqs < 0) return BadField(kP, "num_seqs", p.num_seqs, "must be >= 0");
-  if (p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max()) {
-    return BadField(kP, "tokens", p.tokens, "must be in [0, 2^31 - 1] (cu_seqlens are int32)");
+  // cu_seqlens are int32, and the kernel's row arithmetic (32-bit) runs up to a tile past
+  // the last token.
+  if (p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max() - kAttnBr) {
+    return BadField(kP, "tokens", p.tokens, "must be in [0, 2^31 - 1 - " + Str(kAttnBr) + "]");
   }
   if (p.out == nullptr && p.out_fp8 == nullptr) {
     return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");

@@ -2,20 +2,26 @@
 // the IEEE division routine per element. Device code only; included by .cu files.
 //
 // With inv = RN(1 / scale) (the correctly rounded reciprocal, once per thread), q0 = RN(x *
-// inv) is within an ulp of x / scale, the remainder x - q0 * scale is exact in one FMA, and
-// RN(q0 + remainder * inv) is then the correctly rounded quotient (Markstein's correction
-// step, the same one the IEEE routine takes on its fast path). It needs inv to be a normal
-// number, so scales outside [2^-126, 2^126] keep the IEEE division; where q0 overflows, the
-// correction would turn the infinity into a NaN, so the infinity stands (both saturate to the
-// same E4M3 code); and an exact q0 (remainder 0) stands, which keeps -0 from becoming +0. Quotients
-// below 2^-126, where the step may miss, are far below E4M3's smallest step (2^-9) and encode as a
-// signed zero either way. tests/gpu_gemm_test.cc checks the codes against the CPU for every BF16
-// value and millions of FP32 bit patterns over a range of scales.
+// inv) is within an ulp of x / scale; if the remainder x - q0 * scale is exact (one FMA),
+// RN(q0 + remainder * inv) is the correctly rounded quotient (Markstein's correction step,
+// the one the IEEE routine takes on its fast path). The remainder is exact unless x is tiny
+// (below about 2^-102, where it would fall among the subnormals). The quotients that decide
+// an E4M3 code are at least 2^-10 (the midpoint between 0 and the smallest code, 2^-9), so
+// for a scale of at least 2^-64 every x that matters is above 2^-74, and smaller x give
+// quotients that encode as a signed zero either way. Scales outside [2^-64, 2^126] keep the
+// IEEE division (a review found codes one step off for scales near 2^-126, where x of
+// code-deciding quotients is itself tiny). Where q0 overflows, the correction would turn the
+// infinity into a NaN, so the infinity stands (both saturate to the same E4M3 code); an exact
+// q0 (remainder 0) stands, which keeps -0 from becoming +0.
+// tests/gpu_gemm_test.cc checks the codes against the CPU for every BF16 value, millions of
+// FP32 bit patterns, and the inputs next to every E4M3 midpoint, over a range of scales.
 #pragma once
 
 #include <cuda_fp8.h>
 
 #include <cstdint>
+
+#include "layers/fp8_divide_range.h"
 
 namespace tpserve {
 
@@ -27,12 +33,13 @@ struct Fp8Divisor {
 __device__ __forceinline__ Fp8Divisor MakeFp8Divisor(float scale) {
   Fp8Divisor d;
   d.scale = scale;
-  const bool normal_reciprocal = scale >= 0x1p-126f && scale <= 0x1p126f;  // false for NaN
-  d.inv = normal_reciprocal ? __frcp_rn(scale) : 0.0f;
+  // False for NaN too.
+  const bool fast = scale >= kFp8FastDivideMinScale && scale <= kFp8FastDivideMaxScale;
+  d.inv = fast ? __frcp_rn(scale) : 0.0f;
   return d;
 }
 
-// The quotient for a divisor with a normal reciprocal (d.inv != 0), without branches.
+// The quotient for a divisor on the fast path (d.inv != 0), without branches.
 __device__ __forceinline__ float DivideForFp8Fast(float x, const Fp8Divisor& d) {
   const float q0 = x * d.inv;
   const float remainder = fmaf(-q0, d.scale, x);

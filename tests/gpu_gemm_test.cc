@@ -995,6 +995,37 @@ TEST_F(GpuTest, QuantizeMatchesCpuDivisionForEveryBf16AndRandomFp32Patterns) {
   }
 }
 
+// Where the division could go wrong it shows as a code one step off at an E4M3 rounding
+// midpoint: FP32 inputs x = RN(midpoint * scale) and their 4 neighbours on each side, for
+// every midpoint of the positive and negative codes. The scales include the tiny ones near
+// 2^-126 (where a review found the reciprocal-and-FMA step one ulp off, and which must take
+// the IEEE division) and both sides of the fast path's lower bound, 2^-64.
+TEST_F(GpuTest, QuantizeIsExactNextToEveryE4M3MidpointAcrossScales) {
+  const float scales[] = {
+      0x1.954acap-126f, 0x1.aaaaaap-126f, 0x1.3p-100f, 1e-30f, 0x1p-90f, 0x1.fffffep-65f, 0x1p-64f,
+      0x1.000002p-64f,  1.0f / 448.0f,    0.0375f,     3.7f,   1e20f,    0x1p126f};
+  for (float scale : scales) {
+    std::ostringstream name;
+    name << std::hexfloat << scale;
+    SCOPED_TRACE("scale " + name.str());
+    std::vector<float> values;
+    for (int code = 0; code < 0x7E; ++code) {
+      const double mid = (double{Fp8E4M3ToFloat(static_cast<uint8_t>(code))} +
+                          Fp8E4M3ToFloat(static_cast<uint8_t>(code + 1))) /
+                         2;
+      for (float sign : {1.0f, -1.0f}) {
+        float x = static_cast<float>(sign * mid * scale);
+        for (int i = 0; i < 4; ++i) x = std::nextafter(x, 0.0f);
+        for (int i = 0; i < 9; ++i) {
+          values.push_back(x);
+          x = std::nextafter(x, sign * std::numeric_limits<float>::infinity());
+        }
+      }
+    }
+    CheckQuantize(stream(), DataType::kFloat32, values, scale);
+  }
+}
+
 void CheckAbsMax(cudaStream_t stream, DataType type) {
   std::vector<float> values = LogUniformFloats(4099 * 37 + 3, 1.0f, 111);
   values[12345] = -2000.5f;     // the largest magnitude is negative
