@@ -605,6 +605,7 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
   TP_RETURN_IF_ERROR(out.Finish());
   std::ofstream json(dir + "/config.json");
   json << ModelConfigToJson(config) << "\n";
+  json.close();  // a failure to flush shows here, not in the destructor
   if (!json) return UnavailableError("cannot write " + dir + "/config.json");
   return Status::Ok();
 }

@@ -287,7 +287,8 @@ int Serve(const ServeFlags& f) {
   auto backend = ResolveBackend(f, &why_cpu);
   if (!backend.ok()) {
     spdlog::error("{}", backend.status().ToString());
-    return 2;
+    // A bad flag (InvalidArgument) is a usage error, as in StartEngine below.
+    return backend.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   if (*backend == "cpu" && !f.cuda_only_given.empty()) {  // auto: --backend cpu refused them
     spdlog::warn("--backend auto runs the cpu backend ({}): ignoring {} (cuda backend only)",
