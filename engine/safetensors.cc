@@ -9,6 +9,7 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -878,6 +879,18 @@ Status SafetensorsStreamWriter::Finish() {
   if (rc != 0) return Fail(ErrnoError(errno, tmp_, "close"));
   if (::rename(tmp_.c_str(), path_.c_str()) != 0) return Fail(ErrnoError(errno, path_, "rename"));
   finished_ = true;
+  // The rename survives a crash only once the directory is on disk too. The file is in place
+  // either way; a filesystem that cannot fsync a directory says EINVAL, which is not an error.
+  std::string dir = std::filesystem::path(path_).parent_path().string();
+  if (dir.empty()) dir = ".";
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0) return ErrnoError(errno, dir, "open (to fsync the rename of " + path_ + ")");
+  const int sync_rc = ::fsync(dir_fd);
+  const int sync_errno = errno;
+  ::close(dir_fd);
+  if (sync_rc != 0 && sync_errno != EINVAL) {
+    return ErrnoError(sync_errno, dir, "fsync (the rename of " + path_ + ")");
+  }
   return Status::Ok();
 }
 

@@ -139,8 +139,9 @@ struct TensorToWrite {
 // tensor data packed back to back in the given order (no gaps), the header
 // padded with spaces so that the byte buffer starts at an 8-byte-aligned file
 // offset, "__metadata__" only if `metadata` is non-empty. Writes
-// `path` + ".tmp", fsyncs it and renames it over `path`, so readers see the old
-// file or the new one, never a partial one; on error the .tmp file is removed.
+// `path` + ".tmp", fsyncs it, renames it over `path` and fsyncs the directory
+// (SafetensorsStreamWriter::Finish), so readers see the old file or the new
+// one, never a partial one; on error the .tmp file is removed.
 // Validation errors are INVALID_ARGUMENT naming the path and the tensor:
 // empty, duplicate, "__metadata__" or non-UTF-8 names (and metadata), negative
 // dimensions, bytes != numel * dtype size, null data with bytes > 0, a header
@@ -165,8 +166,9 @@ struct TensorSpec {
 // order, Finish makes the file visible. For the same tensors, data and
 // metadata the file is WriteSafetensors's, byte for byte.
 //
-// The bytes go to `path` + ".tmp"; Finish fsyncs it and renames it over
-// `path`, so readers see the old file or the new one, never a partial one.
+// The bytes go to `path` + ".tmp"; Finish fsyncs it, renames it over `path`
+// and fsyncs the directory, so readers see the old file or the new one, never
+// a partial one, and the new one survives a crash once Finish returns OK.
 // Any error is final: the .tmp file is removed and every later call returns
 // that error. Destroying a writer that has not finished also removes the .tmp
 // file (`path` itself is then untouched).
