@@ -303,16 +303,13 @@ CASES
     ;;
   profile)
     kernels=${KERNELS:-CausalAttention|SwiGlu|RmsNorm|Rope}
-    timeout 400 ncu --clock-control none --set full --import-source no -k "regex:$kernels" \
-      -c ${COUNT:-6} --page details --print-details all \
-      .gpu/bin/tpserve-bench-model --tp 1 --model llama3-70b --layers 2 --batches 8x1024 \
-      --rounds 1 --warmup 0 --gemm-algo heuristic --out /tmp/profile-model.json \
-      > "$out/profile.log" 2>&1 || rc=1
-    timeout 120 ncu --clock-control none --set full --import-source no \
-      -k "regex:${SASS_KERNEL:-CausalAttention}" -c 1 --page source --print-source sass \
-      .gpu/bin/tpserve-bench-model --tp 1 --model llama3-70b --layers 2 --batches 8x1024 \
-      --rounds 1 --warmup 0 --gemm-algo heuristic --out /tmp/profile-model.json \
-      > "$out/profile-sass.log" 2>&1 || rc=1
+    ncu_run=(ncu --clock-control none --set full --import-source no)
+    bench=(.gpu/bin/tpserve-bench-model --tp 1 --model llama3-70b --layers 2 --batches 8x1024
+      --rounds 1 --warmup 0 --gemm-algo heuristic --out /tmp/profile-model.json)
+    timeout 400 "${ncu_run[@]}" -k "regex:$kernels" -c ${COUNT:-6} --page details \
+      --print-details all "${bench[@]}" > "$out/profile.log" 2>&1 || rc=1
+    timeout 120 "${ncu_run[@]}" -k "regex:${SASS_KERNEL:-CausalAttention}" -c 1 --page source \
+      --print-source sass "${bench[@]}" > "$out/profile-sass.log" 2>&1 || rc=1
     grep -E "^  [A-Za-z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per" \
       "$out/profile.log" | head -60
     ;;

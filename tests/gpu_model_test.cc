@@ -107,6 +107,21 @@ class GpuModelTest : public ::testing::Test {
                 static_cast<long long>(batch->sequences()));
   }
 
+  // Rank r's model of `c` with MakeRandomRankWeights' FP8 weights from `seed`,
+  // every layer in mode none, `max_tokens` / `max_seqs` as given (and `buckets`
+  // when not empty).
+  StatusOr<std::unique_ptr<CudaModel>> RandomFp8Model(const ModelConfig& c, int r, uint64_t seed,
+                                                      int64_t max_tokens, int64_t max_seqs,
+                                                      std::vector<int64_t> buckets = {}) {
+    TP_ASSIGN_OR_RETURN(RankWeights w,
+                        MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, seed));
+    CudaModelOptions o;
+    o.max_tokens = max_tokens;
+    o.max_seqs = max_seqs;
+    if (!buckets.empty()) o.buckets = std::move(buckets);
+    return CudaModel::Create(c, w, nullptr, group_->pool(r), o);
+  }
+
   std::unique_ptr<NcclThreadGroup> group_;
 };
 
@@ -138,12 +153,7 @@ TEST_F(GpuModelTest, GraphReplayEqualsEagerAndServesOtherBatchesOfTheBucket) {
   ASSERT_TRUE(first.ok() && second.ok());
   std::vector<std::vector<float>> got(3);
   Status s = group_->Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, 11));
-    CudaModelOptions o;
-    o.max_tokens = 64;
-    o.max_seqs = 4;
-    o.buckets = {64};
-    TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group_->pool(r), o));
+    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/11, 64, 4, {64}));
     return ForwardInOrder(*model, {&*first, &*second, &*first}, r, &got);
   });
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -228,11 +238,7 @@ TEST_F(GpuModelTest, DynamicInputScalesMatchCpuReferenceAndReplayEqualsEager) {
 TEST_F(GpuModelTest, BatchOverTheLimitsIsRejected) {
   const ModelConfig c = SmallConfig();
   Status s = group_->Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, 1));
-    CudaModelOptions o;
-    o.max_tokens = 8;
-    o.max_seqs = 2;
-    TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group_->pool(r), o));
+    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/1, 8, 2));
     TP_ASSIGN_OR_RETURN(TokenBatch b, PackSequences({std::vector<int32_t>(9, 1)}, c.vocab_size,
                                                     c.max_position_embeddings));
     auto logits = model->Forward(b);
@@ -258,11 +264,7 @@ TEST_F(GpuModelTest, ProfileStagesTimesEveryStageAndLeavesForwardIntact) {
   std::vector<std::pair<std::string, double>> stages;
   std::vector<std::vector<float>> got(2);
   Status s = group_->Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, 5));
-    CudaModelOptions o;
-    o.max_tokens = 64;
-    o.max_seqs = 4;
-    TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group_->pool(r), o));
+    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/5, 64, 4));
     TP_ASSIGN_OR_RETURN(got[0], model->Forward(*batch));  // eager, then captured
     TP_ASSIGN_OR_RETURN(auto profiled, model->ProfileStages(*other));
     TP_ASSIGN_OR_RETURN(std::vector<float> again, model->Forward(*batch));  // replay
