@@ -30,6 +30,7 @@
 #include "layers/overlap_config.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
+#include "layers/sum_kernels.h"
 
 namespace tpserve {
 namespace {
@@ -72,6 +73,7 @@ struct Flags {
   int rounds = 30;
   bool check = true;
   bool fast_accum = false;
+  bool split_output = false;  // gemm_rs layer methods as the engine runs them (RunSplit + reader)
   std::string gemm_algo = "timed";  // GemmAlgoSelection of every GEMM
   std::string out = "bench.json";
   std::string commit = "unknown";
@@ -279,6 +281,16 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     TP_ASSIGN_OR_RETURN(DeviceBuffer y, DeviceBuffer::Allocate(out_bytes, "bench.y"));
     TP_ASSIGN_OR_RETURN(DeviceBuffer full_out,
                         DeviceBuffer::Allocate(sc.m * n_local * 2, "bench.full_out"));
+    // --split-output: what the stand-in consumer of a gemm_rs layer writes.
+    DeviceBuffer consumed;
+    if (f.split_output && !ag) {
+      TP_ASSIGN_OR_RETURN(consumed, DeviceBuffer::Allocate(out_bytes, "bench.consumed"));
+    }
+    auto split_body = [&](const Method& m) {
+      return f.split_output && !ag && m.method != "layer_gemm" && m.method != "layer_comm";
+    };
+    // Where a layer method's checked output lands.
+    auto out_of = [&](const Method& m) { return split_body(m) ? consumed.data() : y.data(); };
 
     // The reference every layer method is checked against: plain mode none
     // (NCCL), run once here, whatever --methods lists and in whatever order
@@ -364,25 +376,45 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
           TP_RETURN_IF_ERROR(LaunchPoisonFill(dst, DataType::kBFloat16, out_rows * n_local, st));
         }
         TP_RETURN_IF_ERROR(p.layer->Run(sc.m, w.data(), xs, ws, dst, st));
-        TP_RETURN_IF_ERROR(base.WaitStream(st));
-        if (check && checked(m) && out_rows > 0) {
-          TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
-          checks[i] = d;
-          if (!(d <= 1e-2)) {
-            return InternalError(sc.layer + " " + m.method + " " + m.knobs.ToString() +
-                                 " differs from mode none: rel " + std::to_string(d));
-          }
-        }
         if (m.method == "layer_gemm") {
           bodies[i] = [&, i, dst] {
             return prepared[i].layer->RunGemmOnly(sc.m, w.data(), xs, ws, dst, st);
           };
         } else if (m.method == "layer_comm") {
           bodies[i] = [&, i, dst] { return prepared[i].layer->RunCommOnly(sc.m, dst, st); };
+        } else if (split_body(m)) {
+          // The layer, then its consumer's read: both addends where RunSplit left two (their
+          // sum), else the output alone (a copy).
+          bodies[i] = [&, i, dst]() -> Status {
+            CudaLinear::SplitOutput split;
+            TP_RETURN_IF_ERROR(
+                prepared[i].layer->RunSplit(sc.m, w.data(), xs, ws, dst, st, &split));
+            SumSlotsParams reader;
+            reader.dst = consumed.data();
+            reader.slots[0] = split.first;
+            reader.slots[1] = split.second;
+            reader.num_slots = split.second != nullptr ? 2 : 1;
+            reader.count = out_rows * n_local;
+            return LaunchSumSlotsBf16(reader, st);
+          };
+          if (out_rows > 0) {
+            TP_RETURN_IF_ERROR(
+                LaunchPoisonFill(consumed.data(), DataType::kBFloat16, out_rows * n_local, st));
+          }
+          TP_RETURN_IF_ERROR(bodies[i]());
         } else {
           bodies[i] = [&, i, dst] {
             return prepared[i].layer->Run(sc.m, w.data(), xs, ws, dst, st);
           };
+        }
+        TP_RETURN_IF_ERROR(base.WaitStream(st));
+        if (check && checked(m) && out_rows > 0) {
+          TP_ASSIGN_OR_RETURN(double d, RelDiff(out_of(m), y_ref.data(), out_rows, n_local));
+          checks[i] = d;
+          if (!(d <= 1e-2)) {
+            return InternalError(sc.layer + " " + m.method + " " + m.knobs.ToString() +
+                                 " differs from mode none: rel " + std::to_string(d));
+          }
         }
       }
       for (int k = 0; k < 2; ++k) TP_RETURN_IF_ERROR(bodies[i]());
@@ -521,10 +553,11 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     for (size_t i = 0; i < methods.size(); ++i) {
       const std::string& name = methods[i].method;
       if (!check || !prepared[i].layer || !checked(methods[i]) || out_rows == 0) continue;
-      TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out_rows * n_local, st));
+      void* out = out_of(methods[i]);
+      TP_RETURN_IF_ERROR(LaunchPoisonFill(out, DataType::kBFloat16, out_rows * n_local, st));
       TP_RETURN_IF_ERROR(prepared[i].graph.Launch(st));
       TP_RETURN_IF_ERROR(base.WaitStream(st));
-      TP_ASSIGN_OR_RETURN(double d, RelDiff(y.data(), y_ref.data(), out_rows, n_local));
+      TP_ASSIGN_OR_RETURN(double d, RelDiff(out, y_ref.data(), out_rows, n_local));
       if (!(d <= 1e-2)) {
         return InternalError(sc.layer + " " + name + " " + methods[i].knobs.ToString() +
                              ": graph replay differs from mode none: rel " + std::to_string(d));
@@ -547,6 +580,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
                {"l2_flush_mib", f.l2_flush_mib},
                {"rank_times", tp > 1 ? "max" : "rank0"}};
       if (!f.run_label.empty()) rec["run"] = f.run_label;
+      if (split_body(m) && prepared[i].layer) rec["split_output"] = true;
       rec.update(Stats(prepared[i].times));
       // Every round's time (the slowest rank's), as the peer records its own.
       rec["times_ms"] = json::array();
@@ -666,6 +700,14 @@ int Main(int argc, char** argv) {
   app.add_flag("!--no-check", f.check,
                "Skip comparing each overlap method's output with mode none");
   app.add_flag("--fast-accum", f.fast_accum, "FP8 fast accumulation in every GEMM");
+  app.add_flag("--split-output", f.split_output,
+               "Time (and tune) gemm_rs layer methods as the engine runs o and down: "
+               "CudaLinear::RunSplit, whose plans that end in a sum step of their own (ring, "
+               "chunks 1, copy engines) leave that addition to the output's consumer, then a "
+               "stand-in consumer that reads the output (both addends where there are two) and "
+               "writes their sum, as the engine's add & norm reads it. Every gemm_rs layer "
+               "method's time includes that read; the check compares what it wrote. "
+               "gemm_only, comm_only and the --breakdown parts are unchanged");
   app.add_flag(
       "--breakdown", f.breakdown,
       "After each pipeline/ring/none_ce method, also time its GEMM steps alone (layer_gemm) "

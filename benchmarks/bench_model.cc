@@ -102,6 +102,30 @@ json Stats(std::vector<double> t) {
               {"mean_ms", mean},     {"iqr_ms", q(0.75) - q(0.25)}, {"rounds", n}};
 }
 
+// A setting's last-position logits ([seqs, vocab], rank 0's) against mode none's.
+struct VsNone {
+  double rel_frobenius = 0;  // ||got - none|| / ||none||
+  int64_t top1_agree = 0;    // sequences whose arg max is the same
+  int64_t seqs = 0;
+};
+
+VsNone CompareLogits(const std::vector<float>& got, const std::vector<float>& none, int64_t vocab) {
+  VsNone v;
+  if (vocab <= 0 || got.size() != none.size()) return v;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    num += (static_cast<double>(got[i]) - none[i]) * (static_cast<double>(got[i]) - none[i]);
+    den += static_cast<double>(none[i]) * none[i];
+  }
+  v.rel_frobenius = den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0);
+  v.seqs = static_cast<int64_t>(got.size()) / vocab;
+  for (int64_t q = 0; q < v.seqs; ++q) {
+    const auto g = got.begin() + q * vocab, n = none.begin() + q * vocab;
+    v.top1_agree += std::max_element(g, g + vocab) - g == std::max_element(n, n + vocab) - n;
+  }
+  return v;
+}
+
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{
@@ -222,12 +246,16 @@ int Main(int argc, char** argv) {
       shapes.size(), std::vector<std::vector<double>>(configs.size()));
   std::vector<std::vector<std::vector<std::pair<std::string, double>>>> stages(
       shapes.size(), std::vector<std::vector<std::pair<std::string, double>>>(configs.size()));
+  // vs_none[batch][setting]: rank 0's comparison of the setting's logits (its first run)
+  // with mode none's on the same batch and weights.
+  std::vector<std::vector<VsNone>> vs_none(shapes.size(), std::vector<VsNone>(configs.size()));
   Status s = group->Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(config, dtype, f.seed, nullptr,
                                                             group->pool(r), options));
     NcclCommunicator& comm = group->pool(r).base();
     for (size_t b = 0; b < shapes.size(); ++b) {
       const TokenBatch batch = MakeBatch(shapes[b], config.vocab_size, f.seed);
+      std::vector<float> none_logits;  // rank 0: mode none's, from its first run
       for (int round = -1 - f.warmup; round < f.rounds; ++round) {
         for (size_t c = 0; c < configs.size(); ++c) {
           // Each setting's first run of this batch captures its graph.
@@ -243,6 +271,13 @@ int Main(int argc, char** argv) {
               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                   .count();
           if (round >= 0 && r == 0) times[b][c].push_back(ms);
+          if (round == -1 - f.warmup && r == 0) {
+            if (c == 0) {
+              none_logits = logits;
+            } else {
+              vs_none[b][c] = CompareLogits(logits, none_logits, config.vocab_size);
+            }
+          }
         }
       }
       for (size_t c = 0; f.stages && c < configs.size(); ++c) {
@@ -290,6 +325,15 @@ int Main(int argc, char** argv) {
                {"seq_len", shapes[b].len},
                {"tokens", tokens}};
       rec.update(Stats(times[b][c]));
+      if (c > 0) {
+        const VsNone& v = vs_none[b][c];
+        rec["logits_vs_none"] = {
+            {"rel_frobenius", v.rel_frobenius}, {"top1_agree", v.top1_agree}, {"seqs", v.seqs}};
+        spdlog::info(
+            "{:>6} tokens ({}x{}) {:40} logits vs none: rel_frobenius {:.3g}, top-1 "
+            "agrees on {} of {} sequences",
+            tokens, shapes[b].seqs, shapes[b].len, names[c], v.rel_frobenius, v.top1_agree, v.seqs);
+      }
       rec["tokens_per_sec"] = tokens / (rec["median_ms"].get<double>() / 1000.0);
       spdlog::info("{:>6} tokens ({}x{}) {:40} median {:.3f} ms  {:.0f} tokens/s", tokens,
                    shapes[b].seqs, shapes[b].len, names[c], rec["median_ms"].get<double>(),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU host: `tpserve layer --backend cuda` in its production process
 # model (rank 0 starts the other ranks as processes): every copy-engine mode
-# and a few NCCL ones, awkward M included, each rank checking its output
+# and a few NCCL ones, awkward M included (--split-output: the row-parallel
+# layer as the engine runs it, its last sum left to the consumer), each rank checking its output
 # against the CPU reference. Log: $OUT/layer_cli.log.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -26,6 +27,10 @@ done <<'CASES' | tee "$out/layer_cli.log"
 4099 --op gemm_rs --mode pipeline --chunks 4 --copy-engine
 37 --op gemm_rs --mode pipeline --chunks 8 --copy-engine
 1002 --op gemm_rs --mode ring --chunks 1 --copy-engine --dtype bf16
+4099 --op gemm_rs --mode ring --chunks 1 --copy-engine --split-output
+37 --op gemm_rs --mode ring --chunks 1 --copy-engine --split-output --dtype bf16
+1 --op gemm_rs --mode ring --chunks 1 --copy-engine --split-output
+4099 --op gemm_rs --mode ring --chunks 2 --copy-engine --split-output
 4099 --op gemm_rs --mode pipeline --chunks 4 --max-ctas 8
 4099 --op gemm_rs --mode ring --chunks 2 --gemm-sms 120
 4099 --op gemm_rs --mode none --chunks 1 --dtype bf16

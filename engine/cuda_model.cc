@@ -294,10 +294,14 @@ StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, 
   return it->second.get();
 }
 
-Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y) {
+Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y,
+                            CudaLinear::SplitOutput* split) {
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
-  return layer.Run(m, w.w.data(), fp8 ? w.x_scale() : nullptr, fp8 ? w.w_scale() : nullptr, y,
-                   stream_.get());
+  const float* x_scale = fp8 ? w.x_scale() : nullptr;
+  const float* w_scale = fp8 ? w.w_scale() : nullptr;
+  if (split != nullptr)
+    return layer.RunSplit(m, w.w.data(), x_scale, w_scale, y, stream_.get(), split);
+  return layer.Run(m, w.w.data(), x_scale, w_scale, y, stream_.get());
 }
 
 Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
@@ -358,12 +362,19 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
 
   // add & norm into a TP layer's input: FP8 with the layer's input scale
   // (static, or from this batch via BF16 in normed_), or BF16.
-  auto add_norm = [&](const BFloat16* residual, const DeviceBuffer& weight, CudaLinear& next,
+  // The residual is a row-parallel layer's output, possibly split in two addends
+  // (CudaLinear::RunSplit), which the norm adds first.
+  using Split = CudaLinear::SplitOutput;
+  auto set_residual = [&](const Split& r, RmsNormParams& p) {
+    p.residual = static_cast<const BFloat16*>(r.first);
+    p.residual2 = static_cast<const BFloat16*>(r.second);
+    p.residual_out = r.first != nullptr ? x : nullptr;
+  };
+  auto add_norm = [&](const Split& residual, const DeviceBuffer& weight, CudaLinear& next,
                       const Linear& next_w) -> Status {
     RmsNormParams p;
     p.input = x;
-    p.residual = residual;
-    p.residual_out = residual != nullptr ? x : nullptr;
+    set_residual(residual, p);
     p.weight = weight.as<BFloat16>();
     if (fp8 && !next_w.dynamic) {
       p.out_fp8 = static_cast<uint8_t*>(next.input(m));
@@ -382,7 +393,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
   };
 
-  const BFloat16* pending = nullptr;  // the block output still to be added to x
+  Split pending;  // the block output still to be added to x
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& lw = layers_[l];
     TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(static_cast<int64_t>(l), m));
@@ -441,10 +452,11 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
       TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
     }
     TP_RETURN_IF_ERROR(mark("attention"));
-    TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data()));
+    Split o_out;
+    TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data(), &o_out));
     TP_RETURN_IF_ERROR(mark("o"));
 
-    TP_RETURN_IF_ERROR(add_norm(o_out_.as<BFloat16>(), lw.post_norm, *gate_up, lw.gate_up));
+    TP_RETURN_IF_ERROR(add_norm(o_out, lw.post_norm, *gate_up, lw.gate_up));
     TP_RETURN_IF_ERROR(mark("norm"));
     TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
     TP_RETURN_IF_ERROR(mark("gate_up"));
@@ -466,16 +478,14 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
       TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
     }
     TP_RETURN_IF_ERROR(mark("swiglu"));
-    TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data()));
+    TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data(), &pending));
     TP_RETURN_IF_ERROR(mark("down"));
-    pending = down_out_.as<BFloat16>();
   }
 
   // Final add & norm, then the LM head on each sequence's last row.
   RmsNormParams fin;
   fin.input = x;
-  fin.residual = pending;
-  fin.residual_out = pending != nullptr ? x : nullptr;
+  set_residual(pending, fin);
   fin.weight = final_norm_.as<BFloat16>();
   fin.out = normed_.as<BFloat16>();
   fin.rows = rows;

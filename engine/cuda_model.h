@@ -153,7 +153,10 @@ class CudaModel {
   StatusOr<CudaLinear*> LayerFor(const TpLayerShape& s, int64_t block, int64_t m);
   // The block's four TP layers at bucket m, in TpLayerShape::index order.
   StatusOr<std::array<CudaLinear*, 4>> BlockLayers(int64_t block, int64_t m);
-  Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y);
+  // `split` (row-parallel layers): CudaLinear::RunSplit, the output left in two addends
+  // where the layer's plan allows it.
+  Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y,
+                   CudaLinear::SplitOutput* split = nullptr);
   // Plans what bucket m needs (layers, GEMMs); allocates on first use.
   Status PrepareBucket(int64_t m, int64_t seq_slots);
   // Enqueues the whole forward pass of bucket m on stream_: no allocation,

@@ -174,6 +174,12 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
     if (p.residual != nullptr) {
       float r[8];
       UnpackBf16x8(reinterpret_cast<const uint4*>(p.residual + offset)[v], r);
+      if (p.residual2 != nullptr) {
+        float r2[8];
+        UnpackBf16x8(reinterpret_cast<const uint4*>(p.residual2 + offset)[v], r2);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) r[i] = Bf16ToFloat(FloatToBf16(r[i] + r2[i]));
+      }
       // h = bf16(x + residual): the residual stream is BF16, and the norm sees what is stored.
 #pragma unroll
       for (int i = 0; i < 8; ++i) h[k][i] = Bf16ToFloat(FloatToBf16(h[k][i] + r[i]));
@@ -858,6 +864,9 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
     return InvalidArgumentError(std::string(kP) +
                                 ": residual and residual_out must be both set or both null");
   }
+  if (p.residual2 != nullptr && p.residual == nullptr) {
+    return InvalidArgumentError(std::string(kP) + ": residual2 needs residual");
+  }
   TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));  // 0 rows: amax 0
   if (p.rows == 0) return Status::Ok();
   if (p.input == nullptr) return NullField(kP, "input");
@@ -865,11 +874,9 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   const struct {
     const char* name;
     const void* ptr;
-  } vectors[] = {{"input", p.input},
-                 {"residual", p.residual},
-                 {"residual_out", p.residual_out},
-                 {"weight", p.weight},
-                 {"out", p.out}};
+  } vectors[] = {{"input", p.input},         {"residual", p.residual},
+                 {"residual2", p.residual2}, {"residual_out", p.residual_out},
+                 {"weight", p.weight},       {"out", p.out}};
   for (const auto& v : vectors) {
     if (!IsAligned(v.ptr, 16)) return MisalignedField(kP, v.name, 16);
   }

@@ -73,6 +73,9 @@ struct Prepared {
   OverlapPlan plan;
   std::vector<PreparedStep> steps;
   std::vector<PeerSignals::Flag> done_from;  // copy engine: waited for at the end of Run
+  // The step that sums this rank's whole output from two addends (a one-chunk copy-engine
+  // ring's last addition), which RunSplit skips; -1 if the plan has none.
+  int split_sum_step = -1;
 };
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -620,6 +623,12 @@ Status CudaLinear::Prepare(int64_t m) {
       }
     }
   }
+  if (deferred_sums.size() == 1) {
+    const CommCall::Sum& sum = deferred_sums[0].comm.sum_args;
+    if (sum.slots.size() == 2 && sum.dst.offset == 0 && sum.count == own.size() * n) {
+      prep.split_sum_step = static_cast<int>(prep.steps.size());
+    }
+  }
   for (PreparedStep& sum : deferred_sums) prep.steps.push_back(std::move(sum));
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     for (int d : prep.steps[i].deps) {
@@ -668,6 +677,14 @@ Status CudaLinear::Run(int64_t m, const void* w, const float* x_scale, const flo
   return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kAll);
 }
 
+Status CudaLinear::RunSplit(int64_t m, const void* w, const float* x_scale, const float* w_scale,
+                            void* y, cudaStream_t stream, SplitOutput* split) {
+  if (split == nullptr) {
+    return InvalidArgumentError("layer " + name_ + ": RunSplit needs a SplitOutput");
+  }
+  return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kAll, split);
+}
+
 Status CudaLinear::RunGemmOnly(int64_t m, const void* w, const float* x_scale, const float* w_scale,
                                void* y, cudaStream_t stream) {
   return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kGemm);
@@ -680,7 +697,7 @@ Status CudaLinear::RunCommOnly(int64_t m, void* y, cudaStream_t stream) {
 }
 
 Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                           void* y, cudaStream_t stream, Steps steps) {
+                           void* y, cudaStream_t stream, Steps steps, SplitOutput* split) {
   const bool with_comm = steps != Steps::kGemm;
   const bool with_gemm = steps != Steps::kComm;
   if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
@@ -755,9 +772,19 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
       }
     }
   }
+  // RunSplit: the skipped sum step and the addends it would have read.
+  const int skip = split != nullptr ? prep.split_sum_step : -1;
+  if (split != nullptr) {
+    *split = {y, nullptr};
+    if (skip >= 0) {
+      const std::vector<BufRef>& slots = prep.steps[skip].comm.sum_args.slots;
+      *split = {resolve(slots[0]), resolve(slots[1])};
+    }
+  }
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));
   for (size_t i = 0; i < prep.steps.size(); ++i) {
+    if (static_cast<int>(i) == skip) continue;
     const PreparedStep& ps = prep.steps[i];
     if (!ps.is_gemm && !with_comm) continue;
     if (ps.is_gemm && !with_gemm) continue;

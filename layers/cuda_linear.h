@@ -73,6 +73,22 @@ class CudaLinear {
   Status Run(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
              cudaStream_t stream);
 
+  // A GEMM+RS output left as two addends: this rank's output is bf16(first + second)
+  // elementwise (FP32 sum rounded once, as the layer's own sum kernel adds), each
+  // [shard rows, n] BF16, contiguous, in the layer's buffers. Valid on the stream after
+  // Run until the next Run of this layer. second == nullptr: first is y, already summed.
+  struct SplitOutput {
+    const void* first = nullptr;
+    const void* second = nullptr;
+  };
+  // Run, but a GEMM+RS plan that ends in a sum step of its own (ring with copy engines and
+  // one chunk: the own rows' partial plus the running sum the copy engine brought in) skips
+  // that step and leaves the addition to the output's consumer, which reads both addends
+  // anyway (the engine's add & norm), instead of a pass that reads both and writes y. Any
+  // other plan runs as Run does and answers {y, nullptr}. `split` is required.
+  Status RunSplit(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
+                  cudaStream_t stream, SplitOutput* split);
+
   // For benchmarks: enqueue only the GEMM steps (skip communication), to
   // measure the GEMM's cost inside the layer.
   Status RunGemmOnly(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
@@ -107,7 +123,7 @@ class CudaLinear {
   CudaLinear() = default;
   enum class Steps { kAll, kGemm, kComm };
   Status Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
-                 cudaStream_t stream, Steps steps);
+                 cudaStream_t stream, Steps steps, SplitOutput* split = nullptr);
 
   std::string name_;
   CudaLinearShape shape_;

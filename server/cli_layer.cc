@@ -23,6 +23,9 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
              const std::vector<std::string>& given_cuda_only) {
   std::string e = CudaOnlyFlagsError(f.backend, given_cuda_only, /*offers_auto=*/false);
   if (e.empty()) e = ChunksForMode(f.mode == "none", f.chunks_given, &f.chunks);
+  if (e.empty() && f.split_output && f.op != "gemm_rs") {
+    e = "--split-output applies to --op gemm_rs only (an AllGather+GEMM has no sum to leave)";
+  }
   if (!e.empty()) {
     std::fprintf(stderr, "error: %s\n", e.c_str());
     return 2;
@@ -144,6 +147,13 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
   CudaOnly(cmd->add_option("--gemm-sms", f->gemm_sm_count, "GEMM SM budget (0 = all SMs)")
                ->check(NonNegative())
                ->capture_default_str(),
+           cuda_only.get());
+  CudaOnly(cmd->add_flag("--split-output", f->split_output,
+                         "gemm_rs: run the layer as the engine runs o and down (RunSplit): a "
+                         "plan that ends in a sum step of its own (ring, --chunks 1, "
+                         "--copy-engine) leaves that addition to the consumer, here the check, "
+                         "which adds the two addends (FP32 sum rounded to BF16) before comparing; "
+                         "other plans write their output as usual"),
            cuda_only.get());
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());

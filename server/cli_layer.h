@@ -22,6 +22,7 @@ struct LayerFlags {
   std::string cta_policy = "default";
   bool copy_engine = false;
   int gemm_sm_count = 0;
+  bool split_output = false;  // gemm_rs: CudaLinear::RunSplit, the addends summed on the host
   uint32_t seed = 1;
   int iters = 3;
   double tolerance = 1e-2;

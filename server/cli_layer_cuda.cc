@@ -74,14 +74,40 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   const int64_t out = layer->output_elements(f.m);
   TP_ASSIGN_OR_RETURN(DeviceBuffer y, DeviceBuffer::Allocate(std::max<int64_t>(out, 1) * 2, "y"));
   TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st));
+  CudaLinear::SplitOutput split;
   auto run = [&] {
-    return layer->Run(f.m, w.data(), scales.as<float>(), scales.as<float>() + 4, y.data(), st);
+    const float* x_scale = scales.as<float>();
+    if (f.split_output) {
+      return layer->RunSplit(f.m, w.data(), x_scale, x_scale + 4, y.data(), st, &split);
+    }
+    return layer->Run(f.m, w.data(), x_scale, x_scale + 4, y.data(), st);
+  };
+  // This rank's output after a run: y, or with --split-output the sum of the
+  // two addends that RunSplit left, as a consumer adds them.
+  auto fetch = [&](std::vector<BFloat16>* dst) -> Status {
+    dst->resize(out);
+    if (split.second == nullptr) {
+      TP_CUDA_CHECK(cudaMemcpy(dst->data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
+      return Status::Ok();
+    }
+    std::vector<BFloat16> second(out);
+    TP_CUDA_CHECK(cudaMemcpy(dst->data(), split.first, out * 2, cudaMemcpyDeviceToHost));
+    TP_CUDA_CHECK(cudaMemcpy(second.data(), split.second, out * 2, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < out; ++i) {
+      (*dst)[i] = FloatToBFloat16(BFloat16ToFloat((*dst)[i]) + BFloat16ToFloat(second[i]));
+    }
+    return Status::Ok();
   };
   TP_RETURN_IF_ERROR(run());
   NcclCommunicator& comm = pool.base();
   TP_RETURN_IF_ERROR(comm.WaitStream(st));
-  std::vector<BFloat16> host(out);
-  TP_CUDA_CHECK(cudaMemcpy(host.data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
+  if (f.split_output) {
+    spdlog::info("rank {}: --split-output: {}", r,
+                 split.second != nullptr ? "two addends, summed by the check"
+                                         : "the plan has no sum step of its own; y as usual");
+  }
+  std::vector<BFloat16> host;
+  TP_RETURN_IF_ERROR(fetch(&host));
   RankResult res;
   TP_ASSIGN_OR_RETURN(res.err, CompareRankWithReference(p, r, host));
 
@@ -103,8 +129,8 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   TP_RETURN_IF_ERROR(set_input(x2));
   TP_RETURN_IF_ERROR(run());
   TP_RETURN_IF_ERROR(comm.WaitStream(st));
-  std::vector<BFloat16> host2(out);
-  TP_CUDA_CHECK(cudaMemcpy(host2.data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
+  std::vector<BFloat16> host2;
+  TP_RETURN_IF_ERROR(fetch(&host2));
   TP_RETURN_IF_ERROR(set_input(x1));
 
   TP_ASSIGN_OR_RETURN(CudaGraphExec graph,
@@ -123,13 +149,13 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   std::sort(times.begin(), times.end());
   res.median_ms = times[times.size() / 2];
   res.replay_identical = true;
-  std::vector<BFloat16> replayed(out);
+  std::vector<BFloat16> replayed;
   for (int i = 0; i < kCheckedReplays; ++i) {
     const bool second = i % 2 == 0;  // the first checked replay changes the input
     TP_RETURN_IF_ERROR(set_input(second ? x2 : x1));
     TP_RETURN_IF_ERROR(graph.Launch(st));
     TP_RETURN_IF_ERROR(comm.WaitStream(st));
-    TP_CUDA_CHECK(cudaMemcpy(replayed.data(), y.data(), out * 2, cudaMemcpyDeviceToHost));
+    TP_RETURN_IF_ERROR(fetch(&replayed));
     const std::vector<BFloat16>& want = second ? host2 : host;
     if (!std::equal(replayed.begin(), replayed.end(), want.begin(),
                     [](BFloat16 a, BFloat16 b) { return a.bits == b.bits; })) {

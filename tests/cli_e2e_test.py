@@ -150,7 +150,7 @@ class CommandLineChecks(unittest.TestCase):
 
     # layer's flags that only the cuda backend reads, with a value to give each.
     LAYER_CUDA_ONLY = (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
-                       ["--gemm-sms", "8"], ["--gemm-algo", "heuristic"])
+                       ["--gemm-sms", "8"], ["--split-output"], ["--gemm-algo", "heuristic"])
 
     def test_layer_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. The cpu backend, given or layer's default,
@@ -166,13 +166,20 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cpu", "--mode", "none", "--chunks", "3",
                           *[a for knob in self.LAYER_CUDA_ONLY for a in knob]],
                          "error: --backend cpu: --max-ctas, --cta-policy, --copy-engine, "
-                         "--gemm-sms and --gemm-algo need --backend cuda; the cpu backend does "
-                         "not read them", 2)
+                         "--gemm-sms, --split-output and --gemm-algo need --backend cuda; the cpu "
+                         "backend does not read them", 2)
         self.assertNotIn("--chunks 3", p.stderr)
         self.assertNotIn("--backend auto", p.stderr)  # layer has none
         # Without them the cpu backend runs.
         self.assertIn("-> PASS", run("layer", "--backend", "cpu", "--m", "8").stdout)
         self.assert_help_marks_cuda_only("layer", [knob[0] for knob in self.LAYER_CUDA_ONLY])
+
+    def test_layer_refuses_split_output_for_an_all_gather(self):
+        # An AllGather+GEMM has no sum to leave to its consumer; refused before anything runs,
+        # with or without a CUDA backend in the build.
+        p = self.refused(["layer", "--backend", "cuda", "--op", "ag_gemm", "--split-output"],
+                         "error: --split-output applies to --op gemm_rs only", 2)
+        self.assertNotIn("preparing operands", p.stderr)
 
     def test_run_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. A model that does not exist shows that the

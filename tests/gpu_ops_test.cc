@@ -157,22 +157,26 @@ float SaturatingScale(const std::vector<float>& ref) {
 // ---------------------------------------------------------------------------------------------
 // RMSNorm
 
-void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_residual,
-                  uint32_t seed) {
+// `residuals`: 0 (h = x), 1 (h = bf16(x + residual)) or 2 (the residual is the two-part sum
+// bf16(residual + residual2) first, as a GEMM+RS layer's split output).
+void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, int residuals, uint32_t seed) {
+  const bool with_residual = residuals > 0;
   const std::string what = "rms_norm rows=" + std::to_string(rows) + " dim=" + std::to_string(dim) +
-                           (with_residual ? " +residual" : "");
+                           " residuals=" + std::to_string(residuals);
   const size_t n = static_cast<size_t>(rows * dim);
   const std::vector<BFloat16> x = RandomBf16(n, -2.0f, 2.0f, seed);
   const std::vector<BFloat16> residual = RandomBf16(n, -2.0f, 2.0f, seed + 1);
+  const std::vector<BFloat16> residual2 = RandomBf16(n, -2.0f, 2.0f, seed + 3);
   const std::vector<BFloat16> weight = RandomBf16(static_cast<size_t>(dim), 0.5f, 1.5f, seed + 2);
   const float eps = 1e-5f;
 
-  // h = bf16(x + residual), the FP32 sum rounded once, like the kernel.
+  // h = bf16(x + r), each FP32 sum rounded once, like the kernel; r = residual, or
+  // bf16(residual + residual2).
   std::vector<BFloat16> h_bits(n);
   for (size_t i = 0; i < n; ++i) {
-    h_bits[i] = with_residual
-                    ? FloatToBFloat16(BFloat16ToFloat(x[i]) + BFloat16ToFloat(residual[i]))
-                    : x[i];
+    BFloat16 r = residual[i];
+    if (residuals == 2) r = FloatToBFloat16(BFloat16ToFloat(r) + BFloat16ToFloat(residual2[i]));
+    h_bits[i] = with_residual ? FloatToBFloat16(BFloat16ToFloat(x[i]) + BFloat16ToFloat(r)) : x[i];
   }
   const std::vector<float> h = Widen(h_bits);
   const std::vector<float> w = Widen(weight);
@@ -182,6 +186,7 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_resi
 
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_x, Upload(x, "x"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_res, Upload(residual, "residual"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_res2, Upload(residual2, "residual2"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_w, Upload(weight, "weight"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scale, Upload(std::vector<float>{scale}, "scale"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
@@ -199,6 +204,7 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_resi
     p.residual = d_res.as<BFloat16>();
     p.residual_out = d_res_out.as<BFloat16>();
   }
+  if (residuals == 2) p.residual2 = d_res2.as<BFloat16>();
   p.weight = d_w.as<BFloat16>();
   p.out = d_out.as<BFloat16>();
   p.out_fp8 = d_fp8.as<uint8_t>();
@@ -221,7 +227,7 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, bool with_resi
     TP_ASSERT_OK_AND_ASSIGN(auto res_out, Download<BFloat16>(d_res_out.data(), n));
     size_t mismatches = 0;
     for (size_t i = 0; i < n; ++i) mismatches += res_out[i].bits != h_bits[i].bits;
-    EXPECT_EQ(mismatches, 0u) << what << ": residual_out is not bf16(x + residual)";
+    EXPECT_EQ(mismatches, 0u) << what << ": residual_out is not bf16(x + r)";
   }
 }
 
@@ -230,13 +236,13 @@ TEST_F(GpuOpsTest, RmsNormMatchesReference) {
   uint32_t seed = 100;
   for (int64_t rows : {1, 37, 1002}) {
     for (int64_t dim : {256, 8192}) {
-      for (bool residual : {false, true}) CheckRmsNorm(stream(), rows, dim, residual, seed += 3);
+      for (int residuals : {0, 1, 2}) CheckRmsNorm(stream(), rows, dim, residuals, seed += 4);
     }
   }
   // The extremes of dim: one vector per row, and two per thread of a full block.
-  CheckRmsNorm(stream(), 37, 8, true, 7);
-  CheckRmsNorm(stream(), 37, 16384, true, 8);
-  CheckRmsNorm(stream(), 5, 8200, false, 9);  // not a multiple of a warp's vectors
+  CheckRmsNorm(stream(), 37, 8, 2, 7);
+  CheckRmsNorm(stream(), 37, 16384, 2, 8);
+  CheckRmsNorm(stream(), 5, 8200, 0, 9);  // not a multiple of a warp's vectors
 }
 
 TEST_F(GpuOpsTest, RmsNormInPlaceOnTheResidualStream) {
@@ -710,6 +716,11 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     RmsNormParams p = norm;
     p.residual = bf;
     ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "residual_out");
+  }
+  {
+    RmsNormParams p = norm;
+    p.residual2 = bf;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "residual2");
   }
   {
     // out_amax is the BF16 output's amax: refused without out, and misaligned.
