@@ -611,6 +611,11 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
   return Status::Ok();
 }
 
+// The tuned file's note on --split-output.
+constexpr const char* kSplitOutputNote =
+    "# gemm_rs entries: timed as the engine runs o and down (--split-output): a one-chunk\n"
+    "# copy-engine ring leaves its last sum to the add & norm, which reads both addends.\n";
+
 int Main(int argc, char** argv) {
   Flags f;
 #ifdef TPSERVE_TUNE_MAIN
@@ -912,7 +917,7 @@ int Main(int argc, char** argv) {
          << "\n# tuned: the fastest measured knobs per layer shape (global n, k) and M; "
             "mode auto picks the\n# entry with the largest m <= M (else the smallest) and "
             "none for shapes not listed.\n"
-         << tuned.ToYaml();
+         << (f.split_output ? kSplitOutputNote : "") << tuned.ToYaml();
     yaml.close();
     if (!yaml) {
       spdlog::error("--tune-out: cannot write {}", f.tune_out);
