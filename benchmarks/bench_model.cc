@@ -325,6 +325,10 @@ int Main(int argc, char** argv) {
                {"seq_len", shapes[b].len},
                {"tokens", tokens}};
       rec.update(Stats(times[b][c]));
+      // Every round in order: the settings ran interleaved, so round i of two settings
+      // is a pair measured under the same conditions.
+      rec["times_ms"] = json::array();
+      for (double t : times[b][c]) rec["times_ms"].push_back(std::round(t * 1e3) / 1e3);
       if (c > 0) {
         const VsNone& v = vs_none[b][c];
         rec["logits_vs_none"] = {

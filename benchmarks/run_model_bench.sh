@@ -87,9 +87,11 @@ if missing:
     doc["missing_inputs"] = missing  # a benchmark died: not a complete comparison
 json.dump(doc, open(path, "w"), indent=1)
 print("wrote %s (%d records)" % (path, len(records)))
-by = {}
+by, rounds = {}, {}
 for r in records:
     by.setdefault(r["tokens"], {})[r.get("overlap_config") or r["method"]] = r["tokens_per_sec"]
+    if r.get("impl") == "tpserve" and r.get("times_ms"):
+        rounds.setdefault(r["tokens"], {})[r.get("overlap_config") or r["method"]] = r["times_ms"]
 for tokens, v in sorted(by.items()):
     none = v.get("none"); torch = v.get("torch_eager")
     tuned = max((x for k, x in v.items() if k not in ("none", "torch_eager")), default=None)
@@ -99,6 +101,17 @@ for tokens, v in sorted(by.items()):
           "tuned/torch %s (goal >= 1.3)" % (tokens, none and round(none), tuned and round(tuned),
                                             torch and round(torch), ratio(tuned, none),
                                             ratio(tuned, torch)))
+    # none and each overlap config ran interleaved round by round: the ratio of each round's
+    # pair, so that drift over the run (clocks, temperature) falls on both sides alike.
+    t = rounds.get(tokens, {})
+    for name, times in sorted(t.items()):
+        if name == "none" or "none" not in t or len(times) != len(t["none"]):
+            continue
+        pairs = sorted(a / b for a, b in zip(t["none"], times))
+        q = lambda p: pairs[min(len(pairs) - 1, int(p * (len(pairs) - 1) + 0.5))]
+        print("%6d tokens: %s/none per round (%d pairs): median %.3f, quartiles %.3f-%.3f, "
+              "range %.3f-%.3f" % (tokens, name, len(pairs), q(0.5), q(0.25), q(0.75),
+                                   pairs[0], pairs[-1]))
 sys.exit(1 if missing else 0)
 PY
 exit $rc
