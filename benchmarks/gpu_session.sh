@@ -25,6 +25,9 @@
 #   modelcmp   the model (8x1024; LAYERS, default all) with mode none, the deploy config and
 #           each file of CONFIGS (default /tmp/overlap-split.yaml) interleaved round by round,
 #           each setting's logits compared with mode none's; no PyTorch
+#   gateup  the whole model (8x1024) with the deploy config and variants of it that change
+#           gate_up alone (mode none on NCCL; none on copy engines; ring on copy engines with
+#           2 chunks), interleaved round by round with mode none
 #   model   the model benchmark with PyTorch (run_model_bench.sh)
 #   load    tpserve serve --backend cuda (llama3-70b, weights generated on the
 #           GPUs) under a tpserve-loadtest concurrency sweep
@@ -47,7 +50,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|model|load|stress|sustained|stages|ab|profile}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|gateup|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -299,6 +302,24 @@ CASES
       --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-sustained-variants-$commit.json" \
       > "$out/sustained.log" 2>&1 || rc=1
     grep -E "tokens/s|error" "$out/sustained.log"
+    ;;
+  gateup)
+    # gate_up alone varied in the whole model (8x1024; the deploy config otherwise), all
+    # interleaved round by round: does its overlap pay under the power limit? The variants
+    # are line edits of the deploy file's gate_up entries (n: 57344).
+    base=deploy/overlap-llama3-70b-tp$tp.yaml
+    grep -v "op: ag_gemm, n: 57344" "$base" > /tmp/gate-up-none-nccl.yaml
+    sed '/op: ag_gemm, n: 57344/s/mode: ring, chunks: 1,/mode: none, chunks: 1,/' "$base" \
+      > /tmp/gate-up-none-ce.yaml
+    sed '/op: ag_gemm, n: 57344/s/mode: ring, chunks: 1,/mode: ring, chunks: 2,/' "$base" \
+      > /tmp/gate-up-ring-ce-c2.yaml
+    cp /tmp/gate-up-{none-nccl,none-ce,ring-ce-c2}.yaml "$out/"
+    timeout ${MODEL_TIMEOUT:-300} .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b \
+      --layers 0 --batches 8x1024 --rounds ${ROUNDS:-20} --commit "$commit" \
+      --overlap "$base" /tmp/gate-up-{none-nccl,none-ce,ring-ce-c2}.yaml \
+      --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-gate-up-$commit.json" \
+      > "$out/gateup.log" 2>&1 || rc=1
+    grep -E "tokens/s|logits vs none|error" "$out/gateup.log"
     ;;
   stages)
     timeout 200 .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b --layers 0 \
