@@ -9,8 +9,12 @@
 //   mlp.gate_up (AG+GEMM) -> SwiGLU -> FP8 -> mlp.down (GEMM+RS)
 // then add & RMSNorm, an AllGather of the normed rows, each sequence's last
 // row, the LM head (BF16, vocabulary split over ranks) and an AllGather of
-// the logits. Residual adds are fused into the next RMSNorm. FP8
-// activations use each layer's static input scale, as the CPU model does.
+// the logits. Residual adds are fused into the next RMSNorm. So is the last
+// addition of a row-parallel layer (o, down) whose plan ends in a sum step of
+// its own (a one-chunk copy-engine ring, CudaLinear::RunSplit): the norm adds
+// its two addends itself, the same FP32 sum rounded once, instead of a pass
+// that writes the sum for the norm to read. FP8 activations use each layer's
+// static input scale, as the CPU model does.
 //
 // Differences from CpuModel that show in the numbers: activations between
 // ops are BF16 (CPU: FP32), attention uses BF16 probabilities; tests compare
