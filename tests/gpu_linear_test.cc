@@ -102,10 +102,14 @@ StatusOr<std::unique_ptr<CudaLinear>> PreparedLayer(const std::string& name, con
 }
 
 // Runs `problem` through a CudaLinear with `knobs` on every rank; returns the
-// ranks' outputs (poisoned before the run).
+// ranks' outputs (poisoned before the run). With `split_out`, through RunSplit:
+// (*split_out)[r] tells whether rank r got two addends (summed here, FP32 sum
+// rounded once, as a consumer adds them) rather than y.
 StatusOr<std::vector<std::vector<BFloat16>>> RunOnGpus(NcclThreadGroup& group,
                                                        const LinearProblem& p,
-                                                       const LinearKnobs& knobs) {
+                                                       const LinearKnobs& knobs,
+                                                       std::vector<bool>* split_out = nullptr) {
+  if (split_out != nullptr) split_out->assign(p.tp, false);
   std::vector<std::vector<BFloat16>> y(p.tp);
   TP_RETURN_IF_ERROR(group.Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(p, r));
@@ -116,11 +120,25 @@ StatusOr<std::vector<std::vector<BFloat16>>> RunOnGpus(NcclThreadGroup& group,
     const int64_t out = layer->output_elements(p.m);
     TP_ASSIGN_OR_RETURN(DeviceBuffer dy, DeviceBuffer::Allocate(out * 2 + 16, "test.y"));
     TP_RETURN_IF_ERROR(LaunchPoisonFill(dy.data(), DataType::kBFloat16, out, stream.get()));
-    TP_RETURN_IF_ERROR(
-        layer->Run(p.m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get()));
+    CudaLinear::SplitOutput split{dy.data(), nullptr};
+    if (split_out != nullptr) {
+      TP_RETURN_IF_ERROR(layer->RunSplit(p.m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(),
+                                         stream.get(), &split));
+    } else {
+      TP_RETURN_IF_ERROR(
+          layer->Run(p.m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get()));
+    }
     TP_RETURN_IF_ERROR(group.pool(r).base().WaitStream(stream.get()));
     y[r].resize(out);
-    TP_CUDA_CHECK(cudaMemcpy(y[r].data(), dy.data(), out * 2, cudaMemcpyDeviceToHost));
+    TP_CUDA_CHECK(cudaMemcpy(y[r].data(), split.first, out * 2, cudaMemcpyDeviceToHost));
+    if (split.second != nullptr) {
+      (*split_out)[r] = true;
+      std::vector<BFloat16> second(out);
+      TP_CUDA_CHECK(cudaMemcpy(second.data(), split.second, out * 2, cudaMemcpyDeviceToHost));
+      for (int64_t i = 0; i < out; ++i) {
+        y[r][i] = FloatToBFloat16(BFloat16ToFloat(y[r][i]) + BFloat16ToFloat(second[i]));
+      }
+    }
     return Status::Ok();
   }));
   return y;
@@ -143,6 +161,48 @@ void CheckAllConfigs(NcclThreadGroup& group, OverlapOp op, DataType dtype) {
       EXPECT_LE(err->rel_frobenius, kRelTol) << "max_abs " << err->max_abs;
     }
   }
+}
+
+// RunSplit on NCCL plans, which have no sum step of their own: each rank's
+// output in y, as Run writes it, and no second addend. (The copy-engine ring
+// whose last sum RunSplit leaves to the consumer needs one process per GPU:
+// benchmarks/gpu_layer_cli.sh checks it with `tpserve layer --split-output`.)
+TEST_F(GpuLinearTest, RunSplitOfAPlanWithoutItsOwnSumStepWritesY) {
+  for (OverlapOp op : {OverlapOp::kGemmReduceScatter, OverlapOp::kAllGatherGemm}) {
+    const bool ag = op == OverlapOp::kAllGatherGemm;
+    auto p = MakeRandomLinearProblem(op, DataType::kFloat8E4M3, kTp, 1002, ag ? 64 * kTp : 96,
+                                     ag ? 128 : 64 * kTp, 5);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    for (const Config& c : AllConfigs()) {
+      SCOPED_TRACE(std::string(OverlapOpName(op)) + " " + c.label);
+      std::vector<bool> split;
+      auto y = RunOnGpus(*group_, *p, c.knobs, &split);
+      ASSERT_TRUE(y.ok()) << y.status().ToString();
+      for (int r = 0; r < kTp; ++r) EXPECT_FALSE(split[r]) << "rank " << r << " got two addends";
+      auto err = CompareWithReference(*p, *y);
+      ASSERT_TRUE(err.ok()) << err.status().ToString();
+      EXPECT_EQ(err->unwritten, 0);
+      EXPECT_LE(err->rel_frobenius, kRelTol) << "max_abs " << err->max_abs;
+    }
+  }
+}
+
+TEST_F(GpuLinearTest, RunSplitNeedsItsOutput) {
+  auto p = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, DataType::kFloat8E4M3, kTp, 64,
+                                   96, 64 * kTp, 6);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  Status s = group_->Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(RankOperands ops, RankOperands::Upload(*p, r));
+    TP_ASSIGN_OR_RETURN(auto layer,
+                        PreparedLayer("test.layer", *p, LinearKnobs{}, group_->pool(r)));
+    TP_ASSIGN_OR_RETURN(DeviceBuffer dy, DeviceBuffer::Allocate(4096, "test.y"));
+    const Status refused = layer->RunSplit(p->m, ops.w.data(), ops.x_scale(), ops.w_scale(),
+                                           dy.data(), nullptr, nullptr);
+    EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+    EXPECT_NE(refused.message().find("SplitOutput"), std::string::npos) << refused.ToString();
+    return Status::Ok();
+  });
+  EXPECT_TRUE(s.ok()) << s.ToString();
 }
 
 TEST_F(GpuLinearTest, AllGatherGemmFp8MatchesCpuReferenceInEveryMode) {
