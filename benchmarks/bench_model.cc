@@ -57,6 +57,7 @@ struct Flags {
   std::string gemm_algo = "timed";    // GemmAlgoSelection of every GEMM
   bool dynamic_input_scales = false;  // FP8 inputs scaled per batch (CudaModelOptions)
   bool stages = false;                // also where an eager pass spends its time
+  double check_logits = -1;           // >= 0: fail above this rel. difference from none
 };
 
 struct BatchShape {
@@ -175,6 +176,12 @@ int Main(int argc, char** argv) {
                "with CUDA events on rank 0 (embedding, norm, qkv, rope, attention, o, gate_up, "
                "swiglu, down, head; each summed over the blocks): printed, and in each record "
                "as stages_ms. Eager, so launch gaps count; not the graph the rounds replay");
+  app.add_option("--check-logits", f.check_logits,
+                 "Fail (exit 1, after writing the results) when an overlap setting's logits "
+                 "differ from mode none's on the same batch by more than this relative "
+                 "Frobenius norm, or pick another top-1 token for any sequence; checked on the "
+                 "eager first run and on the last round's graph replay (negative: report only)")
+      ->capture_default_str();
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
@@ -246,16 +253,18 @@ int Main(int argc, char** argv) {
       shapes.size(), std::vector<std::vector<double>>(configs.size()));
   std::vector<std::vector<std::vector<std::pair<std::string, double>>>> stages(
       shapes.size(), std::vector<std::vector<std::pair<std::string, double>>>(configs.size()));
-  // vs_none[batch][setting]: rank 0's comparison of the setting's logits (its first run)
-  // with mode none's on the same batch and weights.
+  // vs_none[batch][setting] and vs_none_replay: rank 0's comparison of the setting's logits
+  // with mode none's on the same batch and weights, on its first run (eager, capturing the
+  // graph) and on the last round (a graph replay, as served).
   std::vector<std::vector<VsNone>> vs_none(shapes.size(), std::vector<VsNone>(configs.size()));
+  std::vector<std::vector<VsNone>> vs_none_replay = vs_none;
   Status s = group->Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(config, dtype, f.seed, nullptr,
                                                             group->pool(r), options));
     NcclCommunicator& comm = group->pool(r).base();
     for (size_t b = 0; b < shapes.size(); ++b) {
       const TokenBatch batch = MakeBatch(shapes[b], config.vocab_size, f.seed);
-      std::vector<float> none_logits;  // rank 0: mode none's, from its first run
+      std::vector<float> none_logits;  // rank 0: mode none's, from its first run / last round
       for (int round = -1 - f.warmup; round < f.rounds; ++round) {
         for (size_t c = 0; c < configs.size(); ++c) {
           // Each setting's first run of this batch captures its graph.
@@ -271,11 +280,13 @@ int Main(int argc, char** argv) {
               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                   .count();
           if (round >= 0 && r == 0) times[b][c].push_back(ms);
-          if (round == -1 - f.warmup && r == 0) {
+          const bool first = round == -1 - f.warmup, last = round == f.rounds - 1;
+          if ((first || last) && r == 0) {
             if (c == 0) {
               none_logits = logits;
             } else {
-              vs_none[b][c] = CompareLogits(logits, none_logits, config.vocab_size);
+              (first ? vs_none : vs_none_replay)[b][c] =
+                  CompareLogits(logits, none_logits, config.vocab_size);
             }
           }
         }
@@ -302,6 +313,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   if (!group->leader()) return 0;  // a worker process: rank 0 reports
+  bool logits_failed = false;      // --check-logits
   json out{{"meta",
             {{"commit", f.commit},
              {"model", f.model},
@@ -329,14 +341,23 @@ int Main(int argc, char** argv) {
       // is a pair measured under the same conditions.
       rec["times_ms"] = json::array();
       for (double t : times[b][c]) rec["times_ms"].push_back(std::round(t * 1e3) / 1e3);
-      if (c > 0) {
-        const VsNone& v = vs_none[b][c];
-        rec["logits_vs_none"] = {
+      for (int replay = 0; c > 0 && replay < 2; ++replay) {
+        const VsNone& v = (replay ? vs_none_replay : vs_none)[b][c];
+        rec[replay ? "logits_vs_none_replay" : "logits_vs_none"] = {
             {"rel_frobenius", v.rel_frobenius}, {"top1_agree", v.top1_agree}, {"seqs", v.seqs}};
         spdlog::info(
-            "{:>6} tokens ({}x{}) {:40} logits vs none: rel_frobenius {:.3g}, top-1 "
+            "{:>6} tokens ({}x{}) {:40} logits vs none ({}): rel_frobenius {:.3g}, top-1 "
             "agrees on {} of {} sequences",
-            tokens, shapes[b].seqs, shapes[b].len, names[c], v.rel_frobenius, v.top1_agree, v.seqs);
+            tokens, shapes[b].seqs, shapes[b].len, names[c], replay ? "graph replay" : "eager",
+            v.rel_frobenius, v.top1_agree, v.seqs);
+        if (f.check_logits >= 0 &&
+            (!(v.rel_frobenius <= f.check_logits) || v.top1_agree != v.seqs || v.seqs == 0)) {
+          spdlog::error(
+              "{} tokens: {}'s logits ({}) differ from mode none's beyond "
+              "--check-logits {}",
+              tokens, names[c], replay ? "graph replay" : "eager", f.check_logits);
+          logits_failed = true;
+        }
       }
       rec["tokens_per_sec"] = tokens / (rec["median_ms"].get<double>() / 1000.0);
       spdlog::info("{:>6} tokens ({}x{}) {:40} median {:.3f} ms  {:.0f} tokens/s", tokens,
@@ -365,7 +386,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   spdlog::info("wrote {} records to {}", out["records"].size(), f.out);
-  return 0;
+  return logits_failed ? 1 : 0;
 }
 
 }  // namespace

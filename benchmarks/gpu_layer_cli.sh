@@ -41,4 +41,13 @@ cases=$(grep -c "^== tpserve layer" "$out/layer_cli.log")
 passes=$(grep -c -- "-> PASS" "$out/layer_cli.log")
 echo "$passes"
 [ "$passes" -eq $((cases * ${TP:-2})) ] || rc=1
+# RunSplit falls back to y when a plan has no sum step of its own, and that passes too: the
+# --split-output cases must also say which they got. At TP=2: both ranks of m=4099 and 37 and
+# rank 0 of m=1 get two addends; rank 1 of m=1 (no rows) and both of --chunks 2 do not.
+if [ "${TP:-2}" -eq 2 ]; then
+  split=$(grep -c -- "--split-output: two addends" "$out/layer_cli.log")
+  whole=$(grep -c -- "--split-output: the plan has no sum step" "$out/layer_cli.log")
+  echo "split-output: $split ranks with two addends (want 5), $whole without (want 3)"
+  [ "$split" -eq 5 ] && [ "$whole" -eq 3 ] || rc=1
+fi
 exit $rc

@@ -15,7 +15,8 @@
 #   selfcheck  tpserve against itself (mode none vs ring on copy engines) on the
 #              same checkpoints, next to tpserve against PyTorch
 #   tests   (bounded to ~9 min) the GPU tests, `tpserve layer` in the multi-process model,
-#           `tpserve run --backend cuda` vs the CPU backend, the serve test
+#           `tpserve run --backend cuda` vs the CPU backend, the tiny model with one-chunk
+#           copy-engine rings vs mode none (tpserve-bench-model --check-logits), the serve test
 #   overlap the overlap benchmark with PyTorch (run_overlap_bench.sh), one process
 #           per GPU, copy-engine methods included, Llama-3-70B's layers and the
 #           seed's shape; tunes the overlap config and measures auto with it
@@ -115,6 +116,16 @@ den = sum(b * b for b in c["logits"])
 print("next token cuda %d cpu %d; logits rel_frobenius %.3g" % (
     g["next_token_id"], c["next_token_id"], math.sqrt(num / den)))
 PY
+    # The engine with o and down as one-chunk copy-engine rings (their last sum left to the
+    # add & norm, CudaLinear::RunSplit) against mode none, one process per GPU, eager and
+    # graph-replayed, awkward token counts included.
+    echo "== tpserve-bench-model tiny: ring on copy engines, 1 chunk, vs none (--check-logits)"
+    printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 1\n  copy_engine: true\n' \
+      > "$out/overlap-ring-ce-c1.yaml"
+    timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches 4x100 3x37 \
+      --rounds 3 --overlap "$out/overlap-ring-ce-c1.yaml" --check-logits 5e-2 \
+      --out "$out/model-tiny-ring-ce-c1.json" > "$out/model_tiny_logits.log" 2>&1 || rc=1
+    grep -E "logits vs none|error" "$out/model_tiny_logits.log"
     if python3 -c "import grpc" 2>/dev/null; then
       echo "== serve --backend cuda (gRPC, killed worker)"
       (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 150 \

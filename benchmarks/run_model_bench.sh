@@ -109,9 +109,9 @@ for tokens, v in sorted(by.items()):
             continue
         pairs = sorted(a / b for a, b in zip(t["none"], times))
         q = lambda p: pairs[min(len(pairs) - 1, int(p * (len(pairs) - 1) + 0.5))]
-        print("%6d tokens: %s/none per round (%d pairs): median %.3f, quartiles %.3f-%.3f, "
-              "range %.3f-%.3f" % (tokens, name, len(pairs), q(0.5), q(0.25), q(0.75),
-                                   pairs[0], pairs[-1]))
+        print("%6d tokens: speed-up of %s over none per round (none's time / its time, %d "
+              "pairs): median %.3f, quartiles %.3f-%.3f, range %.3f-%.3f"
+              % (tokens, name, len(pairs), q(0.5), q(0.25), q(0.75), pairs[0], pairs[-1]))
 sys.exit(1 if missing else 0)
 PY
 exit $rc

@@ -31,8 +31,9 @@ namespace tpserve {
 // Llama's "add & norm": with a residual, h = bf16(input + residual) is written to
 // residual_out and then normalised; without one, h = input. With residual2 as well, the
 // residual is itself the two-part sum bf16(residual + residual2) (FP32 sum rounded once, as
-// layers/sum_kernels.h adds two slots): a GEMM+RS layer that leaves its last addition to its
-// consumer (CudaLinear::SplitOutput) is added here without a pass of its own.
+// layers/sum_kernels.h adds two slots, but for the sign of -0 + -0, which stays -0 here): a
+// GEMM+RS layer that leaves its last addition to its consumer (CudaLinear::SplitOutput) is
+// added here without a pass of its own.
 //   y[r, i] = h[r, i] * rsqrt(mean_i(h[r, :]^2) + eps) * weight[i]    (FP32)
 //   out[r, i] = bf16(y[r, i]);  out_fp8[r, i] = saturate_e4m3(y[r, i] / *out_fp8_scale)
 // The FP8 output quantizes the FP32 y (not its BF16 rounding). At least one of out and out_fp8

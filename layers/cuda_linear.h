@@ -74,9 +74,12 @@ class CudaLinear {
              cudaStream_t stream);
 
   // A GEMM+RS output left as two addends: this rank's output is bf16(first + second)
-  // elementwise (FP32 sum rounded once, as the layer's own sum kernel adds), each
-  // [shard rows, n] BF16, contiguous, in the layer's buffers. Valid on the stream after
-  // Run until the next Run of this layer. second == nullptr: first is y, already summed.
+  // elementwise (the FP32 sum rounded once, as the layer's own sum kernel adds them, except
+  // that the kernel starts from +0: -0 + -0 gives +0 there), each [shard rows, n] BF16,
+  // contiguous, in the layer's buffers; y is then not written. second == nullptr: first is
+  // y, already summed. The addends are valid for work enqueued on RunSplit's stream after
+  // it and before the layer's next Run, RunSplit, RunGemmOnly, RunCommOnly or Close (which
+  // start with that stream's work done, not another stream's).
   struct SplitOutput {
     const void* first = nullptr;
     const void* second = nullptr;

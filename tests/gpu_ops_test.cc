@@ -240,8 +240,10 @@ TEST_F(GpuOpsTest, RmsNormMatchesReference) {
     }
   }
   // The extremes of dim: one vector per row, and two per thread of a full block.
-  CheckRmsNorm(stream(), 37, 8, 2, 7);
-  CheckRmsNorm(stream(), 37, 16384, 2, 8);
+  for (int residuals : {1, 2}) {
+    CheckRmsNorm(stream(), 37, 8, residuals, 7);
+    CheckRmsNorm(stream(), 37, 16384, residuals, 8);
+  }
   CheckRmsNorm(stream(), 5, 8200, 0, 9);  // not a multiple of a warp's vectors
 }
 
@@ -739,6 +741,12 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     p.input = bf_misaligned;
     ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "input");
     p.input = bf;
+    p.residual = p.residual_out = bf;
+    p.residual2 = bf_misaligned;
+    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "residual2");
+    p.residual2 = nullptr;
+    p.residual = nullptr;
+    p.residual_out = nullptr;
     p.eps = -1.0f;
     ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "eps");
     p.eps = 1e-5f;
