@@ -27,6 +27,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/cli_numbers.h"
@@ -58,6 +59,7 @@ struct Flags {
   bool dynamic_input_scales = false;  // FP8 inputs scaled per batch (CudaModelOptions)
   bool stages = false;                // also where an eager pass spends its time
   double check_logits = -1;           // >= 0: fail above this rel. difference from none
+  int idle_ms = 0;                    // the GPUs idle this long before every timed pass
 };
 
 struct BatchShape {
@@ -182,6 +184,12 @@ int Main(int argc, char** argv) {
                  "Frobenius norm, or pick another top-1 token for any sequence; checked on the "
                  "eager first run and on the last round's graph replay (negative: report only)")
       ->capture_default_str();
+  app.add_option("--idle-ms", f.idle_ms,
+                 "Leave the GPUs idle this many milliseconds before every pass (not timed): "
+                 "a duty cycle below 100 % keeps their average power under the limit, as a "
+                 "server that is not saturated does (recorded in the meta)")
+      ->check(CLI::Range(0, 60000))
+      ->capture_default_str();
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
@@ -273,6 +281,7 @@ int Main(int argc, char** argv) {
             spdlog::info("{} tokens ({}x{}): setting {}", shapes[b].seqs * shapes[b].len,
                          shapes[b].seqs, shapes[b].len, names[c]);
           }
+          if (f.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.idle_ms));
           TP_RETURN_IF_ERROR(comm.Barrier());
           const auto t0 = std::chrono::steady_clock::now();
           TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(batch));
@@ -321,7 +330,8 @@ int Main(int argc, char** argv) {
              {"tp", f.tp},
              {"dtype", f.dtype},
              {"gemm_algo", f.gemm_algo},
-             {"input_scales", f.dynamic_input_scales ? "dynamic" : "static"}}},
+             {"input_scales", f.dynamic_input_scales ? "dynamic" : "static"},
+             {"idle_ms", f.idle_ms}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {
     for (size_t c = 0; c < configs.size(); ++c) {

@@ -24,8 +24,9 @@
 #           runs o and down, their last sum left to the add & norm), Llama-3-70B's layers;
 #           the tuned config is left at /tmp/overlap-split.yaml for the parts after it
 #   modelcmp   the model (8x1024; LAYERS, default all) with mode none, the deploy config and
-#           each file of CONFIGS (default /tmp/overlap-split.yaml) interleaved round by round,
-#           each setting's logits compared with mode none's; no PyTorch
+#           each file of CONFIGS (default /tmp/overlap-split.yaml; empty: none) interleaved
+#           round by round, each setting's logits compared with mode none's, the GPUs idle
+#           IDLE_MS before every pass (default 0), power sampled; no PyTorch
 #   gateup  the whole model (8x1024) with the deploy config and variants of it that change
 #           gate_up alone (mode none on NCCL; none on copy engines; ring on copy engines with
 #           2 chunks), interleaved round by round with mode none
@@ -224,12 +225,22 @@ PY
     [ -s "$tuned" ] && cp "$tuned" /tmp/overlap-split.yaml && grep -E "op: gemm_rs" "$tuned"
     ;;
   modelcmp)
+    # IDLE_MS: the GPUs idle that long before every pass (tpserve-bench-model --idle-ms).
+    tag=L${LAYERS:-80}-tp$tp-cmp${IDLE_MS:+-idle$IDLE_MS}-$commit
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw --format=csv,noheader \
+      -lms 200 > "$out/gpu-clocks-$tag.csv" 2>/dev/null &
+    smi=$!
     timeout ${MODEL_TIMEOUT:-300} .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b \
       --layers ${LAYERS:-0} --batches ${BATCHES:-8x1024} --rounds ${ROUNDS:-10} --commit "$commit" \
-      --overlap deploy/overlap-llama3-70b-tp$tp.yaml ${CONFIGS:-/tmp/overlap-split.yaml} \
-      --out "$out/$(date -u +%F)-model-llama3-70b-L${LAYERS:-80}-tp$tp-cmp-$commit.json" \
-      > "$out/modelcmp.log" 2>&1 || rc=1
-    grep -E "tokens/s|logits vs none|error" "$out/modelcmp.log"
+      --idle-ms ${IDLE_MS:-0} \
+      --overlap deploy/overlap-llama3-70b-tp$tp.yaml ${CONFIGS-/tmp/overlap-split.yaml} \
+      --out "$out/$(date -u +%F)-model-llama3-70b-$tag.json" > "$out/modelcmp-$tag.log" 2>&1 || rc=1
+    kill $smi 2>/dev/null; wait $smi 2>/dev/null
+    grep -E "tokens/s|logits vs none|error" "$out/modelcmp-$tag.log"
+    # Power over the whole run (idle gaps included), per GPU: mean and the busy samples' mean.
+    awk -F', ' '{split($4, p, " "); n[$2]++; s[$2] += p[1]; if (p[1] > 300) {b[$2]++; t[$2] += p[1]}}
+      END {for (g in n) printf "GPU %s: mean power %.0f W over %d samples, %.0f W over the %d above 300 W\n",
+        g, s[g] / n[g], n[g], b[g] ? t[g] / b[g] : 0, b[g]}' "$out/gpu-clocks-$tag.csv"
     ;;
   model)
     COMMIT=$commit BENCH_TIMEOUT=250 PEER_TIMEOUT=250 bash benchmarks/run_model_bench.sh || rc=1
