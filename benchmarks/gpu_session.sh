@@ -227,6 +227,7 @@ PY
   modelcmp)
     # IDLE_MS: the GPUs idle that long before every pass (tpserve-bench-model --idle-ms).
     tag=L${LAYERS:-80}-tp$tp-cmp${IDLE_MS:+-idle$IDLE_MS}-$commit
+    [ "${LAYERS:-0}" = 0 ] && tag=L80-${tag#L0-}
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw --format=csv,noheader \
       -lms 200 > "$out/gpu-clocks-$tag.csv" 2>/dev/null &
     smi=$!
