@@ -177,7 +177,9 @@ int Main(int argc, char** argv) {
                "After the timed rounds, one eager pass per (batch, setting) timed stage by stage "
                "with CUDA events on rank 0 (embedding, norm, qkv, rope, attention, o, gate_up, "
                "swiglu, down, head; each summed over the blocks): printed, and in each record "
-               "as stages_ms. Eager, so launch gaps count; not the graph the rounds replay");
+               "as stages_ms, and each block's time in order as block_ms (the first and last "
+               "tenth of the blocks printed). Eager, so launch gaps count; not the graph the "
+               "rounds replay");
   app.add_option("--check-logits", f.check_logits,
                  "Fail (exit 1, after writing the results) when an overlap setting's logits "
                  "differ from mode none's on the same batch by more than this relative "
@@ -261,6 +263,9 @@ int Main(int argc, char** argv) {
       shapes.size(), std::vector<std::vector<double>>(configs.size()));
   std::vector<std::vector<std::vector<std::pair<std::string, double>>>> stages(
       shapes.size(), std::vector<std::vector<std::pair<std::string, double>>>(configs.size()));
+  // blocks[batch][setting]: rank 0's per-block times of the same eager pass (--stages)
+  std::vector<std::vector<std::vector<double>>> blocks(
+      shapes.size(), std::vector<std::vector<double>>(configs.size()));
   // vs_none[batch][setting] and vs_none_replay: rank 0's comparison of the setting's logits
   // with mode none's on the same batch and weights, on its first run (eager, capturing the
   // graph) and on the last round (a graph replay, as served).
@@ -305,10 +310,14 @@ int Main(int argc, char** argv) {
         TP_RETURN_IF_ERROR(comm.Barrier());
         // The second of two passes: the first may still set up connections.
         std::vector<std::pair<std::string, double>> got;
+        std::vector<double> per_block;
         for (int pass = 0; pass < 2; ++pass) {
-          TP_ASSIGN_OR_RETURN(got, model->ProfileStages(batch));
+          TP_ASSIGN_OR_RETURN(got, model->ProfileStages(batch, &per_block));
         }
-        if (r == 0) stages[b][c] = std::move(got);
+        if (r == 0) {
+          stages[b][c] = std::move(got);
+          blocks[b][c] = std::move(per_block);
+        }
       }
     }
     return model->Close();
@@ -385,6 +394,22 @@ int Main(int argc, char** argv) {
         rec["stages_ms"] = st;
         spdlog::info("{:>6} tokens ({}x{}) {:40} eager stages, ms per pass (total {:.1f}):{}",
                      tokens, shapes[b].seqs, shapes[b].len, names[c], total, line);
+        // Blocks along the pass: do they slow down as it goes on?
+        const std::vector<double>& bl = blocks[b][c];
+        rec["block_ms"] = bl;
+        const size_t tenth = std::max<size_t>(1, bl.size() / 10);
+        if (bl.size() >= 2 * tenth) {
+          double first = 0, last = 0;
+          for (size_t i = 0; i < tenth; ++i) {
+            first += bl[i];
+            last += bl[bl.size() - 1 - i];
+          }
+          spdlog::info(
+              "{:>6} tokens ({}x{}) {:40} eager blocks: first {} {:.3f} ms each, last {} "
+              "{:.3f} ms each",
+              tokens, shapes[b].seqs, shapes[b].len, names[c], tenth, first / tenth, tenth,
+              last / tenth);
+        }
       }
       out["records"].push_back(rec);
     }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 #include "comm/cuda_check.h"
@@ -559,7 +560,7 @@ StatusOr<std::pair<int64_t, int64_t>> CudaModel::UploadBatch(const TokenBatch& b
 }
 
 StatusOr<std::vector<std::pair<std::string, double>>> CudaModel::ProfileStages(
-    const TokenBatch& batch) {
+    const TokenBatch& batch, std::vector<double>* block_ms) {
   TP_ASSIGN_OR_RETURN(const auto shape, UploadBatch(batch));
   const auto [m, seq_slots] = shape;
   TP_RETURN_IF_ERROR(PrepareBucket(m, seq_slots));
@@ -570,8 +571,18 @@ StatusOr<std::vector<std::pair<std::string, double>>> CudaModel::ProfileStages(
   TP_RETURN_IF_ERROR(enqueued);
   TP_RETURN_IF_ERROR(pool_->base().WaitStream(stream_.get()));
   std::vector<std::pair<std::string, double>> stages;
+  if (block_ms != nullptr) block_ms->clear();
+  double block = 0;  // the running block's stages so far
   for (size_t i = 1; i < marks.size(); ++i) {
     TP_ASSIGN_OR_RETURN(const float ms, CudaEvent::ElapsedMs(marks[i - 1].second, marks[i].second));
+    // A block runs from the stage after the embedding (or the previous block's down) to
+    // its own down.
+    const std::string_view name = marks[i].first;
+    if (name != "embedding" && name != "head") block += ms;
+    if (name == "down") {
+      if (block_ms != nullptr) block_ms->push_back(block);
+      block = 0;
+    }
     auto it = std::find_if(stages.begin(), stages.end(),
                            [&](const auto& s) { return s.first == marks[i].first; });
     if (it == stages.end()) {

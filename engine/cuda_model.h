@@ -116,7 +116,10 @@ class CudaModel {
   // gather). Eager, not the graph: a stage's time includes its launch gaps,
   // and a collective's includes waiting for the slowest rank. The logits are
   // not returned. Collective: all ranks call it with the same batch.
-  StatusOr<std::vector<std::pair<std::string, double>>> ProfileStages(const TokenBatch& batch);
+  // `block_ms` (optional): the same pass per transformer block, in order (its stages from
+  // the first add & norm to down), to see whether blocks slow down along a long pass.
+  StatusOr<std::vector<std::pair<std::string, double>>> ProfileStages(
+      const TokenBatch& batch, std::vector<double>* block_ms = nullptr);
 
   // Runs one batch per (bucket, sequence slots) that requests can reach
   // (eager, then capture): every graph exists before the first request, so

@@ -262,14 +262,17 @@ TEST_F(GpuModelTest, ProfileStagesTimesEveryStageAndLeavesForwardIntact) {
                              c.max_position_embeddings);
   ASSERT_TRUE(batch.ok() && other.ok());
   std::vector<std::pair<std::string, double>> stages;
+  std::vector<double> blocks;  // ProfileStages' per-block times
   std::vector<std::vector<float>> got(2);
   Status s = group_->Run([&](int r) -> Status {
     TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/5, 64, 4));
     TP_ASSIGN_OR_RETURN(got[0], model->Forward(*batch));  // eager, then captured
-    TP_ASSIGN_OR_RETURN(auto profiled, model->ProfileStages(*other));
+    std::vector<double> per_block;
+    TP_ASSIGN_OR_RETURN(auto profiled, model->ProfileStages(*other, &per_block));
     TP_ASSIGN_OR_RETURN(std::vector<float> again, model->Forward(*batch));  // replay
     if (r == 0) {
       stages = std::move(profiled);
+      blocks = std::move(per_block);
       got[1] = std::move(again);
     }
     return Status::Ok();
@@ -285,6 +288,14 @@ TEST_F(GpuModelTest, ProfileStagesTimesEveryStageAndLeavesForwardIntact) {
     total += stages[i].second;
   }
   EXPECT_GT(total, 0.0);
+  // One time per block, adding up to every stage but the embedding and the head.
+  ASSERT_EQ(blocks.size(), static_cast<size_t>(c.num_hidden_layers));
+  double block_total = 0;
+  for (double b : blocks) {
+    EXPECT_GT(b, 0.0);
+    block_total += b;
+  }
+  EXPECT_NEAR(block_total, total - stages.front().second - stages.back().second, 1e-6 * total);
   EXPECT_FALSE(got[0].empty());
   EXPECT_EQ(got[0], got[1]) << "Forward after ProfileStages differs from before";
 }
