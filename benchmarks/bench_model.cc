@@ -60,6 +60,7 @@ struct Flags {
   bool stages = false;                // also where an eager pass spends its time
   double check_logits = -1;           // >= 0: fail above this rel. difference from none
   int idle_ms = 0;                    // the GPUs idle this long before every timed pass
+  bool eager = false;                 // time eager passes, no CUDA graphs
 };
 
 struct BatchShape {
@@ -192,6 +193,10 @@ int Main(int argc, char** argv) {
                  "server that is not saturated does (recorded in the meta)")
       ->check(CLI::Range(0, 60000))
       ->capture_default_str();
+  app.add_flag("--eager", f.eager,
+               "Run every pass eagerly (CudaModelOptions::cuda_graphs off) instead of replaying "
+               "the bucket's CUDA graph: what the graph saves, or costs, per setting (recorded "
+               "in the meta)");
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
@@ -257,6 +262,7 @@ int Main(int argc, char** argv) {
   options.max_seqs = max_seqs;
   for (const BatchShape& b : shapes) options.buckets.push_back(b.seqs * b.len);
   options.dynamic_input_scales = f.dynamic_input_scales;
+  options.cuda_graphs = !f.eager;
 
   // times[batch][setting]; stages[batch][setting]: rank 0's stage times (--stages)
   std::vector<std::vector<std::vector<double>>> times(
@@ -340,7 +346,8 @@ int Main(int argc, char** argv) {
              {"dtype", f.dtype},
              {"gemm_algo", f.gemm_algo},
              {"input_scales", f.dynamic_input_scales ? "dynamic" : "static"},
-             {"idle_ms", f.idle_ms}}},
+             {"idle_ms", f.idle_ms},
+             {"cuda_graphs", !f.eager}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {
     for (size_t c = 0; c < configs.size(); ++c) {
