@@ -100,6 +100,8 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   TP_ASSIGN_OR_RETURN(md.buckets_, MakeTokenBuckets(options.max_tokens, tp, options.buckets));
   md.max_m_ = md.buckets_.back();
   TP_ASSIGN_OR_RETURN(md.stream_, CudaStream::Create());
+  TP_ASSIGN_OR_RETURN(md.pass_start_, CudaEvent::Create(/*enable_timing=*/true));
+  TP_ASSIGN_OR_RETURN(md.pass_end_, CudaEvent::Create(/*enable_timing=*/true));
   md.layers_.resize(config.num_hidden_layers);
   return model;
 }
@@ -603,16 +605,26 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
 
   const GraphKey key{overlap_, m, seq_slots};
   auto graph = graphs_.find(key);
-  if (graph != graphs_.end()) {
-    TP_RETURN_IF_ERROR(graph->second.Launch(st));
-  } else {
+  if (graph == graphs_.end()) {
     // First batch of this bucket: plan, run eagerly (which also sets up
     // NCCL's connections), then capture the bucket's graph for the next ones.
     TP_RETURN_IF_ERROR(PrepareBucket(m, seq_slots));
+  }
+  const bool timed = options_.time_passes;
+  if (timed) TP_RETURN_IF_ERROR(pass_start_.Record(st));
+  if (graph != graphs_.end()) {
+    TP_RETURN_IF_ERROR(graph->second.Launch(st));
+  } else {
     TP_RETURN_IF_ERROR(Enqueue(m, seq_slots));
   }
+  if (timed) TP_RETURN_IF_ERROR(pass_end_.Record(st));
   NcclCommunicator& comm = pool_->base();
   TP_RETURN_IF_ERROR(comm.WaitStream(st));
+  if (timed) {
+    // A measurement only: a failure to read it does not fail the pass.
+    const StatusOr<float> pass_ms = CudaEvent::ElapsedMs(pass_start_, pass_end_);
+    last_pass_ms_ = pass_ms.ok() ? *pass_ms : std::nan("");
+  }
   if (graph == graphs_.end() && options_.cuda_graphs) {
     TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
                         CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal,

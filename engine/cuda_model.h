@@ -68,7 +68,8 @@ struct CudaModelOptions {
   // Token buckets (each rounded up to a multiple of tp; the largest is
   // always max_tokens rounded up). Empty: 256 tokens doubling up to that.
   std::vector<int64_t> buckets;
-  bool cuda_graphs = true;  // replay a captured graph per bucket (false: always eager)
+  bool cuda_graphs = true;   // replay a captured graph per bucket (false: always eager)
+  bool time_passes = false;  // time each Forward's pass on the GPU (CudaModel::last_pass_ms)
   // CreateRandom only: every FP8 layer scales its input per batch, as the
   // layers of a checkpoint without input scales do (to measure that cost).
   bool dynamic_input_scales = false;
@@ -128,6 +129,13 @@ class CudaModel {
 
   const std::vector<int64_t>& buckets() const { return buckets_; }
 
+  // With options.time_passes, the last Forward's pass on the GPU, in milliseconds: from an
+  // event recorded just before its graph launch (or its eager enqueue) to one just after, on
+  // the model's stream — the graph's execution and launch latency, without the batch upload,
+  // the logits download or the host's own time (NaN if the events could not be read; 0
+  // without time_passes). For benchmarks separating the two.
+  double last_pass_ms() const { return last_pass_ms_; }
+
   // Switches every layer's overlap settings (may be null: mode none; must
   // outlive the model). Graphs are kept per (settings, bucket), so switching
   // back and forth captures each once. For benchmarks comparing
@@ -181,6 +189,9 @@ class CudaModel {
   std::vector<int64_t> buckets_;
 
   CudaStream stream_;
+  // Around each Forward's graph launch (or eager pass) on stream_: last_pass_ms_.
+  CudaEvent pass_start_, pass_end_;
+  double last_pass_ms_ = 0;
   std::vector<Layer> layers_;
   DeviceBuffer embed_, final_norm_, lm_head_;
   // Batch metadata and activations.

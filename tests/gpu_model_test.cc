@@ -112,12 +112,14 @@ class GpuModelTest : public ::testing::Test {
   // when not empty).
   StatusOr<std::unique_ptr<CudaModel>> RandomFp8Model(const ModelConfig& c, int r, uint64_t seed,
                                                       int64_t max_tokens, int64_t max_seqs,
-                                                      std::vector<int64_t> buckets = {}) {
+                                                      std::vector<int64_t> buckets = {},
+                                                      bool time_passes = false) {
     TP_ASSIGN_OR_RETURN(RankWeights w,
                         MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, seed));
     CudaModelOptions o;
     o.max_tokens = max_tokens;
     o.max_seqs = max_seqs;
+    o.time_passes = time_passes;
     if (!buckets.empty()) o.buckets = std::move(buckets);
     return CudaModel::Create(c, w, nullptr, group_->pool(r), o);
   }
@@ -265,11 +267,14 @@ TEST_F(GpuModelTest, ProfileStagesTimesEveryStageAndLeavesForwardIntact) {
   std::vector<double> blocks;  // ProfileStages' per-block times
   std::vector<std::vector<float>> got(2);
   Status s = group_->Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/5, 64, 4));
+    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/5, 64, 4, {}, true));
     TP_ASSIGN_OR_RETURN(got[0], model->Forward(*batch));  // eager, then captured
     std::vector<double> per_block;
     TP_ASSIGN_OR_RETURN(auto profiled, model->ProfileStages(*other, &per_block));
     TP_ASSIGN_OR_RETURN(std::vector<float> again, model->Forward(*batch));  // replay
+    if (!(model->last_pass_ms() > 0)) {
+      return InternalError("last_pass_ms after a replay: " + std::to_string(model->last_pass_ms()));
+    }
     if (r == 0) {
       stages = std::move(profiled);
       blocks = std::move(per_block);
