@@ -61,6 +61,7 @@ struct Flags {
   double check_logits = -1;           // >= 0: fail above this rel. difference from none
   int idle_ms = 0;                    // the GPUs idle this long before every timed pass
   bool eager = false;                 // time eager passes, no CUDA graphs
+  int graph_blocks = 0;               // > 0: one graph per this many blocks
 };
 
 struct BatchShape {
@@ -197,6 +198,12 @@ int Main(int argc, char** argv) {
                "Run every pass eagerly (CudaModelOptions::cuda_graphs off) instead of replaying "
                "the bucket's CUDA graph: what the graph saves, or costs, per setting (recorded "
                "in the meta)");
+  app.add_option("--graph-blocks", f.graph_blocks,
+                 "Capture each bucket's pass as one CUDA graph per this many blocks, launched "
+                 "one after another (0: one graph for the whole pass, as served; recorded in "
+                 "the meta)")
+      ->check(NonNegative())
+      ->capture_default_str();
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
@@ -264,6 +271,7 @@ int Main(int argc, char** argv) {
   options.dynamic_input_scales = f.dynamic_input_scales;
   options.cuda_graphs = !f.eager;
   options.time_passes = true;
+  options.graph_blocks = f.graph_blocks;
 
   // gpu_times[batch][setting]: rank 0's CudaModel::last_pass_ms of each round
   std::vector<std::vector<std::vector<double>>> gpu_times(
@@ -354,7 +362,8 @@ int Main(int argc, char** argv) {
              {"gemm_algo", f.gemm_algo},
              {"input_scales", f.dynamic_input_scales ? "dynamic" : "static"},
              {"idle_ms", f.idle_ms},
-             {"cuda_graphs", !f.eager}}},
+             {"cuda_graphs", !f.eager},
+             {"graph_blocks", f.graph_blocks}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {
     for (size_t c = 0; c < configs.size(); ++c) {

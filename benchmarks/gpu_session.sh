@@ -27,7 +27,7 @@
 #           each file of CONFIGS (default /tmp/overlap-split.yaml; empty: none) interleaved
 #           round by round, each setting's logits compared with mode none's, the GPUs idle
 #           IDLE_MS before every pass (default 0), EAGER=1 for eager passes instead of graph
-#           replays, power sampled; no PyTorch
+#           replays, GRAPH_BLOCKS=N for one graph per N blocks, power sampled; no PyTorch
 #   gateup  the whole model (8x1024) with the deploy config and variants of it that change
 #           gate_up alone (mode none on NCCL; none on copy engines; ring on copy engines with
 #           2 chunks), interleaved round by round with mode none
@@ -227,15 +227,15 @@ PY
     ;;
   modelcmp)
     # IDLE_MS: the GPUs idle that long before every pass (tpserve-bench-model --idle-ms);
-    # EAGER=1: eager passes, no CUDA graphs (--eager).
-    tag=L${LAYERS:-80}-tp$tp-cmp${IDLE_MS:+-idle$IDLE_MS}${EAGER:+-eager}-$commit
+    # EAGER=1: eager passes, no CUDA graphs (--eager); GRAPH_BLOCKS=N: one graph per N blocks.
+    tag=L${LAYERS:-80}-tp$tp-cmp${IDLE_MS:+-idle$IDLE_MS}${EAGER:+-eager}${GRAPH_BLOCKS:+-gb$GRAPH_BLOCKS}-$commit
     [ "${LAYERS:-0}" = 0 ] && tag=L80-${tag#L0-}
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw --format=csv,noheader \
       -lms 200 > "$out/gpu-clocks-$tag.csv" 2>/dev/null &
     smi=$!
     timeout ${MODEL_TIMEOUT:-300} .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b \
       --layers ${LAYERS:-0} --batches ${BATCHES:-8x1024} --rounds ${ROUNDS:-10} --commit "$commit" \
-      --idle-ms ${IDLE_MS:-0} ${EAGER:+--eager} \
+      --idle-ms ${IDLE_MS:-0} ${EAGER:+--eager} --graph-blocks ${GRAPH_BLOCKS:-0} \
       --overlap deploy/overlap-llama3-70b-tp$tp.yaml ${CONFIGS-/tmp/overlap-split.yaml} \
       --out "$out/$(date -u +%F)-model-llama3-70b-$tag.json" > "$out/modelcmp-$tag.log" 2>&1 || rc=1
     kill $smi 2>/dev/null; wait $smi 2>/dev/null

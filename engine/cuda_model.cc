@@ -87,6 +87,10 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   if (options.max_tokens < 1 || options.max_seqs < 1) {
     return InvalidArgumentError("max_tokens and max_seqs must be >= 1");
   }
+  if (options.graph_blocks < 0) {
+    return InvalidArgumentError("CudaModelOptions.graph_blocks (" +
+                                std::to_string(options.graph_blocks) + ") must be >= 0");
+  }
   TP_CUDA_CHECK(cudaSetDevice(comm.device()));
   auto model = std::unique_ptr<CudaModel>(new CudaModel());
   CudaModel& md = *model;
@@ -307,8 +311,16 @@ Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void*
   return layer.Run(m, w.w.data(), x_scale, w_scale, y, stream_.get());
 }
 
-Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
+Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int64_t end_block) {
   const ModelConfig& c = config_;
+  const int64_t blocks = static_cast<int64_t>(layers_.size());
+  if (end_block < 0) end_block = blocks;
+  if (first_block < 0 || first_block > end_block || end_block > blocks) {
+    return InvalidArgumentError("CudaModel::Enqueue: blocks [" + std::to_string(first_block) +
+                                ", " + std::to_string(end_block) + ") of " +
+                                std::to_string(blocks));
+  }
+  const bool with_embedding = first_block == 0, with_head = end_block == blocks;
   const int64_t h = c.hidden_size, hd = c.head_dim();
   const int64_t nh_l = c.num_attention_heads / tp_, nkv_l = c.num_key_value_heads / tp_;
   const int64_t inter_l = c.intermediate_size / tp_;
@@ -328,16 +340,18 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
   };
   TP_RETURN_IF_ERROR(mark(nullptr));
 
-  EmbeddingParams emb;
-  emb.table = embed_.as<BFloat16>();
-  emb.vocab = c.vocab_size;
-  emb.dim = h;
-  emb.ids = ids_.as<int32_t>() + shard.begin;
-  emb.n = rows;
-  emb.out = x;
-  emb.error_flag = error_flag_.as<int32_t>();
-  TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, st));
-  TP_RETURN_IF_ERROR(mark("embedding"));
+  if (with_embedding) {
+    EmbeddingParams emb;
+    emb.table = embed_.as<BFloat16>();
+    emb.vocab = c.vocab_size;
+    emb.dim = h;
+    emb.ids = ids_.as<int32_t>() + shard.begin;
+    emb.n = rows;
+    emb.out = x;
+    emb.error_flag = error_flag_.as<int32_t>();
+    TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, st));
+    TP_RETURN_IF_ERROR(mark("embedding"));
+  }
 
   NcclCommunicator& comm = pool_->base();
   // A TP layer's FP8 input from `count` BF16 values at `src`, quantized
@@ -396,8 +410,11 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
   };
 
-  Split pending;  // the block output still to be added to x
-  for (size_t l = 0; l < layers_.size(); ++l) {
+  // The block output still to be added to x: none before the first block; a segment that
+  // starts later continues from where the one before it stopped (pending_).
+  Split& pending = pending_;
+  if (with_embedding) pending = Split{};
+  for (int64_t l = first_block; l < end_block; ++l) {
     const Layer& lw = layers_[l];
     TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(static_cast<int64_t>(l), m));
     CudaLinear *qkv = block[0], *o = block[1], *gate_up = block[2], *down = block[3];
@@ -485,6 +502,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots) {
     TP_RETURN_IF_ERROR(mark("down"));
   }
 
+  if (!with_head) return Status::Ok();
   // Final add & norm, then the LM head on each sequence's last row.
   RmsNormParams fin;
   fin.input = x;
@@ -596,6 +614,15 @@ StatusOr<std::vector<std::pair<std::string, double>>> CudaModel::ProfileStages(
   return stages;
 }
 
+std::vector<std::pair<int64_t, int64_t>> CudaModel::GraphSegments() const {
+  const int64_t blocks = static_cast<int64_t>(layers_.size());
+  const int64_t per = options_.graph_blocks > 0 ? options_.graph_blocks : blocks;
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t b = 0; b < blocks; b += per) out.push_back({b, std::min(b + per, blocks)});
+  if (out.empty()) out.push_back({0, 0});  // no blocks: embedding and head in one
+  return out;
+}
+
 StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   const ModelConfig& c = config_;
   const int64_t seqs = batch.sequences();
@@ -613,7 +640,7 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   const bool timed = options_.time_passes;
   if (timed) TP_RETURN_IF_ERROR(pass_start_.Record(st));
   if (graph != graphs_.end()) {
-    TP_RETURN_IF_ERROR(graph->second.Launch(st));
+    for (const CudaGraphExec& segment : graph->second) TP_RETURN_IF_ERROR(segment.Launch(st));
   } else {
     TP_RETURN_IF_ERROR(Enqueue(m, seq_slots));
   }
@@ -626,10 +653,15 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
     last_pass_ms_ = pass_ms.ok() ? *pass_ms : std::nan("");
   }
   if (graph == graphs_.end() && options_.cuda_graphs) {
-    TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
-                        CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal,
-                                               [&] { return Enqueue(m, seq_slots); }));
-    graphs_.emplace(key, std::move(exec));
+    std::vector<CudaGraphExec> segments;
+    for (const auto& [begin, end] : GraphSegments()) {
+      TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
+                          CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, [&] {
+                            return Enqueue(m, seq_slots, begin, end);
+                          }));
+      segments.push_back(std::move(exec));
+    }
+    graphs_.emplace(key, std::move(segments));
   }
 
   const RowRange shard = ShardRows(m, tp_, rank_);

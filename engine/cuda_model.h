@@ -70,6 +70,10 @@ struct CudaModelOptions {
   std::vector<int64_t> buckets;
   bool cuda_graphs = true;   // replay a captured graph per bucket (false: always eager)
   bool time_passes = false;  // time each Forward's pass on the GPU (CudaModel::last_pass_ms)
+  // > 0: capture a bucket's pass as one graph per this many blocks (the embedding with the
+  // first, the head with the last), launched one after another, instead of one graph for
+  // the whole pass. For measuring what a graph's size costs.
+  int64_t graph_blocks = 0;
   // CreateRandom only: every FP8 layer scales its input per batch, as the
   // layers of a checkpoint without input scales do (to measure that cost).
   bool dynamic_input_scales = false;
@@ -174,10 +178,15 @@ class CudaModel {
                    CudaLinear::SplitOutput* split = nullptr);
   // Plans what bucket m needs (layers, GEMMs); allocates on first use.
   Status PrepareBucket(int64_t m, int64_t seq_slots);
-  // Enqueues the whole forward pass of bucket m on stream_: no allocation,
-  // no synchronisation (what a graph captures), with seq_slots sequence
-  // slots (empty ones past the batch's). PrepareBucket(m, seq_slots) first.
-  Status Enqueue(int64_t m, int64_t seq_slots);
+  // Enqueues the forward pass of bucket m on stream_: no allocation, no
+  // synchronisation (what a graph captures), with seq_slots sequence slots
+  // (empty ones past the batch's). PrepareBucket(m, seq_slots) first.
+  // Blocks [first_block, end_block) only (a negative end_block: to the last), the
+  // embedding with block 0 and the head with the last: a segment continues
+  // from the one before it, which must have been enqueued (or captured) first.
+  Status Enqueue(int64_t m, int64_t seq_slots, int64_t first_block = 0, int64_t end_block = -1);
+  // The segments a bucket's pass is captured in: [begin, end) block ranges.
+  std::vector<std::pair<int64_t, int64_t>> GraphSegments() const;
 
   ModelConfig config_;
   CudaModelOptions options_;
@@ -192,6 +201,9 @@ class CudaModel {
   // Around each Forward's graph launch (or eager pass) on stream_: last_pass_ms_.
   CudaEvent pass_start_, pass_end_;
   double last_pass_ms_ = 0;
+  // Enqueue's block output still to be added to the residual stream, carried from one
+  // segment to the next.
+  CudaLinear::SplitOutput pending_;
   std::vector<Layer> layers_;
   DeviceBuffer embed_, final_norm_, lm_head_;
   // Batch metadata and activations.
@@ -211,7 +223,7 @@ class CudaModel {
   size_t weight_bytes_ = 0;
   // Last member: destroyed first, before the layers and buffers it uses.
   using GraphKey = std::tuple<const OverlapConfig*, int64_t, int64_t>;  // settings, bucket, slots
-  std::map<GraphKey, CudaGraphExec> graphs_;
+  std::map<GraphKey, std::vector<CudaGraphExec>> graphs_;               // one per segment
 };
 
 // Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random

@@ -108,20 +108,17 @@ class GpuModelTest : public ::testing::Test {
   }
 
   // Rank r's model of `c` with MakeRandomRankWeights' FP8 weights from `seed`,
-  // every layer in mode none, `max_tokens` / `max_seqs` as given (and `buckets`
-  // when not empty).
+  // `max_tokens` / `max_seqs` and the rest of `o` as given, every layer in mode
+  // none unless `overlap` says otherwise.
   StatusOr<std::unique_ptr<CudaModel>> RandomFp8Model(const ModelConfig& c, int r, uint64_t seed,
                                                       int64_t max_tokens, int64_t max_seqs,
-                                                      std::vector<int64_t> buckets = {},
-                                                      bool time_passes = false) {
+                                                      CudaModelOptions o = {},
+                                                      const OverlapConfig* overlap = nullptr) {
     TP_ASSIGN_OR_RETURN(RankWeights w,
                         MakeRandomRankWeights(c, DataType::kFloat8E4M3, kTp, r, seed));
-    CudaModelOptions o;
     o.max_tokens = max_tokens;
     o.max_seqs = max_seqs;
-    o.time_passes = time_passes;
-    if (!buckets.empty()) o.buckets = std::move(buckets);
-    return CudaModel::Create(c, w, nullptr, group_->pool(r), o);
+    return CudaModel::Create(c, w, overlap, group_->pool(r), o);
   }
 
   std::unique_ptr<NcclThreadGroup> group_;
@@ -141,6 +138,45 @@ TEST_F(GpuModelTest, OverlappedLayersGiveTheSameLogitsAsModeNone) {
   CheckAgainstCpu(DataType::kFloat8E4M3, &*overlap);
 }
 
+TEST_F(GpuModelTest, OneGraphPerBlockGivesTheLogitsOfOneGraphPerPass) {
+  // CudaModelOptions::graph_blocks = 1: the pass captured as one graph per block (the
+  // embedding with the first, the head with the last), launched one after another; each
+  // segment continues from the block output the one before it left. Eager, replayed and
+  // replayed after another batch, with mode none and with ring overlap (2 chunks, NCCL):
+  // the same logits bit for bit as one graph for the whole pass.
+  const ModelConfig c = SmallConfig();
+  ASSERT_GE(c.num_hidden_layers, 2) << "needs two segments";
+  auto first = PackSequences({std::vector<int32_t>(50, 5), {9, 8, 7}}, c.vocab_size,
+                             c.max_position_embeddings);
+  auto second = PackSequences({{1, 2, 3, 4}, std::vector<int32_t>(40, 77), {1000}}, c.vocab_size,
+                              c.max_position_embeddings);
+  ASSERT_TRUE(first.ok() && second.ok());
+  auto ring = OverlapConfig::Parse("version: 1\ndefaults:\n  mode: ring\n  chunks: 2\n",
+                                   "test-overlap.yaml");
+  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+  const OverlapConfig* ring_config = &*ring;
+  for (const OverlapConfig* overlap : {static_cast<const OverlapConfig*>(nullptr), ring_config}) {
+    SCOPED_TRACE(overlap == nullptr ? "mode none" : "ring, 2 chunks");
+    std::vector<std::vector<float>> whole(3), per_block(3);
+    for (int64_t graph_blocks : {0, 1}) {
+      Status s = group_->Run([&](int r) -> Status {
+        CudaModelOptions o;
+        o.buckets = {64};
+        o.graph_blocks = graph_blocks;
+        TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/11, 64, 4, o, overlap));
+        return ForwardInOrder(*model, {&*first, &*second, &*first}, r,
+                              graph_blocks == 0 ? &whole : &per_block);
+      });
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_FALSE(whole[i].empty());
+      EXPECT_EQ(per_block[i], whole[i]) << "batch " << i;
+    }
+    EXPECT_NE(whole[0], whole[1]) << "the two batches gave the same logits";
+  }
+}
+
 TEST_F(GpuModelTest, GraphReplayEqualsEagerAndServesOtherBatchesOfTheBucket) {
   // The first Forward of a bucket runs eagerly and captures the bucket's
   // graph; later ones replay it. A different batch of the same bucket must
@@ -155,7 +191,9 @@ TEST_F(GpuModelTest, GraphReplayEqualsEagerAndServesOtherBatchesOfTheBucket) {
   ASSERT_TRUE(first.ok() && second.ok());
   std::vector<std::vector<float>> got(3);
   Status s = group_->Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/11, 64, 4, {64}));
+    CudaModelOptions o;
+    o.buckets = {64};
+    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/11, 64, 4, o));
     return ForwardInOrder(*model, {&*first, &*second, &*first}, r, &got);
   });
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -267,7 +305,9 @@ TEST_F(GpuModelTest, ProfileStagesTimesEveryStageAndLeavesForwardIntact) {
   std::vector<double> blocks;  // ProfileStages' per-block times
   std::vector<std::vector<float>> got(2);
   Status s = group_->Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/5, 64, 4, {}, true));
+    CudaModelOptions o;
+    o.time_passes = true;
+    TP_ASSIGN_OR_RETURN(auto model, RandomFp8Model(c, r, /*seed=*/5, 64, 4, o));
     TP_ASSIGN_OR_RETURN(got[0], model->Forward(*batch));  // eager, then captured
     std::vector<double> per_block;
     TP_ASSIGN_OR_RETURN(auto profiled, model->ProfileStages(*other, &per_block));
