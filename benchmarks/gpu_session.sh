@@ -27,7 +27,10 @@
 #           each file of CONFIGS (default /tmp/overlap-split.yaml; empty: none) interleaved
 #           round by round, each setting's logits compared with mode none's, the GPUs idle
 #           IDLE_MS before every pass (default 0), EAGER=1 for eager passes instead of graph
-#           replays, GRAPH_BLOCKS=N for one graph per N blocks, power sampled; no PyTorch
+#           replays, GRAPH_BLOCKS=N for one graph per N blocks, CONNECTIONS=N for
+#           CUDA_DEVICE_MAX_CONNECTIONS, power sampled; no PyTorch
+#   graphlead  modelcmp four ways (as served, CUDA_DEVICE_MAX_CONNECTIONS=32, eager, one graph
+#           per 8 blocks): where the 80-layer overlapped graph loses against its eager pass
 #   gateup  the whole model (8x1024) with the deploy config and variants of it that change
 #           gate_up alone (mode none on NCCL; none on copy engines; ring on copy engines with
 #           2 chunks), interleaved round by round with mode none
@@ -53,7 +56,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|gateup|model|load|stress|sustained|stages|ab|profile}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|gateup|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -227,12 +230,14 @@ PY
     ;;
   modelcmp)
     # IDLE_MS: the GPUs idle that long before every pass (tpserve-bench-model --idle-ms);
-    # EAGER=1: eager passes, no CUDA graphs (--eager); GRAPH_BLOCKS=N: one graph per N blocks.
-    tag=L${LAYERS:-80}-tp$tp-cmp${IDLE_MS:+-idle$IDLE_MS}${EAGER:+-eager}${GRAPH_BLOCKS:+-gb$GRAPH_BLOCKS}-$commit
-    [ "${LAYERS:-0}" = 0 ] && tag=L80-${tag#L0-}
+    # EAGER=1: eager passes, no CUDA graphs (--eager); GRAPH_BLOCKS=N: one graph per N blocks;
+    # CONNECTIONS=N: CUDA_DEVICE_MAX_CONNECTIONS for the benchmark's processes.
+    tag=L${LAYERS:-80}-tp$tp-cmp${IDLE_MS:+-idle$IDLE_MS}${EAGER:+-eager}${GRAPH_BLOCKS:+-gb$GRAPH_BLOCKS}${CONNECTIONS:+-conn$CONNECTIONS}-$commit
+    [ "${LAYERS:-}" = 0 ] && tag=L80-${tag#L0-}
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw --format=csv,noheader \
       -lms 200 > "$out/gpu-clocks-$tag.csv" 2>/dev/null &
     smi=$!
+    ${CONNECTIONS:+env CUDA_DEVICE_MAX_CONNECTIONS=$CONNECTIONS} \
     timeout ${MODEL_TIMEOUT:-300} .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b \
       --layers ${LAYERS:-0} --batches ${BATCHES:-8x1024} --rounds ${ROUNDS:-10} --commit "$commit" \
       --idle-ms ${IDLE_MS:-0} ${EAGER:+--eager} --graph-blocks ${GRAPH_BLOCKS:-0} \
@@ -327,6 +332,16 @@ CASES
       --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-sustained-variants-$commit.json" \
       > "$out/sustained.log" 2>&1 || rc=1
     grep -E "tokens/s|error" "$out/sustained.log"
+    ;;
+  graphlead)
+    # Why the 80-layer overlapped graph replays slower than its eager pass (NOTES, eleventh
+    # session): modelcmp (none and the deploy config, no other configs) as is, with 32
+    # hardware queues, eagerly, and as one graph per 8 blocks; every round also timed on the
+    # GPU (gpu_times_ms).
+    for variant in "" "CONNECTIONS=32" "EAGER=1" "GRAPH_BLOCKS=8"; do
+      echo "== modelcmp ${variant:-(as served)}"
+      env CONFIGS= ${variant} bash "$0" modelcmp || rc=1
+    done
     ;;
   gateup)
     # gate_up alone varied in the whole model (8x1024; the deploy config otherwise), all
