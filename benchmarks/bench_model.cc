@@ -379,14 +379,18 @@ int Main(int argc, char** argv) {
                {"seq_len", shapes[b].len},
                {"tokens", tokens}};
       rec.update(Stats(times[b][c]));
-      // Every round in order: the settings ran interleaved, so round i of two settings
-      // is a pair measured under the same conditions.
-      rec["times_ms"] = json::array();
-      for (double t : times[b][c]) rec["times_ms"].push_back(std::round(t * 1e3) / 1e3);
+      // Every round in order, to the microsecond.
+      auto rounds = [](const std::vector<double>& ms) {
+        json a = json::array();
+        for (double t : ms) a.push_back(std::round(t * 1e3) / 1e3);
+        return a;
+      };
+      // The settings ran interleaved, so round i of two settings is a pair measured under
+      // the same conditions.
+      rec["times_ms"] = rounds(times[b][c]);
       // The same rounds on the GPU alone (graph launch to its end on the model's stream):
       // what the host-timed rounds spend beyond it is upload, download and host time.
-      rec["gpu_times_ms"] = json::array();
-      for (double t : gpu_times[b][c]) rec["gpu_times_ms"].push_back(std::round(t * 1e3) / 1e3);
+      rec["gpu_times_ms"] = rounds(gpu_times[b][c]);
       rec["gpu_median_ms"] = Stats(gpu_times[b][c])["median_ms"];
       for (int replay = 0; c > 0 && replay < 2; ++replay) {
         const VsNone& v = (replay ? vs_none_replay : vs_none)[b][c];
