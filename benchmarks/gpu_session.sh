@@ -28,7 +28,7 @@
 #           round by round, each setting's logits compared with mode none's, the GPUs idle
 #           IDLE_MS before every pass (default 0), EAGER=1 for eager passes instead of graph
 #           replays, GRAPH_BLOCKS=N for one graph per N blocks, CONNECTIONS=N for
-#           CUDA_DEVICE_MAX_CONNECTIONS, power sampled; no PyTorch
+#           CUDA_DEVICE_MAX_CONNECTIONS, NAME for the files' name, power sampled; no PyTorch
 #   graphlead  modelcmp four ways (as served, CUDA_DEVICE_MAX_CONNECTIONS=32, eager, one graph
 #           per 8 blocks): where the 80-layer overlapped graph loses against its eager pass
 #   gateup  the whole model (8x1024) with the deploy config and variants of it that change
@@ -231,9 +231,10 @@ PY
   modelcmp)
     # IDLE_MS: the GPUs idle that long before every pass (tpserve-bench-model --idle-ms);
     # EAGER=1: eager passes, no CUDA graphs (--eager); GRAPH_BLOCKS=N: one graph per N blocks;
-    # CONNECTIONS=N: CUDA_DEVICE_MAX_CONNECTIONS for the benchmark's processes.
-    tag=L${LAYERS:-80}-tp$tp-cmp${IDLE_MS:+-idle$IDLE_MS}${EAGER:+-eager}${GRAPH_BLOCKS:+-gb$GRAPH_BLOCKS}${CONNECTIONS:+-conn$CONNECTIONS}-$commit
-    [ "${LAYERS:-}" = 0 ] && tag=L80-${tag#L0-}
+    # CONNECTIONS=N: CUDA_DEVICE_MAX_CONNECTIONS for the benchmark's processes; NAME: the
+    # files' name (default cmp).
+    layers=${LAYERS:-0}; [ "$layers" = 0 ] && layers=80  # 0: all of llama3-70b's
+    tag=L$layers-tp$tp-${NAME:-cmp}${IDLE_MS:+-idle$IDLE_MS}${EAGER:+-eager}${GRAPH_BLOCKS:+-gb$GRAPH_BLOCKS}${CONNECTIONS:+-conn$CONNECTIONS}-$commit
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw --format=csv,noheader \
       -lms 200 > "$out/gpu-clocks-$tag.csv" 2>/dev/null &
     smi=$!
@@ -344,9 +345,9 @@ CASES
     done
     ;;
   gateup)
-    # gate_up alone varied in the whole model (8x1024; the deploy config otherwise), all
-    # interleaved round by round: does its overlap pay under the power limit? The variants
-    # are line edits of the deploy file's gate_up entries (n: 57344).
+    # gate_up alone varied in the whole model (modelcmp: 8x1024; the deploy config otherwise),
+    # all interleaved round by round: does its overlap pay under the power limit? The
+    # variants are line edits of the deploy file's gate_up entries (n: 57344).
     base=deploy/overlap-llama3-70b-tp$tp.yaml
     grep -v "op: ag_gemm, n: 57344" "$base" > /tmp/gate-up-none-nccl.yaml
     sed '/op: ag_gemm, n: 57344/s/mode: ring, chunks: 1,/mode: none, chunks: 1,/' "$base" \
@@ -354,12 +355,8 @@ CASES
     sed '/op: ag_gemm, n: 57344/s/mode: ring, chunks: 1,/mode: ring, chunks: 2,/' "$base" \
       > /tmp/gate-up-ring-ce-c2.yaml
     cp /tmp/gate-up-{none-nccl,none-ce,ring-ce-c2}.yaml "$out/"
-    timeout ${MODEL_TIMEOUT:-300} .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b \
-      --layers 0 --batches 8x1024 --rounds ${ROUNDS:-20} --commit "$commit" \
-      --overlap "$base" /tmp/gate-up-{none-nccl,none-ce,ring-ce-c2}.yaml \
-      --out "$out/$(date -u +%F)-model-llama3-70b-L80-tp$tp-gate-up-$commit.json" \
-      > "$out/gateup.log" 2>&1 || rc=1
-    grep -E "tokens/s|logits vs none|error" "$out/gateup.log"
+    env LAYERS=0 BATCHES=8x1024 ROUNDS=${ROUNDS:-20} NAME=gate-up \
+      CONFIGS="$(echo /tmp/gate-up-{none-nccl,none-ce,ring-ce-c2}.yaml)" bash "$0" modelcmp || rc=1
     ;;
   stages)
     timeout 200 .gpu/bin/tpserve-bench-model --tp $tp --model llama3-70b --layers 0 \
