@@ -26,6 +26,7 @@
 #include "comm/rank_group.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
+#include "comm/graph_priority_flag.h"
 #include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
 #include "layers/quantize_kernels.h"
@@ -75,6 +76,7 @@ struct Flags {
   bool fast_accum = false;
   bool split_output = false;  // gemm_rs layer methods as the engine runs them (RunSplit + reader)
   std::string gemm_algo = "timed";  // GemmAlgoSelection of every GEMM
+  std::string graph_priority = "node";  // CudaGraphExec::Priority of every graph
   std::string out = "bench.json";
   std::string commit = "unknown";
   std::string run_label;  // recorded as "run" in every record (one session, several runs)
@@ -720,6 +722,7 @@ int Main(int argc, char** argv) {
       "GEMM), both with that method's config: separates the cost of chunked GEMMs "
       "from that of the transfers");
   AddGemmAlgoFlag(&app, &f.gemm_algo);  // gemm_only's GEMM too
+  AddGraphPriorityFlag(&app, &f.graph_priority);
   app.add_option("--out", f.out, "JSON output file")->capture_default_str();
   app.add_option("--tune-out", f.tune_out,
                  "Autotune: write an overlap config (YAML) with the fastest layer method per "
@@ -741,6 +744,7 @@ int Main(int argc, char** argv) {
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
   ApplyGemmAlgo(f.gemm_algo);
+  ApplyGraphPriority(f.graph_priority);
   // Usage errors before any GPU work (a process group starts the other ranks).
   if (f.shapes == "seed" && m_option->count() > 0 && f.ms != std::vector<int64_t>{65536}) {
     spdlog::error("--m: --shapes seed has its own m (65536); --m is for llama70b and small");
@@ -798,6 +802,7 @@ int Main(int argc, char** argv) {
              {"nccl", nccl_version},
              {"cublaslt", static_cast<int64_t>(cublasLtGetVersion())},
              {"gemm_algo", f.gemm_algo},
+             {"graph_priority", f.graph_priority},
              {"command", cmd.str()}}},
            {"records", json::array()}};
   if (!f.run_label.empty()) out["meta"]["run"] = f.run_label;

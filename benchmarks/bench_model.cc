@@ -34,6 +34,7 @@
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
+#include "comm/graph_priority_flag.h"
 #include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
 
@@ -56,6 +57,7 @@ struct Flags {
   std::string out = "model.json";
   std::string commit = "unknown";
   std::string gemm_algo = "timed";    // GemmAlgoSelection of every GEMM
+  std::string graph_priority = "node";  // CudaGraphExec::Priority of every graph
   bool dynamic_input_scales = false;  // FP8 inputs scaled per batch (CudaModelOptions)
   bool stages = false;                // also where an eager pass spends its time
   double check_logits = -1;           // >= 0: fail above this rel. difference from none
@@ -172,6 +174,7 @@ int Main(int argc, char** argv) {
   app.add_option("--seed", f.seed, "Seed of the random weights and token ids")
       ->capture_default_str();
   AddGemmAlgoFlag(&app, &f.gemm_algo);
+  AddGraphPriorityFlag(&app, &f.graph_priority);
   app.add_flag("--dynamic-input-scales", f.dynamic_input_scales,
                "Scale every FP8 layer's input per batch from its amax, as for a checkpoint "
                "without input scales (default: the static scales of the random weights)");
@@ -210,6 +213,7 @@ int Main(int argc, char** argv) {
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
   ApplyGemmAlgo(f.gemm_algo);
+  ApplyGraphPriority(f.graph_priority);
 
   auto preset = ModelPreset(f.model);
   if (!preset.ok()) {
@@ -360,6 +364,7 @@ int Main(int argc, char** argv) {
              {"tp", f.tp},
              {"dtype", f.dtype},
              {"gemm_algo", f.gemm_algo},
+             {"graph_priority", f.graph_priority},
              {"input_scales", f.dynamic_input_scales ? "dynamic" : "static"},
              {"idle_ms", f.idle_ms},
              {"cuda_graphs", !f.eager},

@@ -33,6 +33,9 @@
 #           per 8 blocks): where the 80-layer overlapped graph loses against its eager pass
 #   push    the whole model (8x1024) with mode none, the deploy config and two variants of it
 #           whose gate_up (and qkv) layers at m >= 2048 use the push protocol, interleaved
+#   graphprio  the layer benchmark (NCCL modes and ring_ce) with graphs instantiated with
+#           per-node priorities and with CUDA's default, alternating: what the comm streams'
+#           priority is worth inside a graph
 #   gateup  the whole model (8x1024) with the deploy config and variants of it that change
 #           gate_up alone (mode none on NCCL; none on copy engines; ring on copy engines with
 #           2 chunks), interleaved round by round with mode none
@@ -58,7 +61,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|push|gateup|model|load|stress|sustained|stages|ab|profile}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|push|graphprio|gateup|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -369,6 +372,35 @@ CASES
     cp /tmp/push-gate-up{,-qkv}.yaml "$out/"
     env LAYERS=${LAYERS:-0} BATCHES=${BATCHES:-8x1024} ROUNDS=${ROUNDS:-10} NAME=push \
       CONFIGS="$(echo /tmp/push-gate-up{,-qkv}.yaml)" bash "$0" modelcmp || rc=1
+    ;;
+  graphprio)
+    # CUDA graphs instantiated with per-node priorities (the comm streams' kernels keep their
+    # high priority, as eagerly; tpserve's default) or CUDA's default (every kernel at the launch
+    # stream's priority), alternating stream, node, stream, node: NCCL's pipelined modes are
+    # the ones with kernels on the comm stream; ring_ce the control (memory operations and
+    # copies only). Llama-3-70B's layers at m 2048 and 8192.
+    for run in stream-1 node-1 stream-2 node-2; do
+      prio=${run%-*}
+      timeout ${PRIO_TIMEOUT:-150} .gpu/bin/tpserve-bench --tp $tp --shapes llama70b \
+        --m ${MS:-2048 8192} --dtype fp8 --chunks 2 4 --rounds ${ROUNDS:-15} --commit "$commit" \
+        --methods gemm_only none pipeline ring ring_ce --graph-priority $prio --run-label $run \
+        --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-prio-$run-$commit.json" \
+        > "$out/graphprio-$run.log" 2>&1 || rc=1
+      grep -E "error" "$out/graphprio-$run.log" | tail -3
+    done
+    python3 - "$out"/*-prio-*-"$commit".json <<'PY'
+import json, statistics, sys
+t = {}
+for path in sys.argv[1:]:
+    prio = "node" if "-prio-node-" in path else "stream"
+    for r in json.load(open(path))["records"]:
+        key = (r["n"], r["k"], r["m"], r["method"] + ("_ce" if r["config"].get("copy_engine") else ""), r["chunks"])
+        t.setdefault(key, {}).setdefault(prio, []).append(r["median_ms"])
+print("n k m method chunks: stream ms / node ms (median of the runs), node/stream")
+for key in sorted(t):
+    s, n = (statistics.median(t[key].get(p, [float("nan")])) for p in ("stream", "node"))
+    print(*key, "%.4f / %.4f  %.3f" % (s, n, n / s))
+PY
     ;;
   gateup)
     # gate_up alone varied in the whole model (modelcmp: 8x1024; the deploy config otherwise),

@@ -1,5 +1,6 @@
 #include "comm/cuda_resources.h"
 
+#include <atomic>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -190,13 +191,33 @@ void DeviceBuffer::Reset() noexcept {
 // ---------------------------------------------------------------------------------------------
 // CudaGraphExec
 
+namespace {
+std::atomic<CudaGraphExec::Priority> g_graph_priority{CudaGraphExec::Priority::kPerNode};
+}  // namespace
+
+void CudaGraphExec::SetPriority(Priority priority) { g_graph_priority.store(priority); }
+CudaGraphExec::Priority CudaGraphExec::GetPriority() { return g_graph_priority.load(); }
+
+std::string_view CudaGraphExec::PriorityName(Priority priority) {
+  return priority == Priority::kPerNode ? "node" : "stream";
+}
+
+StatusOr<CudaGraphExec::Priority> CudaGraphExec::ParsePriority(std::string_view name) {
+  if (name == "node") return Priority::kPerNode;
+  if (name == "stream") return Priority::kLaunchStream;
+  return InvalidArgumentError("graph priority '" + std::string(name) +
+                              "' (allowed: node, stream)");
+}
+
 StatusOr<CudaGraphExec> CudaGraphExec::Instantiate(cudaGraph_t graph) {
   if (graph == nullptr) return InvalidArgumentError("CudaGraphExec::Instantiate: graph is null");
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0ULL);
+  const unsigned long long flags =  // NOLINT(runtime/int): the API's type
+      GetPriority() == Priority::kPerNode ? cudaGraphInstantiateFlagUseNodePriority : 0ULL;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, flags);
   if (err != cudaSuccess) {
     TP_CUDA_LOG(cudaGraphDestroy(graph));
-    return CudaCallError(err, "cudaGraphInstantiate(&exec, graph, 0ULL)", __FILE__, __LINE__);
+    return CudaCallError(err, "cudaGraphInstantiate(&exec, graph, flags)", __FILE__, __LINE__);
   }
   return CudaGraphExec(graph, exec);
 }

@@ -16,6 +16,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "comm/status.h"
@@ -125,6 +126,19 @@ class DeviceBuffer {
 // >= 2.26 blocks communicator destruction while a graph still references it).
 class CudaGraphExec {
  public:
+  // How a graph's kernels are prioritised when it runs. kPerNode (the default) instantiates
+  // with cudaGraphInstantiateFlagUseNodePriority: each kernel node keeps the priority of the
+  // stream it was captured from, as when the same work is enqueued eagerly (a layer's comm
+  // stream outranks its GEMMs', so NCCL's kernels get SMs ahead of queued GEMM blocks).
+  // kLaunchStream is CUDA's default: every kernel of the graph runs at the priority of the
+  // stream the graph is launched into. Process-wide; read by every later Instantiate/Capture.
+  enum class Priority { kPerNode, kLaunchStream };
+  static void SetPriority(Priority priority);
+  static Priority GetPriority();
+  static std::string_view PriorityName(Priority priority);  // "node" | "stream"
+  // "node" or "stream"; INVALID_ARGUMENT naming the allowed values otherwise.
+  static StatusOr<Priority> ParsePriority(std::string_view name);
+
   // Takes ownership of `graph` (on failure too) and instantiates it.
   static StatusOr<CudaGraphExec> Instantiate(cudaGraph_t graph);
 

@@ -776,6 +776,54 @@ TEST_F(GpuTest, GemmRunWithoutPrepareWhileCapturingFailsCleanly) {
   for (const BFloat16& v : out) ASSERT_EQ(v.bits, 0u);
 }
 
+// Both graph priorities instantiate and replay a two-stream graph (a high-priority side stream
+// forked from the captured one, as a layer's comm stream is) that computes the same bytes; the
+// names parse back and anything else is refused naming the allowed values.
+TEST_F(GpuTest, GraphsRunUnderEitherPriority) {
+  EXPECT_EQ(CudaGraphExec::GetPriority(), CudaGraphExec::Priority::kPerNode);  // the default
+  for (const char* name : {"node", "stream"}) {
+    TP_ASSERT_OK_AND_ASSIGN(CudaGraphExec::Priority p, CudaGraphExec::ParsePriority(name));
+    EXPECT_EQ(CudaGraphExec::PriorityName(p), name);
+  }
+  const auto bad = CudaGraphExec::ParsePriority("high");
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("(allowed: node, stream)"), std::string::npos);
+
+  int least = 0, greatest = 0;
+  TP_CUDA_CHECK_FOR_TEST(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  TP_ASSERT_OK_AND_ASSIGN(CudaStream side, CudaStream::Create(true, greatest));
+  TP_ASSERT_OK_AND_ASSIGN(CudaEvent fork, CudaEvent::Create(false));
+  TP_ASSERT_OK_AND_ASSIGN(CudaEvent join, CudaEvent::Create(false));
+  const int64_t count = 1 << 16;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a, DeviceBuffer::Allocate(count * 2, "a"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b, DeviceBuffer::Allocate(count * 2, "b"));
+  for (const auto priority :
+       {CudaGraphExec::Priority::kLaunchStream, CudaGraphExec::Priority::kPerNode}) {
+    CudaGraphExec::SetPriority(priority);
+    TP_ASSERT_OK(LaunchPoisonFill(a.data(), DataType::kBFloat16, count, stream()));
+    TP_ASSERT_OK(LaunchPoisonFill(b.data(), DataType::kBFloat16, count, stream()));
+    auto body = [&]() -> Status {
+      TP_RETURN_IF_ERROR(fork.Record(stream()));
+      TP_RETURN_IF_ERROR(fork.WaitOn(side.get()));
+      TP_RETURN_IF_ERROR(LaunchFillPattern(a.data(), count, 2, 0x3F80u, stream()));
+      TP_RETURN_IF_ERROR(LaunchFillPattern(b.data(), count, 2, 0x4000u, side.get()));
+      TP_RETURN_IF_ERROR(join.Record(side.get()));
+      return join.WaitOn(stream());
+    };
+    auto graph = CudaGraphExec::Capture(stream(), cudaStreamCaptureModeThreadLocal, body);
+    ASSERT_TRUE(graph.ok()) << CudaGraphExec::PriorityName(priority) << ": "
+                            << graph.status().ToString();
+    TP_ASSERT_OK(graph->Launch(stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(auto ha, Download<uint16_t>(a.data(), count));
+    TP_ASSERT_OK_AND_ASSIGN(auto hb, Download<uint16_t>(b.data(), count));
+    size_t wrong = 0;
+    for (int64_t i = 0; i < count; ++i) wrong += ha[i] != 0x3F80u || hb[i] != 0x4000u;
+    EXPECT_EQ(wrong, 0u) << CudaGraphExec::PriorityName(priority);
+  }
+  EXPECT_EQ(CudaGraphExec::GetPriority(), CudaGraphExec::Priority::kPerNode);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Parameter validation: INVALID_ARGUMENT / UNIMPLEMENTED naming the field.
 
