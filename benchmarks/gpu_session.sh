@@ -366,11 +366,13 @@ CASES
     # file's tuned entries (gate_up n: 57344, qkv n: 10240).
     base=deploy/overlap-llama3-70b-tp$tp.yaml
     to_push='/m: 512,/!{s/mode: ring, chunks: 1,/mode: none, chunks: 1,/;s/copy_engine: true,/copy_engine: false, push: true,/}'
+    # PUSH_ALL=1: every M (the m: 512 entries too), for batches below 2048 tokens.
+    [ "${PUSH_ALL:-0}" = 1 ] && to_push=${to_push#/m: 512,/!}
     sed "/op: ag_gemm, n: 57344/{$to_push}" "$base" > /tmp/push-gate-up.yaml
     sed "/op: ag_gemm, n: \(57344\|10240\)/{$to_push}" "$base" > /tmp/push-gate-up-qkv.yaml
     grep -c "push: true" /tmp/push-gate-up.yaml /tmp/push-gate-up-qkv.yaml
     cp /tmp/push-gate-up{,-qkv}.yaml "$out/"
-    env LAYERS=${LAYERS:-0} BATCHES=${BATCHES:-8x1024} ROUNDS=${ROUNDS:-10} NAME=push \
+    env LAYERS=${LAYERS:-0} BATCHES=${BATCHES:-8x1024} ROUNDS=${ROUNDS:-10} NAME=push${PUSH_ALL:+-all} \
       CONFIGS="$(echo /tmp/push-gate-up{,-qkv}.yaml)" bash "$0" modelcmp || rc=1
     ;;
   graphprio)
