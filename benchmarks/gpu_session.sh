@@ -372,7 +372,7 @@ CASES
     sed "/op: ag_gemm, n: \(57344\|10240\)/{$to_push}" "$base" > /tmp/push-gate-up-qkv.yaml
     grep -c "push: true" /tmp/push-gate-up.yaml /tmp/push-gate-up-qkv.yaml
     cp /tmp/push-gate-up{,-qkv}.yaml "$out/"
-    env LAYERS=${LAYERS:-0} BATCHES=${BATCHES:-8x1024} ROUNDS=${ROUNDS:-10} NAME=push${PUSH_ALL:+-all} \
+    env LAYERS=${LAYERS:-0} BATCHES="${BATCHES:-8x1024}" ROUNDS=${ROUNDS:-10} NAME=push${PUSH_ALL:+-all} \
       CONFIGS="$(echo /tmp/push-gate-up{,-qkv}.yaml)" bash "$0" modelcmp || rc=1
     ;;
   graphprio)
