@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host: `tpserve layer --backend cuda` in its production process
-# model (rank 0 starts the other ranks as processes): every copy-engine mode,
-# a few NCCL ones and the push protocol (--push), awkward M included (--split-output: the row-parallel
+# model (rank 0 starts the other ranks as processes): every copy-engine mode
+# and a few NCCL ones, awkward M included (--split-output: the row-parallel
 # layer as the engine runs it, its last sum left to the consumer), each rank checking its output
 # against the CPU reference. Log: $OUT/layer_cli.log.
 set -uo pipefail
@@ -34,9 +34,6 @@ done <<'CASES' | tee "$out/layer_cli.log"
 4099 --op gemm_rs --mode pipeline --chunks 4 --max-ctas 8
 4099 --op gemm_rs --mode ring --chunks 2 --gemm-sms 120
 4099 --op gemm_rs --mode none --chunks 1 --dtype bf16
-4099 --op ag_gemm --mode none --chunks 1 --push
-37 --op ag_gemm --mode none --chunks 1 --push --dtype bf16
-1 --op ag_gemm --mode none --chunks 1 --push
 CASES
 # The loop ran in a pipeline's subshell, where rc=1 does not reach this
 # shell: the verdict comes from the result lines, one PASS per rank and case.

@@ -31,8 +31,6 @@
 #           CUDA_DEVICE_MAX_CONNECTIONS, NAME for the files' name, power sampled; no PyTorch
 #   graphlead  modelcmp four ways (as served, CUDA_DEVICE_MAX_CONNECTIONS=32, eager, one graph
 #           per 8 blocks): where the 80-layer overlapped graph loses against its eager pass
-#   push    the whole model (8x1024) with mode none, the deploy config and two variants of it
-#           whose gate_up (and qkv) layers at m >= 2048 use the push protocol, interleaved
 #   graphprio  the layer benchmark (NCCL modes and ring_ce) with graphs instantiated with
 #           per-node priorities and with CUDA's default, alternating: what the comm streams'
 #           priority is worth inside a graph
@@ -61,7 +59,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|push|graphprio|gateup|model|load|stress|sustained|stages|ab|profile}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|graphprio|gateup|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -136,15 +134,6 @@ PY
       --rounds 3 --overlap "$out/overlap-ring-ce-c1.yaml" --check-logits 5e-2 \
       --out "$out/model-tiny-ring-ce-c1.json" > "$out/model_tiny_logits.log" 2>&1 || rc=1
     grep -E "logits vs none|error" "$out/model_tiny_logits.log"
-    # The push protocol (qkv and gate_up gathered by the add & norm's stores into the peers'
-    # buffers): mode none's GEMMs on the same bytes, so the logits should equal none's.
-    echo "== tpserve-bench-model tiny: push (qkv, gate_up) vs none (--check-logits)"
-    printf 'version: 1\ntp: 2\nlayers:\n  - match: "*.attn.qkv"\n    push: true\n  - match: "*.mlp.gate_up"\n    push: true\n' \
-      > "$out/overlap-push.yaml"
-    timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches 4x100 3x37 1x1 \
-      --rounds 3 --overlap "$out/overlap-push.yaml" --check-logits 5e-2 \
-      --out "$out/model-tiny-push.json" > "$out/model_tiny_push.log" 2>&1 || rc=1
-    grep -E "logits vs none|error" "$out/model_tiny_push.log"
     if python3 -c "import grpc" 2>/dev/null; then
       echo "== serve --backend cuda (gRPC, killed worker)"
       (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 150 \
@@ -357,23 +346,6 @@ CASES
       echo "== modelcmp ${variant:-(as served)}"
       env CONFIGS= ${variant} bash "$0" modelcmp || rc=1
     done
-    ;;
-  push)
-    # The push protocol (LinearKnobs::push: the add & norm stores its FP8 rows into the peers'
-    # gather buffers, and the layer runs mode none's single GEMM) in the whole model
-    # (modelcmp: 8x1024), interleaved round by round with mode none and the deploy config: for
-    # gate_up, and for gate_up and qkv, at m >= 2048. The variants are line edits of the deploy
-    # file's tuned entries (gate_up n: 57344, qkv n: 10240).
-    base=deploy/overlap-llama3-70b-tp$tp.yaml
-    to_push='/m: 512,/!{s/mode: ring, chunks: 1,/mode: none, chunks: 1,/;s/copy_engine: true,/copy_engine: false, push: true,/}'
-    # PUSH_ALL=1: every M (the m: 512 entries too), for batches below 2048 tokens.
-    [ "${PUSH_ALL:-0}" = 1 ] && to_push=${to_push#/m: 512,/!}
-    sed "/op: ag_gemm, n: 57344/{$to_push}" "$base" > /tmp/push-gate-up.yaml
-    sed "/op: ag_gemm, n: \(57344\|10240\)/{$to_push}" "$base" > /tmp/push-gate-up-qkv.yaml
-    grep -c "push: true" /tmp/push-gate-up.yaml /tmp/push-gate-up-qkv.yaml
-    cp /tmp/push-gate-up{,-qkv}.yaml "$out/"
-    env LAYERS=${LAYERS:-0} BATCHES="${BATCHES:-8x1024}" ROUNDS=${ROUNDS:-10} NAME=push${PUSH_ALL:+-all} \
-      CONFIGS="$(echo /tmp/push-gate-up{,-qkv}.yaml)" bash "$0" modelcmp || rc=1
     ;;
   graphprio)
     # CUDA graphs instantiated with per-node priorities (the comm streams' kernels keep their

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <string_view>
 #include <utility>
-#include <vector>
 
 #include "comm/cuda_check.h"
 #include "comm/nccl_thread_group.h"
@@ -388,29 +387,15 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
     p.residual2 = static_cast<const BFloat16*>(r.second);
     p.residual_out = r.first != nullptr ? x : nullptr;
   };
-  // A push-mode next layer (LinearKnobs::push) gets its input gathered here: the norm stores
-  // this rank's rows into the peers' copies too (FP8 with a static scale), or they are copied
-  // there after the rows are made.
   auto add_norm = [&](const Split& residual, const DeviceBuffer& weight, CudaLinear& next,
                       const Linear& next_w) -> Status {
-    TP_RETURN_IF_ERROR(next.BeginPush(st));
     RmsNormParams p;
     p.input = x;
     set_residual(residual, p);
     p.weight = weight.as<BFloat16>();
-    const bool fused_push = next.push() && fp8 && !next_w.dynamic;
     if (fp8 && !next_w.dynamic) {
       p.out_fp8 = static_cast<uint8_t*>(next.input(m));
       p.out_fp8_scale = next_w.x_scale();
-      if (fused_push) {
-        const std::vector<void*> targets = next.PushTargets(m);
-        if (targets.size() > static_cast<size_t>(RmsNormParams::kMaxFp8Copies)) {
-          return InvalidArgumentError("layer " + next.name() + ": push to " +
-                                      std::to_string(targets.size()) + " peers, at most " +
-                                      std::to_string(RmsNormParams::kMaxFp8Copies));
-        }
-        for (void* t : targets) p.out_fp8_copies[p.num_out_fp8_copies++] = static_cast<uint8_t*>(t);
-      }
     } else if (fp8) {  // dynamic: BF16 staging and its amax
       p.out = normed_.as<BFloat16>();
       p.out_amax = amax_.as<float>();
@@ -421,11 +406,8 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
     p.dim = h;
     p.eps = static_cast<float>(c.rms_norm_eps);
     TP_RETURN_IF_ERROR(LaunchRmsNorm(p, st));
-    if (fp8 && next_w.dynamic) {
-      TP_RETURN_IF_ERROR(quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m)));
-    }
-    if (next.push() && !fused_push) return next.PushInput(m, st);
-    return Status::Ok();
+    if (!fp8 || !next_w.dynamic) return Status::Ok();
+    return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
   };
 
   // The block output still to be added to x: none before the first block; a segment that

@@ -69,31 +69,19 @@ __device__ __forceinline__ uint4 PackBf16x8(const float (&f)[8]) {
                     PackBf16x2(f[6], f[7]));
 }
 
-struct Fp8x8 {
-  uint8_t q[8];
-};
-
-__device__ __forceinline__ Fp8x8 QuantizeFp8x8(const float (&f)[8], const Fp8Divisor& d) {
-  Fp8x8 out;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out.q[i] = QuantizeToE4M3(f[i], d);
-  return out;
-}
-
 // Eight codes: one 8-byte store when aligned, bytes otherwise.
-__device__ __forceinline__ void Store8(uint8_t* dst, const Fp8x8& codes) {
+__device__ __forceinline__ void StoreFp8x8(uint8_t* dst, const float (&f)[8], const Fp8Divisor& d) {
+  uint8_t q[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) q[i] = QuantizeToE4M3(f[i], d);
   if ((reinterpret_cast<uintptr_t>(dst) & 7u) == 0) {
     uint2 w;
-    memcpy(&w, codes.q, sizeof w);
+    memcpy(&w, q, sizeof w);
     *reinterpret_cast<uint2*>(dst) = w;
   } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dst[i] = codes.q[i];
+    for (int i = 0; i < 8; ++i) dst[i] = q[i];
   }
-}
-
-__device__ __forceinline__ void StoreFp8x8(uint8_t* dst, const float (&f)[8], const Fp8Divisor& d) {
-  Store8(dst, QuantizeFp8x8(f, d));
 }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -215,19 +203,13 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
 #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = h[k][i] * inv_rms * w[i];
     if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + offset)[v] = PackBf16x8(y);
-    if (p.out_fp8 != nullptr) {
-      const Fp8x8 codes = QuantizeFp8x8(y, fp8);
-      Store8(p.out_fp8 + offset + 8 * v, codes);
-      for (int c = 0; c < p.num_out_fp8_copies; ++c) Store8(p.out_fp8_copies[c] + offset + 8 * v, codes);
-    }
+    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8);
     if (p.out_amax != nullptr) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
     }
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
-  // Copies may be another GPU's memory, which work after this kernel (a peer's flag) announces.
-  if (p.num_out_fp8_copies > 0) __threadfence_system();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -899,18 +881,6 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
     if (!IsAligned(v.ptr, 16)) return MisalignedField(kP, v.name, 16);
   }
   if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
-  if (p.num_out_fp8_copies < 0 || p.num_out_fp8_copies > RmsNormParams::kMaxFp8Copies) {
-    return BadField(kP, "num_out_fp8_copies", p.num_out_fp8_copies,
-                    "must be in [0, " + std::to_string(RmsNormParams::kMaxFp8Copies) + "]");
-  }
-  if (p.num_out_fp8_copies > 0 && p.out_fp8 == nullptr) {
-    return InvalidArgumentError(std::string(kP) + ": out_fp8_copies need out_fp8");
-  }
-  for (int c = 0; c < p.num_out_fp8_copies; ++c) {
-    if (p.out_fp8_copies[c] == nullptr) {
-      return NullField(kP, ("out_fp8_copies[" + std::to_string(c) + "]").c_str());
-    }
-  }
 
   const int64_t vecs = p.dim / 8;
   const int64_t per_thread = (vecs + kRmsVecsPerThread - 1) / kRmsVecsPerThread;

@@ -49,12 +49,6 @@ struct RmsNormParams {
   BFloat16* out = nullptr;               // optional
   uint8_t* out_fp8 = nullptr;            // optional; any alignment
   const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
-  // Optional (needs out_fp8): more places that get the same FP8 rows, e.g. the peers' copies of
-  // a push-mode layer's input (CudaLinear::PushTargets), any alignment; the kernel's stores to
-  // them are made visible system-wide (__threadfence_system) before it ends.
-  static constexpr int kMaxFp8Copies = 7;
-  uint8_t* out_fp8_copies[kMaxFp8Copies] = {};
-  int num_out_fp8_copies = 0;  // 0..kMaxFp8Copies
   // Optional (needs out): max |out| over every row, NaN skipped; zeroed by
   // the launcher on the stream first (0 for 0 rows). Dynamic FP8 scaling
   // reads it instead of a separate AbsMax pass over out.

@@ -93,7 +93,6 @@ struct CudaLinear::Impl {
   DeviceBuffer input, gather, partial, received, scratch, unit_scales;
   PeerBuffer peer_input, peer_gather, peer_partial;
   PeerSignals signals;
-  std::vector<PeerSignals::Flag> push_peers;  // push: slot 0 of every other rank
   std::map<int64_t, Prepared> prepared;
 
   void* InputBase() const { return peer_input.data() ? peer_input.data() : input.data(); }
@@ -184,8 +183,6 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
     return Status::Ok();
   };
   const bool ce = knobs.copy_engine && tp > 1;
-  layer->push_ = knobs.push && tp > 1;
-  const bool push = layer->push_;
   auto alloc_peer = [&](PeerBuffer& buf, size_t bytes, const char* what) -> Status {
     TP_ASSIGN_OR_RETURN(buf, PeerBuffer::Create(*im.comm, bytes, layer->name_ + "." + what));
     return Status::Ok();
@@ -197,10 +194,6 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       } else {
         TP_RETURN_IF_ERROR(alloc(im.gather, shape.max_m * row_x, "gather"));
       }
-    } else if (push) {
-      // Mode none's gather layout (one slot of shard_max + 1 rows per rank), which the
-      // producers of every rank write into: input(m) is this rank's slot.
-      TP_RETURN_IF_ERROR(alloc_peer(im.peer_gather, tp * (shard_max + 1) * row_x, "gather"));
     } else {
       // One row of slack: a short chunk is sent padded to its step's size.
       const size_t input_bytes = (shard_max + 1) * row_x;
@@ -241,7 +234,7 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       }
     }
   }
-  if (ce || push) {
+  if (ce) {
     for (const PeerBuffer* b : {&im.peer_input, &im.peer_gather, &im.peer_partial}) {
       if (b->data() == nullptr) continue;
       for (int r = 0; r < tp; ++r) {
@@ -252,8 +245,8 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
         // passes every mode (benchmarks/NOTES.md). Refused rather than left to
         // hang.
         return FailedPreconditionError(
-            ctx + ": " + (ce ? "copy_engine" : "push") +
-            " needs one process per GPU (CUDA IPC peers); rank " + std::to_string(r) +
+            ctx + ": copy_engine needs one process per GPU (CUDA IPC peers); rank " +
+            std::to_string(r) +
             " is a thread of this process, where graph replays of copy-engine layers hung "
             "(run tpserve serve/layer, or tpserve-bench --ranks processes)");
       }
@@ -264,18 +257,6 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
     // AllGather step, or (tp - 1) * chunks ring steps.
     TP_ASSIGN_OR_RETURN(im.signals, PeerSignals::Create(*im.comm, chunks * std::max(1, tp - 1),
                                                         layer->name_ + ".signals"));
-  }
-  if (push) {
-    // One flag of each kind per pair of ranks: `ready` (rows stored) and `done` (rows read),
-    // the latter set once here, so that the first BeginPush finds the peers' buffers free.
-    TP_ASSIGN_OR_RETURN(im.signals, PeerSignals::Create(*im.comm, 1, layer->name_ + ".signals"));
-    for (int r = 0; r < tp; ++r) {
-      if (r != layer->rank_) im.push_peers.push_back({r, 0});
-    }
-    TP_RETURN_IF_ERROR(
-        im.signals.Signal(PeerSignals::kDone, im.push_peers, im.comm_stream.get()));
-    TP_CUDA_CHECK(cudaStreamSynchronize(im.comm_stream.get()));
-    TP_RETURN_IF_ERROR(im.comm->Barrier());  // every rank's flags set before any BeginPush
   }
   // Scales of 1.0 used while planning GEMMs (only the pointers' presence
   // matters for the algorithm choice).
@@ -293,59 +274,12 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
 
 size_t CudaLinear::device_bytes() const { return impl_->Bytes(); }
 
-namespace {
-
-// Push: the offset of `rank`'s slot in the gather buffer (mode none's AllGather layout: one
-// slot per rank, as long as the largest shard).
-size_t PushSlotOffset(const CudaLinearShape& shape, int tp, int rank, int64_t m) {
-  int64_t slot_rows = 0;
-  for (int r = 0; r < tp; ++r) slot_rows = std::max(slot_rows, ShardRows(m, tp, r).size());
-  return static_cast<size_t>(rank * slot_rows) * shape.k * DataTypeSize(shape.dtype);
-}
-
-}  // namespace
-
 void* CudaLinear::input(int64_t m) const {
   if (shape_.op == OverlapOp::kAllGatherGemm && knobs_.mode == OverlapMode::kRing) {
     const size_t row_x = shape_.k * DataTypeSize(shape_.dtype);
     return static_cast<char*>(impl_->GatherBase()) + ShardRows(m, tp_, rank_).begin * row_x;
   }
-  if (push_) return static_cast<char*>(impl_->GatherBase()) + PushSlotOffset(shape_, tp_, rank_, m);
   return impl_->InputBase();
-}
-
-std::vector<void*> CudaLinear::PushTargets(int64_t m) const {
-  std::vector<void*> out;
-  if (!push_) return out;
-  const size_t offset = PushSlotOffset(shape_, tp_, rank_, m);
-  for (const PeerSignals::Flag& f : impl_->push_peers) {
-    out.push_back(static_cast<char*>(impl_->peer_gather.peer(f.peer)) + offset);
-  }
-  return out;
-}
-
-Status CudaLinear::BeginPush(cudaStream_t stream) {
-  if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
-  if (!push_) return Status::Ok();
-  TP_RETURN_IF_ERROR(impl_->signals.Wait(PeerSignals::kDone, impl_->push_peers, stream));
-  push_begun_ = true;
-  return Status::Ok();
-}
-
-Status CudaLinear::PushInput(int64_t m, cudaStream_t stream) {
-  if (!push_) return FailedPreconditionError("layer " + name_ + " does not push its input");
-  if (!push_begun_) {
-    return FailedPreconditionError("layer " + name_ + ": PushInput before BeginPush");
-  }
-  if (m < 1 || m > shape_.max_m) {
-    return InvalidArgumentError("layer " + name_ + ": m=" + std::to_string(m) +
-                                " outside [1, max_m=" + std::to_string(shape_.max_m) + "]");
-  }
-  for (void* target : PushTargets(m)) {
-    TP_CUDA_CHECK(cudaMemcpyAsync(target, input(m), input_bytes(m), cudaMemcpyDeviceToDevice,
-                                  stream));
-  }
-  return Status::Ok();
 }
 
 size_t CudaLinear::input_bytes(int64_t m) const {
@@ -837,30 +771,6 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
         return st.WithContext("layer '" + name_ + "'");
       }
     }
-  }
-  if (push_) {
-    // The producer stored the rows (BeginPush's protocol): no AllGather, only its flags around
-    // mode none's GEMM, all on the caller's stream.
-    if (with_comm && !push_begun_) {
-      return FailedPreconditionError("layer " + name_ +
-                                     ": push mode needs BeginPush and the producer's stores to "
-                                     "PushTargets (or PushInput) before each Run");
-    }
-    if (split != nullptr) *split = {y, nullptr};
-    if (with_comm) {
-      push_begun_ = false;
-      TP_RETURN_IF_ERROR(im.signals.SignalThenWait(PeerSignals::kReady, im.push_peers,
-                                                   PeerSignals::kReady, im.push_peers, stream));
-    }
-    for (const PreparedStep& ps : prep.steps) {
-      if (!ps.is_gemm || !with_gemm) continue;
-      for (const GemmCall& call : ps.gemms) {
-        TP_RETURN_IF_ERROR(im.gemm.Run(params_of(call), resolve(call.a), w, resolve(call.c),
-                                       resolve(call.d), stream));
-      }
-    }
-    if (with_comm) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, im.push_peers, stream));
-    return Status::Ok();
   }
   // RunSplit: the skipped sum step and the addends it would have read.
   const int skip = split != nullptr ? prep.split_sum_step : -1;

@@ -68,23 +68,6 @@ class CudaLinear {
   // Elements of this rank's output for `m` rows.
   int64_t output_elements(int64_t m) const;
 
-  // Push (knobs.push, ag_gemm in mode none, tp > 1): X is gathered by its producer, not by
-  // the layer. Before every Run (and RunCommOnly), on the stream the producer and Run use:
-  //  1. BeginPush(stream): holds the stream until every peer's GEMM has read what this rank
-  //     stored into it the time before (at once on the first run);
-  //  2. the producer writes this rank's rows at input(m) and the same bytes at every pointer
-  //     of PushTargets(m), the peers' copies of that place (mapped here), then must make them
-  //     visible before its kernel ends (__threadfence_system); a producer that cannot, writes
-  //     input(m) only and calls PushInput(m, stream), which copies it there on a copy engine;
-  //  3. Run: signals the peers that the rows are there, waits for theirs, runs mode none's
-  //     GEMM over all m rows, and tells the peers it has read them.
-  // Run without a BeginPush since the last Run is FAILED_PRECONDITION. For other layers
-  // BeginPush does nothing, PushTargets is empty and PushInput is FAILED_PRECONDITION.
-  bool push() const { return push_; }
-  Status BeginPush(cudaStream_t stream);
-  std::vector<void*> PushTargets(int64_t m) const;
-  Status PushInput(int64_t m, cudaStream_t stream);
-
   // Enqueues the layer on `stream`. FAILED_PRECONDITION if Prepare(m) has not
   // run; INVALID_ARGUMENT for m out of range or a missing pointer.
   Status Run(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
@@ -151,8 +134,6 @@ class CudaLinear {
   int tp_ = 1;
   int rank_ = 0;
   bool closed_ = false;
-  bool push_ = false;        // knobs_.push with peers to push to
-  bool push_begun_ = false;  // BeginPush enqueued since the last Run
   std::unique_ptr<Impl> impl_;
 };
 

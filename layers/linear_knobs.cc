@@ -6,7 +6,7 @@ std::string LinearKnobs::ToString() const {
   return "mode=" + std::string(OverlapModeName(mode)) + " chunks=" + std::to_string(chunks) +
          " comm{" + comm.Key() + "} copy_engine=" + std::to_string(copy_engine) +
          " gemm_sm_count=" + std::to_string(gemm_sm_count) +
-         " fast_accum=" + std::to_string(fast_accum) + (push ? " push=1" : "");
+         " fast_accum=" + std::to_string(fast_accum);
 }
 
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
@@ -21,22 +21,7 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
     return InvalidArgumentError("gemm_sm_count must be >= 0 (0 = all SMs), got " +
                                 std::to_string(knobs.gemm_sm_count));
   }
-  if (knobs.push) {
-    if (op != OverlapOp::kAllGatherGemm) {
-      return InvalidArgumentError("push applies to ag_gemm layers only (a producer stores the "
-                                  "gathered input), not to " +
-                                  std::string(OverlapOpName(op)));
-    }
-    if (knobs.mode != OverlapMode::kNone) {
-      return InvalidArgumentError("push needs mode none (the producer's stores replace the "
-                                  "AllGather), got mode " +
-                                  std::string(OverlapModeName(knobs.mode)));
-    }
-    if (knobs.copy_engine) {
-      return InvalidArgumentError("push and copy_engine exclude each other (push moves no data "
-                                  "of its own)");
-    }
-  }
+  (void)op;  // every op and mode takes every knob
   return knobs.comm.Validate().WithContext("comm");
 }
 

@@ -39,22 +39,14 @@ struct LinearKnobs {
   int gemm_sm_count = 0;
   // FP8 fast accumulation (no periodic promotion to FP32 inside the GEMM).
   bool fast_accum = false;
-  // ag_gemm with mode none only: the producer of X (the engine's add & norm) stores this
-  // rank's rows into every peer's gather buffer as well as its own (CudaLinear::PeerInputs),
-  // so no AllGather is left to run: Run waits for the peers' rows to be written and runs one
-  // GEMM over all M rows, without the split that a ring's own-rows-first GEMM pays. Peer
-  // memory, one process per GPU, all ranks on one node; excludes copy_engine.
-  bool push = false;
 
-  // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
-  // (" push=1" appended when set).
+  // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0".
   std::string ToString() const;
 };
 
 // INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none;
-// sm count >= 0; the comm knobs valid; push only with mode none, without copy_engine and, for
-// `op` kGemmReduceScatter, not at all (its output is not gathered). Every other knob goes with
-// every op and mode.
+// sm count >= 0; the comm knobs valid. Every op and mode takes every knob
+// (`op` is not looked at).
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

@@ -12,7 +12,6 @@
 //     copy_engine: false
 //     gemm_sm_count: 0
 //     fast_accum: false
-//     push: false                  # ag_gemm, mode none: the producer stores the gathered input
 //   layers:                        # rules, first match wins
 //     - match: "layers.*.mlp.down" # glob on the layer name: * any run, ? one char
 //       mode: ring                 # knobs for every M ...

@@ -26,10 +26,6 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
   if (e.empty() && f.split_output && f.op != "gemm_rs") {
     e = "--split-output applies to --op gemm_rs only (an AllGather+GEMM has no sum to leave)";
   }
-  if (e.empty() && f.push && (f.op != "ag_gemm" || f.mode != "none" || f.copy_engine)) {
-    e = "--push applies to --op ag_gemm --mode none without --copy-engine (got --op " + f.op +
-        " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
-  }
   if (!e.empty()) {
     std::fprintf(stderr, "error: %s\n", e.c_str());
     return 2;
@@ -158,12 +154,6 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                          "--copy-engine) leaves that addition to the consumer, here the check, "
                          "which adds the two addends (FP32 sum rounded to BF16) before comparing; "
                          "other plans write their output as usual"),
-           cuda_only.get());
-  CudaOnly(cmd->add_flag("--push", f->push,
-                         "ag_gemm, mode none: the layer's push protocol (the producer of the "
-                         "input stores it into the peers' buffers; the engine's add & norm "
-                         "does): here every run is BeginPush, the input copied to the peers "
-                         "(PushInput), Run, and graph replays repeat all three"),
            cuda_only.get());
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());

@@ -23,7 +23,6 @@ struct LayerFlags {
   bool copy_engine = false;
   int gemm_sm_count = 0;
   bool split_output = false;  // gemm_rs: CudaLinear::RunSplit, the addends summed on the host
-  bool push = false;          // ag_gemm, mode none: LinearKnobs::push, the input copied to peers
   uint32_t seed = 1;
   int iters = 3;
   double tolerance = 1e-2;

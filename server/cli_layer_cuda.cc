@@ -44,7 +44,6 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   TP_ASSIGN_OR_RETURN(knobs.comm.cta_policy, ParseCtaPolicy(f.cta_policy));
   knobs.copy_engine = f.copy_engine;
   knobs.gemm_sm_count = f.gemm_sm_count;
-  knobs.push = f.push;
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
 
   spdlog::info("rank {}/{}: preparing operands and the CPU reference", who.rank, f.tp);
@@ -76,12 +75,8 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   TP_ASSIGN_OR_RETURN(DeviceBuffer y, DeviceBuffer::Allocate(std::max<int64_t>(out, 1) * 2, "y"));
   TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st));
   CudaLinear::SplitOutput split;
-  auto run = [&]() -> Status {
+  auto run = [&] {
     const float* x_scale = scales.as<float>();
-    if (layer->push()) {
-      TP_RETURN_IF_ERROR(layer->BeginPush(st));
-      TP_RETURN_IF_ERROR(layer->PushInput(f.m, st));
-    }
     if (f.split_output) {
       return layer->RunSplit(f.m, w.data(), x_scale, x_scale + 4, y.data(), st, &split);
     }

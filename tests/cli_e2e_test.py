@@ -150,8 +150,7 @@ class CommandLineChecks(unittest.TestCase):
 
     # layer's flags that only the cuda backend reads, with a value to give each.
     LAYER_CUDA_ONLY = (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
-                       ["--gemm-sms", "8"], ["--split-output"], ["--push"],
-                       ["--gemm-algo", "heuristic"])
+                       ["--gemm-sms", "8"], ["--split-output"], ["--gemm-algo", "heuristic"])
 
     def test_layer_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. The cpu backend, given or layer's default,
@@ -167,7 +166,7 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cpu", "--mode", "none", "--chunks", "3",
                           *[a for knob in self.LAYER_CUDA_ONLY for a in knob]],
                          "error: --backend cpu: --max-ctas, --cta-policy, --copy-engine, "
-                         "--gemm-sms, --split-output, --push and --gemm-algo need --backend cuda; the cpu "
+                         "--gemm-sms, --split-output and --gemm-algo need --backend cuda; the cpu "
                          "backend does not read them", 2)
         self.assertNotIn("--chunks 3", p.stderr)
         self.assertNotIn("--backend auto", p.stderr)  # layer has none
@@ -181,18 +180,6 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cuda", "--op", "ag_gemm", "--split-output"],
                          "error: --split-output applies to --op gemm_rs only", 2)
         self.assertNotIn("preparing operands", p.stderr)
-
-    def test_layer_refuses_push_where_it_does_not_apply(self):
-        # Push replaces mode none's AllGather: other ops, modes and copy engines are refused
-        # before anything runs, naming what was given.
-        for args, given in ((["--op", "gemm_rs", "--mode", "none"], "--op gemm_rs --mode none"),
-                            (["--op", "ag_gemm", "--mode", "ring"], "--op ag_gemm --mode ring"),
-                            (["--op", "ag_gemm", "--mode", "none", "--copy-engine"],
-                             "--op ag_gemm --mode none --copy-engine")):
-            p = self.refused(["layer", "--backend", "cuda", *args, "--push"],
-                             "error: --push applies to --op ag_gemm --mode none without "
-                             "--copy-engine (got " + given + ")", 2)
-            self.assertNotIn("preparing operands", p.stderr)
 
     def test_run_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. A model that does not exist shows that the

@@ -195,10 +195,6 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, int residuals,
                           PoisonedBuffer(DataType::kBFloat16, n, "residual_out", stream));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8,
                           PoisonedBuffer(DataType::kFloat8E4M3, n, "out_fp8", stream));
-  // Two more places for the FP8 rows (a push-mode layer's peers), the second 3 bytes off
-  // 8-byte alignment: both must hold exactly out_fp8's bytes.
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_copies,
-                          PoisonedBuffer(DataType::kFloat8E4M3, 2 * n + 8, "out_fp8_copies", stream));
   // Garbage in out_amax: the launcher must zero it first.
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_amax, Upload(std::vector<float>{1e30f}, "amax"));
 
@@ -214,9 +210,6 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, int residuals,
   p.out_fp8 = d_fp8.as<uint8_t>();
   p.out_fp8_scale = d_scale.as<float>();
   p.out_amax = d_amax.as<float>();
-  p.out_fp8_copies[0] = d_copies.as<uint8_t>();
-  p.out_fp8_copies[1] = d_copies.as<uint8_t>() + n + 3;
-  p.num_out_fp8_copies = 2;
   p.rows = rows;
   p.dim = dim;
   p.eps = eps;
@@ -227,13 +220,6 @@ void CheckRmsNorm(cudaStream_t stream, int64_t rows, int64_t dim, int residuals,
   TP_ASSERT_OK_AND_ASSIGN(auto fp8, Download<uint8_t>(d_fp8.data(), n));
   ExpectBf16Near(out, ref, kBf16Rel, 1e-6, what);
   ExpectFp8Near(fp8, ref, scale, what + " fp8");
-  TP_ASSERT_OK_AND_ASSIGN(auto copies, Download<uint8_t>(d_copies.data(), 2 * n + 8));
-  for (int c = 0; c < 2; ++c) {
-    const size_t at = c == 0 ? 0 : n + 3;
-    size_t differ = 0;
-    for (size_t i = 0; i < n; ++i) differ += copies[at + i] != fp8[i];
-    EXPECT_EQ(differ, 0u) << what << ": out_fp8_copies[" << c << "] differs from out_fp8";
-  }
   // out_amax: exactly the largest |out| the kernel stored.
   TP_ASSERT_OK_AND_ASSIGN(auto amax, Download<float>(d_amax.data(), 1));
   EXPECT_EQ(amax[0], Amax(Widen(out))) << what;
@@ -732,18 +718,6 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     RmsNormParams p = norm;
     p.residual = bf;
     ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "residual_out");
-  }
-  {
-    RmsNormParams p = norm;
-    p.num_out_fp8_copies = 1;
-    p.out_fp8_copies[0] = bytes;
-    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "out_fp8_copies need out_fp8");
-    p.out_fp8 = bytes;
-    p.out_fp8_scale = scale;
-    p.out_fp8_copies[0] = nullptr;
-    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "out_fp8_copies[0] must not be null");
-    p.num_out_fp8_copies = RmsNormParams::kMaxFp8Copies + 1;
-    ExpectRejected(LaunchRmsNorm(p, nullptr), kInvalid, "num_out_fp8_copies");
   }
   {
     RmsNormParams p = norm;

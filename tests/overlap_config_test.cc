@@ -144,55 +144,6 @@ TEST(OverlapConfig, CopyEngineOnARowParallelLayerResolvesInEveryMode) {
   EXPECT_TRUE(t->copy_engine);
 }
 
-// push: read, round-tripped, and refused (naming the file, the rule and the layer) where it
-// cannot apply: a row-parallel layer, a mode other than none, together with copy engines.
-TEST(OverlapConfig, PushResolvesForAllGatherLayersInModeNoneOnly) {
-  const OverlapConfig cfg = MustParse(
-      "version: 1\n"
-      "layers:\n"
-      "  - match: \"layers.*.mlp.gate_up\"\n"
-      "    m_ranges:\n"
-      "      - {m_min: 2048, mode: none, push: true}\n"
-      "  - match: \"layers.*.attn.qkv\"\n"
-      "    push: true\n"
-      "    mode: ring\n"
-      "  - match: \"layers.*.mlp.down\"\n"
-      "    push: true\n"
-      "  - match: \"layers.*.attn.o\"\n"
-      "    push: true\n"
-      "    copy_engine: true\n");
-  auto big = cfg.Resolve("layers.1.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 8192, 2);
-  ASSERT_TRUE(big.ok()) << big.status().ToString();
-  EXPECT_TRUE(big->push);
-  EXPECT_EQ(big->mode, OverlapMode::kNone);
-  EXPECT_THAT(big->ToString(), HasSubstr("push=1"));
-  // Below the range: the defaults, without push.
-  auto small = cfg.Resolve("layers.1.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 512, 2);
-  ASSERT_TRUE(small.ok()) << small.status().ToString();
-  EXPECT_FALSE(small->push);
-  EXPECT_THAT(small->ToString(), ::testing::Not(HasSubstr("push")));
-  auto ring = cfg.Resolve("layers.1.attn.qkv", OverlapOp::kAllGatherGemm, 8, 8, 512, 2);
-  EXPECT_EQ(ring.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(ring.status().message(), HasSubstr("test.yaml:6 (match 'layers.*.attn.qkv')"));
-  EXPECT_THAT(ring.status().message(), HasSubstr("push needs mode none"));
-  auto rs = cfg.Resolve("layers.1.mlp.down", OverlapOp::kGemmReduceScatter, 8, 8, 512, 2);
-  EXPECT_EQ(rs.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(rs.status().message(), HasSubstr("layer 'layers.1.mlp.down'"));
-  EXPECT_THAT(rs.status().message(), HasSubstr("push applies to ag_gemm layers only"));
-  auto ce = cfg.Resolve("layers.1.attn.o", OverlapOp::kAllGatherGemm, 8, 8, 512, 2);
-  EXPECT_THAT(ce.status().message(), HasSubstr("push and copy_engine exclude each other"));
-  // Written back only where set, and read again the same.
-  const std::string text = cfg.ToYaml();
-  EXPECT_THAT(text, HasSubstr("push: true"));
-  EXPECT_THAT(text, ::testing::Not(HasSubstr("push: false")));
-  const OverlapConfig back = MustParse(text);
-  auto again = back.Resolve("layers.1.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 8192, 2);
-  ASSERT_TRUE(again.ok()) << again.status().ToString();
-  EXPECT_EQ(again->ToString(), big->ToString());
-  EXPECT_THAT(ParseError("version: 1\ndefaults:\n  push: often\n").message(),
-              HasSubstr("bad.yaml:3: defaults.push: must be true or false"));
-}
-
 // A level in mode none does not reset what inner levels inherit: its own
 // resolved knobs have one chunk, an M range below it that picks ring gets the
 // defaults' four.
