@@ -23,10 +23,10 @@
 #include "comm/cli_numbers.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
+#include "comm/graph_priority_flag.h"
 #include "comm/rank_group.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
-#include "comm/graph_priority_flag.h"
 #include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
 #include "layers/quantize_kernels.h"
@@ -75,7 +75,7 @@ struct Flags {
   bool check = true;
   bool fast_accum = false;
   bool split_output = false;  // gemm_rs layer methods as the engine runs them (RunSplit + reader)
-  std::string gemm_algo = "timed";  // GemmAlgoSelection of every GEMM
+  std::string gemm_algo = "timed";      // GemmAlgoSelection of every GEMM
   std::string graph_priority = "node";  // CudaGraphExec::Priority of every graph
   std::string out = "bench.json";
   std::string commit = "unknown";

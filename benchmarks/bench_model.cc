@@ -31,10 +31,10 @@
 #include <vector>
 
 #include "comm/cli_numbers.h"
+#include "comm/graph_priority_flag.h"
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
-#include "comm/graph_priority_flag.h"
 #include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
 
@@ -56,14 +56,14 @@ struct Flags {
   uint64_t seed = 7;
   std::string out = "model.json";
   std::string commit = "unknown";
-  std::string gemm_algo = "timed";    // GemmAlgoSelection of every GEMM
+  std::string gemm_algo = "timed";      // GemmAlgoSelection of every GEMM
   std::string graph_priority = "node";  // CudaGraphExec::Priority of every graph
-  bool dynamic_input_scales = false;  // FP8 inputs scaled per batch (CudaModelOptions)
-  bool stages = false;                // also where an eager pass spends its time
-  double check_logits = -1;           // >= 0: fail above this rel. difference from none
-  int idle_ms = 0;                    // the GPUs idle this long before every timed pass
-  bool eager = false;                 // time eager passes, no CUDA graphs
-  int graph_blocks = 0;               // > 0: one graph per this many blocks
+  bool dynamic_input_scales = false;    // FP8 inputs scaled per batch (CudaModelOptions)
+  bool stages = false;                  // also where an eager pass spends its time
+  double check_logits = -1;             // >= 0: fail above this rel. difference from none
+  int idle_ms = 0;                      // the GPUs idle this long before every timed pass
+  bool eager = false;                   // time eager passes, no CUDA graphs
+  int graph_blocks = 0;                 // > 0: one graph per this many blocks
 };
 
 struct BatchShape {

@@ -205,8 +205,7 @@ std::string_view CudaGraphExec::PriorityName(Priority priority) {
 StatusOr<CudaGraphExec::Priority> CudaGraphExec::ParsePriority(std::string_view name) {
   if (name == "node") return Priority::kPerNode;
   if (name == "stream") return Priority::kLaunchStream;
-  return InvalidArgumentError("graph priority '" + std::string(name) +
-                              "' (allowed: node, stream)");
+  return InvalidArgumentError("graph priority '" + std::string(name) + "' (allowed: node, stream)");
 }
 
 StatusOr<CudaGraphExec> CudaGraphExec::Instantiate(cudaGraph_t graph) {
