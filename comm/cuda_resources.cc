@@ -211,8 +211,10 @@ StatusOr<CudaGraphExec::Priority> CudaGraphExec::ParsePriority(std::string_view 
 StatusOr<CudaGraphExec> CudaGraphExec::Instantiate(cudaGraph_t graph) {
   if (graph == nullptr) return InvalidArgumentError("CudaGraphExec::Instantiate: graph is null");
   cudaGraphExec_t exec = nullptr;
-  const unsigned long long flags =  // NOLINT(runtime/int): the API's type
-      GetPriority() == Priority::kPerNode ? cudaGraphInstantiateFlagUseNodePriority : 0ULL;
+  using Flags = unsigned long long;  // NOLINT(runtime/int): the API's type
+  const Flags flags = GetPriority() == Priority::kPerNode
+                          ? static_cast<Flags>(cudaGraphInstantiateFlagUseNodePriority)
+                          : Flags{0};
   const cudaError_t err = cudaGraphInstantiate(&exec, graph, flags);
   if (err != cudaSuccess) {
     TP_CUDA_LOG(cudaGraphDestroy(graph));
