@@ -254,6 +254,19 @@ Status Probe(const Options& o) {
                                         },
                                         false));
     report("GEMM + C (beta 1), C and D local", static_cast<int>(algo), acc);
+    // The own rows' GEMM adding the peer's partial of them where it lies, in the peer's
+    // memory (read over NVLink by the epilogue): a GEMM+RS at TP = 2 with no copy and no sum
+    // pass, both GPUs at once as the layer would run it.
+    TP_ASSIGN_OR_RETURN(double acc_remote, time(
+                                               [&](int g) {
+                                                 Gpu& x = gpu[g];
+                                                 return x.accumulate.Run(algo, x.a, x.b,
+                                                                         gpu[1 - g].c, x.d_local,
+                                                                         x.stream);
+                                               },
+                                               true));
+    report("GEMM + C (beta 1), C in the peer's memory, both GPUs", static_cast<int>(algo),
+           acc_remote);
   }
   auto copy = [&](int g) -> Status {
     TP_CUDA_CHECK(cudaMemcpyPeerAsync(gpu[1 - g].d_from_peer, 1 - g, gpu[g].d_local, g, out_bytes,
@@ -306,6 +319,23 @@ Status Probe(const Options& o) {
   size_t differ = 0;
   for (size_t i = 0; i < local.size(); ++i) differ += local[i] != remote[i];
   std::printf("peer-written D vs local D: %zu of %zu elements differ\n", differ, local.size());
+  {
+    // GEMM + C with C read in GPU 1's memory against the same C copied here first.
+    TP_CUDA_CHECK(cudaMemcpyPeer(gpu[0].d_from_peer, 0, gpu[1].c, 1, out_bytes));
+    TP_RETURN_IF_ERROR(gpu[0].accumulate.Run(0, gpu[0].a, gpu[0].b, gpu[0].d_from_peer,
+                                             gpu[0].d_local, gpu[0].stream));
+    TP_CUDA_CHECK(cudaStreamSynchronize(gpu[0].stream));
+    TP_CUDA_CHECK(cudaMemcpy(local.data(), gpu[0].d_local, out_bytes, cudaMemcpyDefault));
+    TP_RETURN_IF_ERROR(
+        gpu[0].accumulate.Run(0, gpu[0].a, gpu[0].b, gpu[1].c, gpu[0].d_local, gpu[0].stream));
+    TP_CUDA_CHECK(cudaStreamSynchronize(gpu[0].stream));
+    TP_CUDA_CHECK(cudaMemcpy(remote.data(), gpu[0].d_local, out_bytes, cudaMemcpyDefault));
+    size_t c_differ = 0;
+    for (size_t i = 0; i < local.size(); ++i) c_differ += local[i] != remote[i];
+    std::printf("GEMM + C with C in the peer's memory vs C local: %zu of %zu elements differ\n",
+                c_differ, local.size());
+    differ += c_differ;
+  }
   if (o.items > 1) {
     // GPU 0's item 1, written into GPU 1's memory, against the same item computed locally.
     TP_RETURN_IF_ERROR(items(false, 0)(0));
