@@ -321,7 +321,9 @@ Status Probe(const Options& o) {
   std::printf("peer-written D vs local D: %zu of %zu elements differ\n", differ, local.size());
   {
     // GEMM + C with C read in GPU 1's memory against the same C copied here first.
-    TP_CUDA_CHECK(cudaMemcpyPeer(gpu[0].d_from_peer, 0, gpu[1].c, 1, out_bytes));
+    // On GPU 0's (non-blocking) stream, so that the GEMM reads the copy, not what was there.
+    TP_CUDA_CHECK(
+        cudaMemcpyPeerAsync(gpu[0].d_from_peer, 0, gpu[1].c, 1, out_bytes, gpu[0].stream));
     TP_RETURN_IF_ERROR(gpu[0].accumulate.Run(0, gpu[0].a, gpu[0].b, gpu[0].d_from_peer,
                                              gpu[0].d_local, gpu[0].stream));
     TP_CUDA_CHECK(cudaStreamSynchronize(gpu[0].stream));
