@@ -152,8 +152,13 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       base.method = "none";
       base.knobs.copy_engine = true;
       add(base);
-    } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce") {
-      const bool ce = name.ends_with("_ce");
+    } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce" ||
+               name == "ring_inplace") {
+      // ring_inplace: ring over peer memory, gemm_rs layers reading the running sums in the
+      // peers' memory (LinearKnobs::in_place); recorded as ring with copy_engine and in_place.
+      const bool in_place = name == "ring_inplace";
+      if (in_place && op != OverlapOp::kGemmReduceScatter) continue;
+      const bool ce = name.ends_with("_ce") || in_place;
       const bool ring = name.starts_with("ring");
       // Copy engines also at one chunk: their transfer has no kernel to
       // overlap with, so at small M a single pull may be the fastest.
@@ -172,6 +177,7 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
             m.knobs.comm.max_ctas = ctas;
             m.knobs.gemm_sm_count = sms;
             m.knobs.copy_engine = ce;
+            m.knobs.in_place = in_place;
             add(m);
           }
         }
@@ -212,7 +218,8 @@ json KnobsJson(const LinearKnobs& k) {
               {"cta_policy", CtaPolicyName(k.comm.cta_policy)},
               {"copy_engine", k.copy_engine},
               {"gemm_sm_count", k.gemm_sm_count},
-              {"fast_accum", k.fast_accum}};
+              {"fast_accum", k.fast_accum},
+              {"in_place", k.in_place}};
 }
 
 // One method of one case on one rank, ready to replay.
@@ -651,10 +658,12 @@ int Main(int argc, char** argv) {
                  "gives the layer at this M), none_ce, pipeline_ce and ring_ce "
                  "(peer memory instead of NCCL kernels: copy-engine pulls, and for gemm_rs "
                  "none_ce a sum kernel reading the peers' partials; chunks 1 included; "
-                 "they need --ranks processes), "
+                 "they need --ranks processes), ring_inplace (gemm_rs only: ring over peer "
+                 "memory whose GEMMs read the running sums in the peers' memory, no pulls; "
+                 "chunks 1 included), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->check(CLI::IsMember({"gemm_only", "comm_only", "none", "pipeline", "ring", "auto",
-                             "none_ce", "pipeline_ce", "ring_ce", "layer_gemm"}))
+                             "none_ce", "pipeline_ce", "ring_ce", "ring_inplace", "layer_gemm"}))
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,
                  "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default; at most 64)")
@@ -769,7 +778,7 @@ int Main(int argc, char** argv) {
   }
   if (f.ranks == "threads") {
     for (const std::string& m : f.methods) {
-      if (m.size() > 3 && m.compare(m.size() - 3, 3, "_ce") == 0) {
+      if ((m.size() > 3 && m.compare(m.size() - 3, 3, "_ce") == 0) || m == "ring_inplace") {
         spdlog::error(
             "--methods {}: copy-engine methods need --ranks processes (CudaLinear refuses copy "
             "engines with ranks as threads: their graph replays hung)",

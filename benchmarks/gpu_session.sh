@@ -34,6 +34,9 @@
 #   graphprio  the layer benchmark (NCCL modes and ring_ce) with graphs instantiated with
 #           per-node priorities and with CUDA's default, alternating: what the comm streams'
 #           priority is worth inside a graph
+#   inplace  gemm_rs rings reading the running sums in the peer's memory (ring_inplace)
+#           against copy-engine rings: layer benchmark of o and down (with and without
+#           --split-output), then the model with the deploy config's o and down made in_place
 #   gateup  the whole model (8x1024) with the deploy config and variants of it that change
 #           gate_up alone (mode none on NCCL; none on copy engines; ring on copy engines with
 #           2 chunks), interleaved round by round with mode none
@@ -59,7 +62,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|graphprio|gateup|model|load|stress|sustained|stages|ab|profile}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|graphprio|inplace|gateup|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -134,6 +137,15 @@ PY
       --rounds 3 --overlap "$out/overlap-ring-ce-c1.yaml" --check-logits 5e-2 \
       --out "$out/model-tiny-ring-ce-c1.json" > "$out/model_tiny_logits.log" 2>&1 || rc=1
     grep -E "logits vs none|error" "$out/model_tiny_logits.log"
+    # The same with o and down reading the peer's running sum in place (LinearKnobs::in_place):
+    # one rounding fewer than the split sum, so close to none's logits rather than equal.
+    echo "== tpserve-bench-model tiny: ring on copy engines, o and down in_place, vs none"
+    printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 1\n  copy_engine: true\nlayers:\n  - {match: "*.attn.o", in_place: true}\n  - {match: "*.mlp.down", in_place: true}\n' \
+      > "$out/overlap-ring-ce-c1-inplace.yaml"
+    timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches 4x100 3x37 1x1 \
+      --rounds 3 --overlap "$out/overlap-ring-ce-c1-inplace.yaml" --check-logits 5e-2 \
+      --out "$out/model-tiny-ring-ce-c1-inplace.json" > "$out/model_tiny_inplace.log" 2>&1 || rc=1
+    grep -E "logits vs none|error" "$out/model_tiny_inplace.log"
     if python3 -c "import grpc" 2>/dev/null; then
       echo "== serve --backend cuda (gRPC, killed worker)"
       (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 150 \
@@ -375,6 +387,41 @@ for key in sorted(t):
     s, n = (statistics.median(t[key].get(p, [float("nan")])) for p in ("stream", "node"))
     print(*key, "%.4f / %.4f  %.3f" % (s, n, n / s))
 PY
+    ;;
+  inplace)
+    # gemm_rs rings whose GEMMs read the running sums in the peer's memory (LinearKnobs::
+    # in_place) against the copy-engine rings: the layer benchmark for o and down (as the
+    # engine runs them, --split-output, then as layers for issue 4's floor), then the whole
+    # model (modelcmp, 8x1024) with the deploy config's ring entries for o and down made
+    # in_place by a line edit, interleaved with none and the deploy config.
+    for run in split layer; do
+      timeout ${INPLACE_TIMEOUT:-150} .gpu/bin/tpserve-bench --tp $tp --shapes llama70b \
+        --m ${MS:-2048 8192 16384} --dtype fp8 --chunks 2 --rounds ${ROUNDS:-20} --commit "$commit" \
+        --methods gemm_only comm_only ring_ce ring_inplace $([ $run = split ] && echo --split-output) \
+        --run-label $run --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-inplace-$run-$commit.json" \
+        > "$out/inplace-$run.log" 2>&1 || rc=1
+      grep -E "error" "$out/inplace-$run.log" | tail -3
+      python3 - "$out/$(date -u +%F)-overlap-llama70b-tp$tp-inplace-$run-$commit.json" <<'PY'
+import json, sys
+t = {}
+for r in json.load(open(sys.argv[1]))["records"]:
+    c = r.get("config") or {}
+    name = r["method"] + ("_inplace" if c.get("in_place") else "_ce" if c.get("copy_engine") else "")
+    if r["method"] in ("ring",):
+        name += " c=%d" % r["chunks"]
+    t.setdefault((r["op"], r["n"], r["k"], r["m"]), {})[name] = r["median_ms"]
+for key in sorted(t):
+    g = t[key].get("gemm_only")
+    print(*key, "  ".join("%s %.4f%s" % (k, v, " (%.3f x gemm)" % (v / g) if g else "")
+                          for k, v in sorted(t[key].items())))
+PY
+    done
+    sed '/op: gemm_rs/s/mode: ring, \(.*\)copy_engine: true,/mode: ring, \1copy_engine: true, in_place: true,/' \
+      deploy/overlap-llama3-70b-tp$tp.yaml > /tmp/inplace-rs.yaml
+    grep -c "in_place: true" /tmp/inplace-rs.yaml
+    cp /tmp/inplace-rs.yaml "$out/"
+    env LAYERS=${LAYERS:-0} BATCHES="${BATCHES:-8x1024}" ROUNDS=${MODEL_ROUNDS:-10} NAME=inplace \
+      CONFIGS=/tmp/inplace-rs.yaml bash "$0" modelcmp || rc=1
     ;;
   gateup)
     # gate_up alone varied in the whole model (modelcmp: 8x1024; the deploy config otherwise),

@@ -99,7 +99,10 @@ def variant(r):
     """impl+method, with the copy-engine pipeline as its own method (the
     bench's pipeline_ce)."""
     name = "%s %s" % (r.get("impl", "?"), r.get("method", "?"))
-    if (r.get("config") or {}).get("copy_engine"):
+    cfg = r.get("config") or {}
+    if cfg.get("in_place"):
+        name += "_inplace"  # the bench's ring_inplace: peer memory, no pulls
+    elif cfg.get("copy_engine"):
         name += "_ce"
     return name
 
@@ -114,7 +117,7 @@ def row_name(r):
     part = method == "layer_comm" or (method == "layer_gemm" and
                                       (mode != "none" or cfg.get("copy_engine")))
     if part:
-        ce = "_ce" if cfg.get("copy_engine") else ""
+        ce = "_inplace" if cfg.get("in_place") else "_ce" if cfg.get("copy_engine") else ""
         name = "%s %s of %s%s c=%s" % (r.get("impl", "?"), method, mode, ce, r.get("chunks"))
     elif r.get("chunks", 1) != 1 or method in ("pipeline", "ring", "torch_chunked"):
         name += " c=%s" % r.get("chunks")

@@ -254,6 +254,17 @@ class RowNameTest(unittest.TestCase):
                  config={"mode": "none", "chunks": 1, "copy_engine": True})
         self.assertEqual(render_results.row_name(r), "tpserve layer_comm of none_ce c=1")
 
+    def test_in_place_rings_are_named_apart_from_copy_engine_rings(self):
+        r = rec("tpserve", "ring", 0.4)
+        r.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
+                                   "in_place": True})
+        self.assertEqual(render_results.row_name(r), "tpserve ring_inplace c=1")
+        r["config"]["in_place"] = False
+        self.assertEqual(render_results.row_name(r), "tpserve ring_ce c=1")
+        r.update(method="layer_gemm", config={"mode": "ring", "chunks": 1, "copy_engine": True,
+                                              "in_place": True})
+        self.assertEqual(render_results.row_name(r), "tpserve layer_gemm of ring_inplace c=1")
+
     def test_the_plain_layer_gemm_and_methods_keep_their_names(self):
         r = rec("tpserve", "layer_gemm", 0.4)
         r["config"] = {"mode": "none", "chunks": 1}

@@ -67,6 +67,8 @@ struct PreparedStep {
   std::vector<GemmCall> gemms;
   CommCall comm;
   bool record_event = false;  // a later step on the other stream waits for it
+  // A GEMM that read peers' memory (in_place): they may reuse it once the GEMM is done.
+  std::vector<PeerSignals::Flag> done_to;
 };
 
 struct Prepared {
@@ -212,7 +214,10 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       } else {
         TP_RETURN_IF_ERROR(alloc(im.partial, shape.max_m * row_y, "partial"));
       }
-      TP_RETURN_IF_ERROR(alloc(im.received, shape.max_m * row_y, "received"));
+      // in_place: the running sums are read where the peers left them, never copied here.
+      if (!(ce && knobs.in_place)) {
+        TP_RETURN_IF_ERROR(alloc(im.received, shape.max_m * row_y, "received"));
+      }
     } else {
       const size_t partial_bytes = tp * (shard_max + chunks) * row_y;
       if (ce) {
@@ -372,6 +377,9 @@ Status CudaLinear::Prepare(int64_t m) {
   // a to b uses flag slot k on both sides (plans issue matching sends and
   // receives in the same order: ValidatePlanGroup).
   const bool ce = knobs_.copy_engine && tp_ > 1;
+  // gemm_rs ring over peer memory with in_place: no pulls; each accumulating GEMM reads the
+  // running sum in the sending peer's `partial` and tells that peer when it is done.
+  const bool in_place = ce && !ag && ring && knobs_.in_place;
   std::vector<int> sent(tp_, 0), received(tp_, 0);
   auto next_slot = [&](std::vector<int>& seq, int peer) -> StatusOr<int> {
     if (seq[peer] >= im.signals.slots()) {
@@ -520,7 +528,7 @@ Status CudaLinear::Prepare(int64_t m) {
             TP_RETURN_IF_ERROR(add_receive(c, c.recv_peer));
             // The sender's copy of the same buffer holds the rows at the
             // same offset (ring buffers are indexed by global row).
-            if (c.recv_bytes > 0) {
+            if (c.recv_bytes > 0 && !in_place) {
               c.pulls.push_back({c.recv_peer, {src, c.recv.offset}, c.recv, c.recv_bytes});
             }
           }
@@ -576,6 +584,26 @@ Status CudaLinear::Prepare(int64_t m) {
               d = {BufRef::kY, (r.begin - own.begin) * row_y};
             } else {
               d = {BufRef::kPartial, r.begin * row_y};
+            }
+            if (in_place && s.accumulate) {
+              // C is the running sum in the sender's `partial` (the receive step this GEMM
+              // waits for says who sent it); that peer may reuse it after this GEMM.
+              int recv_step = -1;
+              for (int dep : s.deps) {
+                if (plan.steps[dep].kind == StepKind::kSendRecv) recv_step = dep;
+              }
+              if (recv_step < 0 || prep.steps[recv_step].comm.recv_peer < 0) {
+                return InternalError("layer " + name_ + ": in_place GEMM step " +
+                                     std::to_string(i) + " has no receive step to read from");
+              }
+              CommCall& recv = prep.steps[recv_step].comm;
+              GemmCall call = single(r.size(), a, d);
+              call.c = {BufRef::kPartial, r.begin * row_y, recv.recv_peer};
+              call.params.beta = 1.0f;
+              ps.gemms.push_back(call);
+              ps.done_to.insert(ps.done_to.end(), recv.done_to.begin(), recv.done_to.end());
+              recv.done_to.clear();
+              continue;
             }
             if (!ag && ce && knobs_.chunks == 1 && s.final_output && s.accumulate) {
               // The ring's last step with copy engines and one chunk: rather
@@ -787,7 +815,8 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     if (static_cast<int>(i) == skip) continue;
     const PreparedStep& ps = prep.steps[i];
     if (!ps.is_gemm && !with_comm) continue;
-    if (ps.is_gemm && !with_gemm) continue;
+    // Without GEMMs (RunCommOnly), a GEMM step that owes peers a `done` still sends it.
+    if (ps.is_gemm && !with_gemm && ps.done_to.empty()) continue;
     cudaStream_t s = stream_of(ps);
     for (int d : ps.deps) {
       if (!with_comm && !prep.steps[d].is_gemm) continue;
@@ -796,9 +825,11 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     }
     if (ps.is_gemm) {
       for (const GemmCall& call : ps.gemms) {
+        if (!with_gemm) break;
         TP_RETURN_IF_ERROR(
             im.gemm.Run(params_of(call), resolve(call.a), w, resolve(call.c), resolve(call.d), s));
       }
+      if (with_comm) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, ps.done_to, s));
     } else if (ps.comm.copy_engine) {
       const CommCall& c = ps.comm;
       TP_RETURN_IF_ERROR(EnqueuePeerTransfer(im, c, resolve, s));

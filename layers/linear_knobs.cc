@@ -6,7 +6,7 @@ std::string LinearKnobs::ToString() const {
   return "mode=" + std::string(OverlapModeName(mode)) + " chunks=" + std::to_string(chunks) +
          " comm{" + comm.Key() + "} copy_engine=" + std::to_string(copy_engine) +
          " gemm_sm_count=" + std::to_string(gemm_sm_count) +
-         " fast_accum=" + std::to_string(fast_accum);
+         " fast_accum=" + std::to_string(fast_accum) + (in_place ? " in_place=1" : "");
 }
 
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
@@ -21,7 +21,14 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
     return InvalidArgumentError("gemm_sm_count must be >= 0 (0 = all SMs), got " +
                                 std::to_string(knobs.gemm_sm_count));
   }
-  (void)op;  // every op and mode takes every knob
+  if (knobs.in_place && (op != OverlapOp::kGemmReduceScatter || knobs.mode != OverlapMode::kRing ||
+                         !knobs.copy_engine)) {
+    return InvalidArgumentError(
+        "in_place applies to gemm_rs layers in mode ring with copy_engine (their running sums "
+        "read in the peer's memory), got " +
+        std::string(OverlapOpName(op)) + " mode " + std::string(OverlapModeName(knobs.mode)) +
+        (knobs.copy_engine ? " with" : " without") + " copy_engine");
+  }
   return knobs.comm.Validate().WithContext("comm");
 }
 

@@ -39,14 +39,20 @@ struct LinearKnobs {
   int gemm_sm_count = 0;
   // FP8 fast accumulation (no periodic promotion to FP32 inside the GEMM).
   bool fast_accum = false;
+  // gemm_rs, mode ring, copy_engine only: each accumulating GEMM reads the running sum where
+  // the peer left it (its C operand in the peer's memory, over NVLink) instead of a copy
+  // engine pulling it here first; no copy, and with one chunk no separate sum pass either
+  // (the last GEMM writes the finished output).
+  bool in_place = false;
 
-  // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0".
+  // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
+  // (" in_place=1" appended when set).
   std::string ToString() const;
 };
 
 // INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none;
-// sm count >= 0; the comm knobs valid. Every op and mode takes every knob
-// (`op` is not looked at).
+// sm count >= 0; the comm knobs valid; in_place only for gemm_rs in mode ring with
+// copy_engine. Every other knob goes with every op and mode.
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

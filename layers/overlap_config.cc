@@ -16,7 +16,7 @@ namespace tpserve {
 namespace {
 
 constexpr std::initializer_list<const char*> kKnobKeys = {
-    "mode", "chunks", "comm", "copy_engine", "gemm_sm_count", "fast_accum"};
+    "mode", "chunks", "comm", "copy_engine", "gemm_sm_count", "fast_accum", "in_place"};
 constexpr std::initializer_list<const char*> kCommKeys = {"min_ctas", "max_ctas", "cta_policy",
                                                           "cga_cluster_size"};
 
@@ -128,6 +128,9 @@ class Parser {
     }
     if (const YAML::Node v = node["fast_accum"]) {
       TP_RETURN_IF_ERROR(Read(v, path + ".fast_accum", "true or false", &s->knobs.fast_accum));
+    }
+    if (const YAML::Node v = node["in_place"]) {
+      TP_RETURN_IF_ERROR(Read(v, path + ".in_place", "true or false", &s->knobs.in_place));
     }
     if (const YAML::Node c = node["comm"]) {
       const std::string cpath = path + ".comm";
@@ -306,6 +309,7 @@ void EmitKnobs(YAML::Emitter& out, const LinearKnobs& k, bool auto_mode) {
   out << YAML::Key << "copy_engine" << YAML::Value << k.copy_engine;
   out << YAML::Key << "gemm_sm_count" << YAML::Value << k.gemm_sm_count;
   out << YAML::Key << "fast_accum" << YAML::Value << k.fast_accum;
+  if (k.in_place) out << YAML::Key << "in_place" << YAML::Value << true;  // written when set
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 //     copy_engine: false
 //     gemm_sm_count: 0
 //     fast_accum: false
+//     in_place: false              # gemm_rs ring on copy engines: read the peer's running sum
 //   layers:                        # rules, first match wins
 //     - match: "layers.*.mlp.down" # glob on the layer name: * any run, ? one char
 //       mode: ring                 # knobs for every M ...

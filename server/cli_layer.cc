@@ -26,6 +26,10 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
   if (e.empty() && f.split_output && f.op != "gemm_rs") {
     e = "--split-output applies to --op gemm_rs only (an AllGather+GEMM has no sum to leave)";
   }
+  if (e.empty() && f.in_place && (f.op != "gemm_rs" || f.mode != "ring" || !f.copy_engine)) {
+    e = "--in-place applies to --op gemm_rs --mode ring --copy-engine (got --op " + f.op +
+        " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
+  }
   if (!e.empty()) {
     std::fprintf(stderr, "error: %s\n", e.c_str());
     return 2;
@@ -154,6 +158,11 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                          "--copy-engine) leaves that addition to the consumer, here the check, "
                          "which adds the two addends (FP32 sum rounded to BF16) before comparing; "
                          "other plans write their output as usual"),
+           cuda_only.get());
+  CudaOnly(cmd->add_flag("--in-place", f->in_place,
+                         "gemm_rs, mode ring, --copy-engine: each accumulating GEMM reads the "
+                         "running sum in the peer's memory over NVLink instead of a copy-engine "
+                         "pull (no copy; with --chunks 1 no separate sum either)"),
            cuda_only.get());
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());

@@ -150,7 +150,8 @@ class CommandLineChecks(unittest.TestCase):
 
     # layer's flags that only the cuda backend reads, with a value to give each.
     LAYER_CUDA_ONLY = (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
-                       ["--gemm-sms", "8"], ["--split-output"], ["--gemm-algo", "heuristic"])
+                       ["--gemm-sms", "8"], ["--split-output"], ["--in-place"],
+                       ["--gemm-algo", "heuristic"])
 
     def test_layer_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. The cpu backend, given or layer's default,
@@ -166,7 +167,7 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cpu", "--mode", "none", "--chunks", "3",
                           *[a for knob in self.LAYER_CUDA_ONLY for a in knob]],
                          "error: --backend cpu: --max-ctas, --cta-policy, --copy-engine, "
-                         "--gemm-sms, --split-output and --gemm-algo need --backend cuda; the cpu "
+                         "--gemm-sms, --split-output, --in-place and --gemm-algo need --backend cuda; the cpu "
                          "backend does not read them", 2)
         self.assertNotIn("--chunks 3", p.stderr)
         self.assertNotIn("--backend auto", p.stderr)  # layer has none
@@ -180,6 +181,19 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cuda", "--op", "ag_gemm", "--split-output"],
                          "error: --split-output applies to --op gemm_rs only", 2)
         self.assertNotIn("preparing operands", p.stderr)
+
+    def test_layer_refuses_in_place_where_it_does_not_apply(self):
+        # Only a ring over peer memory has running sums to read in place: other ops, modes
+        # and NCCL transfers are refused before anything runs, naming what was given.
+        for args, given in ((["--op", "ag_gemm", "--mode", "ring", "--copy-engine"],
+                             "--op ag_gemm --mode ring --copy-engine"),
+                            (["--op", "gemm_rs", "--mode", "pipeline", "--copy-engine"],
+                             "--op gemm_rs --mode pipeline --copy-engine"),
+                            (["--op", "gemm_rs", "--mode", "ring"], "--op gemm_rs --mode ring")):
+            p = self.refused(["layer", "--backend", "cuda", *args, "--in-place"],
+                             "error: --in-place applies to --op gemm_rs --mode ring "
+                             "--copy-engine (got " + given + ")", 2)
+            self.assertNotIn("preparing operands", p.stderr)
 
     def test_run_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. A model that does not exist shows that the

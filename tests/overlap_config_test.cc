@@ -144,6 +144,40 @@ TEST(OverlapConfig, CopyEngineOnARowParallelLayerResolvesInEveryMode) {
   EXPECT_TRUE(t->copy_engine);
 }
 
+// in_place: read, written back only where set, and refused (naming the file, the rule and the
+// layer) where there is no running sum to read in place.
+TEST(OverlapConfig, InPlaceResolvesForRowParallelRingsOverPeerMemoryOnly) {
+  const OverlapConfig cfg = MustParse(
+      "version: 1\n"
+      "layers:\n"
+      "  - {match: \"layers.*.mlp.down\", mode: ring, chunks: 1, copy_engine: true,\n"
+      "     in_place: true}\n"
+      "  - {match: \"layers.*.attn.o\", mode: ring, chunks: 2, in_place: true}\n"
+      "  - {match: \"*\", mode: ring, copy_engine: true, in_place: true}\n");
+  auto down = cfg.Resolve("layers.1.mlp.down", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  ASSERT_TRUE(down.ok()) << down.status().ToString();
+  EXPECT_TRUE(down->in_place);
+  EXPECT_THAT(down->ToString(), HasSubstr("in_place=1"));
+  EXPECT_THAT(LinearKnobs{}.ToString(), ::testing::Not(HasSubstr("in_place")));
+  auto nccl = cfg.Resolve("layers.1.attn.o", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  EXPECT_EQ(nccl.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(nccl.status().message(), HasSubstr("test.yaml:5 (match 'layers.*.attn.o')"));
+  EXPECT_THAT(nccl.status().message(), HasSubstr("without copy_engine"));
+  auto ag = cfg.Resolve("layers.1.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
+  EXPECT_EQ(ag.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(ag.status().message(), HasSubstr("layer 'layers.1.mlp.gate_up'"));
+  EXPECT_THAT(ag.status().message(), HasSubstr("in_place applies to gemm_rs layers in mode ring"));
+  const std::string text = cfg.ToYaml();
+  EXPECT_THAT(text, HasSubstr("in_place: true"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("in_place: false")));
+  auto again =
+      MustParse(text).Resolve("layers.1.mlp.down", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->ToString(), down->ToString());
+  EXPECT_THAT(ParseError("version: 1\ndefaults:\n  in_place: often\n").message(),
+              HasSubstr("bad.yaml:3: defaults.in_place: must be true or false"));
+}
+
 // A level in mode none does not reset what inner levels inherit: its own
 // resolved knobs have one chunk, an M range below it that picks ring gets the
 // defaults' four.
