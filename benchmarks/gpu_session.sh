@@ -113,7 +113,10 @@ case "$part" in
     timeout 240 .gpu/bin/tpserve_gpu_tests > "$out/gpu_tests.log" 2>&1 || rc=1
     grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_tests.log" | tail -20
     echo "== tpserve layer, one process per GPU"
-    timeout 150 bash benchmarks/gpu_layer_cli.sh | grep -cE "PASS" || rc=1
+    # Its verdict is its exit status (every rank PASS, and the --split-output ranks' kinds).
+    timeout 150 bash benchmarks/gpu_layer_cli.sh > "$out/layer_cli_verdict.txt" 2>&1 || rc=1
+    echo "$(grep -c -- "-> PASS" "$out/layer_cli.log") rank checks PASS"
+    grep "split-output:" "$out/layer_cli_verdict.txt"
     echo "== tpserve run --backend cuda vs cpu (tiny)"
     timeout 60 .gpu/bin/tpserve run --model tiny --tp 2 --backend cuda --ids 5,6,7,8 --json \
       > "$out/run_cuda.json" 2> "$out/run_cuda.log" || rc=1
@@ -227,7 +230,7 @@ PY
     # that config) next to none, then PyTorch; Llama-3-70B's layers and the
     # seed's shape, each in its own file and both in one (COMBINED).
     COMMIT=$commit PRESETS="${PRESETS:-llama70b seed}" COMBINED=llama70b-seed-fp8-tp$tp DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
-      METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce layer_gemm auto" \
+      METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce ring_inplace layer_gemm auto" \
       SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=90 PEER_TIMEOUT=200 \
       BENCH_ARGS="${BENCH_ARGS:---breakdown}" \
       bash benchmarks/run_overlap_bench.sh || rc=1
