@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <set>
 #include <utility>
 
 #include "comm/cuda_check.h"
@@ -96,6 +97,8 @@ struct CudaLinear::Impl {
   PeerBuffer peer_input, peer_gather, peer_partial;
   PeerSignals signals;
   std::map<int64_t, Prepared> prepared;
+  // in_place: the (peer, slot) `done` flags set at Create, which every plan's waits must use.
+  std::set<std::pair<int, int>> done_tokens;
 
   void* InputBase() const { return peer_input.data() ? peer_input.data() : input.data(); }
   void* GatherBase() const { return peer_gather.data() ? peer_gather.data() : gather.data(); }
@@ -272,6 +275,25 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   // A cudaMemcpy from pageable memory may return before its DMA lands; the
   // layer's streams are non-blocking, so wait for it (the legacy stream).
   TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+  if (ce && ring && shape.op == OverlapOp::kGemmReduceScatter && knobs.in_place) {
+    // in_place: a peer reads this rank's `partial` until its last GEMM ends, so the wait for
+    // its `done` (before `partial` may be written again) moves from the end of this Run,
+    // where it would cost the ranks' skew, to the start of the next. Each `done` flag starts
+    // set, as if a Run had gone before. The flags are those of the largest M's plan; a
+    // smaller M's plan uses some of them (Prepare checks).
+    TP_RETURN_IF_ERROR(layer->Prepare(shape.max_m));
+    std::vector<PeerSignals::Flag> tokens;
+    for (const PreparedStep& ps : im.prepared.at(shape.max_m).steps) {
+      tokens.insert(tokens.end(), ps.done_to.begin(), ps.done_to.end());
+    }
+    for (const PeerSignals::Flag& f : im.prepared.at(shape.max_m).done_from) {
+      im.done_tokens.insert({f.peer, f.slot});
+    }
+    layer->in_place_ = true;  // Prepare checks the plans of other M against done_tokens
+    TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, tokens, im.comm_stream.get()));
+    TP_CUDA_CHECK(cudaStreamSynchronize(im.comm_stream.get()));
+    TP_RETURN_IF_ERROR(im.comm->Barrier());  // every rank's flags set before any Run
+  }
   spdlog::debug("{}: rank {}/{} {} knobs {} device bytes {}", layer->name_, layer->rank_, tp,
                 OverlapOpName(shape.op), knobs.ToString(), im.Bytes());
   return layer;
@@ -667,6 +689,15 @@ Status CudaLinear::Prepare(int64_t m) {
     TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(false));
     im.step_events.push_back(std::move(e));
   }
+  if (in_place_) {
+    for (const PeerSignals::Flag& f : prep.done_from) {
+      if (!im.done_tokens.count({f.peer, f.slot})) {
+        return InternalError("layer " + name_ + ": the in_place plan for m=" + std::to_string(m) +
+                             " waits for a `done` from rank " + std::to_string(f.peer) + " slot " +
+                             std::to_string(f.slot) + " that the largest M's plan does not have");
+      }
+    }
+  }
   prep.plan = std::move(plan);
   im.prepared.emplace(m, std::move(prep));
   return Status::Ok();
@@ -809,6 +840,10 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
       *split = {resolve(slots[0]), resolve(slots[1])};
     }
   }
+  if (with_comm && in_place_ && !prep.done_from.empty()) {
+    // The peers have read what the last Run left in `partial`: it may be written again.
+    TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kDone, prep.done_from, stream));
+  }
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));
   for (size_t i = 0; i < prep.steps.size(); ++i) {
@@ -878,7 +913,7 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     }
     if (ps.record_event) TP_RETURN_IF_ERROR(im.step_events[i].Record(s));
   }
-  if (with_comm && !prep.done_from.empty()) {
+  if (with_comm && !prep.done_from.empty() && !in_place_) {
     // Peers have pulled everything this rank sent: the caller may overwrite it.
     TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kDone, prep.done_from, side));
   }

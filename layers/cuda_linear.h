@@ -134,6 +134,7 @@ class CudaLinear {
   int tp_ = 1;
   int rank_ = 0;
   bool closed_ = false;
+  bool in_place_ = false;  // gemm_rs ring over peer memory with knobs_.in_place
   std::unique_ptr<Impl> impl_;
 };
 

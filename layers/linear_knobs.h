@@ -42,7 +42,8 @@ struct LinearKnobs {
   // gemm_rs, mode ring, copy_engine only: each accumulating GEMM reads the running sum where
   // the peer left it (its C operand in the peer's memory, over NVLink) instead of a copy
   // engine pulling it here first; no copy, and with one chunk no separate sum pass either
-  // (the last GEMM writes the finished output).
+  // (the last GEMM writes the finished output). The peers' `done` (they have read this
+  // rank's partial) is awaited at the start of the next Run rather than the end of this one.
   bool in_place = false;
 
   // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
