@@ -284,7 +284,9 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
     TP_RETURN_IF_ERROR(layer->Prepare(shape.max_m));
     std::vector<PeerSignals::Flag> tokens;
     for (const PreparedStep& ps : im.prepared.at(shape.max_m).steps) {
+      // A GEMM's, or a receive step's whose GEMM had no rows to read.
       tokens.insert(tokens.end(), ps.done_to.begin(), ps.done_to.end());
+      tokens.insert(tokens.end(), ps.comm.done_to.begin(), ps.comm.done_to.end());
     }
     for (const PeerSignals::Flag& f : im.prepared.at(shape.max_m).done_from) {
       im.done_tokens.insert({f.peer, f.slot});
