@@ -306,8 +306,9 @@ Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void*
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
   const float* x_scale = fp8 ? w.x_scale() : nullptr;
   const float* w_scale = fp8 ? w.w_scale() : nullptr;
-  if (split != nullptr)
+  if (split != nullptr) {
     return layer.RunSplit(m, w.w.data(), x_scale, w_scale, y, stream_.get(), split);
+  }
   return layer.Run(m, w.w.data(), x_scale, w_scale, y, stream_.get());
 }
 
@@ -416,7 +417,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
   if (with_embedding) pending = Split{};
   for (int64_t l = first_block; l < end_block; ++l) {
     const Layer& lw = layers_[l];
-    TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(static_cast<int64_t>(l), m));
+    TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(l, m));
     CudaLinear *qkv = block[0], *o = block[1], *gate_up = block[2], *down = block[3];
 
     TP_RETURN_IF_ERROR(add_norm(pending, lw.input_norm, *qkv, lw.qkv));

@@ -275,12 +275,13 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   // A cudaMemcpy from pageable memory may return before its DMA lands; the
   // layer's streams are non-blocking, so wait for it (the legacy stream).
   TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
-  if (ce && ring && shape.op == OverlapOp::kGemmReduceScatter && knobs.in_place) {
+  layer->in_place_ = ce && ring && shape.op == OverlapOp::kGemmReduceScatter && knobs.in_place;
+  if (layer->in_place_) {
     // in_place: a peer reads this rank's `partial` until its last GEMM ends, so the wait for
     // its `done` (before `partial` may be written again) moves from the end of this Run,
     // where it would cost the ranks' skew, to the start of the next. Each `done` flag starts
     // set, as if a Run had gone before. The flags are those of the largest M's plan; a
-    // smaller M's plan uses some of them (Prepare checks).
+    // smaller M's plan uses some of them (Prepare checks, once done_tokens is filled).
     TP_RETURN_IF_ERROR(layer->Prepare(shape.max_m));
     std::vector<PeerSignals::Flag> tokens;
     for (const PreparedStep& ps : im.prepared.at(shape.max_m).steps) {
@@ -291,7 +292,6 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
     for (const PeerSignals::Flag& f : im.prepared.at(shape.max_m).done_from) {
       im.done_tokens.insert({f.peer, f.slot});
     }
-    layer->in_place_ = true;  // Prepare checks the plans of other M against done_tokens
     TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, tokens, im.comm_stream.get()));
     TP_CUDA_CHECK(cudaStreamSynchronize(im.comm_stream.get()));
     TP_RETURN_IF_ERROR(im.comm->Barrier());  // every rank's flags set before any Run
@@ -401,9 +401,6 @@ Status CudaLinear::Prepare(int64_t m) {
   // a to b uses flag slot k on both sides (plans issue matching sends and
   // receives in the same order: ValidatePlanGroup).
   const bool ce = knobs_.copy_engine && tp_ > 1;
-  // gemm_rs ring over peer memory with in_place: no pulls; each accumulating GEMM reads the
-  // running sum in the sending peer's `partial` and tells that peer when it is done.
-  const bool in_place = ce && !ag && ring && knobs_.in_place;
   std::vector<int> sent(tp_, 0), received(tp_, 0);
   auto next_slot = [&](std::vector<int>& seq, int peer) -> StatusOr<int> {
     if (seq[peer] >= im.signals.slots()) {
@@ -552,7 +549,7 @@ Status CudaLinear::Prepare(int64_t m) {
             TP_RETURN_IF_ERROR(add_receive(c, c.recv_peer));
             // The sender's copy of the same buffer holds the rows at the
             // same offset (ring buffers are indexed by global row).
-            if (c.recv_bytes > 0 && !in_place) {
+            if (c.recv_bytes > 0 && !in_place_) {  // in_place_: read there, not pulled
               c.pulls.push_back({c.recv_peer, {src, c.recv.offset}, c.recv, c.recv_bytes});
             }
           }
@@ -609,9 +606,9 @@ Status CudaLinear::Prepare(int64_t m) {
             } else {
               d = {BufRef::kPartial, r.begin * row_y};
             }
-            if (in_place && s.accumulate) {
-              // C is the running sum in the sender's `partial` (the receive step this GEMM
-              // waits for says who sent it); that peer may reuse it after this GEMM.
+            if (in_place_ && s.accumulate) {
+              // in_place_: C is the running sum in the sender's `partial` (the receive step this
+              // GEMM waits for says who sent it); that peer may reuse it after this GEMM.
               int recv_step = -1;
               for (int dep : s.deps) {
                 if (plan.steps[dep].kind == StepKind::kSendRecv) recv_step = dep;
@@ -691,7 +688,7 @@ Status CudaLinear::Prepare(int64_t m) {
     TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(false));
     im.step_events.push_back(std::move(e));
   }
-  if (in_place_) {
+  if (in_place_ && !im.done_tokens.empty()) {  // empty: Create's own Prepare, before priming
     for (const PeerSignals::Flag& f : prep.done_from) {
       if (!im.done_tokens.count({f.peer, f.slot})) {
         return InternalError("layer " + name_ + ": the in_place plan for m=" + std::to_string(m) +
