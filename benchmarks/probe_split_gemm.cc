@@ -1,0 +1,315 @@
+// tpserve-probe-split-gemm: what does splitting a layer's GEMM into row chunks
+// cost, and does running the chunks on two streams win it back? The
+// copy-engine rings compute a layer as c GEMMs of M / c rows (own rows first,
+// the peer's when they have arrived). On one stream each chunk's GEMM waits
+// for the last CTAs of the one before it, so every chunk pays a partly empty
+// last wave; the NOTES put gate_up's two 4096-row GEMMs at 3.029 ms against
+// 2.898 for one of 8192 rows. Chunks that do not depend on each other could
+// run on two streams, the next chunk's CTAs taking the SMs that the previous
+// chunk's tail leaves idle. This probe measures, on one GPU:
+//   full    one GEMM of M rows
+//   serial  c GEMMs of M / c rows, one stream
+//   lanes   the same c GEMMs alternating over two streams (a cuBLASLt
+//           object, and so a workspace, per stream)
+// each alone and with a device-to-device copy of --copy-mib running beside it
+// on a third stream (standing in for the copy engine's transfer; a local copy
+// reads and writes HBM, the peer's transfer only writes it, so this
+// overstates its HBM traffic). Every case is one CUDA graph; rounds
+// interleave the cases; each replay is timed with CUDA events; medians are
+// printed and written with --json. Correctness: lanes' output equals serial's
+// bit for bit (the same algorithm per chunk shape, chosen by tpserve's timed
+// selection as the layers choose it).
+#include <cuda_runtime_api.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/status.h"
+#include "layers/cublaslt_gemm.h"
+#include "layers/random_fill.h"
+
+namespace tpserve {
+namespace {
+
+struct Shape {
+  std::string name;
+  int64_t n = 0;
+  int64_t k = 0;
+};
+
+struct Options {
+  // Per-rank GEMMs of Llama-3-70B at TP = 2 (name:n:k).
+  std::vector<std::string> shapes = {"qkv:5120:8192", "o:8192:4096", "gate_up:28672:8192",
+                                     "down:8192:14336"};
+  std::vector<int64_t> ms = {8192, 16384};
+  std::vector<int> chunks = {2};
+  int iters = 10;
+  int rounds = 5;
+  double copy_mib = 64;
+  std::string json_path;
+};
+
+StatusOr<Shape> ParseShape(const std::string& s) {
+  Shape out;
+  std::stringstream in(s);
+  std::string n, k;
+  if (!std::getline(in, out.name, ':') || !std::getline(in, n, ':') || !std::getline(in, k) ||
+      out.name.empty()) {
+    return InvalidArgumentError("--shape '" + s + "': expected name:n:k");
+  }
+  try {
+    out.n = std::stoll(n);
+    out.k = std::stoll(k);
+  } catch (const std::exception&) {
+    return InvalidArgumentError("--shape '" + s + "': n and k must be integers");
+  }
+  if (out.n <= 0 || out.k <= 0 || out.n % 16 != 0 || out.k % 16 != 0) {
+    return InvalidArgumentError("--shape '" + s + "': n and k must be positive multiples of 16");
+  }
+  return out;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+Status Probe(const Options& o) {
+  int devices = 0;
+  TP_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  if (devices < 1) return FailedPreconditionError("needs a GPU, found none");
+  TP_CUDA_CHECK(cudaSetDevice(0));
+  std::vector<Shape> shapes;
+  for (const std::string& s : o.shapes) {
+    TP_ASSIGN_OR_RETURN(Shape sh, ParseShape(s));
+    shapes.push_back(sh);
+  }
+  for (int64_t m : o.ms) {
+    for (int c : o.chunks) {
+      if (m <= 0 || c < 1 || m % c != 0) {
+        return InvalidArgumentError("--m " + std::to_string(m) + " does not split into --chunks " +
+                                    std::to_string(c));
+      }
+    }
+  }
+  TP_ASSIGN_OR_RETURN(CudaStream main, CudaStream::Create());
+  TP_ASSIGN_OR_RETURN(CudaStream lane1, CudaStream::Create());
+  TP_ASSIGN_OR_RETURN(CudaStream copier, CudaStream::Create());
+  TP_ASSIGN_OR_RETURN(CublasLtGemm gemm0, CublasLtGemm::Create("lane0"));
+  TP_ASSIGN_OR_RETURN(CublasLtGemm gemm1, CublasLtGemm::Create("lane1"));
+  std::vector<CudaEvent> events;
+  for (int i = 0; i < 6; ++i) {
+    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
+    events.push_back(std::move(e));
+  }
+  std::vector<CudaEvent> marks;  // start and end of each timed replay of a round
+  for (int i = 0; i < 2 * o.iters; ++i) {
+    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(true));
+    marks.push_back(std::move(e));
+  }
+  const size_t copy_bytes = static_cast<size_t>(o.copy_mib * 1024 * 1024) / 16 * 16;
+  TP_ASSIGN_OR_RETURN(DeviceBuffer copy_src, DeviceBuffer::Allocate(copy_bytes + 16, "copy_src"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer copy_dst, DeviceBuffer::Allocate(copy_bytes + 16, "copy_dst"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(16, "scales"));
+  const float ones[2] = {1.0f / 448, 1.0f / 448};
+  TP_CUDA_CHECK(cudaMemcpy(scales.data(), ones, sizeof ones, cudaMemcpyHostToDevice));
+  const float* scale = static_cast<const float*>(scales.data());
+
+  nlohmann::json records = nlohmann::json::array();
+  for (const Shape& sh : shapes) {
+    for (int64_t m : o.ms) {
+      TP_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::Allocate(m * sh.k, "a"));
+      TP_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(sh.n * sh.k, "b"));
+      TP_ASSIGN_OR_RETURN(DeviceBuffer d_serial, DeviceBuffer::Allocate(m * sh.n * 2, "d_serial"));
+      TP_ASSIGN_OR_RETURN(DeviceBuffer d_lanes, DeviceBuffer::Allocate(m * sh.n * 2, "d_lanes"));
+      // Full-range operands, as tpserve-bench uses (values decide the GEMM's power draw).
+      TP_RETURN_IF_ERROR(
+          LaunchRandomUniform(a.data(), DataType::kFloat8E4M3, m * sh.k, 11, 448.0f, main.get()));
+      TP_RETURN_IF_ERROR(
+          LaunchRandomUniform(b.data(), DataType::kFloat8E4M3, sh.n * sh.k, 21, 448.0f, main.get()));
+      TP_CUDA_CHECK(cudaStreamSynchronize(main.get()));
+      auto params = [&](int64_t rows) {
+        GemmParams p;
+        p.m = rows;
+        p.n = sh.n;
+        p.k = sh.k;
+        p.a_scale = scale;
+        p.b_scale = scale;
+        return p;
+      };
+      // Chunk i of `rows` rows: A rows and D rows from i * rows.
+      auto chunk = [&](CublasLtGemm& g, int64_t rows, int64_t i, void* d, cudaStream_t s) {
+        return g.Run(params(rows), a.as<char>() + i * rows * sh.k, b.data(), nullptr,
+                     static_cast<char*>(d) + i * rows * sh.n * 2, s);
+      };
+      struct Case {
+        std::string name;
+        int chunks;
+        bool copy;
+        CudaGraphExec graph;
+        std::vector<double> ms;
+      };
+      std::vector<Case> cases;
+      for (int c : o.chunks) {
+        const int64_t rows = m / c;
+        TP_RETURN_IF_ERROR(gemm0.Prepare(params(rows)));
+        TP_RETURN_IF_ERROR(gemm1.Prepare(params(rows)));
+        for (bool copy : {false, true}) {
+          if (copy && copy_bytes == 0) continue;
+          for (const char* kind : {"serial", "lanes"}) {
+            if (c == 1 && std::string(kind) == "lanes") continue;
+            const bool lanes = std::string(kind) == "lanes";
+            void* d = lanes ? d_lanes.data() : d_serial.data();
+            auto body = [&]() -> Status {
+              cudaStream_t s0 = main.get(), s1 = lane1.get(), sc = copier.get();
+              TP_RETURN_IF_ERROR(events[0].Record(s0));
+              if (copy) {
+                TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
+                TP_CUDA_CHECK(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), copy_bytes,
+                                              cudaMemcpyDeviceToDevice, sc));
+                TP_RETURN_IF_ERROR(events[1].Record(sc));
+              }
+              if (lanes) TP_RETURN_IF_ERROR(events[0].WaitOn(s1));
+              for (int64_t i = 0; i < c; ++i) {
+                const bool on1 = lanes && i % 2 == 1;
+                TP_RETURN_IF_ERROR(chunk(on1 ? gemm1 : gemm0, rows, i, d, on1 ? s1 : s0));
+              }
+              if (lanes) {
+                TP_RETURN_IF_ERROR(events[2].Record(s1));
+                TP_RETURN_IF_ERROR(events[2].WaitOn(s0));
+              }
+              if (copy) TP_RETURN_IF_ERROR(events[1].WaitOn(s0));
+              return Status::Ok();
+            };
+            TP_ASSIGN_OR_RETURN(
+                CudaGraphExec g,
+                CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+            const std::string name =
+                (c == 1 ? std::string("full") : std::string(kind) + "_c" + std::to_string(c)) +
+                (copy ? "+copy" : "");
+            cases.push_back({name, c, copy, std::move(g), {}});
+          }
+        }
+      }
+      // A copy alone, for reference.
+      if (copy_bytes > 0) {
+        auto body = [&]() -> Status {
+          TP_CUDA_CHECK(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), copy_bytes,
+                                        cudaMemcpyDeviceToDevice, main.get()));
+          return Status::Ok();
+        };
+        TP_ASSIGN_OR_RETURN(
+            CudaGraphExec g,
+            CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+        cases.push_back({"copy_only", 1, true, std::move(g), {}});
+      }
+      // Each case's replays of a round are queued behind a GPU-side delay, so that no timed
+      // interval holds host launch latency; replays run back to back, as layers do.
+      for (int r = -1; r < o.rounds; ++r) {
+        for (Case& cs : cases) {
+          TP_RETURN_IF_ERROR(LaunchGpuDelay(200000, main.get()));
+          for (int i = 0; i < o.iters; ++i) {
+            TP_RETURN_IF_ERROR(marks[2 * i].Record(main.get()));
+            TP_RETURN_IF_ERROR(cs.graph.Launch(main.get()));
+            TP_RETURN_IF_ERROR(marks[2 * i + 1].Record(main.get()));
+          }
+          TP_CUDA_CHECK(cudaStreamSynchronize(main.get()));
+          for (int i = 0; i < o.iters && r >= 0; ++i) {
+            TP_ASSIGN_OR_RETURN(float t, CudaEvent::ElapsedMs(marks[2 * i], marks[2 * i + 1]));
+            cs.ms.push_back(t);
+          }
+        }
+      }
+      // lanes == serial, bit for bit: the last round wrote both with the last chunk count.
+      if (o.chunks.size() > 1) {
+        std::vector<char> hs(m * sh.n * 2), hl(m * sh.n * 2);
+        TP_CUDA_CHECK(cudaMemcpy(hs.data(), d_serial.data(), hs.size(), cudaMemcpyDeviceToHost));
+        TP_CUDA_CHECK(cudaMemcpy(hl.data(), d_lanes.data(), hl.size(), cudaMemcpyDeviceToHost));
+        if (hs != hl) {
+          return InternalError(sh.name + " m " + std::to_string(m) + ": lanes' output differs " +
+                               "from serial's");
+        }
+      }
+      double full_ms = 0;
+      for (const Case& cs : cases) {
+        if (cs.name == "full") full_ms = Median(cs.ms);
+      }
+      for (const Case& cs : cases) {
+        const double med = Median(cs.ms);
+        std::printf("%-8s m %6lld n %6lld k %6lld  %-16s %.4f ms", sh.name.c_str(),
+                    static_cast<long long>(m), static_cast<long long>(sh.n),
+                    static_cast<long long>(sh.k), cs.name.c_str(), med);
+        if (full_ms > 0) std::printf("  (%.3f x full)", med / full_ms);
+        std::printf("\n");
+        records.push_back({{"shape", sh.name},
+                           {"m", m},
+                           {"n", sh.n},
+                           {"k", sh.k},
+                           {"case", cs.name},
+                           {"chunks", cs.chunks},
+                           {"copy_mib", cs.copy ? o.copy_mib : 0.0},
+                           {"median_ms", med},
+                           {"min_ms", *std::min_element(cs.ms.begin(), cs.ms.end())},
+                           {"max_ms", *std::max_element(cs.ms.begin(), cs.ms.end())},
+                           {"samples", cs.ms.size()}});
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (!o.json_path.empty()) {
+    cudaDeviceProp prop{};
+    TP_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    nlohmann::json out = {{"meta", {{"device", prop.name}, {"copy_mib", o.copy_mib}}},
+                          {"records", records}};
+    std::ofstream f(o.json_path);
+    f << out.dump(1) << "\n";
+    if (!f) return InternalError("cannot write " + o.json_path);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main(int argc, char** argv) {
+  tpserve::Options o;
+  CLI::App app{
+      "tpserve-probe-split-gemm: one FP8 GEMM of M rows against the same GEMM in row chunks, "
+      "serial on one stream or alternating over two, with and without a copy beside it (one "
+      "GPU; prints medians)"};
+  app.add_option("--shape", o.shapes, "name:n:k per-rank GEMM shapes (repeatable)")
+      ->capture_default_str();
+  app.add_option("--m", o.ms, "rows M (repeatable)")->capture_default_str();
+  app.add_option("--chunks", o.chunks, "chunk counts c (1 = the full GEMM); 1 is always added")
+      ->capture_default_str();
+  app.add_option("--iters", o.iters, "timed replays per case per round")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--rounds", o.rounds, "interleaved rounds (after one warm-up round)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--copy-mib", o.copy_mib, "MiB copied device to device beside the GEMMs; 0: none")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--json", o.json_path, "write the medians as JSON here");
+  CLI11_PARSE(app, argc, argv);
+  if (std::find(o.chunks.begin(), o.chunks.end(), 1) == o.chunks.end()) {
+    o.chunks.insert(o.chunks.begin(), 1);
+  }
+  tpserve::SetGemmAlgoSelection(tpserve::GemmAlgoSelection::kTimed);
+  if (tpserve::Status st = tpserve::Probe(o); !st.ok()) {
+    std::fprintf(stderr, "tpserve-probe-split-gemm: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
