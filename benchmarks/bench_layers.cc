@@ -63,6 +63,7 @@ struct Flags {
 #endif
   std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
   std::vector<int> gemm_sms = {0};  // GEMM SM budgets to sweep (0 = all SMs)
+  std::vector<int> gemm_lanes = {1};  // GEMM stream counts to sweep (LinearKnobs::gemm_lanes)
   int tp = 2;
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
@@ -170,15 +171,18 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
         for (int ctas : f.max_ctas) {
           if (ce && ctas != 0) continue;  // copy engines use no NCCL CTAs
           for (int sms : f.gemm_sms) {
-            Method m = base;
-            m.method = ring ? "ring" : "pipeline";
-            m.knobs.mode = ring ? OverlapMode::kRing : OverlapMode::kPipeline;
-            m.knobs.chunks = c;
-            m.knobs.comm.max_ctas = ctas;
-            m.knobs.gemm_sm_count = sms;
-            m.knobs.copy_engine = ce;
-            m.knobs.in_place = in_place;
-            add(m);
+            for (int lanes : f.gemm_lanes) {
+              Method m = base;
+              m.method = ring ? "ring" : "pipeline";
+              m.knobs.mode = ring ? OverlapMode::kRing : OverlapMode::kPipeline;
+              m.knobs.chunks = c;
+              m.knobs.comm.max_ctas = ctas;
+              m.knobs.gemm_sm_count = sms;
+              m.knobs.copy_engine = ce;
+              m.knobs.in_place = in_place;
+              m.knobs.gemm_lanes = lanes;
+              add(m);
+            }
           }
         }
       }
@@ -219,7 +223,8 @@ json KnobsJson(const LinearKnobs& k) {
               {"copy_engine", k.copy_engine},
               {"gemm_sm_count", k.gemm_sm_count},
               {"fast_accum", k.fast_accum},
-              {"in_place", k.in_place}};
+              {"in_place", k.in_place},
+              {"gemm_lanes", k.gemm_lanes}};
 }
 
 // One method of one case on one rank, ready to replay.
@@ -673,6 +678,11 @@ int Main(int argc, char** argv) {
                  "GEMM SM budgets (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) to sweep for "
                  "pipeline/ring (0 = all SMs)")
       ->check(NonNegative())
+      ->capture_default_str();
+  app.add_option("--gemm-lanes", f.gemm_lanes,
+                 "GEMM stream counts to sweep for pipeline/ring (LinearKnobs::gemm_lanes: 2 puts "
+                 "each GEMM step that does not depend on the one before on a second stream)")
+      ->check(CLI::Range(1, 2))
       ->capture_default_str();
   app.add_option("--tp", f.tp,
                  "Tensor-parallel size (GPUs); must divide each shape's split dimension (n of "

@@ -90,6 +90,8 @@ def config_summary(r):
         words.append("sm=%s" % c["gemm_sm_count"])
     if c.get("fast_accum"):
         words.append("fast")
+    if (c.get("gemm_lanes") or 1) != 1:
+        words.append("lanes=%s" % c["gemm_lanes"])
     if c.get("graph") is False:
         words.append("eager")
     return " ".join(words)

@@ -265,6 +265,14 @@ class RowNameTest(unittest.TestCase):
                                               "in_place": True})
         self.assertEqual(render_results.row_name(r), "tpserve layer_gemm of ring_inplace c=1")
 
+    def test_two_gemm_lanes_are_named_and_one_is_not(self):
+        r = rec("tpserve", "ring", 0.4)
+        r.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
+                                   "gemm_lanes": 2})
+        self.assertEqual(render_results.row_name(r), "tpserve ring_ce c=1 [lanes=2]")
+        r["config"]["gemm_lanes"] = 1
+        self.assertEqual(render_results.row_name(r), "tpserve ring_ce c=1")
+
     def test_the_plain_layer_gemm_and_methods_keep_their_names(self):
         r = rec("tpserve", "layer_gemm", 0.4)
         r["config"] = {"mode": "none", "chunks": 1}

@@ -70,6 +70,7 @@ struct PreparedStep {
   bool record_event = false;  // a later step on the other stream waits for it
   // A GEMM that read peers' memory (in_place): they may reuse it once the GEMM is done.
   std::vector<PeerSignals::Flag> done_to;
+  int lane = 0;  // GEMM steps: 0 = the caller's stream, 1 = the layer's second GEMM stream
 };
 
 struct Prepared {
@@ -79,9 +80,38 @@ struct Prepared {
   // The step that sums this rank's whole output from two addends (a one-chunk copy-engine
   // ring's last addition), which RunSplit skips; -1 if the plan has none.
   int split_sum_step = -1;
+  bool uses_lane = false;  // some GEMM step runs on the second GEMM stream
 };
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The stream a step runs on: 0 the caller's, 1 the second GEMM stream, 2 the comm stream.
+int StreamKey(const PreparedStep& ps) { return ps.stream == StepStream::kComm ? 2 : ps.lane; }
+
+// LinearKnobs::gemm_lanes == 2: a GEMM step that depends neither directly nor through other
+// steps on the GEMM step before it goes on the other lane than that one, so that its CTAs can
+// take the SMs the earlier GEMM's last wave leaves idle; a dependent one stays on its lane.
+// Steps' deps point backwards (ValidatePlan; the deferred sums come last). Returns whether any
+// step went on lane 1.
+bool AssignGemmLanes(std::vector<PreparedStep>& steps) {
+  const size_t n = steps.size();
+  std::vector<std::vector<bool>> after(n, std::vector<bool>(n, false));  // [i][j]: i waits for j
+  for (size_t i = 0; i < n; ++i) {
+    for (int d : steps[i].deps) {
+      after[i][d] = true;
+      for (size_t j = 0; j < n; ++j) after[i][j] = after[i][j] || after[d][j];
+    }
+  }
+  int prev = -1;
+  bool used = false;
+  for (size_t i = 0; i < n; ++i) {
+    if (!steps[i].is_gemm) continue;
+    if (prev >= 0) steps[i].lane = after[i][prev] ? steps[prev].lane : 1 - steps[prev].lane;
+    used = used || steps[i].lane == 1;
+    prev = static_cast<int>(i);
+  }
+  return used;
+}
 
 }  // namespace
 
@@ -90,6 +120,10 @@ struct CudaLinear::Impl {
   CublasLtGemm gemm;
   CudaStream comm_stream;
   CudaEvent fork, join;
+  // gemm_lanes 2: the second GEMM stream, its own cuBLASLt workspace, and its join event.
+  CublasLtGemm lane_gemm;
+  CudaStream lane_stream;
+  CudaEvent lane_join;
   std::vector<CudaEvent> step_events;
   // Plain buffers; with copy engines, the buffers that peers pull from are
   // PeerBuffers instead (mapped on every rank).
@@ -113,7 +147,8 @@ struct CudaLinear::Impl {
   }
   size_t Bytes() const {
     return input.size() + gather.size() + partial.size() + received.size() + scratch.size() +
-           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() + gemm.workspace_bytes();
+           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() + gemm.workspace_bytes() +
+           lane_gemm.workspace_bytes();
   }
 };
 
@@ -176,6 +211,12 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   TP_ASSIGN_OR_RETURN(im.fork, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(im.join, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(im.gemm, CublasLtGemm::Create(layer->name_));
+  if (knobs.gemm_lanes == 2) {
+    // The caller's GEMMs go first: lane 1's only take SMs the scheduler has left.
+    TP_ASSIGN_OR_RETURN(im.lane_stream, CudaStream::Create(true, least));
+    TP_ASSIGN_OR_RETURN(im.lane_join, CudaEvent::Create(false));
+    TP_ASSIGN_OR_RETURN(im.lane_gemm, CublasLtGemm::Create(layer->name_ + ".lane1"));
+  }
 
   const int tp = layer->tp_;
   const int64_t chunks = knobs.chunks;
@@ -665,9 +706,6 @@ Status CudaLinear::Prepare(int64_t m) {
             ps.gemms.push_back(call);
           }
         }
-        for (const GemmCall& call : ps.gemms) {
-          TP_RETURN_IF_ERROR(im.gemm.Prepare(call.params).WithContext("layer " + name_));
-        }
         break;
       }
     }
@@ -679,9 +717,16 @@ Status CudaLinear::Prepare(int64_t m) {
     }
   }
   for (PreparedStep& sum : deferred_sums) prep.steps.push_back(std::move(sum));
+  if (knobs_.gemm_lanes == 2) prep.uses_lane = AssignGemmLanes(prep.steps);
+  for (const PreparedStep& ps : prep.steps) {
+    for (const GemmCall& call : ps.gemms) {
+      TP_RETURN_IF_ERROR(
+          (ps.lane == 1 ? im.lane_gemm : im.gemm).Prepare(call.params).WithContext("layer " + name_));
+    }
+  }
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     for (int d : prep.steps[i].deps) {
-      if (prep.steps[d].stream != prep.steps[i].stream) prep.steps[d].record_event = true;
+      if (StreamKey(prep.steps[d]) != StreamKey(prep.steps[i])) prep.steps[d].record_event = true;
     }
   }
   while (im.step_events.size() < prep.steps.size()) {
@@ -804,8 +849,10 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     return base + r.offset;
   };
   cudaStream_t side = im.comm_stream.get();
+  cudaStream_t lane = im.lane_stream.get();
   auto stream_of = [&](const PreparedStep& ps) {
-    return ps.stream == StepStream::kComm ? side : stream;
+    const int key = StreamKey(ps);
+    return key == 2 ? side : key == 1 ? lane : stream;
   };
 
   // Everything that can be refused is checked before the first enqueue: a
@@ -845,6 +892,7 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   }
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));
+  if (prep.uses_lane) TP_RETURN_IF_ERROR(im.fork.WaitOn(lane));
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     if (static_cast<int>(i) == skip) continue;
     const PreparedStep& ps = prep.steps[i];
@@ -860,8 +908,9 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     if (ps.is_gemm) {
       for (const GemmCall& call : ps.gemms) {
         if (!with_gemm) break;
+        CublasLtGemm& gemm = ps.lane == 1 ? im.lane_gemm : im.gemm;
         TP_RETURN_IF_ERROR(
-            im.gemm.Run(params_of(call), resolve(call.a), w, resolve(call.c), resolve(call.d), s));
+            gemm.Run(params_of(call), resolve(call.a), w, resolve(call.c), resolve(call.d), s));
       }
       if (with_comm) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, ps.done_to, s));
     } else if (ps.comm.copy_engine) {
@@ -915,6 +964,10 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   if (with_comm && !prep.done_from.empty() && !in_place_) {
     // Peers have pulled everything this rank sent: the caller may overwrite it.
     TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kDone, prep.done_from, side));
+  }
+  if (prep.uses_lane) {
+    TP_RETURN_IF_ERROR(im.lane_join.Record(lane));
+    TP_RETURN_IF_ERROR(im.lane_join.WaitOn(stream));
   }
   TP_RETURN_IF_ERROR(im.join.Record(side));
   return im.join.WaitOn(stream);

@@ -2,7 +2,9 @@
 // GEMM with its NCCL communication overlapped as the layer's knobs say.
 //
 // The layer runs OverlapPlans (layers/overlap_plan.h): GEMM steps on the
-// caller's stream, communication steps on the layer's own high-priority comm
+// caller's stream (with knobs.gemm_lanes == 2, GEMM steps that do not depend
+// on the one before alternate between it and a second GEMM stream of the
+// layer's), communication steps on the layer's own high-priority comm
 // stream, dependencies as events. The comm stream forks from and joins back
 // into the caller's stream inside Run(), so a Run can be captured into a CUDA
 // graph (and a whole model of them into one).

@@ -6,7 +6,8 @@ std::string LinearKnobs::ToString() const {
   return "mode=" + std::string(OverlapModeName(mode)) + " chunks=" + std::to_string(chunks) +
          " comm{" + comm.Key() + "} copy_engine=" + std::to_string(copy_engine) +
          " gemm_sm_count=" + std::to_string(gemm_sm_count) +
-         " fast_accum=" + std::to_string(fast_accum) + (in_place ? " in_place=1" : "");
+         " fast_accum=" + std::to_string(fast_accum) + (in_place ? " in_place=1" : "") +
+         (gemm_lanes != 1 ? " gemm_lanes=" + std::to_string(gemm_lanes) : "");
 }
 
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
@@ -28,6 +29,10 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
         "read in the peer's memory), got " +
         std::string(OverlapOpName(op)) + " mode " + std::string(OverlapModeName(knobs.mode)) +
         (knobs.copy_engine ? " with" : " without") + " copy_engine");
+  }
+  if (knobs.gemm_lanes != 1 && knobs.gemm_lanes != 2) {
+    return InvalidArgumentError("gemm_lanes must be 1 or 2, got " +
+                                std::to_string(knobs.gemm_lanes));
   }
   return knobs.comm.Validate().WithContext("comm");
 }

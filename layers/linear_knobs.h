@@ -45,15 +45,22 @@ struct LinearKnobs {
   // (the last GEMM writes the finished output). The peers' `done` (they have read this
   // rank's partial) is awaited at the start of the next Run rather than the end of this one.
   bool in_place = false;
+  // GEMM streams (1 or 2). With 2, a GEMM step that does not depend on the GEMM step before it
+  // goes on the other of two streams (each with its own cuBLASLt workspace, 32 MiB more per
+  // layer), so that its CTAs take the SMs that the earlier GEMM's last wave leaves idle
+  // instead of waiting for that wave to drain: the split GEMMs of the pipelined and ring modes
+  // then cost about what one unsplit GEMM does (one GPU, 2026-12-01: gate_up's two 4096-row
+  // GEMMs 3.082 ms serial, 3.010 on two streams, 3.030 as one GEMM; benchmarks/NOTES.md).
+  int gemm_lanes = 1;
 
   // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
-  // (" in_place=1" appended when set).
+  // (" in_place=1" and " gemm_lanes=2" appended when set).
   std::string ToString() const;
 };
 
 // INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none;
 // sm count >= 0; the comm knobs valid; in_place only for gemm_rs in mode ring with
-// copy_engine. Every other knob goes with every op and mode.
+// copy_engine; gemm_lanes 1 or 2. Every other knob goes with every op and mode.
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

@@ -16,7 +16,8 @@ namespace tpserve {
 namespace {
 
 constexpr std::initializer_list<const char*> kKnobKeys = {
-    "mode", "chunks", "comm", "copy_engine", "gemm_sm_count", "fast_accum", "in_place"};
+    "mode", "chunks", "comm", "copy_engine", "gemm_sm_count", "fast_accum", "in_place",
+    "gemm_lanes"};
 constexpr std::initializer_list<const char*> kCommKeys = {"min_ctas", "max_ctas", "cta_policy",
                                                           "cga_cluster_size"};
 
@@ -122,6 +123,10 @@ class Parser {
     if (const YAML::Node v = node["gemm_sm_count"]) {
       TP_RETURN_IF_ERROR(ReadInt(v, path + ".gemm_sm_count", 0, 1024, &i));
       s->knobs.gemm_sm_count = static_cast<int>(i);
+    }
+    if (const YAML::Node v = node["gemm_lanes"]) {
+      TP_RETURN_IF_ERROR(ReadInt(v, path + ".gemm_lanes", 1, 2, &i));
+      s->knobs.gemm_lanes = static_cast<int>(i);
     }
     if (const YAML::Node v = node["copy_engine"]) {
       TP_RETURN_IF_ERROR(Read(v, path + ".copy_engine", "true or false", &s->knobs.copy_engine));
@@ -310,6 +315,7 @@ void EmitKnobs(YAML::Emitter& out, const LinearKnobs& k, bool auto_mode) {
   out << YAML::Key << "gemm_sm_count" << YAML::Value << k.gemm_sm_count;
   out << YAML::Key << "fast_accum" << YAML::Value << k.fast_accum;
   if (k.in_place) out << YAML::Key << "in_place" << YAML::Value << true;  // written when set
+  if (k.gemm_lanes != 1) out << YAML::Key << "gemm_lanes" << YAML::Value << k.gemm_lanes;
 }
 
 }  // namespace

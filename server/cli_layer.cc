@@ -164,6 +164,14 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                          "running sum in the peer's memory over NVLink instead of a copy-engine "
                          "pull (no copy; with --chunks 1 no separate sum either)"),
            cuda_only.get());
+  CudaOnly(cmd->add_option("--gemm-lanes", f->gemm_lanes,
+                           "GEMM streams: 1, or 2 to run each GEMM step that does not depend on "
+                           "the one before on a second stream, where its CTAs take the SMs the "
+                           "earlier GEMM's last wave leaves idle (pipeline and ring split the "
+                           "GEMM; 32 MiB more cuBLASLt workspace)")
+               ->check(CLI::Range(1, 2))
+               ->capture_default_str(),
+           cuda_only.get());
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());
   cmd->callback([f, exit_code, argv, chunks, cuda_only] {

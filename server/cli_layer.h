@@ -24,6 +24,7 @@ struct LayerFlags {
   int gemm_sm_count = 0;
   bool split_output = false;  // gemm_rs: CudaLinear::RunSplit, the addends summed on the host
   bool in_place = false;      // gemm_rs ring with --copy-engine: LinearKnobs::in_place
+  int gemm_lanes = 1;         // LinearKnobs::gemm_lanes
   uint32_t seed = 1;
   int iters = 3;
   double tolerance = 1e-2;

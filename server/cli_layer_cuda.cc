@@ -45,6 +45,7 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   knobs.copy_engine = f.copy_engine;
   knobs.gemm_sm_count = f.gemm_sm_count;
   knobs.in_place = f.in_place;
+  knobs.gemm_lanes = f.gemm_lanes;
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
 
   spdlog::info("rank {}/{}: preparing operands and the CPU reference", who.rank, f.tp);

@@ -151,12 +151,13 @@ class CommandLineChecks(unittest.TestCase):
     # layer's flags that only the cuda backend reads, with a value to give each.
     LAYER_CUDA_ONLY = (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
                        ["--gemm-sms", "8"], ["--split-output"], ["--in-place"],
-                       ["--gemm-algo", "heuristic"])
+                       ["--gemm-lanes", "2"], ["--gemm-algo", "heuristic"])
 
     def test_layer_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. The cpu backend, given or layer's default,
         # refuses each flag, with its default value too, before preparing the operands.
-        for knob in (*self.LAYER_CUDA_ONLY, ["--max-ctas", "0"], ["--gemm-algo", "timed"]):
+        for knob in (*self.LAYER_CUDA_ONLY, ["--max-ctas", "0"], ["--gemm-lanes", "1"],
+                     ["--gemm-algo", "timed"]):
             for backend in (["--backend", "cpu"], []):
                 p = self.refused(["layer", *backend, "--m", "8", *knob],
                                  f"error: --backend cpu: {knob[0]} needs --backend cuda; the "
@@ -167,7 +168,8 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cpu", "--mode", "none", "--chunks", "3",
                           *[a for knob in self.LAYER_CUDA_ONLY for a in knob]],
                          "error: --backend cpu: --max-ctas, --cta-policy, --copy-engine, "
-                         "--gemm-sms, --split-output, --in-place and --gemm-algo need --backend cuda; the cpu "
+                         "--gemm-sms, --split-output, --in-place, --gemm-lanes and --gemm-algo need --backend "
+                         "cuda; the cpu "
                          "backend does not read them", 2)
         self.assertNotIn("--chunks 3", p.stderr)
         self.assertNotIn("--backend auto", p.stderr)  # layer has none

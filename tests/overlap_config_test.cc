@@ -178,6 +178,39 @@ TEST(OverlapConfig, InPlaceResolvesForRowParallelRingsOverPeerMemoryOnly) {
               HasSubstr("bad.yaml:3: defaults.in_place: must be true or false"));
 }
 
+// gemm_lanes: inherited like the other knobs, written back only where not 1, and limited to
+// 1 or 2 (the error names the file, line, key and the allowed range).
+TEST(OverlapConfig, GemmLanesInheritRoundTripAndRange) {
+  const OverlapConfig cfg = MustParse(
+      "version: 1\n"
+      "defaults: {mode: ring, chunks: 1, copy_engine: true, gemm_lanes: 2}\n"
+      "layers:\n"
+      "  - {match: \"layers.*.attn.o\", gemm_lanes: 1}\n");
+  auto up = cfg.Resolve("layers.3.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
+  ASSERT_TRUE(up.ok()) << up.status().ToString();
+  EXPECT_EQ(up->gemm_lanes, 2);
+  EXPECT_THAT(up->ToString(), HasSubstr("gemm_lanes=2"));
+  EXPECT_THAT(LinearKnobs{}.ToString(), ::testing::Not(HasSubstr("gemm_lanes")));
+  auto o = cfg.Resolve("layers.3.attn.o", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->gemm_lanes, 1);
+  const std::string text = cfg.ToYaml();
+  EXPECT_THAT(text, HasSubstr("gemm_lanes: 2"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("gemm_lanes: 1")));
+  auto again =
+      MustParse(text).Resolve("layers.3.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->ToString(), up->ToString());
+  EXPECT_THAT(ParseError("version: 1\ndefaults:\n  gemm_lanes: 3\n").message(),
+              HasSubstr("bad.yaml:3: defaults.gemm_lanes"));
+  EXPECT_THAT(ParseError("version: 1\ndefaults:\n  gemm_lanes: 3\n").message(),
+              HasSubstr("[1, 2]"));
+  LinearKnobs knobs;
+  knobs.gemm_lanes = 0;
+  EXPECT_THAT(ValidateLinearKnobs(knobs, OverlapOp::kAllGatherGemm).message(),
+              HasSubstr("gemm_lanes must be 1 or 2, got 0"));
+}
+
 // A level in mode none does not reset what inner levels inherit: its own
 // resolved knobs have one chunk, an M range below it that picks ring gets the
 // defaults' four.
