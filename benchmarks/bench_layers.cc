@@ -61,8 +61,8 @@ struct Flags {
   std::vector<std::string> methods = {"gemm_only", "comm_only", "none",
                                       "pipeline",  "ring",      "layer_gemm"};
 #endif
-  std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
-  std::vector<int> gemm_sms = {0};  // GEMM SM budgets to sweep (0 = all SMs)
+  std::vector<int> max_ctas = {0};    // NCCL CTA limits to sweep (0 = NCCL's default)
+  std::vector<int> gemm_sms = {0};    // GEMM SM budgets to sweep (0 = all SMs)
   std::vector<int> gemm_lanes = {1};  // GEMM stream counts to sweep (LinearKnobs::gemm_lanes)
   int tp = 2;
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads

@@ -135,8 +135,8 @@ Status Probe(const Options& o) {
       // Full-range operands, as tpserve-bench uses (values decide the GEMM's power draw).
       TP_RETURN_IF_ERROR(
           LaunchRandomUniform(a.data(), DataType::kFloat8E4M3, m * sh.k, 11, 448.0f, main.get()));
-      TP_RETURN_IF_ERROR(
-          LaunchRandomUniform(b.data(), DataType::kFloat8E4M3, sh.n * sh.k, 21, 448.0f, main.get()));
+      TP_RETURN_IF_ERROR(LaunchRandomUniform(b.data(), DataType::kFloat8E4M3, sh.n * sh.k, 21,
+                                             448.0f, main.get()));
       TP_CUDA_CHECK(cudaStreamSynchronize(main.get()));
       auto params = [&](int64_t rows) {
         GemmParams p;

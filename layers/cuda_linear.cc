@@ -147,8 +147,8 @@ struct CudaLinear::Impl {
   }
   size_t Bytes() const {
     return input.size() + gather.size() + partial.size() + received.size() + scratch.size() +
-           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() + gemm.workspace_bytes() +
-           lane_gemm.workspace_bytes();
+           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() +
+           gemm.workspace_bytes() + lane_gemm.workspace_bytes();
   }
 };
 
@@ -720,8 +720,9 @@ Status CudaLinear::Prepare(int64_t m) {
   if (knobs_.gemm_lanes == 2) prep.uses_lane = AssignGemmLanes(prep.steps);
   for (const PreparedStep& ps : prep.steps) {
     for (const GemmCall& call : ps.gemms) {
-      TP_RETURN_IF_ERROR(
-          (ps.lane == 1 ? im.lane_gemm : im.gemm).Prepare(call.params).WithContext("layer " + name_));
+      TP_RETURN_IF_ERROR((ps.lane == 1 ? im.lane_gemm : im.gemm)
+                             .Prepare(call.params)
+                             .WithContext("layer " + name_));
     }
   }
   for (size_t i = 0; i < prep.steps.size(); ++i) {

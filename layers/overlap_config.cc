@@ -16,8 +16,8 @@ namespace tpserve {
 namespace {
 
 constexpr std::initializer_list<const char*> kKnobKeys = {
-    "mode", "chunks", "comm", "copy_engine", "gemm_sm_count", "fast_accum", "in_place",
-    "gemm_lanes"};
+    "mode",          "chunks",     "comm",     "copy_engine",
+    "gemm_sm_count", "fast_accum", "in_place", "gemm_lanes"};
 constexpr std::initializer_list<const char*> kCommKeys = {"min_ctas", "max_ctas", "cta_policy",
                                                           "cga_cluster_size"};
 

@@ -13,7 +13,8 @@
 //     gemm_sm_count: 0
 //     fast_accum: false
 //     in_place: false              # gemm_rs ring on copy engines: read the peer's running sum
-//     gemm_lanes: 1                # 1 | 2: GEMM steps that do not depend on each other on 2 streams
+//     gemm_lanes: 1                # 1 | 2: GEMM steps that do not depend on each other on 2
+//     streams
 //   layers:                        # rules, first match wins
 //     - match: "layers.*.mlp.down" # glob on the layer name: * any run, ? one char
 //       mode: ring                 # knobs for every M ...
