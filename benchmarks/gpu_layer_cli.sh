@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host: `tpserve layer --backend cuda` in its production process
 # model (rank 0 starts the other ranks as processes): every copy-engine mode
-# (gemm_rs rings also --in-place) and a few NCCL ones, awkward M included (--split-output: the row-parallel
+# (gemm_rs rings also --in-place; a few with --gemm-lanes 2) and a few NCCL ones, awkward M included (--split-output: the row-parallel
 # layer as the engine runs it, its last sum left to the consumer), each rank checking its output
 # against the CPU reference. Log: $OUT/layer_cli.log.
 set -uo pipefail
@@ -37,6 +37,11 @@ done <<'CASES' | tee "$out/layer_cli.log"
 4099 --op gemm_rs --mode ring --chunks 1 --copy-engine --in-place
 37 --op gemm_rs --mode ring --chunks 1 --copy-engine --in-place --dtype bf16
 4099 --op gemm_rs --mode ring --chunks 2 --copy-engine --in-place --split-output
+4099 --op ag_gemm --mode ring --chunks 1 --copy-engine --gemm-lanes 2
+37 --op ag_gemm --mode pipeline --chunks 4 --copy-engine --gemm-lanes 2
+4099 --op gemm_rs --mode ring --chunks 1 --copy-engine --gemm-lanes 2
+4099 --op gemm_rs --mode pipeline --chunks 4 --gemm-lanes 2
+4099 --op gemm_rs --mode ring --chunks 2 --copy-engine --in-place --gemm-lanes 2
 CASES
 # The loop ran in a pipeline's subshell, where rc=1 does not reach this
 # shell: the verdict comes from the result lines, one PASS per rank and case.

@@ -37,6 +37,10 @@
 #   inplace  gemm_rs rings reading the running sums in the peer's memory (ring_inplace)
 #           against copy-engine rings: layer benchmark of o and down (with and without
 #           --split-output), then the model with the deploy config's o and down made in_place
+#   lanes   GEMM steps on two streams (LinearKnobs::gemm_lanes): the layer benchmark's
+#           copy-engine rings with --gemm-lanes 1 and 2 (as the engine runs o and down), the
+#           model (modelcmp) with the deploy config against the same config with gemm_lanes: 2
+#           on every ring entry, then the model benchmark with PyTorch on that config
 #   gateup  the whole model (8x1024) with the deploy config and variants of it that change
 #           gate_up alone (mode none on NCCL; none on copy engines; ring on copy engines with
 #           2 chunks), interleaved round by round with mode none
@@ -62,7 +66,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|graphprio|inplace|gateup|model|load|stress|sustained|stages|ab|profile}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|graphprio|inplace|lanes|gateup|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -425,6 +429,42 @@ PY
     cp /tmp/inplace-rs.yaml "$out/"
     env LAYERS=${LAYERS:-0} BATCHES="${BATCHES:-8x1024}" ROUNDS=${MODEL_ROUNDS:-10} NAME=inplace \
       CONFIGS=/tmp/inplace-rs.yaml bash "$0" modelcmp || rc=1
+    ;;
+  lanes)
+    # Each GEMM step that does not depend on the one before on a second stream: the layers
+    # (LANES_MS, default 8192 16384; --split-output, as the engine runs o and down), then the
+    # 80-layer model with the deploy config's ring entries given gemm_lanes: 2 (a line edit),
+    # interleaved with none and the deploy config, then the same config with PyTorch.
+    timeout ${LANES_TIMEOUT:-150} .gpu/bin/tpserve-bench --tp $tp --shapes llama70b \
+      --m ${LANES_MS:-8192 16384} --dtype fp8 --chunks 2 --rounds ${ROUNDS:-20} --commit "$commit" \
+      --methods gemm_only comm_only ring_ce --gemm-lanes 1 2 --split-output --run-label lanes \
+      --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-lanes-$commit.json" \
+      > "$out/lanes-layers.log" 2>&1 || rc=1
+    grep -E "error" "$out/lanes-layers.log" | tail -3
+    python3 - "$out/$(date -u +%F)-overlap-llama70b-tp$tp-lanes-$commit.json" <<'PY'
+import json, sys
+t = {}
+for r in json.load(open(sys.argv[1]))["records"]:
+    c = r.get("config") or {}
+    name = r["method"] + ("_ce" if c.get("copy_engine") else "")
+    if r["method"] == "ring":
+        name += " c=%d lanes=%d" % (r["chunks"], c.get("gemm_lanes", 1))
+    t.setdefault((r["op"], r["n"], r["k"], r["m"]), {})[name] = r["median_ms"]
+for key in sorted(t):
+    g = t[key].get("gemm_only")
+    print(*key, "  ".join("%s %.4f%s" % (k, v, " (%.3f x gemm)" % (v / g) if g else "")
+                          for k, v in sorted(t[key].items())))
+PY
+    sed '/mode: ring/s/copy_engine: true,/copy_engine: true, gemm_lanes: 2,/' \
+      deploy/overlap-llama3-70b-tp$tp.yaml > /tmp/lanes.yaml
+    grep -c "gemm_lanes: 2" /tmp/lanes.yaml
+    cp /tmp/lanes.yaml "$out/"
+    env LAYERS=${LAYERS:-0} BATCHES="${BATCHES:-8x1024}" ROUNDS=${MODEL_ROUNDS:-10} NAME=lanes \
+      CONFIGS=/tmp/lanes.yaml bash "$0" modelcmp || rc=1
+    if [ -z "${NO_PEER:-}" ]; then
+      OVERLAP=/tmp/lanes.yaml COMMIT=$commit BENCH_TIMEOUT=250 PEER_TIMEOUT=250 \
+        bash benchmarks/run_model_bench.sh || rc=1
+    fi
     ;;
   gateup)
     # gate_up alone varied in the whole model (modelcmp: 8x1024; the deploy config otherwise),
