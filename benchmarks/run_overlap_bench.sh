@@ -25,7 +25,7 @@ methods=${METHODS:-gemm_only comm_only none pipeline ring auto layer_gemm}
 tp=${TP:-2}  # GPUs (tensor-parallel size) of both implementations
 overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}  # what method auto resolves
 max_ctas=${MAX_CTAS:-0 8}  # NCCL CTA limits swept for pipeline/ring
-gemm_algo=${GEMM_ALGO:-timed}  # tpserve-bench --gemm-algo: timed | sustained | heuristic
+gemm_algo=${GEMM_ALGO:-timed}  # tpserve-bench --gemm-algo: timed | heuristic
 bracket=${BRACKET:-1}
 pool=(); [ "$bracket" = 1 ] && pool=(--pool-peer-passes)
 rc=0

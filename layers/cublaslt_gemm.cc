@@ -467,45 +467,6 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
     std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
     median[i] = ms[ms.size() / 2];
   }
-  const bool sustained = GetGemmAlgoSelection() == GemmAlgoSelection::kSustained;
-  if (sustained) {
-    // Each candidate back to back for about kSustainMs per round, so that the GPU reaches its
-    // power limit and each candidate is timed as a long pass runs it: at the limit the clock
-    // follows the power, and a candidate's share of the energy decides its speed. Round 0
-    // brings the GPU to the limit and is not counted; per launch: the round's time / reps.
-    constexpr double kSustainMs = 100;
-    constexpr int kSustainRounds = 4;
-    std::vector<int> reps(n, 1);
-    for (int i = 0; i < n; ++i) {
-      if (ok[i] && median[i] > 0) {
-        reps[i] = static_cast<int>(std::clamp(kSustainMs / median[i], 1.0, 100000.0));
-      }
-    }
-    std::vector<std::vector<float>> per_launch(n);
-    for (int round = 0; round < kSustainRounds; ++round) {
-      for (int i = 0; i < n; ++i) {
-        if (!ok[i]) continue;
-        TP_RETURN_IF_ERROR(events[0].Record(s));
-        for (int j = 0; j < reps[i] && ok[i]; ++j) {
-          ok[i] = cublasLtMatmul(handle, plan.desc.get(), &t.alpha, b.data(),
-                                 plan.weight_layout.get(), a.data(), plan.act_layout.get(),
-                                 &t.beta, c_arg, plan.c_layout.get(), d.data(),
-                                 plan.d_layout.get(), &plan.candidates[i], ws.data(), ws.size(),
-                                 s) == CUBLAS_STATUS_SUCCESS;
-        }
-        TP_RETURN_IF_ERROR(events[1].Record(s));
-        TP_RETURN_IF_ERROR(stream.Synchronize().WithContext(what + ": sustained timing"));
-        TP_ASSIGN_OR_RETURN(float t_ms, CudaEvent::ElapsedMs(events[0], events[1]));
-        if (round > 0) per_launch[i].push_back(t_ms / reps[i]);
-      }
-    }
-    for (int i = 0; i < n; ++i) {
-      if (!ok[i] || per_launch[i].empty()) continue;
-      std::vector<float>& v = per_launch[i];
-      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-      median[i] = v[v.size() / 2];
-    }
-  }
   int best = -1;
   for (int i = 0; i < n; ++i) {
     if (ok[i] && (best < 0 || median[i] < median[best])) best = i;
@@ -516,8 +477,7 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
   for (int i = 0; i < n; ++i) {
     all += (i ? " " : "") + (ok[i] ? fmt::format("{:.4f}", median[i]) : std::string("failed"));
   }
-  spdlog::info("{}: timed {} algorithms{} (ms: {}), chose #{}{}", what, n,
-               sustained ? " sustained" : "", all, best,
+  spdlog::info("{}: timed {} algorithms (ms: {}), chose #{}{}", what, n, all, best,
                best == 0
                    ? " (the heuristic's first)"
                    : fmt::format(", {:.1f}% faster than the heuristic's first",
@@ -649,7 +609,7 @@ Status CublasLtGemm::Prepare(const GemmParams& p) {
   if (Status s = ValidateGemmParams(p); !s.ok()) return s.WithContext("gemm '" + impl_->name + "'");
   const GemmParams r = Resolve(p);
   TP_ASSIGN_OR_RETURN(Plan * plan, impl_->FindOrBuildPlan(r, nullptr));
-  if (GetGemmAlgoSelection() == GemmAlgoSelection::kHeuristic) return Status::Ok();
+  if (GetGemmAlgoSelection() != GemmAlgoSelection::kTimed) return Status::Ok();
   return impl_->TimeCandidates(r, *plan);
 }
 
@@ -657,23 +617,14 @@ void SetGemmAlgoSelection(GemmAlgoSelection selection) { g_selection.store(selec
 GemmAlgoSelection GetGemmAlgoSelection() { return g_selection.load(); }
 
 std::string_view GemmAlgoSelectionName(GemmAlgoSelection selection) {
-  switch (selection) {
-    case GemmAlgoSelection::kHeuristic:
-      return "heuristic";
-    case GemmAlgoSelection::kTimed:
-      return "timed";
-    case GemmAlgoSelection::kSustained:
-      return "sustained";
-  }
-  return "?";
+  return selection == GemmAlgoSelection::kTimed ? "timed" : "heuristic";
 }
 
 StatusOr<GemmAlgoSelection> ParseGemmAlgoSelection(std::string_view name) {
   if (name == "heuristic") return GemmAlgoSelection::kHeuristic;
   if (name == "timed") return GemmAlgoSelection::kTimed;
-  if (name == "sustained") return GemmAlgoSelection::kSustained;
   return InvalidArgumentError("GEMM algorithm selection '" + std::string(name) +
-                              "': allowed values are heuristic, timed, sustained");
+                              "': allowed values are heuristic, timed");
 }
 
 namespace {

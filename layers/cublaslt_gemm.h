@@ -124,11 +124,7 @@ Status ValidateGemmParams(const GemmParams& p);
 //    thread captures in global mode. Without the memory for the operands it keeps the
 //    heuristic's answer (with a warning). Run() never times: a shape first seen there takes
 //    the remembered choice if any, else the heuristic's.
-//  - kSustained: as kTimed, but each answer then runs back to back for about 100 ms per round
-//    (four rounds, the first not counted) and the fastest per launch at that pace is kept: a
-//    long pass (80 layers) runs at the GPU's power limit, where an algorithm's energy, not
-//    its burst speed, decides how fast it goes. About 3 s per shape of 8 answers.
-enum class GemmAlgoSelection { kHeuristic, kTimed, kSustained };
+enum class GemmAlgoSelection { kHeuristic, kTimed };
 void SetGemmAlgoSelection(GemmAlgoSelection selection);
 GemmAlgoSelection GetGemmAlgoSelection();
 std::string_view GemmAlgoSelectionName(GemmAlgoSelection selection);  // "heuristic" | "timed"

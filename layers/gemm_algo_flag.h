@@ -13,16 +13,14 @@
 
 namespace tpserve {
 
-// Registers --gemm-algo (timed | sustained | heuristic) on `cmd`, storing it in *value.
+// Registers --gemm-algo (timed | heuristic) on `cmd`, storing it in *value.
 inline void AddGemmAlgoFlag(CLI::App* cmd, std::string* value) {
   cmd->add_option("--gemm-algo", *value,
                   "cuda: how each GEMM shape's cuBLASLt algorithm is chosen: timed (the "
                   "heuristic's answers are timed once per shape on the GPU when the shape is "
-                  "first planned, the fastest kept), sustained (the same, then each answer "
-                  "timed back to back for ~100 ms per round, as at the GPU's power limit in a "
-                  "long pass; ~3 s per shape) or heuristic (cuBLASLt's first answer, no "
+                  "first planned, the fastest kept) or heuristic (cuBLASLt's first answer, no "
                   "timing)")
-      ->check(CLI::IsMember({"timed", "sustained", "heuristic"}))
+      ->check(CLI::IsMember({"timed", "heuristic"}))
       ->capture_default_str();
 }
 

@@ -493,21 +493,17 @@ class ScopedSelection {
   GemmAlgoSelection saved_;
 };
 
-TEST(GemmAlgoSelectionTest, ParsesItsThreeNamesAndRejectsOthersNamingThem) {
+TEST(GemmAlgoSelectionTest, ParsesItsTwoNamesAndRejectsOthersNamingThem) {
   TP_ASSERT_OK_AND_ASSIGN(GemmAlgoSelection h, ParseGemmAlgoSelection("heuristic"));
   EXPECT_EQ(h, GemmAlgoSelection::kHeuristic);
   TP_ASSERT_OK_AND_ASSIGN(GemmAlgoSelection t, ParseGemmAlgoSelection("timed"));
   EXPECT_EQ(t, GemmAlgoSelection::kTimed);
   EXPECT_EQ(GemmAlgoSelectionName(t), "timed");
-  TP_ASSERT_OK_AND_ASSIGN(GemmAlgoSelection s, ParseGemmAlgoSelection("sustained"));
-  EXPECT_EQ(s, GemmAlgoSelection::kSustained);
-  EXPECT_EQ(GemmAlgoSelectionName(s), "sustained");
-  EXPECT_EQ(GemmAlgoSelectionName(h), "heuristic");
   const StatusOr<GemmAlgoSelection> bad = ParseGemmAlgoSelection("fastest");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("'fastest'"), std::string::npos);
-  EXPECT_NE(bad.status().message().find("heuristic, timed, sustained"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("heuristic, timed"), std::string::npos);
   EXPECT_EQ(GetGemmAlgoSelection(), GemmAlgoSelection::kTimed) << "the default";
 }
 
@@ -538,29 +534,9 @@ TEST_F(GpuTest, TimedAlgoSelectionTimesEachShapeOnceAndMatchesReference) {
   EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 2);
 }
 
-TEST_F(GpuTest, SustainedAlgoSelectionTimesEachShapeOnceAndMatchesReference) {
-  ScopedSelection sustained(GemmAlgoSelection::kSustained);
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(1.0f, "a_scale"));
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(1.0f, "b_scale"));
-  GemmParams p;
-  p.m = 2048 + 41;  // a shape no other test times
-  p.n = 1040;
-  p.k = 4096;
-  p.a_scale = dsa.as<float>();
-  p.b_scale = dsb.as<float>();
-  const size_t before = CublasLtGemm::timed_shapes();
-  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("sustained"));
-  TP_ASSERT_OK(gemm.Prepare(p));
-  EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 1);
-  TP_ASSERT_OK(gemm.Prepare(p));  // remembered: not timed again
-  EXPECT_EQ(CublasLtGemm::timed_shapes(), before + 1);
-  CheckFp8Bf16Gemm(gemm, p, 63, stream());
-}
-
-TEST_F(GpuTest, EveryAlgoSelectionAccumulatesC) {
+TEST_F(GpuTest, TimedAndHeuristicAlgoSelectionBothAccumulateC) {
   // Out of place (ldc != ldd) and in place: each plan chosen by Prepare(), then run.
-  for (GemmAlgoSelection s : {GemmAlgoSelection::kTimed, GemmAlgoSelection::kSustained,
-                              GemmAlgoSelection::kHeuristic}) {
+  for (GemmAlgoSelection s : {GemmAlgoSelection::kTimed, GemmAlgoSelection::kHeuristic}) {
     SCOPED_TRACE(std::string(GemmAlgoSelectionName(s)));
     ScopedSelection scoped(s);
     CheckFp8AccumulatesC(stream(), 4096);
