@@ -408,20 +408,8 @@ PY
         --run-label $run --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-inplace-$run-$commit.json" \
         > "$out/inplace-$run.log" 2>&1 || rc=1
       grep -E "error" "$out/inplace-$run.log" | tail -3
-      python3 - "$out/$(date -u +%F)-overlap-llama70b-tp$tp-inplace-$run-$commit.json" <<'PY'
-import json, sys
-t = {}
-for r in json.load(open(sys.argv[1]))["records"]:
-    c = r.get("config") or {}
-    name = r["method"] + ("_inplace" if c.get("in_place") else "_ce" if c.get("copy_engine") else "")
-    if r["method"] in ("ring",):
-        name += " c=%d" % r["chunks"]
-    t.setdefault((r["op"], r["n"], r["k"], r["m"]), {})[name] = r["median_ms"]
-for key in sorted(t):
-    g = t[key].get("gemm_only")
-    print(*key, "  ".join("%s %.4f%s" % (k, v, " (%.3f x gemm)" % (v / g) if g else "")
-                          for k, v in sorted(t[key].items())))
-PY
+      python3 benchmarks/render_results.py --vs-gemm \
+        "$out/$(date -u +%F)-overlap-llama70b-tp$tp-inplace-$run-$commit.json"
     done
     sed '/op: gemm_rs/s/mode: ring, \(.*\)copy_engine: true,/mode: ring, \1copy_engine: true, in_place: true,/' \
       deploy/overlap-llama3-70b-tp$tp.yaml > /tmp/inplace-rs.yaml
@@ -441,20 +429,8 @@ PY
       --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-lanes-$commit.json" \
       > "$out/lanes-layers.log" 2>&1 || rc=1
     grep -E "error" "$out/lanes-layers.log" | tail -3
-    python3 - "$out/$(date -u +%F)-overlap-llama70b-tp$tp-lanes-$commit.json" <<'PY'
-import json, sys
-t = {}
-for r in json.load(open(sys.argv[1]))["records"]:
-    c = r.get("config") or {}
-    name = r["method"] + ("_ce" if c.get("copy_engine") else "")
-    if r["method"] == "ring":
-        name += " c=%d lanes=%d" % (r["chunks"], c.get("gemm_lanes", 1))
-    t.setdefault((r["op"], r["n"], r["k"], r["m"]), {})[name] = r["median_ms"]
-for key in sorted(t):
-    g = t[key].get("gemm_only")
-    print(*key, "  ".join("%s %.4f%s" % (k, v, " (%.3f x gemm)" % (v / g) if g else "")
-                          for k, v in sorted(t[key].items())))
-PY
+    python3 benchmarks/render_results.py --vs-gemm \
+      "$out/$(date -u +%F)-overlap-llama70b-tp$tp-lanes-$commit.json"
     sed '/mode: ring/s/copy_engine: true,/copy_engine: true, gemm_lanes: 2,/' \
       deploy/overlap-llama3-70b-tp$tp.yaml > /tmp/lanes.yaml
     grep -c "gemm_lanes: 2" /tmp/lanes.yaml

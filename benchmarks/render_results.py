@@ -520,6 +520,26 @@ def render_png(data, path, relative=False):
     plt.close(fig)
 
 
+def render_vs_gemm(data):
+    """One line per layer case (op, n, k, m): each record's name and median, and its ratio
+    to that case's gemm_only where the case has one (what the layer costs above its GEMM)."""
+    cases = {}
+    for r in data["records"]:
+        key = (r.get("op", "?"), r.get("n"), r.get("k"), r.get("m"), r.get("dtype", "?"))
+        cases.setdefault(key, []).append(r)
+    out = []
+    for key in sorted(cases, key=lambda k: (str(k[0]), k[1] or 0, k[2] or 0, k[3] or 0, str(k[4]))):
+        gemm = [r["median_ms"] for r in cases[key] if r.get("method") == "gemm_only"]
+        words = []
+        for r in sorted(cases[key], key=row_name):
+            words.append("%s %.4f%s" % (row_name(r), r["median_ms"],
+                                        " (%.3f x gemm)" % (r["median_ms"] / gemm[0])
+                                        if gemm else ""))
+        out.append("%s n=%s k=%s m=%s %s: %s" % (key[0], key[1], key[2], key[3], key[4],
+                                               "  ".join(words)))
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         description="Render a benchmarks/results JSON file as tables (and a PNG).")
@@ -527,12 +547,18 @@ def main(argv=None):
     p.add_argument("--png", help="also draw the medians into this PNG (needs matplotlib)")
     p.add_argument("--relative", action="store_true",
                    help="PNG: plot median / max(gemm_only, comm_only) instead of ms")
+    p.add_argument("--vs-gemm", action="store_true",
+                   help="instead of the tables: one line per layer case, each method's median "
+                        "and its ratio to the case's gemm_only")
     args = p.parse_args(argv)
     try:
         data = load(args.file)
     except (OSError, ValueError) as e:
         sys.stderr.write("render_results: %s\n" % e)
         return 1
+    if args.vs_gemm:
+        sys.stdout.write(render_vs_gemm(data))
+        return 0
     sys.stdout.write(render_text(data))
     if args.png:
         try:

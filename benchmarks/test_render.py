@@ -265,6 +265,21 @@ class RowNameTest(unittest.TestCase):
                                               "in_place": True})
         self.assertEqual(render_results.row_name(r), "tpserve layer_gemm of ring_inplace c=1")
 
+    def test_vs_gemm_gives_each_case_its_ratios_to_gemm_only(self):
+        lanes = rec("tpserve", "ring", 0.55)
+        lanes.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
+                                       "gemm_lanes": 2})
+        other = rec("tpserve", "ring", 0.3, m=2048)  # a case without gemm_only
+        other.update(chunks=2, config={"mode": "ring", "chunks": 2})
+        text = render_results.render_vs_gemm(
+            {"records": [lanes, rec("tpserve", "gemm_only", 0.5), other]})
+        lines = text.splitlines()
+        self.assertEqual(len(lines), 2)
+        self.assertEqual(lines[0], "ag_gemm n=10240 k=8192 m=2048 fp8: tpserve ring c=2 0.3000")
+        self.assertIn("m=8192 fp8: ", lines[1])
+        self.assertIn("tpserve gemm_only 0.5000 (1.000 x gemm)", lines[1])
+        self.assertIn("tpserve ring_ce c=1 [lanes=2] 0.5500 (1.100 x gemm)", lines[1])
+
     def test_two_gemm_lanes_are_named_and_one_is_not(self):
         r = rec("tpserve", "ring", 0.4)
         r.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
