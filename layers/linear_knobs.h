@@ -48,9 +48,11 @@ struct LinearKnobs {
   // GEMM streams (1 or 2). With 2, a GEMM step that does not depend on the GEMM step before it
   // goes on the other of two streams (each with its own cuBLASLt workspace, 32 MiB more per
   // layer), so that its CTAs take the SMs that the earlier GEMM's last wave leaves idle
-  // instead of waiting for that wave to drain: the split GEMMs of the pipelined and ring modes
-  // then cost about what one unsplit GEMM does (one GPU, 2026-12-01: gate_up's two 4096-row
-  // GEMMs 3.082 ms serial, 3.010 on two streams, 3.030 as one GEMM; benchmarks/NOTES.md).
+  // instead of waiting for that wave to drain. Measured on one GPU (2026-12-01,
+  // benchmarks/NOTES.md): in bursts the split GEMMs then cost about what one unsplit GEMM does
+  // (gate_up's two 4096-row GEMMs 3.082 ms serial, 3.010 on two streams, 3.030 as one GEMM);
+  // in a long pass at the GPU's power limit the split costs little either way (0.2 % of the
+  // pass with two chunks, 0.9 % with four) and two lanes win back only part of that.
   int gemm_lanes = 1;
 
   // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
