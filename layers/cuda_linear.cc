@@ -70,7 +70,7 @@ struct PreparedStep {
   bool record_event = false;  // a later step on the other stream waits for it
   // A GEMM that read peers' memory (in_place): they may reuse it once the GEMM is done.
   std::vector<PeerSignals::Flag> done_to;
-  int lane = 0;  // GEMM steps: 0 or 1 (gemm_lanes 2: the layer's two GEMM streams)
+  int lane = 0;  // GEMM steps: 0 = the caller's stream, 1 = the layer's second GEMM stream
 };
 
 struct Prepared {
@@ -85,8 +85,7 @@ struct Prepared {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The stream a step runs on: 0 and 1 the GEMM lanes (0: the caller's stream unless the plan
-// uses both lanes), 2 the comm stream.
+// The stream a step runs on: 0 the caller's, 1 the second GEMM stream, 2 the comm stream.
 int StreamKey(const PreparedStep& ps) { return ps.stream == StepStream::kComm ? 2 : ps.lane; }
 
 // LinearKnobs::gemm_lanes == 2: a GEMM step that depends neither directly nor through other
@@ -121,11 +120,10 @@ struct CudaLinear::Impl {
   CublasLtGemm gemm;
   CudaStream comm_stream;
   CudaEvent fork, join;
-  // gemm_lanes 2: the GEMM streams of lanes 0 and 1 (lane 0 one priority level above lane 1),
-  // lane 1's own cuBLASLt workspace, and their join events.
+  // gemm_lanes 2: the second GEMM stream, its own cuBLASLt workspace, and its join event.
   CublasLtGemm lane_gemm;
-  CudaStream lane0_stream, lane_stream;
-  CudaEvent lane0_join, lane_join;
+  CudaStream lane_stream;
+  CudaEvent lane_join;
   std::vector<CudaEvent> step_events;
   // Plain buffers; with copy engines, the buffers that peers pull from are
   // PeerBuffers instead (mapped on every rank).
@@ -214,13 +212,8 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   TP_ASSIGN_OR_RETURN(im.join, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(im.gemm, CublasLtGemm::Create(layer->name_));
   if (knobs.gemm_lanes == 2) {
-    // Lane 0's GEMMs go first: the block scheduler gives lane 1's CTAs only the SMs that lane
-    // 0's leave (its last wave), rather than sharing the GPU between two GEMMs from the start,
-    // which delayed the GEMM whose rows a peer waits for (measured: NOTES, thirteenth session).
-    const int above_least = greatest < least ? least - 1 : least;
-    TP_ASSIGN_OR_RETURN(im.lane0_stream, CudaStream::Create(true, above_least));
+    // The caller's GEMMs go first: lane 1's only take SMs the scheduler has left.
     TP_ASSIGN_OR_RETURN(im.lane_stream, CudaStream::Create(true, least));
-    TP_ASSIGN_OR_RETURN(im.lane0_join, CudaEvent::Create(false));
     TP_ASSIGN_OR_RETURN(im.lane_join, CudaEvent::Create(false));
     TP_ASSIGN_OR_RETURN(im.lane_gemm, CublasLtGemm::Create(layer->name_ + ".lane1"));
   }
@@ -858,10 +851,9 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   };
   cudaStream_t side = im.comm_stream.get();
   cudaStream_t lane = im.lane_stream.get();
-  cudaStream_t lane0 = prep.uses_lane ? im.lane0_stream.get() : stream;
   auto stream_of = [&](const PreparedStep& ps) {
     const int key = StreamKey(ps);
-    return key == 2 ? side : key == 1 ? lane : lane0;
+    return key == 2 ? side : key == 1 ? lane : stream;
   };
 
   // Everything that can be refused is checked before the first enqueue: a
@@ -901,10 +893,7 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   }
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));
-  if (prep.uses_lane) {
-    TP_RETURN_IF_ERROR(im.fork.WaitOn(lane0));
-    TP_RETURN_IF_ERROR(im.fork.WaitOn(lane));
-  }
+  if (prep.uses_lane) TP_RETURN_IF_ERROR(im.fork.WaitOn(lane));
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     if (static_cast<int>(i) == skip) continue;
     const PreparedStep& ps = prep.steps[i];
@@ -978,8 +967,6 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kDone, prep.done_from, side));
   }
   if (prep.uses_lane) {
-    TP_RETURN_IF_ERROR(im.lane0_join.Record(lane0));
-    TP_RETURN_IF_ERROR(im.lane0_join.WaitOn(stream));
     TP_RETURN_IF_ERROR(im.lane_join.Record(lane));
     TP_RETURN_IF_ERROR(im.lane_join.WaitOn(stream));
   }

@@ -2,12 +2,12 @@
 // GEMM with its NCCL communication overlapped as the layer's knobs say.
 //
 // The layer runs OverlapPlans (layers/overlap_plan.h): GEMM steps on the
-// caller's stream (with knobs.gemm_lanes == 2, on two GEMM streams of the
-// layer's, lane 0 one priority level above lane 1: a GEMM step that does not
-// depend on the one before goes on the other lane), communication steps on
-// the layer's own high-priority comm stream, dependencies as events. These
-// streams fork from and join back into the caller's stream inside Run(), so a
-// Run can be captured into a CUDA graph (and a whole model of them into one).
+// caller's stream (with knobs.gemm_lanes == 2, GEMM steps that do not depend
+// on the one before alternate between it and a second GEMM stream of the
+// layer's), communication steps on the layer's own high-priority comm
+// stream, dependencies as events. The comm stream forks from and joins back
+// into the caller's stream inside Run(), so a Run can be captured into a CUDA
+// graph (and a whole model of them into one).
 //
 // Buffers are allocated once, in Create(), for the largest M; Prepare(m)
 // builds the plan and the GEMM algorithms for one M ahead of time (host only).
