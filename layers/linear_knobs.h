@@ -53,8 +53,8 @@ struct LinearKnobs {
   // (gate_up's two 4096-row GEMMs 3.082 ms serial, 3.010 on two streams, 3.030 as one GEMM);
   // in a long pass at the GPU's power limit the split costs little either way (0.2 % of the
   // pass with two chunks, 0.9 % with four) and two lanes win back only part of that. At TP = 2
-  // (2x H200) two lanes made most layers faster in bursts but the 80-layer pass 1.4 % slower,
-  // so the shipped config does not use them.
+  // (2x H200) two lanes made most layers faster in bursts but the 80-layer pass slower (by 8–13
+  // ms on o and down, ±1 ms on qkv and gate_up), so the shipped config does not use them.
   int gemm_lanes = 1;
 
   // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
