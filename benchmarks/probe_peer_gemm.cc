@@ -27,12 +27,12 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "benchmarks/write_replacing.h"
 #include "comm/cuda_check.h"
 #include "comm/status.h"
 #include "layers/random_fill.h"
@@ -364,15 +364,11 @@ Status Probe(const Options& o) {
   }
   if (differ != 0) return InternalError("the GEMM's output written to the peer differs");
   if (!o.json_path.empty()) {
-    std::ofstream f(o.json_path);
-    f << nlohmann::json{{"m", o.m},
-                        {"n", o.n},
-                        {"k", o.k},
-                        {"iters", o.iters},
-                        {"records", records}}
-             .dump(1)
-      << "\n";
-    if (!f) return InternalError("cannot write " + o.json_path);
+    const nlohmann::json out = {
+        {"m", o.m}, {"n", o.n}, {"k", o.k}, {"iters", o.iters}, {"records", records}};
+    if (std::string err = WriteReplacing(o.json_path, out.dump(1) + "\n"); !err.empty()) {
+      return InternalError(err);
+    }
   }
   return Status::Ok();
 }

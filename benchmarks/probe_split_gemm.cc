@@ -25,13 +25,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "benchmarks/write_replacing.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/status.h"
@@ -108,7 +107,7 @@ Status Probe(const Options& o) {
   TP_ASSIGN_OR_RETURN(CublasLtGemm gemm0, CublasLtGemm::Create("lane0"));
   TP_ASSIGN_OR_RETURN(CublasLtGemm gemm1, CublasLtGemm::Create("lane1"));
   std::vector<CudaEvent> events;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 3; ++i) {  // fork, the copy's join, lane 1's join
     TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
     events.push_back(std::move(e));
   }
@@ -271,9 +270,9 @@ Status Probe(const Options& o) {
     TP_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     nlohmann::json out = {{"meta", {{"device", prop.name}, {"copy_mib", o.copy_mib}}},
                           {"records", records}};
-    std::ofstream f(o.json_path);
-    f << out.dump(1) << "\n";
-    if (!f) return InternalError("cannot write " + o.json_path);
+    if (std::string err = WriteReplacing(o.json_path, out.dump(1) + "\n"); !err.empty()) {
+      return InternalError(err);
+    }
   }
   return Status::Ok();
 }

@@ -317,7 +317,8 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   // A cudaMemcpy from pageable memory may return before its DMA lands; the
   // layer's streams are non-blocking, so wait for it (the legacy stream).
   TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
-  layer->in_place_ = ce && ring && shape.op == OverlapOp::kGemmReduceScatter && knobs.in_place;
+  // ValidateLinearKnobs allows in_place only for gemm_rs rings with copy_engine.
+  layer->in_place_ = ce && knobs.in_place;
   if (layer->in_place_) {
     // in_place: a peer reads this rank's `partial` until its last GEMM ends, so the wait for
     // its `done` (before `partial` may be written again) moves from the end of this Run,
@@ -325,13 +326,14 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
     // set, as if a Run had gone before. The flags are those of the largest M's plan; a
     // smaller M's plan uses some of them (Prepare checks, once done_tokens is filled).
     TP_RETURN_IF_ERROR(layer->Prepare(shape.max_m));
+    const Prepared& largest = im.prepared.at(shape.max_m);
     std::vector<PeerSignals::Flag> tokens;
-    for (const PreparedStep& ps : im.prepared.at(shape.max_m).steps) {
+    for (const PreparedStep& ps : largest.steps) {
       // A GEMM's, or a receive step's whose GEMM had no rows to read.
       tokens.insert(tokens.end(), ps.done_to.begin(), ps.done_to.end());
       tokens.insert(tokens.end(), ps.comm.done_to.begin(), ps.comm.done_to.end());
     }
-    for (const PeerSignals::Flag& f : im.prepared.at(shape.max_m).done_from) {
+    for (const PeerSignals::Flag& f : largest.done_from) {
       im.done_tokens.insert({f.peer, f.slot});
     }
     TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, tokens, im.comm_stream.get()));
