@@ -19,10 +19,24 @@
 // printed and written with --json. Correctness: lanes' output equals serial's
 // bit for bit (the same algorithm per chunk shape, chosen by tpserve's timed
 // selection as the layers choose it).
+//
+// With --ksplit (default on) it also measures the GEMM side of a GEMM+RS
+// without partial sums: each rank holds the whole weight, receives the
+// peer's input columns of its own rows (m / c rows, k FP8 bytes each per
+// peer: a quarter of the BF16 partial a reduce-scatter moves when n = 2k)
+// and computes its m / c output rows over the whole K = c * k:
+//   fullk     one GEMM of m / c rows over K = c * k
+//   ksplit    c GEMMs of m / c rows over k each, all but the first
+//             accumulating (beta = 1, C = D), the first on the local columns
+//   ksplit+copy  the same with the peer's columns copied beside the first
+//             GEMM and joined before the second (as the transfer would be)
+// Correctness: ksplit's output against fullk's, relative error printed and
+// bounded (they differ by the BF16 rounding of the partial sums).
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -33,6 +47,7 @@
 #include "benchmarks/write_replacing.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
+#include "comm/dtype.h"
 #include "comm/status.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/random_fill.h"
@@ -55,6 +70,7 @@ struct Options {
   int iters = 10;
   int rounds = 5;
   double copy_mib = 64;
+  bool ksplit = true;
   std::string json_path;
 };
 
@@ -155,6 +171,7 @@ Status Probe(const Options& o) {
         std::string name;
         int chunks;
         bool copy;
+        double copy_mib;  // MiB copied beside the GEMMs (0: none)
         CudaGraphExec graph;
         std::vector<double> ms;
       };
@@ -196,8 +213,75 @@ Status Probe(const Options& o) {
             const std::string name =
                 (c == 1 ? std::string("full") : std::string(kind) + "_c" + std::to_string(c)) +
                 (copy ? "+copy" : "");
-            cases.push_back({name, c, copy, std::move(g), {}});
+            cases.push_back({name, c, copy, copy ? o.copy_mib : 0.0, std::move(g), {}});
           }
+        }
+      }
+      // GEMM+RS without partial sums (see the top of the file). The c local K blocks of A are
+      // the row chunks of `a` ((m / c) x k each, contiguous, as the own columns and each
+      // received block would be); the weight's c K blocks are contiguous [n, k] blocks.
+      DeviceBuffer b_blocks, a_full, b_full, d_fullk, d_ksplit, ks_src, ks_dst;
+      if (o.ksplit) {
+        int64_t max_c = 1;
+        for (int c : o.chunks) max_c = std::max<int64_t>(max_c, c);
+        TP_ASSIGN_OR_RETURN(b_blocks, DeviceBuffer::Allocate(max_c * sh.n * sh.k, "b_blocks"));
+        TP_ASSIGN_OR_RETURN(a_full, DeviceBuffer::Allocate(m * sh.k, "a_full"));
+        TP_ASSIGN_OR_RETURN(b_full, DeviceBuffer::Allocate(max_c * sh.n * sh.k, "b_full"));
+        TP_ASSIGN_OR_RETURN(d_fullk, DeviceBuffer::Allocate(m * sh.n * 2, "d_fullk"));
+        TP_ASSIGN_OR_RETURN(d_ksplit, DeviceBuffer::Allocate(m * sh.n * 2, "d_ksplit"));
+        TP_ASSIGN_OR_RETURN(ks_src, DeviceBuffer::Allocate(m * sh.k + 16, "ks_src"));
+        TP_ASSIGN_OR_RETURN(ks_dst, DeviceBuffer::Allocate(m * sh.k + 16, "ks_dst"));
+        TP_RETURN_IF_ERROR(LaunchRandomUniform(b_blocks.data(), DataType::kFloat8E4M3,
+                                               max_c * sh.n * sh.k, 31, 448.0f, main.get()));
+      }
+      for (int c : o.chunks) {
+        if (!o.ksplit || c == 1) continue;
+        const int64_t rows = m / c;
+        const int64_t kk = c * sh.k;
+        // fullk's operands: A [rows, c*k] and B [n, c*k], block i in columns i*k.
+        for (int64_t i = 0; i < c; ++i) {
+          TP_CUDA_CHECK(cudaMemcpy2DAsync(a_full.as<char>() + i * sh.k, kk,
+                                          a.as<char>() + i * rows * sh.k, sh.k, sh.k, rows,
+                                          cudaMemcpyDeviceToDevice, main.get()));
+          TP_CUDA_CHECK(cudaMemcpy2DAsync(b_full.as<char>() + i * sh.k, kk,
+                                          b_blocks.as<char>() + i * sh.n * sh.k, sh.k, sh.k, sh.n,
+                                          cudaMemcpyDeviceToDevice, main.get()));
+        }
+        GemmParams full = params(rows);
+        full.k = kk;
+        GemmParams first = params(rows);
+        GemmParams acc = params(rows);
+        acc.beta = 1.0f;
+        for (const GemmParams* p : {&full, &first, &acc}) TP_RETURN_IF_ERROR(gemm0.Prepare(*p));
+        const size_t ks_bytes = static_cast<size_t>((c - 1) * rows * sh.k);
+        for (int kind = 0; kind < 3; ++kind) {  // fullk, ksplit, ksplit+copy
+          auto body = [&]() -> Status {
+            cudaStream_t s0 = main.get(), sc = copier.get();
+            if (kind == 0) {
+              return gemm0.Run(full, a_full.data(), b_full.data(), nullptr, d_fullk.data(), s0);
+            }
+            if (kind == 2) {
+              TP_RETURN_IF_ERROR(events[0].Record(s0));
+              TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
+              TP_CUDA_CHECK(cudaMemcpyAsync(ks_dst.data(), ks_src.data(), ks_bytes,
+                                            cudaMemcpyDeviceToDevice, sc));
+              TP_RETURN_IF_ERROR(events[1].Record(sc));
+            }
+            for (int64_t i = 0; i < c; ++i) {
+              if (i == 1 && kind == 2) TP_RETURN_IF_ERROR(events[1].WaitOn(s0));
+              TP_RETURN_IF_ERROR(gemm0.Run(i == 0 ? first : acc, a.as<char>() + i * rows * sh.k,
+                                           b_blocks.as<char>() + i * sh.n * sh.k,
+                                           i == 0 ? nullptr : d_ksplit.data(), d_ksplit.data(),
+                                           s0));
+            }
+            return Status::Ok();
+          };
+          TP_ASSIGN_OR_RETURN(
+              CudaGraphExec g,
+              CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+          const char* names[] = {"fullk_c", "ksplit_c", "ksplit_c"};
+          cases.push_back({names[kind] + std::to_string(c) + (kind == 2 ? "+copy" : ""), c,
+                           kind == 2, kind == 2 ? ks_bytes / 1048576.0 : 0.0, std::move(g), {}});
         }
       }
       // A copy alone, for reference.
@@ -210,7 +294,7 @@ Status Probe(const Options& o) {
         TP_ASSIGN_OR_RETURN(
             CudaGraphExec g,
             CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
-        cases.push_back({"copy_only", 1, true, std::move(g), {}});
+        cases.push_back({"copy_only", 1, true, o.copy_mib, std::move(g), {}});
       }
       // Each case's replays of a round are queued behind a GPU-side delay, so that no timed
       // interval holds host launch latency; replays run back to back, as layers do.
@@ -239,6 +323,29 @@ Status Probe(const Options& o) {
                                "from serial's");
         }
       }
+      // ksplit against fullk (the last round wrote both with the last chunk count > 1).
+      if (o.ksplit && o.chunks.back() > 1) {
+        const int64_t rows = m / o.chunks.back();
+        std::vector<BFloat16> hf(rows * sh.n), hk(rows * sh.n);
+        TP_CUDA_CHECK(cudaMemcpy(hf.data(), d_fullk.data(), hf.size() * 2, cudaMemcpyDeviceToHost));
+        TP_CUDA_CHECK(
+            cudaMemcpy(hk.data(), d_ksplit.data(), hk.size() * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < hf.size(); ++i) {
+          const double f = BFloat16ToFloat(hf[i]), k = BFloat16ToFloat(hk[i]);
+          num += (f - k) * (f - k);
+          den += f * f;
+        }
+        const double rel = den > 0 ? std::sqrt(num / den) : 0;
+        std::printf("%-8s m %6lld  ksplit vs fullk: relative error %.2e\n", sh.name.c_str(),
+                    static_cast<long long>(m), rel);
+        // One BF16 rounding of each partial: ~2^-9 relative per element.
+        if (!(rel < 1e-2) || den == 0) {
+          return InternalError(sh.name + " m " + std::to_string(m) +
+                               ": ksplit's output differs from fullk's (relative error " +
+                               std::to_string(rel) + ")");
+        }
+      }
       double full_ms = 0;
       for (const Case& cs : cases) {
         if (cs.name == "full") full_ms = Median(cs.ms);
@@ -256,7 +363,7 @@ Status Probe(const Options& o) {
                            {"k", sh.k},
                            {"case", cs.name},
                            {"chunks", cs.chunks},
-                           {"copy_mib", cs.copy ? o.copy_mib : 0.0},
+                           {"copy_mib", cs.copy_mib},
                            {"median_ms", med},
                            {"min_ms", *std::min_element(cs.ms.begin(), cs.ms.end())},
                            {"max_ms", *std::max_element(cs.ms.begin(), cs.ms.end())},
@@ -299,6 +406,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--copy-mib", o.copy_mib, "MiB copied device to device beside the GEMMs; 0: none")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--ksplit", o.ksplit,
+                 "also time GEMM+RS without partial sums: fullk, ksplit, ksplit+copy (see the "
+                 "source's header)")
       ->capture_default_str();
   app.add_option("--json", o.json_path, "write the medians as JSON here");
   CLI11_PARSE(app, argc, argv);
