@@ -153,6 +153,24 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       base.method = "none";
       base.knobs.copy_engine = true;
       add(base);
+    } else if (name == "none_fullw" || name == "pipeline_fullw") {
+      // gemm_rs without partial sums (LinearKnobs::full_weight): the whole weight on every
+      // rank, the peers' input columns of the own rows pulled by copy engines; recorded as
+      // none / pipeline with copy_engine and full_weight.
+      if (op != OverlapOp::kGemmReduceScatter) continue;
+      const bool pipe = name == "pipeline_fullw";
+      for (int c : pipe ? f.chunks : std::vector<int>{1}) {
+        for (int lanes : f.gemm_lanes) {
+          Method m = base;
+          m.method = pipe ? "pipeline" : "none";
+          m.knobs.mode = pipe ? OverlapMode::kPipeline : OverlapMode::kNone;
+          m.knobs.chunks = c;
+          m.knobs.copy_engine = true;
+          m.knobs.full_weight = true;
+          m.knobs.gemm_lanes = lanes;
+          add(m);
+        }
+      }
     } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce" ||
                name == "ring_inplace") {
       // ring_inplace: ring over peer memory, gemm_rs layers reading the running sums in the
@@ -224,7 +242,8 @@ json KnobsJson(const LinearKnobs& k) {
               {"gemm_sm_count", k.gemm_sm_count},
               {"fast_accum", k.fast_accum},
               {"in_place", k.in_place},
-              {"gemm_lanes", k.gemm_lanes}};
+              {"gemm_lanes", k.gemm_lanes},
+              {"full_weight", k.full_weight}};
 }
 
 // One method of one case on one rank, ready to replay.
@@ -289,6 +308,24 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     TP_RETURN_IF_ERROR(LaunchRandomUniform(w.data(), dtype, n_local * k_local, 1000 + r, amp, st));
     TP_RETURN_IF_ERROR(
         LaunchRandomUniform(x_full.data(), dtype, sc.m * k_local, 2000 + (ag ? 0 : r), amp, st));
+    // full_weight methods (gemm_rs): the whole weight [n, tp * k_local], rank j's W_j (drawn
+    // as rank j draws it) in columns [j * k_local, (j + 1) * k_local).
+    DeviceBuffer w_full;
+    if (std::any_of(methods.begin(), methods.end(),
+                    [](const Method& m) { return m.knobs.full_weight; })) {
+      TP_ASSIGN_OR_RETURN(w_full,
+                          DeviceBuffer::Allocate(tp * n_local * k_local * e, "bench.w_full"));
+      TP_ASSIGN_OR_RETURN(DeviceBuffer w_j,
+                          DeviceBuffer::Allocate(n_local * k_local * e, "bench.w_j"));
+      for (int j = 0; j < tp; ++j) {
+        TP_RETURN_IF_ERROR(
+            LaunchRandomUniform(w_j.data(), dtype, n_local * k_local, 1000 + j, amp, st));
+        TP_CUDA_CHECK(cudaMemcpy2DAsync(w_full.as<char>() + j * k_local * e, tp * k_local * e,
+                                        w_j.data(), k_local * e, k_local * e, n_local,
+                                        cudaMemcpyDeviceToDevice, st));
+      }
+      TP_CUDA_CHECK(cudaStreamSynchronize(st));  // before w_j is freed
+    }
     const int64_t out_rows = ag ? sc.m : own.size();
     const size_t out_bytes = std::max<int64_t>(out_rows, 1) * n_local * 2;
     TP_ASSIGN_OR_RETURN(DeviceBuffer y_ref, DeviceBuffer::Allocate(out_bytes, "bench.y_ref"));
@@ -376,6 +413,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         }
       } else {
         CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
+        const void* wm = m.knobs.full_weight ? w_full.data() : w.data();
         TP_ASSIGN_OR_RETURN(p.layer, CudaLinear::Create("bench." + sc.layer, shape, m.knobs, pool));
         TP_RETURN_IF_ERROR(p.layer->Prepare(sc.m));
         const void* src =
@@ -389,20 +427,19 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         if (out_rows > 0) {
           TP_RETURN_IF_ERROR(LaunchPoisonFill(dst, DataType::kBFloat16, out_rows * n_local, st));
         }
-        TP_RETURN_IF_ERROR(p.layer->Run(sc.m, w.data(), xs, ws, dst, st));
+        TP_RETURN_IF_ERROR(p.layer->Run(sc.m, wm, xs, ws, dst, st));
         if (m.method == "layer_gemm") {
-          bodies[i] = [&, i, dst] {
-            return prepared[i].layer->RunGemmOnly(sc.m, w.data(), xs, ws, dst, st);
+          bodies[i] = [&, i, dst, wm] {
+            return prepared[i].layer->RunGemmOnly(sc.m, wm, xs, ws, dst, st);
           };
         } else if (m.method == "layer_comm") {
-          bodies[i] = [&, i, dst] { return prepared[i].layer->RunCommOnly(sc.m, dst, st); };
+          bodies[i] = [&, i, dst, wm] { return prepared[i].layer->RunCommOnly(sc.m, dst, st); };
         } else if (split_body(m)) {
           // The layer, then its consumer's read: both addends where RunSplit left two (their
           // sum), else the output alone (a copy).
-          bodies[i] = [&, i, dst]() -> Status {
+          bodies[i] = [&, i, dst, wm]() -> Status {
             CudaLinear::SplitOutput split;
-            TP_RETURN_IF_ERROR(
-                prepared[i].layer->RunSplit(sc.m, w.data(), xs, ws, dst, st, &split));
+            TP_RETURN_IF_ERROR(prepared[i].layer->RunSplit(sc.m, wm, xs, ws, dst, st, &split));
             SumSlotsParams reader;
             reader.dst = consumed.data();
             reader.slots[0] = split.first;
@@ -417,9 +454,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
           }
           TP_RETURN_IF_ERROR(bodies[i]());
         } else {
-          bodies[i] = [&, i, dst] {
-            return prepared[i].layer->Run(sc.m, w.data(), xs, ws, dst, st);
-          };
+          bodies[i] = [&, i, dst, wm] { return prepared[i].layer->Run(sc.m, wm, xs, ws, dst, st); };
         }
         TP_RETURN_IF_ERROR(base.WaitStream(st));
         if (check && checked(m) && out_rows > 0) {
@@ -665,10 +700,13 @@ int Main(int argc, char** argv) {
                  "none_ce a sum kernel reading the peers' partials; chunks 1 included; "
                  "they need --ranks processes), ring_inplace (gemm_rs only: ring over peer "
                  "memory whose GEMMs read the running sums in the peers' memory, no pulls; "
-                 "chunks 1 included), "
+                 "chunks 1 included), none_fullw and pipeline_fullw (gemm_rs only: every rank "
+                 "holds the whole weight and pulls the peers' input columns of its own rows, "
+                 "then one whole-K GEMM per chunk, no partial sums; need --ranks processes), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->check(CLI::IsMember({"gemm_only", "comm_only", "none", "pipeline", "ring", "auto",
-                             "none_ce", "pipeline_ce", "ring_ce", "ring_inplace", "layer_gemm"}))
+                             "none_ce", "pipeline_ce", "ring_ce", "ring_inplace", "none_fullw",
+                             "pipeline_fullw", "layer_gemm"}))
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,
                  "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default; at most 64)")
@@ -788,7 +826,8 @@ int Main(int argc, char** argv) {
   }
   if (f.ranks == "threads") {
     for (const std::string& m : f.methods) {
-      if ((m.size() > 3 && m.compare(m.size() - 3, 3, "_ce") == 0) || m == "ring_inplace") {
+      if ((m.size() > 3 && m.compare(m.size() - 3, 3, "_ce") == 0) || m == "ring_inplace" ||
+          m.ends_with("_fullw")) {
         spdlog::error(
             "--methods {}: copy-engine methods need --ranks processes (CudaLinear refuses copy "
             "engines with ranks as threads: their graph replays hung)",

@@ -37,6 +37,8 @@
 #   inplace  gemm_rs rings reading the running sums in the peer's memory (ring_inplace)
 #           against copy-engine rings: layer benchmark of o and down (with and without
 #           --split-output), then the model with the deploy config's o and down made in_place
+#   fullw   gemm_rs without partial sums (LinearKnobs::full_weight) against the copy-engine
+#           rings: the layer benchmark of Llama-3-70B's layers, ratios to gemm_only
 #   lanes   GEMM steps on two streams (LinearKnobs::gemm_lanes): the layer benchmark's
 #           copy-engine rings with --gemm-lanes 1 and 2 (as the engine runs o and down), the
 #           model (modelcmp) with the deploy config against the same config with gemm_lanes: 2
@@ -66,7 +68,7 @@
 # deploy/overlap-llama3-70b-tpN.yaml as the default config and -tpN in the
 # file names (issue 9: TP=4 and TP=8).
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|graphprio|inplace|lanes|gateup|model|load|stress|sustained|stages|ab|profile}
+part=${1:?usage: gpu_session.sh tests|layers|e2e|reference|refsweep|trained|selfcheck|overlap|tunesplit|modelcmp|graphlead|graphprio|inplace|fullw|lanes|gateup|model|load|stress|sustained|stages|ab|profile}
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -153,6 +155,16 @@ PY
       --rounds 3 --overlap "$out/overlap-ring-ce-c1-inplace.yaml" --check-logits 5e-2 \
       --out "$out/model-tiny-ring-ce-c1-inplace.json" > "$out/model_tiny_inplace.log" 2>&1 || rc=1
     grep -E "logits vs none|error" "$out/model_tiny_inplace.log"
+    # o and down without partial sums (LinearKnobs::full_weight: the engine gathers each
+    # layer's whole weight once, at PrepareBucket), pipelined in 2 chunks: one GEMM over the
+    # whole K instead of a sum of BF16 partials, so close to none's logits rather than equal.
+    echo "== tpserve-bench-model tiny: o and down full_weight (pipeline, 2 chunks), vs none"
+    printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 1\n  copy_engine: true\nlayers:\n  - {match: "*.attn.o", mode: pipeline, chunks: 2, full_weight: true}\n  - {match: "*.mlp.down", mode: none, full_weight: true}\n' \
+      > "$out/overlap-fullw.yaml"
+    timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches 4x100 3x37 1x1 \
+      --rounds 3 --overlap "$out/overlap-fullw.yaml" --check-logits 5e-2 \
+      --out "$out/model-tiny-fullw.json" > "$out/model_tiny_fullw.log" 2>&1 || rc=1
+    grep -E "logits vs none|error" "$out/model_tiny_fullw.log"
     if python3 -c "import grpc" 2>/dev/null; then
       echo "== serve --backend cuda (gRPC, killed worker)"
       (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 150 \
@@ -234,7 +246,7 @@ PY
     # that config) next to none, then PyTorch; Llama-3-70B's layers and the
     # seed's shape, each in its own file and both in one (COMBINED).
     COMMIT=$commit PRESETS="${PRESETS:-llama70b seed}" COMBINED=llama70b-seed-fp8-tp$tp DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
-      METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce ring_inplace layer_gemm auto" \
+      METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce ring_inplace none_fullw pipeline_fullw layer_gemm auto" \
       SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=90 PEER_TIMEOUT=200 \
       BENCH_ARGS="${BENCH_ARGS:---breakdown}" \
       bash benchmarks/run_overlap_bench.sh || rc=1
@@ -417,6 +429,20 @@ PY
     cp /tmp/inplace-rs.yaml "$out/"
     env LAYERS=${LAYERS:-0} BATCHES="${BATCHES:-8x1024}" ROUNDS=${MODEL_ROUNDS:-10} NAME=inplace \
       CONFIGS=/tmp/inplace-rs.yaml bash "$0" modelcmp || rc=1
+    ;;
+  fullw)
+    # gemm_rs without partial sums (LinearKnobs::full_weight: the whole weight on every rank,
+    # the peers' input columns of the own rows pulled, one whole-K GEMM per chunk) against the
+    # copy-engine rings, Llama-3-70B's layers (the ag_gemm ones get the baselines and ring_ce
+    # only) at MS (default 512 2048 8192 16384); ratios to gemm_only printed per case.
+    timeout ${FULLW_TIMEOUT:-240} .gpu/bin/tpserve-bench --tp $tp --shapes llama70b \
+      --m ${MS:-512 2048 8192 16384} --dtype fp8 --chunks 2 4 --rounds ${ROUNDS:-20} \
+      --commit "$commit" --methods gemm_only comm_only ring_ce ring_inplace none_fullw \
+      pipeline_fullw --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json" \
+      > "$out/fullw.log" 2>&1 || rc=1
+    grep -E "error" "$out/fullw.log" | tail -3
+    python3 benchmarks/render_results.py --vs-gemm \
+      "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json"
     ;;
   lanes)
     # Each GEMM step that does not depend on the one before on a second stream: the layers

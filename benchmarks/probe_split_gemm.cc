@@ -280,8 +280,12 @@ Status Probe(const Options& o) {
               CudaGraphExec g,
               CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
           const char* names[] = {"fullk_c", "ksplit_c", "ksplit_c"};
-          cases.push_back({names[kind] + std::to_string(c) + (kind == 2 ? "+copy" : ""), c,
-                           kind == 2, kind == 2 ? ks_bytes / 1048576.0 : 0.0, std::move(g), {}});
+          cases.push_back({names[kind] + std::to_string(c) + (kind == 2 ? "+copy" : ""),
+                           c,
+                           kind == 2,
+                           kind == 2 ? ks_bytes / 1048576.0 : 0.0,
+                           std::move(g),
+                           {}});
         }
       }
       // A copy alone, for reference.

@@ -97,16 +97,22 @@ def config_summary(r):
     return " ".join(words)
 
 
+def transport_suffix(cfg):
+    """How a method moves its data, as the bench names it: _inplace (ring over
+    peer memory, no pulls), _fullw (the whole weight, the peers' input columns
+    pulled), _ce (copy-engine pulls), or nothing (NCCL)."""
+    if cfg.get("in_place"):
+        return "_inplace"
+    if cfg.get("full_weight"):
+        return "_fullw"
+    return "_ce" if cfg.get("copy_engine") else ""
+
+
 def variant(r):
     """impl+method, with the copy-engine pipeline as its own method (the
     bench's pipeline_ce)."""
     name = "%s %s" % (r.get("impl", "?"), r.get("method", "?"))
-    cfg = r.get("config") or {}
-    if cfg.get("in_place"):
-        name += "_inplace"  # the bench's ring_inplace: peer memory, no pulls
-    elif cfg.get("copy_engine"):
-        name += "_ce"
-    return name
+    return name + transport_suffix(r.get("config") or {})
 
 
 def row_name(r):
@@ -119,8 +125,8 @@ def row_name(r):
     part = method == "layer_comm" or (method == "layer_gemm" and
                                       (mode != "none" or cfg.get("copy_engine")))
     if part:
-        ce = "_inplace" if cfg.get("in_place") else "_ce" if cfg.get("copy_engine") else ""
-        name = "%s %s of %s%s c=%s" % (r.get("impl", "?"), method, mode, ce, r.get("chunks"))
+        name = "%s %s of %s%s c=%s" % (r.get("impl", "?"), method, mode, transport_suffix(cfg),
+                                       r.get("chunks"))
     elif r.get("chunks", 1) != 1 or method in ("pipeline", "ring", "torch_chunked"):
         name += " c=%s" % r.get("chunks")
     extra = config_summary(r)

@@ -54,7 +54,7 @@ if [[ " $methods " == *_ce* ]]; then
       --chunks 2 --methods none none_ce ring_ce pipeline_ce --rounds 3 --timeout-s 20 \
       --out /tmp/smoke.json > "$out/smoke.log" 2>&1; then
     echo "copy-engine smoke test failed (see smoke.log): sweeping without copy engines"
-    methods=$(for x in $methods; do [[ $x == *_ce || $x == ring_inplace ]] || printf '%s ' "$x"; done)
+    methods=$(for x in $methods; do [[ $x == *_ce || $x == ring_inplace || $x == *_fullw ]] || printf '%s ' "$x"; done)
     rc=1
   fi
 fi

@@ -265,6 +265,19 @@ class RowNameTest(unittest.TestCase):
                                               "in_place": True})
         self.assertEqual(render_results.row_name(r), "tpserve layer_gemm of ring_inplace c=1")
 
+    def test_full_weight_methods_are_named_apart_from_copy_engine_ones(self):
+        r = rec("tpserve", "pipeline", 0.4)
+        r.update(chunks=2, config={"mode": "pipeline", "chunks": 2, "copy_engine": True,
+                                   "full_weight": True})
+        self.assertEqual(render_results.row_name(r), "tpserve pipeline_fullw c=2")
+        r["config"]["full_weight"] = False
+        self.assertEqual(render_results.row_name(r), "tpserve pipeline_ce c=2")
+        r.update(method="none", chunks=1, config={"mode": "none", "chunks": 1,
+                                                  "copy_engine": True, "full_weight": True})
+        self.assertEqual(render_results.row_name(r), "tpserve none_fullw")
+        r.update(method="layer_comm")
+        self.assertEqual(render_results.row_name(r), "tpserve layer_comm of none_fullw c=1")
+
     def test_vs_gemm_gives_each_case_its_ratios_to_gemm_only(self):
         lanes = rec("tpserve", "ring", 0.55)
         lanes.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,

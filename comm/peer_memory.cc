@@ -288,8 +288,7 @@ void PeerBuffer::Reset() noexcept {
   device_ = -1;
 }
 
-Status PeerBuffer::CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes,
-                                cudaStream_t stream) const {
+StatusOr<const char*> PeerBuffer::PeerSource(int rank, size_t offset, size_t bytes) const {
   if (rank < 0 || static_cast<size_t>(rank) >= peers_.size()) {
     return InvalidArgumentError("copy from peer buffer '" + name_ + "': rank " +
                                 std::to_string(rank) + " is not one of its " +
@@ -314,8 +313,36 @@ Status PeerBuffer::CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes
     return FailedPreconditionError("copy from peer buffer '" + name_ + "' of rank " +
                                    std::to_string(rank) + ": its mapping was closed (teardown)");
   }
-  const char* src = static_cast<const char*>(peer(rank)) + offset;
+  return static_cast<const char*>(peer(rank)) + offset;
+}
+
+Status PeerBuffer::CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes,
+                                cudaStream_t stream) const {
+  TP_ASSIGN_OR_RETURN(const char* src, PeerSource(rank, offset, bytes));
   TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  return Status::Ok();
+}
+
+Status PeerBuffer::CopyFromPeer2D(int rank, size_t offset, size_t src_pitch, void* dst,
+                                  size_t dst_pitch, size_t width, size_t height,
+                                  cudaStream_t stream) const {
+  if (src_pitch < width || dst_pitch < width) {
+    return InvalidArgumentError("2D copy from peer buffer '" + name_ + "': pitches " +
+                                std::to_string(src_pitch) + " / " + std::to_string(dst_pitch) +
+                                " shorter than a row of " + std::to_string(width) + " bytes");
+  }
+  if (height == 0 || width == 0) return Status::Ok();
+  // The span from the first row's start to the last row's end (no overflow: the rows fit the
+  // buffer only if the span does, and PeerSource checks it without wrapping).
+  if (height - 1 > (SIZE_MAX - width) / src_pitch) {
+    return InvalidArgumentError("2D copy from peer buffer '" + name_ +
+                                "': " + std::to_string(height) + " rows of pitch " +
+                                std::to_string(src_pitch) + " overflow");
+  }
+  const size_t span = (height - 1) * src_pitch + width;
+  TP_ASSIGN_OR_RETURN(const char* src, PeerSource(rank, offset, span));
+  TP_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
+                                  cudaMemcpyDeviceToDevice, stream));
   return Status::Ok();
 }
 

@@ -80,6 +80,11 @@ class PeerBuffer {
   // INVALID_ARGUMENT for a rank outside the communicator or a range outside
   // the buffer.
   Status CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes, cudaStream_t stream) const;
+  // The same for `height` rows of `width` bytes: row i from offset + i * src_pitch in rank
+  // `rank`'s copy to dst + i * dst_pitch (pitches >= width). The same errors; the range checked
+  // is from offset to the last row's end.
+  Status CopyFromPeer2D(int rank, size_t offset, size_t src_pitch, void* dst, size_t dst_pitch,
+                        size_t width, size_t height, cudaStream_t stream) const;
   size_t bytes() const { return bytes_; }
   const std::string& name() const { return name_; }
   // Unmaps the peers' copies opened with CUDA IPC (peer() is then null for
@@ -88,6 +93,9 @@ class PeerBuffer {
 
  private:
   void Reset() noexcept;
+  // CopyFromPeer's checks of a read of `span` bytes at `offset` of rank `rank`'s copy; the
+  // source address, or the error.
+  StatusOr<const char*> PeerSource(int rank, size_t offset, size_t span) const;
 
   int device_ = -1;
   void* local_ = nullptr;

@@ -23,6 +23,9 @@ struct CudaModel::Linear {
   DeviceBuffer w;
   DeviceBuffer scales;  // input (x) scale at 0, weight scale at 16 bytes (cuBLASLt alignment)
   int64_t n = 0, k = 0;
+  float x_scale_set = 0, w_scale_set = 0;  // what SetScales uploaded
+  // The whole weight [n, tp * k] for a layer whose knobs say full_weight (GatherWholeWeight).
+  DeviceBuffer w_full;
   // FP8 input scaled per batch from its amax (LinearWeight::dynamic_input):
   // the forward pass writes x_scale before the layer reads it.
   bool dynamic = false;
@@ -206,6 +209,44 @@ Status CudaModel::SetScales(Linear* out, float input_scale, float weight_scale,
   TP_ASSIGN_OR_RETURN(out->scales, DeviceBuffer::Allocate(8 * sizeof(float), name + ".scales"));
   const float s[8] = {input_scale, 0, 0, 0, weight_scale, 0, 0, 0};
   TP_CUDA_CHECK(cudaMemcpy(out->scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
+  out->x_scale_set = input_scale;
+  out->w_scale_set = weight_scale;
+  return Status::Ok();
+}
+
+Status CudaModel::GatherWholeWeight(Linear& w, const std::string& name) {
+  NcclCommunicator& comm = pool_->base();
+  cudaStream_t st = stream_.get();
+  // Every rank's scales: one GEMM multiplies every rank's input columns by its weight columns.
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scales, Alloc(16 * (tp_ + 1), name + ".scales_all"));
+  const float mine[2] = {w.x_scale_set, w.w_scale_set};
+  TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), mine, sizeof mine, cudaMemcpyHostToDevice, st));
+  TP_RETURN_IF_ERROR(comm.AllGather(scales.data(), scales.as<char>() + 16, sizeof mine, st));
+  std::vector<float> all(2 * tp_);
+  TP_CUDA_CHECK(cudaMemcpyAsync(all.data(), scales.as<char>() + 16, all.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost, st));
+  TP_RETURN_IF_ERROR(stream_.Synchronize());
+  for (int r = 0; r < tp_; ++r) {
+    if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
+      return FailedPreconditionError(
+          name + ": full_weight needs one input scale and one weight scale on every rank; rank " +
+          std::to_string(r) + " has " + std::to_string(all[2 * r]) + " / " +
+          std::to_string(all[2 * r + 1]) + ", rank 0 " + std::to_string(all[0]) + " / " +
+          std::to_string(all[1]));
+    }
+  }
+  const size_t e = DataTypeSize(dtype_);
+  const size_t row = static_cast<size_t>(w.k) * e, shard = static_cast<size_t>(w.n) * row;
+  TP_ASSIGN_OR_RETURN(DeviceBuffer shards, Alloc(tp_ * shard, name + ".shards"));
+  TP_ASSIGN_OR_RETURN(w.w_full, Alloc(tp_ * shard, name + ".weight_full"));
+  TP_RETURN_IF_ERROR(comm.AllGather(w.w.data(), shards.data(), shard, st));
+  for (int r = 0; r < tp_; ++r) {  // rank r's K slice into columns [r * k, (r + 1) * k)
+    TP_CUDA_CHECK(cudaMemcpy2DAsync(w.w_full.as<char>() + r * row, tp_ * row,
+                                    shards.as<char>() + r * shard, row, row, w.n,
+                                    cudaMemcpyDeviceToDevice, st));
+  }
+  TP_RETURN_IF_ERROR(stream_.Synchronize());  // before `shards` is freed
+  weight_bytes_ += w.w_full.size();
   return Status::Ok();
 }
 
@@ -306,10 +347,17 @@ Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void*
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
   const float* x_scale = fp8 ? w.x_scale() : nullptr;
   const float* w_scale = fp8 ? w.w_scale() : nullptr;
-  if (split != nullptr) {
-    return layer.RunSplit(m, w.w.data(), x_scale, w_scale, y, stream_.get(), split);
+  const void* weight = w.w.data();
+  if (layer.knobs().full_weight) {
+    weight = w.w_full.data();
+    if (weight == nullptr) {
+      return FailedPreconditionError("layer " + layer.name() +
+                                     ": full_weight without the whole weight (PrepareBucket " +
+                                     std::to_string(m) + " has not run)");
+    }
   }
-  return layer.Run(m, w.w.data(), x_scale, w_scale, y, stream_.get());
+  if (split != nullptr) return layer.RunSplit(m, weight, x_scale, w_scale, y, stream_.get(), split);
+  return layer.Run(m, weight, x_scale, w_scale, y, stream_.get());
 }
 
 Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int64_t end_block) {
@@ -541,7 +589,13 @@ Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {
   // Everything that allocates or plans, ahead of any capture: the TP layers
   // of every block at this M, and the LM head GEMM.
   for (size_t l = 0; l < layers_.size(); ++l) {
-    TP_RETURN_IF_ERROR(BlockLayers(static_cast<int64_t>(l), m).status());
+    TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(static_cast<int64_t>(l), m));
+    for (const TpLayerShape& s : TpLayerShapes(config_)) {
+      Linear& w = layers_[l].at(s.index);
+      if (block[s.index]->knobs().full_weight && w.w_full.data() == nullptr) {
+        TP_RETURN_IF_ERROR(GatherWholeWeight(w, s.Name(static_cast<int64_t>(l))));
+      }
+    }
   }
   GemmParams lm;
   lm.m = seq_slots;

@@ -172,6 +172,11 @@ class CudaModel {
   StatusOr<CudaLinear*> LayerFor(const TpLayerShape& s, int64_t block, int64_t m);
   // The block's four TP layers at bucket m, in TpLayerShape::index order.
   StatusOr<std::array<CudaLinear*, 4>> BlockLayers(int64_t block, int64_t m);
+  // A layer whose knobs say full_weight reads the whole weight [n, tp * k]: gathered once from
+  // the ranks' shards (collective: every rank calls it for the same layers in the same order,
+  // as PrepareBucket does). FAILED_PRECONDITION when the ranks' scales differ (one GEMM over
+  // every rank's columns needs one input and one weight scale).
+  Status GatherWholeWeight(Linear& w, const std::string& name);
   // `split` (row-parallel layers): CudaLinear::RunSplit, the output left in two addends
   // where the layer's plan allows it.
   Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y,

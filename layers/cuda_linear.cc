@@ -33,6 +33,9 @@ struct CommCall {
   int send_peer = -1, recv_peer = -1;
   BufRef copy_src, copy_dst;  // ReduceScatter with a short own chunk: scratch -> y;
   size_t copy_bytes = 0;      // copy-engine AllGather: own rows input -> gather slot
+  // copy_height > 0: the copy is 2D, copy_height rows of copy_bytes bytes at these pitches
+  // (full_weight: the own input columns into the gather buffer's column block).
+  size_t copy_height = 0, copy_src_pitch = 0, copy_dst_pitch = 0;
 
   // Copy-engine transfers (knobs.copy_engine): this rank pulls each message
   // from the sender's PeerBuffer. The sender signals `ready` when the data is
@@ -40,9 +43,10 @@ struct CommCall {
   // for every `done` before its Run ends (then the caller may overwrite it).
   struct Pull {
     int peer = -1;
-    BufRef src;  // in `peer`'s copy of the buffer
-    BufRef dst;  // local
-    size_t bytes = 0;
+    BufRef src;        // in `peer`'s copy of the buffer
+    BufRef dst;        // local
+    size_t bytes = 0;  // height > 0: bytes per row of a 2D copy of `height` rows
+    size_t height = 0, src_pitch = 0, dst_pitch = 0;
   };
   bool copy_engine = false;
   std::vector<PeerSignals::Flag> ready_to, ready_from, done_to;
@@ -251,6 +255,15 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
       }
       TP_RETURN_IF_ERROR(alloc(im.gather, tp * (shard_max + chunks) * row_x, "gather"));
     }
+  } else if (knobs.full_weight) {
+    // Peers pull their rows' columns of this rank's input; the rank's own rows gather all
+    // ranks' columns ([shard rows, tp * k]) for its whole-K GEMM.
+    if (ce) {
+      TP_RETURN_IF_ERROR(alloc_peer(im.peer_input, shape.max_m * row_x, "input"));
+      TP_RETURN_IF_ERROR(alloc(im.gather, shard_max * tp * row_x, "gather"));
+    } else {
+      TP_RETURN_IF_ERROR(alloc(im.input, shape.max_m * row_x, "input"));
+    }
   } else {
     TP_RETURN_IF_ERROR(alloc(im.input, shape.max_m * row_x, "input"));
     if (ring) {
@@ -436,7 +449,67 @@ Status CudaLinear::Prepare(int64_t m) {
   };
 
   Prepared prep;
-  prep.steps.resize(plan.steps.size());
+  if (knobs_.full_weight) {
+    // No partial sums (LinearKnobs::full_weight): per chunk of this rank's rows, a comm step
+    // that copies the own input columns of those rows into the gather buffer's column block
+    // and pulls every peer's columns of them into theirs, then one GEMM over the whole K.
+    // The first comm step signals this rank's input ready and waits for the peers'; the last
+    // tells the peers that their input has been read. Every rank has both steps (the same
+    // chunk count), even where its rows are few or none, so the flags always pair up.
+    const int64_t kk = tp_ * k;
+    const size_t row_g = kk * DataTypeSize(shape_.dtype);
+    const bool ce = knobs_.copy_engine && tp_ > 1;
+    std::vector<PeerSignals::Flag> peers;
+    for (int p = 0; p < tp_; ++p) {
+      if (p != rank_) peers.push_back({p, 0});
+    }
+    for (int j = 0; j < knobs_.chunks; ++j) {
+      const RowRange rows = ChunkRows(own, knobs_.chunks, j);
+      const size_t at = (rows.begin - own.begin) * row_g;
+      int comm_step = -1;
+      if (ce) {
+        PreparedStep cs;
+        cs.stream = StepStream::kComm;
+        CommCall& c = cs.comm;
+        c.copy_engine = true;
+        if (j == 0) c.ready_to = c.ready_from = peers;
+        if (j == knobs_.chunks - 1) c.done_to = peers;
+        if (!rows.empty()) {
+          c.copy_src = {BufRef::kInput, rows.begin * row_x};
+          c.copy_dst = {BufRef::kGather, at + rank_ * row_x};
+          c.copy_bytes = row_x;
+          c.copy_height = rows.size();
+          c.copy_src_pitch = row_x;
+          c.copy_dst_pitch = row_g;
+          for (const PeerSignals::Flag& f : peers) {
+            c.pulls.push_back({f.peer,
+                               {BufRef::kInput, rows.begin * row_x},
+                               {BufRef::kGather, at + f.peer * row_x},
+                               row_x,
+                               static_cast<size_t>(rows.size()),
+                               row_x,
+                               row_g});
+          }
+        }
+        comm_step = static_cast<int>(prep.steps.size());
+        prep.steps.push_back(std::move(cs));
+      }
+      if (rows.empty()) continue;
+      PreparedStep gs;
+      gs.is_gemm = true;
+      if (comm_step >= 0) gs.deps = {comm_step};
+      GemmCall call =
+          single(rows.size(),
+                 ce ? BufRef{BufRef::kGather, at} : BufRef{BufRef::kInput, rows.begin * row_x},
+                 {BufRef::kY, (rows.begin - own.begin) * row_y});
+      call.params.k = kk;
+      gs.gemms.push_back(call);
+      prep.steps.push_back(std::move(gs));
+    }
+    if (ce) prep.done_from = peers;
+  } else {
+    prep.steps.resize(plan.steps.size());
+  }
   // AG slot layout: where each AllGather step's slots start, and their rows.
   std::vector<size_t> region(plan.steps.size(), 0);
   std::vector<int64_t> slot_rows_of(plan.steps.size(), 0);
@@ -474,7 +547,8 @@ Status CudaLinear::Prepare(int64_t m) {
   // additions (see below), appended after the plan's own steps.
   std::vector<PreparedStep> deferred_sums;
 
-  for (size_t i = 0; i < plan.steps.size(); ++i) {
+  const size_t planned = knobs_.full_weight ? 0 : plan.steps.size();  // full_weight: above
+  for (size_t i = 0; i < planned; ++i) {
     const PlanStep& s = plan.steps[i];
     PreparedStep& ps = prep.steps[i];
     ps.stream = s.stream;
@@ -762,8 +836,14 @@ Status EnqueuePeerTransfer(const CudaLinear::Impl& im, const CommCall& c, const 
   if (c.copy_bytes > 0) {
     // The own rows' copy runs while the peers get ready.
     TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kReady, c.ready_to, s));
-    TP_CUDA_CHECK(cudaMemcpyAsync(resolve(c.copy_dst), resolve(c.copy_src), c.copy_bytes,
-                                  cudaMemcpyDeviceToDevice, s));
+    if (c.copy_height > 0) {
+      TP_CUDA_CHECK(cudaMemcpy2DAsync(resolve(c.copy_dst), c.copy_dst_pitch, resolve(c.copy_src),
+                                      c.copy_src_pitch, c.copy_bytes, c.copy_height,
+                                      cudaMemcpyDeviceToDevice, s));
+    } else {
+      TP_CUDA_CHECK(cudaMemcpyAsync(resolve(c.copy_dst), resolve(c.copy_src), c.copy_bytes,
+                                    cudaMemcpyDeviceToDevice, s));
+    }
     TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kReady, c.ready_from, s));
   } else {
     TP_RETURN_IF_ERROR(im.signals.SignalThenWait(PeerSignals::kReady, c.ready_to,
@@ -772,7 +852,12 @@ Status EnqueuePeerTransfer(const CudaLinear::Impl& im, const CommCall& c, const 
   for (const CommCall::Pull& p : c.pulls) {
     const PeerBuffer* src = im.PeerOf(p.src.base);
     if (src == nullptr) return InternalError("copy-engine pull from a buffer peers cannot map");
-    TP_RETURN_IF_ERROR(src->CopyFromPeer(p.peer, p.src.offset, resolve(p.dst), p.bytes, s));
+    if (p.height > 0) {
+      TP_RETURN_IF_ERROR(src->CopyFromPeer2D(p.peer, p.src.offset, p.src_pitch, resolve(p.dst),
+                                             p.dst_pitch, p.bytes, p.height, s));
+    } else {
+      TP_RETURN_IF_ERROR(src->CopyFromPeer(p.peer, p.src.offset, resolve(p.dst), p.bytes, s));
+    }
   }
   return Status::Ok();
 }

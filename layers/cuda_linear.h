@@ -20,6 +20,8 @@
 //    writes this rank's row shard of sum_r X_r · W_r^T, [shard rows, n].
 //  Rows are sharded as ShardRows(m, tp, rank). w is [n, k]. FP8: x_scale and
 //  w_scale are device pointers to per-tensor dequantization scales.
+//  - GEMM+RS with knobs.full_weight: w is the whole weight [n, tp * k] (rank r's
+//    K slice in columns [r * k, (r + 1) * k)); X_r and the output as above.
 //
 // Thread-safety: none; one object per rank, used by that rank's thread.
 // Shutdown: destroy graphs that captured Run() before the layer, and the

@@ -7,7 +7,8 @@ std::string LinearKnobs::ToString() const {
          " comm{" + comm.Key() + "} copy_engine=" + std::to_string(copy_engine) +
          " gemm_sm_count=" + std::to_string(gemm_sm_count) +
          " fast_accum=" + std::to_string(fast_accum) + (in_place ? " in_place=1" : "") +
-         (gemm_lanes != 1 ? " gemm_lanes=" + std::to_string(gemm_lanes) : "");
+         (gemm_lanes != 1 ? " gemm_lanes=" + std::to_string(gemm_lanes) : "") +
+         (full_weight ? " full_weight=1" : "");
 }
 
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
@@ -33,6 +34,14 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
   if (knobs.gemm_lanes != 1 && knobs.gemm_lanes != 2) {
     return InvalidArgumentError("gemm_lanes must be 1 or 2, got " +
                                 std::to_string(knobs.gemm_lanes));
+  }
+  if (knobs.full_weight && (op != OverlapOp::kGemmReduceScatter ||
+                            knobs.mode == OverlapMode::kRing || !knobs.copy_engine)) {
+    return InvalidArgumentError(
+        "full_weight applies to gemm_rs layers in mode none or pipeline with copy_engine (the "
+        "peers' input columns pulled, no partial sums), got " +
+        std::string(OverlapOpName(op)) + " mode " + std::string(OverlapModeName(knobs.mode)) +
+        (knobs.copy_engine ? " with" : " without") + " copy_engine");
   }
   return knobs.comm.Validate().WithContext("comm");
 }

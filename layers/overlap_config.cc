@@ -16,8 +16,8 @@ namespace tpserve {
 namespace {
 
 constexpr std::initializer_list<const char*> kKnobKeys = {
-    "mode",          "chunks",     "comm",     "copy_engine",
-    "gemm_sm_count", "fast_accum", "in_place", "gemm_lanes"};
+    "mode",       "chunks",   "comm",       "copy_engine", "gemm_sm_count",
+    "fast_accum", "in_place", "gemm_lanes", "full_weight"};
 constexpr std::initializer_list<const char*> kCommKeys = {"min_ctas", "max_ctas", "cta_policy",
                                                           "cga_cluster_size"};
 
@@ -136,6 +136,9 @@ class Parser {
     }
     if (const YAML::Node v = node["in_place"]) {
       TP_RETURN_IF_ERROR(Read(v, path + ".in_place", "true or false", &s->knobs.in_place));
+    }
+    if (const YAML::Node v = node["full_weight"]) {
+      TP_RETURN_IF_ERROR(Read(v, path + ".full_weight", "true or false", &s->knobs.full_weight));
     }
     if (const YAML::Node c = node["comm"]) {
       const std::string cpath = path + ".comm";
@@ -316,6 +319,7 @@ void EmitKnobs(YAML::Emitter& out, const LinearKnobs& k, bool auto_mode) {
   out << YAML::Key << "fast_accum" << YAML::Value << k.fast_accum;
   if (k.in_place) out << YAML::Key << "in_place" << YAML::Value << true;  // written when set
   if (k.gemm_lanes != 1) out << YAML::Key << "gemm_lanes" << YAML::Value << k.gemm_lanes;
+  if (k.full_weight) out << YAML::Key << "full_weight" << YAML::Value << true;  // when set
 }
 
 }  // namespace

@@ -30,6 +30,10 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
     e = "--in-place applies to --op gemm_rs --mode ring --copy-engine (got --op " + f.op +
         " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
   }
+  if (e.empty() && f.full_weight && (f.op != "gemm_rs" || f.mode == "ring" || !f.copy_engine)) {
+    e = "--full-weight applies to --op gemm_rs --mode none|pipeline --copy-engine (got --op " +
+        f.op + " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
+  }
   if (!e.empty()) {
     std::fprintf(stderr, "error: %s\n", e.c_str());
     return 2;
@@ -171,6 +175,12 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                            "GEMM; 32 MiB more cuBLASLt workspace)")
                ->check(CLI::Range(1, 2))
                ->capture_default_str(),
+           cuda_only.get());
+  CudaOnly(cmd->add_flag("--full-weight", f->full_weight,
+                         "gemm_rs, mode none or pipeline, --copy-engine: every rank holds the "
+                         "whole weight and pulls the peers' input columns of its own rows, then "
+                         "computes them over the whole K (no partial sums; tp x the weight "
+                         "memory)"),
            cuda_only.get());
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());

@@ -46,6 +46,7 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   knobs.gemm_sm_count = f.gemm_sm_count;
   knobs.in_place = f.in_place;
   knobs.gemm_lanes = f.gemm_lanes;
+  knobs.full_weight = f.full_weight;
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
 
   spdlog::info("rank {}/{}: preparing operands and the CPU reference", who.rank, f.tp);
@@ -61,9 +62,11 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   CudaLinearShape shape{op, dtype, f.m, p.n_local(), p.k_local()};
   TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("cli.layer", shape, knobs, pool));
   TP_RETURN_IF_ERROR(layer->Prepare(f.m));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(p.w_local[r].size(), "cli.w"));
-  TP_CUDA_CHECK(cudaMemcpyAsync(w.data(), p.w_local[r].data(), p.w_local[r].size(),
-                                cudaMemcpyHostToDevice, st));
+  // full_weight: the whole weight W [n, k] (GEMM+RS splits it on k), every rank the same.
+  const std::vector<uint8_t>& w_host = f.full_weight ? p.w : p.w_local[r];
+  TP_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(w_host.size(), "cli.w"));
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(w.data(), w_host.data(), w_host.size(), cudaMemcpyHostToDevice, st));
   // The two scales 16 bytes apart: cuBLASLt wants them 16-byte aligned.
   TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(8 * sizeof(float), "scales"));
   const float sc[8] = {p.x_scale, 0, 0, 0, p.w_scale, 0, 0, 0};

@@ -151,7 +151,7 @@ class CommandLineChecks(unittest.TestCase):
     # layer's flags that only the cuda backend reads, with a value to give each.
     LAYER_CUDA_ONLY = (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
                        ["--gemm-sms", "8"], ["--split-output"], ["--in-place"],
-                       ["--gemm-lanes", "2"], ["--gemm-algo", "heuristic"])
+                       ["--gemm-lanes", "2"], ["--full-weight"], ["--gemm-algo", "heuristic"])
 
     def test_layer_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. The cpu backend, given or layer's default,
@@ -168,7 +168,8 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cpu", "--mode", "none", "--chunks", "3",
                           *[a for knob in self.LAYER_CUDA_ONLY for a in knob]],
                          "error: --backend cpu: --max-ctas, --cta-policy, --copy-engine, "
-                         "--gemm-sms, --split-output, --in-place, --gemm-lanes and --gemm-algo need --backend "
+                         "--gemm-sms, --split-output, --in-place, --gemm-lanes, --full-weight and "
+                         "--gemm-algo need --backend "
                          "cuda; the cpu "
                          "backend does not read them", 2)
         self.assertNotIn("--chunks 3", p.stderr)
@@ -194,6 +195,19 @@ class CommandLineChecks(unittest.TestCase):
                             (["--op", "gemm_rs", "--mode", "ring"], "--op gemm_rs --mode ring")):
             p = self.refused(["layer", "--backend", "cuda", *args, "--in-place"],
                              "error: --in-place applies to --op gemm_rs --mode ring "
+                             "--copy-engine (got " + given + ")", 2)
+            self.assertNotIn("preparing operands", p.stderr)
+
+    def test_layer_refuses_full_weight_where_it_does_not_apply(self):
+        # Only a gemm_rs outside the ring, on copy engines, pulls the peers' input columns:
+        # refused before anything runs, naming what was given.
+        for args, given in ((["--op", "ag_gemm", "--mode", "pipeline", "--copy-engine"],
+                             "--op ag_gemm --mode pipeline --copy-engine"),
+                            (["--op", "gemm_rs", "--mode", "ring", "--copy-engine"],
+                             "--op gemm_rs --mode ring --copy-engine"),
+                            (["--op", "gemm_rs", "--mode", "none"], "--op gemm_rs --mode none")):
+            p = self.refused(["layer", "--backend", "cuda", *args, "--full-weight"],
+                             "error: --full-weight applies to --op gemm_rs --mode none|pipeline "
                              "--copy-engine (got " + given + ")", 2)
             self.assertNotIn("preparing operands", p.stderr)
 

@@ -478,5 +478,37 @@ TEST(GpuLinearOneGpuTest, TwoGemmLanesAtTpOneMatchOneLaneAndTheCpuReference) {
   CheckGraphReplay(**group, OverlapOp::kAllGatherGemm, OverlapMode::kRing, 4, 2);
   CheckGraphReplay(**group, OverlapOp::kGemmReduceScatter, OverlapMode::kPipeline, 4, 2);
 }
+
+// full_weight at TP = 1 (no peers, so no pulls: the chunks' whole-K GEMMs read the input
+// where the caller wrote it): every chunk count's output matches the CPU reference within
+// kRelTol, every element written. The pulls themselves need one process per GPU and are
+// checked by `tpserve layer --full-weight` (benchmarks/gpu_layer_cli.sh).
+TEST(GpuLinearOneGpuTest, FullWeightAtTpOneMatchesTheCpuReference) {
+  if (CudaDeviceCount() < 1) GTEST_SKIP() << "needs a GPU";
+  auto group = NcclThreadGroup::Create(1);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  for (DataType dtype : {DataType::kFloat8E4M3, DataType::kBFloat16}) {
+    for (int64_t m : {1, 37, 4099}) {
+      auto p = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, dtype, 1, m, 96, 128,
+                                       static_cast<uint32_t>(m));
+      ASSERT_TRUE(p.ok()) << p.status().ToString();
+      for (int chunks : {1, 4}) {
+        SCOPED_TRACE(std::string(DataTypeName(dtype)) + " m=" + std::to_string(m) +
+                     " chunks=" + std::to_string(chunks));
+        LinearKnobs knobs;
+        knobs.mode = chunks == 1 ? OverlapMode::kNone : OverlapMode::kPipeline;
+        knobs.chunks = chunks;
+        knobs.copy_engine = true;
+        knobs.full_weight = true;
+        auto y = RunOnGpus(**group, *p, knobs);
+        ASSERT_TRUE(y.ok()) << y.status().ToString();
+        auto err = CompareWithReference(*p, *y);
+        ASSERT_TRUE(err.ok()) << err.status().ToString();
+        EXPECT_EQ(err->unwritten, 0);
+        EXPECT_LE(err->rel_frobenius, kRelTol) << "max_abs " << err->max_abs;
+      }
+    }
+  }
+}
 }  // namespace
 }  // namespace tpserve

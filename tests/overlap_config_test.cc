@@ -211,6 +211,43 @@ TEST(OverlapConfig, GemmLanesInheritRoundTripAndRange) {
               HasSubstr("gemm_lanes must be 1 or 2, got 0"));
 }
 
+// full_weight: gemm_rs in mode none or pipeline on copy engines only (the error names the rule
+// and what was given), written back only where set, and a boolean.
+TEST(OverlapConfig, FullWeightOnlyForCopyEngineGemmRsOutsideTheRing) {
+  const OverlapConfig cfg = MustParse(
+      "version: 1\n"
+      "layers:\n"
+      "  - {match: \"layers.*.attn.o\", mode: pipeline, chunks: 2, copy_engine: true,\n"
+      "     full_weight: true}\n"
+      "  - {match: \"layers.*.mlp.down\", mode: ring, chunks: 1, copy_engine: true,\n"
+      "     full_weight: true}\n"
+      "  - {match: \"*\", mode: none, full_weight: true}\n");
+  auto o = cfg.Resolve("layers.1.attn.o", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->full_weight);
+  EXPECT_EQ(o->chunks, 2);
+  EXPECT_THAT(o->ToString(), HasSubstr("full_weight=1"));
+  EXPECT_THAT(LinearKnobs{}.ToString(), ::testing::Not(HasSubstr("full_weight")));
+  auto ring = cfg.Resolve("layers.1.mlp.down", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  EXPECT_EQ(ring.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(ring.status().message(), HasSubstr("test.yaml:5 (match 'layers.*.mlp.down')"));
+  EXPECT_THAT(ring.status().message(),
+              HasSubstr("full_weight applies to gemm_rs layers in mode none or pipeline"));
+  EXPECT_THAT(ring.status().message(), HasSubstr("got gemm_rs mode ring with copy_engine"));
+  auto nccl = cfg.Resolve("layers.1.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
+  EXPECT_EQ(nccl.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(nccl.status().message(), HasSubstr("got ag_gemm mode none without copy_engine"));
+  const std::string text = cfg.ToYaml();
+  EXPECT_THAT(text, HasSubstr("full_weight: true"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("full_weight: false")));
+  auto again =
+      MustParse(text).Resolve("layers.1.attn.o", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->ToString(), o->ToString());
+  EXPECT_THAT(ParseError("version: 1\ndefaults:\n  full_weight: 2\n").message(),
+              HasSubstr("bad.yaml:3: defaults.full_weight: must be true or false"));
+}
+
 // A level in mode none does not reset what inner levels inherit: its own
 // resolved knobs have one chunk, an M range below it that picks ring gets the
 // defaults' four.
