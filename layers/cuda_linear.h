@@ -1,7 +1,8 @@
 // CudaLinear: one rank's TP linear layer on a GPU — cuBLASLt FP8 (or BF16)
 // GEMM with its NCCL communication overlapped as the layer's knobs say.
 //
-// The layer runs OverlapPlans (layers/overlap_plan.h): GEMM steps on the
+// The layer runs OverlapPlans (layers/overlap_plan.h; a gemm_rs layer with
+// knobs.full_weight builds its own steps, see LinearKnobs::full_weight): GEMM steps on the
 // caller's stream (with knobs.gemm_lanes == 2, GEMM steps that do not depend
 // on the one before alternate between it and a second GEMM stream of the
 // layer's), communication steps on the layer's own high-priority comm
