@@ -331,7 +331,7 @@ Status PeerBuffer::CopyFromPeer2D(int rank, size_t offset, size_t src_pitch, voi
                                 std::to_string(src_pitch) + " / " + std::to_string(dst_pitch) +
                                 " shorter than a row of " + std::to_string(width) + " bytes");
   }
-  if (height == 0 || width == 0) return Status::Ok();
+  if (height == 0 || width == 0) return PeerSource(rank, offset, 0).status();  // rank checked
   // The span from the first row's start to the last row's end (no overflow: the rows fit the
   // buffer only if the span does, and PeerSource checks it without wrapping).
   if (height - 1 > (SIZE_MAX - width) / src_pitch) {
