@@ -30,8 +30,14 @@
 //             accumulating (beta = 1, C = D), the first on the local columns
 //   ksplit+copy  the same with the peer's columns copied beside the first
 //             GEMM and joined before the second (as the transfer would be)
+//   fullk_pipe<s>  fullk in s row chunks, each chunk's other column blocks
+//             brought by 2D copies beside the previous chunk's GEMM (the
+//             schedule LinearKnobs::full_weight runs, with local copies
+//             standing in for the pulls over NVLink)
+//   copy2d / copy1d  those copies alone, 2D into the column blocks and 1D
 // Correctness: ksplit's output against fullk's, relative error printed and
-// bounded (they differ by the BF16 rounding of the partial sums).
+// bounded (they differ by the BF16 rounding of the partial sums); fullk_pipe's
+// against fullk's likewise.
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -127,6 +133,11 @@ Status Probe(const Options& o) {
     TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
     events.push_back(std::move(e));
   }
+  std::vector<CudaEvent> pipe_events;  // --ksplit's pipelined fullk: one per chunk
+  for (int i = 0; i < 4; ++i) {
+    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
+    pipe_events.push_back(std::move(e));
+  }
   std::vector<CudaEvent> marks;  // start and end of each timed replay of a round
   for (int i = 0; i < 2 * o.iters; ++i) {
     TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(true));
@@ -220,7 +231,7 @@ Status Probe(const Options& o) {
       // GEMM+RS without partial sums (see the top of the file). The c local K blocks of A are
       // the row chunks of `a` ((m / c) x k each, contiguous, as the own columns and each
       // received block would be); the weight's c K blocks are contiguous [n, k] blocks.
-      DeviceBuffer b_blocks, a_full, b_full, d_fullk, d_ksplit, ks_src, ks_dst;
+      DeviceBuffer b_blocks, a_full, b_full, d_fullk, d_ksplit, ks_src, ks_dst, a_pipe, d_pipe;
       if (o.ksplit) {
         int64_t max_c = 1;
         for (int c : o.chunks) max_c = std::max<int64_t>(max_c, c);
@@ -231,6 +242,8 @@ Status Probe(const Options& o) {
         TP_ASSIGN_OR_RETURN(d_ksplit, DeviceBuffer::Allocate(m * sh.n * 2, "d_ksplit"));
         TP_ASSIGN_OR_RETURN(ks_src, DeviceBuffer::Allocate(m * sh.k + 16, "ks_src"));
         TP_ASSIGN_OR_RETURN(ks_dst, DeviceBuffer::Allocate(m * sh.k + 16, "ks_dst"));
+        TP_ASSIGN_OR_RETURN(a_pipe, DeviceBuffer::Allocate(m * sh.k, "a_pipe"));
+        TP_ASSIGN_OR_RETURN(d_pipe, DeviceBuffer::Allocate(m * sh.n * 2, "d_pipe"));
         TP_RETURN_IF_ERROR(LaunchRandomUniform(b_blocks.data(), DataType::kFloat8E4M3,
                                                max_c * sh.n * sh.k, 31, 448.0f, main.get()));
       }
@@ -284,6 +297,76 @@ Status Probe(const Options& o) {
                            c,
                            kind == 2,
                            kind == 2 ? ks_bytes / 1048576.0 : 0.0,
+                           std::move(g),
+                           {}});
+        }
+        // The schedule of LinearKnobs::full_weight: the rows in `sub` chunks; chunk j's other
+        // column blocks arrive by 2D copies (standing in for the pulls from the peers: a local
+        // copy is faster than NVLink) into a_pipe, beside chunk j - 1's whole-K GEMM. ks_src
+        // holds what a_full's blocks 1.. hold, so d_pipe is fullk's result (checked below).
+        TP_CUDA_CHECK(cudaMemcpyAsync(a_pipe.data(), a_full.data(), rows * kk,
+                                      cudaMemcpyDeviceToDevice, main.get()));
+        TP_CUDA_CHECK(cudaMemcpyAsync(ks_src.data(), a.as<char>() + rows * sh.k, ks_bytes,
+                                      cudaMemcpyDeviceToDevice, main.get()));
+        for (int sub : {2, 4}) {
+          if (rows % sub != 0 || sub > static_cast<int>(pipe_events.size())) continue;
+          const int64_t srows = rows / sub;
+          GemmParams part = params(srows);
+          part.k = kk;
+          TP_RETURN_IF_ERROR(gemm0.Prepare(part));
+          auto body = [&]() -> Status {
+            cudaStream_t s0 = main.get(), sc = copier.get();
+            TP_RETURN_IF_ERROR(events[0].Record(s0));
+            TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
+            for (int j = 0; j < sub; ++j) {
+              for (int64_t blk = 1; blk < c; ++blk) {
+                TP_CUDA_CHECK(
+                    cudaMemcpy2DAsync(a_pipe.as<char>() + j * srows * kk + blk * sh.k, kk,
+                                      ks_src.as<char>() + ((blk - 1) * rows + j * srows) * sh.k,
+                                      sh.k, sh.k, srows, cudaMemcpyDeviceToDevice, sc));
+              }
+              TP_RETURN_IF_ERROR(pipe_events[j].Record(sc));
+            }
+            for (int j = 0; j < sub; ++j) {
+              TP_RETURN_IF_ERROR(pipe_events[j].WaitOn(s0));
+              TP_RETURN_IF_ERROR(gemm0.Run(part, a_pipe.as<char>() + j * srows * kk, b_full.data(),
+                                           nullptr, d_pipe.as<char>() + j * srows * sh.n * 2, s0));
+            }
+            return Status::Ok();
+          };
+          TP_ASSIGN_OR_RETURN(
+              CudaGraphExec g,
+              CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+          cases.push_back({"fullk_pipe" + std::to_string(sub) + "_c" + std::to_string(c),
+                           c,
+                           true,
+                           ks_bytes / 1048576.0,
+                           std::move(g),
+                           {}});
+        }
+        // The copies alone: 2D into the column blocks, as above, and 1D of the same bytes.
+        for (bool two_d : {true, false}) {
+          auto body = [&]() -> Status {
+            for (int64_t blk = 1; blk < c; ++blk) {
+              if (two_d) {
+                TP_CUDA_CHECK(cudaMemcpy2DAsync(a_pipe.as<char>() + blk * sh.k, kk,
+                                                ks_src.as<char>() + (blk - 1) * rows * sh.k, sh.k,
+                                                sh.k, rows, cudaMemcpyDeviceToDevice, main.get()));
+              } else {
+                TP_CUDA_CHECK(cudaMemcpyAsync(ks_dst.data(), ks_src.data(), ks_bytes,
+                                              cudaMemcpyDeviceToDevice, main.get()));
+                break;
+              }
+            }
+            return Status::Ok();
+          };
+          TP_ASSIGN_OR_RETURN(
+              CudaGraphExec g,
+              CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+          cases.push_back({std::string(two_d ? "copy2d_c" : "copy1d_c") + std::to_string(c),
+                           c,
+                           true,
+                           ks_bytes / 1048576.0,
                            std::move(g),
                            {}});
         }
@@ -341,6 +424,22 @@ Status Probe(const Options& o) {
           den += f * f;
         }
         const double rel = den > 0 ? std::sqrt(num / den) : 0;
+        // The pipelined fullk computes the same product in row chunks.
+        std::vector<BFloat16> hp(rows * sh.n);
+        TP_CUDA_CHECK(cudaMemcpy(hp.data(), d_pipe.data(), hp.size() * 2, cudaMemcpyDeviceToHost));
+        double pnum = 0;
+        for (size_t i = 0; i < hf.size(); ++i) {
+          const double d = BFloat16ToFloat(hf[i]) - BFloat16ToFloat(hp[i]);
+          pnum += d * d;
+        }
+        const double prel = den > 0 ? std::sqrt(pnum / den) : 0;
+        std::printf("%-8s m %6lld  fullk_pipe vs fullk: relative error %.2e\n", sh.name.c_str(),
+                    static_cast<long long>(m), prel);
+        if (!(prel < 1e-2)) {
+          return InternalError(sh.name + " m " + std::to_string(m) +
+                               ": the pipelined fullk differs from fullk (relative error " +
+                               std::to_string(prel) + ")");
+        }
         std::printf("%-8s m %6lld  ksplit vs fullk: relative error %.2e\n", sh.name.c_str(),
                     static_cast<long long>(m), rel);
         // One BF16 rounding of each partial: ~2^-9 relative per element.
