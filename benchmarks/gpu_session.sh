@@ -122,7 +122,7 @@ case "$part" in
     grep -E "^\[  (PASSED|FAILED) |tests ran" "$out/gpu_tests.log" | tail -20
     echo "== tpserve layer, one process per GPU"
     # Its verdict is its exit status (every rank PASS, and the --split-output ranks' kinds).
-    timeout 150 bash benchmarks/gpu_layer_cli.sh > "$out/layer_cli_verdict.txt" 2>&1 || rc=1
+    timeout ${LAYER_CLI_TIMEOUT:-240} bash benchmarks/gpu_layer_cli.sh > "$out/layer_cli_verdict.txt" 2>&1 || rc=1
     echo "$(grep -c -- "-> PASS" "$out/layer_cli.log") rank checks PASS"
     grep "split-output:" "$out/layer_cli_verdict.txt"
     echo "== tpserve run --backend cuda vs cpu (tiny)"
@@ -240,7 +240,7 @@ PY
     timeout 60 .gpu/bin/tpserve_gpu_tests --gtest_filter='GpuTest.*:GpuOpsTest.*' \
       > "$out/gpu_kernel_tests.log" 2>&1 || rc=1
     grep -E "^\[  (PASSED|FAILED) " "$out/gpu_kernel_tests.log"
-    timeout 150 bash benchmarks/gpu_layer_cli.sh > /dev/null 2>&1 || rc=1
+    timeout ${LAYER_CLI_TIMEOUT:-240} bash benchmarks/gpu_layer_cli.sh > /dev/null 2>&1 || rc=1
     grep -E "FAIL|error" "$out/layer_cli.log"; grep -c -- "-> PASS" "$out/layer_cli.log"
     ;;
   overlap)
