@@ -433,7 +433,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
             return prepared[i].layer->RunGemmOnly(sc.m, wm, xs, ws, dst, st);
           };
         } else if (m.method == "layer_comm") {
-          bodies[i] = [&, i, dst, wm] { return prepared[i].layer->RunCommOnly(sc.m, dst, st); };
+          bodies[i] = [&, i, dst] { return prepared[i].layer->RunCommOnly(sc.m, dst, st); };
         } else if (split_body(m)) {
           // The layer, then its consumer's read: both addends where RunSplit left two (their
           // sum), else the output alone (a copy).
