@@ -34,6 +34,8 @@
 //             brought by 2D copies beside the previous chunk's GEMM (the
 //             schedule LinearKnobs::full_weight runs, with local copies
 //             standing in for the pulls over NVLink)
+//   fullk_geo<s>  the same with s growing chunks (each twice the one before,
+//             rounded to 128 rows): a small first copy exposed, large GEMMs
 //   hybrid2   fullk_pipe2 whose first chunk waits for nothing: a GEMM over the
 //             own columns first, the other blocks added by accumulating GEMMs
 //             once copied, then the second chunk whole-K
@@ -313,41 +315,62 @@ Status Probe(const Options& o) {
                                       cudaMemcpyDeviceToDevice, main.get()));
         TP_CUDA_CHECK(cudaMemcpyAsync(ks_src.data(), a.as<char>() + rows * sh.k, ks_bytes,
                                       cudaMemcpyDeviceToDevice, main.get()));
+        // Row chunks of each schedule: equal (pipe2, pipe4), or growing (geo2, geo3: each chunk
+        // twice the one before, rounded to 128 rows, so that the first chunk's exposed copy is
+        // small while the later GEMMs stay large).
+        std::vector<std::pair<std::string, std::vector<int64_t>>> schedules;
         for (int sub : {2, 4}) {
-          if (rows % sub != 0 || sub > static_cast<int>(pipe_events.size())) continue;
-          const int64_t srows = rows / sub;
-          GemmParams part = params(srows);
-          part.k = kk;
-          TP_RETURN_IF_ERROR(gemm0.Prepare(part));
+          if (rows % sub != 0) continue;
+          schedules.push_back(
+              {"fullk_pipe" + std::to_string(sub), std::vector<int64_t>(sub, rows / sub)});
+        }
+        for (int sub : {2, 3}) {
+          std::vector<int64_t> sizes;
+          int64_t size = std::max<int64_t>(128, rows / ((int64_t{1} << sub) - 1) / 128 * 128);
+          int64_t left = rows;
+          for (int q = 0; q < sub && left > 0; ++q, size *= 2) {
+            const int64_t take = q == sub - 1 ? left : std::min(size, left);
+            sizes.push_back(take);
+            left -= take;
+          }
+          schedules.push_back({"fullk_geo" + std::to_string(sub), sizes});
+        }
+        for (const auto& [label, sizes] : schedules) {
+          if (sizes.size() > pipe_events.size()) continue;
+          for (int64_t sz : sizes) {
+            GemmParams part = params(sz);
+            part.k = kk;
+            TP_RETURN_IF_ERROR(gemm0.Prepare(part));
+          }
           auto body = [&]() -> Status {
             cudaStream_t s0 = main.get(), sc = copier.get();
             TP_RETURN_IF_ERROR(events[0].Record(s0));
             TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
-            for (int j = 0; j < sub; ++j) {
+            int64_t at = 0;
+            for (size_t q = 0; q < sizes.size(); at += sizes[q], ++q) {
               for (int64_t blk = 1; blk < c; ++blk) {
-                TP_CUDA_CHECK(
-                    cudaMemcpy2DAsync(a_pipe.as<char>() + j * srows * kk + blk * sh.k, kk,
-                                      ks_src.as<char>() + ((blk - 1) * rows + j * srows) * sh.k,
-                                      sh.k, sh.k, srows, cudaMemcpyDeviceToDevice, sc));
+                TP_CUDA_CHECK(cudaMemcpy2DAsync(a_pipe.as<char>() + at * kk + blk * sh.k, kk,
+                                                ks_src.as<char>() + ((blk - 1) * rows + at) * sh.k,
+                                                sh.k, sh.k, sizes[q], cudaMemcpyDeviceToDevice,
+                                                sc));
               }
-              TP_RETURN_IF_ERROR(pipe_events[j].Record(sc));
+              TP_RETURN_IF_ERROR(pipe_events[q].Record(sc));
             }
-            for (int j = 0; j < sub; ++j) {
-              TP_RETURN_IF_ERROR(pipe_events[j].WaitOn(s0));
-              TP_RETURN_IF_ERROR(gemm0.Run(part, a_pipe.as<char>() + j * srows * kk, b_full.data(),
-                                           nullptr, d_pipe.as<char>() + j * srows * sh.n * 2, s0));
+            at = 0;
+            for (size_t q = 0; q < sizes.size(); at += sizes[q], ++q) {
+              GemmParams part = params(sizes[q]);
+              part.k = kk;
+              TP_RETURN_IF_ERROR(pipe_events[q].WaitOn(s0));
+              TP_RETURN_IF_ERROR(gemm0.Run(part, a_pipe.as<char>() + at * kk, b_full.data(),
+                                           nullptr, d_pipe.as<char>() + at * sh.n * 2, s0));
             }
             return Status::Ok();
           };
           TP_ASSIGN_OR_RETURN(
               CudaGraphExec g,
               CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
-          cases.push_back({"fullk_pipe" + std::to_string(sub) + "_c" + std::to_string(c),
-                           c,
-                           true,
-                           ks_bytes / 1048576.0,
-                           std::move(g),
-                           {}});
+          cases.push_back(
+              {label + "_c" + std::to_string(c), c, true, ks_bytes / 1048576.0, std::move(g), {}});
         }
         // full_weight's schedule with a first chunk that waits for nothing: its GEMM over the
         // own columns (block 0, where the caller wrote them: `a`'s first rows) while every
