@@ -437,14 +437,17 @@ PY
     # the peers' input columns of the own rows pulled, one whole-K GEMM per chunk) against the
     # copy-engine rings, Llama-3-70B's layers (the ag_gemm ones get the baselines and ring_ce
     # only) at MS (default 512 2048 8192 16384); ratios to gemm_only printed per case.
-    timeout ${FULLW_TIMEOUT:-240} .gpu/bin/tpserve-bench --tp $tp --shapes llama70b \
-      --m ${MS:-512 2048 8192 16384} --dtype fp8 --chunks 2 4 --rounds ${ROUNDS:-20} \
-      --commit "$commit" --methods gemm_only comm_only ring_ce ring_inplace none_fullw \
-      pipeline_fullw --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json" \
-      > "$out/fullw.log" 2>&1 || rc=1
-    grep -E "error" "$out/fullw.log" | tail -3
-    python3 benchmarks/render_results.py --vs-gemm \
-      "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json"
+    # FULLW_LAYERS=0 skips the layer benchmark (stage tpserve-bench-model alone for the model).
+    if [ "${FULLW_LAYERS:-1}" = 1 ]; then
+      timeout ${FULLW_TIMEOUT:-240} .gpu/bin/tpserve-bench --tp $tp --shapes llama70b \
+        --m ${MS:-512 2048 8192 16384} --dtype fp8 --chunks 2 4 --rounds ${ROUNDS:-20} \
+        --commit "$commit" --methods gemm_only comm_only ring_ce ring_inplace none_fullw \
+        pipeline_fullw --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json" \
+        > "$out/fullw.log" 2>&1 || rc=1
+      grep -E "error" "$out/fullw.log" | tail -3
+      python3 benchmarks/render_results.py --vs-gemm \
+        "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json"
+    fi
     [ "${FULLW_MODEL:-1}" = 1 ] || exit $rc
     # Then the whole model (modelcmp, 8x1024) with the deploy config's o entries (gemm_rs,
     # n = k = 8192) made full_weight by a line edit, 2 chunks and 1, interleaved with none and
