@@ -114,6 +114,17 @@ each_case() {
     "$2" $spec
   done
 }
+# The tiny model at TP = 2 with the overlap config $out/overlap-NAME.yaml against mode none
+# (--check-logits), one process per GPU, eager and replayed; the batches follow:
+# tiny_vs_none NAME LOG BATCHES... (results model-tiny-NAME.json, log model_tiny_LOG.log).
+tiny_vs_none() {
+  local name=$1 log=$2
+  shift 2
+  timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches "$@" --rounds 3 \
+    --overlap "$out/overlap-$name.yaml" --check-logits 5e-2 --out "$out/model-tiny-$name.json" \
+    > "$out/model_tiny_$log.log" 2>&1 || rc=1
+  grep -E "logits vs none|error" "$out/model_tiny_$log.log"
+}
 case "$part" in
   tests)
     { nvidia-smi; nvidia-smi topo -m; } > "$out/nvidia-smi.txt" 2>&1
@@ -144,29 +155,20 @@ PY
     echo "== tpserve-bench-model tiny: ring on copy engines, 1 chunk, vs none (--check-logits)"
     printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 1\n  copy_engine: true\n' \
       > "$out/overlap-ring-ce-c1.yaml"
-    timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches 4x100 3x37 \
-      --rounds 3 --overlap "$out/overlap-ring-ce-c1.yaml" --check-logits 5e-2 \
-      --out "$out/model-tiny-ring-ce-c1.json" > "$out/model_tiny_logits.log" 2>&1 || rc=1
-    grep -E "logits vs none|error" "$out/model_tiny_logits.log"
+    tiny_vs_none ring-ce-c1 logits 4x100 3x37
     # The same with o and down reading the peer's running sum in place (LinearKnobs::in_place):
     # one rounding fewer than the split sum, so close to none's logits rather than equal.
     echo "== tpserve-bench-model tiny: ring on copy engines, o and down in_place, vs none"
     printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 1\n  copy_engine: true\nlayers:\n  - {match: "*.attn.o", in_place: true}\n  - {match: "*.mlp.down", in_place: true}\n' \
       > "$out/overlap-ring-ce-c1-inplace.yaml"
-    timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches 4x100 3x37 1x1 \
-      --rounds 3 --overlap "$out/overlap-ring-ce-c1-inplace.yaml" --check-logits 5e-2 \
-      --out "$out/model-tiny-ring-ce-c1-inplace.json" > "$out/model_tiny_inplace.log" 2>&1 || rc=1
-    grep -E "logits vs none|error" "$out/model_tiny_inplace.log"
+    tiny_vs_none ring-ce-c1-inplace inplace 4x100 3x37 1x1
     # o and down without partial sums (LinearKnobs::full_weight: the engine gathers each
     # layer's whole weight once, at PrepareBucket), pipelined in 2 chunks: one GEMM over the
     # whole K instead of a sum of BF16 partials, so close to none's logits rather than equal.
     echo "== tpserve-bench-model tiny: o and down full_weight (pipeline, 2 chunks), vs none"
     printf 'version: 1\ntp: 2\ndefaults:\n  mode: ring\n  chunks: 1\n  copy_engine: true\nlayers:\n  - {match: "*.attn.o", mode: pipeline, chunks: 2, full_weight: true}\n  - {match: "*.mlp.down", mode: none, full_weight: true}\n' \
       > "$out/overlap-fullw.yaml"
-    timeout 120 .gpu/bin/tpserve-bench-model --tp 2 --model tiny --batches 4x100 3x37 1x1 \
-      --rounds 3 --overlap "$out/overlap-fullw.yaml" --check-logits 5e-2 \
-      --out "$out/model-tiny-fullw.json" > "$out/model_tiny_fullw.log" 2>&1 || rc=1
-    grep -E "logits vs none|error" "$out/model_tiny_fullw.log"
+    tiny_vs_none fullw fullw 4x100 3x37 1x1
     if python3 -c "import grpc" 2>/dev/null; then
       echo "== serve --backend cuda (gRPC, killed worker)"
       (cd tests && TPSERVE_BIN=../.gpu/bin/tpserve PROTO_DIR=.. timeout 150 \

@@ -307,6 +307,15 @@ Status Probe(const Options& o) {
                            std::move(g),
                            {}});
         }
+        // Rows [at, at + count) of blocks 1..c-1 from ks_src into a_pipe (pitch kk) on `st`.
+        auto copy_blocks = [&](int64_t at, int64_t count, cudaStream_t st) -> Status {
+          for (int64_t blk = 1; blk < c; ++blk) {
+            TP_CUDA_CHECK(cudaMemcpy2DAsync(a_pipe.as<char>() + at * kk + blk * sh.k, kk,
+                                            ks_src.as<char>() + ((blk - 1) * rows + at) * sh.k,
+                                            sh.k, sh.k, count, cudaMemcpyDeviceToDevice, st));
+          }
+          return Status::Ok();
+        };
         // The schedule of LinearKnobs::full_weight: the rows in `sub` chunks; chunk j's other
         // column blocks arrive by 2D copies (standing in for the pulls from the peers: a local
         // copy is faster than NVLink) into a_pipe, beside chunk j - 1's whole-K GEMM. ks_src
@@ -348,12 +357,7 @@ Status Probe(const Options& o) {
             TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
             int64_t at = 0;
             for (size_t q = 0; q < sizes.size(); at += sizes[q], ++q) {
-              for (int64_t blk = 1; blk < c; ++blk) {
-                TP_CUDA_CHECK(cudaMemcpy2DAsync(a_pipe.as<char>() + at * kk + blk * sh.k, kk,
-                                                ks_src.as<char>() + ((blk - 1) * rows + at) * sh.k,
-                                                sh.k, sh.k, sizes[q], cudaMemcpyDeviceToDevice,
-                                                sc));
-              }
+              TP_RETURN_IF_ERROR(copy_blocks(at, sizes[q], sc));
               TP_RETURN_IF_ERROR(pipe_events[q].Record(sc));
             }
             at = 0;
@@ -391,12 +395,7 @@ Status Probe(const Options& o) {
             TP_RETURN_IF_ERROR(events[0].Record(s0));
             TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
             for (int j = 0; j < 2; ++j) {
-              for (int64_t blk = 1; blk < c; ++blk) {
-                TP_CUDA_CHECK(
-                    cudaMemcpy2DAsync(a_pipe.as<char>() + j * srows * kk + blk * sh.k, kk,
-                                      ks_src.as<char>() + ((blk - 1) * rows + j * srows) * sh.k,
-                                      sh.k, sh.k, srows, cudaMemcpyDeviceToDevice, sc));
-              }
+              TP_RETURN_IF_ERROR(copy_blocks(j * srows, srows, sc));
               TP_RETURN_IF_ERROR(pipe_events[j].Record(sc));
             }
             TP_RETURN_IF_ERROR(
@@ -420,17 +419,9 @@ Status Probe(const Options& o) {
         // The copies alone: 2D into the column blocks, as above, and 1D of the same bytes.
         for (bool two_d : {true, false}) {
           auto body = [&]() -> Status {
-            for (int64_t blk = 1; blk < c; ++blk) {
-              if (two_d) {
-                TP_CUDA_CHECK(cudaMemcpy2DAsync(a_pipe.as<char>() + blk * sh.k, kk,
-                                                ks_src.as<char>() + (blk - 1) * rows * sh.k, sh.k,
-                                                sh.k, rows, cudaMemcpyDeviceToDevice, main.get()));
-              } else {
-                TP_CUDA_CHECK(cudaMemcpyAsync(ks_dst.data(), ks_src.data(), ks_bytes,
-                                              cudaMemcpyDeviceToDevice, main.get()));
-                break;
-              }
-            }
+            if (two_d) return copy_blocks(0, rows, main.get());
+            TP_CUDA_CHECK(cudaMemcpyAsync(ks_dst.data(), ks_src.data(), ks_bytes,
+                                          cudaMemcpyDeviceToDevice, main.get()));
             return Status::Ok();
           };
           TP_ASSIGN_OR_RETURN(
@@ -483,60 +474,32 @@ Status Probe(const Options& o) {
                                "from serial's");
         }
       }
-      // ksplit against fullk (the last round wrote both with the last chunk count > 1).
+      // Every other whole-K schedule against fullk (the last round wrote them all with the last
+      // chunk count > 1): the same product, up to the BF16 rounding of a partial (hybrid2's
+      // first half, ksplit: ~2^-9 relative per element) or bit for bit (fullk_pipe/geo).
       if (o.ksplit && o.chunks.back() > 1) {
         const int64_t rows = m / o.chunks.back();
-        std::vector<BFloat16> hf(rows * sh.n), hk(rows * sh.n);
+        std::vector<BFloat16> hf(rows * sh.n), other(rows * sh.n);
         TP_CUDA_CHECK(cudaMemcpy(hf.data(), d_fullk.data(), hf.size() * 2, cudaMemcpyDeviceToHost));
-        TP_CUDA_CHECK(
-            cudaMemcpy(hk.data(), d_ksplit.data(), hk.size() * 2, cudaMemcpyDeviceToHost));
-        double num = 0, den = 0;
-        for (size_t i = 0; i < hf.size(); ++i) {
-          const double f = BFloat16ToFloat(hf[i]), k = BFloat16ToFloat(hk[i]);
-          num += (f - k) * (f - k);
-          den += f * f;
-        }
-        const double rel = den > 0 ? std::sqrt(num / den) : 0;
-        // The pipelined fullk computes the same product in row chunks.
-        std::vector<BFloat16> hp(rows * sh.n);
-        TP_CUDA_CHECK(cudaMemcpy(hp.data(), d_pipe.data(), hp.size() * 2, cudaMemcpyDeviceToHost));
-        double pnum = 0;
-        for (size_t i = 0; i < hf.size(); ++i) {
-          const double d = BFloat16ToFloat(hf[i]) - BFloat16ToFloat(hp[i]);
-          pnum += d * d;
-        }
-        const double prel = den > 0 ? std::sqrt(pnum / den) : 0;
-        // hybrid2: the first half as ksplit (one BF16 rounding of the own-column partial).
-        std::vector<BFloat16> hh(rows * sh.n);
-        TP_CUDA_CHECK(
-            cudaMemcpy(hh.data(), d_hybrid.data(), hh.size() * 2, cudaMemcpyDeviceToHost));
-        double hnum = 0;
-        for (size_t i = 0; i < hf.size(); ++i) {
-          const double d = BFloat16ToFloat(hf[i]) - BFloat16ToFloat(hh[i]);
-          hnum += d * d;
-        }
-        const double hrel = den > 0 ? std::sqrt(hnum / den) : 0;
-        std::printf("%-8s m %6lld  hybrid2 vs fullk: relative error %.2e\n", sh.name.c_str(),
-                    static_cast<long long>(m), hrel);
-        if (!(hrel < 1e-2)) {
-          return InternalError(sh.name + " m " + std::to_string(m) +
-                               ": hybrid2 differs from fullk (relative error " +
-                               std::to_string(hrel) + ")");
-        }
-        std::printf("%-8s m %6lld  fullk_pipe vs fullk: relative error %.2e\n", sh.name.c_str(),
-                    static_cast<long long>(m), prel);
-        if (!(prel < 1e-2)) {
-          return InternalError(sh.name + " m " + std::to_string(m) +
-                               ": the pipelined fullk differs from fullk (relative error " +
-                               std::to_string(prel) + ")");
-        }
-        std::printf("%-8s m %6lld  ksplit vs fullk: relative error %.2e\n", sh.name.c_str(),
-                    static_cast<long long>(m), rel);
-        // One BF16 rounding of each partial: ~2^-9 relative per element.
-        if (!(rel < 1e-2) || den == 0) {
-          return InternalError(sh.name + " m " + std::to_string(m) +
-                               ": ksplit's output differs from fullk's (relative error " +
-                               std::to_string(rel) + ")");
+        const std::pair<const char*, const DeviceBuffer*> against[] = {
+            {"hybrid2", &d_hybrid}, {"fullk_pipe", &d_pipe}, {"ksplit", &d_ksplit}};
+        for (const auto& [name, buf] : against) {
+          TP_CUDA_CHECK(
+              cudaMemcpy(other.data(), buf->data(), other.size() * 2, cudaMemcpyDeviceToHost));
+          double num = 0, den = 0;
+          for (size_t i = 0; i < hf.size(); ++i) {
+            const double f = BFloat16ToFloat(hf[i]), g = BFloat16ToFloat(other[i]);
+            num += (f - g) * (f - g);
+            den += f * f;
+          }
+          const double rel = den > 0 ? std::sqrt(num / den) : 0;
+          std::printf("%-8s m %6lld  %s vs fullk: relative error %.2e\n", sh.name.c_str(),
+                      static_cast<long long>(m), name, rel);
+          if (!(rel < 1e-2) || den == 0) {
+            return InternalError(sh.name + " m " + std::to_string(m) + ": " + name +
+                                 "'s output differs from fullk's (relative error " +
+                                 std::to_string(rel) + ")");
+          }
         }
       }
       double full_ms = 0;

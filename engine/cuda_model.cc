@@ -23,7 +23,6 @@ struct CudaModel::Linear {
   DeviceBuffer w;
   DeviceBuffer scales;  // input (x) scale at 0, weight scale at 16 bytes (cuBLASLt alignment)
   int64_t n = 0, k = 0;
-  float x_scale_set = 0, w_scale_set = 0;  // what SetScales uploaded
   // The whole weight [n, tp * k] for a layer whose knobs say full_weight (GatherWholeWeight).
   DeviceBuffer w_full;
   // FP8 input scaled per batch from its amax (LinearWeight::dynamic_input):
@@ -209,30 +208,28 @@ Status CudaModel::SetScales(Linear* out, float input_scale, float weight_scale,
   TP_ASSIGN_OR_RETURN(out->scales, DeviceBuffer::Allocate(8 * sizeof(float), name + ".scales"));
   const float s[8] = {input_scale, 0, 0, 0, weight_scale, 0, 0, 0};
   TP_CUDA_CHECK(cudaMemcpy(out->scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
-  out->x_scale_set = input_scale;
-  out->w_scale_set = weight_scale;
   return Status::Ok();
 }
 
 Status CudaModel::GatherWholeWeight(Linear& w, const std::string& name) {
   NcclCommunicator& comm = pool_->base();
   cudaStream_t st = stream_.get();
-  // Every rank's scales: one GEMM multiplies every rank's input columns by its weight columns.
-  TP_ASSIGN_OR_RETURN(DeviceBuffer scales, Alloc(16 * (tp_ + 1), name + ".scales_all"));
-  const float mine[2] = {w.x_scale_set, w.w_scale_set};
-  TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), mine, sizeof mine, cudaMemcpyHostToDevice, st));
-  TP_RETURN_IF_ERROR(comm.AllGather(scales.data(), scales.as<char>() + 16, sizeof mine, st));
-  std::vector<float> all(2 * tp_);
-  TP_CUDA_CHECK(cudaMemcpyAsync(all.data(), scales.as<char>() + 16, all.size() * sizeof(float),
+  // Every rank's scales (Linear::scales, 8 floats: x at 0, w at 4): one GEMM multiplies every
+  // rank's input columns by its weight columns.
+  constexpr size_t kScaleFloats = 8;
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scales, Alloc(tp_ * kScaleFloats * 4, name + ".scales_all"));
+  TP_RETURN_IF_ERROR(comm.AllGather(w.scales.data(), scales.data(), kScaleFloats * 4, st));
+  std::vector<float> all(tp_ * kScaleFloats);
+  TP_CUDA_CHECK(cudaMemcpyAsync(all.data(), scales.data(), all.size() * sizeof(float),
                                 cudaMemcpyDeviceToHost, st));
   TP_RETURN_IF_ERROR(stream_.Synchronize());
   for (int r = 0; r < tp_; ++r) {
-    if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
+    const float x = all[r * kScaleFloats], ws = all[r * kScaleFloats + 4];
+    if (x != all[0] || ws != all[4]) {
       return FailedPreconditionError(
           name + ": full_weight needs one input scale and one weight scale on every rank; rank " +
-          std::to_string(r) + " has " + std::to_string(all[2 * r]) + " / " +
-          std::to_string(all[2 * r + 1]) + ", rank 0 " + std::to_string(all[0]) + " / " +
-          std::to_string(all[1]));
+          std::to_string(r) + " has " + std::to_string(x) + " / " + std::to_string(ws) +
+          ", rank 0 " + std::to_string(all[0]) + " / " + std::to_string(all[4]));
     }
   }
   const size_t e = DataTypeSize(dtype_);
