@@ -22,6 +22,9 @@ dtypes=${DTYPES:-fp8 bf16}
 chunks=${CHUNKS:-2 4 8}
 presets=${PRESETS:-llama70b seed}
 methods=${METHODS:-gemm_only comm_only none pipeline ring auto layer_gemm}
+# The peer's methods: its three ways to run a layer, and torch_seq's GEMM and collective
+# timed alone (diagnostics: where a gap to torch_seq comes from; never PyTorch's best).
+peer_methods=${PEER_METHODS:-torch_seq torch_chunked torch_symm_mem gemm_only comm_only}
 tp=${TP:-2}  # GPUs (tensor-parallel size) of both implementations
 overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}  # what method auto resolves
 max_ctas=${MAX_CTAS:-0 8}  # NCCL CTA limits swept for pipeline/ring
@@ -72,7 +75,7 @@ run_preset() {  # preset, extra args for tpserve-bench
   fi
   local cmd_ours=".gpu/bin/tpserve-bench --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --commit $commit --gemm-algo $gemm_algo $* --methods $sweep_methods ${BENCH_ARGS:-}"
   [ -n "$tuned" ] && cmd_ours="$cmd_ours --tune-out $tuned --run-label sweep" || cmd_ours="$cmd_ours --overlap $overlap"
-  local cmd_peer="python3 benchmarks/torch_peer.py --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --timeout 300"
+  local cmd_peer="python3 benchmarks/torch_peer.py --tp $tp --shapes $preset --m $ms --dtype $dtypes --chunks $chunks --rounds $rounds --methods $peer_methods --timeout 300"
   local peer_files=() peer_cmds=""
   if [ "$bracket" = 1 ]; then
     echo "== $preset: $cmd_peer (before tpserve)" | tee -a "$log"

@@ -293,6 +293,22 @@ class RowNameTest(unittest.TestCase):
         self.assertIn("tpserve gemm_only 0.5000 (1.000 x gemm)", lines[1])
         self.assertIn("tpserve ring_ce c=1 [lanes=2] 0.5500 (1.100 x gemm)", lines[1])
 
+    def test_the_peers_gemm_only_and_comm_only_are_diagnostics(self):
+        # PyTorch's parts of torch_seq, timed alone: never its best, and never
+        # tpserve's floor (which is tpserve's own gemm_only and comm_only).
+        records = [rec("tpserve", "none", 1.0), rec("tpserve", "ring", 0.79),
+                   rec("tpserve", "gemm_only", 0.76), rec("tpserve", "comm_only", 0.30),
+                   rec("torch", "torch_seq", 0.95), rec("torch", "gemm_only", 0.60),
+                   rec("torch", "comm_only", 0.20)]
+        self.assertEqual(render_results.best(records, "torch")["method"], "torch_seq")
+        self.assertFalse(render_results.check_failed(records[5]))
+        self.assertEqual(render_results.references(records), (1.0, 0.76))
+        got = by_name(render_results.criteria(render_results.groups(records)))
+        self.assertTrue(got["best tpserve <= 1.02 x best PyTorch, every shape"][0])
+        ok, detail = got["m >= 4096: best <= 1.05 x max(gemm_only, comm_only)"]
+        self.assertTrue(ok, detail)  # 0.79 / 0.76 = 1.039; against the peer's 0.60 it would fail
+        self.assertEqual(render_results.row_name(records[5]), "torch gemm_only")
+
     def test_two_gemm_lanes_are_named_and_one_is_not(self):
         r = rec("tpserve", "ring", 0.4)
         r.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,

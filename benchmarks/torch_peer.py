@@ -14,6 +14,12 @@ GEMM+ReduceScatter (gemm_rs):
                   (fused_all_gather_[scaled_]matmul,
                   fused_[scaled_]matmul_reduce_scatter)
 
+and, when asked for (--methods), two parts of torch_seq as diagnostics, as
+tpserve-bench has them: gemm_only (the rank's GEMM alone, on the whole m:
+after the gather for ag_gemm, the partial sums for gemm_rs) and comm_only (the
+collective alone). They are not ways to run the layer: the renderer leaves
+them out of PyTorch's best, and their outputs are not checked.
+
 Shapes are those of MakeShapes in benchmarks/bench_layers.cc. Every method is
 warmed up eagerly, captured into a CUDA graph (eager timing when capture
 fails) and timed over --rounds replays with CUDA events; rank 0 writes the
@@ -51,6 +57,7 @@ from dataclasses import dataclass
 from bench_stats import summarize
 
 METHODS = ("torch_seq", "torch_chunked", "torch_symm_mem")
+DIAGNOSTICS = ("gemm_only", "comm_only")  # parts of torch_seq; only when asked for
 DTYPES = ("fp8", "bf16")
 SHAPE_PRESETS = ("llama70b", "seed", "small")
 CHECK_TOLERANCE = 1e-2
@@ -91,7 +98,7 @@ def make_shapes(preset, ms, tp):
 def method_variants(methods, chunks):
     """(method, chunks) pairs in run order; torch_seq first (the reference)."""
     out = []
-    for name in METHODS:  # fixed order whatever the command line's order
+    for name in METHODS + DIAGNOSTICS:  # fixed order whatever the command line's order
         if name not in methods:
             continue
         if name == "torch_chunked":
@@ -185,8 +192,10 @@ def parse_args(argv):
                    help="operand types")
     p.add_argument("--chunks", type=int, nargs="+", default=[2, 4],
                    help="chunk counts for torch_chunked")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                   help="methods to time (torch_seq always runs first when selected)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + DIAGNOSTICS,
+                   help="methods to time (torch_seq always runs first when selected; "
+                        "gemm_only and comm_only, parts of torch_seq timed alone, only "
+                        "when named)")
     p.add_argument("--rounds", type=int, default=30, help="timed replays per method")
     p.add_argument("--warmup", type=int, default=5,
                    help="eager calls (at least 2) before capture, and replays before timing")
@@ -415,6 +424,40 @@ def build_seq(ctx, o):
         return out
 
     return fn, cfg, [out]
+
+
+def build_part(ctx, o, part):
+    """torch_seq's GEMM alone or its collective alone (diagnostics)."""
+    torch, dist = ctx.torch, ctx.dist
+    sc = o.sc
+    if part == "gemm_only":
+        cfg = dict(o.base_config())
+        # ag_gemm: an [m, k] input, as torch_seq's GEMM reads after the gather.
+        a = o.x.repeat(ctx.tp, 1) if o.ag else o.x
+
+        def fn():
+            return o.gemm(a, o.w_t)
+
+        return fn, cfg, [a]
+    cfg = {"comm": "nccl"}
+    if o.ag:
+        gathered = torch.empty((sc.m, sc.k), dtype=o.tdtype, device=ctx.dev)
+        x_c, g_c = _as_comm(o.x), _as_comm(gathered)
+
+        def fn():
+            dist.all_gather_into_tensor(g_c, x_c)
+            return gathered
+
+        return fn, cfg, [gathered]
+    partial = torch.empty((sc.m, sc.n), dtype=torch.bfloat16, device=ctx.dev)
+    partial.copy_(o.gemm(o.x, o.w_t))
+    out = torch.empty((o.rows, sc.n), dtype=torch.bfloat16, device=ctx.dev)
+
+    def fn():
+        dist.reduce_scatter_tensor(out, partial)
+        return out
+
+    return fn, cfg, [partial, out]
 
 
 def build_chunked(ctx, o, chunks):
@@ -681,6 +724,8 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
             fn, cfg, keep = build_seq(ctx, o)
         elif method == "torch_chunked":
             fn, cfg, keep = build_chunked(ctx, o, chunks)
+        elif method in DIAGNOSTICS:
+            fn, cfg, keep = build_part(ctx, o, method)
         else:
             fn, cfg, keep = build_symm_mem(ctx, o)
         times, graph_used, out, graph_error, graph = time_method(ctx, fn, args.graph)
@@ -729,7 +774,7 @@ def run_method(ctx, o, sc, dtype, method, chunks, ref_holder, writer):
             # can pool this method's rounds from several passes of the peer.
             rec["times_ms"] = [round(float(t), 6) for t in times]
     check = None
-    if not failed and args.check and method != "torch_seq":
+    if not failed and args.check and method != "torch_seq" and method not in DIAGNOSTICS:
         check_err = None
         try:
             if ref_holder.get("ref") is None:
