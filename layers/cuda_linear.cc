@@ -74,7 +74,9 @@ struct PreparedStep {
   bool record_event = false;  // a later step on the other stream waits for it
   // A GEMM that read peers' memory (in_place): they may reuse it once the GEMM is done.
   std::vector<PeerSignals::Flag> done_to;
-  int lane = 0;  // GEMM steps: 0 = the caller's stream, 1 = the layer's second GEMM stream
+  // 0 = the caller's stream, 1 = the layer's second stream (GEMM steps with gemm_lanes 2;
+  // full_weight's copies of the own input columns)
+  int lane = 0;
 };
 
 struct Prepared {
@@ -89,7 +91,7 @@ struct Prepared {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The stream a step runs on: 0 the caller's, 1 the second GEMM stream, 2 the comm stream.
+// The stream a step runs on: 0 the caller's, 1 the second stream, 2 the comm stream.
 int StreamKey(const PreparedStep& ps) { return ps.stream == StepStream::kComm ? 2 : ps.lane; }
 
 // LinearKnobs::gemm_lanes == 2: a GEMM step that depends neither directly nor through other
@@ -215,11 +217,15 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   TP_ASSIGN_OR_RETURN(im.fork, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(im.join, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(im.gemm, CublasLtGemm::Create(layer->name_));
-  if (knobs.gemm_lanes == 2) {
+  // The second stream: GEMMs (gemm_lanes 2), or full_weight's local copies of the own input
+  // columns, which then run beside the pulls instead of before them on the comm stream.
+  if (knobs.gemm_lanes == 2 || (knobs.full_weight && knobs.copy_engine)) {
     // At the least priority (a lane 0 one level above it changed nothing measured: NOTES,
     // thirteenth session).
     TP_ASSIGN_OR_RETURN(im.lane_stream, CudaStream::Create(true, least));
     TP_ASSIGN_OR_RETURN(im.lane_join, CudaEvent::Create(false));
+  }
+  if (knobs.gemm_lanes == 2) {
     TP_ASSIGN_OR_RETURN(im.lane_gemm, CublasLtGemm::Create(layer->name_ + ".lane1"));
   }
 
@@ -451,11 +457,12 @@ Status CudaLinear::Prepare(int64_t m) {
   Prepared prep;
   if (knobs_.full_weight) {
     // No partial sums (LinearKnobs::full_weight): per chunk of this rank's rows, a comm step
-    // that copies the own input columns of those rows into the gather buffer's column block
-    // and pulls every peer's columns of them into theirs, then one GEMM over the whole K.
+    // that pulls every peer's input columns of those rows into the gather buffer's column
+    // blocks, a step on the second stream that copies the own columns into the own block
+    // (beside the pulls: it waits for no peer), then one GEMM over the whole K after both.
     // The first comm step signals this rank's input ready and waits for the peers'; the last
-    // tells the peers that their input has been read. Every rank has both steps (the same
-    // chunk count), even where its rows are few or none, so the flags always pair up.
+    // tells the peers that their input has been read. Every rank has every comm step (the
+    // same chunk count), even where its rows are few or none, so the flags always pair up.
     const int64_t kk = tp_ * k;
     const size_t row_g = kk * DataTypeSize(shape_.dtype);
     const bool ce = knobs_.copy_engine && tp_ > 1;
@@ -475,12 +482,6 @@ Status CudaLinear::Prepare(int64_t m) {
         if (j == 0) c.ready_to = c.ready_from = peers;
         if (j == knobs_.chunks - 1) c.done_to = peers;
         if (!rows.empty()) {
-          c.copy_src = {BufRef::kInput, rows.begin * row_x};
-          c.copy_dst = {BufRef::kGather, at + rank_ * row_x};
-          c.copy_bytes = row_x;
-          c.copy_height = rows.size();
-          c.copy_src_pitch = row_x;
-          c.copy_dst_pitch = row_g;
           for (const PeerSignals::Flag& f : peers) {
             c.pulls.push_back({f.peer,
                                {BufRef::kInput, rows.begin * row_x},
@@ -497,7 +498,22 @@ Status CudaLinear::Prepare(int64_t m) {
       if (rows.empty()) continue;
       PreparedStep gs;
       gs.is_gemm = true;
-      if (comm_step >= 0) gs.deps = {comm_step};
+      if (comm_step >= 0) {
+        // The own columns: a copy with no signals or pulls, on the second stream.
+        PreparedStep own_copy;
+        own_copy.lane = 1;
+        CommCall& c = own_copy.comm;
+        c.copy_engine = true;
+        c.copy_src = {BufRef::kInput, rows.begin * row_x};
+        c.copy_dst = {BufRef::kGather, at + rank_ * row_x};
+        c.copy_bytes = row_x;
+        c.copy_height = rows.size();
+        c.copy_src_pitch = row_x;
+        c.copy_dst_pitch = row_g;
+        gs.deps = {comm_step, static_cast<int>(prep.steps.size())};
+        prep.steps.push_back(std::move(own_copy));
+        prep.uses_lane = true;
+      }
       GemmCall call =
           single(rows.size(),
                  ce ? BufRef{BufRef::kGather, at} : BufRef{BufRef::kInput, rows.begin * row_x},
@@ -794,7 +810,10 @@ Status CudaLinear::Prepare(int64_t m) {
     }
   }
   for (PreparedStep& sum : deferred_sums) prep.steps.push_back(std::move(sum));
-  if (knobs_.gemm_lanes == 2) prep.uses_lane = AssignGemmLanes(prep.steps);
+  if (knobs_.gemm_lanes == 2) {
+    const bool gemm_on_lane = AssignGemmLanes(prep.steps);
+    prep.uses_lane = prep.uses_lane || gemm_on_lane;  // full_weight's copies may use it too
+  }
   for (const PreparedStep& ps : prep.steps) {
     for (const GemmCall& call : ps.gemms) {
       TP_RETURN_IF_ERROR((ps.lane == 1 ? im.lane_gemm : im.gemm)

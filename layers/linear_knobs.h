@@ -61,7 +61,8 @@ struct LinearKnobs {
   // scattering BF16 partials of every row, each rank pulls the peers' FP8 input columns of its
   // own rows (m / tp * k bytes per peer: at TP = 2 and n = 2k a quarter of the partials'
   // bytes) and computes its rows over the whole K in one GEMM per chunk. Pipeline: the rows in
-  // `chunks` chunks, chunk j's pulls under chunk j - 1's GEMM. Costs tp x the layer's weight
+  // `chunks` chunks, chunk j's pulls under chunk j - 1's GEMM; the own columns are copied into
+  // place on a second stream, beside the pulls. Costs tp x the layer's weight
   // memory. Measured on one H200 (2026-12-01, benchmarks/NOTES.md): o's whole-K GEMM of the
   // rank's rows is 4-5 % faster than the sharded GEMM of the same FLOPs (half the output).
   bool full_weight = false;
