@@ -50,6 +50,7 @@ struct ServeFlags {
   int64_t max_batch_tokens = 8192;
   int64_t max_queue_delay_us = 2000;
   int64_t max_queue_size = 1024;
+  int64_t max_streams = 256;
   int64_t max_batch_sequences = 256;
   double rank_timeout_s = 300;
   bool device_random_weights = false;
@@ -315,6 +316,7 @@ int Serve(const ServeFlags& f) {
   so.batcher.max_batch_tokens = f.max_batch_tokens;
   so.batcher.max_queue_delay = std::chrono::microseconds(f.max_queue_delay_us);
   so.batcher.max_queue_size = static_cast<size_t>(f.max_queue_size);
+  so.max_streams = static_cast<size_t>(f.max_streams);
   so.batcher.max_batch_sequences = f.max_batch_sequences;
   // The metrics port is bound before the gRPC server starts, so that a port
   // already in use fails the start before any request is accepted.
@@ -508,9 +510,15 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
   cmd->add_option("--max-queue-size", f->max_queue_size,
-                  "Queued requests beyond this get RESOURCE_EXHAUSTED; also bounds the "
-                  "server's RPC threads (this + 64: calls beyond them, open streams included, "
-                  "get RESOURCE_EXHAUSTED too); at most 65536")
+                  "Queued requests beyond this get RESOURCE_EXHAUSTED; with "
+                  "--max-batch-sequences and --max-streams it bounds the server's RPC threads "
+                  "(their sum + 64 for health and metadata calls; calls beyond get "
+                  "RESOURCE_EXHAUSTED too); at most 65536")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
+      ->capture_default_str();
+  cmd->add_option("--max-streams", f->max_streams,
+                  "Open ModelStreamInfer streams beyond this get RESOURCE_EXHAUSTED (each "
+                  "holds an RPC thread, idle or not); at most 65536")
       ->check(CLI::Range(int64_t{1}, int64_t{65536}))
       ->capture_default_str();
   cmd->add_option("--max-tokens-per-request", f->max_tokens_per_request,

@@ -22,7 +22,8 @@ constexpr char kInput[] = "input_ids";
 constexpr char kLogits[] = "logits";
 constexpr char kNextToken[] = "next_token_id";
 constexpr char kVersion[] = "1";
-// RPC threads beyond --max-queue-size: open streams, health and metadata calls.
+// RPC threads beyond the queued, batched and streaming requests' (InferenceServer::Start):
+// health and metadata calls, and requests on their way to the queue.
 constexpr size_t kSpareRpcThreads = 64;
 
 grpc::Status ToGrpc(const Status& s) {
@@ -124,7 +125,9 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
 
   // The start of a shutdown: every open stream ends after the request it is
   // answering (UNAVAILABLE), and streams idle in a read are cancelled now
-  // instead of holding the drain open until its deadline.
+  // instead of holding the drain open until its deadline: their clients see
+  // CANCELLED, with nothing of theirs in progress (a synchronous handler
+  // blocked in Read cannot end its call with another status).
   void BeginDrain() {
     std::lock_guard lock(streams_mu_);
     draining_ = true;
@@ -198,6 +201,14 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
     {
       std::lock_guard lock(streams_mu_);
       if (draining_) return shutting_down;
+      // Each open stream holds one of the server's RPC threads: beyond the limit, the threads
+      // kept for queued requests, health and metadata calls would go to idle streams.
+      if (streams_.size() >= options_.max_streams) {
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            std::to_string(streams_.size()) +
+                                " streams are open, the server's limit (--max-streams); close "
+                                "one, or send requests with ModelInfer");
+      }
       streams_[ctx] = false;  // idle: waiting for a request
     }
     // Marks the stream busy (true) or idle (false); false when the server drains.
@@ -215,7 +226,11 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
       if (!s.ok()) {
         ++fail_count_;
         LogFailure("ModelStreamInfer", q.id(), s);
+        // As Triton does: the failed request's id, so that the client can tell which one
+        // failed; the message keeps the status code's name (a stream has no other place
+        // for it).
         out.clear_infer_response();
+        out.mutable_infer_response()->set_id(q.id());
         out.set_error_message(s.ToString());
       }
       if (!stream->Write(out)) break;
@@ -401,15 +416,20 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
   builder.AddListeningPort(options.grpc_address, credentials, &s->port_);
   builder.RegisterService(s->service_.get());
   // Bounds on what one client can make the server hold. Each RPC in progress
-  // (a queued unary request, an open stream) holds a thread of the
-  // synchronous server: at most the queue's size plus room for streams,
-  // health and metadata calls; beyond it new calls get RESOURCE_EXHAUSTED.
+  // (a queued unary request, one in the running batch, an open stream) holds a
+  // thread of the synchronous server: the queue's size, a batch's requests and
+  // the open streams' limit, plus spare threads for health and metadata calls
+  // and requests on their way to the queue; beyond them new calls get
+  // RESOURCE_EXHAUSTED.
   // A request carries at most the longest accepted prompt (int64 varints:
   // up to 10 bytes a token); the margin lets a somewhat longer one through to
   // the precise INVALID_ARGUMENT that names the limit.
   grpc::ResourceQuota quota("tpserve");
-  quota.SetMaxThreads(static_cast<int>(
-      std::min<size_t>(options.batcher.max_queue_size + kSpareRpcThreads, INT_MAX)));
+  const uint64_t threads =
+      uint64_t{options.batcher.max_queue_size} +
+      static_cast<uint64_t>(std::max<int64_t>(options.batcher.max_batch_sequences, 0)) +
+      options.max_streams + kSpareRpcThreads;
+  quota.SetMaxThreads(static_cast<int>(std::min<uint64_t>(threads, INT_MAX)));
   builder.SetResourceQuota(quota);
   const int64_t max_message = std::max<int64_t>(1 << 20, 16 * longest + (64 << 10));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT_MAX)));

@@ -35,6 +35,9 @@ struct ServerOptions {
   std::string model_name = "tpserve";           // the name clients address
   std::string grpc_address = "127.0.0.1:8001";  // host:port; port 0 picks a free port
   int64_t max_tokens_per_request = 4096;
+  // Open ModelStreamInfer streams beyond this get RESOURCE_EXHAUSTED (each holds an RPC
+  // thread, idle or not).
+  size_t max_streams = 256;
   BatcherOptions batcher;
   // TLS: PEM files. Certificate and key together turn TLS on; a client CA
   // additionally requires and verifies client certificates (mutual TLS).

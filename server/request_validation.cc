@@ -12,10 +12,19 @@ namespace {
 constexpr char kInput[] = "input_ids";
 constexpr char kLogits[] = "logits";
 constexpr char kNextToken[] = "next_token_id";
+constexpr char kBinaryDataSize[] = "binary_data_size";
+constexpr char kBinaryData[] = "binary_data";
 
+// A client's shape as an error shows it: the first 8 dimensions, then how many there are
+// (a shape of thousands of dimensions must not make a status too long for the client's
+// metadata limit, nor a log line that long).
 std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
+  constexpr int kShown = 8;
   std::string s = "[";
-  for (int i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  for (int i = 0; i < shape.size() && i < kShown; ++i) {
+    s += (i ? "," : "") + std::to_string(shape[i]);
+  }
+  if (shape.size() > kShown) s += ",...; " + std::to_string(shape.size()) + " dimensions";
   return s + "]";
 }
 
@@ -24,13 +33,16 @@ Status BadId(int64_t i, int64_t v, int64_t vocab) {
                               std::to_string(v) + ", outside [0, " + std::to_string(vocab) + ")");
 }
 
-// The first key of a parameters map, for the error naming it (sorted: the
-// map's iteration order is unspecified).
+// The first key of a parameters map other than `accepted` (null: none is), for the error
+// naming it (sorted: the map's iteration order is unspecified); empty if there is none.
 template <typename Map>
-std::string FirstKey(const Map& m) {
+std::string FirstKey(const Map& m, const char* accepted = nullptr) {
   std::string first;
+  bool found = false;
   for (const auto& [key, value] : m) {
-    if (first.empty() || key < first) first = key;
+    if (accepted != nullptr && key == accepted) continue;
+    if (!found || key < first) first = key;
+    found = true;
   }
   return first;
 }
@@ -85,9 +97,21 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
     return InvalidArgumentError("input 'input_ids': datatype must be INT32 or INT64, got '" +
                                 ClientText(in.datatype()) + "'");
   }
-  if (!in.parameters().empty()) {
+  // binary_data_size: KServe's and Triton's Python clients send it with raw contents (it
+  // sizes the binary part of an HTTP request); over gRPC it must agree with the raw bytes.
+  int64_t binary_data_size = -1;
+  if (in.parameters().size() > in.parameters().count(kBinaryDataSize)) {
     return InvalidArgumentError("input 'input_ids': parameter '" +
-                                ClientText(FirstKey(in.parameters())) + "' is not supported");
+                                ClientText(FirstKey(in.parameters(), kBinaryDataSize)) +
+                                "' is not supported (only binary_data_size)");
+  }
+  if (const auto it = in.parameters().find(kBinaryDataSize); it != in.parameters().end()) {
+    if (it->second.parameter_choice_case() != inference::InferParameter::kInt64Param ||
+        it->second.int64_param() < 0) {
+      return InvalidArgumentError(
+          "input 'input_ids': parameter 'binary_data_size' must be a non-negative int64_param");
+    }
+    binary_data_size = it->second.int64_param();
   }
   ParsedRequest p;
   int64_t n = -1;
@@ -135,6 +159,11 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
                                   " entries for 1 input");
     }
     const std::string& raw = q.raw_input_contents(0);
+    if (binary_data_size >= 0 && static_cast<uint64_t>(binary_data_size) != raw.size()) {
+      return InvalidArgumentError("input 'input_ids': parameter binary_data_size says " +
+                                  std::to_string(binary_data_size) + " bytes, raw contents hold " +
+                                  std::to_string(raw.size()));
+    }
     if (raw.size() != static_cast<size_t>(n) * elem) {
       return InvalidArgumentError(
           "input 'input_ids': raw contents hold " + std::to_string(raw.size()) + " bytes, shape " +
@@ -154,6 +183,10 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
       if (v < 0 || v >= limits.vocab) return BadId(i, v, limits.vocab);
     }
   } else {
+    if (binary_data_size >= 0) {
+      return InvalidArgumentError(
+          "input 'input_ids': parameter binary_data_size is given, but no raw_input_contents");
+    }
     const int64_t count =
         i32 ? in.contents().int_contents_size() : in.contents().int64_contents_size();
     if (count != n) {
@@ -183,10 +216,19 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
       if (*wanted) {
         return InvalidArgumentError("output '" + o.name() + "' is requested twice");
       }
-      if (!o.parameters().empty()) {
+      // binary_data (KServe's and Triton's clients): over gRPC every output is in
+      // raw_output_contents, which those clients read whatever they asked for.
+      if (o.parameters().size() > o.parameters().count(kBinaryData)) {
         return InvalidArgumentError("output '" + o.name() + "': parameter '" +
-                                    ClientText(FirstKey(o.parameters())) +
-                                    "' is not supported (outputs are raw logits and the argmax)");
+                                    ClientText(FirstKey(o.parameters(), kBinaryData)) +
+                                    "' is not supported (outputs are raw logits and the argmax; "
+                                    "only binary_data is accepted)");
+      }
+      if (const auto it = o.parameters().find(kBinaryData);
+          it != o.parameters().end() &&
+          it->second.parameter_choice_case() != inference::InferParameter::kBoolParam) {
+        return InvalidArgumentError("output '" + o.name() +
+                                    "': parameter 'binary_data' must be a bool_param");
       }
       *wanted = true;
     }

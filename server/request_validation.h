@@ -35,9 +35,12 @@ std::string ClientText(std::string_view s);
 
 // INVALID_ARGUMENT naming the input, the expected and the actual value for
 // anything malformed (model name and version are checked by the caller).
-// Parameters (request, input or output) are refused naming the key: none is
-// supported, and ignoring one (e.g. an output's "classification") would
-// answer something other than what was asked.
+// Parameters (request, input or output) are refused naming the key, and
+// ignoring one (e.g. an output's "classification") would answer something
+// other than what was asked; except the two that KServe's and Triton's Python
+// clients send by default: the input's binary_data_size (an int64, which must
+// equal the raw contents' size) and an output's binary_data (a bool: over gRPC
+// outputs are always raw_output_contents).
 StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest& q,
                                              const RequestLimits& limits);
 

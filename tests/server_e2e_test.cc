@@ -72,7 +72,7 @@ long long MetricValue(const std::string& metrics, const std::string& name) {
 
 class ServerE2eTest : public ::testing::Test {
  protected:
-  void Start(BatcherOptions batcher = {}) {
+  void Start(BatcherOptions batcher = {}, size_t max_streams = ServerOptions{}.max_streams) {
     if (CudaBackend()) {
       StartCuda(batcher);
       if (engine_ == nullptr) return;  // failed or skipped
@@ -89,6 +89,7 @@ class ServerE2eTest : public ::testing::Test {
     so.grpc_address = "127.0.0.1:0";
     so.max_tokens_per_request = 64;
     so.batcher = batcher;
+    so.max_streams = max_streams;
     auto server = InferenceServer::Start(so, engine_);
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(server).value();
@@ -382,6 +383,43 @@ TEST_F(ServerE2eTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
        grpc::StatusCode::NOT_FOUND, "mmm...(20001 bytes)' (this server serves 'tiny')"},
       {[](auto& q) { q.mutable_inputs(0)->set_datatype(std::string("IN\x01T\n", 5)); },
        grpc::StatusCode::INVALID_ARGUMENT, "got 'IN\\x01T\\n'"},
+      // A shape of thousands of dimensions is shown cut, with its length.
+      {[](auto& q) {
+         for (int i = 0; i < 4000; ++i) q.mutable_inputs(0)->add_shape(7);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "got [3,7,7,7,7,7,7,7,...; 4001 dimensions]"},
+      // binary_data_size (KServe's and Triton's Python clients send it) must agree with the
+      // raw contents, be an int64, and come with raw contents.
+      {[](auto& q) {
+         (*q.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(8);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "parameter binary_data_size says 8 bytes, raw contents hold 12"},
+      {[](auto& q) {
+         (*q.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_string_param("12");
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "parameter 'binary_data_size' must be a non-negative int64_param"},
+      {[](auto& q) {
+         q.clear_raw_input_contents();
+         for (int i = 0; i < 3; ++i) q.mutable_inputs(0)->mutable_contents()->add_int_contents(1);
+         (*q.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(12);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "binary_data_size is given, but no raw_input_contents"},
+      {[](auto& q) {
+         auto& params = *q.mutable_inputs(0)->mutable_parameters();
+         params["binary_data_size"].set_int64_param(12);
+         params["shared_memory_region"].set_string_param("r");
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "parameter 'shared_memory_region' is not supported (only binary_data_size)"},
+      {[](auto& q) {
+         auto* o = q.add_outputs();
+         o->set_name("logits");
+         (*o->mutable_parameters())["binary_data"].set_int64_param(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "output 'logits': parameter 'binary_data' must be a bool_param"},
   };
   for (const Case& c : cases) {
     inference::ModelInferRequest q = Request({1, 2, 3});
@@ -395,6 +433,25 @@ TEST_F(ServerE2eTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   EXPECT_TRUE(Infer(Request({1, 2, 3}), &r).ok());  // still serving
 }
 
+// What KServe's and Triton's Python clients send by default with raw contents: the input's
+// binary_data_size and the outputs' binary_data. Answered like the plain request.
+TEST_F(ServerE2eTest, BinaryDataParametersOfPythonClientsAreAccepted) {
+  Start();
+  if (HasFatalFailure() || IsSkipped()) return;
+  inference::ModelInferRequest q = Request({3, 1, 4});
+  (*q.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(12);
+  for (const char* name : {"logits", "next_token_id"}) {
+    auto* o = q.add_outputs();
+    o->set_name(name);
+    (*o->mutable_parameters())["binary_data"].set_bool_param(true);
+  }
+  inference::ModelInferResponse r;
+  const grpc::Status s = Infer(q, &r);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectSameLogits(LogitsOf(r), Direct({3, 1, 4}), "binary_data parameters");
+  EXPECT_EQ(r.outputs_size(), 2);
+}
+
 TEST_F(ServerE2eTest, StreamInferAnswersEachRequestAndReportsErrorsInBand) {
   Start();
   if (HasFatalFailure() || IsSkipped()) return;
@@ -402,6 +459,7 @@ TEST_F(ServerE2eTest, StreamInferAnswersEachRequestAndReportsErrorsInBand) {
   auto stream = stub_->ModelStreamInfer(&ctx);
   inference::ModelInferRequest bad = Request({1, 2});
   bad.set_model_name("nope");
+  bad.set_id("bad-2");
   ASSERT_TRUE(stream->Write(Request({7, 8, 9})));
   ASSERT_TRUE(stream->Write(bad));
   ASSERT_TRUE(stream->Write(Request({5})));
@@ -412,6 +470,7 @@ TEST_F(ServerE2eTest, StreamInferAnswersEachRequestAndReportsErrorsInBand) {
   ExpectSameLogits(LogitsOf(r.infer_response()), Direct({7, 8, 9}), "stream request 1");
   ASSERT_TRUE(stream->Read(&r));
   EXPECT_THAT(r.error_message(), HasSubstr("unknown model 'nope'"));
+  EXPECT_EQ(r.infer_response().id(), "bad-2");  // which request failed
   ASSERT_TRUE(stream->Read(&r));
   ExpectSameLogits(LogitsOf(r.infer_response()), Direct({5}), "stream request 3");
   EXPECT_FALSE(stream->Read(&r));
@@ -552,11 +611,12 @@ TEST_F(ServerE2eTest, ShutdownEndsOpenStreamsInsteadOfWaitingForTheirClients) {
   EXPECT_FALSE(idle->Finish().ok());
 }
 
-TEST_F(ServerE2eTest, OpenCallsBeyondTheQueueAndSpareThreadsAreResourceExhausted) {
-  // Queue of 4: at most 4 + 64 RPC threads. Every open stream holds one.
-  Start({8192, std::chrono::milliseconds(1), 4});
+TEST_F(ServerE2eTest, StreamsBeyondTheirLimitAreResourceExhaustedAndHealthStillAnswers) {
+  // At most 8 open streams; the RPC threads are sized for them, the queue (4), a batch's
+  // requests and 64 spare, so that open streams never take health and metadata calls' threads.
+  Start({8192, std::chrono::milliseconds(1), 4}, 8);
   if (HasFatalFailure() || IsSkipped()) return;
-  constexpr int kStreams = 150;
+  constexpr int kStreams = 20;
   std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
   std::vector<std::unique_ptr<
       grpc::ClientReaderWriter<inference::ModelInferRequest, inference::ModelStreamInferResponse>>>
@@ -572,14 +632,23 @@ TEST_F(ServerE2eTest, OpenCallsBeyondTheQueueAndSpareThreadsAreResourceExhausted
       if (streams[i]->Read(&out) && out.error_message().empty()) ++answered;
     }
   }
+  {  // every answered stream is still open: the server still answers health and metadata
+    grpc::ClientContext ctx;
+    inference::ServerLiveResponse live;
+    EXPECT_TRUE(stub_->ServerLive(&ctx, inference::ServerLiveRequest(), &live).ok());
+    EXPECT_TRUE(live.live());
+  }
   for (int i = 0; i < kStreams; ++i) {
     streams[i]->WritesDone();
     const grpc::Status st = streams[i]->Finish();
-    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++exhausted;
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++exhausted;
+      EXPECT_THAT(st.error_message(), HasSubstr("8 streams are open, the server's limit "
+                                                "(--max-streams)"));
+    }
   }
-  EXPECT_GT(answered, 0);
-  EXPECT_GT(exhausted, 0) << answered << " of " << kStreams << " streams were answered";
-  EXPECT_EQ(answered + exhausted, kStreams);
+  EXPECT_EQ(answered, 8);
+  EXPECT_EQ(exhausted, kStreams - 8);
   inference::ModelInferResponse r;
   EXPECT_TRUE(Infer(Request({1, 2, 3}), &r).ok());  // the streams are closed: serving again
 }
