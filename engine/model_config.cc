@@ -264,6 +264,44 @@ StatusOr<ModelConfig> ParseModelConfigJson(std::string_view json_text, const std
   TP_RETURN_IF_ERROR(ReadInt(root, source, "num_key_value_heads", false, &c.num_key_value_heads));
   TP_RETURN_IF_ERROR(ReadDouble(root, source, "rms_norm_eps", &c.rms_norm_eps));
   TP_RETURN_IF_ERROR(ReadDouble(root, source, "rope_theta", &c.rope_theta));
+  // transformers 5 writes RoPE's settings as rope_parameters {rope_type, rope_theta, ...}
+  // instead of top-level rope_theta and rope_scaling.
+  if (const auto it = root.find("rope_parameters"); it != root.end() && !it->is_null()) {
+    if (!it->is_object()) return WrongType(source, "rope_parameters", "an object", *it);
+    // The kind first: a scaled RoPE is named as such, not by its first unknown key.
+    for (const char* key : {"rope_type", "type"}) {
+      const auto t = it->find(key);
+      if (t == it->end()) continue;
+      const std::string where = std::string("rope_parameters.") + key;
+      if (!t->is_string()) return WrongType(source, where.c_str(), "a string", *t);
+      if (t->get<std::string>() != "default") {
+        return UnimplementedError(source + ": " + where + " is '" + t->get<std::string>() +
+                                  "': RoPE scaling (Llama 3.1 and later) is not implemented; "
+                                  "only plain RoPE (rope_type 'default')");
+      }
+    }
+    for (const auto& [key, value] : it->items()) {
+      const std::string where = "rope_parameters." + key;
+      if (key == "rope_type" || key == "type") {
+        continue;  // checked above
+      } else if (key == "rope_theta") {
+        if (!value.is_number()) return WrongType(source, where.c_str(), "a number", value);
+        const double theta = value.get<double>();
+        if (const auto top = root.find("rope_theta");
+            top != root.end() && !top->is_null() && top->get<double>() != theta) {
+          std::ostringstream m;
+          m << source << ": rope_theta (" << top->get<double>() << ") and " << where << " ("
+            << theta << ") disagree";
+          return InvalidArgumentError(m.str());
+        }
+        c.rope_theta = theta;
+      } else {
+        return UnimplementedError(source + ": key '" + where +
+                                  "' is not supported (plain RoPE reads rope_type and "
+                                  "rope_theta only)");
+      }
+    }
+  }
   TP_RETURN_IF_ERROR(
       ReadInt(root, source, "max_position_embeddings", false, &c.max_position_embeddings));
   int64_t head_dim = 0;

@@ -279,6 +279,31 @@ TEST(ModelConfig, RopeScalingIsUnimplemented) {
   EXPECT_TRUE(ParseModelConfigJson(MinimalWith("rope_scaling", "null"), "x").ok());
 }
 
+// transformers 5 writes rope_parameters in place of rope_theta and rope_scaling: its theta is
+// read, and any RoPE other than the plain one is refused as rope_scaling is.
+TEST(ModelConfig, RopeParametersOfTransformers5) {
+  auto c = ParseModelConfigJson(
+      MinimalWith("rope_parameters", R"({"rope_type": "default", "rope_theta": 500000.0})"), "x");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_theta, 500000.0);
+  const Status scaled = ParseError(MinimalWith("rope_parameters", R"({
+    "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192, "rope_theta": 500000.0, "rope_type": "llama3"})"));
+  EXPECT_EQ(scaled.code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(scaled.message(), AllOf(HasSubstr("bad/config.json"),
+                                      HasSubstr("rope_parameters.rope_type is 'llama3'")));
+  const Status extra =
+      ParseError(MinimalWith("rope_parameters", R"({"rope_theta": 1e4, "factor": 2.0})"));
+  EXPECT_EQ(extra.code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(extra.message(), HasSubstr("'rope_parameters.factor' is not supported"));
+  nlohmann::json both = nlohmann::json::parse(MinimalWith("rope_theta", "500000.0"));
+  both["rope_parameters"] = nlohmann::json::parse(R"({"rope_theta": 1e4})");
+  const Status twice = ParseError(both.dump());
+  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(twice.message(), HasSubstr("disagree"));
+  EXPECT_EQ(ParseError(MinimalWith("rope_parameters", "[1]")).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(ModelConfig, ParseRunsValidate) {
   const Status s = ParseError(MinimalWith("num_key_value_heads", "3"));
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
