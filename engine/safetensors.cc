@@ -210,6 +210,15 @@ class HeaderSax final : public nlohmann::json_sax<Json> {
                         std::to_string(kMaxMetadataEntries) + " entries";
       return false;
     }
+    // Inside a tensor's entry only its three keys may appear: an unknown one is refused
+    // here, as it is read, so that a small header cannot make the parser build a large tree
+    // under keys that would be refused afterwards anyway.
+    if (stack_.size() == 2 && stack_[1].key != kMetadataKey && k != "dtype" && k != "shape" &&
+        k != "data_offsets") {
+      semantic_error_ =
+          TopLevelContext() + "unknown key " + Quote(k) + " (allowed: dtype, shape, data_offsets)";
+      return false;
+    }
     if (stack_.size() == 1 && k != kMetadataKey && ++top_level_tensors_ > max_tensors_) {
       semantic_error_ =
           "more than " + std::to_string(max_tensors_) + " tensors (SafetensorsLimits::max_tensors)";
@@ -235,6 +244,30 @@ class HeaderSax final : public nlohmann::json_sax<Json> {
     Json* value;
     std::string key;  // under which `value` sits in its parent object ("" in an array)
   };
+
+  // Why `container`, about to be opened, cannot be part of a valid header (the whole
+  // message), or "" if it can:
+  // an entry's values hold no containers, except a tensor's shape and data_offsets (arrays,
+  // whose elements are integers).
+  std::string NestedValueError(const Json& container) const {
+    if (stack_.size() < 2 || !stack_[0].value->is_object()) return "";
+    const std::string got = " (got " + std::string(container.type_name()) + ")";
+    const Json& entry = *stack_[1].value;
+    if (stack_[1].key == kMetadataKey) {
+      if (!entry.is_object())
+        return std::string(kMetadataKey) + " is not a JSON object of strings (got array)";
+      return TopLevelContext() + "value of key " + Quote(pending_key_) + " is not a string" + got;
+    }
+    if (!entry.is_object()) return TopLevelContext() + "entry is not a JSON object (got array)";
+    if (stack_.size() == 2) {  // the entry's value under pending_key_
+      return pending_key_ == "dtype" ? TopLevelContext() + "dtype is not a string" + got : "";
+    }
+    const std::string& key = stack_[2].key;
+    if (!stack_[2].value->is_array())
+      return TopLevelContext() + key + " is not an array (got object)";
+    return TopLevelContext() + key + "[" + std::to_string(stack_[2].value->size()) +
+           "] is not a non-negative integer" + got;
+  }
 
   // "tensor "w": " or "__metadata__: " for the top-level entry being parsed.
   std::string TopLevelContext() const {
@@ -270,6 +303,13 @@ class HeaderSax final : public nlohmann::json_sax<Json> {
   bool Open(Json container) {
     if (stack_.size() >= kMaxJsonDepth) {
       semantic_error_ = "JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels";
+      return false;
+    }
+    // Nothing in the format nests below an entry's values (a shape and data_offsets are
+    // arrays of integers, dtype and __metadata__'s values strings): refused as read, as
+    // above, with the message the checks after parsing would give.
+    if (std::string nested = NestedValueError(container); !nested.empty()) {
+      semantic_error_ = std::move(nested);
       return false;
     }
     std::string key;
