@@ -42,7 +42,7 @@ struct DtypeInfo {
   size_t size;
 };
 
-constexpr std::array<DtypeInfo, 12> kDtypes = {{
+constexpr std::array<DtypeInfo, 15> kDtypes = {{
     {StDtype::kF32, "F32", 4},
     {StDtype::kF16, "F16", 2},
     {StDtype::kBF16, "BF16", 2},
@@ -51,8 +51,11 @@ constexpr std::array<DtypeInfo, 12> kDtypes = {{
     {StDtype::kI8, "I8", 1},
     {StDtype::kU8, "U8", 1},
     {StDtype::kI16, "I16", 2},
+    {StDtype::kU16, "U16", 2},
     {StDtype::kI32, "I32", 4},
+    {StDtype::kU32, "U32", 4},
     {StDtype::kI64, "I64", 8},
+    {StDtype::kU64, "U64", 8},
     {StDtype::kBool, "BOOL", 1},
     {StDtype::kF64, "F64", 8},
 }};

@@ -28,7 +28,23 @@ namespace tpserve {
 
 // The element types of the format. Spec names: F32 F16 BF16 F8_E4M3 F8_E5M2 I8
 // U8 I16 I32 I64 BOOL F64.
-enum class StDtype { kF32, kF16, kBF16, kF8E4M3, kF8E5M2, kI8, kU8, kI16, kI32, kI64, kBool, kF64 };
+enum class StDtype {
+  kF32,
+  kF16,
+  kBF16,
+  kF8E4M3,
+  kF8E5M2,
+  kI8,
+  kU8,
+  kI16,
+  kU16,
+  kI32,
+  kU32,
+  kI64,
+  kU64,
+  kBool,
+  kF64
+};
 
 // The spec name ("F32", "F8_E4M3", "BOOL", ...).
 std::string_view StDtypeName(StDtype dtype);

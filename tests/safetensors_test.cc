@@ -164,6 +164,8 @@ TEST(StDtypeTest, NamesSizesAndParsing) {
       {StDtype::kU8, {"U8", 1}},          {StDtype::kI16, {"I16", 2}},
       {StDtype::kI32, {"I32", 4}},        {StDtype::kI64, {"I64", 8}},
       {StDtype::kBool, {"BOOL", 1}},      {StDtype::kF64, {"F64", 8}},
+      {StDtype::kU16, {"U16", 2}},        {StDtype::kU32, {"U32", 4}},
+      {StDtype::kU64, {"U64", 8}},
   };
   for (const auto& [dtype, name_size] : cases) {
     EXPECT_EQ(StDtypeName(dtype), name_size.first);
@@ -480,7 +482,8 @@ TEST(SafetensorsMalformedTest, UnknownDtypeListsAllowedOnes) {
   ExpectEntryInvalid(
       R"({"dtype":"F128","shape":[1],"data_offsets":[0,16]})",
       {"unknown dtype \"F128\"",
-       "allowed: F32, F16, BF16, F8_E4M3, F8_E5M2, I8, U8, I16, I32, I64, BOOL, F64"});
+       "allowed: F32, F16, BF16, F8_E4M3, F8_E5M2, I8, U8, I16, U16, I32, U32, I64, U64, BOOL, "
+       "F64"});
   ExpectEntryInvalid(R"({"dtype":"f32","shape":[4],"data_offsets":[0,16]})",
                      {"unknown dtype \"f32\""});
   ExpectEntryInvalid(R"({"dtype":4,"shape":[4],"data_offsets":[0,16]})",
