@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <set>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -68,9 +70,19 @@ class Checkpoint {
     }
     return Status::Ok();
   }
+  // Every name looked up, found or not, is remembered: Unused() lists the rest.
   const TensorView* Find(const std::string& name) const {
+    looked_up_.insert(name);
     auto it = views_.find(name);
     return it == views_.end() ? nullptr : &it->second;
+  }
+  // The tensors no Find has asked for, in name order.
+  std::vector<std::string> Unused() const {
+    std::vector<std::string> out;
+    for (const auto& [name, v] : views_) {
+      if (!looked_up_.count(name)) out.push_back(name);
+    }
+    return out;
   }
   StatusOr<const TensorView*> Get(const std::string& name) const {
     if (const TensorView* v = Find(name)) return v;
@@ -90,7 +102,42 @@ class Checkpoint {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, TensorView> views_;
   std::map<std::string, std::string> where_;
+  mutable std::set<std::string> looked_up_;
 };
+
+// What the checkpoint holds that the model did not read. Refused where it means the model
+// would compute something else than the checkpoint's: layers beyond num_hidden_layers (the
+// config does not match the weights) and biases (linear layers here have none). The rest
+// (e.g. rotary_emb.inv_freq, KV-cache scales) is named in a warning by rank 0.
+Status CheckUnused(const Checkpoint& ck, const ModelConfig& c, int rank) {
+  const std::vector<std::string> unused = ck.Unused();
+  const std::string prefix = "model.layers.";
+  for (const std::string& name : unused) {
+    if (name.starts_with(prefix)) {
+      const size_t digits = name.find_first_not_of("0123456789", prefix.size());
+      const std::string layer = name.substr(prefix.size(), digits - prefix.size());
+      if (!layer.empty() && digits != std::string::npos && name[digits] == '.' &&
+          layer.size() < 10 && std::stoll(layer) >= c.num_hidden_layers) {
+        return InvalidArgumentError(ck.Where(name) + " belongs to layer " + layer +
+                                    ", but the config has num_hidden_layers " +
+                                    std::to_string(c.num_hidden_layers) +
+                                    ": the config does not describe these weights");
+      }
+    }
+    if (name.ends_with(".bias")) {
+      return UnimplementedError(ck.Where(name) +
+                                ": biases are not supported (this engine's linear layers and "
+                                "norms have none)");
+    }
+  }
+  if (rank == 0 && !unused.empty()) {
+    std::string shown;
+    for (size_t i = 0; i < unused.size() && i < 5; ++i) shown += (i ? ", " : "") + unused[i];
+    spdlog::warn("{}: {} tensor(s) not used by the model, left unread: {}{}", ck.source(),
+                 unused.size(), shown, unused.size() > 5 ? ", ..." : "");
+  }
+  return Status::Ok();
+}
 
 // "[a,b]": a shape in the loader's errors.
 std::string ShapeText(const std::vector<int64_t>& shape) {
@@ -124,6 +171,12 @@ StatusOr<std::vector<float>> ToFloats(const Checkpoint& ck, const TensorView& v,
                                 std::string(StDtypeName(v.dtype)) +
                                 " (embeddings and norms: F32 or BF16; only the linear layers' "
                                 "weights may be F8_E4M3)");
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) {  // would turn every logit it reaches into NaN
+      return InvalidArgumentError(ck.Where(v.name) + " holds a non-finite value (" +
+                                  std::to_string(out[i]) + ") at element " + std::to_string(i));
+    }
   }
   return out;
 }
@@ -195,6 +248,13 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
   }
   std::vector<float> row_scale;
   if (w->dtype == StDtype::kF8E4M3) {
+    if (ck.Find(base + ".weight_scale") == nullptr &&
+        ck.Find(base + ".weight_scale_inv") != nullptr) {
+      // HF's fine-grained FP8 (quantization_config.weight_block_size): a scale per block.
+      return UnimplementedError(ck.Where(base + ".weight_scale_inv") +
+                                ": block-wise FP8 scales are not supported (one weight_scale per "
+                                "tensor or per output channel)");
+    }
     TP_ASSIGN_OR_RETURN(row_scale, RowScales(ck, base + ".weight_scale", full_rows));
   } else if (w->dtype != StDtype::kBF16 && w->dtype != StDtype::kF32) {
     return UnimplementedError(ck.Where(wname) + " has dtype " + std::string(StDtypeName(w->dtype)) +
@@ -642,7 +702,9 @@ StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig&
     TP_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(f));
     TP_RETURN_IF_ERROR(ck.AddFile(std::move(file)));
   }
-  return Shard(ck, config, dtype, tp, rank);
+  TP_ASSIGN_OR_RETURN(RankWeights w, Shard(ck, config, dtype, tp, rank));
+  TP_RETURN_IF_ERROR(CheckUnused(ck, config, rank));
+  return w;
 }
 
 Status ValidateRankWeights(const ModelConfig& c, const RankWeights& w, int tp, int rank) {

@@ -293,6 +293,59 @@ void RewriteTensorStart(const std::string& dir, const std::string& out, const st
   });
 }
 
+// A tensor the model does not read: refused where it changes the model (layers beyond
+// num_hidden_layers, biases), read past otherwise. Non-finite norms and block-wise FP8
+// scales are refused naming the tensor.
+TEST(CpuModel, CheckpointTensorsTheModelDoesNotReadAreRefusedWhereTheyMatter) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_ckpt_unused";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir + "/ok").ok());
+  const std::vector<float> values(Tiny().hidden_size, 1.0f);
+  auto load_with = [&](const std::string& name) {
+    const std::string extra = dir + "/ok/extra.safetensors";
+    EXPECT_TRUE(
+        WriteSafetensors(
+            extra, {{name, StDtype::kF32, {Tiny().hidden_size}, values.data(), values.size() * 4}})
+            .ok());
+    auto w = LoadRankWeights(dir + "/ok", Tiny(), 2, 0);
+    std::filesystem::remove(extra);
+    return w.status();
+  };
+  const Status layer = load_with("model.layers.2.input_layernorm.weight");  // Tiny has 2
+  EXPECT_EQ(layer.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(layer.message(),
+              AllOf(HasSubstr("'model.layers.2.input_layernorm.weight' belongs "
+                              "to layer 2"),
+                    HasSubstr("num_hidden_layers 2"), HasSubstr("extra.safetensors")));
+  const Status bias = load_with("model.layers.0.self_attn.q_proj.bias");
+  EXPECT_EQ(bias.code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(bias.message(), HasSubstr("q_proj.bias': biases are not supported"));
+  EXPECT_TRUE(load_with("model.rotary_emb.inv_freq").ok());  // named in a warning only
+
+  // NaN in a norm's weight.
+  const float nan = std::nanf("");
+  std::vector<uint8_t> nan_bytes(4);
+  std::memcpy(nan_bytes.data(), &nan, 4);
+  RewriteTensorStart(dir + "/ok", dir + "/nan", "model.norm.weight", nan_bytes);
+  std::filesystem::copy(dir + "/ok/config.json", dir + "/nan/config.json");
+  const Status nan_norm = LoadRankWeights(dir + "/nan", Tiny(), 2, 0).status();
+  EXPECT_EQ(nan_norm.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(nan_norm.message(), AllOf(HasSubstr("'model.norm.weight' holds a non-finite value"),
+                                        HasSubstr("at element")));
+
+  // HF's fine-grained FP8 names its scales weight_scale_inv (one per block).
+  RewriteCheckpoint(dir + "/ok", dir + "/block", [](TensorToWrite& t) {
+    if (t.name == "model.layers.0.self_attn.q_proj.weight_scale") t.name += "_inv";
+    return true;
+  });
+  std::filesystem::copy(dir + "/ok/config.json", dir + "/block/config.json");
+  const Status block = LoadRankWeights(dir + "/block", Tiny(), 2, 0).status();
+  EXPECT_EQ(block.code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(block.message(), HasSubstr("q_proj.weight_scale_inv': block-wise FP8 scales are "
+                                         "not supported"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CpuModel, NonFiniteWeightsAreRefusedNamingTheTensor) {
   const std::string dir = ::testing::TempDir() + "/tpserve_ckpt_nonfinite";
   std::filesystem::remove_all(dir);
