@@ -740,7 +740,10 @@ StatusOr<ParsedSafetensors> ParseSafetensors(const uint8_t* data, size_t size,
 
 StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
                                                 const SafetensorsLimits& limits) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO (or another special file) named *.safetensors must not wait
+  // for a writer; it is refused as not a regular file just below. It changes nothing for the
+  // regular file's reads.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) return ErrnoError(errno, path, "open");
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, path, "fstat");

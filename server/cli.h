@@ -14,6 +14,10 @@ namespace tpserve {
 // A --model value: a preset name (random weights) or a directory holding a
 // HuggingFace config.json and *.safetensors (*from_dir is set to which).
 StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir);
+// The name `serve` gives a model without --model-name: the preset's, or the directory's last
+// component ("ckpt" for "ckpt/", "/models/llama/" or "./ckpt"; "model" if the path has none,
+// e.g. "/" or ".").
+std::string DefaultModelName(const std::string& model, bool from_dir);
 
 // --chunks of `plan` and `layer`: chunks per rank's shard for pipeline and
 // ring (1 to 64). Mode none runs one: see ChunksForMode.

@@ -50,6 +50,9 @@ StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
     }
   }
   if (ids.empty()) return InvalidArgumentError("--ids: no token ids given");
+  // getline drops an empty last field: "1,2," is as malformed as "1,,2".
+  if (text.back() == ',')
+    return InvalidArgumentError("--ids: '' is not a token id (after the last comma)");
   return ids;
 }
 
@@ -151,9 +154,36 @@ void AddModelFlag(CLI::App* cmd, ModelFlags* f) {
 }  // namespace
 
 StatusOr<ModelConfig> ResolveModel(const std::string& model, bool* from_dir) {
-  *from_dir = std::filesystem::is_directory(model);
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  *from_dir = fs::is_directory(model, ec);
   if (*from_dir) return LoadModelConfig(model);
+  if (model.find('/') != std::string::npos || fs::exists(model, ec)) {
+    // A path, not a preset name: say what is wrong with it.
+    return NotFoundError("--model " + model + ": " +
+                         (fs::exists(model, ec)
+                              ? "not a directory (give the directory holding config.json and "
+                                "*.safetensors)"
+                              : "no such directory"));
+  }
   return ModelPreset(model);
+}
+
+std::string DefaultModelName(const std::string& model, bool from_dir) {
+  if (!from_dir) return model;
+  namespace fs = std::filesystem;
+  // The last component, a trailing separator dropped ("ckpt/" -> "ckpt").
+  auto last = [](fs::path p) {
+    p = p.lexically_normal();
+    if (!p.has_filename()) p = p.parent_path();
+    return p.filename().string();
+  };
+  std::string name = last(model);
+  if (name.empty() || name == "." || name == "..") {
+    std::error_code ec;
+    name = last(fs::absolute(model, ec));
+  }
+  return name.empty() || name == "." || name == ".." ? "model" : name;
 }
 
 void AddModelCommands(CLI::App& app, int* exit_code) {

@@ -305,9 +305,7 @@ int Serve(const ServeFlags& f) {
     return engine.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   ServerOptions so;
-  so.model_name = f.model_name.empty()
-                      ? (from_dir ? std::filesystem::path(f.model).filename().string() : f.model)
-                      : f.model_name;
+  so.model_name = f.model_name.empty() ? DefaultModelName(f.model, from_dir) : f.model_name;
   so.grpc_address = GrpcListenAddress(f.host, f.grpc_port);
   so.max_tokens_per_request = f.max_tokens_per_request;
   so.tls_cert_file = f.tls_cert;

@@ -59,6 +59,13 @@ class RunCommand(unittest.TestCase):
         p = run("run", "--model", "tiny", "--ids", "1,x", check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("'x'", p.stderr)
+        p = run("run", "--model", "tiny", "--ids", "1,2,", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("after the last comma", p.stderr)
+        # A path is not taken for a preset name.
+        p = run("run", "--model", "./no-such-dir", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--model ./no-such-dir: no such directory", p.stderr)
 
     def test_gemm_algo_is_offered_checked_and_documented_where_gemms_run(self):
         # The cuda backend's GEMM algorithm choice: every command that runs

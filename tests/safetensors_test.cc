@@ -394,6 +394,16 @@ TEST(SafetensorsOpenTest, MissingFileIsNotFound) {
   EXPECT_TRUE(Contains(f.status().message(), path)) << f.status().message();
 }
 
+// A FIFO named like a checkpoint file: refused at once, not waited on for a writer.
+TEST(SafetensorsOpenTest, FifoIsInvalidArgumentWithoutWaiting) {
+  const std::string path = ::testing::TempDir() + "/st_fifo.safetensors";
+  std::remove(path.c_str());
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  auto f = SafetensorsFile::Open(path);  // blocked in open() before the fix
+  ExpectInvalid(f.status(), path, {"not a regular file"});
+  std::remove(path.c_str());
+}
+
 TEST(SafetensorsOpenTest, DirectoryIsInvalidArgument) {
   StatusOr<SafetensorsFile> f = SafetensorsFile::Open(::testing::TempDir());
   ASSERT_FALSE(f.ok());

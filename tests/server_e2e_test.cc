@@ -18,6 +18,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -28,6 +29,7 @@
 #include "engine/cuda_engine.h"
 #endif
 #include "proto/grpc_service.grpc.pb.h"
+#include "server/cli.h"
 #include "server/inference_server.h"
 
 namespace tpserve {
@@ -550,6 +552,17 @@ TEST(GrpcListenAddress, BracketsAnIpv6HostOnce) {
   EXPECT_EQ(GrpcListenAddress("localhost", 1), "localhost:1");
   EXPECT_EQ(GrpcListenAddress("::1", 8001), "[::1]:8001");
   EXPECT_EQ(GrpcListenAddress("[::]", 0), "[::]:0");
+}
+
+TEST(DefaultModelName, IsTheDirectorysLastNameWhateverTheSpelling) {
+  EXPECT_EQ(DefaultModelName("tiny", false), "tiny");
+  EXPECT_EQ(DefaultModelName("ckpt", true), "ckpt");
+  EXPECT_EQ(DefaultModelName("ckpt/", true), "ckpt");  // as tab completion gives it
+  EXPECT_EQ(DefaultModelName("./ckpt//", true), "ckpt");
+  EXPECT_EQ(DefaultModelName("/models/llama-3/", true), "llama-3");
+  EXPECT_EQ(DefaultModelName("/", true), "model");
+  const std::string cwd = std::filesystem::current_path().filename().string();
+  EXPECT_EQ(DefaultModelName(".", true), cwd.empty() ? "model" : cwd);
 }
 
 TEST(PrometheusLabelValue, EscapesBackslashQuoteAndNewline) {
