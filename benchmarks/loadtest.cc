@@ -301,6 +301,20 @@ class Driver {
     return std::move(window_);
   }
 
+  // Ends the current window and begins the next at the same instant, so that every
+  // completion falls in one window or the other (nothing is lost to the time the caller
+  // spends between windows, e.g. fetching the server's statistics from a stalled server).
+  Window RollWindow() {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    Window done = std::move(window_);
+    done.seconds = std::chrono::duration<double>(now - window_start_).count();
+    done.in_flight_at_end = outstanding_;
+    window_ = Window{};
+    window_start_ = now;
+    return done;
+  }
+
   // Completions so far in the current window: (ok, failed).
   std::pair<int64_t, int64_t> WindowCounts() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -713,10 +727,14 @@ int Run(const Flags& f, const std::string& command) {
     std::vector<Window> windows;
     std::vector<double> rps;
     Json stable = nullptr;
+    // Windows back to back: each begins when the one before ends (RollWindow), and the
+    // server's statistics are fetched after that, so a slow fetch delays no window's end
+    // and loses no completion. Each window's server figures are the difference between the
+    // fetches that follow its start and its end.
+    auto before = GetServerStats(stub.get(), f.model);
+    driver.BeginWindow();
+    auto start = Clock::now();
     for (int trial = 1; trial <= f.max_trials; ++trial) {
-      auto before = GetServerStats(stub.get(), f.model);
-      driver.BeginWindow();
-      const auto start = Clock::now();
       const auto end = start + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(f.duration_s));
       for (;;) {
@@ -739,7 +757,8 @@ int Run(const Flags& f, const std::string& command) {
           std::fflush(stdout);
         }
       }
-      Window w = driver.EndWindow();
+      Window w = driver.RollWindow();
+      start = Clock::now();
       auto after = GetServerStats(stub.get(), f.model);
       if (before && after && after->count >= before->count) {
         w.have_server = true;
@@ -747,12 +766,14 @@ int Run(const Flags& f, const std::string& command) {
         w.server_queue_ns = after->queue_ns - before->queue_ns;
         w.server_compute_ns = after->compute_ns - before->compute_ns;
       }
+      before = after;
       rps.push_back(RequestsPerSec(w));
       windows.push_back(std::move(w));
       const std::optional<bool> verdict = Stable(rps, f.stability_pct);
       stable = verdict ? Json(*verdict) : Json(nullptr);
       if (verdict == true) break;
     }
+    driver.EndWindow();  // the window begun after the last one measured: not reported
     driver.StopLoad();
     if (tty) std::printf("\r\033[K");
     const size_t keep = std::min(kStableWindows, windows.size());
@@ -846,7 +867,10 @@ int main(int argc, char** argv) {
       ->needs(rate)
       ->capture_default_str();
   auto* dur =
-      app.add_option("--duration", f.duration_s, "seconds per measurement window (0.1 to 1e6)")
+      app.add_option("--duration", f.duration_s,
+                     "seconds per measurement window (0.1 to 1e6); a step's windows run back "
+                     "to back, and one runs longer while the server's statistics, fetched "
+                     "at its start, take longer than this")
           ->capture_default_str();
   auto* reqs =
       app.add_option("--requests", f.requests,

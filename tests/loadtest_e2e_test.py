@@ -232,6 +232,34 @@ class LoadTest(unittest.TestCase):
             self.assertIsNone(step["p50_ms"], step)
             self.assertIsNone(step["server_compute_ms"], step)
 
+    def test_a_stalled_server_is_measured_in_back_to_back_windows(self):
+        # The server stops answering (SIGSTOP) early in the first window. Each window's end
+        # is followed by a statistics call that waits its 3 s deadline on the stalled server;
+        # the windows must run on through those waits, so that the requests timing out
+        # meanwhile are counted, not lost between windows (they were: three 1 s windows
+        # reported 3 s and a dozen errors for a 12 s run).
+        out_json = self.path("stalled.json")
+        lt = subprocess.Popen(
+            [LOADTEST, "-u", self.url, "--concurrency-range", "4", "--duration", "1",
+             "--warmup", "0.2", "--max-trials", "3", "--timeout-ms", "500", "--json", out_json],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.addCleanup(lambda: lt.poll() is None and lt.kill())
+        self.wait_for_served_requests(1)
+        time.sleep(0.4)  # the 0.2 s warm-up and a little of the first window
+        os.kill(self.server.pid, signal.SIGSTOP)
+        self.addCleanup(lambda: self.server.poll() is None and os.kill(self.server.pid,
+                                                                       signal.SIGCONT))
+        out, err = lt.communicate(timeout=60)
+        os.kill(self.server.pid, signal.SIGCONT)
+        with open(out_json) as f:
+            step = json.load(f)["steps"][0]
+        # Windows back to back through the two 3 s statistics waits: more than 6 s together.
+        self.assertGreater(step["window_s"], 5.5, step)
+        # Stalled for all but the first moments: four slots time out every 0.5 s.
+        stalled_s = step["window_s"] - 1.0
+        self.assertGreater(step["error_count"], 0.5 * 4 * stalled_s / 0.5, step)
+        self.assertEqual(set(step["errors"]), {"DEADLINE_EXCEEDED"}, step)
+
     def test_report_survives_arguments_that_are_not_utf8(self):
         # A --csv path in another encoding: the JSON report (whose meta holds
         # the command line) is still written, with U+FFFD for the bad byte.
