@@ -629,9 +629,11 @@ int Run(const Flags& f, const std::string& command) {
   // Where results go is tried before any load runs (FILE.tmp, created and
   // removed; FILE itself is left alone until the first step's results).
   if (!f.json.empty() && !f.csv.empty()) {
+    // Absolute first: weakly_canonical leaves a relative path to a file that does not exist
+    // yet relative, so "a.json" and "./a.json" would compare different.
     std::error_code ec1, ec2;
-    if (std::filesystem::weakly_canonical(f.json, ec1) ==
-        std::filesystem::weakly_canonical(f.csv, ec2)) {
+    if (std::filesystem::weakly_canonical(std::filesystem::absolute(f.json, ec1), ec1) ==
+        std::filesystem::weakly_canonical(std::filesystem::absolute(f.csv, ec2), ec2)) {
       std::cerr << "error: --json and --csv name the same file " << f.json
                 << " (each step's CSV would replace the JSON)\n";
       return 2;

@@ -317,6 +317,9 @@ class LoadTest(unittest.TestCase):
                 (["--json", self.tmp.name], "a directory"),
                 (["--json", self.path("r"), "--csv", os.path.join(self.tmp.name, ".", "r")],
                  "--json and --csv name the same file"),
+                # Relative, and not there yet (refused before anything is written).
+                (["--json", "lt-same.json", "--csv", "./lt-same.json"],
+                 "--json and --csv name the same file"),
                 (["--vocab", "3000000000"], "does not fit --datatype INT32"),
                 (["--json", self.path("no/such/dir/out.json")], "cannot write")):
             start = time.monotonic()
