@@ -44,6 +44,16 @@ int RunPlan(PlanFlags f) {
       std::cerr << "error: " << plan.status().message() << "\n";
       return 2;
     }
+    // ValidatePlan follows every row through every step: two bits per row and step and
+    // eight bytes per row. Refused beyond 4 GiB, before the system's OOM killer would.
+    constexpr double kMaxCheckBytes = 4.0 * (1ull << 30);
+    const double check_bytes = (plan->steps.size() / 4.0 + 8.0) * static_cast<double>(f.m);
+    if (check_bytes > kMaxCheckBytes) {
+      std::cerr << "error: --m " << f.m << ": checking rank " << r << "'s plan of "
+                << plan->steps.size() << " steps would take " << check_bytes / (1ull << 30)
+                << " GiB (at most 4); a smaller --m gives the same steps with fewer rows\n";
+      return 2;
+    }
     if (Status s = ValidatePlan(*plan); !s.ok()) {
       std::cerr << "error: " << s.message() << "\n";
       return 1;
