@@ -32,6 +32,7 @@ struct ModelFlags {
   uint64_t seed = 7;
   bool json = false;
   std::string out;
+  bool force = false;  // make-checkpoint: replace a checkpoint in `out`
   std::string gemm_algo = "timed";
 };
 
@@ -132,6 +133,35 @@ int MakeCheckpoint(const ModelFlags& f) {
   auto config = ResolveModel(f.model, &from_dir);
   if (!config.ok()) return Fail(config.status());
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  // A directory that already holds a checkpoint is not written over unless asked: its
+  // config.json would be replaced, and a shard of its own next to the new model.safetensors
+  // would make the directory unloadable (a tensor in two files).
+  {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    std::vector<fs::path> found;
+    if (fs::is_directory(f.out, ec)) {
+      for (const auto& e : fs::directory_iterator(f.out, ec)) {
+        const fs::path& p = e.path();
+        if (p.filename() == "config.json" || p.extension() == ".safetensors") found.push_back(p);
+      }
+    }
+    std::sort(found.begin(), found.end());
+    if (!found.empty() && !f.force) {
+      std::string names;
+      for (size_t i = 0; i < found.size() && i < 4; ++i) {
+        names += (i ? ", " : "") + found[i].filename().string();
+      }
+      if (found.size() > 4) names += ", ...";
+      return Fail(InvalidArgumentError("--out " + f.out + " already holds a checkpoint (" + names +
+                                       "); give --force to replace it"));
+    }
+    for (const fs::path& p : found) {  // --force: the old files go, not only those rewritten
+      if (p.extension() == ".safetensors" && !fs::remove(p, ec)) {
+        return Fail(UnavailableError("cannot remove " + p.string() + ": " + ec.message()));
+      }
+    }
+  }
   spdlog::info("writing a random {} checkpoint of {} ({} layers) to {}", f.dtype, config->name,
                config->num_hidden_layers, f.out);
   const Status s = WriteRandomCheckpoint(*config, dtype, f.seed, f.out);
@@ -221,6 +251,9 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       "near one block (or the embedding table, if larger) whatever the model's size");
   AddModelFlag(mk, g.get());
   mk->add_option("--out", g->out, "Directory to write (created if missing)")->required();
+  mk->add_flag("--force", g->force,
+               "Replace a checkpoint already in --out (its config.json and every *.safetensors "
+               "file); without it such a directory is refused");
   mk->callback([g, exit_code] { *exit_code = MakeCheckpoint(*g); });
 }
 

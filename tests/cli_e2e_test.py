@@ -48,6 +48,18 @@ class RunCommand(unittest.TestCase):
             b = json.loads(run("run", "--model", "tiny", "--seed", "7", "--ids", "9,8,7",
                                "--json").stdout)
             self.assertEqual(a["logits"], b["logits"])
+            # A directory holding a checkpoint is not written over without --force; with it,
+            # every old shard goes (a stray one would make the directory unloadable).
+            with open(os.path.join(d, "model-00002-of-00002.safetensors"), "w") as f:
+                f.write("old shard")
+            p = run("make-checkpoint", "--model", "tiny", "--out", d, "--seed", "8", check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("already holds a checkpoint (config.json, model-00002-of-00002"
+                          ".safetensors, model.safetensors); give --force", p.stderr)
+            run("make-checkpoint", "--model", "tiny", "--out", d, "--seed", "7", "--force")
+            self.assertEqual(sorted(os.listdir(d)), ["config.json", "model.safetensors"])
+            c = json.loads(run("run", "--model", d, "--ids", "9,8,7", "--json").stdout)
+            self.assertEqual(c["logits"], b["logits"])
 
     def test_bad_input_is_a_clear_error(self):
         p = run("run", "--model", "tiny", "--ids", "1,99999", check=False)
