@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
 #include <new>
 
 #include "comm/cli_numbers.h"
@@ -24,11 +26,20 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help is 0; every usage error is 2, as the commands' own checks exit (CLI11's codes
+    // are 100 and up, a different one per kind of mistake).
+    return app.exit(e) == 0 ? 0 : 2;
   } catch (const std::bad_alloc&) {
     // Sizes from the command line (e.g. `plan --m`) too large for this machine's memory.
     spdlog::error("out of memory: the sizes given are too large for this machine");
     return 1;
+  }
+  // Results go to stdout (`run --json`, `plan`): a write that failed (a full disk, a closed
+  // pipe's reader) must not end as success with nothing written.
+  std::cout.flush();
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || std::cout.fail()) {
+    spdlog::error("could not write the results to standard output");
+    return exit_code != 0 ? exit_code : 1;
   }
   return exit_code;
 }

@@ -74,10 +74,22 @@ class RunCommand(unittest.TestCase):
         p = run("run", "--model", "tiny", "--ids", "1,2,", check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("after the last comma", p.stderr)
+        # A flag out of range is a usage error like the others: 2, not CLI11's own codes.
+        p = run("run", "--model", "tiny", "--tp", "0", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
         # A path is not taken for a preset name.
         p = run("run", "--model", "./no-such-dir", check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("--model ./no-such-dir: no such directory", p.stderr)
+
+    @unittest.skipUnless(os.path.exists("/dev/full"), "needs /dev/full")
+    def test_results_that_cannot_be_written_are_a_failure(self):
+        for args in (["run", "--model", "tiny", "--ids", "1,2", "--json"], ["plan"]):
+            with open("/dev/full", "w") as full:
+                p = subprocess.run([BIN, *args], stdout=full, stderr=subprocess.PIPE, text=True,
+                                   timeout=300)
+            self.assertEqual(p.returncode, 1, (args, p.stderr))
+            self.assertIn("could not write the results to standard output", p.stderr)
 
     def test_gemm_algo_is_offered_checked_and_documented_where_gemms_run(self):
         # The cuda backend's GEMM algorithm choice: every command that runs
