@@ -181,17 +181,26 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.ours and not args.peer:
         p.error("give --ours, --peer or both")
-    if args.date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date):
-        p.error("--date must be YYYY-MM-DD, got %r" % args.date)
+    if args.date:
+        try:
+            datetime.date.fromisoformat(args.date)
+            valid = re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date) is not None
+        except ValueError:
+            valid = False
+        if not valid:
+            p.error("--date must be a date YYYY-MM-DD, got %r" % args.date)
     missing = []
     try:
         ours = load_all(args.ours, "tpserve", missing)
         peer = load_all(args.peer, "torch", missing)
+        if peer is not None and args.pool_peer_passes:
+            peer["records"] = pool_passes(peer["records"])
     except (OSError, ValueError) as e:
         sys.stderr.write("merge_results: %s\n" % e)
         return 1
-    if peer is not None and args.pool_peer_passes:
-        peer["records"] = pool_passes(peer["records"])
+    except (TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        sys.stderr.write("merge_results: malformed input (%s: %s)\n" % (type(e).__name__, e))
+        return 1
     if ours is None:
         warn("no --ours: the file holds PyTorch records only")
     if peer is None:
@@ -202,13 +211,20 @@ def main(argv=None):
     out = merge(ours, peer, args.commit, args.date, args.device, args.command)
     if missing:
         out["missing_inputs"] = missing
-    d = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(d, exist_ok=True)
     tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, args.out)
+    try:
+        if os.path.isdir(args.out):
+            raise IsADirectoryError("%s is a directory" % args.out)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, args.out)
+    except OSError as e:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        sys.stderr.write("merge_results: cannot write --out %s: %s\n" % (args.out, e))
+        return 1
     n_ours = len((ours or {}).get("records", []))
     n_peer = len((peer or {}).get("records", []))
     print("wrote %s: %d tpserve + %d torch records%s" % (

@@ -41,7 +41,10 @@ def load(path):
             raise ValueError("%s: step %d has no numeric '%s' (the first step's load axis)"
                              % (path, i, key))
     steps = sorted(steps, key=lambda s: s[key])
-    return doc.get("meta") or {}, key, steps
+    meta = doc.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("%s: 'meta' is not an object" % path)
+    return meta, key, steps
 
 
 def values(steps, key, field):
@@ -262,6 +265,10 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         sys.stderr.write("render_loadtest: %s\n" % e)
         return 2
+    except (TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        sys.stderr.write("render_loadtest: %s: malformed report (%s: %s)\n"
+                         % (args.report, type(e).__name__, e))
+        return 2
     try:
         try:
             if args.builtin:
@@ -271,6 +278,10 @@ def main(argv=None):
             render_builtin(meta, key, steps, args.png, args.title)
     except OSError as e:  # --png not writable
         sys.stderr.write("render_loadtest: cannot write %s: %s\n" % (args.png, e))
+        return 2
+    except (TypeError, KeyError, AttributeError, OverflowError, ValueError) as e:
+        sys.stderr.write("render_loadtest: %s: malformed report (%s: %s)\n"
+                         % (args.report, type(e).__name__, e))
         return 2
     print("wrote %s (%d steps, x = %s)" % (args.png, len(steps), key))
     return 0

@@ -51,6 +51,17 @@ def load(path):
         data = json.load(f)
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
         raise ValueError("%s: not a results file (no \"records\" list)" % path)
+    for i, r in enumerate(data["records"]):
+        if not isinstance(r, dict):
+            raise ValueError("%s: records[%d] is not an object" % (path, i))
+        for key in ("median_ms", "min_ms", "max_ms", "check_rel_diff_vs_none",
+                    "check_rel_diff_vs_seq"):
+            v = r.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError("%s: records[%d].%s is not a number (got %r)"
+                                 % (path, i, key, v))
+        if not isinstance(r.get("config", {}), dict):
+            raise ValueError("%s: records[%d].config is not an object" % (path, i))
     return data
 
 
@@ -559,13 +570,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         data = load(args.file)
+        if args.vs_gemm:
+            sys.stdout.write(render_vs_gemm(data))
+            return 0
+        sys.stdout.write(render_text(data))
     except (OSError, ValueError) as e:
         sys.stderr.write("render_results: %s\n" % e)
         return 1
-    if args.vs_gemm:
-        sys.stdout.write(render_vs_gemm(data))
-        return 0
-    sys.stdout.write(render_text(data))
+    except (TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        sys.stderr.write("render_results: %s: malformed records (%s: %s)\n"
+                         % (args.file, type(e).__name__, e))
+        return 1
     if args.png:
         try:
             render_png(data, args.png, relative=args.relative)

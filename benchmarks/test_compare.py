@@ -195,6 +195,18 @@ class CompareTest(unittest.TestCase):
         self.assertIn(junk, err)
         self.assertIn("not JSON", err)
 
+    def test_malformed_input_is_bad_input_not_slower(self):
+        # Exit 1 means "a case is slower": a file this script cannot read must never end
+        # with it (a traceback would).
+        old = self.write("old.json", results(base_records()))
+        huge = base_records()
+        huge[0]["median_ms"] = 10 ** 400  # an integer beyond float's range
+        deep = self.write("deep.json", "[" * 200000 + "]" * 200000, raw=True)
+        for bad in (self.write("huge.json", results(huge)), deep):
+            rc, out, err = self.run_compare(old, bad)
+            self.assertEqual(rc, 2, out + err)
+            self.assertNotIn("Traceback", err)
+
     def test_only_in_one_side(self):
         old_records = base_records() + [record(method="ring", chunks=8, median=0.17)]
         new_records = base_records()[1:] + [record(m=2048, method="pipeline", median=0.3)]

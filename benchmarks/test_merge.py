@@ -153,6 +153,28 @@ class MergeTest(unittest.TestCase):
             self.assertIn("bad.json", r.stderr)
             self.assertIn("records", r.stderr)
 
+    def test_malformed_inputs_and_outputs_are_errors_not_tracebacks(self):
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(HERE, "merge_results.py")
+            good = self.write(d, "ours.json", {"meta": {}, "records": [record("tpserve", "none",
+                                                                              1.0)]})
+            bad_times = record("torch", "torch_seq", 1.0)
+            bad_times["times_ms"] = ["x", "y"]
+            peer = self.write(d, "peer.json", {"meta": {}, "records": [bad_times]})
+            for args, says in (
+                    (["--ours", good, "--out", d], "is a directory"),
+                    (["--ours", good, "--peer", peer, "--peer", peer, "--pool-peer-passes",
+                      "--out",
+                      os.path.join(d, "m.json")], "could not convert string to float"),
+                    (["--ours", good, "--date", "2026-13-45", "--out",
+                      os.path.join(d, "m.json")], "--date must be a date")):
+                r = subprocess.run([sys.executable, script] + args, capture_output=True,
+                                   text=True)
+                self.assertNotEqual(r.returncode, 0, args)
+                self.assertIn(says, r.stderr, args)
+                self.assertNotIn("Traceback", r.stderr, args)
+            self.assertFalse(os.path.exists(d + ".tmp"))
+
     def test_a_missing_input_is_left_out_and_the_rest_still_written(self):
         with tempfile.TemporaryDirectory() as d:
             ours = self.write(d, "ours.json", {"meta": {"commit": "abc"}, "skipped": None,

@@ -309,6 +309,22 @@ class RowNameTest(unittest.TestCase):
         self.assertTrue(ok, detail)  # 0.79 / 0.76 = 1.039; against the peer's 0.60 it would fail
         self.assertEqual(render_results.row_name(records[5]), "torch gemm_only")
 
+    def test_malformed_records_are_errors_naming_the_record(self):
+        import json
+        import tempfile
+        for records, says in (([1], "records[0] is not an object"),
+                              ([{"median_ms": "0.1"}], "records[0].median_ms is not a number"),
+                              ([{"config": [1]}], "records[0].config is not an object")):
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump({"records": records}, f)
+            try:
+                with self.assertRaises(ValueError) as e:
+                    render_results.load(f.name)
+                self.assertIn(says, str(e.exception))
+                self.assertEqual(render_results.main([f.name]), 1)
+            finally:
+                os.remove(f.name)
+
     def test_two_gemm_lanes_are_named_and_one_is_not(self):
         r = rec("tpserve", "ring", 0.4)
         r.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,

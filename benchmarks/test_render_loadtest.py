@@ -136,6 +136,14 @@ class RenderLoadtestTest(unittest.TestCase):
                 with self.subTest(png=png, extra=extra):
                     self.assertEqual(render_loadtest.main([path, "--png", png] + extra), 2)
 
+    def test_a_malformed_report_is_an_error_not_a_traceback(self):
+        path = os.path.join(self.tmp.name, "meta.json")
+        with open(path, "w") as f:
+            json.dump({"meta": [1], "steps": [{"concurrency": 1, "p50_ms": 1.0}]}, f)
+        png = os.path.join(self.tmp.name, "x.png")
+        self.assertEqual(render_loadtest.main([path, "--png", png, "--builtin"]), 2)
+        self.assertFalse(os.path.exists(png))
+
     def test_not_a_report_is_an_error(self):
         path = os.path.join(self.tmp.name, "bad.json")
         with open(path, "w") as f:
