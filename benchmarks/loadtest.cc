@@ -234,6 +234,7 @@ struct Window {
   bool have_server = false;
   uint64_t server_count = 0, server_queue_ns = 0, server_compute_ns = 0;
   int64_t in_flight_at_end = 0;  // requests still outstanding when the window closed
+  int64_t issued = 0;            // open loop: requests the schedule issued in the window
 };
 
 // Drives the load: issues async ModelInfer calls and collects completions.
@@ -344,6 +345,7 @@ class Driver {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++outstanding_;
+      if (collecting_) ++window_.issued;
     }
     Send();
   }
@@ -448,6 +450,7 @@ Json StepResult(const std::string& key, double value, const std::vector<Window>&
     all.ok += w.ok;
     all.failed += w.failed;
     all.tokens += w.tokens;
+    all.issued += w.issued;
     all.latencies_ms.insert(all.latencies_ms.end(), w.latencies_ms.begin(), w.latencies_ms.end());
     for (const auto& [name, n] : w.errors) all.errors[name] += n;
     have_server = have_server && w.have_server;
@@ -480,6 +483,9 @@ Json StepResult(const std::string& key, double value, const std::vector<Window>&
   r["server_queue_ms"] = NumberOrNull(all.server_queue_ns / n / 1e6);
   r["server_compute_ms"] = NumberOrNull(all.server_compute_ns / n / 1e6);
   r["window_s"] = all.seconds;  // the reported windows together
+  // Open loop: the rate the client really issued at; below the step's rate when the client
+  // could not keep up (the step's figures are then for this rate). Closed loop: null.
+  r["offered_per_sec"] = key == "request_rate" ? NumberOrNull(all.issued / secs) : Json(nullptr);
   // Requests the last window left outstanding: their outcome falls in no
   // window. With --request-rate-range a server that stops answering shows
   // here, not as errors; in closed loop it always equals the concurrency.
@@ -513,7 +519,8 @@ const std::vector<std::string> kScalarFields = {
     "requests_per_sec", "tokens_per_sec",   "p50_ms",          "p90_ms",
     "p95_ms",           "p99_ms",           "max_ms",          "requests",
     "error_count",      "error_share",      "server_queue_ms", "server_compute_ms",
-    "window_s",         "in_flight_at_end", "trials",          "stable"};
+    "window_s",         "in_flight_at_end", "trials",          "stable",
+    "offered_per_sec"};
 
 std::string UtcNow() {
   std::time_t t = std::time(nullptr);
@@ -794,6 +801,13 @@ int Run(const Flags& f, const std::string& command) {
         : stable.get<bool>() ? "stable"
                              : "NOT stable",
         windows.size());
+    if (rate_mode && r["offered_per_sec"].is_number() &&
+        r["offered_per_sec"].get<double>() < 0.95 * level) {
+      std::printf(
+          "warning: the client issued %.1f requests/s of the %g asked for (it fell "
+          "behind); this step's figures are for that rate\n",
+          r["offered_per_sec"].get<double>(), level);
+    }
     std::fflush(stdout);
     steps.push_back(std::move(r));
     if (std::string err = WriteResults(f, key, steps, command, /*complete=*/false); !err.empty()) {

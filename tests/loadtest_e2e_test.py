@@ -23,7 +23,7 @@ RENDERER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench
 
 STEP_FIELDS = ["requests_per_sec", "tokens_per_sec", "p50_ms", "p90_ms", "p95_ms", "p99_ms",
                "max_ms", "errors", "error_share", "server_queue_ms", "server_compute_ms",
-               "window_s", "in_flight_at_end", "stable"]
+               "window_s", "in_flight_at_end", "stable", "offered_per_sec"]
 
 
 def loadtest(*args, timeout=60):
@@ -140,6 +140,10 @@ class LoadTest(unittest.TestCase):
             doc = json.load(f)
         self.check_steps(doc, "request_rate", 1)
         self.assertEqual(doc["steps"][0]["request_rate"], 40)
+        # What the client really issued: Poisson arrivals at 40/s over the windows' seconds
+        # (a few dozen requests: within a wide margin).
+        self.assertGreater(doc["steps"][0]["offered_per_sec"], 20, doc["steps"][0])
+        self.assertLess(doc["steps"][0]["offered_per_sec"], 70, doc["steps"][0])
         self.assertAlmostEqual(doc["steps"][0]["tokens_per_sec"],
                                8 * doc["steps"][0]["requests_per_sec"], delta=1e-6)
 
