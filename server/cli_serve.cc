@@ -1,13 +1,18 @@
 // `tpserve serve`: the KServe v2 gRPC server with Prometheus metrics, running
 // until SIGTERM/SIGINT, then draining accepted requests.
 #include <httplib.h>
+#include <netdb.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -229,6 +234,41 @@ class SignalBox {
 
 int Worker(const ServeFlags& f);
 
+// Why `host`:`port` cannot be listened on ("" if it can), found before the model loads
+// (minutes for a large one) rather than after: a host that does not resolve or is not this
+// machine's, or a port in use. `host_flag` and `port_flag` name the flags in the message.
+// The trial socket is closed again; the servers bind for real later.
+std::string ListenError(std::string host, int port, const char* host_flag, const char* port_flag) {
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    return std::string(host_flag) + " " + host + ": not an address or a name that resolves (" +
+           gai_strerror(rc) + ")";
+  }
+  std::string error;
+  const int fd = socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC, found->ai_protocol);
+  if (fd >= 0) {
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, found->ai_addr, found->ai_addrlen) != 0) {
+      const int err = errno;
+      error = err == EADDRINUSE ? std::string(port_flag) + " " + service + ": in use on " + host
+                                : std::string(host_flag) + " " + host + ": cannot listen there (" +
+                                      std::strerror(err) + ")";
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return error;
+}
+
 int Serve(const ServeFlags& f) {
   // Refused before anything else, the model's loading included (auto
   // falling back to the cpu only warns, below).
@@ -236,6 +276,15 @@ int Serve(const ServeFlags& f) {
       !e.empty()) {
     spdlog::error("{}", e);
     return 2;
+  }
+  for (const std::string& e : {ListenError(f.host, f.grpc_port, "--host", "--grpc-port"),
+                               f.metrics_port > 0 ? ListenError(f.metrics_host, f.metrics_port,
+                                                                "--metrics-host", "--metrics-port")
+                                                  : std::string()}) {
+    if (!e.empty()) {
+      spdlog::error("{}", e);
+      return 2;
+    }
   }
   ApplyGemmAlgo(f.gemm_algo);
   // Signals are taken by a waiting thread, not a handler: block them in

@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import tempfile
+import time
 import unittest
 
 BIN = os.environ.get("TPSERVE_BIN", "build/bin/tpserve")
@@ -339,6 +340,27 @@ class CommandLineChecks(unittest.TestCase):
             self.refused(["serve", "--tls-cert", "/nonexistent.pem", "--tls-key", key.name],
                          "/nonexistent.pem")
             self.refused(["serve", "--tls-client-ca", key.name], "--tls-client-ca requires")
+
+    def test_listen_addresses_are_checked_before_the_model_loads(self):
+        # Found after minutes of loading a large model before; now at once. llama3-70b's
+        # random weights would take far longer than the refusal may.
+        for args, says in (
+                (["--host", "256.1.1.1"], "--host 256.1.1.1: not an address or a name"),
+                (["--metrics-host", "no-such-host.invalid"], "--metrics-host no-such-host"
+                                                             ".invalid: not an address")):
+            start = time.monotonic()
+            p = self.refused(["serve", "--model", "llama3-70b", "--backend", "cpu"] + args,
+                             says, 2)
+            self.assertLess(time.monotonic() - start, 30, args)
+            self.assertNotIn("random weights", p.stderr)
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            self.refused(["serve", "--model", "llama3-70b", "--backend", "cpu", "--host",
+                          "127.0.0.1", "--grpc-port", str(port)],
+                         "--grpc-port %d: in use on 127.0.0.1" % port, 2)
 
     def test_host_random_weights_print_progress(self):
         # llama3-8b's random weights take minutes on the host; they printed nothing.
