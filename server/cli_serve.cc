@@ -48,6 +48,7 @@ struct ServeFlags {
   std::string overlap_config;
   std::string dtype = "fp8";
   uint64_t seed = 7;
+  bool seed_given = false;  // serve: --seed on the command line (refused with a checkpoint)
   std::string host = "0.0.0.0";
   int grpc_port = 8001;
   std::string metrics_host = "127.0.0.1";
@@ -348,6 +349,13 @@ int Serve(const ServeFlags& f) {
   std::shared_ptr<const OverlapConfig> overlap;
   ModelConfig config;
   if (!LoadModelFlagsOrLog(f, &config, &from_dir, &overlap)) return 2;
+  if (from_dir && f.seed_given) {
+    spdlog::error(
+        "--seed: --model {} is a checkpoint, whose weights are used; --seed seeds a "
+        "preset's random weights",
+        f.model);
+    return 2;
+  }
   auto engine = StartEngine(f, *backend, config, from_dir, overlap);
   if (!engine.ok()) {
     spdlog::error("{}", engine.status().ToString());
@@ -597,8 +605,9 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
                   "--tls-cert and --tls-key)")
       ->check(CLI::ExistingFile)
       ->needs(tls_cert);
-  cmd->callback([f, exit_code, cuda_only] {
+  cmd->callback([f, exit_code, cuda_only, cmd] {
     f->cuda_only_given = GivenFlags(*cuda_only);
+    f->seed_given = cmd->get_option("--seed")->count() > 0;
     *exit_code = Serve(*f);
   });
 

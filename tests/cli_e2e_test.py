@@ -61,6 +61,11 @@ class RunCommand(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(d)), ["config.json", "model.safetensors"])
             c = json.loads(run("run", "--model", d, "--ids", "9,8,7", "--json").stdout)
             self.assertEqual(c["logits"], b["logits"])
+            # --seed seeds a preset's random weights: with a checkpoint it would be ignored.
+            for cmd in (["run", "--ids", "1"], ["serve", "--backend", "cpu"]):
+                p = run(*cmd, "--model", d, "--seed", "9", check=False)
+                self.assertEqual(p.returncode, 2, (cmd, p.stderr))
+                self.assertIn("is a checkpoint, whose weights are used", p.stderr)
 
     def test_bad_input_is_a_clear_error(self):
         p = run("run", "--model", "tiny", "--ids", "1,99999", check=False)
