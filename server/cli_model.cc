@@ -30,6 +30,7 @@ struct ModelFlags {
   std::string overlap_config;
   std::string dtype = "fp8";
   uint64_t seed = 7;
+  bool seed_given = false;  // run: --seed on the command line (refused with a checkpoint)
   bool json = false;
   std::string out;
   bool force = false;  // make-checkpoint: replace a checkpoint in `out`
@@ -72,6 +73,11 @@ int RunModel(const ModelFlags& f, const std::vector<std::string>& given_cuda_onl
   bool from_dir = false;
   auto config = ResolveModel(f.model, &from_dir);
   if (!config.ok()) return Fail(config.status());
+  if (from_dir && f.seed_given) {
+    return Fail(InvalidArgumentError("--seed: --model " + f.model +
+                                     " is a checkpoint, whose weights are used; --seed seeds a "
+                                     "preset's random weights"));
+  }
   auto ids = ParseIds(f.ids);
   if (!ids.ok()) return Fail(ids.status());
   auto batch = PackSequences({*ids}, config->vocab_size, config->max_position_embeddings);
@@ -241,7 +247,10 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   run->add_flag("--json", f->json,
                 "Print one JSON object: next_token_id, top_logits ([[id, value], ...], 10), "
                 "logits (the whole last-position vector)");
-  run->callback([f, exit_code, cuda_only] { *exit_code = RunModel(*f, GivenFlags(*cuda_only)); });
+  run->callback([f, exit_code, cuda_only, run] {
+    f->seed_given = run->get_option("--seed")->count() > 0;
+    *exit_code = RunModel(*f, GivenFlags(*cuda_only));
+  });
 
   auto g = std::make_shared<ModelFlags>();
   CLI::App* mk = app.add_subcommand(
