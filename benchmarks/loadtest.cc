@@ -44,6 +44,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -129,7 +130,46 @@ struct Flags {
   int64_t timeout_ms = 10000;
   std::string csv;
   std::string json;
+  // TLS (any of these turns it on): the CA that signed the server's certificate (default:
+  // the system's roots), a client certificate and key for mutual TLS, and the name to
+  // check the server's certificate against when it differs from --url's host.
+  bool tls = false;
+  std::string tls_ca, tls_cert, tls_key, tls_server_name;
 };
+
+// A PEM file's text, or why it cannot be read ("" text and the message in *err): it must
+// hold a block whose label ends with `label` ("CERTIFICATE", "PRIVATE KEY").
+std::string ReadPemFile(const std::string& path, const char* flag, const std::string& label,
+                        std::string* err) {
+  std::ifstream in(path);
+  std::stringstream text;
+  if (in) text << in.rdbuf();
+  const std::string& t = text.str();
+  const size_t begin = t.find("-----BEGIN ");
+  const size_t end = begin == std::string::npos ? begin : t.find("-----", begin + 11);
+  if (!in || end == std::string::npos || !t.substr(begin + 11, end - begin - 11).ends_with(label)) {
+    *err = std::string(flag) + " " + path +
+           (in ? ": not a PEM file holding a " + label : std::string(": cannot read the file"));
+    return "";
+  }
+  return t;
+}
+
+// The channel's credentials from the TLS flags; null with the reason in *err.
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const Flags& f, std::string* err) {
+  const bool tls = f.tls || !f.tls_ca.empty() || !f.tls_cert.empty() || !f.tls_server_name.empty();
+  if (!tls) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  for (auto [path, flag, label, out] :
+       {std::tuple{&f.tls_ca, "--tls-ca", "CERTIFICATE", &ssl.pem_root_certs},
+        std::tuple{&f.tls_cert, "--tls-cert", "CERTIFICATE", &ssl.pem_cert_chain},
+        std::tuple{&f.tls_key, "--tls-key", "PRIVATE KEY", &ssl.pem_private_key}}) {
+    if (path->empty()) continue;
+    *out = ReadPemFile(*path, flag, label, err);
+    if (!err->empty()) return nullptr;
+  }
+  return grpc::SslCredentials(ssl);
+}
 
 // A request ready to send and the number of prompt tokens in it.
 struct Prompt {
@@ -690,7 +730,14 @@ int Run(const Flags& f, const std::string& command) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(f.url, grpc::InsecureChannelCredentials(), args);
+  if (!f.tls_server_name.empty()) args.SetSslTargetNameOverride(f.tls_server_name);
+  std::string tls_error;
+  auto credentials = ChannelCredentials(f, &tls_error);
+  if (!credentials) {
+    std::cerr << "error: " << tls_error << "\n";
+    return 2;
+  }
+  auto channel = grpc::CreateCustomChannel(f.url, credentials, args);
   auto stub = inference::GRPCInferenceService::NewStub(channel);
   {
     grpc::ClientContext ctx;
@@ -698,9 +745,15 @@ int Run(const Flags& f, const std::string& command) {
     inference::ServerLiveResponse live;
     grpc::Status s = stub->ServerLive(&ctx, inference::ServerLiveRequest(), &live);
     if (!s.ok() || !live.live()) {
+      const bool tls =
+          f.tls || !f.tls_ca.empty() || !f.tls_cert.empty() || !f.tls_server_name.empty();
       std::cerr << "cannot reach the server at " << f.url << ": "
                 << (s.ok() ? std::string("server is not live")
                            : std::string(StatusName(s.error_code())) + ": " + s.error_message())
+                << (s.ok() ? ""
+                    : tls  ? " (connecting over TLS: is the server's certificate signed by "
+                             "--tls-ca, and for --tls-server-name or --url's host?)"
+                           : " (a server that serves TLS needs --tls or --tls-ca)")
                 << "\n";
       return 2;
     }
@@ -869,6 +922,25 @@ int main(int argc, char** argv) {
   len->excludes(range)->excludes(file);
   range->excludes(file);
   app.add_option("--vocab", f.vocab, "random ids are drawn from [0, vocab)")->capture_default_str();
+  app.add_flag("--tls", f.tls,
+               "connect over TLS, checking the server's certificate against the system's "
+               "root CAs (implied by the other --tls-* flags)");
+  app.add_option("--tls-ca", f.tls_ca,
+                 "PEM file of the CA (or self-signed certificate) to check the server's "
+                 "certificate against, instead of the system's roots")
+      ->check(CLI::ExistingFile);
+  auto* tls_cert =
+      app.add_option("--tls-cert", f.tls_cert,
+                     "PEM client certificate chain, for a server that requires one (mutual "
+                     "TLS, `tpserve serve --tls-client-ca`); needs --tls-key")
+          ->check(CLI::ExistingFile);
+  auto* tls_key = app.add_option("--tls-key", f.tls_key, "PEM private key of --tls-cert")
+                      ->check(CLI::ExistingFile);
+  tls_cert->needs(tls_key);
+  tls_key->needs(tls_cert);
+  app.add_option("--tls-server-name", f.tls_server_name,
+                 "name the server's certificate must carry, when it is not --url's host (e.g. "
+                 "--url 127.0.0.1:8001 against a certificate for localhost)");
   app.add_option("--seed", f.seed, "random seed (prompts, poisson arrivals)")
       ->capture_default_str();
   auto* conc = app.add_option("--concurrency-range", f.concurrency_range,

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import select
+import shutil
 import re
 import signal
 import socket
@@ -263,6 +264,40 @@ class LoadTest(unittest.TestCase):
         stalled_s = step["window_s"] - 1.0
         self.assertGreater(step["error_count"], 0.5 * 4 * stalled_s / 0.5, step)
         self.assertEqual(set(step["errors"]), {"DEADLINE_EXCEEDED"}, step)
+
+    @unittest.skipUnless(shutil.which("openssl"), "needs openssl")
+    def test_tls_server(self):
+        # A server that serves TLS (`serve --tls-cert/--tls-key`): reached with --tls-ca and
+        # measured; without it the error says TLS may be the cause.
+        crt, key = self.path("server.crt"), self.path("server.key")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=localhost", "-addext",
+                        "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", key, "-out", crt],
+                       check=True, capture_output=True)
+        tls_server = subprocess.Popen(
+            [TPSERVE, "serve", "--model", "tiny", "--tp", "1", "--backend", "cpu",
+             "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1",
+             "--tls-cert", crt, "--tls-key", key],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.addCleanup(lambda: (tls_server.kill(), tls_server.wait(), tls_server.stdout.close()))
+        ready, _, _ = select.select([tls_server.stdout], [], [], 30)
+        self.assertTrue(ready, "tpserve printed nothing within 30 s")
+        url = "127.0.0.1:" + tls_server.stdout.readline().strip().rsplit(" ", 1)[1]
+        out_json = self.path("tls.json")
+        p = loadtest("-u", url, "--tls-ca", crt, "--duration", "0.3", "--warmup", "0.1",
+                     "--max-trials", "1", "--json", out_json)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        with open(out_json) as f:
+            step = json.load(f)["steps"][0]
+        self.assertGreater(step["requests"], 0, step)
+        self.assertEqual(step["errors"], {}, step)
+        p = loadtest("-u", url, "--duration", "0.3", timeout=30)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("needs --tls or --tls-ca", p.stderr)
+        p = loadtest("-u", url, "--tls-ca", key, "--duration", "0.3", timeout=30)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        # A key is no certificate: refused naming the flag, before any connection.
+        self.assertIn("--tls-ca %s: not a PEM file holding a CERTIFICATE" % key, p.stderr)
 
     def test_report_survives_arguments_that_are_not_utf8(self):
         # A --csv path in another encoding: the JSON report (whose meta holds
