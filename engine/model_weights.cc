@@ -2,8 +2,6 @@
 
 #include <spdlog/spdlog.h>
 
-#include <set>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,8 +11,10 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <set>
 
 #include "engine/safetensors.h"
 #include "engine/tp_layers.h"
@@ -682,6 +682,45 @@ Status WriteRandomSafetensorsInMemory(const ModelConfig& config, DataType dtype,
   return WriteSafetensors(path, tensors, RandomCheckpointMetadata());
 }
 
+namespace {
+
+// A sharded checkpoint's model.safetensors.index.json (HuggingFace's weight_map: tensor name
+// -> file), if there is one: every file it lists must be in `dir`, so that a shard left out
+// of a download is named as such rather than as the first tensor found missing. The files are
+// still read by listing the directory (the index is not needed to load).
+Status CheckShardIndex(const std::string& dir) {
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  std::error_code ec;
+  if (!fs::exists(index, ec)) return Status::Ok();
+  std::ifstream in(index);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  const auto map = j.is_object() ? j.find("weight_map") : j.end();
+  if (!j.is_object() || map == j.end() || !map->is_object()) {
+    return InvalidArgumentError(index.string() +
+                                ": not a shard index (a JSON object with a weight_map object)");
+  }
+  std::set<std::string> shards;
+  for (const auto& [tensor, file] : map->items()) {
+    if (!file.is_string()) {
+      return InvalidArgumentError(index.string() + ": weight_map[\"" + tensor +
+                                  "\"] is not a file name");
+    }
+    shards.insert(file.get<std::string>());
+  }
+  std::vector<std::string> missing;
+  for (const std::string& shard : shards) {
+    if (!fs::exists(fs::path(dir) / shard, ec)) missing.push_back(shard);
+  }
+  if (missing.empty()) return Status::Ok();
+  std::string names;
+  for (size_t i = 0; i < missing.size() && i < 4; ++i) names += (i ? ", " : "") + missing[i];
+  return NotFoundError(index.string() + " lists " + std::to_string(missing.size()) + " of " +
+                       std::to_string(shards.size()) + " shard file(s) that are not in " + dir +
+                       ": " + names + (missing.size() > 4 ? ", ..." : ""));
+}
+
+}  // namespace
+
 StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig& config, int tp,
                                       int rank, DataType dtype) {
   if (dtype != DataType::kFloat8E4M3 && dtype != DataType::kBFloat16) {
@@ -697,6 +736,7 @@ StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig&
   }
   if (ec) return NotFoundError("model directory " + dir + ": " + ec.message());
   if (files.empty()) return NotFoundError("model directory " + dir + ": no *.safetensors files");
+  TP_RETURN_IF_ERROR(CheckShardIndex(dir));
   std::sort(files.begin(), files.end());
   for (const std::string& f : files) {
     TP_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(f));

@@ -322,6 +322,19 @@ TEST(CpuModel, CheckpointTensorsTheModelDoesNotReadAreRefusedWhereTheyMatter) {
   EXPECT_THAT(bias.message(), HasSubstr("q_proj.bias': biases are not supported"));
   EXPECT_TRUE(load_with("model.rotary_emb.inv_freq").ok());  // named in a warning only
 
+  // A shard index (HF's model.safetensors.index.json) naming a file that is not there.
+  {
+    std::ofstream index(dir + "/ok/model.safetensors.index.json");
+    index << R"({"metadata": {}, "weight_map": {"model.norm.weight": "model.safetensors",
+                "lm_head.weight": "model-00002-of-00002.safetensors"}})";
+  }
+  const Status shard = LoadRankWeights(dir + "/ok", Tiny(), 2, 0).status();
+  EXPECT_EQ(shard.code(), StatusCode::kNotFound);
+  EXPECT_THAT(shard.message(), HasSubstr("model.safetensors.index.json lists 1 of 2 shard "
+                                         "file(s) that are not in"));
+  EXPECT_THAT(shard.message(), HasSubstr(": model-00002-of-00002.safetensors"));
+  std::filesystem::remove(dir + "/ok/model.safetensors.index.json");
+
   // NaN in a norm's weight.
   const float nan = std::nanf("");
   std::vector<uint8_t> nan_bytes(4);
