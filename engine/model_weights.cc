@@ -76,6 +76,9 @@ class Checkpoint {
     auto it = views_.find(name);
     return it == views_.end() ? nullptr : &it->second;
   }
+  // Loading notes for rank 0 to log (each rank reads the same tensors).
+  void Note(std::string text) const { notes_.push_back(std::move(text)); }
+  const std::vector<std::string>& notes() const { return notes_; }
   // The tensors no Find has asked for, in name order.
   std::vector<std::string> Unused() const {
     std::vector<std::string> out;
@@ -103,6 +106,7 @@ class Checkpoint {
   std::map<std::string, TensorView> views_;
   std::map<std::string, std::string> where_;
   mutable std::set<std::string> looked_up_;
+  mutable std::vector<std::string> notes_;
 };
 
 // What the checkpoint holds that the model did not read. Refused where it means the model
@@ -129,6 +133,9 @@ Status CheckUnused(const Checkpoint& ck, const ModelConfig& c, int rank) {
                                 ": biases are not supported (this engine's linear layers and "
                                 "norms have none)");
     }
+  }
+  if (rank == 0) {
+    for (const std::string& note : ck.notes()) spdlog::warn("{}", note);
   }
   if (rank == 0 && !unused.empty()) {
     std::string shown;
@@ -293,6 +300,17 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
     // exponent keeps their relative precision unless a row's scale is below
     // 1/2^6 of the largest (values then fall into subnormals).
     b.scale = *std::max_element(row_scale.begin(), row_scale.end());
+    if (row_begin == 0) {  // once per tensor (its first block)
+      const int64_t small = std::count_if(row_scale.begin(), row_scale.end(),
+                                          [&](float v) { return v < b.scale / 64; });
+      if (small > 0) {
+        ck.Note(ck.Where(base + ".weight_scale") + ": " + std::to_string(small) + " of " +
+                std::to_string(full_rows) +
+                " rows have a scale below 1/64 of the largest; requantized to the one "
+                "per-tensor scale the GEMM takes, their smaller values fall into E4M3's "
+                "subnormals and lose precision");
+      }
+    }
   } else {
     float amax = 0.0f;
     for (int64_t i = 0; i < full_rows * full_cols; ++i) {

@@ -3,6 +3,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <cstring>
@@ -13,6 +15,7 @@
 #include <limits>
 #include <map>
 #include <span>
+#include <sstream>
 
 #include "engine/cpu_engine.h"
 #include "engine/engine.h"
@@ -488,6 +491,29 @@ TEST(CpuModel, PerChannelWeightScalesLoadAsOnePerTensorScale) {
   EXPECT_LT(differ, got.size() / 100);
   EXPECT_LE(worst, std::ldexp(doubled_w->layers[0].o.weight_scale, -9));
   EXPECT_NE(doubled_w->layers[0].o.data, ref_w->layers[0].o.data);  // requantized codes
+
+  // 3. One row's scale 100x below the rest: loaded, with a warning (rank 0) that its values
+  //    fall into E4M3's subnormals under the one per-tensor scale; none with 2x (above).
+  RewriteCheckpoint(dir + "/tensor", dir + "/tiny_row", [&](TensorToWrite& t) {
+    if (t.name == o + ".weight_scale")
+      per_row(t, [](int64_t r, float s) { return r ? s : s / 100; });
+    return true;
+  });
+  with_config("tiny_row");
+  auto warnings_of = [&](const std::string& sub) {
+    std::ostringstream log;
+    auto previous = spdlog::default_logger();
+    spdlog::set_default_logger(std::make_shared<spdlog::logger>(
+        "capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(log)));
+    const bool ok = LoadRankWeights(dir + "/" + sub, Tiny(), 2, 0).ok();
+    spdlog::set_default_logger(previous);
+    EXPECT_TRUE(ok) << sub;
+    return log.str();
+  };
+  EXPECT_THAT(warnings_of("tiny_row"),
+              HasSubstr("o_proj.weight_scale': 1 of 512 rows have a scale below 1/64 of the "
+                        "largest"));
+  EXPECT_THAT(warnings_of("doubled"), Not(HasSubstr("below 1/64")));
   EXPECT_LE(RelDiff(Logits(2, b, nullptr, dir + "/doubled"), reference), 1e-3);
 
   // 3. Refused, naming the tensor: a scale of the wrong length, a zero
