@@ -1,8 +1,12 @@
 // `tpserve run` (one forward pass of a model) and `tpserve make-checkpoint`.
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -134,6 +138,15 @@ int RunModel(const ModelFlags& f, const std::vector<std::string>& given_cuda_onl
   return 0;
 }
 
+// make-checkpoint's file being written, for the signal handler to remove: an interrupted
+// run of a large model would otherwise leave gigabytes behind in model.safetensors.tmp.
+char g_partial_file[4096] = {0};
+
+void RemovePartialAndExit(int sig) {
+  if (g_partial_file[0] != 0) ::unlink(g_partial_file);  // async-signal-safe
+  ::_exit(128 + sig);
+}
+
 int MakeCheckpoint(const ModelFlags& f) {
   bool from_dir = false;
   auto config = ResolveModel(f.model, &from_dir);
@@ -170,6 +183,11 @@ int MakeCheckpoint(const ModelFlags& f) {
   }
   spdlog::info("writing a random {} checkpoint of {} ({} layers) to {}", f.dtype, config->name,
                config->num_hidden_layers, f.out);
+  const std::string partial = (std::filesystem::path(f.out) / "model.safetensors.tmp").string();
+  if (partial.size() < sizeof g_partial_file) {
+    std::memcpy(g_partial_file, partial.c_str(), partial.size() + 1);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, RemovePartialAndExit);
+  }
   const Status s = WriteRandomCheckpoint(*config, dtype, f.seed, f.out);
   if (!s.ok()) return Fail(s);
   std::printf("wrote %s/config.json and %s/model.safetensors\n", f.out.c_str(), f.out.c_str());

@@ -67,6 +67,20 @@ class RunCommand(unittest.TestCase):
                 self.assertEqual(p.returncode, 2, (cmd, p.stderr))
                 self.assertIn("is a checkpoint, whose weights are used", p.stderr)
 
+    def test_interrupted_make_checkpoint_leaves_no_partial_file(self):
+        # llama3-8b's file is gigabytes: an interrupted run left them in model.safetensors.tmp.
+        with tempfile.TemporaryDirectory() as d:
+            p = subprocess.Popen([BIN, "make-checkpoint", "--model", "llama3-8b", "--out", d],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            partial = os.path.join(d, "model.safetensors.tmp")
+            deadline = time.monotonic() + 60
+            while not os.path.exists(partial) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertTrue(os.path.exists(partial), "no partial file within 60 s")
+            p.send_signal(signal.SIGINT)
+            self.assertEqual(p.wait(timeout=60), 128 + signal.SIGINT)
+            self.assertFalse(os.path.exists(partial))
+
     def test_bad_input_is_a_clear_error(self):
         p = run("run", "--model", "tiny", "--ids", "1,99999", check=False)
         self.assertEqual(p.returncode, 2)
