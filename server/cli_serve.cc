@@ -309,9 +309,34 @@ int Serve(const ServeFlags& f) {
     if (plan->role == LaunchPlan::Role::kWorker) {
       spdlog::info("rank {} of {}: a worker of the group (no gRPC server here)", plan->rank,
                    plan->world_size);
-      // A worker has no signal thread: SIGTERM (the launcher's, or the
-      // parent-death signal) ends it at once.
-      pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+      // When the group is stopped (a Kubernetes delete signals every pod at once) the leader
+      // drains its accepted requests, which needs every worker: a worker keeps serving after
+      // SIGTERM or SIGINT until the leader's stop ends Worker(), and exits by itself only if
+      // that has not come within the leader's drain (--exit-timeout), its teardown (20 s) and
+      // 10 s more (the leader's preStop pause in deploy/k8s). A second signal ends it at once.
+      // (A handler is needed anyway: as a container's first process, with none, SIGTERM
+      // would be ignored.)
+      const double wait_s = f.exit_timeout_s + 30;
+      std::thread([signals, wait_s] {
+        int sig = 0;
+        if (sigwait(&signals, &sig) != 0) return;
+        spdlog::warn(
+            "{} received: serving the leader's drain; exiting in {:.0f} s unless the "
+            "leader stops this worker first (a second signal exits now)",
+            sig == SIGINT ? "SIGINT" : "SIGTERM", wait_s);
+        std::thread([sig, wait_s] {
+          std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
+          spdlog::error("the leader did not stop this worker within {:.0f} s: exiting", wait_s);
+          spdlog::default_logger()->flush();
+          std::_Exit(128 + sig);
+        }).detach();
+        int again = 0;
+        if (sigwait(&signals, &again) == 0) {
+          spdlog::warn("second signal: exiting now");
+          spdlog::default_logger()->flush();
+          std::_Exit(128 + again);
+        }
+      }).detach();
       return Worker(f);
     }
   }

@@ -222,6 +222,13 @@ class MultiNodeLws(unittest.TestCase, CheckPodSpec):
         self.assertEqual(self.lws["apiVersion"], "leaderworkerset.x-k8s.io/v1")
         self.assertGreaterEqual(self.tmpl["size"], 2)
 
+    def test_no_service_takes_the_name_of_lws_own_headless_service(self):
+        # LWS creates a headless Service named after the LeaderWorkerSet (pod DNS names,
+        # LWS_LEADER_ADDRESS) and skips it when one of that name exists: ours must differ.
+        name = self.lws["metadata"]["name"]
+        for svc in by_kind("Service"):
+            self.assertNotEqual(svc["metadata"]["name"], name)
+
     def test_templates_and_rendezvous_env(self):
         gpus_per_node = None
         for name in ("leaderTemplate", "workerTemplate"):
@@ -649,9 +656,11 @@ class ServeArguments(unittest.TestCase):
             exit_timeout = arg_value(c.get("args", []), "--exit-timeout")
             if exit_timeout is None:
                 continue
+            pre_stop = (((c.get("lifecycle") or {}).get("preStop") or {}).get("sleep")
+                        or {}).get("seconds", 0)
             with self.subTest(container=label):
                 self.assertGreaterEqual(spec["terminationGracePeriodSeconds"],
-                                        float(exit_timeout) + teardown)
+                                        pre_stop + float(exit_timeout) + teardown)
 
     def test_overlap_config_matches_tp(self):
         multi_node = {"%s/%s" % (l, c["name"]) for l, t, inj in pod_templates()
