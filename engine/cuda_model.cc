@@ -212,17 +212,6 @@ Status CudaModel::SetScales(Linear* out, float input_scale, float weight_scale,
 }
 
 Status CudaModel::GatherWholeWeight(Linear& w, const std::string& name) {
-  if (tp_ > 1) {
-    // Measured at 531da1e on 2x H200 (benchmarks/NOTES.md, fifteenth session): the 80-layer
-    // model with o on full_weight gave logits far from mode none's (rel 0.77, top-1 0 of 8),
-    // while the layer itself passes against the CPU reference at TP = 2 (tpserve layer,
-    // tpserve-bench). Refused in the engine until the cause is found.
-    return FailedPreconditionError(
-        name +
-        ": full_weight in the model engine at TP > 1 gave wrong logits on 2x H200 and "
-        "is refused until that is fixed (the layer alone, tpserve layer and "
-        "tpserve-bench, is correct); remove full_weight from the overlap config");
-  }
   NcclCommunicator& comm = pool_->base();
   cudaStream_t st = stream_.get();
   // Every rank's scales (Linear::scales, 8 floats: x at 0, w at 4): one GEMM multiplies every
