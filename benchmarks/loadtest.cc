@@ -155,10 +155,14 @@ std::string ReadPemFile(const std::string& path, const char* flag, const std::st
   return t;
 }
 
+// Whether any TLS flag is given (each of them turns TLS on).
+bool UsesTls(const Flags& f) {
+  return f.tls || !f.tls_ca.empty() || !f.tls_cert.empty() || !f.tls_server_name.empty();
+}
+
 // The channel's credentials from the TLS flags; null with the reason in *err.
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const Flags& f, std::string* err) {
-  const bool tls = f.tls || !f.tls_ca.empty() || !f.tls_cert.empty() || !f.tls_server_name.empty();
-  if (!tls) return grpc::InsecureChannelCredentials();
+  if (!UsesTls(f)) return grpc::InsecureChannelCredentials();
   grpc::SslCredentialsOptions ssl;
   for (auto [path, flag, label, out] :
        {std::tuple{&f.tls_ca, "--tls-ca", "CERTIFICATE", &ssl.pem_root_certs},
@@ -745,8 +749,7 @@ int Run(const Flags& f, const std::string& command) {
     inference::ServerLiveResponse live;
     grpc::Status s = stub->ServerLive(&ctx, inference::ServerLiveRequest(), &live);
     if (!s.ok() || !live.live()) {
-      const bool tls =
-          f.tls || !f.tls_ca.empty() || !f.tls_cert.empty() || !f.tls_server_name.empty();
+      const bool tls = UsesTls(f);
       std::cerr << "cannot reach the server at " << f.url << ": "
                 << (s.ok() ? std::string("server is not live")
                            : std::string(StatusName(s.error_code())) + ": " + s.error_message())
