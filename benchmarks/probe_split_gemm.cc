@@ -39,10 +39,14 @@
 //   hybrid2   fullk_pipe2 whose first chunk waits for nothing: a GEMM over the
 //             own columns first, the other blocks added by accumulating GEMMs
 //             once copied, then the second chunk whole-K
+//   lead<q>   a hybrid lead of rows / q rows (own-columns GEMM at once, the other
+//             blocks 1D-copied into a packed staging area and added by accumulating
+//             GEMMs), the rest of the rows in one whole-K GEMM whose 2D copies run
+//             beside the lead's GEMMs: only the lead's short split is paid
 //   copy2d / copy1d  those copies alone, 2D into the column blocks and 1D
 // Correctness: ksplit's output against fullk's, relative error printed and
-// bounded (they differ by the BF16 rounding of the partial sums); fullk_pipe's
-// and hybrid2's against fullk's likewise.
+// bounded (they differ by the BF16 rounding of the partial sums); fullk_pipe's,
+// hybrid2's and lead's against fullk's likewise.
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -237,7 +241,8 @@ Status Probe(const Options& o) {
       // the row chunks of `a` ((m / c) x k each, contiguous, as the own columns and each
       // received block would be); the weight's c K blocks are contiguous [n, k] blocks.
       DeviceBuffer b_blocks, a_full, b_full, d_fullk, d_ksplit, ks_src, ks_dst, a_pipe, d_pipe,
-          d_hybrid;
+          d_hybrid, d_lead;
+      bool lead_ran = false;  // a lead<q> case wrote d_lead
       if (o.ksplit) {
         int64_t max_c = 1;
         for (int c : o.chunks) max_c = std::max<int64_t>(max_c, c);
@@ -251,6 +256,7 @@ Status Probe(const Options& o) {
         TP_ASSIGN_OR_RETURN(a_pipe, DeviceBuffer::Allocate(m * sh.k, "a_pipe"));
         TP_ASSIGN_OR_RETURN(d_pipe, DeviceBuffer::Allocate(m * sh.n * 2, "d_pipe"));
         TP_ASSIGN_OR_RETURN(d_hybrid, DeviceBuffer::Allocate(m * sh.n * 2, "d_hybrid"));
+        TP_ASSIGN_OR_RETURN(d_lead, DeviceBuffer::Allocate(m * sh.n * 2, "d_lead"));
         TP_RETURN_IF_ERROR(LaunchRandomUniform(b_blocks.data(), DataType::kFloat8E4M3,
                                                max_c * sh.n * sh.k, 31, 448.0f, main.get()));
       }
@@ -416,6 +422,53 @@ Status Probe(const Options& o) {
           cases.push_back(
               {"hybrid2_c" + std::to_string(c), c, true, ks_bytes / 1048576.0, std::move(g), {}});
         }
+        // A short hybrid lead, then the rest whole-K: the first rows / q rows start at once with
+        // a GEMM over the own columns (block 0, `a`'s first rows, the weight's block 0 at pitch
+        // kk), while their other blocks arrive by 1D copies into a packed staging area (d_lead's
+        // rows need no interleaving: each accumulating GEMM reads one block, lda = k); the rest
+        // of the rows come by 2D copies into a_pipe beside the lead's GEMMs and are multiplied
+        // in one whole-K GEMM. What stays exposed: nothing but the lead's short split.
+        for (int q : {4, 8}) {
+          const int64_t lead = rows / q / 128 * 128;
+          if (lead <= 0 || lead >= rows) continue;
+          const int64_t rest = rows - lead;
+          GemmParams own = params(lead);
+          own.ldb = kk;
+          GemmParams add = own;
+          add.beta = 1.0f;
+          GemmParams tail = params(rest);
+          tail.k = kk;
+          for (const GemmParams* p : {&own, &add, &tail}) TP_RETURN_IF_ERROR(gemm0.Prepare(*p));
+          auto body = [&]() -> Status {
+            cudaStream_t s0 = main.get(), sc = copier.get();
+            TP_RETURN_IF_ERROR(events[0].Record(s0));
+            TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
+            for (int64_t blk = 1; blk < c; ++blk) {
+              TP_CUDA_CHECK(cudaMemcpyAsync(ks_dst.as<char>() + (blk - 1) * lead * sh.k,
+                                            ks_src.as<char>() + (blk - 1) * rows * sh.k,
+                                            lead * sh.k, cudaMemcpyDeviceToDevice, sc));
+            }
+            TP_RETURN_IF_ERROR(pipe_events[0].Record(sc));
+            TP_RETURN_IF_ERROR(copy_blocks(lead, rest, sc));
+            TP_RETURN_IF_ERROR(pipe_events[1].Record(sc));
+            TP_RETURN_IF_ERROR(gemm0.Run(own, a.data(), b_full.data(), nullptr, d_lead.data(), s0));
+            TP_RETURN_IF_ERROR(pipe_events[0].WaitOn(s0));
+            for (int64_t blk = 1; blk < c; ++blk) {
+              TP_RETURN_IF_ERROR(gemm0.Run(add, ks_dst.as<char>() + (blk - 1) * lead * sh.k,
+                                           b_full.as<char>() + blk * sh.k, d_lead.data(),
+                                           d_lead.data(), s0));
+            }
+            TP_RETURN_IF_ERROR(pipe_events[1].WaitOn(s0));
+            return gemm0.Run(tail, a_pipe.as<char>() + lead * kk, b_full.data(), nullptr,
+                             d_lead.as<char>() + lead * sh.n * 2, s0);
+          };
+          TP_ASSIGN_OR_RETURN(
+              CudaGraphExec g,
+              CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+          lead_ran = true;
+          cases.push_back({"lead" + std::to_string(q) + "_c" + std::to_string(c), c, true,
+                           ks_bytes / 1048576.0, std::move(g), {}});
+        }
         // The copies alone: 2D into the column blocks, as above, and 1D of the same bytes.
         for (bool two_d : {true, false}) {
           auto body = [&]() -> Status {
@@ -482,8 +535,9 @@ Status Probe(const Options& o) {
         std::vector<BFloat16> hf(rows * sh.n), other(rows * sh.n);
         TP_CUDA_CHECK(cudaMemcpy(hf.data(), d_fullk.data(), hf.size() * 2, cudaMemcpyDeviceToHost));
         const std::pair<const char*, const DeviceBuffer*> against[] = {
-            {"hybrid2", &d_hybrid}, {"fullk_pipe", &d_pipe}, {"ksplit", &d_ksplit}};
+            {"hybrid2", &d_hybrid}, {"fullk_pipe", &d_pipe}, {"ksplit", &d_ksplit}, {"lead", &d_lead}};
         for (const auto& [name, buf] : against) {
+          if (buf == &d_lead && !lead_ran) continue;
           TP_CUDA_CHECK(
               cudaMemcpy(other.data(), buf->data(), other.size() * 2, cudaMemcpyDeviceToHost));
           double num = 0, den = 0;
