@@ -153,17 +153,24 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       base.method = "none";
       base.knobs.copy_engine = true;
       add(base);
-    } else if (name == "none_fullw" || name == "pipeline_fullw") {
+    } else if (name == "none_fullw" || name == "pipeline_fullw" || name == "ring_fullw") {
       // gemm_rs without partial sums (LinearKnobs::full_weight): the whole weight on every
       // rank, the peers' input columns of the own rows pulled by copy engines; recorded as
-      // none / pipeline with copy_engine and full_weight.
+      // none / pipeline / ring with copy_engine and full_weight. Ring (a lead of rows /
+      // (2 * chunks) rows on the own columns first) also at one chunk.
       if (op != OverlapOp::kGemmReduceScatter) continue;
-      const bool pipe = name == "pipeline_fullw";
-      for (int c : pipe ? f.chunks : std::vector<int>{1}) {
+      const OverlapMode mode = name == "none_fullw"       ? OverlapMode::kNone
+                               : name == "pipeline_fullw" ? OverlapMode::kPipeline
+                                                          : OverlapMode::kRing;
+      std::vector<int> chunks = mode == OverlapMode::kNone ? std::vector<int>{1} : f.chunks;
+      if (mode == OverlapMode::kRing && std::find(chunks.begin(), chunks.end(), 1) == chunks.end()) {
+        chunks.insert(chunks.begin(), 1);
+      }
+      for (int c : chunks) {
         for (int lanes : f.gemm_lanes) {
           Method m = base;
-          m.method = pipe ? "pipeline" : "none";
-          m.knobs.mode = pipe ? OverlapMode::kPipeline : OverlapMode::kNone;
+          m.method = OverlapModeName(mode);
+          m.knobs.mode = mode;
           m.knobs.chunks = c;
           m.knobs.copy_engine = true;
           m.knobs.full_weight = true;
@@ -700,13 +707,15 @@ int Main(int argc, char** argv) {
                  "none_ce a sum kernel reading the peers' partials; chunks 1 included; "
                  "they need --ranks processes), ring_inplace (gemm_rs only: ring over peer "
                  "memory whose GEMMs read the running sums in the peers' memory, no pulls; "
-                 "chunks 1 included), none_fullw and pipeline_fullw (gemm_rs only: every rank "
-                 "holds the whole weight and pulls the peers' input columns of its own rows, "
-                 "then one whole-K GEMM per chunk, no partial sums; need --ranks processes), "
+                 "chunks 1 included), none_fullw, pipeline_fullw and ring_fullw (gemm_rs only: "
+                 "every rank holds the whole weight and pulls the peers' input columns of its "
+                 "own rows, then one whole-K GEMM per chunk, no partial sums; ring_fullw starts "
+                 "a lead of rows / (2 * chunks) rows on the own columns at once, chunks 1 "
+                 "included; need --ranks processes), "
                  "layer_gemm (the layer's GEMM steps without communication)")
       ->check(CLI::IsMember({"gemm_only", "comm_only", "none", "pipeline", "ring", "auto",
                              "none_ce", "pipeline_ce", "ring_ce", "ring_inplace", "none_fullw",
-                             "pipeline_fullw", "layer_gemm"}))
+                             "pipeline_fullw", "ring_fullw", "layer_gemm"}))
       ->capture_default_str();
   app.add_option("--max-ctas", f.max_ctas,
                  "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default; at most 64)")

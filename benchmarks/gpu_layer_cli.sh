@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host: `tpserve layer --backend cuda` in its production process
 # model (rank 0 starts the other ranks as processes): every copy-engine mode
-# (gemm_rs rings also --in-place; a few with --gemm-lanes 2; gemm_rs --full-weight) and a few NCCL ones, awkward M included (--split-output: the row-parallel
+# (gemm_rs rings also --in-place; a few with --gemm-lanes 2; gemm_rs --full-weight in every mode) and a few NCCL ones, awkward M included (--split-output: the row-parallel
 # layer as the engine runs it, its last sum left to the consumer), each rank checking its output
 # against the CPU reference. Log: $OUT/layer_cli.log.
 set -uo pipefail
@@ -48,6 +48,12 @@ done <<'CASES' | tee "$out/layer_cli.log"
 1 --op gemm_rs --mode pipeline --chunks 4 --copy-engine --full-weight
 4099 --op gemm_rs --mode pipeline --chunks 4 --copy-engine --full-weight --gemm-lanes 2
 4099 --op gemm_rs --mode pipeline --chunks 2 --copy-engine --full-weight --split-output
+4099 --op gemm_rs --mode ring --chunks 1 --copy-engine --full-weight
+4099 --op gemm_rs --mode ring --chunks 2 --copy-engine --full-weight --dtype bf16
+37 --op gemm_rs --mode ring --chunks 1 --copy-engine --full-weight
+1 --op gemm_rs --mode ring --chunks 2 --copy-engine --full-weight
+4099 --op gemm_rs --mode ring --chunks 2 --copy-engine --full-weight --gemm-lanes 2
+4099 --op gemm_rs --mode ring --chunks 4 --copy-engine --full-weight --split-output
 CASES
 # The loop ran in a pipeline's subshell, where rc=1 does not reach this
 # shell: the verdict comes from the result lines, one PASS per rank and case.
@@ -58,11 +64,11 @@ echo "$passes"
 # RunSplit falls back to y when a plan has no sum step of its own, and that passes too: the
 # --split-output cases must also say which they got. At TP=2: both ranks of m=4099 and 37 and
 # rank 0 of m=1 get two addends; rank 1 of m=1 (no rows), both of --chunks 2, both of
-# --in-place (whose last GEMM writes the sum) and both of --full-weight (no sums) do not.
+# --in-place (whose last GEMM writes the sum) and both of each --full-weight one (no sums) do not.
 if [ "${TP:-2}" -eq 2 ]; then
   split=$(grep -c -- "--split-output: two addends" "$out/layer_cli.log")
   whole=$(grep -c -- "--split-output: the plan has no sum step" "$out/layer_cli.log")
-  echo "split-output: $split ranks with two addends (want 5), $whole without (want 7)"
-  [ "$split" -eq 5 ] && [ "$whole" -eq 7 ] || rc=1
+  echo "split-output: $split ranks with two addends (want 5), $whole without (want 9)"
+  [ "$split" -eq 5 ] && [ "$whole" -eq 9 ] || rc=1
 fi
 exit $rc

@@ -277,6 +277,9 @@ class RowNameTest(unittest.TestCase):
         self.assertEqual(render_results.row_name(r), "tpserve none_fullw")
         r.update(method="layer_comm")
         self.assertEqual(render_results.row_name(r), "tpserve layer_comm of none_fullw c=1")
+        r.update(method="ring", chunks=2, config={"mode": "ring", "chunks": 2,
+                                                  "copy_engine": True, "full_weight": True})
+        self.assertEqual(render_results.row_name(r), "tpserve ring_fullw c=2")
 
     def test_vs_gemm_gives_each_case_its_ratios_to_gemm_only(self):
         lanes = rec("tpserve", "ring", 0.55)

@@ -23,6 +23,7 @@ struct BufRef {
 struct GemmCall {
   GemmParams params;  // scale pointers filled in at Run
   BufRef a, c, d;
+  size_t b_offset = 0;  // bytes into the weight (full_weight's ring lead: a column block)
 };
 
 struct CommCall {
@@ -456,13 +457,18 @@ Status CudaLinear::Prepare(int64_t m) {
 
   Prepared prep;
   if (knobs_.full_weight) {
-    // No partial sums (LinearKnobs::full_weight): per chunk of this rank's rows, a comm step
-    // that pulls every peer's input columns of those rows into the gather buffer's column
-    // blocks, a step on the second stream that copies the own columns into the own block
-    // (beside the pulls: it waits for no peer), then one GEMM over the whole K after both.
-    // The first comm step signals this rank's input ready and waits for the peers'; the last
-    // tells the peers that their input has been read. Every rank has every comm step (the
-    // same chunk count), even where its rows are few or none, so the flags always pair up.
+    // No partial sums (LinearKnobs::full_weight): this rank's rows over the whole K, their
+    // peers' input columns pulled into the gather buffer's column blocks ([shard rows, tp * k];
+    // the own columns copied into block `rank` on the second stream, beside the pulls).
+    // Mode none / pipeline: per chunk of the rows, a comm step of pulls, then one whole-K GEMM
+    // after that step and the own copy. Mode ring: a lead of rows / (2 * chunks) rows that
+    // waits for nothing (a GEMM over the own columns, where the caller wrote them, then one
+    // accumulating GEMM per peer block once it is pulled, 1D, into a packed staging area at the
+    // start of the gather buffer), then the rest of the rows in one whole-K GEMM, whose pulls
+    // run under the lead's GEMMs. The first comm step signals this rank's input ready and waits
+    // for the peers'; the last tells the peers that their input has been read. Every rank has
+    // every comm step (the same chunk count), even where its rows are few or none, so the
+    // flags always pair up.
     const int64_t kk = tp_ * k;
     const size_t row_g = kk * DataTypeSize(shape_.dtype);
     const bool ce = knobs_.copy_engine && tp_ > 1;
@@ -470,42 +476,40 @@ Status CudaLinear::Prepare(int64_t m) {
     for (int p = 0; p < tp_; ++p) {
       if (p != rank_) peers.push_back({p, 0});
     }
-    for (int j = 0; j < knobs_.chunks; ++j) {
-      const RowRange rows = ChunkRows(own, knobs_.chunks, j);
-      const size_t at = (rows.begin - own.begin) * row_g;
-      int comm_step = -1;
-      if (ce) {
-        PreparedStep cs;
-        cs.stream = StepStream::kComm;
-        CommCall& c = cs.comm;
-        c.copy_engine = true;
-        if (j == 0) c.ready_to = c.ready_from = peers;
-        if (j == knobs_.chunks - 1) c.done_to = peers;
-        if (!rows.empty()) {
-          for (const PeerSignals::Flag& f : peers) {
-            c.pulls.push_back({f.peer,
-                               {BufRef::kInput, rows.begin * row_x},
-                               {BufRef::kGather, at + f.peer * row_x},
-                               row_x,
-                               static_cast<size_t>(rows.size()),
-                               row_x,
-                               row_g});
-          }
-        }
-        comm_step = static_cast<int>(prep.steps.size());
-        prep.steps.push_back(std::move(cs));
+    // A comm step: signals as said above, and a 2D pull of each peer's columns of `rows` into
+    // gather row `at_row`'s column blocks (none for empty rows).
+    auto add_comm_step = [&](bool first, bool last, RowRange rows, int64_t at_row) {
+      PreparedStep cs;
+      cs.stream = StepStream::kComm;
+      CommCall& c = cs.comm;
+      c.copy_engine = true;
+      if (first) c.ready_to = c.ready_from = peers;
+      if (last) c.done_to = peers;
+      for (const PeerSignals::Flag& f : rows.empty() ? std::vector<PeerSignals::Flag>{} : peers) {
+        c.pulls.push_back({f.peer,
+                           {BufRef::kInput, rows.begin * row_x},
+                           {BufRef::kGather, at_row * row_g + f.peer * row_x},
+                           row_x,
+                           static_cast<size_t>(rows.size()),
+                           row_x,
+                           row_g});
       }
-      if (rows.empty()) continue;
+      prep.steps.push_back(std::move(cs));
+      return static_cast<int>(prep.steps.size()) - 1;
+    };
+    // The whole-K GEMM of `rows` (gather row `at_row` on), after `comm_step` (if any) and a copy
+    // of the own columns on the second stream.
+    auto add_whole_k = [&](RowRange rows, int64_t at_row, int comm_step) {
+      if (rows.empty()) return;
       PreparedStep gs;
       gs.is_gemm = true;
       if (comm_step >= 0) {
-        // The own columns: a copy with no signals or pulls, on the second stream.
         PreparedStep own_copy;
         own_copy.lane = 1;
         CommCall& c = own_copy.comm;
         c.copy_engine = true;
         c.copy_src = {BufRef::kInput, rows.begin * row_x};
-        c.copy_dst = {BufRef::kGather, at + rank_ * row_x};
+        c.copy_dst = {BufRef::kGather, at_row * row_g + rank_ * row_x};
         c.copy_bytes = row_x;
         c.copy_height = rows.size();
         c.copy_src_pitch = row_x;
@@ -514,13 +518,68 @@ Status CudaLinear::Prepare(int64_t m) {
         prep.steps.push_back(std::move(own_copy));
         prep.uses_lane = true;
       }
-      GemmCall call =
-          single(rows.size(),
-                 ce ? BufRef{BufRef::kGather, at} : BufRef{BufRef::kInput, rows.begin * row_x},
-                 {BufRef::kY, (rows.begin - own.begin) * row_y});
+      GemmCall call = single(
+          rows.size(),
+          ce ? BufRef{BufRef::kGather, at_row * row_g} : BufRef{BufRef::kInput, rows.begin * row_x},
+          {BufRef::kY, (rows.begin - own.begin) * row_y});
       call.params.k = kk;
       gs.gemms.push_back(call);
       prep.steps.push_back(std::move(gs));
+    };
+    if (ring) {
+      int64_t lead = own.size() / (2 * knobs_.chunks);
+      if (lead >= 128) lead = lead / 128 * 128;  // whole 128-row tiles
+      const RowRange head{own.begin, own.begin + lead}, rest{own.begin + lead, own.end};
+      int head_comm = -1, rest_comm = -1;
+      if (ce) {
+        PreparedStep cs;
+        cs.stream = StepStream::kComm;
+        CommCall& c = cs.comm;
+        c.copy_engine = true;
+        c.ready_to = c.ready_from = peers;
+        for (size_t i = 0; i < peers.size() && lead > 0; ++i) {  // packed: [lead, k] per peer
+          c.pulls.push_back({peers[i].peer,
+                             {BufRef::kInput, head.begin * row_x},
+                             {BufRef::kGather, i * lead * row_x},
+                             lead * row_x});
+        }
+        prep.steps.push_back(std::move(cs));
+        head_comm = static_cast<int>(prep.steps.size()) - 1;
+        rest_comm = add_comm_step(false, true, rest, lead);
+      }
+      if (lead > 0) {
+        PreparedStep own_gemm;  // no deps: the own columns are where the caller wrote them
+        own_gemm.is_gemm = true;
+        GemmCall call = single(lead, {BufRef::kInput, head.begin * row_x}, {BufRef::kY, 0});
+        call.params.ldb = kk;
+        call.b_offset = rank_ * row_x;
+        own_gemm.gemms.push_back(call);
+        prep.steps.push_back(std::move(own_gemm));
+        if (ce) {
+          // After the pulls, and after the own GEMM, whose output it adds to (gemm_lanes 2
+          // must not put the two on different streams without that edge).
+          PreparedStep add;
+          add.is_gemm = true;
+          add.deps = {head_comm, static_cast<int>(prep.steps.size()) - 1};
+          for (size_t i = 0; i < peers.size(); ++i) {
+            GemmCall acc = single(lead, {BufRef::kGather, i * lead * row_x}, {BufRef::kY, 0});
+            acc.c = acc.d;
+            acc.params.beta = 1.0f;
+            acc.params.ldb = kk;
+            acc.b_offset = peers[i].peer * row_x;
+            add.gemms.push_back(acc);
+          }
+          prep.steps.push_back(std::move(add));
+        }
+      }
+      add_whole_k(rest, lead, rest_comm);
+    } else {
+      for (int j = 0; j < knobs_.chunks; ++j) {
+        const RowRange rows = ChunkRows(own, knobs_.chunks, j);
+        const int64_t at_row = rows.begin - own.begin;
+        const int comm_step = ce ? add_comm_step(j == 0, j == knobs_.chunks - 1, rows, at_row) : -1;
+        add_whole_k(rows, at_row, comm_step);
+      }
     }
     if (ce) prep.done_from = peers;
   } else {
@@ -978,8 +1037,10 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   for (const PreparedStep& ps : prep.steps) {
     if (!ps.is_gemm || !with_gemm) continue;
     for (const GemmCall& call : ps.gemms) {
-      if (Status st = CublasLtGemm::CheckPointers(params_of(call), resolve(call.a), w,
-                                                  resolve(call.c), resolve(call.d));
+      if (Status st =
+              CublasLtGemm::CheckPointers(params_of(call), resolve(call.a),
+                                          static_cast<const char*>(w) + call.b_offset,
+                                          resolve(call.c), resolve(call.d));
           !st.ok()) {
         return st.WithContext("layer '" + name_ + "'");
       }
@@ -1017,8 +1078,9 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
       for (const GemmCall& call : ps.gemms) {
         if (!with_gemm) break;
         CublasLtGemm& gemm = ps.lane == 1 ? im.lane_gemm : im.gemm;
-        TP_RETURN_IF_ERROR(
-            gemm.Run(params_of(call), resolve(call.a), w, resolve(call.c), resolve(call.d), s));
+        TP_RETURN_IF_ERROR(gemm.Run(params_of(call), resolve(call.a),
+                                    static_cast<const char*>(w) + call.b_offset, resolve(call.c),
+                                    resolve(call.d), s));
       }
       if (with_comm) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, ps.done_to, s));
     } else if (ps.comm.copy_engine) {

@@ -35,11 +35,10 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
     return InvalidArgumentError("gemm_lanes must be 1 or 2, got " +
                                 std::to_string(knobs.gemm_lanes));
   }
-  if (knobs.full_weight && (op != OverlapOp::kGemmReduceScatter ||
-                            knobs.mode == OverlapMode::kRing || !knobs.copy_engine)) {
+  if (knobs.full_weight && (op != OverlapOp::kGemmReduceScatter || !knobs.copy_engine)) {
     return InvalidArgumentError(
-        "full_weight applies to gemm_rs layers in mode none or pipeline with copy_engine (the "
-        "peers' input columns pulled, no partial sums), got " +
+        "full_weight applies to gemm_rs layers with copy_engine (the peers' input columns "
+        "pulled, no partial sums), got " +
         std::string(OverlapOpName(op)) + " mode " + std::string(OverlapModeName(knobs.mode)) +
         (knobs.copy_engine ? " with" : " without") + " copy_engine");
   }

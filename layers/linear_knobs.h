@@ -56,14 +56,17 @@ struct LinearKnobs {
   // (2x H200) two lanes made most layers faster in bursts but the 80-layer pass slower (by 8–13
   // ms on o and down, ±1 ms on qkv and gate_up), so the shipped config does not use them.
   int gemm_lanes = 1;
-  // gemm_rs, copy_engine, mode none or pipeline: no partial sums. Every rank holds the whole
+  // gemm_rs, copy_engine: no partial sums. Every rank holds the whole
   // weight [n, tp * k] (rank r's shard is columns [r * k, (r + 1) * k)); instead of reduce-
   // scattering BF16 partials of every row, each rank pulls the peers' FP8 input columns of its
   // own rows (m / tp * k bytes per peer: at TP = 2 and n = 2k a quarter of the partials'
   // bytes) and computes its rows over the whole K in one GEMM per chunk. Pipeline: the rows in
   // `chunks` chunks, chunk j's pulls under chunk j - 1's GEMM; the own columns are copied into
-  // place on a second stream, beside the pulls. Costs tp x the layer's weight
-  // memory. Measured on one H200 (2026-12-01, benchmarks/NOTES.md): o's whole-K GEMM of the
+  // place on a second stream, beside the pulls. Ring: a lead of rows / (2 * chunks) rows starts
+  // at once on the own columns (one GEMM over k, then one accumulating GEMM per peer's pulled
+  // block), and the rest of the rows follow in one whole-K GEMM whose pulls run under the
+  // lead's GEMMs, so neither the ranks' meeting nor a first pull is exposed. Costs tp x the
+  // layer's weight memory. Measured on one H200 (2026-12-01, benchmarks/NOTES.md): o's whole-K GEMM of the
   // rank's rows is 4-5 % faster than the sharded GEMM of the same FLOPs (half the output).
   bool full_weight = false;
 
@@ -74,8 +77,7 @@ struct LinearKnobs {
 
 // INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none;
 // sm count >= 0; the comm knobs valid; in_place only for gemm_rs in mode ring with
-// copy_engine; gemm_lanes 1 or 2; full_weight only for gemm_rs in mode none or pipeline with
-// copy_engine. Every other knob goes with every op and mode.
+// copy_engine; gemm_lanes 1 or 2; full_weight only for gemm_rs with copy_engine. Every other knob goes with every op and mode.
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

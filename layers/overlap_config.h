@@ -15,7 +15,7 @@
 //     in_place: false              # gemm_rs ring on copy engines: read the peer's running sum
 //     gemm_lanes: 1                # 1 | 2: GEMM steps that do not depend on each other on 2
 //     streams
-//     full_weight: false           # gemm_rs, none or pipeline on copy engines: each rank holds
+//     full_weight: false           # gemm_rs on copy engines (any mode): each rank holds
 //                                  # the whole weight and pulls the peers' input columns of
 //                                  # its rows (no partial sums; tp x the weight memory)
 //   layers:                        # rules, first match wins

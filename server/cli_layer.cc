@@ -30,8 +30,8 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
     e = "--in-place applies to --op gemm_rs --mode ring --copy-engine (got --op " + f.op +
         " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
   }
-  if (e.empty() && f.full_weight && (f.op != "gemm_rs" || f.mode == "ring" || !f.copy_engine)) {
-    e = "--full-weight applies to --op gemm_rs --mode none|pipeline --copy-engine (got --op " +
+  if (e.empty() && f.full_weight && (f.op != "gemm_rs" || !f.copy_engine)) {
+    e = "--full-weight applies to --op gemm_rs --copy-engine (got --op " +
         f.op + " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
   }
   if (!e.empty()) {
@@ -177,10 +177,11 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                ->capture_default_str(),
            cuda_only.get());
   CudaOnly(cmd->add_flag("--full-weight", f->full_weight,
-                         "gemm_rs, mode none or pipeline, --copy-engine: every rank holds the "
-                         "whole weight and pulls the peers' input columns of its own rows, then "
-                         "computes them over the whole K (no partial sums; tp x the weight "
-                         "memory)"),
+                         "gemm_rs, --copy-engine: every rank holds the whole weight and pulls "
+                         "the peers' input columns of its own rows, then computes them over the "
+                         "whole K (no partial sums; tp x the weight memory). With --mode ring a "
+                         "lead of rows / (2 * chunks) rows starts on the own columns at once "
+                         "and adds the peers' blocks as they arrive"),
            cuda_only.get());
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());

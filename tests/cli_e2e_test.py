@@ -250,16 +250,15 @@ class CommandLineChecks(unittest.TestCase):
             self.assertNotIn("preparing operands", p.stderr)
 
     def test_layer_refuses_full_weight_where_it_does_not_apply(self):
-        # Only a gemm_rs outside the ring, on copy engines, pulls the peers' input columns:
-        # refused before anything runs, naming what was given.
+        # Only a gemm_rs on copy engines pulls the peers' input columns: refused before
+        # anything runs, naming what was given.
         for args, given in ((["--op", "ag_gemm", "--mode", "pipeline", "--copy-engine"],
                              "--op ag_gemm --mode pipeline --copy-engine"),
-                            (["--op", "gemm_rs", "--mode", "ring", "--copy-engine"],
-                             "--op gemm_rs --mode ring --copy-engine"),
+                            (["--op", "gemm_rs", "--mode", "ring"], "--op gemm_rs --mode ring"),
                             (["--op", "gemm_rs", "--mode", "none"], "--op gemm_rs --mode none")):
             p = self.refused(["layer", "--backend", "cuda", *args, "--full-weight"],
-                             "error: --full-weight applies to --op gemm_rs --mode none|pipeline "
-                             "--copy-engine (got " + given + ")", 2)
+                             "error: --full-weight applies to --op gemm_rs --copy-engine (got " +
+                             given + ")", 2)
             self.assertNotIn("preparing operands", p.stderr)
 
     def test_run_refuses_cuda_only_flags_on_the_cpu_backend(self):

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/cuda_check.h"
@@ -481,8 +482,11 @@ TEST(GpuLinearOneGpuTest, TwoGemmLanesAtTpOneMatchOneLaneAndTheCpuReference) {
 
 // full_weight at TP = 1 (no peers, so no pulls: the chunks' whole-K GEMMs read the input
 // where the caller wrote it): every chunk count's output matches the CPU reference within
-// kRelTol, every element written. The pulls themselves need one process per GPU and are
-// checked by `tpserve layer --full-weight` (benchmarks/gpu_layer_cli.sh).
+// kRelTol, every element written; mode ring too (its lead's GEMM over the own column block,
+// read at the weight's pitch from block 0, then the rest; m = 4099 gives a 2048- or 1024-row
+// lead, m = 37 an unrounded one, m = 1 none). The pulls and the lead's accumulating GEMMs need
+// one process per GPU and are checked by `tpserve layer --full-weight`
+// (benchmarks/gpu_layer_cli.sh).
 TEST(GpuLinearOneGpuTest, FullWeightAtTpOneMatchesTheCpuReference) {
   if (CudaDeviceCount() < 1) GTEST_SKIP() << "needs a GPU";
   auto group = NcclThreadGroup::Create(1);
@@ -492,11 +496,12 @@ TEST(GpuLinearOneGpuTest, FullWeightAtTpOneMatchesTheCpuReference) {
       auto p = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, dtype, 1, m, 96, 128,
                                        static_cast<uint32_t>(m));
       ASSERT_TRUE(p.ok()) << p.status().ToString();
-      for (int chunks : {1, 4}) {
-        SCOPED_TRACE(std::string(DataTypeName(dtype)) + " m=" + std::to_string(m) +
-                     " chunks=" + std::to_string(chunks));
+      for (auto [mode, chunks] : {std::pair{OverlapMode::kNone, 1}, {OverlapMode::kPipeline, 4},
+                                  {OverlapMode::kRing, 1}, {OverlapMode::kRing, 2}}) {
+        SCOPED_TRACE(std::string(DataTypeName(dtype)) + " m=" + std::to_string(m) + " mode " +
+                     std::string(OverlapModeName(mode)) + " chunks=" + std::to_string(chunks));
         LinearKnobs knobs;
-        knobs.mode = chunks == 1 ? OverlapMode::kNone : OverlapMode::kPipeline;
+        knobs.mode = mode;
         knobs.chunks = chunks;
         knobs.copy_engine = true;
         knobs.full_weight = true;

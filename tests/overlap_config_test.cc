@@ -211,16 +211,17 @@ TEST(OverlapConfig, GemmLanesInheritRoundTripAndRange) {
               HasSubstr("gemm_lanes must be 1 or 2, got 0"));
 }
 
-// full_weight: gemm_rs in mode none or pipeline on copy engines only (the error names the rule
-// and what was given), written back only where set, and a boolean.
-TEST(OverlapConfig, FullWeightOnlyForCopyEngineGemmRsOutsideTheRing) {
+// full_weight: gemm_rs on copy engines only, in any mode (the error names the rule and what was
+// given), written back only where set, and a boolean.
+TEST(OverlapConfig, FullWeightOnlyForCopyEngineGemmRs) {
   const OverlapConfig cfg = MustParse(
       "version: 1\n"
       "layers:\n"
       "  - {match: \"layers.*.attn.o\", mode: pipeline, chunks: 2, copy_engine: true,\n"
       "     full_weight: true}\n"
-      "  - {match: \"layers.*.mlp.down\", mode: ring, chunks: 1, copy_engine: true,\n"
+      "  - {match: \"layers.*.mlp.down\", mode: ring, chunks: 2, copy_engine: true,\n"
       "     full_weight: true}\n"
+      "  - {match: \"layers.*.mlp.up\", mode: ring, chunks: 1, full_weight: true}\n"
       "  - {match: \"*\", mode: none, full_weight: true}\n");
   auto o = cfg.Resolve("layers.1.attn.o", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
   ASSERT_TRUE(o.ok()) << o.status().ToString();
@@ -229,11 +230,16 @@ TEST(OverlapConfig, FullWeightOnlyForCopyEngineGemmRsOutsideTheRing) {
   EXPECT_THAT(o->ToString(), HasSubstr("full_weight=1"));
   EXPECT_THAT(LinearKnobs{}.ToString(), ::testing::Not(HasSubstr("full_weight")));
   auto ring = cfg.Resolve("layers.1.mlp.down", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
-  EXPECT_EQ(ring.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(ring.status().message(), HasSubstr("test.yaml:5 (match 'layers.*.mlp.down')"));
-  EXPECT_THAT(ring.status().message(),
-              HasSubstr("full_weight applies to gemm_rs layers in mode none or pipeline"));
-  EXPECT_THAT(ring.status().message(), HasSubstr("got gemm_rs mode ring with copy_engine"));
+  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+  EXPECT_TRUE(ring->full_weight);
+  EXPECT_EQ(ring->mode, OverlapMode::kRing);
+  EXPECT_EQ(ring->chunks, 2);
+  auto up = cfg.Resolve("layers.1.mlp.up", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
+  EXPECT_EQ(up.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(up.status().message(), HasSubstr("test.yaml:7 (match 'layers.*.mlp.up')"));
+  EXPECT_THAT(up.status().message(),
+              HasSubstr("full_weight applies to gemm_rs layers with copy_engine"));
+  EXPECT_THAT(up.status().message(), HasSubstr("got gemm_rs mode ring without copy_engine"));
   auto nccl = cfg.Resolve("layers.1.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
   EXPECT_EQ(nccl.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(nccl.status().message(), HasSubstr("got ag_gemm mode none without copy_engine"));
