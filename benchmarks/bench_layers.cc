@@ -163,7 +163,8 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
                                : name == "pipeline_fullw" ? OverlapMode::kPipeline
                                                           : OverlapMode::kRing;
       std::vector<int> chunks = mode == OverlapMode::kNone ? std::vector<int>{1} : f.chunks;
-      if (mode == OverlapMode::kRing && std::find(chunks.begin(), chunks.end(), 1) == chunks.end()) {
+      if (mode == OverlapMode::kRing &&
+          std::find(chunks.begin(), chunks.end(), 1) == chunks.end()) {
         chunks.insert(chunks.begin(), 1);
       }
       for (int c : chunks) {

@@ -250,7 +250,7 @@ PY
     # that config) next to none, then PyTorch; Llama-3-70B's layers and the
     # seed's shape, each in its own file and both in one (COMBINED).
     COMMIT=$commit PRESETS="${PRESETS:-llama70b seed}" COMBINED=llama70b-seed-fp8-tp$tp DTYPES=fp8 CHUNKS="2 4" ROUNDS=${ROUNDS:-20} MAX_CTAS=0 TUNE=1 \
-      METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce ring_inplace none_fullw pipeline_fullw layer_gemm auto" \
+      METHODS="gemm_only comm_only none none_ce pipeline ring pipeline_ce ring_ce ring_inplace none_fullw pipeline_fullw ring_fullw layer_gemm auto" \
       SKIP_TESTS=1 SMOKE_TIMEOUT=45 BENCH_TIMEOUT=200 AUTO_TIMEOUT=90 PEER_TIMEOUT=200 \
       BENCH_ARGS="${BENCH_ARGS:---breakdown}" \
       bash benchmarks/run_overlap_bench.sh || rc=1
@@ -444,7 +444,7 @@ PY
       timeout ${FULLW_TIMEOUT:-240} .gpu/bin/tpserve-bench --tp $tp --shapes llama70b \
         --m ${MS:-512 2048 8192 16384} --dtype fp8 --chunks 2 4 --rounds ${ROUNDS:-20} \
         --commit "$commit" --methods gemm_only comm_only ring_ce ring_inplace none_fullw \
-        pipeline_fullw --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json" \
+        pipeline_fullw ring_fullw --out "$out/$(date -u +%F)-overlap-llama70b-tp$tp-fullw-$commit.json" \
         > "$out/fullw.log" 2>&1 || rc=1
       grep -E "error" "$out/fullw.log" | tail -3
       python3 benchmarks/render_results.py --vs-gemm \

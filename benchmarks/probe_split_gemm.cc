@@ -466,8 +466,12 @@ Status Probe(const Options& o) {
               CudaGraphExec g,
               CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
           lead_ran = true;
-          cases.push_back({"lead" + std::to_string(q) + "_c" + std::to_string(c), c, true,
-                           ks_bytes / 1048576.0, std::move(g), {}});
+          cases.push_back({"lead" + std::to_string(q) + "_c" + std::to_string(c),
+                           c,
+                           true,
+                           ks_bytes / 1048576.0,
+                           std::move(g),
+                           {}});
         }
         // The copies alone: 2D into the column blocks, as above, and 1D of the same bytes.
         for (bool two_d : {true, false}) {
@@ -534,8 +538,10 @@ Status Probe(const Options& o) {
         const int64_t rows = m / o.chunks.back();
         std::vector<BFloat16> hf(rows * sh.n), other(rows * sh.n);
         TP_CUDA_CHECK(cudaMemcpy(hf.data(), d_fullk.data(), hf.size() * 2, cudaMemcpyDeviceToHost));
-        const std::pair<const char*, const DeviceBuffer*> against[] = {
-            {"hybrid2", &d_hybrid}, {"fullk_pipe", &d_pipe}, {"ksplit", &d_ksplit}, {"lead", &d_lead}};
+        const std::pair<const char*, const DeviceBuffer*> against[] = {{"hybrid2", &d_hybrid},
+                                                                       {"fullk_pipe", &d_pipe},
+                                                                       {"ksplit", &d_ksplit},
+                                                                       {"lead", &d_lead}};
         for (const auto& [name, buf] : against) {
           if (buf == &d_lead && !lead_ran) continue;
           TP_CUDA_CHECK(

@@ -1037,10 +1037,9 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   for (const PreparedStep& ps : prep.steps) {
     if (!ps.is_gemm || !with_gemm) continue;
     for (const GemmCall& call : ps.gemms) {
-      if (Status st =
-              CublasLtGemm::CheckPointers(params_of(call), resolve(call.a),
-                                          static_cast<const char*>(w) + call.b_offset,
-                                          resolve(call.c), resolve(call.d));
+      if (Status st = CublasLtGemm::CheckPointers(params_of(call), resolve(call.a),
+                                                  static_cast<const char*>(w) + call.b_offset,
+                                                  resolve(call.c), resolve(call.d));
           !st.ok()) {
         return st.WithContext("layer '" + name_ + "'");
       }

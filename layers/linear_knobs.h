@@ -66,8 +66,8 @@ struct LinearKnobs {
   // at once on the own columns (one GEMM over k, then one accumulating GEMM per peer's pulled
   // block), and the rest of the rows follow in one whole-K GEMM whose pulls run under the
   // lead's GEMMs, so neither the ranks' meeting nor a first pull is exposed. Costs tp x the
-  // layer's weight memory. Measured on one H200 (2026-12-01, benchmarks/NOTES.md): o's whole-K GEMM of the
-  // rank's rows is 4-5 % faster than the sharded GEMM of the same FLOPs (half the output).
+  // layer's weight memory. Measured on one H200 (2026-12-01, benchmarks/NOTES.md): o's whole-K GEMM
+  // of the rank's rows is 4-5 % faster than the sharded GEMM of the same FLOPs (half the output).
   bool full_weight = false;
 
   // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
@@ -77,7 +77,8 @@ struct LinearKnobs {
 
 // INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none;
 // sm count >= 0; the comm knobs valid; in_place only for gemm_rs in mode ring with
-// copy_engine; gemm_lanes 1 or 2; full_weight only for gemm_rs with copy_engine. Every other knob goes with every op and mode.
+// copy_engine; gemm_lanes 1 or 2; full_weight only for gemm_rs with copy_engine. Every other knob
+// goes with every op and mode.
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

@@ -31,8 +31,8 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
         " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
   }
   if (e.empty() && f.full_weight && (f.op != "gemm_rs" || !f.copy_engine)) {
-    e = "--full-weight applies to --op gemm_rs --copy-engine (got --op " +
-        f.op + " --mode " + f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
+    e = "--full-weight applies to --op gemm_rs --copy-engine (got --op " + f.op + " --mode " +
+        f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
   }
   if (!e.empty()) {
     std::fprintf(stderr, "error: %s\n", e.c_str());

@@ -496,8 +496,10 @@ TEST(GpuLinearOneGpuTest, FullWeightAtTpOneMatchesTheCpuReference) {
       auto p = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, dtype, 1, m, 96, 128,
                                        static_cast<uint32_t>(m));
       ASSERT_TRUE(p.ok()) << p.status().ToString();
-      for (auto [mode, chunks] : {std::pair{OverlapMode::kNone, 1}, {OverlapMode::kPipeline, 4},
-                                  {OverlapMode::kRing, 1}, {OverlapMode::kRing, 2}}) {
+      for (auto [mode, chunks] : {std::pair{OverlapMode::kNone, 1},
+                                  {OverlapMode::kPipeline, 4},
+                                  {OverlapMode::kRing, 1},
+                                  {OverlapMode::kRing, 2}}) {
         SCOPED_TRACE(std::string(DataTypeName(dtype)) + " m=" + std::to_string(m) + " mode " +
                      std::string(OverlapModeName(mode)) + " chunks=" + std::to_string(chunks));
         LinearKnobs knobs;
