@@ -25,7 +25,7 @@ struct LayerFlags {
   bool split_output = false;  // gemm_rs: CudaLinear::RunSplit, the addends summed on the host
   bool in_place = false;      // gemm_rs ring with --copy-engine: LinearKnobs::in_place
   int gemm_lanes = 1;         // LinearKnobs::gemm_lanes
-  bool full_weight = false;   // gemm_rs none/pipeline with --copy-engine: LinearKnobs::full_weight
+  bool full_weight = false;   // gemm_rs with --copy-engine: LinearKnobs::full_weight
   uint32_t seed = 1;
   int iters = 3;
   double tolerance = 1e-2;
