@@ -40,7 +40,7 @@
 #   fullw   gemm_rs without partial sums (LinearKnobs::full_weight) against the copy-engine
 #           rings: the layer benchmark of Llama-3-70B's layers, ratios to gemm_only; then
 #           (unless FULLW_MODEL=0) the 80-layer model with the deploy config's o entries made
-#           full_weight (2 chunks, 1 chunk) against none and the deploy config
+#           full_weight (FULLW_VARIANTS, mode:chunks) against none and the deploy config
 #   lanes   GEMM steps on two streams (LinearKnobs::gemm_lanes): the layer benchmark's
 #           copy-engine rings with --gemm-lanes 1 and 2 (as the engine runs o and down), the
 #           model (modelcmp) with the deploy config against the same config with gemm_lanes: 2
@@ -452,17 +452,20 @@ PY
     fi
     [ "${FULLW_MODEL:-1}" = 1 ] || exit $rc
     # Then the whole model (modelcmp, 8x1024) with the deploy config's o entries (gemm_rs,
-    # n = k = 8192) made full_weight by a line edit, 2 chunks and 1, interleaved with none and
-    # the deploy config.
-    for c in 2 1; do
-      mode=$([ $c = 1 ] && echo none || echo pipeline)
+    # n = k = 8192) made full_weight by a line edit, one file per FULLW_VARIANTS entry
+    # (mode:chunks, default pipeline:2 ring:1 ring:2), interleaved with none and the deploy config.
+    configs=""
+    for v in ${FULLW_VARIANTS:-pipeline:2 ring:1 ring:2}; do
+      mode=${v%%:*} c=${v##*:}
+      f=/tmp/fullw-o-$mode$c.yaml
       sed "/op: gemm_rs, n: 8192, k: 8192,/{s/mode: [a-z]*, chunks: [0-9]*,/mode: $mode, chunks: $c,/;s/copy_engine: true,/copy_engine: true, full_weight: true,/}" \
-        deploy/overlap-llama3-70b-tp$tp.yaml > /tmp/fullw-o-c$c.yaml
-      echo "o entries made full_weight, $c chunk(s): $(grep -c "full_weight: true" /tmp/fullw-o-c$c.yaml)"
-      cp /tmp/fullw-o-c$c.yaml "$out/"
+        deploy/overlap-llama3-70b-tp$tp.yaml > $f
+      echo "o entries made full_weight, mode $mode, $c chunk(s): $(grep -c "full_weight: true" $f)"
+      cp $f "$out/"
+      configs="$configs $f"
     done
     env LAYERS=${LAYERS:-0} BATCHES="${BATCHES:-8x1024}" ROUNDS=${MODEL_ROUNDS:-10} NAME=fullw \
-      CONFIGS="/tmp/fullw-o-c2.yaml /tmp/fullw-o-c1.yaml" bash "$0" modelcmp || rc=1
+      CONFIGS="$configs" bash "$0" modelcmp || rc=1
     ;;
   lanes)
     # Each GEMM step that does not depend on the one before on a second stream: the layers
