@@ -137,6 +137,12 @@ StatusOr<std::vector<std::vector<BFloat16>>> RunOnGpus(NcclThreadGroup& group,
           layer->Run(p.m, ops.w.data(), ops.x_scale(), ops.w_scale(), dy.data(), stream.get()));
     }
     TP_RETURN_IF_ERROR(group.pool(r).base().WaitStream(stream.get()));
+    // RunSplit's contract: a plan without a sum step of its own answers {y, nullptr}. Only y
+    // is poisoned, so reading any other first addend could pass on stale data.
+    if (split.second == nullptr && split.first != dy.data()) {
+      return InternalError("rank " + std::to_string(r) +
+                           ": RunSplit gave one addend that is not y");
+    }
     y[r].resize(out);
     TP_CUDA_CHECK(cudaMemcpy(y[r].data(), split.first, out * 2, cudaMemcpyDeviceToHost));
     if (split.second != nullptr) {

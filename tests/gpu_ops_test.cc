@@ -822,7 +822,7 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "cu_seqlens");
     p.cu_seqlens = ints;
     p.v = bf_misaligned;
-    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "v");
+    ExpectRejected(LaunchCausalAttention(p, nullptr), kInvalid, "AttentionParams.v is not aligned");
   }
   {
     // The fused FP8 output: one output at least, its scale, its stride and alignment; and

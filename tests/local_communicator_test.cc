@@ -66,20 +66,26 @@ TEST_P(LocalCommTest, ReduceScatterSumsFloat) {
 
 TEST_P(LocalCommTest, ReduceScatterBf16RoundsOnceFromFp32Sum) {
   const int n = GetParam();
+  // Rank 0 gives 1, the other n - 1 ranks e each, with (n - 1) * e = 3 * 2^-9 (3/4 of BF16's
+  // spacing 2^-7 at 1). For n >= 3, e <= 1.5 * 2^-9 is below half that spacing, so each e
+  // alone is lost adding to 1 in BF16 and a sum rounded per step stays 1, while the FP32 sum
+  // rounded once is 1 + 2^-7. n = 1 and 2 have at most one addition, where rounding once and
+  // per step agree: they check the sum only.
+  const float e = BFloat16ToFloat(FloatToBFloat16(n > 1 ? 3.0f / 512 / (n - 1) : 0.0f));
+  double exact = 1.0;
+  for (int r = 1; r < n; ++r) exact += e;
+  const float want = BFloat16ToFloat(FloatToBFloat16(static_cast<float>(exact)));
+  if (n >= 3) {
+    ASSERT_EQ(want, 1.0f + 1.0f / 128) << "the case must tell the two roundings apart";
+  }
   ASSERT_TRUE(RunOnLocalRanks(n, [&](Communicator& c) -> Status {
-                // 1 + n * 2^-9: each 2^-9 alone would be lost adding in BF16
-                // (8 bits of mantissa), their FP32 sum is not for n >= 2.
-                std::vector<BFloat16> send(n);
-                for (int i = 0; i < n; ++i) send[i] = FloatToBFloat16(c.rank() == 0 ? 1.0f : 0.0f);
-                for (int i = 0; i < n; ++i) {
-                  if (c.rank() != 0) send[i] = FloatToBFloat16(1.0f / 512);
-                }
+                std::vector<BFloat16> send(n, FloatToBFloat16(c.rank() == 0 ? 1.0f : e));
                 BFloat16 out;
                 TP_RETURN_IF_ERROR(
                     c.ReduceScatter(send.data(), &out, 1, DataType::kBFloat16, nullptr));
-                const float want = 1.0f + float(n - 1) / 512;
-                if (BFloat16ToFloat(out) != BFloat16ToFloat(FloatToBFloat16(want))) {
-                  return InternalError("bf16 sum " + std::to_string(BFloat16ToFloat(out)));
+                if (BFloat16ToFloat(out) != want) {
+                  return InternalError("bf16 sum " + std::to_string(BFloat16ToFloat(out)) +
+                                       ", want " + std::to_string(want));
                 }
                 return Status::Ok();
               }).ok());
