@@ -42,6 +42,14 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
         std::string(OverlapOpName(op)) + " mode " + std::string(OverlapModeName(knobs.mode)) +
         (knobs.copy_engine ? " with" : " without") + " copy_engine");
   }
+  if (knobs.full_weight && knobs.in_place) {
+    // in_place defers the wait for the peers' `done` to the next Run, which is safe for the
+    // running sums only Run writes; full_weight's peers read this rank's input, which the
+    // caller rewrites between Runs.
+    return InvalidArgumentError(
+        "full_weight and in_place do not combine (the peers pull this rank's input, which must "
+        "not be rewritten before they are done; in_place lets Run return before that)");
+  }
   return knobs.comm.Validate().WithContext("comm");
 }
 

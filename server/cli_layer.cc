@@ -34,6 +34,10 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
     e = "--full-weight applies to --op gemm_rs --copy-engine (got --op " + f.op + " --mode " +
         f.mode + (f.copy_engine ? " --copy-engine" : "") + ")";
   }
+  if (e.empty() && f.full_weight && f.in_place) {
+    e = "--full-weight and --in-place do not combine (the peers pull this rank's input, which "
+        "must not be rewritten before they are done; --in-place lets a run return before that)";
+  }
   if (!e.empty()) {
     std::fprintf(stderr, "error: %s\n", e.c_str());
     return 2;

@@ -260,6 +260,11 @@ class CommandLineChecks(unittest.TestCase):
                              "error: --full-weight applies to --op gemm_rs --copy-engine (got " +
                              given + ")", 2)
             self.assertNotIn("preparing operands", p.stderr)
+        # Each allowed alone in ring on copy engines, not together.
+        p = self.refused(["layer", "--backend", "cuda", "--op", "gemm_rs", "--mode", "ring",
+                          "--copy-engine", "--in-place", "--full-weight"],
+                         "error: --full-weight and --in-place do not combine", 2)
+        self.assertNotIn("preparing operands", p.stderr)
 
     def test_run_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. A model that does not exist shows that the

@@ -240,6 +240,14 @@ TEST(OverlapConfig, FullWeightOnlyForCopyEngineGemmRs) {
   EXPECT_THAT(up.status().message(),
               HasSubstr("full_weight applies to gemm_rs layers with copy_engine"));
   EXPECT_THAT(up.status().message(), HasSubstr("got gemm_rs mode ring without copy_engine"));
+  // With in_place (ring, copy engines: both allowed alone) refused: Run would return before
+  // the peers have pulled this rank's input.
+  LinearKnobs both = *ring;
+  both.in_place = true;
+  EXPECT_THAT(ValidateLinearKnobs(both, OverlapOp::kGemmReduceScatter).message(),
+              HasSubstr("full_weight and in_place do not combine"));
+  both.full_weight = false;
+  EXPECT_TRUE(ValidateLinearKnobs(both, OverlapOp::kGemmReduceScatter).ok());
   auto nccl = cfg.Resolve("layers.1.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
   EXPECT_EQ(nccl.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(nccl.status().message(), HasSubstr("got ag_gemm mode none without copy_engine"));
