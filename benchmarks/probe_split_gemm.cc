@@ -43,6 +43,8 @@
 //             blocks 1D-copied into a packed staging area and added by accumulating
 //             GEMMs), the rest of the rows in one whole-K GEMM whose 2D copies run
 //             beside the lead's GEMMs: only the lead's short split is paid
+//   fullk_pipe<s>_nocopy, fullk_geo<s>_nocopy, lead<q>_nocopy  the same GEMMs without the
+//             copies: the schedule's split alone
 //   copy2d / copy1d  those copies alone, 2D into the column blocks and 1D
 // Correctness: ksplit's output against fullk's, relative error printed and
 // bounded (they differ by the BF16 rounding of the partial sums); fullk_pipe's,
@@ -350,6 +352,9 @@ Status Probe(const Options& o) {
           }
           schedules.push_back({"fullk_geo" + std::to_string(sub), sizes});
         }
+        // Each schedule also without its copies (`_nocopy`: a_pipe keeps what the copying
+        // variant, timed before it in every round, left there): what its GEMMs' split costs
+        // apart from what the copies beside them cost.
         for (const auto& [label, sizes] : schedules) {
           if (sizes.size() > pipe_events.size()) continue;
           for (int64_t sz : sizes) {
@@ -357,30 +362,36 @@ Status Probe(const Options& o) {
             part.k = kk;
             TP_RETURN_IF_ERROR(gemm0.Prepare(part));
           }
-          auto body = [&]() -> Status {
-            cudaStream_t s0 = main.get(), sc = copier.get();
-            TP_RETURN_IF_ERROR(events[0].Record(s0));
-            TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
-            int64_t at = 0;
-            for (size_t q = 0; q < sizes.size(); at += sizes[q], ++q) {
-              TP_RETURN_IF_ERROR(copy_blocks(at, sizes[q], sc));
-              TP_RETURN_IF_ERROR(pipe_events[q].Record(sc));
-            }
-            at = 0;
-            for (size_t q = 0; q < sizes.size(); at += sizes[q], ++q) {
-              GemmParams part = params(sizes[q]);
-              part.k = kk;
-              TP_RETURN_IF_ERROR(pipe_events[q].WaitOn(s0));
-              TP_RETURN_IF_ERROR(gemm0.Run(part, a_pipe.as<char>() + at * kk, b_full.data(),
-                                           nullptr, d_pipe.as<char>() + at * sh.n * 2, s0));
-            }
-            return Status::Ok();
-          };
-          TP_ASSIGN_OR_RETURN(
-              CudaGraphExec g,
-              CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
-          cases.push_back(
-              {label + "_c" + std::to_string(c), c, true, ks_bytes / 1048576.0, std::move(g), {}});
+          for (bool copies : {true, false}) {
+            auto body = [&]() -> Status {
+              cudaStream_t s0 = main.get(), sc = copier.get();
+              TP_RETURN_IF_ERROR(events[0].Record(s0));
+              TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
+              int64_t at = 0;
+              for (size_t q = 0; q < sizes.size(); at += sizes[q], ++q) {
+                if (copies) TP_RETURN_IF_ERROR(copy_blocks(at, sizes[q], sc));
+                TP_RETURN_IF_ERROR(pipe_events[q].Record(sc));
+              }
+              at = 0;
+              for (size_t q = 0; q < sizes.size(); at += sizes[q], ++q) {
+                GemmParams part = params(sizes[q]);
+                part.k = kk;
+                TP_RETURN_IF_ERROR(pipe_events[q].WaitOn(s0));
+                TP_RETURN_IF_ERROR(gemm0.Run(part, a_pipe.as<char>() + at * kk, b_full.data(),
+                                             nullptr, d_pipe.as<char>() + at * sh.n * 2, s0));
+              }
+              return Status::Ok();
+            };
+            TP_ASSIGN_OR_RETURN(
+                CudaGraphExec g,
+                CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+            cases.push_back({label + "_c" + std::to_string(c) + (copies ? "" : "_nocopy"),
+                             c,
+                             copies,
+                             copies ? ks_bytes / 1048576.0 : 0.0,
+                             std::move(g),
+                             {}});
+          }
         }
         // full_weight's schedule with a first chunk that waits for nothing: its GEMM over the
         // own columns (block 0, where the caller wrote them: `a`'s first rows) while every
@@ -439,39 +450,43 @@ Status Probe(const Options& o) {
           GemmParams tail = params(rest);
           tail.k = kk;
           for (const GemmParams* p : {&own, &add, &tail}) TP_RETURN_IF_ERROR(gemm0.Prepare(*p));
-          auto body = [&]() -> Status {
-            cudaStream_t s0 = main.get(), sc = copier.get();
-            TP_RETURN_IF_ERROR(events[0].Record(s0));
-            TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
-            for (int64_t blk = 1; blk < c; ++blk) {
-              TP_CUDA_CHECK(cudaMemcpyAsync(ks_dst.as<char>() + (blk - 1) * lead * sh.k,
-                                            ks_src.as<char>() + (blk - 1) * rows * sh.k,
-                                            lead * sh.k, cudaMemcpyDeviceToDevice, sc));
-            }
-            TP_RETURN_IF_ERROR(pipe_events[0].Record(sc));
-            TP_RETURN_IF_ERROR(copy_blocks(lead, rest, sc));
-            TP_RETURN_IF_ERROR(pipe_events[1].Record(sc));
-            TP_RETURN_IF_ERROR(gemm0.Run(own, a.data(), b_full.data(), nullptr, d_lead.data(), s0));
-            TP_RETURN_IF_ERROR(pipe_events[0].WaitOn(s0));
-            for (int64_t blk = 1; blk < c; ++blk) {
-              TP_RETURN_IF_ERROR(gemm0.Run(add, ks_dst.as<char>() + (blk - 1) * lead * sh.k,
-                                           b_full.as<char>() + blk * sh.k, d_lead.data(),
-                                           d_lead.data(), s0));
-            }
-            TP_RETURN_IF_ERROR(pipe_events[1].WaitOn(s0));
-            return gemm0.Run(tail, a_pipe.as<char>() + lead * kk, b_full.data(), nullptr,
-                             d_lead.as<char>() + lead * sh.n * 2, s0);
-          };
-          TP_ASSIGN_OR_RETURN(
-              CudaGraphExec g,
-              CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
-          lead_ran = true;
-          cases.push_back({"lead" + std::to_string(q) + "_c" + std::to_string(c),
-                           c,
-                           true,
-                           ks_bytes / 1048576.0,
-                           std::move(g),
-                           {}});
+          for (bool copies : {true, false}) {  // `_nocopy` as for the schedules above
+            auto body = [&]() -> Status {
+              cudaStream_t s0 = main.get(), sc = copier.get();
+              TP_RETURN_IF_ERROR(events[0].Record(s0));
+              TP_RETURN_IF_ERROR(events[0].WaitOn(sc));
+              for (int64_t blk = 1; blk < c && copies; ++blk) {
+                TP_CUDA_CHECK(cudaMemcpyAsync(ks_dst.as<char>() + (blk - 1) * lead * sh.k,
+                                              ks_src.as<char>() + (blk - 1) * rows * sh.k,
+                                              lead * sh.k, cudaMemcpyDeviceToDevice, sc));
+              }
+              TP_RETURN_IF_ERROR(pipe_events[0].Record(sc));
+              if (copies) TP_RETURN_IF_ERROR(copy_blocks(lead, rest, sc));
+              TP_RETURN_IF_ERROR(pipe_events[1].Record(sc));
+              TP_RETURN_IF_ERROR(
+                  gemm0.Run(own, a.data(), b_full.data(), nullptr, d_lead.data(), s0));
+              TP_RETURN_IF_ERROR(pipe_events[0].WaitOn(s0));
+              for (int64_t blk = 1; blk < c; ++blk) {
+                TP_RETURN_IF_ERROR(gemm0.Run(add, ks_dst.as<char>() + (blk - 1) * lead * sh.k,
+                                             b_full.as<char>() + blk * sh.k, d_lead.data(),
+                                             d_lead.data(), s0));
+              }
+              TP_RETURN_IF_ERROR(pipe_events[1].WaitOn(s0));
+              return gemm0.Run(tail, a_pipe.as<char>() + lead * kk, b_full.data(), nullptr,
+                               d_lead.as<char>() + lead * sh.n * 2, s0);
+            };
+            TP_ASSIGN_OR_RETURN(
+                CudaGraphExec g,
+                CudaGraphExec::Capture(main.get(), cudaStreamCaptureModeThreadLocal, body));
+            lead_ran = true;
+            cases.push_back(
+                {"lead" + std::to_string(q) + "_c" + std::to_string(c) + (copies ? "" : "_nocopy"),
+                 c,
+                 copies,
+                 copies ? ks_bytes / 1048576.0 : 0.0,
+                 std::move(g),
+                 {}});
+          }
         }
         // The copies alone: 2D into the column blocks, as above, and 1D of the same bytes.
         for (bool two_d : {true, false}) {
