@@ -453,9 +453,9 @@ PY
     [ "${FULLW_MODEL:-1}" = 1 ] || exit $rc
     # Then the whole model (modelcmp, 8x1024) with the deploy config's o entries (gemm_rs,
     # n = k = 8192) made full_weight by a line edit, one file per FULLW_VARIANTS entry
-    # (mode:chunks, default pipeline:2 ring:1 ring:2), interleaved with none and the deploy config.
+    # (mode:chunks, default pipeline:2 ring:2 ring:4), interleaved with none and the deploy config.
     configs=""
-    for v in ${FULLW_VARIANTS:-pipeline:2 ring:1 ring:2}; do
+    for v in ${FULLW_VARIANTS:-pipeline:2 ring:2 ring:4}; do
       mode=${v%%:*} c=${v##*:}
       f=/tmp/fullw-o-$mode$c.yaml
       sed "/op: gemm_rs, n: 8192, k: 8192,/{s/mode: [a-z]*, chunks: [0-9]*,/mode: $mode, chunks: $c,/;s/copy_engine: true,/copy_engine: true, full_weight: true,/}" \
