@@ -3,12 +3,20 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/local_communicator.h"
+#include "engine/sampling.h"
 
 namespace tpserve {
 
 StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Start(CpuEngineOptions options) {
   TP_RETURN_IF_ERROR(options.config.ValidateForTp(options.tp));
   auto engine = std::unique_ptr<CpuEngine>(new CpuEngine(std::move(options)));
+  const CpuEngineOptions& o = engine->options_;
+  if (o.kv_blocks > 0) {
+    const ModelConfig& c = o.config;
+    engine->kv_layout_ = {c.num_hidden_layers,          o.kv_blocks,  o.kv_block_size,
+                          c.num_key_value_heads / o.tp, c.head_dim(), o.kv_dtype};
+    TP_RETURN_IF_ERROR(engine->kv_layout_.Validate());
+  }
   TP_ASSIGN_OR_RETURN(engine->comms_, MakeLocalCommunicators(engine->options_.tp));
   // Create spdlog's default logger here, before the rank threads log
   // concurrently: its lazy creation inside the library is then ordered before
@@ -65,6 +73,8 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
     return CpuModel::Create(o.config, std::move(w).value(), o.overlap.get(), *comm);
   });
   if (!model.ok()) return fail(model.status());
+  std::unique_ptr<CpuKvCache> cache;
+  if (kv_layout_.num_blocks > 0) cache = std::make_unique<CpuKvCache>(kv_layout_);
   uint64_t seen = 0;
   {
     std::lock_guard lock(mu_);
@@ -72,7 +82,7 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
   }
   cv_.notify_all();
   while (true) {
-    const TokenBatch* job = nullptr;
+    const Job* job = nullptr;
     {
       std::unique_lock lock(mu_);
       cv_.wait(lock, [&] { return stop_ || broken_ || generation_ != seen; });
@@ -81,7 +91,7 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
       job = job_;
       ++running_;
     }
-    auto logits = CallCatching("the forward pass", [&] { return (*model)->Forward(*job); });
+    auto logits = CallCatching("the forward pass", [&] { return (*job)(**model, cache.get()); });
     {
       std::lock_guard lock(mu_);
       --running_;  // this rank no longer reads the caller's batch
@@ -96,21 +106,47 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
 }
 
 StatusOr<std::vector<float>> CpuEngine::Forward(const TokenBatch& batch) {
+  // A bad batch is the caller's error: refused before the ranks see it.
+  TP_RETURN_IF_ERROR(ValidateTokenBatch(batch, options_.config.vocab_size,
+                                        options_.config.max_position_embeddings));
+  return Run([&](CpuModel& m, CpuKvCache*) { return m.Forward(batch); });
+}
+
+StatusOr<StepResult> CpuEngine::Step(const StepBatch& step) {
+  if (kv_layout_.num_blocks == 0) {
+    return FailedPreconditionError("the CPU engine was started without a KV cache");
+  }
+  TP_RETURN_IF_ERROR(ValidateStepBatch(step, options_.config.vocab_size,
+                                       options_.config.max_position_embeddings,
+                                       kv_layout_.num_blocks, kv_layout_.block_size));
+  TP_ASSIGN_OR_RETURN(std::vector<float> logits,
+                      Run([&](CpuModel& m, CpuKvCache* cache) { return m.Step(step, *cache); }));
+  const int64_t vocab = options_.config.vocab_size;
+  StepResult r;
+  int64_t k = 0;
+  for (int64_t s = 0; s < step.sequences(); ++s) {
+    if (step.sample[s] == 0) continue;
+    r.tokens.push_back(SampleToken(std::span<const float>(logits.data() + k * vocab, vocab),
+                                   step.sampling[s], step.sample_index[s]));
+    ++k;
+  }
+  return r;
+}
+
+StatusOr<std::vector<float>> CpuEngine::Run(const Job& job) {
   std::lock_guard one_at_a_time(forward_mu_);
   std::unique_lock lock(mu_);
   if (broken_) {
     return UnavailableError("CPU engine is down after an earlier failure: " +
                             first_error_.ToString());
   }
-  // A bad batch is the caller's error: refused before the ranks see it.
-  TP_RETURN_IF_ERROR(ValidateTokenBatch(batch, options_.config.vocab_size,
-                                        options_.config.max_position_embeddings));
-  job_ = &batch;
+  job_ = &job;
   finished_ = 0;
   ++generation_;
   cv_.notify_all();
-  // On a failure, the ranks still inside the job read `batch` until their
-  // next collective fails: it must outlive them, so wait for every one.
+  // On a failure, the ranks still inside the job read the caller's batch
+  // until their next collective fails: it must outlive them, so wait for
+  // every one.
   cv_.wait(lock, [&] { return finished_ == options_.tp || (broken_ && running_ == 0); });
   job_ = nullptr;
   if (broken_) return UnavailableError("CPU engine failed: " + first_error_.ToString());

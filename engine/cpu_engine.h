@@ -8,6 +8,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -27,6 +28,11 @@ struct CpuEngineOptions {
   uint64_t seed = 7;                             // of random weights
   std::string checkpoint_dir;                    // empty: random weights
   std::shared_ptr<const OverlapConfig> overlap;  // may be null: every layer mode none
+  // The paged KV cache of generation, per rank, allocated at Start (host
+  // memory): num_blocks blocks of block_size tokens; 0 blocks: no generation.
+  int64_t kv_blocks = 0;
+  int64_t kv_block_size = 16;
+  KvCacheDtype kv_dtype = KvCacheDtype::kBFloat16;
 };
 
 class CpuEngine final : public Engine {
@@ -36,6 +42,9 @@ class CpuEngine final : public Engine {
 
   // Logits [sequences, vocab] of the last token of every sequence.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch) override;
+  // A generation step; rank 0 samples from the logits (engine/sampling.h).
+  StatusOr<StepResult> Step(const StepBatch& step) override;
+  KvCacheLayout kv_cache_layout() const override { return kv_layout_; }
 
   const ModelConfig& config() const override { return options_.config; }
   int tp() const override { return options_.tp; }
@@ -45,8 +54,12 @@ class CpuEngine final : public Engine {
  private:
   explicit CpuEngine(CpuEngineOptions options) : options_(std::move(options)) {}
   void RankLoop(int rank, Communicator* comm);
+  // What every rank runs for one call; rank 0's logits are kept.
+  using Job = std::function<StatusOr<std::vector<float>>(CpuModel&, CpuKvCache*)>;
+  StatusOr<std::vector<float>> Run(const Job& job);
 
   CpuEngineOptions options_;
+  KvCacheLayout kv_layout_;  // num_blocks 0: no cache
   std::vector<std::unique_ptr<Communicator>> comms_;
   std::vector<std::thread> threads_;
 
@@ -60,7 +73,7 @@ class CpuEngine final : public Engine {
   bool stop_ = false;
   bool broken_ = false;
   Status first_error_;
-  const TokenBatch* job_ = nullptr;
+  const Job* job_ = nullptr;
   std::vector<float> logits_;
 };
 

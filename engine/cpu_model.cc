@@ -5,6 +5,7 @@
 
 #include "comm/local_communicator.h"
 #include "engine/cpu_ops.h"
+#include "engine/kv_cache.h"
 #include "layers/cpu_linear.h"
 #include "layers/fp8.h"
 
@@ -127,9 +128,57 @@ StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
   // collective (an empty sequence would otherwise never find its owner).
   TP_RETURN_IF_ERROR(
       ValidateTokenBatch(batch, config_.vocab_size, config_.max_position_embeddings));
+  const int64_t q_heads = config_.num_attention_heads / comm_.size();
+  const int64_t kv_heads = config_.num_key_value_heads / comm_.size();
+  std::vector<float> normed;
+  TP_RETURN_IF_ERROR(Blocks(
+      batch.ids, batch.positions,
+      [&](int64_t, const float* q, const float* k, const float* v, float* out) {
+        return CausalAttentionVarlen(q, k, v, batch.tokens(), q_heads, kv_heads, config_.head_dim(),
+                                     batch.cu_seqlens, out);
+      },
+      &normed));
+  std::vector<int64_t> last;
+  for (int64_t s = 0; s < batch.sequences(); ++s) last.push_back(batch.cu_seqlens[s + 1] - 1);
+  return Head(normed, batch.tokens(), last);
+}
+
+StatusOr<std::vector<float>> CpuModel::Step(const StepBatch& step, CpuKvCache& cache) {
+  const KvCacheLayout& L = cache.layout();
+  TP_RETURN_IF_ERROR(ValidateStepBatch(step, config_.vocab_size, config_.max_position_embeddings,
+                                       L.num_blocks, L.block_size));
+  const int64_t q_heads = config_.num_attention_heads / comm_.size();
+  const int64_t m = step.tokens(), kv_width = L.kv_heads * L.head_dim;
+  // Each row's sequence, for its block table.
+  std::vector<int64_t> seq_of(m);
+  for (int64_t s = 0; s < step.sequences(); ++s) {
+    for (int32_t r = step.cu_seqlens[s]; r < step.cu_seqlens[s + 1]; ++r) seq_of[r] = s;
+  }
+  std::vector<float> normed;
+  TP_RETURN_IF_ERROR(Blocks(
+      step.ids, step.positions,
+      [&](int64_t layer, const float* q, const float* k, const float* v, float* out) -> Status {
+        for (int64_t r = 0; r < m; ++r) {
+          cache.Write(layer, k + r * kv_width, v + r * kv_width, 1, &step.positions[r],
+                      step.block_tables.data() + seq_of[r] * step.max_blocks);
+        }
+        return PagedAttention(cache, layer, q, q_heads, step.cu_seqlens, step.context_lens,
+                              step.block_tables, step.max_blocks, out);
+      },
+      &normed));
+  std::vector<int64_t> rows;
+  for (int64_t s = 0; s < step.sequences(); ++s) {
+    if (step.sample[s] != 0) rows.push_back(step.cu_seqlens[s + 1] - 1);
+  }
+  if (rows.empty()) return std::vector<float>{};
+  return Head(normed, m, rows);
+}
+
+Status CpuModel::Blocks(const std::vector<int32_t>& ids, const std::vector<int32_t>& positions,
+                        const AttendFn& attend, std::vector<float>* normed_out) {
   const ModelConfig& c = config_;
   const int tp = comm_.size(), rank = comm_.rank();
-  const int64_t m = batch.tokens(), h = c.hidden_size, hd = c.head_dim();
+  const int64_t m = static_cast<int64_t>(ids.size()), h = c.hidden_size, hd = c.head_dim();
   const int64_t nh_l = c.num_attention_heads / tp, nkv_l = c.num_key_value_heads / tp;
   const int64_t inter_l = c.intermediate_size / tp;
   const RowRange shard = ShardRows(m, tp, rank);
@@ -137,8 +186,8 @@ StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
 
   // The residual stream: this rank's rows.
   std::vector<float> x(rows * h);
-  TP_RETURN_IF_ERROR(EmbeddingLookup(w_.embed.data(), c.vocab_size, h,
-                                     batch.ids.data() + shard.begin, rows, x.data()));
+  TP_RETURN_IF_ERROR(
+      EmbeddingLookup(w_.embed.data(), c.vocab_size, h, ids.data() + shard.begin, rows, x.data()));
   std::vector<float> normed(rows * h), qkv, attn(m * nh_l * hd), mlp_in, mlp_act(m * inter_l), proj;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& lw = w_.layers[l];
@@ -155,10 +204,9 @@ StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
       std::copy_n(qkv.data() + i * row_n + qn, kn, k.data() + i * kn);
       std::copy_n(qkv.data() + i * row_n + qn + kn, kn, v.data() + i * kn);
     }
-    TP_RETURN_IF_ERROR(ApplyRope(q.data(), m, nh_l, hd, batch.positions.data(), c.rope_theta));
-    TP_RETURN_IF_ERROR(ApplyRope(k.data(), m, nkv_l, hd, batch.positions.data(), c.rope_theta));
-    TP_RETURN_IF_ERROR(CausalAttentionVarlen(q.data(), k.data(), v.data(), m, nh_l, nkv_l, hd,
-                                             batch.cu_seqlens, attn.data()));
+    TP_RETURN_IF_ERROR(ApplyRope(q.data(), m, nh_l, hd, positions.data(), c.rope_theta));
+    TP_RETURN_IF_ERROR(ApplyRope(k.data(), m, nkv_l, hd, positions.data(), c.rope_theta));
+    TP_RETURN_IF_ERROR(attend(l, q.data(), k.data(), v.data(), attn.data()));
     TP_RETURN_IF_ERROR(Linear(p + ".attn.o", OverlapOp::kGemmReduceScatter, lw.o, h,
                               c.num_attention_heads * hd, m, attn, &proj));
     for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[i];
@@ -172,18 +220,26 @@ StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
     for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[i];
   }
   RmsNorm(x.data(), w_.final_norm.data(), rows, h, c.rms_norm_eps, normed.data());
+  *normed_out = std::move(normed);
+  return Status::Ok();
+}
 
-  // Gather the normed rows (padded to the largest shard), keep each
-  // sequence's last token, and multiply by this rank's vocabulary slice.
+StatusOr<std::vector<float>> CpuModel::Head(const std::vector<float>& normed, int64_t m,
+                                            const std::vector<int64_t>& rows_wanted) {
+  const ModelConfig& c = config_;
+  const int tp = comm_.size();
+  const int64_t h = c.hidden_size;
+  // Gather the normed rows (padded to the largest shard), keep the wanted
+  // rows, and multiply by this rank's vocabulary slice.
   const int64_t max_rows = ShardRows(m, tp, 0).size();
   std::vector<float> mine(max_rows * h, 0.0f), all(max_rows * h * tp);
   std::copy(normed.begin(), normed.end(), mine.begin());
   TP_RETURN_IF_ERROR(
       comm_.AllGather(mine.data(), all.data(), mine.size() * sizeof(float), nullptr));
-  const int64_t seqs = batch.sequences();
+  const int64_t seqs = static_cast<int64_t>(rows_wanted.size());
   std::vector<uint8_t> last(seqs * h * 2);
   for (int64_t s = 0; s < seqs; ++s) {
-    const int64_t row = batch.cu_seqlens[s + 1] - 1;
+    const int64_t row = rows_wanted[s];
     int owner = 0;
     while (!(ShardRows(m, tp, owner).begin <= row && row < ShardRows(m, tp, owner).end)) ++owner;
     const float* src = all.data() + (owner * max_rows + row - ShardRows(m, tp, owner).begin) * h;

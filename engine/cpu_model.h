@@ -18,9 +18,13 @@
 #include <memory>
 #include <vector>
 
+#include <functional>
 #include "comm/communicator.h"
+
+#include "engine/kv_cache.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
+#include "engine/step_batch.h"
 #include "layers/overlap_config.h"
 
 namespace tpserve {
@@ -60,7 +64,26 @@ class CpuModel {
   // rank. Collective: all ranks call it with the same batch.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
 
+  // One generation step over this rank's paged KV cache: the step's keys and
+  // values are written into `cache`, attention reads the cache
+  // (PagedAttention), so a token's result does not depend on how its
+  // sequence was split over steps. Returns the logits of the last row of each
+  // sequence marked `sample`, [sampled, vocab], on every rank. Collective.
+  StatusOr<std::vector<float>> Step(const StepBatch& step, CpuKvCache& cache);
+
  private:
+  // Attention of one layer: q [m, q_heads_l, hd], k and v [m, kv_heads_l, hd]
+  // (RoPE applied) -> out [m, q_heads_l, hd].
+  using AttendFn = std::function<Status(int64_t layer, const float* q, const float* k,
+                                        const float* v, float* out)>;
+  // The blocks and the final norm over the tokens `ids` at `positions`;
+  // `normed` gets this rank's row shard of the final-normed stream.
+  Status Blocks(const std::vector<int32_t>& ids, const std::vector<int32_t>& positions,
+                const AttendFn& attend, std::vector<float>* normed);
+  // LM-head logits [rows.size(), vocab] of the given rows of the m-row batch.
+  StatusOr<std::vector<float>> Head(const std::vector<float>& normed, int64_t m,
+                                    const std::vector<int64_t>& rows);
+
   CpuModel(const ModelConfig& config, RankWeights weights, const OverlapConfig* overlap,
            Communicator& comm)
       : config_(config), w_(std::move(weights)), overlap_(overlap), comm_(comm) {}

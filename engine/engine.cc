@@ -7,6 +7,10 @@
 
 namespace tpserve {
 
+StatusOr<StepResult> Engine::Step(const StepBatch&) {
+  return UnimplementedError("this backend has no token generation (use --backend cpu)");
+}
+
 std::vector<OverlapSettingCount> OverlapSettingsAt(const ModelConfig& c,
                                                    const OverlapConfig* overlap, int tp,
                                                    int64_t m) {

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "engine/cpu_model.h"
+#include "engine/kv_cache.h"
+#include "engine/step_batch.h"
 #include "layers/overlap_config.h"
 
 namespace tpserve {
@@ -18,6 +20,15 @@ class Engine {
   // Logits [sequences, vocab] of the last token of every sequence of the
   // packed batch. Thread-safe (calls may be serialised).
   virtual StatusOr<std::vector<float>> Forward(const TokenBatch& batch) = 0;
+
+  // Generation: runs one step (engine/step_batch.h) on every rank, writing
+  // the step's keys and values into the paged KV cache and sampling a token
+  // for each sequence marked `sample`. Calls are serialised with Forward.
+  // INVALID_ARGUMENT for a malformed step (nothing computed); UNIMPLEMENTED
+  // where the backend has no generation.
+  virtual StatusOr<StepResult> Step(const StepBatch& step);
+  // Rank 0's KV cache (num_blocks 0: no cache, no generation).
+  virtual KvCacheLayout kv_cache_layout() const { return {}; }
 
   virtual const ModelConfig& config() const = 0;
   // False once the engine cannot serve any more (e.g. a rank failed).

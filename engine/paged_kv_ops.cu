@@ -1,0 +1,957 @@
+// Kernels and launchers for engine/paged_kv_ops.h. Plain CUDA C++17: host logic beyond
+// argument checks and launch shapes belongs in .cc files (nvcc 13.0's front end is fragile,
+// see GPU_HOST.md).
+//
+// BF16 travels as its raw bits (uint16_t), eight to a 16-byte vector.
+#include "engine/paged_kv_ops.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "comm/cuda_check.h"
+#include "layers/kernel_grid.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1
+constexpr int64_t kMaxGridY = 65535;
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+Status BadField(const char* params, const char* field, int64_t value, const std::string& what) {
+  return InvalidArgumentError(std::string(params) + "." + field + " (" + Str(value) + ") " + what);
+}
+Status NullField(const char* params, const char* field) {
+  return InvalidArgumentError(std::string(params) + "." + field + " must not be null");
+}
+Status MisalignedField(const char* params, const char* field, size_t alignment) {
+  return InvalidArgumentError(std::string(params) + "." + field + " is not aligned to " +
+                              std::to_string(alignment) + " bytes");
+}
+
+// The layout's fields as a launcher can trust them (Validate() lives in kv_cache.cc, which the
+// launchers do not need to link against): positive sizes, a layer inside it.
+Status CheckLayout(const char* params, const KvCacheLayout& l, int64_t layer) {
+  const struct {
+    const char* name;
+    int64_t value;
+  } sizes[] = {{"layout.layers", l.layers},
+               {"layout.num_blocks", l.num_blocks},
+               {"layout.block_size", l.block_size},
+               {"layout.kv_heads", l.kv_heads},
+               {"layout.head_dim", l.head_dim}};
+  for (const auto& s : sizes) {
+    if (s.value < 1) return BadField(params, s.name, s.value, "must be >= 1");
+  }
+  if (layer < 0 || layer >= l.layers) {
+    return BadField(params, "layer", layer,
+                    "must be in [0, layout.layers = " + Str(l.layers) + ")");
+  }
+  if (l.num_blocks * l.block_size > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgumentError(std::string(params) +
+                                ": num_blocks * block_size exceeds 2^31 - 1 (slots are int32)");
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+__device__ __forceinline__ uint32_t FloatToBf16Bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ void UnpackBf16x8(const uint4& raw, float (&f)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ float Fp8E4M3ToFloat(uint32_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__device__ __forceinline__ void UnpackFp8x8(const uint2& raw, float (&f)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[i] = Fp8E4M3ToFloat((raw.x >> (8 * i)) & 0xFFu);
+    f[4 + i] = Fp8E4M3ToFloat((raw.y >> (8 * i)) & 0xFFu);
+  }
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV write: one thread per 8 elements of (row, K|V, head).
+
+struct KvWriteArgs {
+  const BFloat16* k;
+  int64_t k_row_stride;
+  const BFloat16* v;
+  int64_t v_row_stride;
+  const int32_t* slot_mapping;
+  int64_t rows;
+  void* cache;
+  int64_t k_offset;  // element offset of (layer, K, block 0, head 0, slot 0)
+  int64_t v_offset;
+  int64_t num_slots;  // num_blocks * block_size
+  int64_t block_size;
+  int64_t kv_heads;
+  int64_t head_dim;
+};
+
+template <bool kFp8>
+__global__ void PagedKvWriteKernel(KvWriteArgs a) {
+  const int64_t vecs_per_head = a.head_dim / 8;
+  const int64_t per_row = 2 * a.kv_heads * vecs_per_head;
+  const int64_t total = a.rows * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / per_row;
+    int64_t rest = i - row * per_row;
+    const int kv = static_cast<int>(rest / (a.kv_heads * vecs_per_head));
+    rest -= kv * a.kv_heads * vecs_per_head;
+    const int64_t head = rest / vecs_per_head;
+    const int64_t c = rest - head * vecs_per_head;
+    const int64_t slot = a.slot_mapping[row];
+    if (slot < 0 || slot >= a.num_slots) continue;  // padding, or corrupt
+    const int64_t block = slot / a.block_size, in_block = slot - block * a.block_size;
+    const BFloat16* src = (kv == 0 ? a.k + row * a.k_row_stride : a.v + row * a.v_row_stride) +
+                          head * a.head_dim + c * 8;
+    const int64_t dst = (kv == 0 ? a.k_offset : a.v_offset) +
+                        ((block * a.kv_heads + head) * a.block_size + in_block) * a.head_dim +
+                        c * 8;
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    if (!kFp8) {
+      reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.cache) + dst)[0] = raw;
+    } else {
+      float f[8];
+      UnpackBf16x8(raw, f);
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t code = __nv_cvt_float_to_fp8(f[j], __NV_SATFINITE, __NV_E4M3);
+        w[j / 4] |= code << (8 * (j % 4));
+      }
+      reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.cache) + dst)[0] = make_uint2(w[0], w[1]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged attention.
+//
+// A CTA of kAttnWarps warps owns up to kPairsPerCta (query row, head) pairs of one (sequence,
+// KV head): the pairs of a sequence and KV head are numbered row-major (pair = j * group + g),
+// and tile t is pairs [t * kPairsPerCta, ...). Warp w holds pairs w, w + kAttnWarps, ... in
+// registers (its running max, sum and kHeadDim / 32 output dims per lane). The keys go by
+// tiles of 32, staged in shared memory as FP32 (K padded by one column so that lane = key
+// reads are conflict-free); a lane scores one key against each of the warp's pairs, then the
+// warp's pairs accumulate P.V with lane = output dims. Scores are in log2 units (q is scaled by
+// log2(e) / sqrt(head_dim) when staged).
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * 32;
+constexpr int kPairsPerWarp = 4;
+constexpr int kPairsPerCta = kAttnWarps * kPairsPerWarp;
+constexpr int kKeyTile = 32;
+constexpr int64_t kMinSplitKeys = 256;
+constexpr int64_t kMaxSplits = 32;
+
+struct AttnArgs {
+  const BFloat16* q;
+  int64_t q_row_stride;
+  const uint8_t* cache;  // bytes
+  int64_t k_offset;      // elements: (layer, K, block 0, head 0, slot 0)
+  int64_t v_offset;
+  int num_blocks;
+  int block_size;
+  int kv_heads;
+  int q_heads;
+  int group;
+  const int32_t* cu_seqlens;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  int tokens;
+  BFloat16* out;
+  int64_t out_row_stride;
+  float* ws_acc;  // [splits][tokens][q_heads][head_dim]
+  float* ws_ml;   // [splits][tokens][q_heads][2]: running max (log2 units), sum
+  int splits;
+  int chunk;  // keys per split (a multiple of kKeyTile); the last split takes the rest
+  float scale_log2;
+};
+
+// The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.
+__device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begin, int* n,
+                                             int* ctx) {
+  int b = a.cu_seqlens[s], e = a.cu_seqlens[s + 1];
+  b = min(max(b, 0), a.tokens);
+  e = min(max(e, b), a.tokens);
+  *begin = b;
+  *n = e - b;
+  const int64_t cap = a.max_blocks * a.block_size;
+  const int64_t c = a.context_lens[s];
+  *ctx = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
+}
+
+template <int kHeadDim, bool kFp8>
+__global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a) {
+  constexpr int kPerLane = kHeadDim / 32;
+  constexpr int kVecs = kHeadDim / 8;
+  __shared__ float k_s[kKeyTile][kHeadDim + 1];
+  __shared__ __align__(16) float v_s[kKeyTile][kHeadDim];
+  __shared__ __align__(16) float q_s[kPairsPerCta][kHeadDim];
+  __shared__ float p_s[kAttnWarps][kPairsPerWarp][32];
+  __shared__ int64_t key_off_s[kKeyTile];  // element offset of the key's (block, head, slot); -1
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int s = blockIdx.x / a.kv_heads, kvh = blockIdx.x % a.kv_heads;
+  const int split = blockIdx.z;
+  int row_begin, n, ctx;
+  SequenceRows(a, s, &row_begin, &n, &ctx);
+  const int total_pairs = n * a.group;
+  const int num_tiles = (total_pairs + kPairsPerCta - 1) / kPairsPerCta;
+  const int key_lo = split * a.chunk;
+  const int key_hi = split == a.splits - 1 ? INT_MAX : key_lo + a.chunk;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks;
+  const int64_t head_stride = static_cast<int64_t>(a.block_size) * kHeadDim;
+  const int64_t block_stride = a.kv_heads * head_stride;
+  const int first_pos = ctx - n;  // position of query row 0 (negative: corrupt lengths)
+
+  for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
+    const int pair0 = tile * kPairsPerCta;
+    const int npairs = min(kPairsPerCta, total_pairs - pair0);
+    for (int i = threadIdx.x; i < kPairsPerCta * kVecs; i += kAttnThreads) {
+      const int pr = i / kVecs, c = i % kVecs;
+      float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (pr < npairs) {
+        const int pair = pair0 + pr, j = pair / a.group, g = pair % a.group;
+        const int head = kvh * a.group + g;
+        const BFloat16* src = a.q + static_cast<int64_t>(row_begin + j) * a.q_row_stride +
+                              static_cast<int64_t>(head) * kHeadDim + c * 8;
+        UnpackBf16x8(*reinterpret_cast<const uint4*>(src), f);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q_s[pr][c * 8 + e] = f[e] * a.scale_log2;
+    }
+    // Keys this tile needs: up to the last pair's position, inside this split's range.
+    const int last_row = (pair0 + npairs - 1) / a.group;
+    const int key_end = min(first_pos + last_row + 1, key_hi);
+    int my_pos[kPairsPerWarp];
+    float m[kPairsPerWarp], l[kPairsPerWarp], acc[kPairsPerWarp][kPerLane];
+#pragma unroll
+    for (int k = 0; k < kPairsPerWarp; ++k) {
+      const int pr = warp + k * kAttnWarps;
+      my_pos[k] = pr < npairs ? first_pos + (pair0 + pr) / a.group : -1;
+      m[k] = -INFINITY;
+      l[k] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) acc[k][i] = 0.0f;
+    }
+    __syncthreads();  // q_s
+
+    for (int t0 = key_lo; t0 < key_end; t0 += kKeyTile) {
+      if (threadIdx.x < kKeyTile) {
+        const int pos = t0 + threadIdx.x;
+        int64_t off = -1;
+        if (pos < key_end) {
+          const int b = table[pos / a.block_size];
+          if (b >= 0 && b < a.num_blocks) {
+            off = b * block_stride + kvh * head_stride +
+                  static_cast<int64_t>(pos % a.block_size) * kHeadDim;
+          }
+        }
+        key_off_s[threadIdx.x] = off;
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < kKeyTile * kVecs; i += kAttnThreads) {
+        const int key = i / kVecs, c = i % kVecs;
+        const int64_t off = key_off_s[key];
+        float kf[8] = {0, 0, 0, 0, 0, 0, 0, 0}, vf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (off >= 0) {
+          if (kFp8) {
+            UnpackFp8x8(*reinterpret_cast<const uint2*>(a.cache + a.k_offset + off + c * 8), kf);
+            UnpackFp8x8(*reinterpret_cast<const uint2*>(a.cache + a.v_offset + off + c * 8), vf);
+          } else {
+            const uint16_t* base = reinterpret_cast<const uint16_t*>(a.cache);
+            UnpackBf16x8(*reinterpret_cast<const uint4*>(base + a.k_offset + off + c * 8), kf);
+            UnpackBf16x8(*reinterpret_cast<const uint4*>(base + a.v_offset + off + c * 8), vf);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) k_s[key][c * 8 + e] = kf[e];
+        *reinterpret_cast<float4*>(&v_s[key][c * 8]) = make_float4(vf[0], vf[1], vf[2], vf[3]);
+        *reinterpret_cast<float4*>(&v_s[key][c * 8 + 4]) = make_float4(vf[4], vf[5], vf[6], vf[7]);
+      }
+      __syncthreads();
+
+      // Scores: lane = key.
+      float sc[kPairsPerWarp];
+#pragma unroll
+      for (int k = 0; k < kPairsPerWarp; ++k) sc[k] = 0.0f;
+#pragma unroll 8
+      for (int d = 0; d < kHeadDim; d += 4) {
+        const float k0 = k_s[lane][d], k1 = k_s[lane][d + 1], k2 = k_s[lane][d + 2],
+                    k3 = k_s[lane][d + 3];
+#pragma unroll
+        for (int k = 0; k < kPairsPerWarp; ++k) {
+          const float4 qv = *reinterpret_cast<const float4*>(&q_s[warp + k * kAttnWarps][d]);
+          sc[k] = fmaf(qv.x, k0, sc[k]);
+          sc[k] = fmaf(qv.y, k1, sc[k]);
+          sc[k] = fmaf(qv.z, k2, sc[k]);
+          sc[k] = fmaf(qv.w, k3, sc[k]);
+        }
+      }
+      const int key_pos = t0 + lane;
+      const bool key_ok = key_off_s[lane] >= 0;
+#pragma unroll
+      for (int k = 0; k < kPairsPerWarp; ++k) {
+        const float score = key_ok && key_pos <= my_pos[k] ? sc[k] : -INFINITY;
+        const float m_new = fmaxf(m[k], WarpMax(score));
+        float p = 0.0f, alpha = 1.0f;
+        if (m_new != -INFINITY) {  // warp-uniform
+          p = exp2f(score - m_new);
+          alpha = exp2f(m[k] - m_new);
+        }
+        l[k] = l[k] * alpha + WarpSum(p);
+        m[k] = m_new;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) acc[k][i] *= alpha;
+        p_s[warp][k][lane] = p;
+      }
+      __syncwarp();
+      for (int key = 0; key < kKeyTile; ++key) {
+        float vv[kPerLane];
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) vv[i] = v_s[key][lane + 32 * i];
+#pragma unroll
+        for (int k = 0; k < kPairsPerWarp; ++k) {
+          const float p = p_s[warp][k][key];
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i) acc[k][i] = fmaf(p, vv[i], acc[k][i]);
+        }
+      }
+      __syncthreads();  // k_s, v_s, p_s and key_off_s are rewritten next
+    }
+
+#pragma unroll
+    for (int k = 0; k < kPairsPerWarp; ++k) {
+      const int pr = warp + k * kAttnWarps;
+      if (pr >= npairs) continue;
+      const int pair = pair0 + pr, j = pair / a.group, g = pair % a.group;
+      const int head = kvh * a.group + g;
+      const int64_t tok = row_begin + j;
+      if (a.splits == 1) {
+        const float inv = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
+        uint16_t* dst = reinterpret_cast<uint16_t*>(a.out) + tok * a.out_row_stride +
+                        static_cast<int64_t>(head) * kHeadDim;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          dst[lane + 32 * i] = static_cast<uint16_t>(FloatToBf16Bits(acc[k][i] * inv));
+        }
+      } else {
+        const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
+        float* dst = a.ws_acc + slot * kHeadDim;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) dst[lane + 32 * i] = acc[k][i];
+        if (lane == 0) {
+          a.ws_ml[2 * slot] = m[k];
+          a.ws_ml[2 * slot + 1] = l[k];
+        }
+      }
+    }
+    // The next tile rewrites q_s: every warp must be done reading it (a tile with no keys
+    // runs no key loop, whose barriers would otherwise cover this).
+    __syncthreads();
+  }
+}
+
+// Merges the splits' partial results: out = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i.
+// Grid (sequence, row slots); a CTA loops over its sequence's rows.
+template <int kHeadDim>
+__global__ void __launch_bounds__(kAttnThreads) PagedAttentionCombineKernel(AttnArgs a) {
+  const int s = blockIdx.x;
+  int row_begin, n, ctx;
+  SequenceRows(a, s, &row_begin, &n, &ctx);
+  const int64_t per_row = static_cast<int64_t>(a.q_heads) * kHeadDim;
+  for (int j = blockIdx.y; j < n; j += gridDim.y) {
+    const int64_t tok = row_begin + j;
+    for (int64_t i = threadIdx.x; i < per_row; i += kAttnThreads) {
+      const int64_t head = i / kHeadDim, d = i % kHeadDim;
+      float big = -INFINITY;
+      for (int sp = 0; sp < a.splits; ++sp) {
+        const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
+        big = fmaxf(big, a.ws_ml[2 * slot]);
+      }
+      float num = 0.0f, den = 0.0f;
+      if (big != -INFINITY) {
+        for (int sp = 0; sp < a.splits; ++sp) {
+          const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
+          const float w = exp2f(a.ws_ml[2 * slot] - big);  // 0 for an empty split
+          num = fmaf(w, a.ws_acc[slot * kHeadDim + d], num);
+          den = fmaf(w, a.ws_ml[2 * slot + 1], den);
+        }
+      }
+      const float y = den > 0.0f ? num / den : 0.0f;
+      reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride + i] =
+          static_cast<uint16_t>(FloatToBf16Bits(y));
+    }
+  }
+}
+
+template <int kHeadDim>
+void LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, const AttnArgs& a,
+                            cudaStream_t stream) {
+  if (fp8) {
+    PagedAttentionKernel<kHeadDim, true><<<grid, kAttnThreads, 0, stream>>>(a);
+  } else {
+    PagedAttentionKernel<kHeadDim, false><<<grid, kAttnThreads, 0, stream>>>(a);
+  }
+  if (a.splits > 1) {
+    const dim3 cgrid(grid.x / static_cast<unsigned>(a.kv_heads),
+                     static_cast<unsigned>(combine_rows));
+    PagedAttentionCombineKernel<kHeadDim><<<cgrid, kAttnThreads, 0, stream>>>(a);
+  }
+}
+
+// Bytes of workspace one split takes per (token, head).
+int64_t SplitBytes(int64_t head_dim) {
+  return (head_dim + 2) * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t ResolvedMaxContext(const PagedAttentionParams& p) {
+  const int64_t cap = p.max_blocks * p.layout.block_size;
+  return p.max_context > 0 ? std::min(p.max_context, cap) : cap;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling: one CTA per sequence.
+//
+// Candidates are ordered by a 64-bit key, larger first: the logit's order-preserving bits
+// above, ~id below, so that equal logits put the lower id first. The inverse CDF, the top-k
+// cut and the top-p cut are each "the first candidate whose cumulative weight exceeds T"
+// (weights: 1 for top-k, the fixed-point probability mass otherwise), found by an MSB-first
+// radix descent over the key: 8 passes of 8 bits, each a histogram of the weights of the
+// candidates that share the prefix chosen so far.
+
+constexpr int kSampleThreads = 1024;
+constexpr int kSampleWarps = kSampleThreads / 32;
+constexpr double kMassScale = 17592186044416.0;  // 2^44: 2^17 tokens of mass <= 1 fit in 2^61
+
+__device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+__device__ __forceinline__ double SampleUniformDevice(uint64_t seed, uint64_t index) {
+  return static_cast<double>(SplitMix64(seed ^ SplitMix64(index)) >> 11) * 0x1.0p-53;
+}
+
+// Larger key = earlier candidate. -0 is +0 (equal logits); NaN sorts last.
+__device__ __forceinline__ uint64_t CandidateKey(float logit, int id) {
+  uint32_t u = __float_as_uint(logit);
+  if (u == 0x80000000u) u = 0;
+  uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  if (isnan(logit)) ordered = 0;
+  return (static_cast<uint64_t>(ordered) << 32) | static_cast<uint64_t>(0xFFFFFFFFu - id);
+}
+
+__device__ __forceinline__ int KeyId(uint64_t key) {
+  return static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(key));
+}
+
+struct SampleShared {
+  unsigned long long weight[256];
+  unsigned int count[256];
+  unsigned long long u64[kSampleWarps];
+  double f64[kSampleWarps];
+  unsigned long long result[4];  // prefix, threshold, weight ahead, chosen weight
+};
+
+__device__ unsigned long long BlockMaxU64(unsigned long long v, SampleShared& sm) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const unsigned long long o = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = o > v ? o : v;
+  }
+  __syncthreads();  // sm.u64 may still be read by a previous reduction
+  if ((threadIdx.x & 31) == 0) sm.u64[threadIdx.x >> 5] = v;
+  __syncthreads();
+  unsigned long long r = 0;
+  for (int w = 0; w < kSampleWarps; ++w) r = sm.u64[w] > r ? sm.u64[w] : r;
+  return r;
+}
+
+__device__ unsigned long long BlockSumU64(unsigned long long v, SampleShared& sm) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sm.u64[threadIdx.x >> 5] = v;
+  __syncthreads();
+  unsigned long long r = 0;
+  for (int w = 0; w < kSampleWarps; ++w) r += sm.u64[w];
+  return r;
+}
+
+__device__ double BlockSumF64(double v, SampleShared& sm) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sm.f64[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double r = 0;
+  for (int w = 0; w < kSampleWarps; ++w) r += sm.f64[w];  // same order in every thread
+  return r;
+}
+
+// exp(logit / T - max / T) as SampleToken computes it, in 2^-44 fixed point.
+__device__ __forceinline__ unsigned long long Mass(float logit, double inv_t, double top) {
+  const double p = exp(static_cast<double>(logit) * inv_t - top);
+  return static_cast<unsigned long long>(p * kMassScale + 0.5);
+}
+
+struct Selected {
+  uint64_t key;
+  unsigned long long cumulative;  // weight of the candidates up to and including it
+};
+
+// The first candidate (key >= min_key, in key-descending order) whose cumulative weight
+// exceeds `threshold`; the last such candidate if none does. by_mass: weights are Mass(),
+// else 1.
+__device__ Selected SelectFirstExceeding(const float* row, int vocab, bool by_mass, double inv_t,
+                                         double top, uint64_t min_key, unsigned long long threshold,
+                                         SampleShared& sm) {
+  uint64_t prefix = 0;
+  unsigned long long before = 0;  // weight of the candidates ahead of the prefix
+  unsigned long long chosen_weight = 0;
+  for (int level = 0; level < 8; ++level) {
+    const int shift = 56 - 8 * level;
+    for (int i = threadIdx.x; i < 256; i += kSampleThreads) {
+      sm.weight[i] = 0;
+      sm.count[i] = 0;
+    }
+    __syncthreads();
+    // Run-length aggregation: neighbouring candidates of one thread mostly share a digit (the
+    // top digits of similar logits are equal), so flush to shared memory on a change only.
+    int run_digit = -1;
+    unsigned long long run_weight = 0;
+    unsigned int run_count = 0;
+    for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
+      const float logit = row[i];
+      const uint64_t key = CandidateKey(logit, i);
+      if (key < min_key) continue;
+      if (level > 0 && (key >> (shift + 8)) != (prefix >> (shift + 8))) continue;
+      const int digit = static_cast<int>((key >> shift) & 0xFF);
+      const unsigned long long w = by_mass ? Mass(logit, inv_t, top) : 1ull;
+      if (digit != run_digit) {
+        if (run_count > 0) {
+          atomicAdd(&sm.weight[run_digit], run_weight);
+          atomicAdd(&sm.count[run_digit], run_count);
+        }
+        run_digit = digit;
+        run_weight = 0;
+        run_count = 0;
+      }
+      run_weight += w;
+      ++run_count;
+    }
+    if (run_count > 0) {
+      atomicAdd(&sm.weight[run_digit], run_weight);
+      atomicAdd(&sm.count[run_digit], run_count);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned long long acc = 0, acc_last = 0;
+      int chosen = -1, last = -1;
+      for (int d = 255; d >= 0; --d) {
+        if (sm.count[d] == 0) continue;
+        last = d;
+        acc_last = acc;
+        if (acc + sm.weight[d] > threshold) {
+          chosen = d;
+          break;
+        }
+        acc += sm.weight[d];
+      }
+      if (chosen < 0) {  // nothing exceeds: the last candidate (none at all cannot happen)
+        chosen = last < 0 ? 0 : last;
+        acc = last < 0 ? 0 : acc_last;
+      }
+      sm.result[0] = prefix | (static_cast<uint64_t>(chosen) << shift);
+      sm.result[1] = threshold - acc;  // relative to the chosen bucket's first candidate
+      sm.result[2] = acc;              // weight ahead of the chosen bucket within the prefix
+      sm.result[3] = last < 0 ? 0 : sm.weight[chosen];
+    }
+    __syncthreads();
+    prefix = sm.result[0];
+    threshold = sm.result[1];
+    before += sm.result[2];
+    chosen_weight = sm.result[3];  // at the last level: the one candidate's own weight
+    __syncthreads();               // result and the histograms are rewritten next
+  }
+  Selected r;
+  r.key = prefix;
+  r.cumulative = before + chosen_weight;
+  return r;
+}
+
+struct SampleArgs {
+  const float* logits;
+  int64_t logits_row_stride;
+  int vocab;
+  const float* temperature;
+  const int32_t* top_k;
+  const float* top_p;
+  const uint64_t* seed;
+  const uint64_t* index;
+  int32_t* token;
+  float* log_prob;
+};
+
+__global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
+  __shared__ SampleShared sm;
+  const int s = blockIdx.x;
+  const float* row = a.logits + static_cast<int64_t>(s) * a.logits_row_stride;
+  const int vocab = a.vocab;
+
+  // Greedy choice: the largest key (largest logit, lowest id among equal ones).
+  unsigned long long best = 0;
+  for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
+    const unsigned long long key = CandidateKey(row[i], i);
+    best = key > best ? key : best;
+  }
+  best = BlockMaxU64(best, sm);
+  const int argmax = KeyId(best);
+  const float lmax = row[argmax];
+
+  // log_softmax's denominator, as LogProb in sampling.cc (double).
+  double sum = 0.0;
+  for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
+    sum += exp(static_cast<double>(row[i]) - static_cast<double>(lmax));
+  }
+  sum = BlockSumF64(sum, sm);
+
+  const float temperature = a.temperature[s];
+  const int32_t top_k = a.top_k[s];
+  const float top_p = a.top_p[s];
+  int token = argmax;
+  const bool greedy = !(temperature > 0.0f && temperature <= 3.402823466e38f) || top_k == 1;
+  if (!greedy) {
+    const double inv_t = 1.0 / static_cast<double>(temperature);
+    const double top = static_cast<double>(lmax) * inv_t;
+    uint64_t min_key = 0;  // the candidates kept so far: keys >= min_key
+    if (top_k > 0 && top_k < vocab) {
+      min_key = SelectFirstExceeding(row, vocab, false, inv_t, top, 0,
+                                     static_cast<unsigned long long>(top_k - 1), sm)
+                    .key;
+    }
+    unsigned long long kept = 0;
+    for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
+      const float logit = row[i];
+      if (CandidateKey(logit, i) >= min_key) kept += Mass(logit, inv_t, top);
+    }
+    kept = BlockSumU64(kept, sm);
+    if (top_p < 1.0f) {
+      // The shortest prefix whose sum reaches top_p * kept: the first candidate whose
+      // cumulative weight is >= that, i.e. > ceil(it) - 1 for integer weights.
+      const double target = ceil(static_cast<double>(top_p) * static_cast<double>(kept));
+      const unsigned long long threshold =
+          target >= 1.0 ? static_cast<unsigned long long>(target) - 1ull : 0ull;
+      const Selected cut =
+          SelectFirstExceeding(row, vocab, true, inv_t, top, min_key, threshold, sm);
+      min_key = cut.key;
+      kept = cut.cumulative;
+    }
+    const double u = SampleUniformDevice(a.seed[s], a.index[s]);
+    // cumulative > u * kept  <=>  cumulative > floor(u * kept) for integer cumulatives.
+    const unsigned long long threshold =
+        static_cast<unsigned long long>(floor(u * static_cast<double>(kept)));
+    token = KeyId(SelectFirstExceeding(row, vocab, true, inv_t, top, min_key, threshold, sm).key);
+  }
+  if (threadIdx.x == 0) {
+    a.token[s] = token;
+    if (a.log_prob != nullptr) {
+      a.log_prob[s] = static_cast<float>(static_cast<double>(row[token]) -
+                                         static_cast<double>(lmax) - log(sum));
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "PagedKvWriteParams";
+  TP_RETURN_IF_ERROR(CheckLayout(kP, p.layout, p.layer));
+  const int64_t hd = p.layout.head_dim, width = p.layout.kv_heads * hd;
+  if (hd % 8 != 0) return BadField(kP, "layout.head_dim", hd, "must be a multiple of 8");
+  if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
+  const struct {
+    const char* name;
+    int64_t stride;
+  } strides[] = {{"k_row_stride", p.k_row_stride}, {"v_row_stride", p.v_row_stride}};
+  for (const auto& st : strides) {
+    if (st.stride < width || st.stride % 8 != 0) {
+      return BadField(kP, st.name, st.stride,
+                      "must be a multiple of 8 and >= kv_heads * head_dim (" + Str(width) + ")");
+    }
+  }
+  if (p.rows == 0) return Status::Ok();
+  const struct {
+    const char* name;
+    const void* ptr;
+    size_t alignment;
+  } ptrs[] = {
+      {"k", p.k, 16}, {"v", p.v, 16}, {"cache", p.cache, 16}, {"slot_mapping", p.slot_mapping, 4}};
+  for (const auto& t : ptrs) {
+    if (t.ptr == nullptr) return NullField(kP, t.name);
+    if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(kP, t.name, t.alignment);
+  }
+  KvWriteArgs a;
+  a.k = p.k;
+  a.k_row_stride = p.k_row_stride;
+  a.v = p.v;
+  a.v_row_stride = p.v_row_stride;
+  a.slot_mapping = p.slot_mapping;
+  a.rows = p.rows;
+  a.cache = p.cache;
+  a.k_offset = p.layout.Offset(p.layer, 0, 0, 0, 0);
+  a.v_offset = p.layout.Offset(p.layer, 1, 0, 0, 0);
+  a.num_slots = p.layout.num_blocks * p.layout.block_size;
+  a.block_size = p.layout.block_size;
+  a.kv_heads = p.layout.kv_heads;
+  a.head_dim = hd;
+  const unsigned grid = GridFor(p.rows * 2 * width / 8);
+  if (p.layout.dtype == KvCacheDtype::kFloat8E4M3) {
+    PagedKvWriteKernel<true><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    PagedKvWriteKernel<false><<<grid, kThreads, 0, stream>>>(a);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+int64_t PagedAttentionMaxSplits(int64_t max_context) {
+  const int64_t splits = (max_context + kMinSplitKeys - 1) / kMinSplitKeys;
+  return std::max<int64_t>(1, std::min(splits, kMaxSplits));
+}
+
+size_t PagedAttentionWorkspaceBytes(int64_t max_tokens, int64_t q_heads, int64_t head_dim,
+                                    int64_t max_context) {
+  const int64_t splits = PagedAttentionMaxSplits(max_context);
+  if (splits <= 1 || max_tokens <= 0 || q_heads <= 0 || head_dim <= 0) return 0;
+  return static_cast<size_t>(splits * max_tokens * q_heads * SplitBytes(head_dim));
+}
+
+namespace {
+
+int64_t QueryRows(const PagedAttentionParams& p) {
+  return p.max_query_rows > 0 ? std::min(p.max_query_rows, p.tokens) : p.tokens;
+}
+
+int64_t PairTiles(const PagedAttentionParams& p) {
+  const int64_t group = p.q_heads / p.layout.kv_heads;
+  return std::min((QueryRows(p) * group + kPairsPerCta - 1) / kPairsPerCta, kMaxGridY);
+}
+
+}  // namespace
+
+int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
+  if (p.tokens <= 0 || p.num_seqs <= 0 || p.layout.kv_heads <= 0 || p.q_heads <= 0) return 1;
+  const int64_t cap = PagedAttentionMaxSplits(ResolvedMaxContext(p));
+  int64_t splits = p.splits;
+  if (splits <= 0) {
+    // Enough CTAs for two per SM; the combine pass costs little next to an idle GPU.
+    const int64_t ctas = p.num_seqs * p.layout.kv_heads * std::max<int64_t>(1, PairTiles(p));
+    splits = (2 * int64_t{sm_count} + ctas - 1) / ctas;
+  }
+  splits = std::max<int64_t>(1, std::min(splits, cap));
+  if (splits > 1) {
+    const int64_t per_split = p.tokens * p.q_heads * SplitBytes(p.layout.head_dim);
+    const int64_t fit =
+        p.workspace == nullptr ? 0 : static_cast<int64_t>(p.workspace_bytes) / per_split;
+    splits = std::max<int64_t>(1, std::min(splits, fit));
+  }
+  return splits;
+}
+
+Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "PagedAttentionParams";
+  TP_RETURN_IF_ERROR(CheckLayout(kP, p.layout, p.layer));
+  const int64_t hd = p.layout.head_dim, kv_heads = p.layout.kv_heads;
+  if (hd != 64 && hd != 128) {
+    return UnimplementedError(std::string(kP) + ".layout.head_dim = " + Str(hd) +
+                              " is unsupported; supported: 64, 128");
+  }
+  if (p.q_heads < 1 || p.q_heads % kv_heads != 0) {
+    return BadField(kP, "q_heads", p.q_heads,
+                    "must be a positive multiple of layout.kv_heads (" + Str(kv_heads) + ")");
+  }
+  if (p.num_seqs < 0) return BadField(kP, "num_seqs", p.num_seqs, "must be >= 0");
+  if (p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max()) {
+    return BadField(kP, "tokens", p.tokens, "must be in [0, 2^31 - 1]");
+  }
+  if (p.max_blocks < 1) return BadField(kP, "max_blocks", p.max_blocks, "must be >= 1");
+  if (p.max_blocks * p.layout.block_size > std::numeric_limits<int32_t>::max() / 2) {
+    return BadField(kP, "max_blocks", p.max_blocks, "times block_size must be below 2^30");
+  }
+  if (p.max_query_rows < 0) return BadField(kP, "max_query_rows", p.max_query_rows, "must be >= 0");
+  if (p.max_context < 0) return BadField(kP, "max_context", p.max_context, "must be >= 0");
+  if (p.splits < 0) return BadField(kP, "splits", p.splits, "must be >= 0");
+  const int64_t width = p.q_heads * hd;
+  const struct {
+    const char* name;
+    int64_t stride;
+  } strides[] = {{"q_row_stride", p.q_row_stride}, {"out_row_stride", p.out_row_stride}};
+  for (const auto& st : strides) {
+    if (st.stride < width || st.stride % 8 != 0) {
+      return BadField(kP, st.name, st.stride,
+                      "must be a multiple of 8 and >= q_heads * head_dim (" + Str(width) + ")");
+    }
+  }
+  if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
+  if (p.tokens * (p.q_heads / kv_heads) > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgumentError(std::string(kP) +
+                                ": tokens * (q_heads / kv_heads) exceeds 2^31 - 1");
+  }
+  if (p.num_seqs * kv_heads > kMaxGridX) {
+    return InvalidArgumentError(std::string(kP) + ": num_seqs * kv_heads (" +
+                                Str(p.num_seqs * kv_heads) + ") exceeds 2^31 - 1");
+  }
+  const struct {
+    const char* name;
+    const void* ptr;
+    size_t alignment;
+  } ptrs[] = {{"q", p.q, 16},
+              {"cache", p.cache, 16},
+              {"out", p.out, 16},
+              {"cu_seqlens", p.cu_seqlens, 4},
+              {"context_lens", p.context_lens, 4},
+              {"block_tables", p.block_tables, 4}};
+  for (const auto& t : ptrs) {
+    if (t.ptr == nullptr) return NullField(kP, t.name);
+    if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(kP, t.name, t.alignment);
+  }
+  if (!IsAligned(p.workspace, 16)) return MisalignedField(kP, "workspace", 16);
+
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t splits = PagedAttentionSplitsFor(p, sms);
+  const int64_t max_context = ResolvedMaxContext(p);
+  int64_t chunk = (max_context + splits - 1) / splits;
+  chunk = (chunk + kKeyTile - 1) / kKeyTile * kKeyTile;
+
+  AttnArgs a;
+  a.q = p.q;
+  a.q_row_stride = p.q_row_stride;
+  a.cache = static_cast<const uint8_t*>(p.cache);
+  a.k_offset = p.layout.Offset(p.layer, 0, 0, 0, 0);
+  a.v_offset = p.layout.Offset(p.layer, 1, 0, 0, 0);
+  a.num_blocks = static_cast<int>(p.layout.num_blocks);
+  a.block_size = static_cast<int>(p.layout.block_size);
+  a.kv_heads = static_cast<int>(kv_heads);
+  a.q_heads = static_cast<int>(p.q_heads);
+  a.group = static_cast<int>(p.q_heads / kv_heads);
+  a.cu_seqlens = p.cu_seqlens;
+  a.context_lens = p.context_lens;
+  a.block_tables = p.block_tables;
+  a.max_blocks = p.max_blocks;
+  a.tokens = static_cast<int>(p.tokens);
+  a.out = p.out;
+  a.out_row_stride = p.out_row_stride;
+  a.splits = static_cast<int>(splits);
+  a.chunk = static_cast<int>(chunk);
+  a.ws_acc = splits > 1 ? static_cast<float*>(p.workspace) : nullptr;
+  a.ws_ml = splits > 1 ? a.ws_acc + splits * p.tokens * p.q_heads * hd : nullptr;
+  constexpr double kLog2E = 1.4426950408889634;
+  a.scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
+
+  const dim3 grid(static_cast<unsigned>(p.num_seqs * kv_heads),
+                  static_cast<unsigned>(std::max<int64_t>(1, PairTiles(p))),
+                  static_cast<unsigned>(splits));
+  const int64_t combine_rows = std::max<int64_t>(1, std::min(QueryRows(p), kMaxGridY));
+  const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
+  if (hd == 64) {
+    LaunchAttentionKernels<64>(grid, combine_rows, fp8, a, stream);
+  } else {
+    LaunchAttentionKernels<128>(grid, combine_rows, fp8, a, stream);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "SamplingLaunchParams";
+  if (p.vocab < 1 || p.vocab > std::numeric_limits<int32_t>::max()) {
+    return BadField(kP, "vocab", p.vocab, "must be in [1, 2^31 - 1]");
+  }
+  if (p.logits_row_stride < p.vocab) {
+    return BadField(kP, "logits_row_stride", p.logits_row_stride, "must be >= vocab");
+  }
+  if (p.num_seqs < 0 || p.num_seqs > kMaxGridX) {
+    return BadField(kP, "num_seqs", p.num_seqs, "must be in [0, 2^31 - 1]");
+  }
+  if (p.num_seqs == 0) return Status::Ok();
+  const struct {
+    const char* name;
+    const void* ptr;
+    size_t alignment;
+  } ptrs[] = {{"logits", p.logits, 4}, {"temperature", p.temperature, 4},
+              {"top_k", p.top_k, 4},   {"top_p", p.top_p, 4},
+              {"seed", p.seed, 8},     {"index", p.index, 8},
+              {"token", p.token, 4}};
+  for (const auto& t : ptrs) {
+    if (t.ptr == nullptr) return NullField(kP, t.name);
+    if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(kP, t.name, t.alignment);
+  }
+  if (!IsAligned(p.log_prob, 4)) return MisalignedField(kP, "log_prob", 4);
+  SampleArgs a;
+  a.logits = p.logits;
+  a.logits_row_stride = p.logits_row_stride;
+  a.vocab = static_cast<int>(p.vocab);
+  a.temperature = p.temperature;
+  a.top_k = p.top_k;
+  a.top_p = p.top_p;
+  a.seed = p.seed;
+  a.index = p.index;
+  a.token = p.token;
+  a.log_prob = p.log_prob;
+  SamplingKernel<<<static_cast<unsigned>(p.num_seqs), kSampleThreads, 0, stream>>>(a);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace tpserve

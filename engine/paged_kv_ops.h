@@ -1,0 +1,148 @@
+// CUDA kernels of the generation step: writing a step's keys and values into the paged KV
+// cache, paged attention over it (decode and prefill chunks), and token sampling. The CPU
+// references they follow are engine/kv_cache.h (layout, CpuKvCache::Write, PagedAttention) and
+// engine/sampling.h (SampleToken).
+//
+// Launchers only; the kernels live in paged_kv_ops.cu, so .cc files can include this. As in
+// engine/cuda_ops.h, each launcher checks its host-side arguments (INVALID_ARGUMENT naming the
+// field), enqueues onto `stream` and returns; none allocates, synchronises or reads device
+// memory on the host, so all can be captured in a CUDA graph. Values that live on the device
+// (slot mappings, block tables, lengths, sampling parameters) are therefore not validated by
+// the launchers; the kernels clamp or skip bad entries so that they never access memory out of
+// bounds (each op says how), which gives wrong numbers for corrupt inputs, never a fault.
+// Pointers are device pointers; row strides are in elements.
+//
+// Only compiled when TPSERVE_WITH_CUDA is on.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/dtype.h"
+#include "comm/status.h"
+#include "engine/kv_cache.h"
+
+namespace tpserve {
+
+// Stores a step's keys and values of one layer into the paged cache, as CpuKvCache::Write
+// does: row r goes to slot slot_mapping[r] = block * block_size + slot_in_block, each element
+// rounded to the cache's type (BF16: the bits as they are; FP8 E4M3: saturating, round to
+// nearest even, scale 1).
+//   k, v: [rows, kv_heads, head_dim] BF16 with row strides (column slices of the fused QKV
+//         output [rows, (q_heads + 2 kv_heads) head_dim], RoPE already applied to k)
+//   cache: the whole pool, layout.Elements() elements of layout.dtype, in KvCacheLayout's order
+// A negative slot_mapping entry is a padding row and is skipped; so is an entry at or past
+// num_blocks * block_size (corrupt). Two rows mapped to one slot: one of them wins.
+// head_dim a multiple of 8; k, v and cache 16-byte aligned, row strides multiples of 8.
+struct PagedKvWriteParams {
+  const BFloat16* k = nullptr;
+  int64_t k_row_stride = 0;  // >= kv_heads * head_dim
+  const BFloat16* v = nullptr;
+  int64_t v_row_stride = 0;               // >= kv_heads * head_dim
+  const int32_t* slot_mapping = nullptr;  // [rows]
+  int64_t rows = 0;                       // >= 0; 0 launches nothing
+  void* cache = nullptr;
+  KvCacheLayout layout;  // must Validate()
+  int64_t layer = 0;     // in [0, layout.layers)
+};
+Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream);
+
+// Causal grouped-query attention of a step's query rows over the paged cache, as
+// engine/kv_cache.h's PagedAttention: sequence s owns query rows cu_seqlens[s] ..
+// cu_seqlens[s+1]-1 (n_s rows); its context after the step is context_lens[s] tokens; row j
+// sits at position context_lens[s] - n_s + j and attends to positions 0 .. itself, whose keys
+// and values are read through block table row s (block_tables[s * max_blocks + pos /
+// block_size]). Query head h reads KV head h / (q_heads / kv_heads); scores are scaled by
+// 1/sqrt(head_dim). FP32 math with an online softmax (the reference is double).
+//   q:   [tokens, q_heads, head_dim] BF16, row stride q_row_stride (a slice of the QKV output)
+//   out: [tokens, q_heads, head_dim] BF16, row stride out_row_stride; must not overlap q
+// Rows outside every sequence are not written.
+//
+// Work split: a CTA takes up to 16 (query row, head) pairs of one (sequence, KV head) and a
+// range of the context. Long contexts are split over several CTAs (flash-decoding) whose
+// partial results go to `workspace` and are merged by a second kernel. The split count is
+// chosen on the host from the sizes given here (never from device data), so a captured graph
+// stays valid: `splits` if set, else enough splits that the launch covers the GPU, at most
+// PagedAttentionMaxSplits(max_context), and never more than the workspace holds (a null or
+// small workspace gives fewer splits, down to 1, which needs none). Size the workspace once
+// with PagedAttentionWorkspaceBytes for the largest launch.
+//
+// Device data is clamped, never trusted: cu_seqlens to [0, tokens] (non-decreasing),
+// context_lens to [0, max_blocks * block_size]; a block table entry outside [0, num_blocks)
+// makes its keys count as masked (skipped). A row that attends to no key (corrupt lengths:
+// n_s > context) is written as zeros.
+// head_dim 64 or 128 (UNIMPLEMENTED otherwise); q, out, cache 16-byte aligned; q_row_stride
+// and out_row_stride multiples of 8.
+struct PagedAttentionParams {
+  const BFloat16* q = nullptr;
+  int64_t q_row_stride = 0;  // >= q_heads * head_dim
+  int64_t q_heads = 0;       // a positive multiple of layout.kv_heads
+  const void* cache = nullptr;
+  KvCacheLayout layout;                   // must Validate()
+  int64_t layer = 0;                      // in [0, layout.layers)
+  const int32_t* cu_seqlens = nullptr;    // [num_seqs + 1]
+  const int32_t* context_lens = nullptr;  // [num_seqs]
+  const int32_t* block_tables = nullptr;  // [num_seqs * max_blocks]
+  int64_t num_seqs = 0;                   // >= 0; 0 launches nothing
+  int64_t tokens = 0;                     // >= 0; 0 launches nothing
+  int64_t max_blocks = 0;                 // >= 1: block table row length
+  // Sizes the grid only: the most query rows one sequence has in this step (0: tokens). An
+  // underestimate is slower (CTAs loop) but correct.
+  int64_t max_query_rows = 0;
+  // The longest context the caller expects (0: max_blocks * block_size); sizes the split
+  // chunks. A longer context is still attended in full (the last split takes the rest).
+  int64_t max_context = 0;
+  BFloat16* out = nullptr;
+  int64_t out_row_stride = 0;  // >= q_heads * head_dim
+  void* workspace = nullptr;   // optional: 16-byte aligned, workspace_bytes long
+  size_t workspace_bytes = 0;
+  int64_t splits = 0;  // 0: chosen by the launcher; > 0: this many (clamped as above)
+};
+Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream);
+
+// The most context splits a launch with this max_context (after its 0 default is resolved)
+// may use: one per 256 keys, at most 32.
+int64_t PagedAttentionMaxSplits(int64_t max_context);
+// Workspace bytes that let every launch with tokens <= max_tokens and this max_context use
+// as many splits as it wants (0 when one split is all it may use). Pure arithmetic.
+size_t PagedAttentionWorkspaceBytes(int64_t max_tokens, int64_t q_heads, int64_t head_dim,
+                                    int64_t max_context);
+// The split count LaunchPagedAttention would use for `p` on a GPU of `sm_count`
+// multiprocessors (exposed for tests and for sizing decisions).
+int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count);
+
+// Samples one token per sequence from its logits by engine/sampling.h's rule (one CTA per
+// sequence):
+// - greedy when temperature == 0 or top_k == 1: the largest logit, lowest id among equal ones
+//   (bit-identical to SampleToken);
+// - otherwise the inverse CDF over the candidates in (logit descending, id ascending) order,
+//   after the top-k and top-p cuts, with u = SampleUniform(seed, index) computed with the same
+//   integer splitmix64. The candidates' weights exp(logit / T - max / T) are computed in double
+//   and summed as 2^-44 fixed point (exact, order-independent integer sums, so a (seed, index)
+//   always gives the same token), which the reference sums in double: a token can differ from
+//   SampleToken's only when u falls within ~1e-12 of a boundary of the cumulative sums.
+// The candidate order is searched by radix selection on a 64-bit (logit, id) key, not sorted.
+// log_prob = log_softmax(logits)[token] (temperature 1, nothing cut), exp in FP32 summed in
+// double.
+// Logits must not be NaN or +inf (NaN never wins the greedy choice; the rest is undefined but
+// in bounds); -inf is a valid logit. Device parameters are not validated; the kernel reads a
+// temperature that is not a finite number > 0 as greedy, top_k <= 0 or >= vocab as no cut, and
+// top_p >= 1 or NaN as no cut (top_p <= 0 keeps the first candidate).
+struct SamplingLaunchParams {
+  const float* logits = nullptr;  // [num_seqs, vocab], row stride logits_row_stride; 4-byte aligned
+  int64_t logits_row_stride = 0;  // >= vocab
+  int64_t vocab = 0;              // 1 .. 2^31 - 1
+  int64_t num_seqs = 0;           // >= 0; 0 launches nothing
+  const float* temperature = nullptr;  // [num_seqs]
+  const int32_t* top_k = nullptr;      // [num_seqs]
+  const float* top_p = nullptr;        // [num_seqs]
+  const uint64_t* seed = nullptr;      // [num_seqs]
+  const uint64_t* index = nullptr;     // [num_seqs]: tokens the sequence generated before
+  int32_t* token = nullptr;            // [num_seqs] out
+  float* log_prob = nullptr;           // [num_seqs] out; optional
+};
+Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream);
+
+}  // namespace tpserve

@@ -1,0 +1,799 @@
+// GPU tests for the generation kernels (engine/paged_kv_ops.h) against the CPU references:
+// CpuKvCache::Write and PagedAttention (engine/kv_cache.h), SampleToken (engine/sampling.h).
+//
+// Inputs are random from fixed seeds at awkward shapes: odd sequence counts, contexts that are
+// not multiples of the block size, block tables in shuffled order, prefill chunks that start
+// mid-block, decode contexts from 1 to 5000 (so that the context is split over CTAs). Outputs
+// are poisoned first, so that an element the GPU did not write fails, and padding columns are
+// checked to still hold the poison. Tolerances:
+//   KV write:   the cache bytes decode to exactly what CpuKvCache::Read gives, everywhere in
+//               the pool (the other layer and unused slots included: they must stay zero).
+//   Attention:  |gpu - ref| <= 2^-8 |ref| + 2e-5 per element (the BF16 output rounding is
+//               2^-9 |ref|; the FP32 scores and sums are ~1e-6 off the double reference), and
+//               ||gpu - ref|| / ||ref|| <= 1e-2. A key too many or too few changes outputs by
+//               about |v| / context, which the small contexts of every case catch.
+//   Sampling:   greedy tokens identical; sampled tokens equal SampleToken's in >= 99% of 2000
+//               random cases (the kernel sums in fixed point, the reference in double: they
+//               can differ only where u sits on a boundary, so in practice all agree);
+//               log_prob within 1e-5 absolute; the empirical distribution over 40000 seeds
+//               within 5 sigma of the rule's probabilities for every token.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/dtype.h"
+#include "comm/status.h"
+#include "engine/kv_cache.h"
+#include "engine/paged_kv_ops.h"
+#include "engine/sampling.h"
+#include "layers/fp8.h"
+#include "layers/quantize_kernels.h"
+#include "tests/gpu_test_util.h"
+
+namespace tpserve {
+namespace {
+
+#define TP_CUDA_CHECK_FOR_TEST(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+#define TP_SKIP_WITHOUT_GPU()           \
+  do {                                  \
+    if (!has_device_) {                 \
+      GTEST_SKIP() << "no CUDA device"; \
+    }                                   \
+  } while (0)
+
+class GpuGenerationOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    has_device_ = HasCudaDevice();
+    if (!has_device_) return;
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    TP_ASSERT_OK_AND_ASSIGN(stream_, CudaStream::Create());
+  }
+
+  cudaStream_t stream() const { return stream_.get(); }
+
+  bool has_device_ = false;
+  CudaStream stream_;
+};
+
+StatusOr<DeviceBuffer> PoisonedBuffer(DataType type, size_t count, const std::string& name,
+                                      cudaStream_t stream) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(count * DataTypeSize(type), name));
+  TP_RETURN_IF_ERROR(LaunchPoisonFill(buf.data(), type, count, stream));
+  return buf;
+}
+
+std::vector<BFloat16> RandomBf16(size_t count, float lo, float hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<BFloat16> v(count);
+  for (auto& x : v) x = FloatToBFloat16(dist(rng));
+  return v;
+}
+
+// The float a cache element holds, decoded as the reference does.
+float DecodeCache(const std::vector<uint8_t>& bytes, KvCacheDtype dtype, int64_t e) {
+  if (dtype == KvCacheDtype::kBFloat16) {
+    BFloat16 b;
+    b.bits = static_cast<uint16_t>(bytes[2 * e] | (bytes[2 * e + 1] << 8));
+    return BFloat16ToFloat(b);
+  }
+  return Fp8E4M3ToFloat(bytes[e]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A step over a paged cache: sequences with their contexts (after the step) and query rows,
+// the cache filled through LaunchPagedKvWrite (GPU) and CpuKvCache::Write (CPU) from the same
+// fused QKV rows.
+
+struct PagedCase {
+  std::vector<int32_t> context;  // context_lens after the step
+  std::vector<int32_t> query;    // query rows per sequence in the step (<= context)
+  int64_t q_heads = 8, kv_heads = 2, head_dim = 128, block_size = 16;
+  KvCacheDtype dtype = KvCacheDtype::kBFloat16;
+  float q_range = 2.0f;        // q uniform in [-q_range, q_range]; k, v in [-1, 1]
+  int64_t splits = 0;          // PagedAttentionParams::splits
+  int64_t max_query_rows = 0;  // 0: the true maximum
+  bool with_workspace = true;  // false: no workspace (one split)
+};
+
+std::string Describe(const PagedCase& c) {
+  std::string s = "heads=" + std::to_string(c.q_heads) + "/" + std::to_string(c.kv_heads) +
+                  " head_dim=" + std::to_string(c.head_dim) +
+                  " block=" + std::to_string(c.block_size) + " " + KvCacheDtypeName(c.dtype) +
+                  " splits=" + std::to_string(c.splits) + " ctx/query=";
+  for (size_t i = 0; i < c.context.size(); ++i) {
+    s += std::to_string(c.context[i]) + "/" + std::to_string(c.query[i]) + ",";
+  }
+  return s;
+}
+
+// Everything a paged step needs, on the host and the device.
+struct PagedStep {
+  KvCacheLayout layout;
+  int64_t layer = 1;
+  int64_t max_blocks = 0;
+  std::vector<int32_t> block_tables, cu_seqlens{0};
+  int64_t tokens = 0, q_width = 0, qkv_stride = 0;
+  std::vector<BFloat16> q_qkv;  // [tokens, qkv_stride]: the step's q rows (k, v columns unused)
+  std::vector<float> q_f;       // [tokens, q_heads * head_dim]
+  DeviceBuffer d_cache, d_q, d_cu, d_ctx, d_tables;
+};
+
+// Builds the case: the KV rows of every context token go through one LaunchPagedKvWrite
+// (with padding rows and a corrupt slot the kernel must skip), the same rows through
+// CpuKvCache::Write; checks the GPU pool against the CPU one byte for byte (as floats).
+void BuildStep(cudaStream_t stream, const PagedCase& c, uint32_t seed, PagedStep* st,
+               CpuKvCache** cpu_out, std::vector<std::unique_ptr<CpuKvCache>>* owner) {
+  const int64_t seqs = static_cast<int64_t>(c.context.size());
+  const int64_t hd = c.head_dim;
+  int64_t blocks_needed = 0, most_blocks = 1;
+  for (int32_t ctx : c.context) {
+    blocks_needed += BlocksFor(ctx, c.block_size);
+    most_blocks = std::max(most_blocks, BlocksFor(ctx, c.block_size));
+  }
+  st->layout.layers = 2;
+  st->layout.num_blocks = blocks_needed + 7;  // some never used
+  st->layout.block_size = c.block_size;
+  st->layout.kv_heads = c.kv_heads;
+  st->layout.head_dim = hd;
+  st->layout.dtype = c.dtype;
+  st->max_blocks = most_blocks + 1;
+  owner->push_back(std::make_unique<CpuKvCache>(st->layout));
+  CpuKvCache* cpu = owner->back().get();
+  *cpu_out = cpu;
+
+  // Shuffled block ids; unused table entries hold -1 (never read).
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(st->layout.num_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  st->block_tables.assign(static_cast<size_t>(seqs * st->max_blocks), -1);
+  size_t next = 0;
+  for (int64_t s = 0; s < seqs; ++s) {
+    for (int64_t b = 0; b < BlocksFor(c.context[s], c.block_size); ++b) {
+      st->block_tables[s * st->max_blocks + b] = ids[next++];
+    }
+  }
+
+  // KV rows: every context token of every sequence, with a padding row (slot -1) after each
+  // sequence and one corrupt slot (past the pool) at the end.
+  st->q_width = c.q_heads * hd;
+  const int64_t kv_width = c.kv_heads * hd;
+  st->qkv_stride = st->q_width + 2 * kv_width;
+  std::vector<int32_t> slots;
+  std::vector<BFloat16> kv_qkv;
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t ctx = c.context[s];
+    std::vector<float> k(ctx * kv_width), v(ctx * kv_width);
+    std::vector<int32_t> positions(ctx);
+    for (int64_t t = 0; t < ctx; ++t) {
+      positions[t] = static_cast<int32_t>(t);
+      const int32_t block = st->block_tables[s * st->max_blocks + t / c.block_size];
+      slots.push_back(static_cast<int32_t>(block * c.block_size + t % c.block_size));
+      const size_t row = kv_qkv.size();
+      kv_qkv.resize(row + st->qkv_stride, FloatToBFloat16(7.0f));  // q columns: unused
+      for (int64_t j = 0; j < kv_width; ++j) {
+        const BFloat16 kb = FloatToBFloat16(dist(rng)), vb = FloatToBFloat16(dist(rng));
+        kv_qkv[row + st->q_width + j] = kb;
+        kv_qkv[row + st->q_width + kv_width + j] = vb;
+        k[t * kv_width + j] = BFloat16ToFloat(kb);
+        v[t * kv_width + j] = BFloat16ToFloat(vb);
+      }
+    }
+    cpu->Write(st->layer, k.data(), v.data(), ctx, positions.data(),
+               st->block_tables.data() + s * st->max_blocks);
+    slots.push_back(-1);
+    kv_qkv.resize(kv_qkv.size() + st->qkv_stride, FloatToBFloat16(100.0f));
+  }
+  slots.push_back(static_cast<int32_t>(st->layout.num_blocks * c.block_size));  // corrupt
+  kv_qkv.resize(kv_qkv.size() + st->qkv_stride, FloatToBFloat16(100.0f));
+  const int64_t kv_rows = static_cast<int64_t>(slots.size());
+
+  const size_t cache_bytes =
+      static_cast<size_t>(st->layout.Elements() * KvCacheElementBytes(c.dtype));
+  TP_ASSERT_OK_AND_ASSIGN(st->d_cache, DeviceBuffer::Allocate(cache_bytes, "cache"));
+  TP_CUDA_CHECK_FOR_TEST(cudaMemsetAsync(st->d_cache.data(), 0, cache_bytes, stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_kv, Upload(kv_qkv, "kv_qkv"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_slots, Upload(slots, "slots"));
+  PagedKvWriteParams w;
+  w.k = d_kv.as<BFloat16>() + st->q_width;
+  w.k_row_stride = st->qkv_stride;
+  w.v = d_kv.as<BFloat16>() + st->q_width + kv_width;
+  w.v_row_stride = st->qkv_stride;
+  w.slot_mapping = d_slots.as<int32_t>();
+  w.rows = kv_rows;
+  w.cache = st->d_cache.data();
+  w.layout = st->layout;
+  w.layer = st->layer;
+  TP_ASSERT_OK(LaunchPagedKvWrite(w, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(auto bytes, Download<uint8_t>(st->d_cache.data(), cache_bytes));
+  size_t mismatches = 0;
+  const KvCacheLayout& L = st->layout;
+  for (int64_t layer = 0; layer < L.layers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int64_t b = 0; b < L.num_blocks; ++b) {
+        for (int64_t h = 0; h < L.kv_heads; ++h) {
+          for (int64_t slot = 0; slot < L.block_size; ++slot) {
+            const int64_t e0 = L.Offset(layer, kv, b, h, slot);
+            for (int64_t d = 0; d < hd; ++d) {
+              const float want = cpu->Read(layer, kv, b, h, slot, d);
+              const float got = DecodeCache(bytes, c.dtype, e0 + d);
+              if (!(got == want) && ++mismatches <= 5) {
+                ADD_FAILURE() << "kv write " << Describe(c) << ": layer " << layer << " kv " << kv
+                              << " block " << b << " head " << h << " slot " << slot << " d " << d
+                              << ": gpu " << got << " cpu " << want;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(mismatches, 0u) << "kv write " << Describe(c);
+
+  // The step's query rows: the last query[s] positions of each sequence.
+  for (int64_t s = 0; s < seqs; ++s) st->cu_seqlens.push_back(st->cu_seqlens.back() + c.query[s]);
+  st->tokens = st->cu_seqlens.back();
+  st->q_qkv = RandomBf16(static_cast<size_t>(std::max<int64_t>(st->tokens, 1) * st->qkv_stride),
+                         -c.q_range, c.q_range, seed + 1);
+  st->q_f.resize(static_cast<size_t>(st->tokens * st->q_width));
+  for (int64_t r = 0; r < st->tokens; ++r) {
+    for (int64_t j = 0; j < st->q_width; ++j) {
+      st->q_f[r * st->q_width + j] = BFloat16ToFloat(st->q_qkv[r * st->qkv_stride + j]);
+    }
+  }
+  TP_ASSERT_OK_AND_ASSIGN(st->d_q, Upload(st->q_qkv, "q"));
+  TP_ASSERT_OK_AND_ASSIGN(st->d_cu, Upload(st->cu_seqlens, "cu_seqlens"));
+  TP_ASSERT_OK_AND_ASSIGN(st->d_ctx, Upload(c.context, "context_lens"));
+  TP_ASSERT_OK_AND_ASSIGN(st->d_tables, Upload(st->block_tables, "block_tables"));
+}
+
+PagedAttentionParams AttentionParamsFor(const PagedCase& c, const PagedStep& st) {
+  PagedAttentionParams p;
+  p.q = st.d_q.as<BFloat16>();
+  p.q_row_stride = st.qkv_stride;
+  p.q_heads = c.q_heads;
+  p.cache = st.d_cache.data();
+  p.layout = st.layout;
+  p.layer = st.layer;
+  p.cu_seqlens = st.d_cu.as<int32_t>();
+  p.context_lens = st.d_ctx.as<int32_t>();
+  p.block_tables = st.d_tables.as<int32_t>();
+  p.num_seqs = static_cast<int64_t>(c.context.size());
+  p.tokens = st.tokens;
+  p.max_blocks = st.max_blocks;
+  p.max_query_rows = c.max_query_rows;
+  p.out_row_stride = st.q_width + 8;  // padding that must stay poisoned
+  p.splits = c.splits;
+  return p;
+}
+
+// Compares BF16 attention output rows (row stride q_width + 8) with the reference.
+void ExpectAttentionNear(const std::vector<BFloat16>& out, const std::vector<float>& ref,
+                         int64_t tokens, int64_t q_width, const std::string& what) {
+  const int64_t stride = q_width + 8;
+  size_t bad = 0, padding_written = 0;
+  double err_sq = 0, ref_sq = 0;
+  for (int64_t r = 0; r < tokens; ++r) {
+    for (int64_t j = 0; j < q_width; ++j) {
+      const double g = BFloat16ToFloat(out[r * stride + j]), want = ref[r * q_width + j];
+      const double err = std::fabs(g - want);
+      err_sq += (g - want) * (g - want);
+      ref_sq += want * want;
+      if (!(err <= std::ldexp(std::fabs(want), -8) + 2e-5) && ++bad <= 5) {
+        ADD_FAILURE() << what << ": row " << r << " col " << j << " gpu " << g << " ref " << want;
+      }
+    }
+    for (int64_t j = q_width; j < stride; ++j) {
+      padding_written += out[r * stride + j].bits != kBf16PoisonBits;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": elements out of tolerance";
+  EXPECT_EQ(padding_written, 0u) << what << ": wrote past q_heads * head_dim";
+  if (ref_sq > 0) {
+    EXPECT_LE(std::sqrt(err_sq / ref_sq), 1e-2) << what;
+  }
+}
+
+void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed) {
+  const std::string what = "paged attention " + Describe(c);
+  PagedStep st;
+  CpuKvCache* cpu = nullptr;
+  std::vector<std::unique_ptr<CpuKvCache>> owner;
+  BuildStep(stream, c, seed, &st, &cpu, &owner);
+  if (::testing::Test::HasFatalFailure()) return;
+
+  std::vector<float> ref(static_cast<size_t>(st.tokens * st.q_width));
+  TP_ASSERT_OK(PagedAttention(*cpu, st.layer, st.q_f.data(), c.q_heads, st.cu_seqlens, c.context,
+                              st.block_tables, st.max_blocks, ref.data()));
+
+  PagedAttentionParams p = AttentionParamsFor(c, st);
+  const size_t ws_bytes = c.with_workspace
+                              ? PagedAttentionWorkspaceBytes(st.tokens, c.q_heads, c.head_dim,
+                                                             st.max_blocks * c.block_size)
+                              : 0;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
+  p.workspace = d_ws.data();
+  p.workspace_bytes = ws_bytes;
+  const size_t out_elems = static_cast<size_t>(std::max<int64_t>(st.tokens, 1) * p.out_row_stride);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
+                          PoisonedBuffer(DataType::kBFloat16, out_elems, "out", stream));
+  p.out = d_out.as<BFloat16>();
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK_FOR_TEST(cudaGetDevice(&device));
+  TP_CUDA_CHECK_FOR_TEST(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t splits = PagedAttentionSplitsFor(p, sms);
+  if (c.splits > 0 && c.with_workspace) {
+    EXPECT_EQ(splits, std::min(c.splits, PagedAttentionMaxSplits(st.max_blocks * c.block_size)))
+        << what;
+  }
+  if (!c.with_workspace) {
+    EXPECT_EQ(splits, 1) << what;
+  }
+  TP_ASSERT_OK(LaunchPagedAttention(p, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), out_elems));
+  ExpectAttentionNear(out, ref, st.tokens, st.q_width,
+                      what + " (" + std::to_string(splits) + " splits)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV write and attention
+
+TEST_F(GpuGenerationOpsTest, DecodeMatchesReferenceWithSplitContexts) {
+  TP_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> ctx{1, 2, 15, 17, 100, 257, 1023, 4097, 5000};
+  const std::vector<int32_t> one(ctx.size(), 1);
+  // GQA 8:2, head_dim 128, BF16 cache, block 16, the launcher's own split choice.
+  PagedCase a{ctx, one};
+  CheckPagedAttention(stream(), a, 400);
+  // GQA 4:4, head_dim 64, FP8 cache, block 32, a forced split count.
+  PagedCase b{ctx, one, 4, 4, 64, 32, KvCacheDtype::kFloat8E4M3};
+  b.splits = 7;
+  CheckPagedAttention(stream(), b, 401);
+  // The same without a workspace: one split.
+  b.with_workspace = false;
+  CheckPagedAttention(stream(), b, 402);
+  // FP8 at head_dim 128 / block 32 and BF16 at head_dim 64 / block 16, peaky softmax.
+  PagedCase c2{ctx, one, 8, 2, 128, 32, KvCacheDtype::kFloat8E4M3};
+  c2.q_range = 6.0f;
+  c2.splits = 20;
+  CheckPagedAttention(stream(), c2, 403);
+  PagedCase d{ctx, one, 8, 2, 64, 16, KvCacheDtype::kBFloat16};
+  d.q_range = 6.0f;
+  CheckPagedAttention(stream(), d, 404);
+}
+
+TEST_F(GpuGenerationOpsTest, PrefillChunksStartingMidBlockMatchReference) {
+  TP_SKIP_WITHOUT_GPU();
+  // A mixed step: a whole prompt, chunks that start mid-block (50 = 3 * 16 + 2, 100 = 6 * 16 +
+  // 4), decode rows, and a sequence with no query rows this step.
+  const std::vector<int32_t> ctx{37, 100, 129, 5, 300, 10, 1};
+  const std::vector<int32_t> query{37, 50, 29, 5, 1, 0, 1};
+  PagedCase a{ctx, query};  // 8:2, 128, block 16, BF16
+  CheckPagedAttention(stream(), a, 410);
+  PagedCase b{ctx, query, 4, 4, 64, 32, KvCacheDtype::kFloat8E4M3};
+  CheckPagedAttention(stream(), b, 411);
+  PagedCase c2{ctx, query, 8, 2, 64, 32, KvCacheDtype::kBFloat16};
+  c2.splits = 3;  // prefill rows through the split path too
+  CheckPagedAttention(stream(), c2, 412);
+  // max_query_rows underestimated: CTAs loop over the pair tiles.
+  PagedCase d{ctx, query, 4, 4, 128, 16, KvCacheDtype::kFloat8E4M3};
+  d.max_query_rows = 1;
+  CheckPagedAttention(stream(), d, 413);
+  // A long chunk in the middle of a long context, split.
+  PagedCase e{{2000, 3}, {300, 3}, 8, 2, 128, 16, KvCacheDtype::kBFloat16};
+  e.splits = 5;
+  CheckPagedAttention(stream(), e, 414);
+}
+
+TEST_F(GpuGenerationOpsTest, KvWriteSaturatesFp8LikeTheReference) {
+  TP_SKIP_WITHOUT_GPU();
+  // Values beyond E4M3's 448 and in its subnormal range, written to an FP8 cache.
+  const KvCacheLayout layout{/*layers=*/3,      /*num_blocks=*/5,
+                             /*block_size=*/16, /*kv_heads=*/3,
+                             /*head_dim=*/64,   KvCacheDtype::kFloat8E4M3};
+  CpuKvCache cpu(layout);
+  const int64_t rows = 37, width = layout.kv_heads * layout.head_dim, stride = 2 * width + 16;
+  std::vector<BFloat16> kv = RandomBf16(rows * stride, -1000.0f, 1000.0f, 420);
+  const std::vector<BFloat16> tiny = RandomBf16(rows * stride, -0.01f, 0.01f, 421);
+  for (size_t i = 0; i < kv.size(); i += 3) kv[i] = tiny[i];
+  std::vector<int32_t> table{4, 0, 3};
+  std::vector<int32_t> positions(rows), slots(rows);
+  std::vector<float> k(rows * width), v(rows * width);
+  for (int64_t r = 0; r < rows; ++r) {
+    positions[r] = static_cast<int32_t>(r + 5);  // starts mid-block
+    slots[r] = table[positions[r] / 16] * 16 + positions[r] % 16;
+    for (int64_t j = 0; j < width; ++j) {
+      k[r * width + j] = BFloat16ToFloat(kv[r * stride + j]);
+      v[r * width + j] = BFloat16ToFloat(kv[r * stride + width + j]);
+    }
+  }
+  cpu.Write(2, k.data(), v.data(), rows, positions.data(), table.data());
+  const size_t bytes = static_cast<size_t>(layout.Elements());
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cache, DeviceBuffer::Allocate(bytes, "cache"));
+  TP_CUDA_CHECK_FOR_TEST(cudaMemsetAsync(d_cache.data(), 0, bytes, stream()));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_kv, Upload(kv, "kv"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_slots, Upload(slots, "slots"));
+  PagedKvWriteParams w;
+  w.k = d_kv.as<BFloat16>();
+  w.k_row_stride = stride;
+  w.v = d_kv.as<BFloat16>() + width;
+  w.v_row_stride = stride;
+  w.slot_mapping = d_slots.as<int32_t>();
+  w.rows = rows;
+  w.cache = d_cache.data();
+  w.layout = layout;
+  w.layer = 2;
+  TP_ASSERT_OK(LaunchPagedKvWrite(w, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(auto got, Download<uint8_t>(d_cache.data(), bytes));
+  size_t mismatches = 0;
+  for (int64_t layer = 0; layer < layout.layers; ++layer) {
+    for (int kvi = 0; kvi < 2; ++kvi) {
+      for (int64_t b = 0; b < layout.num_blocks; ++b) {
+        for (int64_t h = 0; h < layout.kv_heads; ++h) {
+          for (int64_t s = 0; s < layout.block_size; ++s) {
+            for (int64_t d = 0; d < layout.head_dim; ++d) {
+              const float want = cpu.Read(layer, kvi, b, h, s, d);
+              const float have = Fp8E4M3ToFloat(got[layout.Offset(layer, kvi, b, h, s) + d]);
+              mismatches += !(want == have);
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(mismatches, 0u);
+}
+
+TEST_F(GpuGenerationOpsTest, DecodeAttentionReplaysInACudaGraph) {
+  TP_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> ctx{1, 33, 700, 4999, 2500};
+  PagedCase c{ctx, std::vector<int32_t>(ctx.size(), 1)};
+  PagedStep st;
+  CpuKvCache* cpu = nullptr;
+  std::vector<std::unique_ptr<CpuKvCache>> owner;
+  BuildStep(stream(), c, 430, &st, &cpu, &owner);
+  if (HasFatalFailure()) return;
+  PagedAttentionParams p = AttentionParamsFor(c, st);
+  const size_t ws_bytes =
+      PagedAttentionWorkspaceBytes(st.tokens, c.q_heads, c.head_dim, st.max_blocks * c.block_size);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
+  p.workspace = d_ws.data();
+  p.workspace_bytes = ws_bytes;
+  const size_t out_elems = static_cast<size_t>(st.tokens * p.out_row_stride);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_eager,
+                          PoisonedBuffer(DataType::kBFloat16, out_elems, "eager", stream()));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_graph,
+                          PoisonedBuffer(DataType::kBFloat16, out_elems, "graph", stream()));
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK_FOR_TEST(cudaGetDevice(&device));
+  TP_CUDA_CHECK_FOR_TEST(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  EXPECT_GT(PagedAttentionSplitsFor(p, sms), 1) << "the graph should hold the split path";
+
+  PagedAttentionParams eager = p;
+  eager.out = d_eager.as<BFloat16>();
+  PagedAttentionParams graphed = p;
+  graphed.out = d_graph.as<BFloat16>();
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(CudaGraphExec graph,
+                          CudaGraphExec::Capture(stream(), cudaStreamCaptureModeThreadLocal, [&]() {
+                            return LaunchPagedAttention(graphed, stream());
+                          }));
+
+  // Two rounds: the captured values, then new contexts and queries written into the same
+  // device buffers (the graph reads them at replay).
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) {
+      // Within each sequence's blocks (slots past the written tokens hold zeros on both sides).
+      std::vector<int32_t> ctx2{16, 1, 704, 1200, 2512};
+      std::vector<BFloat16> q2 =
+          RandomBf16(static_cast<size_t>(st.tokens * st.qkv_stride), -2.0f, 2.0f, 431);
+      TP_CUDA_CHECK_FOR_TEST(
+          cudaMemcpy(st.d_ctx.data(), ctx2.data(), ctx2.size() * 4, cudaMemcpyHostToDevice));
+      TP_CUDA_CHECK_FOR_TEST(
+          cudaMemcpy(st.d_q.data(), q2.data(), q2.size() * 2, cudaMemcpyHostToDevice));
+      TP_CUDA_CHECK_FOR_TEST(cudaDeviceSynchronize());
+      std::vector<float> q_f(static_cast<size_t>(st.tokens * st.q_width));
+      for (int64_t r = 0; r < st.tokens; ++r) {
+        for (int64_t j = 0; j < st.q_width; ++j) {
+          q_f[r * st.q_width + j] = BFloat16ToFloat(q2[r * st.qkv_stride + j]);
+        }
+      }
+      std::vector<float> ref(q_f.size());
+      TP_ASSERT_OK(PagedAttention(*cpu, st.layer, q_f.data(), c.q_heads, st.cu_seqlens, ctx2,
+                                  st.block_tables, st.max_blocks, ref.data()));
+      TP_ASSERT_OK(graph.Launch(stream()));
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_graph.data(), out_elems));
+      ExpectAttentionNear(out, ref, st.tokens, st.q_width, "graph replay, new contexts");
+    }
+    TP_ASSERT_OK(LaunchPagedAttention(eager, stream()));
+    TP_ASSERT_OK(graph.Launch(stream()));
+    TP_ASSERT_OK(graph.Launch(stream()));  // replays are repeatable
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(auto e, Download<BFloat16>(d_eager.data(), out_elems));
+    TP_ASSERT_OK_AND_ASSIGN(auto g, Download<BFloat16>(d_graph.data(), out_elems));
+    size_t differ = 0;
+    for (size_t i = 0; i < out_elems; ++i) differ += e[i].bits != g[i].bits;
+    EXPECT_EQ(differ, 0u) << "round " << round << ": graph replay differs from the eager launch";
+  }
+}
+
+TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
+  // Host-side checks return before touching CUDA: these run without a GPU too.
+  PagedAttentionParams p;
+  p.layout = KvCacheLayout{1, 4, 16, 2, 96, KvCacheDtype::kBFloat16};
+  p.q_heads = 4;
+  p.max_blocks = 2;
+  p.q_row_stride = p.out_row_stride = 4 * 96;
+  EXPECT_EQ(LaunchPagedAttention(p, nullptr).code(), StatusCode::kUnimplemented);
+  p.layout.head_dim = 64;
+  p.q_heads = 3;
+  EXPECT_EQ(LaunchPagedAttention(p, nullptr).code(), StatusCode::kInvalidArgument);
+  p.q_heads = 4;
+  p.layer = 1;
+  EXPECT_EQ(LaunchPagedAttention(p, nullptr).code(), StatusCode::kInvalidArgument);
+
+  PagedKvWriteParams w;
+  w.layout = KvCacheLayout{1, 4, 16, 2, 60, KvCacheDtype::kFloat8E4M3};
+  w.k_row_stride = w.v_row_stride = 120;
+  EXPECT_EQ(LaunchPagedKvWrite(w, nullptr).code(), StatusCode::kInvalidArgument);
+
+  SamplingLaunchParams s;
+  s.vocab = 0;
+  s.logits_row_stride = 10;
+  EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
+  s.vocab = 11;
+  EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
+
+  // The workspace size follows the split cap: none for short contexts.
+  EXPECT_EQ(PagedAttentionMaxSplits(1), 1);
+  EXPECT_EQ(PagedAttentionMaxSplits(257), 2);
+  EXPECT_EQ(PagedAttentionMaxSplits(1 << 20), 32);
+  EXPECT_EQ(PagedAttentionWorkspaceBytes(64, 8, 128, 256), 0u);
+  EXPECT_EQ(PagedAttentionWorkspaceBytes(3, 8, 128, 8192), size_t{32} * 3 * 8 * 130 * 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling
+
+struct SampleCase {
+  std::vector<float> logits;  // [vocab]
+  SamplingParams params;
+  uint64_t index = 0;
+};
+
+struct SampleResult {
+  std::vector<int32_t> tokens;
+  std::vector<float> log_probs;
+};
+
+// All cases share one vocab size; one launch.
+StatusOr<SampleResult> RunSampling(cudaStream_t stream, const std::vector<SampleCase>& cases,
+                                   int64_t vocab) {
+  const int64_t n = static_cast<int64_t>(cases.size());
+  const int64_t stride = vocab + 3;  // a row stride that is not the vocab
+  std::vector<float> logits(static_cast<size_t>(n * stride), 1e30f);
+  std::vector<float> temperature(n), top_p(n);
+  std::vector<int32_t> top_k(n);
+  std::vector<uint64_t> seed(n), index(n);
+  for (int64_t i = 0; i < n; ++i) {
+    std::copy(cases[i].logits.begin(), cases[i].logits.end(), logits.begin() + i * stride);
+    temperature[i] = cases[i].params.temperature;
+    top_k[i] = cases[i].params.top_k;
+    top_p[i] = cases[i].params.top_p;
+    seed[i] = cases[i].params.seed;
+    index[i] = cases[i].index;
+  }
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_logits, Upload(logits, "logits"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_t, Upload(temperature, "temperature"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_k, Upload(top_k, "top_k"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_p, Upload(top_p, "top_p"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_seed, Upload(seed, "seed"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_index, Upload(index, "index"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_token,
+                      Upload(std::vector<int32_t>(static_cast<size_t>(n), -7), "token"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_lp,
+                      Upload(std::vector<float>(static_cast<size_t>(n), NAN), "log_prob"));
+  SamplingLaunchParams p;
+  p.logits = d_logits.as<float>();
+  p.logits_row_stride = stride;
+  p.vocab = vocab;
+  p.num_seqs = n;
+  p.temperature = d_t.as<float>();
+  p.top_k = d_k.as<int32_t>();
+  p.top_p = d_p.as<float>();
+  p.seed = d_seed.as<uint64_t>();
+  p.index = d_index.as<uint64_t>();
+  p.token = d_token.as<int32_t>();
+  p.log_prob = d_lp.as<float>();
+  TP_RETURN_IF_ERROR(LaunchSampling(p, stream));
+  TP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  SampleResult r;
+  TP_ASSIGN_OR_RETURN(r.tokens, Download<int32_t>(d_token.data(), static_cast<size_t>(n)));
+  TP_ASSIGN_OR_RETURN(r.log_probs, Download<float>(d_lp.data(), static_cast<size_t>(n)));
+  return r;
+}
+
+// Random logits: normal with a spread, some rows quantized to 0.5 steps (many equal logits,
+// so that the lower-id rule decides).
+std::vector<float> RandomLogits(int64_t vocab, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const float spreads[] = {0.5f, 1.0f, 3.0f, 8.0f};
+  const float spread = spreads[rng() % 4];
+  const bool quantized = rng() % 4 == 0;
+  std::vector<float> l(static_cast<size_t>(vocab));
+  for (auto& x : l) {
+    x = normal(rng) * spread;
+    if (quantized) x = std::round(x * 2.0f) / 2.0f;
+  }
+  return l;
+}
+
+TEST_F(GpuGenerationOpsTest, GreedyIsIdenticalToReference) {
+  TP_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(440);
+  for (int64_t vocab : {1, 2, 37, 1000, 32000, 128256}) {
+    std::vector<SampleCase> cases;
+    for (int i = 0; i < 37; ++i) {
+      SampleCase c;
+      c.logits = RandomLogits(vocab, rng);
+      if (i % 5 == 0) {  // equal maxima: the lowest id wins
+        const float top = *std::max_element(c.logits.begin(), c.logits.end());
+        c.logits[static_cast<size_t>(rng() % vocab)] = top;
+        c.logits[static_cast<size_t>(rng() % vocab)] = top;
+      }
+      if (i % 7 == 0 && vocab > 1) c.logits[static_cast<size_t>(rng() % vocab)] = -INFINITY;
+      c.params.temperature = i % 2 == 0 ? 0.0f : 0.7f;
+      c.params.top_k = i % 2 == 0 ? static_cast<int32_t>(i % 3) * 5 : 1;  // top_k 1: greedy
+      c.params.top_p = i % 3 == 0 ? 0.5f : 1.0f;
+      c.params.seed = rng();
+      c.index = rng() % 1000;
+      cases.push_back(std::move(c));
+    }
+    TP_ASSERT_OK_AND_ASSIGN(SampleResult r, RunSampling(stream(), cases, vocab));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const SampledToken want = SampleToken(cases[i].logits, cases[i].params, cases[i].index);
+      EXPECT_EQ(r.tokens[i], want.token) << "vocab " << vocab << " case " << i;
+      EXPECT_NEAR(r.log_probs[i], want.log_prob, 1e-5) << "vocab " << vocab << " case " << i;
+    }
+  }
+}
+
+TEST_F(GpuGenerationOpsTest, SampledTokensMatchReference) {
+  TP_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(450);
+  const int64_t vocabs[] = {2, 7, 100, 1000, 32000, 128256};
+  const float temperatures[] = {0.3f, 0.7f, 1.0f, 1.0f, 1.5f, 4.0f};
+  const float top_ps[] = {1.0f, 1.0f, 0.95f, 0.8f, 0.5f, 0.1f};
+  int total = 0, agree = 0, log_prob_bad = 0;
+  for (int64_t vocab : vocabs) {
+    const int32_t top_ks[] = {0, 0, 2, 5, 40, 1000, static_cast<int32_t>(vocab) + 5};
+    std::vector<SampleCase> cases;
+    for (int i = 0; i < 2000 / 6 + 1; ++i) {
+      SampleCase c;
+      c.logits = RandomLogits(vocab, rng);
+      c.params.temperature = temperatures[rng() % 6];
+      c.params.top_k = top_ks[rng() % 7];
+      c.params.top_p = top_ps[rng() % 6];
+      c.params.seed = rng();
+      c.index = rng();
+      cases.push_back(std::move(c));
+    }
+    TP_ASSERT_OK_AND_ASSIGN(SampleResult r, RunSampling(stream(), cases, vocab));
+    // Same (seed, index) and logits: the same tokens on a second call, in another order.
+    std::vector<SampleCase> reversed(cases.rbegin(), cases.rend());
+    TP_ASSERT_OK_AND_ASSIGN(SampleResult again, RunSampling(stream(), reversed, vocab));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const SampledToken want = SampleToken(cases[i].logits, cases[i].params, cases[i].index);
+      ++total;
+      agree += r.tokens[i] == want.token;
+      EXPECT_EQ(r.tokens[i], again.tokens[cases.size() - 1 - i]) << "vocab " << vocab;
+      ASSERT_GE(r.tokens[i], 0) << "vocab " << vocab << " case " << i;
+      ASSERT_LT(r.tokens[i], vocab) << "vocab " << vocab << " case " << i;
+      // log_softmax of the GPU's token: the greedy token's (-log sum) plus the logit gap.
+      const float top = *std::max_element(cases[i].logits.begin(), cases[i].logits.end());
+      const float lp_want =
+          r.tokens[i] == want.token
+              ? want.log_prob
+              : SampleToken(cases[i].logits, {}, 0).log_prob + (cases[i].logits[r.tokens[i]] - top);
+      log_prob_bad += !(std::fabs(r.log_probs[i] - lp_want) <= 1e-5);
+      if (r.tokens[i] != want.token) {
+        std::cout << "  differs: vocab " << vocab << " case " << i << " gpu " << r.tokens[i]
+                  << " cpu " << want.token << " (T " << cases[i].params.temperature << ", top_k "
+                  << cases[i].params.top_k << ", top_p " << cases[i].params.top_p << ")\n";
+      }
+    }
+  }
+  const double rate = static_cast<double>(agree) / total;
+  std::cout << "sampling agreement with SampleToken: " << agree << " / " << total << " = "
+            << rate * 100.0 << " %\n";
+  RecordProperty("agreement", std::to_string(rate));
+  EXPECT_GE(rate, 0.99);
+  EXPECT_EQ(log_prob_bad, 0);
+}
+
+// The rule's probability of each token (sampling.h), computed independently of SampleToken.
+std::vector<double> RuleProbabilities(const std::vector<float>& logits, const SamplingParams& p) {
+  const size_t vocab = logits.size();
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  size_t keep = p.top_k > 0 ? std::min<size_t>(p.top_k, vocab) : vocab;
+  std::vector<double> w(keep);
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    w[i] = std::exp((static_cast<double>(logits[order[i]]) - logits[order[0]]) / p.temperature);
+    sum += w[i];
+  }
+  if (p.top_p < 1.0f) {
+    double cum = 0;
+    for (size_t i = 0; i < keep; ++i) {
+      cum += w[i] / sum;
+      if (cum >= p.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  double kept = 0;
+  for (size_t i = 0; i < keep; ++i) kept += w[i];
+  std::vector<double> prob(vocab, 0.0);
+  for (size_t i = 0; i < keep; ++i) prob[order[i]] = w[i] / kept;
+  return prob;
+}
+
+TEST_F(GpuGenerationOpsTest, SampledDistributionMatchesProbabilities) {
+  TP_SKIP_WITHOUT_GPU();
+  const std::vector<float> logits{2.0f, 1.0f, 1.0f, 0.5f, -1.0f, 3.0f, -INFINITY, 2.5f};
+  const int n = 40000;
+  for (const SamplingParams base :
+       {SamplingParams{0.9f, 0, 1.0f, 0}, SamplingParams{1.3f, 5, 0.9f, 0},
+        SamplingParams{0.5f, 0, 0.7f, 0}}) {
+    std::vector<SampleCase> cases(n);
+    for (int i = 0; i < n; ++i) {
+      cases[i].logits = logits;
+      cases[i].params = base;
+      cases[i].params.seed = 1000003ull * static_cast<uint64_t>(i) + 17;
+      cases[i].index = 42;
+    }
+    TP_ASSERT_OK_AND_ASSIGN(SampleResult r,
+                            RunSampling(stream(), cases, static_cast<int64_t>(logits.size())));
+    std::vector<int> counts(logits.size(), 0);
+    for (int32_t t : r.tokens) {
+      ASSERT_GE(t, 0);
+      ASSERT_LT(t, static_cast<int32_t>(logits.size()));
+      ++counts[t];
+    }
+    const std::vector<double> prob = RuleProbabilities(logits, base);
+    for (size_t t = 0; t < logits.size(); ++t) {
+      const double f = static_cast<double>(counts[t]) / n;
+      const double sigma = std::sqrt(prob[t] * (1 - prob[t]) / n);
+      EXPECT_LE(std::fabs(f - prob[t]), 5 * sigma + 1e-12)
+          << "token " << t << " frequency " << f << " probability " << prob[t] << " (T "
+          << base.temperature << ", top_k " << base.top_k << ", top_p " << base.top_p << ")";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tpserve
