@@ -30,15 +30,14 @@ size_t TokenBatcher::queued() const {
   return queue_.size();
 }
 
-StatusOr<std::future<StatusOr<BatchResult>>> TokenBatcher::Submit(
-    std::vector<int32_t> ids, Clock::time_point deadline,
-    std::shared_ptr<std::atomic<bool>> cancelled) {
+Status TokenBatcher::Submit(std::vector<int32_t> ids, Clock::time_point deadline,
+                            std::shared_ptr<std::atomic<bool>> cancelled, Done done) {
   Item item;
   item.ids = std::move(ids);
   item.enqueued = Clock::now();
   item.deadline = deadline;
   item.cancelled = std::move(cancelled);
-  auto future = item.promise.get_future();
+  item.done = std::move(done);
   {
     std::lock_guard lock(mu_);
     if (stopping_) return UnavailableError("the server is shutting down");
@@ -50,6 +49,17 @@ StatusOr<std::future<StatusOr<BatchResult>>> TokenBatcher::Submit(
     queue_.push_back(std::move(item));
   }
   cv_.notify_all();
+  return Status::Ok();
+}
+
+StatusOr<std::future<StatusOr<BatchResult>>> TokenBatcher::Submit(
+    std::vector<int32_t> ids, Clock::time_point deadline,
+    std::shared_ptr<std::atomic<bool>> cancelled) {
+  auto promise = std::make_shared<std::promise<StatusOr<BatchResult>>>();
+  auto future = promise->get_future();
+  TP_RETURN_IF_ERROR(
+      Submit(std::move(ids), deadline, std::move(cancelled),
+             [promise](StatusOr<BatchResult> r) { promise->set_value(std::move(r)); }));
   return future;
 }
 
@@ -83,9 +93,9 @@ void TokenBatcher::Loop() {
       // answered now, without being computed.
       for (auto it = queue_.begin(); it != queue_.end();) {
         if (it->cancelled && it->cancelled->load()) {
-          it->promise.set_value(CancelledError("the client cancelled the request"));
+          it->done(CancelledError("the client cancelled the request"));
         } else if (it->deadline <= Clock::now()) {
-          it->promise.set_value(DeadlineExceededError("the deadline passed while queued"));
+          it->done(DeadlineExceededError("the deadline passed while queued"));
         } else {
           ++it;
           continue;
@@ -132,7 +142,7 @@ void TokenBatcher::Loop() {
     last_batch_tokens_.store(tb.tokens());
     for (size_t s = 0; s < batch.size(); ++s) {
       if (!logits.ok()) {
-        batch[s].promise.set_value(logits.status());
+        batch[s].done(logits.status());
         continue;
       }
       BatchResult r;
@@ -141,7 +151,7 @@ void TokenBatcher::Loop() {
           std::chrono::duration_cast<std::chrono::nanoseconds>(start - batch[s].enqueued).count();
       r.compute_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
       r.batch_sequences = static_cast<int>(batch.size());
-      batch[s].promise.set_value(std::move(r));
+      batch[s].done(std::move(r));
     }
   }
 }

@@ -53,10 +53,21 @@ class TokenBatcher {
   TokenBatcher(BatcherOptions options, int64_t vocab, BatchForward forward);
   ~TokenBatcher();  // Stop(), then joins
 
-  // Queues a request. `cancelled` (may be null) is polled while queued.
+  // Called once with the request's result, on the batcher's thread: must not
+  // block.
+  using Done = std::function<void(StatusOr<BatchResult>)>;
+
+  // Queues a request; `done` is called exactly once unless this returns an
+  // error. `cancelled` (may be null) is read while queued (Wake() makes the
+  // batcher look at once).
+  Status Submit(std::vector<int32_t> ids, Clock::time_point deadline,
+                std::shared_ptr<std::atomic<bool>> cancelled, Done done);
+  // The same, with the result as a future.
   StatusOr<std::future<StatusOr<BatchResult>>> Submit(std::vector<int32_t> ids,
                                                       Clock::time_point deadline,
                                                       std::shared_ptr<std::atomic<bool>> cancelled);
+  // Makes the batcher re-examine its queue now (after a cancellation).
+  void Wake() { cv_.notify_all(); }
 
   // Stops accepting; computes what is queued (drain), then returns.
   void Stop();
@@ -72,7 +83,7 @@ class TokenBatcher {
     std::vector<int32_t> ids;
     Clock::time_point enqueued, deadline;
     std::shared_ptr<std::atomic<bool>> cancelled;
-    std::promise<StatusOr<BatchResult>> promise;
+    Done done;
   };
   void Loop();
 

@@ -1,6 +1,5 @@
 // `tpserve serve`: the KServe v2 gRPC server with Prometheus metrics, running
 // until SIGTERM/SIGINT, then draining accepted requests.
-#include <httplib.h>
 #include <netdb.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
@@ -31,6 +30,7 @@
 #include "server/cli.h"
 #include "server/cli_cuda_only.h"
 #include "server/inference_server.h"
+#include "server/metrics_http.h"
 
 namespace tpserve {
 namespace {
@@ -53,11 +53,25 @@ struct ServeFlags {
   int grpc_port = 8001;
   std::string metrics_host = "127.0.0.1";
   int metrics_port = 8002;
+  // The /metrics server's bounds (MetricsHttpOptions).
+  int metrics_max_connections = 64;
+  int64_t metrics_max_header_bytes = 8192;
+  double metrics_read_timeout_s = 5;
+  double metrics_write_timeout_s = 5;
   int64_t max_batch_tokens = 8192;
   int64_t max_queue_delay_us = 2000;
   int64_t max_queue_size = 1024;
-  int64_t max_streams = 256;
+  int64_t max_streams = 1024;
   int64_t max_batch_sequences = 256;
+  // Generation (engine/generator.h).
+  double kv_cache_gib = 0.25;
+  int64_t kv_cache_blocks = 0;  // > 0: exactly this many (overrides --kv-cache-gib)
+  int64_t kv_block_size = 16;
+  std::string kv_cache_dtype = "bf16";
+  int64_t max_step_tokens = 2048;
+  int64_t max_running_sequences = 256;
+  int64_t max_output_len = 4096;
+  int64_t max_requests_per_stream = 64;
   double rank_timeout_s = 300;
   bool device_random_weights = false;
   int64_t max_tokens_per_request = 4096;
@@ -126,12 +140,33 @@ StatusOr<CudaEngineOptions> CudaOptions(const ServeFlags& f, const ModelConfig& 
   eo.model.max_seqs = f.max_batch_sequences;
   eo.timeout = std::chrono::milliseconds(static_cast<int64_t>(f.rank_timeout_s * 1000));
   eo.device_random_weights = f.device_random_weights;
+  // The KV cache (generation): --kv-cache-blocks, else as many blocks as --kv-cache-gib
+  // holds (0: none, logits requests only). Workers get the block count itself.
+  TP_ASSIGN_OR_RETURN(eo.model.kv_dtype, ParseKvCacheDtype(f.kv_cache_dtype));
+  eo.model.kv_block_size = f.kv_block_size;
+  eo.model.kv_blocks = f.kv_cache_blocks;
+  if (eo.model.kv_blocks == 0 && f.kv_cache_gib > 0) {
+    const KvCacheLayout per_block{config.num_hidden_layers, 1,
+                                  f.kv_block_size,          config.num_key_value_heads / f.tp,
+                                  config.head_dim(),        eo.model.kv_dtype};
+    eo.model.kv_blocks = static_cast<int64_t>(f.kv_cache_gib * 1073741824.0 /
+                                              static_cast<double>(per_block.BlockBytes()));
+    if (eo.model.kv_blocks < 1) {
+      return InvalidArgumentError("--kv-cache-gib " + std::to_string(f.kv_cache_gib) +
+                                  " holds no block of " + std::to_string(per_block.BlockBytes()) +
+                                  " bytes");
+    }
+  }
   eo.worker_argv = {"/proc/self/exe",     "worker",  "--model", f.model,  "--tp",
                     std::to_string(f.tp), "--dtype", f.dtype,   "--seed", std::to_string(f.seed)};
   for (auto [flag, value] : {std::pair<const char*, std::string>{
                                  "--max-batch-tokens", std::to_string(f.max_batch_tokens)},
                              {"--max-batch-sequences", std::to_string(f.max_batch_sequences)},
                              {"--rank-timeout-s", std::to_string(f.rank_timeout_s)},
+                             {"--kv-cache-blocks", std::to_string(eo.model.kv_blocks)},
+                             {"--kv-cache-gib", "0"},
+                             {"--kv-block-size", std::to_string(f.kv_block_size)},
+                             {"--kv-cache-dtype", f.kv_cache_dtype},
                              {"--gemm-algo", f.gemm_algo}}) {
     eo.worker_argv.push_back(flag);
     eo.worker_argv.push_back(value);
@@ -186,8 +221,27 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const std::st
 #if TPSERVE_WITH_CUDA
   if (backend == "cuda") {
     TP_ASSIGN_OR_RETURN(CudaEngineOptions eo, CudaOptions(f, config, from_dir, std::move(overlap)));
+    // A generation step must fit the engine's batch limits (its buffers and graphs).
+    if (eo.model.kv_blocks > 0 && (f.max_step_tokens > f.max_batch_tokens ||
+                                   f.max_running_sequences > f.max_batch_sequences)) {
+      return InvalidArgumentError(
+          "--backend cuda: --max-step-tokens (" + std::to_string(f.max_step_tokens) +
+          ") and --max-running-sequences (" + std::to_string(f.max_running_sequences) +
+          ") must not exceed --max-batch-tokens (" + std::to_string(f.max_batch_tokens) +
+          ") and --max-batch-sequences (" + std::to_string(f.max_batch_sequences) + ")");
+    }
     spdlog::info("loading {} ({} layers, hidden {}) on the CUDA backend, tp={}", config.name,
                  config.num_hidden_layers, config.hidden_size, f.tp);
+    if (eo.model.kv_blocks > 0) {
+      const KvCacheLayout per_block{config.num_hidden_layers, 1,
+                                    f.kv_block_size,          config.num_key_value_heads / f.tp,
+                                    config.head_dim(),        eo.model.kv_dtype};
+      spdlog::info("KV cache: {} blocks of {} tokens ({}), {:.1f} MiB per GPU", eo.model.kv_blocks,
+                   f.kv_block_size, f.kv_cache_dtype,
+                   eo.model.kv_blocks * per_block.BlockBytes() / 1048576.0);
+    } else {
+      spdlog::info("KV cache: none (--kv-cache-gib 0): logits requests only, no generation");
+    }
     TP_ASSIGN_OR_RETURN(auto engine, CudaEngine::Start(std::move(eo)));
     return std::shared_ptr<Engine>(std::move(engine));
   }
@@ -195,6 +249,21 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const std::st
   (void)backend;  // always cpu here: ResolveBackend refused cuda
 #endif
   auto eo = CommonEngineOptions<CpuEngineOptions>(f, config, from_dir, std::move(overlap));
+  TP_ASSIGN_OR_RETURN(eo.kv_dtype, ParseKvCacheDtype(f.kv_cache_dtype));
+  eo.kv_block_size = f.kv_block_size;
+  eo.kv_blocks = f.kv_cache_blocks;
+  if (eo.kv_blocks == 0 && f.kv_cache_gib > 0) {
+    // One rank's share: its KV heads of every layer, per block.
+    KvCacheLayout per_block{config.num_hidden_layers, 1, f.kv_block_size,
+                            config.num_key_value_heads / f.tp, config.head_dim(), eo.kv_dtype};
+    eo.kv_blocks = static_cast<int64_t>(f.kv_cache_gib * 1073741824.0 /
+                                        static_cast<double>(per_block.BlockBytes()));
+    if (eo.kv_blocks < 1) {
+      return InvalidArgumentError("--kv-cache-gib " + std::to_string(f.kv_cache_gib) +
+                                  " holds no block of " + std::to_string(per_block.BlockBytes()) +
+                                  " bytes");
+    }
+  }
   spdlog::info("loading {} ({} layers, hidden {}) on the CPU backend, tp={}", config.name,
                config.num_hidden_layers, config.hidden_size, f.tp);
   TP_ASSIGN_OR_RETURN(auto engine, CpuEngine::Start(eo));
@@ -235,39 +304,41 @@ class SignalBox {
 
 int Worker(const ServeFlags& f);
 
+// `s`, an error of BindListenSocket, with the flag it concerns: the port's for a port in use,
+// else the host's.
+std::string ListenFlagError(const Status& s, const char* host_flag, const char* port_flag) {
+  return std::string(s.code() == StatusCode::kAlreadyExists ? port_flag : host_flag) + " " +
+         s.message();
+}
+
 // Why `host`:`port` cannot be listened on ("" if it can), found before the model loads
 // (minutes for a large one) rather than after: a host that does not resolve or is not this
 // machine's, or a port in use. `host_flag` and `port_flag` name the flags in the message.
-// The trial socket is closed again; the servers bind for real later.
-std::string ListenError(std::string host, int port, const char* host_flag, const char* port_flag) {
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port);
-  if (const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
-    return std::string(host_flag) + " " + host + ": not an address or a name that resolves (" +
-           gai_strerror(rc) + ")";
-  }
-  std::string error;
-  const int fd = socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC, found->ai_protocol);
-  if (fd >= 0) {
-    const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, found->ai_addr, found->ai_addrlen) != 0) {
-      const int err = errno;
-      error = err == EADDRINUSE ? std::string(port_flag) + " " + service + ": in use on " + host
-                                : std::string(host_flag) + " " + host + ": cannot listen there (" +
-                                      std::strerror(err) + ")";
-    }
-    close(fd);
-  }
-  freeaddrinfo(found);
-  return error;
+// The trial socket is closed again; the servers bind for real later. It has the listeners'
+// options (BindListenSocket: SO_REUSEADDR, as gRPC's listener and the metrics server have
+// it), so that it agrees with them: a port held only by the previous process's connections
+// in TIME_WAIT passes, as it does for them, and a restart binds at once.
+std::string ListenError(const std::string& host, int port, const char* host_flag,
+                        const char* port_flag) {
+  StatusOr<int> fd = BindListenSocket(host, port);
+  if (!fd.ok()) return ListenFlagError(fd.status(), host_flag, port_flag);
+  close(*fd);
+  return "";
+}
+
+// The /metrics server's options from the flags.
+MetricsHttpOptions MetricsOptions(const ServeFlags& f) {
+  MetricsHttpOptions o;
+  o.host = f.metrics_host;
+  o.port = f.metrics_port;
+  o.max_connections = f.metrics_max_connections;
+  o.max_header_bytes = static_cast<size_t>(f.metrics_max_header_bytes);
+  const auto ms = [](double s) {
+    return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1000)));
+  };
+  o.read_timeout = ms(f.metrics_read_timeout_s);
+  o.write_timeout = ms(f.metrics_write_timeout_s);
+  return o;
 }
 
 int Serve(const ServeFlags& f) {
@@ -398,26 +469,22 @@ int Serve(const ServeFlags& f) {
   so.batcher.max_queue_size = static_cast<size_t>(f.max_queue_size);
   so.max_streams = static_cast<size_t>(f.max_streams);
   so.batcher.max_batch_sequences = f.max_batch_sequences;
+  so.max_requests_per_stream = static_cast<size_t>(f.max_requests_per_stream);
+  so.generation.scheduler.max_step_tokens = f.max_step_tokens;
+  so.generation.scheduler.max_running = f.max_running_sequences;
+  so.generation.scheduler.max_new_tokens = f.max_output_len;
   // The metrics port is bound before the gRPC server starts, so that a port
-  // already in use fails the start before any request is accepted.
-  httplib::Server metrics;
-  std::atomic<InferenceServer*> metrics_source{nullptr};
-  metrics.Get("/metrics", [&metrics_source](const httplib::Request&, httplib::Response& res) {
-    InferenceServer* source = metrics_source.load();
-    if (source == nullptr) {
-      res.status = 503;
-      res.set_content("the server is not serving\n", "text/plain");
-      return;
+  // already in use fails the start before any request is accepted; it serves once the
+  // gRPC server does (connections wait in the backlog until then).
+  std::unique_ptr<MetricsHttpServer> metrics;
+  if (f.metrics_port > 0) {
+    auto listening = MetricsHttpServer::Listen(MetricsOptions(f));
+    if (!listening.ok()) {
+      spdlog::error("cannot serve metrics: {}", ListenFlagError(listening.status(),
+                                                                "--metrics-host", "--metrics-port"));
+      return 1;
     }
-    res.set_content(source->MetricsText(), "text/plain; version=0.0.4");
-  });
-  std::string metrics_host = f.metrics_host;  // httplib takes an IPv6 address without brackets
-  if (metrics_host.size() > 2 && metrics_host.front() == '[' && metrics_host.back() == ']') {
-    metrics_host = metrics_host.substr(1, metrics_host.size() - 2);
-  }
-  if (f.metrics_port > 0 && !metrics.bind_to_port(metrics_host, f.metrics_port)) {
-    spdlog::error("cannot serve metrics on {}:{}", f.metrics_host, f.metrics_port);
-    return 1;
+    metrics = std::move(listening).value();
   }
   auto server = InferenceServer::Start(so, *engine);
   if (!server.ok()) {
@@ -426,10 +493,8 @@ int Serve(const ServeFlags& f) {
   }
   InferenceServer* srv = server->get();
   box.MarkServing();  // requests may be accepted from here on: a signal drains them
-  metrics_source = srv;
-  std::thread metrics_thread;
-  if (f.metrics_port > 0) {
-    metrics_thread = std::thread([&] { metrics.listen_after_bind(); });
+  if (metrics) {
+    metrics->Start([srv] { return srv->MetricsText(); });  // stopped before *srv goes
     spdlog::info("metrics on http://{}:{}/metrics", f.metrics_host, f.metrics_port);
   }
   std::printf("tpserve: serving '%s' on gRPC port %d\n", so.model_name.c_str(), srv->port());
@@ -478,11 +543,7 @@ int Serve(const ServeFlags& f) {
     std::_Exit(1);
   }).detach();
   srv->Shutdown(deadline);  // metrics stay up while the server drains
-  if (metrics_thread.joinable()) {
-    metrics.stop();
-    metrics_thread.join();
-  }
-  metrics_source = nullptr;
+  if (metrics) metrics->Stop();
   server->reset();  // engine threads stop after the server
   spdlog::info("stopped");
   if (engine_failed) {
@@ -565,12 +626,71 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--metrics-port", f->metrics_port, "Prometheus /metrics port (0: off)")
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
+  cmd->add_option("--metrics-max-connections", f->metrics_max_connections,
+                  "Open /metrics connections at most; one more closes the one that has waited "
+                  "longest (a slow or idle client), so that scrapes are served whatever other "
+                  "clients do")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  cmd->add_option("--metrics-max-header-bytes", f->metrics_max_header_bytes,
+                  "Bytes of a /metrics request's line and headers at most (answered 431 "
+                  "beyond; request bodies are never read)")
+      ->check(CLI::Range(int64_t{256}, int64_t{1} << 20))
+      ->capture_default_str();
+  cmd->add_option("--metrics-read-timeout-s", f->metrics_read_timeout_s,
+                  "Seconds a /metrics request's line and headers may take to arrive, however "
+                  "they trickle (then the connection is closed); also how long a kept-alive "
+                  "connection may idle")
+      ->check(CLI::Range(0.001, 3600.0))
+      ->capture_default_str();
+  cmd->add_option("--metrics-write-timeout-s", f->metrics_write_timeout_s,
+                  "Seconds a client may take to receive a /metrics response before its "
+                  "connection is closed")
+      ->check(CLI::Range(0.001, 3600.0))
+      ->capture_default_str();
   cmd->add_option("--max-batch-tokens", f->max_batch_tokens, "Tokens per engine batch")
       ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--max-batch-sequences", f->max_batch_sequences,
                   "Requests per engine batch (the GPU engine sizes its per-sequence buffers "
                   "by it)")
+      ->check(Positive())
+      ->capture_default_str();
+  cmd->add_option("--kv-cache-gib", f->kv_cache_gib,
+                  "Generation: KV cache memory per rank in GiB, allocated at start (cpu "
+                  "backend: host memory; 0 with no --kv-cache-blocks: no generation, logits "
+                  "requests only; cuda backend: GPU memory on every rank)")
+      ->check(CLI::Range(0.0, 4096.0))
+      ->capture_default_str();
+  cmd->add_option("--kv-cache-blocks", f->kv_cache_blocks,
+                  "Generation: exactly this many KV cache blocks (overrides --kv-cache-gib; "
+                  "a small pool makes the scheduler preempt and recompute sequences)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
+      ->capture_default_str();
+  cmd->add_option("--kv-block-size", f->kv_block_size, "Generation: tokens per KV cache block")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  cmd->add_option("--kv-cache-dtype", f->kv_cache_dtype,
+                  "Generation: KV cache element type, bf16 or fp8 (E4M3, scale 1)")
+      ->check(CLI::IsMember({"bf16", "fp8"}))
+      ->capture_default_str();
+  cmd->add_option("--max-step-tokens", f->max_step_tokens,
+                  "Generation: tokens per step, one per decoding sequence plus chunks of "
+                  "prompts (chunked prefill)")
+      ->check(Positive())
+      ->capture_default_str();
+  cmd->add_option("--max-running-sequences", f->max_running_sequences,
+                  "Generation: sequences in flight (holding KV cache blocks) at most")
+      ->check(Positive())
+      ->capture_default_str();
+  cmd->add_option("--max-output-len", f->max_output_len,
+                  "Generation: largest request_output_len accepted (also capped by the "
+                  "model's max_position_embeddings)")
+      ->check(Positive())
+      ->capture_default_str();
+  cmd->add_option("--max-requests-per-stream", f->max_requests_per_stream,
+                  "Requests in progress on one ModelStreamInfer stream; beyond, that stream is "
+                  "not read until one finishes")
       ->check(Positive())
       ->capture_default_str();
   CudaOnly(cmd->add_option("--rank-timeout-s", f->rank_timeout_s,
@@ -590,15 +710,14 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
   cmd->add_option("--max-queue-size", f->max_queue_size,
-                  "Queued requests beyond this get RESOURCE_EXHAUSTED; with "
-                  "--max-batch-sequences and --max-streams it bounds the server's RPC threads "
-                  "(their sum + 64 for health and metadata calls; calls beyond get "
-                  "RESOURCE_EXHAUSTED too); at most 65536")
+                  "Queued requests beyond this get RESOURCE_EXHAUSTED (logits requests waiting "
+                  "for a batch; generation requests in progress); a waiting request holds no "
+                  "thread; at most 65536")
       ->check(CLI::Range(int64_t{1}, int64_t{65536}))
       ->capture_default_str();
   cmd->add_option("--max-streams", f->max_streams,
-                  "Open ModelStreamInfer streams beyond this get RESOURCE_EXHAUSTED (each "
-                  "holds an RPC thread, idle or not); at most 65536")
+                  "Open ModelStreamInfer streams beyond this get RESOURCE_EXHAUSTED (a stream "
+                  "holds no thread); at most 65536")
       ->check(CLI::Range(int64_t{1}, int64_t{65536}))
       ->capture_default_str();
   cmd->add_option("--max-tokens-per-request", f->max_tokens_per_request,
@@ -660,6 +779,14 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   wcmd->add_flag("--device-random-weights", w->device_random_weights,
                  "As serve --device-random-weights");
+  wcmd->add_option("--kv-cache-gib", w->kv_cache_gib, "As serve --kv-cache-gib")
+      ->check(CLI::Range(0.0, 4096.0));
+  wcmd->add_option("--kv-cache-blocks", w->kv_cache_blocks, "As serve --kv-cache-blocks")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  wcmd->add_option("--kv-block-size", w->kv_block_size, "As serve --kv-block-size")
+      ->check(CLI::Range(1, 1024));
+  wcmd->add_option("--kv-cache-dtype", w->kv_cache_dtype, "As serve --kv-cache-dtype")
+      ->check(CLI::IsMember({"bf16", "fp8"}));
   wcmd->add_option("--rank-timeout-s", w->rank_timeout_s, "As serve --rank-timeout-s")
       ->check(CLI::Range(0.001, kMaxTimeoutS))
       ->capture_default_str();

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "proto/grpc_service.grpc.pb.h"
+#include "server/infer_calls.h"
 #include "server/request_validation.h"
 
 namespace tpserve {
@@ -22,19 +23,13 @@ constexpr char kInput[] = "input_ids";
 constexpr char kLogits[] = "logits";
 constexpr char kNextToken[] = "next_token_id";
 constexpr char kVersion[] = "1";
-// RPC threads beyond the queued, batched and streaming requests' (InferenceServer::Start):
-// health and metadata calls, and requests on their way to the queue.
-constexpr size_t kSpareRpcThreads = 64;
+// Threads of the synchronous methods (health, metadata, statistics): the
+// inference RPCs are callbacks and hold none while they wait.
+constexpr int kSyncRpcThreads = 64;
 
 grpc::Status ToGrpc(const Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
-}
-
-uint64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
 }
 
 StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
@@ -70,21 +65,6 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const ServerO
   return grpc::SslServerCredentials(ssl);
 }
 
-// Client mistakes (the request's fault) at info, so that a stream of bad
-// requests does not drown the log's warnings; the server's own failures
-// (engine lost, internal errors) as errors.
-void LogFailure(const char* rpc, const std::string& id, const Status& s) {
-  const StatusCode c = s.code();
-  const bool client = c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||
-                      c == StatusCode::kDeadlineExceeded || c == StatusCode::kCancelled ||
-                      c == StatusCode::kResourceExhausted || c == StatusCode::kFailedPrecondition;
-  if (client) {
-    spdlog::info("{} id='{}': {}", rpc, ClientText(id), s.ToString());
-  } else {
-    spdlog::error("{} id='{}': {}", rpc, ClientText(id), s.ToString());
-  }
-}
-
 // The longest request accepted: a request must also fit one engine batch
 // (the batcher never splits one) and the model's positions.
 int64_t LongestRequest(const ServerOptions& o, const ModelConfig& c) {
@@ -116,24 +96,45 @@ std::string GrpcListenAddress(std::string_view host, int port) {
   return (ipv6 ? "[" + std::string(host) + "]" : std::string(host)) + ":" + std::to_string(port);
 }
 
-class InferenceService final : public inference::GRPCInferenceService::Service {
+class InferenceService final
+    : public inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
+          inference::GRPCInferenceService::WithRawCallbackMethod_ModelStreamInfer<
+              inference::GRPCInferenceService::Service>> {
  public:
-  InferenceService(const ServerOptions& options, const Engine& engine, TokenBatcher& batcher)
-      : options_(options), engine_(engine), config_(engine.config()), batcher_(batcher) {}
+  InferenceService(const ServerOptions& options, const Engine& engine, TokenBatcher& batcher,
+                   Generator* generator)
+      : options_(options),
+        engine_(engine),
+        config_(engine.config()),
+        batcher_(batcher),
+        generator_(generator) {
+    ctx_.model_name = options.model_name;
+    ctx_.config = &config_;
+    ctx_.limits = {config_.vocab_size, LongestRequest(options, config_)};
+    ctx_.batcher = &batcher;
+    ctx_.generator = generator;
+    ctx_.max_streams = options.max_streams;
+    ctx_.max_requests_per_stream = options.max_requests_per_stream;
+  }
 
   void set_serving(bool serving) { serving_ = serving; }
+  ServingContext& context() { return ctx_; }
 
-  // The start of a shutdown: every open stream ends after the request it is
-  // answering (UNAVAILABLE), and streams idle in a read are cancelled now
-  // instead of holding the drain open until its deadline: their clients see
-  // CANCELLED, with nothing of theirs in progress (a synchronous handler
-  // blocked in Read cannot end its call with another status).
+  // The start of a shutdown: new requests get UNAVAILABLE, open streams stop
+  // reading and end once their requests are answered.
   void BeginDrain() {
-    std::lock_guard lock(streams_mu_);
-    draining_ = true;
-    for (const auto& [ctx, busy] : streams_) {
-      if (!busy) ctx->TryCancel();
-    }
+    ctx_.draining = true;
+    ctx_.DrainStreams();
+  }
+
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* call,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override {
+    return StartUnaryCall(ctx_, call, request, response);
+  }
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
+      grpc::CallbackServerContext* call) override {
+    return StartStreamCall(ctx_, call);
   }
 
   grpc::Status ServerLive(grpc::ServerContext*, const inference::ServerLiveRequest*,
@@ -148,7 +149,7 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   }
   grpc::Status ModelReady(grpc::ServerContext*, const inference::ModelReadyRequest* q,
                           inference::ModelReadyResponse* r) override {
-    if (Status s = CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
+    if (Status s = ctx_.CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
     r->set_ready(serving_.load() && engine_.healthy());
     return grpc::Status::OK;
   }
@@ -158,137 +159,94 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
     r->set_version("0.1.0");
     r->add_extensions("statistics");
     r->add_extensions("health");
+    if (generator_ != nullptr) r->add_extensions("generation");
     return grpc::Status::OK;
   }
   grpc::Status ModelMetadata(grpc::ServerContext*, const inference::ModelMetadataRequest* q,
                              inference::ModelMetadataResponse* r) override {
-    if (Status s = CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
+    if (Status s = ctx_.CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
     r->set_name(options_.model_name);
     r->add_versions(kVersion);
     r->set_platform("tpserve_llama");
-    auto* in = r->add_inputs();
-    in->set_name(kInput);
-    in->set_datatype("INT32");
-    in->add_shape(-1);  // [n]; [1, n] is accepted too
-    auto* logits = r->add_outputs();
-    logits->set_name(kLogits);
-    logits->set_datatype("FP32");
-    logits->add_shape(config_.vocab_size);
-    auto* next = r->add_outputs();
-    next->set_name(kNextToken);
-    next->set_datatype("INT32");
-    next->add_shape(1);
-    return grpc::Status::OK;
-  }
-
-  grpc::Status ModelInfer(grpc::ServerContext* ctx, const inference::ModelInferRequest* q,
-                          inference::ModelInferResponse* r) override {
-    const Status s = Infer(ctx, *q, r);
-    if (!s.ok()) {
-      ++fail_count_;
-      LogFailure("ModelInfer", q->id(), s);
-    }
-    return ToGrpc(s);
-  }
-
-  grpc::Status ModelStreamInfer(
-      grpc::ServerContext* ctx,
-      grpc::ServerReaderWriter<inference::ModelStreamInferResponse, inference::ModelInferRequest>*
-          stream) override {
-    const grpc::Status shutting_down(grpc::StatusCode::UNAVAILABLE,
-                                     "the server is shutting down: this stream's earlier "
-                                     "requests were answered, send the rest to another replica");
-    {
-      std::lock_guard lock(streams_mu_);
-      if (draining_) return shutting_down;
-      // Each open stream holds one of the server's RPC threads: beyond the limit, the threads
-      // kept for queued requests, health and metadata calls would go to idle streams.
-      if (streams_.size() >= options_.max_streams) {
-        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            std::to_string(streams_.size()) +
-                                " streams are open, the server's limit (--max-streams); close "
-                                "one, or send requests with ModelInfer");
-      }
-      streams_[ctx] = false;  // idle: waiting for a request
-    }
-    // Marks the stream busy (true) or idle (false); false when the server drains.
-    auto set_busy = [&](bool busy) {
-      std::lock_guard lock(streams_mu_);
-      streams_[ctx] = busy;
-      return !draining_;
+    auto tensor = [](auto* t, const char* name, const char* dtype,
+                     std::initializer_list<int64_t> shape) {
+      t->set_name(name);
+      t->set_datatype(dtype);
+      for (int64_t d : shape) t->add_shape(d);
     };
-    grpc::Status end = grpc::Status::OK;
-    inference::ModelInferRequest q;
-    while (stream->Read(&q)) {
-      inference::ModelStreamInferResponse out;
-      Status s = set_busy(true) ? Infer(ctx, q, out.mutable_infer_response())
-                                : UnavailableError("the server is shutting down");
-      if (!s.ok()) {
-        ++fail_count_;
-        LogFailure("ModelStreamInfer", q.id(), s);
-        // As Triton does: the failed request's id, so that the client can tell which one
-        // failed; the message keeps the status code's name (a stream has no other place
-        // for it).
-        out.clear_infer_response();
-        out.mutable_infer_response()->set_id(q.id());
-        out.set_error_message(s.ToString());
-      }
-      if (!stream->Write(out)) break;
-      if (!set_busy(false)) {
-        end = shutting_down;
-        break;
-      }
+    tensor(r->add_inputs(), kInput, "INT32", {-1});  // [n]; [1, n] is accepted too
+    tensor(r->add_outputs(), kLogits, "FP32", {config_.vocab_size});
+    tensor(r->add_outputs(), kNextToken, "INT32", {1});
+    if (generator_ != nullptr) {
+      // Generation, in the tensor names of Triton's TensorRT-LLM backend
+      // (server/generation_request.h).
+      tensor(r->add_inputs(), "input_lengths", "INT32", {1});
+      tensor(r->add_inputs(), "request_output_len", "INT32", {1});
+      tensor(r->add_inputs(), "end_id", "INT32", {1});
+      tensor(r->add_inputs(), "pad_id", "INT32", {1});
+      tensor(r->add_inputs(), "streaming", "BOOL", {1});
+      tensor(r->add_inputs(), "temperature", "FP32", {1});
+      tensor(r->add_inputs(), "runtime_top_k", "INT32", {1});
+      tensor(r->add_inputs(), "runtime_top_p", "FP32", {1});
+      tensor(r->add_inputs(), "seed", "UINT64", {1});
+      tensor(r->add_inputs(), "stop_words_list", "INT32", {2, -1});
+      tensor(r->add_inputs(), "return_log_probs", "BOOL", {1});
+      tensor(r->add_inputs(), "exclude_input_in_output", "BOOL", {1});
+      tensor(r->add_outputs(), "output_ids", "INT32", {1, -1});
+      tensor(r->add_outputs(), "sequence_length", "INT32", {1});
+      tensor(r->add_outputs(), "output_log_probs", "FP32", {1, -1});
     }
-    std::lock_guard lock(streams_mu_);
-    streams_.erase(ctx);
-    return end;
+    return grpc::Status::OK;
   }
 
   grpc::Status ModelStatistics(grpc::ServerContext*, const inference::ModelStatisticsRequest* q,
                                inference::ModelStatisticsResponse* r) override {
     if (!q->name().empty()) {
-      if (Status s = CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
+      if (Status s = ctx_.CheckModel(q->name(), q->version()); !s.ok()) return ToGrpc(s);
     }
+    const uint64_t success = ctx_.success_count.load();
     auto* m = r->add_model_stats();
     m->set_name(options_.model_name);
     m->set_version(kVersion);
-    m->set_last_inference(last_inference_ms_.load());
-    m->set_inference_count(success_count_.load());
-    m->set_execution_count(batcher_.batches());
+    m->set_last_inference(ctx_.last_inference_ms.load());
+    m->set_inference_count(success);
+    m->set_execution_count(batcher_.batches() +
+                           (generator_ != nullptr ? generator_->stats().steps : 0));
     auto* st = m->mutable_inference_stats();
-    st->mutable_success()->set_count(success_count_.load());
-    st->mutable_success()->set_ns(success_ns_.load());
-    st->mutable_fail()->set_count(fail_count_.load());
-    st->mutable_queue()->set_count(success_count_.load());
-    st->mutable_queue()->set_ns(queue_ns_.load());
-    st->mutable_compute_infer()->set_count(success_count_.load());
-    st->mutable_compute_infer()->set_ns(compute_ns_.load());
+    st->mutable_success()->set_count(success);
+    st->mutable_success()->set_ns(ctx_.success_ns.load());
+    st->mutable_fail()->set_count(ctx_.fail_count.load());
+    st->mutable_queue()->set_count(success);
+    st->mutable_queue()->set_ns(ctx_.queue_ns.load());
+    st->mutable_compute_infer()->set_count(success);
+    st->mutable_compute_infer()->set_ns(ctx_.compute_ns.load());
     return grpc::Status::OK;
   }
 
   std::string MetricsText() const {
     std::ostringstream o;
     const std::string model = PrometheusLabelValue(options_.model_name);
-    const std::string labels = "{model=\"" + model + "\",version=\"1\"}";
+    const std::string label_text = "model=\"" + model + "\",version=\"1\"";
+    const std::string labels = "{" + label_text + "}";
     auto metric = [&](const char* name, const char* type, const char* help, uint64_t v) {
       o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n"
         << name << labels << " " << v << "\n";
     };
     metric("nv_inference_request_success", "counter", "Number of successful inference requests",
-           success_count_.load());
+           ctx_.success_count.load());
     metric("nv_inference_request_failure", "counter", "Number of failed inference requests",
-           fail_count_.load());
+           ctx_.fail_count.load());
     metric("nv_inference_count", "counter", "Number of inferences performed",
-           success_count_.load());
+           ctx_.success_count.load());
     metric("nv_inference_exec_count", "counter", "Number of engine batches executed",
            batcher_.batches());
     metric("nv_inference_request_duration_us", "counter",
-           "Cumulative inference request duration in microseconds", success_ns_.load() / 1000);
+           "Cumulative inference request duration in microseconds", ctx_.success_ns.load() / 1000);
     metric("nv_inference_queue_duration_us", "counter",
-           "Cumulative time requests spent queued, in microseconds", queue_ns_.load() / 1000);
+           "Cumulative time requests spent queued, in microseconds", ctx_.queue_ns.load() / 1000);
     metric("nv_inference_compute_infer_duration_us", "counter",
            "Cumulative engine time of the requests' batches, in microseconds",
-           compute_ns_.load() / 1000);
+           ctx_.compute_ns.load() / 1000);
     metric("nv_inference_pending_request_count", "gauge", "Requests waiting in the queue",
            batcher_.queued());
     metric("tpserve_batch_tokens_total", "counter",
@@ -302,6 +260,29 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
     metric("tpserve_engine_device_memory_bytes", "gauge",
            "Device memory the engine holds on rank 0's GPU (0: CPU backend)",
            engine_.device_memory_bytes());
+    metric("tpserve_open_streams", "gauge", "Open ModelStreamInfer streams",
+           static_cast<uint64_t>(std::max<int64_t>(0, ctx_.open_streams.load())));
+    if (generator_ != nullptr) {
+      const GeneratorStats g = generator_->stats();
+      metric("tpserve_generation_running", "gauge", "Sequences holding KV cache blocks",
+             static_cast<uint64_t>(g.running));
+      metric("tpserve_generation_waiting", "gauge", "Sequences waiting for admission",
+             static_cast<uint64_t>(g.waiting));
+      metric("tpserve_kv_cache_blocks_used", "gauge", "KV cache blocks in use",
+             static_cast<uint64_t>(g.blocks_used));
+      metric("tpserve_kv_cache_blocks_free", "gauge", "KV cache blocks free",
+             static_cast<uint64_t>(g.blocks_free));
+      metric("tpserve_generation_preemptions_total", "counter",
+             "Sequences preempted (blocks freed, recomputed later) when the KV cache ran out",
+             g.preemptions);
+      metric("tpserve_generation_tokens_total", "counter", "Tokens generated", g.generated_tokens);
+      metric("tpserve_generation_steps_total", "counter", "Generation steps run", g.steps);
+      metric("tpserve_generation_step_tokens_total", "counter",
+             "Tokens run in generation steps (prefill chunks and decode)", g.step_tokens);
+      metric("tpserve_generation_cancelled_total", "counter",
+             "Generation requests cancelled (client gone, RPC cancelled)", g.cancelled);
+    }
+    ctx_.metrics.Render(o, label_text);
     // Which overlap settings the TP layers get at the last batch's size.
     const int64_t m = std::max<int64_t>(1, batcher_.last_batch_tokens());
     const char* name = "tpserve_overlap_layers";
@@ -319,77 +300,13 @@ class InferenceService final : public inference::GRPCInferenceService::Service {
   }
 
  private:
-  Status CheckModel(const std::string& name, const std::string& version) const {
-    if (name != options_.model_name) {
-      return NotFoundError("unknown model '" + ClientText(name) + "' (this server serves '" +
-                           options_.model_name + "')");
-    }
-    if (!version.empty() && version != kVersion) {
-      return NotFoundError("model '" + name + "' has no version '" + ClientText(version) +
-                           "' (available: 1)");
-    }
-    return Status::Ok();
-  }
-
-  Status Infer(grpc::ServerContext* ctx, const inference::ModelInferRequest& q,
-               inference::ModelInferResponse* r) {
-    const auto start = std::chrono::steady_clock::now();
-    TP_RETURN_IF_ERROR(CheckModel(q.model_name(), q.model_version()));
-    TP_ASSIGN_OR_RETURN(ParsedRequest p, ValidateInferRequest(q, limits_));
-    const auto deadline =
-        ctx->deadline() == std::chrono::system_clock::time_point::max()
-            ? TokenBatcher::Clock::time_point::max()
-            : TokenBatcher::Clock::now() + (ctx->deadline() - std::chrono::system_clock::now());
-    auto cancelled = std::make_shared<std::atomic<bool>>(false);
-    TP_ASSIGN_OR_RETURN(auto future, batcher_.Submit(p.ids, deadline, cancelled));
-    while (future.wait_for(std::chrono::milliseconds(5)) != std::future_status::ready) {
-      if (ctx->IsCancelled()) cancelled->store(true);
-    }
-    TP_ASSIGN_OR_RETURN(BatchResult result, future.get());
-    r->set_model_name(options_.model_name);
-    r->set_model_version(kVersion);
-    r->set_id(q.id());
-    if (p.want_logits) {
-      auto* o = r->add_outputs();
-      o->set_name(kLogits);
-      o->set_datatype("FP32");
-      if (p.batched_shape) o->add_shape(1);
-      o->add_shape(config_.vocab_size);
-      r->add_raw_output_contents(std::string(reinterpret_cast<const char*>(result.logits.data()),
-                                             result.logits.size() * sizeof(float)));
-    }
-    if (p.want_next) {
-      const int32_t next = static_cast<int32_t>(
-          std::max_element(result.logits.begin(), result.logits.end()) - result.logits.begin());
-      auto* o = r->add_outputs();
-      o->set_name(kNextToken);
-      o->set_datatype("INT32");
-      if (p.batched_shape) o->add_shape(1);
-      o->add_shape(1);
-      r->add_raw_output_contents(std::string(reinterpret_cast<const char*>(&next), sizeof next));
-    }
-    ++success_count_;
-    success_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now() - start)
-                       .count();
-    queue_ns_ += result.queue_ns;
-    compute_ns_ += result.compute_ns;
-    last_inference_ms_ = NowNs() / 1000000;
-    return Status::Ok();
-  }
-
   const ServerOptions options_;
   const Engine& engine_;
   const ModelConfig config_;
-  const RequestLimits limits_{config_.vocab_size, LongestRequest(options_, config_)};
   TokenBatcher& batcher_;
+  Generator* const generator_;
+  ServingContext ctx_;
   std::atomic<bool> serving_{false};
-  // Open ModelStreamInfer calls and whether each is answering a request.
-  std::mutex streams_mu_;
-  std::map<grpc::ServerContext*, bool> streams_;
-  bool draining_ = false;  // guarded by streams_mu_
-  std::atomic<uint64_t> success_count_{0}, fail_count_{0}, success_ns_{0}, queue_ns_{0},
-      compute_ns_{0}, last_inference_ms_{0};
 };
 
 StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions options,
@@ -401,7 +318,22 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
   s->batcher_ =
       std::make_unique<TokenBatcher>(options.batcher, eng->config().vocab_size,
                                      [eng](const TokenBatch& b) { return eng->Forward(b); });
-  s->service_ = std::make_unique<InferenceService>(options, *eng, *s->batcher_);
+  if (eng->kv_cache_layout().num_blocks > 0) {
+    GeneratorOptions go = options.generation;
+    go.max_queued = options.batcher.max_queue_size;
+    go.scheduler.max_new_tokens =
+        std::min(go.scheduler.max_new_tokens, eng->config().max_position_embeddings);
+    TP_ASSIGN_OR_RETURN(s->generator_, Generator::Start(go, s->engine_));
+    const KvCacheLayout kv = eng->kv_cache_layout();
+    spdlog::info(
+        "generation: KV cache of {} blocks x {} tokens ({} tokens, {} per rank, {:.1f} MiB per "
+        "rank), step budget {} tokens, at most {} running sequences",
+        kv.num_blocks, kv.block_size, kv.num_blocks * kv.block_size, KvCacheDtypeName(kv.dtype),
+        kv.BlockBytes() * kv.num_blocks / 1048576.0, go.scheduler.max_step_tokens,
+        go.scheduler.max_running);
+  }
+  s->service_ =
+      std::make_unique<InferenceService>(options, *eng, *s->batcher_, s->generator_.get());
   const int64_t longest = LongestRequest(options, eng->config());
   if (longest < options.max_tokens_per_request) {
     spdlog::info(
@@ -415,22 +347,22 @@ StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::Start(ServerOptions 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.grpc_address, credentials, &s->port_);
   builder.RegisterService(s->service_.get());
-  // Bounds on what one client can make the server hold. Each RPC in progress
-  // (a queued unary request, one in the running batch, an open stream) holds a
-  // thread of the synchronous server: the queue's size, a batch's requests and
-  // the open streams' limit, plus spare threads for health and metadata calls
-  // and requests on their way to the queue; beyond them new calls get
-  // RESOURCE_EXHAUSTED.
+  // Bounds on what clients can make the server hold: threads of the
+  // synchronous methods; HTTP/2 streams per connection; keepalive pings no
+  // more often than every 10 s without data (more, twice: the connection
+  // is closed); and a memory quota for gRPC's buffers.
+  grpc::ResourceQuota quota("tpserve");
+  quota.SetMaxThreads(kSyncRpcThreads);
+  if (options.grpc_memory_bytes > 0) quota.Resize(options.grpc_memory_bytes);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONCURRENT_STREAMS,
+      static_cast<int>(std::min<int64_t>(options.max_streams_per_connection, INT_MAX)));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
   // A request carries at most the longest accepted prompt (int64 varints:
   // up to 10 bytes a token); the margin lets a somewhat longer one through to
   // the precise INVALID_ARGUMENT that names the limit.
-  grpc::ResourceQuota quota("tpserve");
-  const uint64_t threads =
-      uint64_t{options.batcher.max_queue_size} +
-      static_cast<uint64_t>(std::max<int64_t>(options.batcher.max_batch_sequences, 0)) +
-      options.max_streams + kSpareRpcThreads;
-  quota.SetMaxThreads(static_cast<int>(std::min<uint64_t>(threads, INT_MAX)));
-  builder.SetResourceQuota(quota);
   const int64_t max_message = std::max<int64_t>(1 << 20, 16 * longest + (64 << 10));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT_MAX)));
   s->server_ = builder.BuildAndStart();
@@ -464,15 +396,23 @@ void InferenceServer::Shutdown(std::chrono::system_clock::time_point deadline) {
   watch_cv_.notify_all();
   if (health_watch_.joinable()) health_watch_.join();
   if (server_) {
+    // Drain while still listening, so that health checks keep answering
+    // NOT_SERVING: new requests get UNAVAILABLE, the accepted ones finish
+    // (until the deadline), then the server stops and cancels what is left.
     service_->set_serving(false);
     server_->GetHealthCheckService()->SetServingStatus(false);
     service_->BeginDrain();
-    server_->Shutdown(deadline);  // waits for in-flight RPCs (the batcher still runs)
+    while (service_->context().calls_in_progress.load() > 0 &&
+           std::chrono::system_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    server_->Shutdown(deadline);
     server_->Wait();
   }
   // Stopped, not destroyed: the service (and MetricsText, which a metrics
-  // scrape may call during or after the drain) keeps a reference to it; the
-  // destructor frees it after the service, and its worker has nothing left.
+  // scrape may call during or after the drain) keeps references to them; the
+  // destructor frees them after the service.
+  if (generator_) generator_->Stop(std::chrono::steady_clock::now());
   if (batcher_) batcher_->Stop();
 }
 

@@ -8,6 +8,14 @@
 // Outputs follow the input's rank; requested outputs are honoured (default:
 // both); input contents may be raw (raw_input_contents) or typed; outputs are
 // returned as raw_output_contents.
+// Generation (when the engine has a KV cache): a request with
+// `request_output_len` generates tokens, in the tensor names of Triton's
+// TensorRT-LLM backend (server/generation_request.h); ModelInfer answers with
+// the whole generation, ModelStreamInfer with `streaming` true sends a
+// response per step and marks the last with the parameter
+// triton_final_response = true (Triton's decoupled convention).
+// ModelInfer and ModelStreamInfer are gRPC callbacks (server/infer_calls.h):
+// a waiting request holds no thread.
 //
 // Errors: unknown model or version -> NOT_FOUND; malformed input ->
 // INVALID_ARGUMENT naming the input, expected and actual; full queue ->
@@ -27,6 +35,7 @@
 #include <thread>
 
 #include "engine/engine.h"
+#include "engine/generator.h"
 #include "server/batcher.h"
 
 namespace tpserve {
@@ -35,10 +44,20 @@ struct ServerOptions {
   std::string model_name = "tpserve";           // the name clients address
   std::string grpc_address = "127.0.0.1:8001";  // host:port; port 0 picks a free port
   int64_t max_tokens_per_request = 4096;
-  // Open ModelStreamInfer streams beyond this get RESOURCE_EXHAUSTED (each holds an RPC
-  // thread, idle or not).
-  size_t max_streams = 256;
+  // Open ModelStreamInfer streams beyond this get RESOURCE_EXHAUSTED.
+  size_t max_streams = 1024;
+  // Requests in progress on one stream; beyond, the stream is not read until
+  // one finishes (back-pressure on that client alone).
+  size_t max_requests_per_stream = 64;
+  // HTTP/2 streams (calls) one connection may have open at once.
+  int64_t max_streams_per_connection = 1024;
+  // gRPC's buffers (messages received and to send) at most this much memory;
+  // 0: no quota.
+  int64_t grpc_memory_bytes = int64_t{1} << 30;
   BatcherOptions batcher;
+  // Generation (when the engine has a KV cache): step budget and limits;
+  // the queue limit is batcher.max_queue_size.
+  GeneratorOptions generation;
   // TLS: PEM files. Certificate and key together turn TLS on; a client CA
   // additionally requires and verifies client certificates (mutual TLS).
   std::string tls_cert_file, tls_key_file, tls_client_ca_file;
@@ -75,6 +94,7 @@ class InferenceServer {
   InferenceServer() = default;
   std::shared_ptr<Engine> engine_;
   std::unique_ptr<TokenBatcher> batcher_;
+  std::unique_ptr<Generator> generator_;
   std::unique_ptr<InferenceService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -14,6 +14,8 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <unistd.h>
 
 #include <cstdlib>
@@ -454,6 +456,8 @@ TEST_F(ServerE2eTest, BinaryDataParametersOfPythonClientsAreAccepted) {
   EXPECT_EQ(r.outputs_size(), 2);
 }
 
+// Requests on a stream are answered as they complete (an error at once, a
+// request in a batch when the batch is done), told apart by their ids.
 TEST_F(ServerE2eTest, StreamInferAnswersEachRequestAndReportsErrorsInBand) {
   Start();
   if (HasFatalFailure() || IsSkipped()) return;
@@ -462,20 +466,26 @@ TEST_F(ServerE2eTest, StreamInferAnswersEachRequestAndReportsErrorsInBand) {
   inference::ModelInferRequest bad = Request({1, 2});
   bad.set_model_name("nope");
   bad.set_id("bad-2");
-  ASSERT_TRUE(stream->Write(Request({7, 8, 9})));
+  inference::ModelInferRequest first = Request({7, 8, 9}), third = Request({5});
+  first.set_id("one");
+  third.set_id("three");
+  ASSERT_TRUE(stream->Write(first));
   ASSERT_TRUE(stream->Write(bad));
-  ASSERT_TRUE(stream->Write(Request({5})));
+  ASSERT_TRUE(stream->Write(third));
   stream->WritesDone();
+  std::map<std::string, inference::ModelStreamInferResponse> got;
   inference::ModelStreamInferResponse r;
-  ASSERT_TRUE(stream->Read(&r));
-  EXPECT_TRUE(r.error_message().empty());
-  ExpectSameLogits(LogitsOf(r.infer_response()), Direct({7, 8, 9}), "stream request 1");
-  ASSERT_TRUE(stream->Read(&r));
-  EXPECT_THAT(r.error_message(), HasSubstr("unknown model 'nope'"));
-  EXPECT_EQ(r.infer_response().id(), "bad-2");  // which request failed
-  ASSERT_TRUE(stream->Read(&r));
-  ExpectSameLogits(LogitsOf(r.infer_response()), Direct({5}), "stream request 3");
-  EXPECT_FALSE(stream->Read(&r));
+  while (stream->Read(&r)) {
+    EXPECT_EQ(got.count(r.infer_response().id()), 0u)
+        << "two answers for " << r.infer_response().id();
+    got[r.infer_response().id()] = r;
+  }
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_TRUE(got["one"].error_message().empty());
+  ExpectSameLogits(LogitsOf(got["one"].infer_response()), Direct({7, 8, 9}), "stream request 1");
+  EXPECT_THAT(got["bad-2"].error_message(), HasSubstr("unknown model 'nope'"));
+  EXPECT_TRUE(got["three"].error_message().empty());
+  ExpectSameLogits(LogitsOf(got["three"].infer_response()), Direct({5}), "stream request 3");
   EXPECT_TRUE(stream->Finish().ok());
 }
 
