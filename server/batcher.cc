@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <set>
 #include <string>
 
 namespace tpserve {
@@ -25,14 +26,24 @@ void TokenBatcher::Stop() {
   cv_.notify_all();
 }
 
+void TokenBatcher::Flush() {
+  {
+    std::lock_guard lock(mu_);
+    flushing_ = true;
+  }
+  cv_.notify_all();
+}
+
 size_t TokenBatcher::queued() const {
   std::lock_guard lock(mu_);
   return queue_.size();
 }
 
 Status TokenBatcher::Submit(std::vector<int32_t> ids, Clock::time_point deadline,
-                            std::shared_ptr<std::atomic<bool>> cancelled, Done done) {
+                            std::shared_ptr<std::atomic<bool>> cancelled, Done done,
+                            std::string client) {
   Item item;
+  item.client = std::move(client);
   item.ids = std::move(ids);
   item.enqueued = Clock::now();
   item.deadline = deadline;
@@ -76,7 +87,7 @@ void TokenBatcher::Loop() {
       const auto flush_at = queue_.front().enqueued + options_.max_queue_delay;
       const int64_t max_sequences = std::max<int64_t>(1, options_.max_batch_sequences);
       auto ready = [&] {
-        if (stopping_) return true;
+        if (stopping_ || flushing_) return true;
         if (static_cast<int64_t>(queue_.size()) >= max_sequences) return true;
         int64_t tokens = 0;
         for (const Item& it : queue_) tokens += static_cast<int64_t>(it.ids.size());
@@ -103,15 +114,31 @@ void TokenBatcher::Loop() {
         it = queue_.erase(it);
       }
       if (!flush || queue_.empty()) continue;
+      // Fair share: the batch takes one request of each client in turn (a
+      // client's own in arrival order), so that one client's flood cannot
+      // push another client's requests behind all of it.
       int64_t tokens = 0;
-      while (!queue_.empty()) {
-        Item& it = queue_.front();
-        const int64_t n = static_cast<int64_t>(it.ids.size());
-        if (!batch.empty() && tokens + n > options_.max_batch_tokens) break;
-        if (static_cast<int64_t>(batch.size()) >= max_sequences) break;
-        tokens += n;
-        batch.push_back(std::move(it));
-        queue_.pop_front();
+      bool full = false;
+      while (!full && !queue_.empty()) {
+        std::set<std::string> this_round;
+        bool took = false;
+        for (auto it = queue_.begin(); it != queue_.end();) {
+          if (!this_round.insert(it->client).second) {
+            ++it;
+            continue;
+          }
+          const int64_t n = static_cast<int64_t>(it->ids.size());
+          if ((!batch.empty() && tokens + n > options_.max_batch_tokens) ||
+              static_cast<int64_t>(batch.size()) >= max_sequences) {
+            full = true;
+            break;
+          }
+          tokens += n;
+          batch.push_back(std::move(*it));
+          it = queue_.erase(it);
+          took = true;
+        }
+        if (!took) break;
       }
     }
     if (batch.empty()) continue;

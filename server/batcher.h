@@ -21,6 +21,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -60,8 +61,10 @@ class TokenBatcher {
   // Queues a request; `done` is called exactly once unless this returns an
   // error. `cancelled` (may be null) is read while queued (Wake() makes the
   // batcher look at once).
+  // `client` (e.g. the peer's address) is what fair sharing tells apart:
+  // batches take the clients' requests in turn.
   Status Submit(std::vector<int32_t> ids, Clock::time_point deadline,
-                std::shared_ptr<std::atomic<bool>> cancelled, Done done);
+                std::shared_ptr<std::atomic<bool>> cancelled, Done done, std::string client = "");
   // The same, with the result as a future.
   StatusOr<std::future<StatusOr<BatchResult>>> Submit(std::vector<int32_t> ids,
                                                       Clock::time_point deadline,
@@ -71,6 +74,9 @@ class TokenBatcher {
 
   // Stops accepting; computes what is queued (drain), then returns.
   void Stop();
+  // Runs what is queued without waiting for batch-mates (a drain has begun);
+  // still accepts requests.
+  void Flush();
 
   size_t queued() const;
   uint64_t batches() const { return batches_.load(); }
@@ -81,6 +87,7 @@ class TokenBatcher {
  private:
   struct Item {
     std::vector<int32_t> ids;
+    std::string client;
     Clock::time_point enqueued, deadline;
     std::shared_ptr<std::atomic<bool>> cancelled;
     Done done;
@@ -94,6 +101,7 @@ class TokenBatcher {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stopping_ = false;
+  bool flushing_ = false;  // Flush(): no waiting for batch-mates
   std::atomic<uint64_t> batches_{0};
   std::atomic<uint64_t> batch_tokens_{0};
   std::atomic<uint64_t> batch_sequences_{0};

@@ -110,8 +110,9 @@ class Sink {
 // One request in progress.
 class Request : public std::enable_shared_from_this<Request> {
  public:
-  Request(ServingContext& ctx, std::string id, Sink* sink, bool in_stream)
-      : ctx_(ctx), id_(std::move(id)), sink_(sink), in_stream_(in_stream) {}
+  // `peer`: the client's address, for the batcher's fair sharing.
+  Request(ServingContext& ctx, std::string id, Sink* sink, bool in_stream, std::string peer)
+      : ctx_(ctx), id_(std::move(id)), sink_(sink), in_stream_(in_stream), peer_(std::move(peer)) {}
 
   const std::string& id() const { return id_; }
 
@@ -138,9 +139,9 @@ class Request : public std::enable_shared_from_this<Request> {
   Status StartLogits(const inference::ModelInferRequest& q, Clock::time_point deadline) {
     TP_ASSIGN_OR_RETURN(ParsedRequest p, ValidateInferRequest(q, ctx_.limits));
     auto self = shared_from_this();
-    return ctx_.batcher->Submit(p.ids, deadline, cancelled_, [self, p](StatusOr<BatchResult> r) {
-      self->FinishLogits(p, std::move(r));
-    });
+    return ctx_.batcher->Submit(
+        p.ids, deadline, cancelled_,
+        [self, p](StatusOr<BatchResult> r) { self->FinishLogits(p, std::move(r)); }, peer_);
   }
 
   void FinishLogits(const ParsedRequest& p, StatusOr<BatchResult> result) {
@@ -281,6 +282,7 @@ class Request : public std::enable_shared_from_this<Request> {
   const std::string id_;
   Sink* const sink_;
   const bool in_stream_;
+  const std::string peer_;
   const Clock::time_point start_ = Clock::now();
   std::shared_ptr<std::atomic<bool>> cancelled_ = std::make_shared<std::atomic<bool>>(false);
   std::atomic<uint64_t> generation_id_{0};
@@ -306,7 +308,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor, public Sink {
     inference::ModelInferRequest q;
     Status s = ParseRequest(*request, &q);
     if (s.ok()) {
-      request_ = std::make_shared<Request>(ctx_, q.id(), this, false);
+      request_ = std::make_shared<Request>(ctx_, q.id(), this, false, call->peer());
       s = request_->Start(q, DeadlineOf(call));
     }
     if (!s.ok()) {
@@ -386,7 +388,7 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
       s = UnavailableError("the server is shutting down: send the rest to another replica");
     }
     if (s.ok()) {
-      auto request = std::make_shared<Request>(ctx_, q.id(), this, true);
+      auto request = std::make_shared<Request>(ctx_, q.id(), this, true, call_->peer());
       active_.insert(request);
       ++inflight_;
       mu_.unlock();  // Start may deliver at once (on this thread)

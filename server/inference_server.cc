@@ -402,6 +402,7 @@ void InferenceServer::Shutdown(std::chrono::system_clock::time_point deadline) {
     service_->set_serving(false);
     server_->GetHealthCheckService()->SetServingStatus(false);
     service_->BeginDrain();
+    batcher_->Flush();
     while (service_->context().calls_in_progress.load() > 0 &&
            std::chrono::system_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));

@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include <atomic>
 #include <stdexcept>
 #include <thread>
@@ -147,6 +149,28 @@ TEST(TokenBatcher, ADeadlineWhileWaitingForBatchMatesIsAnsweredAtTheDeadline) {
   EXPECT_GE(Clock::now() - start, 2s);
   EXPECT_EQ(r->batch_sequences, 1);
   EXPECT_EQ(e.calls.load(), 1);
+}
+
+// One client's flood does not push another client's request behind all of
+// it: batches take the clients' requests in turn.
+TEST(TokenBatcher, BatchesTakeTheClientsRequestsInTurn) {
+  FakeEngine e;
+  e.delay = 30ms;
+  TokenBatcher b({8192, 0ms, 1024, 4}, kVocab, Forward(e));  // 4 requests per batch
+  auto done = [](std::promise<StatusOr<BatchResult>>* p) {
+    return [p](StatusOr<BatchResult> r) { p->set_value(std::move(r)); };
+  };
+  std::promise<StatusOr<BatchResult>> busy;
+  ASSERT_TRUE(b.Submit({1}, Far(), nullptr, done(&busy), "flood").ok());
+  ASSERT_TRUE(WaitForEngineCalls(e, 1));  // the engine is busy: the rest queue up
+  std::vector<std::promise<StatusOr<BatchResult>>> flood(20);
+  for (auto& p : flood) ASSERT_TRUE(b.Submit({2}, Far(), nullptr, done(&p), "flood").ok());
+  std::promise<StatusOr<BatchResult>> polite;
+  ASSERT_TRUE(b.Submit({3}, Far(), nullptr, done(&polite), "polite").ok());
+  auto r = polite.get_future().get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->logits[3], 2.0f);  // the second engine call, not the sixth
+  for (auto& p : flood) EXPECT_TRUE(p.get_future().get().ok());
 }
 
 TEST(TokenBatcher, StopDrainsWhatIsQueuedThenRefuses) {

@@ -30,12 +30,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(args):
+def start_server(args, tp=2):
     """`tpserve serve` on loopback with a metrics port; returns (process, grpc port, metrics port)."""
     metrics = free_port()
     import subprocess
     server = subprocess.Popen(
-        [BIN, "serve", "--model", "tiny", "--tp", "2", "--backend", "cpu", *args,
+        [BIN, "serve", "--model", "tiny", "--tp", str(tp), "--backend", "cpu", *args,
          "--grpc-port", "0", "--host", "127.0.0.1", "--metrics-port", str(metrics)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = server.stdout.readline()
