@@ -1,11 +1,13 @@
 // tpserve-loadtest: a load generator for the KServe v2 gRPC API
-// (inference.GRPCInferenceService/ModelInfer).
+// (inference.GRPCInferenceService/ModelInfer, and ModelStreamInfer for streamed generation).
 //
 // Closed loop (--concurrency-range): N requests always outstanding. Open loop
 // (--request-rate-range): a scheduler thread issues requests at target times
 // (constant spacing or exponential gaps) with async calls, so a slow server
-// does not slow the arrival process. All calls are async on one
-// CompletionQueue drained by one polling thread.
+// does not slow the arrival process (loadtest_driver.h). --mode logits sends
+// one ModelInfer per prompt, answered with the next token's logits (all calls
+// async on one CompletionQueue drained by one polling thread); --mode generate
+// sends generation requests (loadtest_generate.h).
 //
 // Each step runs a warmup, then measurement windows until 3 consecutive
 // windows' requests/s agree within --stability percent (or --max-trials); the
@@ -26,7 +28,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -37,7 +38,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -48,6 +48,8 @@
 #include <utility>
 #include <vector>
 
+#include "benchmarks/loadtest_driver.h"
+#include "benchmarks/loadtest_generate.h"
 #include "benchmarks/loadtest_stats.h"
 #include "benchmarks/write_replacing.h"
 #include "comm/cli_numbers.h"
@@ -56,57 +58,26 @@
 namespace {
 
 using tpserve::WriteReplacing;
+using tpserve::loadtest::AddGenerateFields;
+using tpserve::loadtest::Clock;
+using tpserve::loadtest::GenerateFields;
+using tpserve::loadtest::GenerateMeta;
+using tpserve::loadtest::GenerateOptions;
+using tpserve::loadtest::GenerateStepLine;
 using tpserve::loadtest::kMaxRangeValues;
 using tpserve::loadtest::kStableWindows;
+using tpserve::loadtest::LoadDriver;
 using tpserve::loadtest::NearestRankPercentile;
+using tpserve::loadtest::Outcome;
 using tpserve::loadtest::ParseDouble;
 using tpserve::loadtest::ParseRange;
+using tpserve::loadtest::PrintGenerateTable;
 using tpserve::loadtest::Split;
 using tpserve::loadtest::Stable;
+using tpserve::loadtest::StatusName;
+using tpserve::loadtest::Window;
 
-using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
-
-const char* StatusName(grpc::StatusCode c) {
-  switch (c) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    default:
-      return "UNKNOWN";
-  }
-}
 
 struct Flags {
   std::string url = "127.0.0.1:8001";
@@ -135,6 +106,7 @@ struct Flags {
   // check the server's certificate against when it differs from --url's host.
   bool tls = false;
   std::string tls_ca, tls_cert, tls_key, tls_server_name;
+  GenerateOptions gen;  // --mode and the generation flags
 };
 
 // A PEM file's text, or why it cannot be read ("" text and the message in *err): it must
@@ -269,111 +241,22 @@ std::string BuildPrompts(const Flags& f, std::vector<Prompt>* prompts) {
   return "";
 }
 
-// What one measurement window saw.
-struct Window {
-  double seconds = 0;
-  int64_t ok = 0, failed = 0, tokens = 0;
-  std::vector<double> latencies_ms;  // successful requests only
-  std::map<std::string, int64_t> errors;
-  bool have_server = false;
-  uint64_t server_count = 0, server_queue_ns = 0, server_compute_ns = 0;
-  int64_t in_flight_at_end = 0;  // requests still outstanding when the window closed
-  int64_t issued = 0;            // open loop: requests the schedule issued in the window
-};
-
-// Drives the load: issues async ModelInfer calls and collects completions.
-class Driver {
+// Logits requests: async ModelInfer calls on one CompletionQueue, drained by one polling
+// thread.
+class LogitsDriver : public LoadDriver {
  public:
-  Driver(std::shared_ptr<grpc::Channel> channel, const std::vector<Prompt>* prompts,
-         int64_t timeout_ms)
+  LogitsDriver(std::shared_ptr<grpc::Channel> channel, const std::vector<Prompt>* prompts,
+               int64_t timeout_ms)
       : stub_(inference::GRPCInferenceService::NewStub(channel)),
         prompts_(prompts),
         timeout_ms_(timeout_ms) {
     poller_ = std::thread([this] { Poll(); });
   }
-  ~Driver() {
+  ~LogitsDriver() override {
     StopLoad();
     cq_.Shutdown();
     poller_.join();
   }
-
-  void StartConcurrency(int n) {
-    concurrency_mode_ = true;
-    loading_ = true;
-    for (int i = 0; i < n; ++i) Issue();
-  }
-
-  void StartRate(double rate, bool poisson, uint64_t seed) {
-    concurrency_mode_ = false;
-    loading_ = true;
-    scheduler_ = std::thread([this, rate, poisson, seed] {
-      std::mt19937_64 rng(seed);
-      std::exponential_distribution<double> gap_dist(rate);
-      auto next = Clock::now();
-      while (loading_) {
-        for (auto now = Clock::now(); now < next && loading_; now = Clock::now()) {
-          std::this_thread::sleep_for(
-              std::min<Clock::duration>(next - now, std::chrono::milliseconds(20)));
-        }
-        if (!loading_) break;
-        Issue();
-        const double gap = poisson ? gap_dist(rng) : 1.0 / rate;
-        next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap));
-      }
-    });
-  }
-
-  // Stops issuing and waits for every outstanding request to finish.
-  void StopLoad() {
-    loading_ = false;
-    if (scheduler_.joinable()) scheduler_.join();
-    std::unique_lock<std::mutex> lock(mu_);
-    while (outstanding_ > 0) cv_.wait_for(lock, std::chrono::milliseconds(50));
-  }
-
-  void BeginWindow() {
-    std::lock_guard<std::mutex> lock(mu_);
-    window_ = Window{};
-    collecting_ = true;
-    window_start_ = Clock::now();
-  }
-
-  Window EndWindow() {
-    std::lock_guard<std::mutex> lock(mu_);
-    collecting_ = false;
-    window_.seconds = std::chrono::duration<double>(Clock::now() - window_start_).count();
-    window_.in_flight_at_end = outstanding_;
-    return std::move(window_);
-  }
-
-  // Ends the current window and begins the next at the same instant, so that every
-  // completion falls in one window or the other (nothing is lost to the time the caller
-  // spends between windows, e.g. fetching the server's statistics from a stalled server).
-  Window RollWindow() {
-    std::lock_guard<std::mutex> lock(mu_);
-    const Clock::time_point now = Clock::now();
-    Window done = std::move(window_);
-    done.seconds = std::chrono::duration<double>(now - window_start_).count();
-    done.in_flight_at_end = outstanding_;
-    window_ = Window{};
-    window_start_ = now;
-    return done;
-  }
-
-  // Completions so far in the current window: (ok, failed).
-  std::pair<int64_t, int64_t> WindowCounts() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return {window_.ok, window_.failed};
-  }
-
-  // Waits up to `d` for the window to reach `n` completions.
-  void WaitForCompletions(int64_t n, Clock::duration d) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, d, [&] { return window_.ok + window_.failed >= n; });
-  }
-
-  int64_t total_ok() const { return total_ok_; }
-  int64_t total_failed() const { return total_failed_; }
 
  private:
   struct Call {
@@ -385,17 +268,7 @@ class Driver {
     int64_t tokens = 0;
   };
 
-  void Issue() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++outstanding_;
-      if (collecting_) ++window_.issued;
-    }
-    Send();
-  }
-
-  // Starts one call; the caller has counted it in outstanding_.
-  void Send() {
+  void Send() override {
     const Prompt& p = (*prompts_)[next_prompt_.fetch_add(1) % prompts_->size()];
     auto* call = new Call;
     call->tokens = p.tokens;
@@ -412,34 +285,13 @@ class Driver {
     bool ok = false;
     while (cq_.Next(&tag, &ok)) {
       std::unique_ptr<Call> call(static_cast<Call*>(tag));
-      const double ms =
-          std::chrono::duration<double, std::milli>(Clock::now() - call->start).count();
-      const bool success = ok && call->status.ok();
-      // Closed loop: the replacement takes the finished request's place in
-      // outstanding_ (never 0 in between for StopLoad, never above the
-      // concurrency for in_flight_at_end).
-      const bool replace = concurrency_mode_ && loading_;
-      if (replace) Send();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (success) {
-          ++total_ok_;
-        } else {
-          ++total_failed_;
-        }
-        if (collecting_) {
-          if (success) {
-            ++window_.ok;
-            window_.tokens += call->tokens;
-            window_.latencies_ms.push_back(ms);
-          } else {
-            ++window_.failed;
-            ++window_.errors[ok ? StatusName(call->status.error_code()) : "CANCELLED"];
-          }
-        }
-        if (!replace) --outstanding_;
+      Outcome o;
+      o.latency_ms = std::chrono::duration<double, std::milli>(Clock::now() - call->start).count();
+      o.prompt_tokens = call->tokens;
+      if (!ok || !call->status.ok()) {
+        o.error = ok ? StatusName(call->status.error_code()) : "CANCELLED";
       }
-      cv_.notify_all();
+      Finish(std::move(o));
     }
   }
 
@@ -447,17 +299,8 @@ class Driver {
   const std::vector<Prompt>* prompts_;
   const int64_t timeout_ms_;
   grpc::CompletionQueue cq_;
-  std::thread poller_, scheduler_;
-  std::atomic<bool> loading_{false}, concurrency_mode_{true};
+  std::thread poller_;
   std::atomic<uint64_t> next_prompt_{0};
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int64_t outstanding_ = 0;  // guarded by mu_
-  std::atomic<int64_t> total_ok_{0}, total_failed_{0};
-  bool collecting_ = false;  // guarded by mu_
-  Window window_;            // guarded by mu_
-  Clock::time_point window_start_;
 };
 
 struct ServerStats {
@@ -509,7 +352,7 @@ Json StepResult(const std::string& key, double value, const std::vector<Window>&
   Json r;
   r[key] = (key == "concurrency") ? Json(static_cast<int64_t>(std::llround(value))) : Json(value);
   r["requests_per_sec"] = NumberOrNull(all.ok / secs);
-  r["tokens_per_sec"] = NumberOrNull(all.tokens / secs);
+  r["tokens_per_sec"] = NumberOrNull(all.tokens / secs);  // prompt tokens
   r["p50_ms"] = NumberOrNull(pct(50));
   r["p90_ms"] = NumberOrNull(pct(90));
   r["p95_ms"] = NumberOrNull(pct(95));
@@ -599,6 +442,7 @@ std::string WriteResults(const Flags& f, const std::string& key, const Json& ste
                    {"command", command},
                    {"date", UtcNow()},
                    {"complete", complete}};
+    doc["meta"].update(GenerateMeta(f.gen));
     doc["steps"] = steps;
     // Invalid UTF-8 (a path, model name or argument in another encoding)
     // becomes U+FFFD rather than an exception that would lose the results.
@@ -606,13 +450,17 @@ std::string WriteResults(const Flags& f, const std::string& key, const Json& ste
     if (std::string err = WriteReplacing(f.json, text); !err.empty()) return err;
   }
   if (!f.csv.empty()) {
+    std::vector<std::string> fields = kScalarFields;
+    if (f.gen.mode == "generate") {
+      fields.insert(fields.end(), GenerateFields().begin(), GenerateFields().end());
+    }
     std::ostringstream out;
     out << key;
-    for (const auto& name : kScalarFields) out << "," << name;
+    for (const auto& name : fields) out << "," << name;
     out << ",errors\n";
     for (const auto& r : steps) {
       out << Fmt(r[key], 6);
-      for (const auto& name : kScalarFields) {
+      for (const auto& name : fields) {
         const Json& v = r[name];
         out << "," << (v.is_null() ? std::string() : v.is_boolean() ? v.dump() : Fmt(v, 6));
       }
@@ -725,6 +573,12 @@ int Run(const Flags& f, const std::string& command) {
               << ": a window closes at its last completion, so when requests finish in batches "
                  "its requests/s can read high; use --duration for throughput\n";
   }
+  const bool generate = f.gen.mode == "generate";
+  if (generate && f.datatype != "INT32") {
+    std::cerr << "error: --mode generate sends input_ids as INT32 (--datatype " << f.datatype
+              << " is for --mode logits)\n";
+    return 2;
+  }
   std::vector<Prompt> prompts;
   if (auto err = BuildPrompts(f, &prompts); !err.empty()) {
     std::cerr << "error: " << err << "\n";
@@ -777,10 +631,28 @@ int Run(const Flags& f, const std::string& command) {
     }
   }
 
+  if (generate) {
+    if (std::string err =
+            tpserve::loadtest::CheckGenerationModel(stub.get(), f.model, f.input_name);
+        !err.empty()) {
+      std::cerr << err << "\n";
+      return 2;
+    }
+  }
+
   const bool tty = isatty(STDOUT_FILENO) != 0;
   const std::string key = rate_mode ? "request_rate" : "concurrency";
   Json steps = Json::array();
-  Driver driver(channel, &prompts, f.timeout_ms);
+  std::unique_ptr<LoadDriver> driver_owner;
+  if (generate) {
+    std::vector<tpserve::loadtest::PromptIds> ids;
+    for (const Prompt& p : prompts) ids.push_back({&p.request.raw_input_contents(0), p.tokens});
+    driver_owner = tpserve::loadtest::MakeGenerateDriver(channel, f.model, f.input_name, ids, f.gen,
+                                                         f.timeout_ms, f.seed);
+  } else {
+    driver_owner = std::make_unique<LogitsDriver>(channel, &prompts, f.timeout_ms);
+  }
+  LoadDriver& driver = *driver_owner;
   uint64_t step_seed = f.seed;
   for (double level : levels) {
     if (rate_mode) {
@@ -844,6 +716,7 @@ int Run(const Flags& f, const std::string& command) {
     const size_t keep = std::min(kStableWindows, windows.size());
     std::vector<Window> last(windows.end() - static_cast<std::ptrdiff_t>(keep), windows.end());
     Json r = StepResult(key, level, last, windows.size(), stable);
+    if (generate) AddGenerateFields(last, f.gen, &r);
     std::printf(
         "%s %s: %s req/s, %s tok/s, p50 %s ms, p90 %s ms, p95 %s ms, p99 %s ms, max %s ms, "
         "server queue %s ms, compute %s ms, errors %s (%s of requests), %s after %zu trials\n",
@@ -857,6 +730,7 @@ int Run(const Flags& f, const std::string& command) {
         : stable.get<bool>() ? "stable"
                              : "NOT stable",
         windows.size());
+    if (generate) std::printf("%s\n", GenerateStepLine(r).c_str());
     if (rate_mode && r["offered_per_sec"].is_number() &&
         r["offered_per_sec"].get<double>() < 0.95 * level) {
       std::printf(
@@ -886,6 +760,7 @@ int Run(const Flags& f, const std::string& command) {
                 Fmt(r["server_compute_ms"], 3).c_str(), Fmt(r["error_count"]).c_str(),
                 Fmt(r["stable"]).c_str());
   }
+  if (generate) PrintGenerateTable(key, steps);
   std::fflush(stdout);
 
   if (std::string err = WriteResults(f, key, steps, command, /*complete=*/true); !err.empty()) {
@@ -908,7 +783,9 @@ int Run(const Flags& f, const std::string& command) {
 
 int main(int argc, char** argv) {
   Flags f;
-  CLI::App app{"tpserve-loadtest: load generator for the KServe v2 gRPC API (ModelInfer)"};
+  CLI::App app{
+      "tpserve-loadtest: load generator for the KServe v2 gRPC API (ModelInfer; "
+      "ModelStreamInfer with --mode generate)"};
   app.add_option("-u,--url", f.url, "server address HOST:PORT")->capture_default_str();
   app.add_option("-m,--model-name", f.model, "model to call")->capture_default_str();
   app.add_option("--input-name", f.input_name, "name of the token-id input tensor")
@@ -944,7 +821,7 @@ int main(int argc, char** argv) {
   app.add_option("--tls-server-name", f.tls_server_name,
                  "name the server's certificate must carry, when it is not --url's host (e.g. "
                  "--url 127.0.0.1:8001 against a certificate for localhost)");
-  app.add_option("--seed", f.seed, "random seed (prompts, poisson arrivals)")
+  app.add_option("--seed", f.seed, "random seed (prompts, poisson arrivals, --output-len ranges)")
       ->capture_default_str();
   auto* conc = app.add_option("--concurrency-range", f.concurrency_range,
                               "closed loop: start:end:step outstanding requests, whole numbers "
@@ -991,8 +868,20 @@ int main(int argc, char** argv) {
       "shows there; closed loop: always the concurrency). --json/--csv are rewritten after every "
       "step (meta.complete false until the sweep ends). Exit status: 0; 1 when every measured "
       "request failed; 2 on bad arguments, an output file that cannot be written, an "
-      "unreachable server or a model that is not ready.");
+      "unreachable server or a model that is not ready (with --mode generate: or that takes no "
+      "request_output_len input).\n\n"
+      "--mode generate adds per step: ttft (time to the first response carrying a token), tpot "
+      "((end to end - TTFT) / (tokens - 1), per request), itl (gaps between streamed responses "
+      "carrying tokens), each as _mean_ms, _p50_ms, _p90_ms, _p99_ms (null without streaming, "
+      "which does not show when the first token came); p50_ms..max_ms are end to end; "
+      "output_tokens_per_sec, total_tokens_per_sec (prompt and output tokens; tokens_per_sec "
+      "counts prompt tokens alone), goodput_per_sec (requests/s meeting --slo-ttft-ms and "
+      "--slo-tpot-ms; null without them). A response with more tokens than --output-len asked "
+      "for (LONG_OUTPUT), or fewer with --ignore-eos (SHORT_OUTPUT), or without a well-formed "
+      "output_ids (BAD_RESPONSE) counts as an error; a streamed request's error carries the "
+      "status code's name that its error_message starts with.");
   app.add_option("--json", f.json, "write the results as JSON to FILE");
+  const auto check_generate = tpserve::loadtest::AddGenerateFlags(app, &f.gen);
   // Integers decimal and in range (a negative --seed wrapped); Run checks the floats itself.
   tpserve::StrictNumbers(app, /*finite_floats=*/false);
   try {
@@ -1002,6 +891,10 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
   f.requests_given = reqs->count() > 0;
+  if (std::string err = check_generate(); !err.empty()) {
+    std::cerr << "error: " << err << "\n";
+    return 2;
+  }
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
   return Run(f, command);

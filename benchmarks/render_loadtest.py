@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""Latency-vs-load PNG of a tpserve-loadtest JSON report.
+"""Latency-vs-load PNG and table of a tpserve-loadtest JSON report.
 
-  python3 benchmarks/render_loadtest.py REPORT.json --png OUT.png [--title TEXT]
+  python3 benchmarks/render_loadtest.py REPORT.json [--png OUT.png] [--table OUT.md|-]
+      [--title TEXT]
 
-Two panels over the sweep's load axis (concurrency, or request rate): latency
-percentiles p50 / p90 / p99 in ms, and throughput in tokens/s. Steps
-with errors are marked with a red tick (the report's JSON holds requests/s
-and the rest per step).
+Panels over the sweep's load axis (concurrency, or request rate). A logits
+report (--mode logits): latency percentiles p50 / p90 / p99 in ms, and
+throughput in tokens/s. A generation report (--mode generate): end-to-end
+latency, time to first token and time per output token / inter-token latency
+percentiles in ms, output and total tokens/s, and requests/s beside goodput
+(requests/s meeting the report's objectives). Figures the run could not
+observe (TTFT, TPOT and ITL without streaming) are null in the report and left
+out of the picture, with a note. Steps with errors are marked with a red tick.
+--table writes the same figures as a Markdown table (- for stdout).
 
 Uses matplotlib when it is installed; otherwise a small built-in rasteriser
 (lines, markers, a 5x7 pixel font, zlib-compressed PNG), so that CI machines
@@ -22,6 +28,35 @@ import zlib
 SERIES = (("p50_ms", "p50", (31, 119, 180)), ("p90_ms", "p90", (255, 127, 14)),
           ("p99_ms", "p99", (214, 39, 40)))
 THROUGHPUT = ("tokens_per_sec", "tokens/s", (44, 160, 44))
+
+# Generation reports: (title, unit, [(field, label, colour)]) per panel.
+GENERATE_PANELS = (
+    ("end to end latency", "ms", SERIES),
+    ("time to first token", "ms", (("ttft_p50_ms", "p50", (31, 119, 180)),
+                                   ("ttft_p90_ms", "p90", (255, 127, 14)),
+                                   ("ttft_p99_ms", "p99", (214, 39, 40)))),
+    ("time per output token", "ms", (("tpot_p50_ms", "tpot p50", (148, 103, 189)),
+                                     ("tpot_p99_ms", "tpot p99", (140, 86, 75)),
+                                     ("itl_p50_ms", "itl p50", (23, 190, 207)),
+                                     ("itl_p99_ms", "itl p99", (188, 189, 34)))),
+    ("throughput", "tokens/s", (("output_tokens_per_sec", "output", (44, 160, 44)),
+                                ("total_tokens_per_sec", "total", (127, 127, 127)))),
+    ("requests", "requests/s", (("requests_per_sec", "requests", (31, 119, 180)),
+                                ("goodput_per_sec", "goodput", (227, 119, 194)))),
+)
+
+# The table's columns: (field, heading, decimals).
+LOGITS_COLUMNS = (("requests_per_sec", "req/s", 1), ("tokens_per_sec", "tok/s", 1),
+                  ("p50_ms", "p50 ms", 2), ("p90_ms", "p90 ms", 2), ("p99_ms", "p99 ms", 2),
+                  ("error_count", "errors", 0))
+GENERATE_COLUMNS = (("requests_per_sec", "req/s", 2), ("goodput_per_sec", "goodput/s", 2),
+                    ("output_tokens_per_sec", "output tok/s", 1),
+                    ("total_tokens_per_sec", "total tok/s", 1),
+                    ("ttft_p50_ms", "TTFT p50", 1), ("ttft_p99_ms", "TTFT p99", 1),
+                    ("tpot_p50_ms", "TPOT p50", 2), ("tpot_p99_ms", "TPOT p99", 2),
+                    ("itl_p50_ms", "ITL p50", 2), ("itl_p99_ms", "ITL p99", 2),
+                    ("p50_ms", "e2e p50", 1), ("p90_ms", "e2e p90", 1), ("p99_ms", "e2e p99", 1),
+                    ("error_count", "errors", 0))
 
 
 def is_number(v):
@@ -47,6 +82,44 @@ def load(path):
     return meta, key, steps
 
 
+def is_generate(meta, steps):
+    """Whether the report is of --mode generate (older reports have no meta.mode)."""
+    return meta.get("mode") == "generate" or any("output_tokens_per_sec" in s for s in steps)
+
+
+def unobserved_note(meta, steps):
+    """Why TTFT / TPOT / ITL are missing, or ''."""
+    if any(is_number(s.get("ttft_p50_ms")) for s in steps):
+        return ""
+    if meta.get("streaming") is False:
+        return "ttft tpot itl: not observed without streaming"
+    return "ttft tpot itl: no values"
+
+
+def table(meta, key, steps):
+    """The steps as a Markdown table (the figures of the picture, and goodput)."""
+    cols = GENERATE_COLUMNS if is_generate(meta, steps) else LOGITS_COLUMNS
+    lines = ["| %s | %s |" % (key.replace("_", " "), " | ".join(h for _, h, _ in cols)),
+             "|" + "---:|" * (len(cols) + 1)]
+    for s in steps:
+        cells = []
+        for field, _, prec in cols:
+            v = s.get(field)
+            cells.append("%.*f" % (prec, v) if is_number(v) else "-")
+        lines.append("| %s | %s |" % (fmt_tick(s[key]), " | ".join(cells)))
+    out = "\n".join(lines) + "\n"
+    note = unobserved_note(meta, steps) if is_generate(meta, steps) else ""
+    slo = [("TTFT <= %g ms" % meta["slo_ttft_ms"]) if is_number(meta.get("slo_ttft_ms")) else "",
+           ("TPOT <= %g ms" % meta["slo_tpot_ms"]) if is_number(meta.get("slo_tpot_ms")) else ""]
+    slo = " and ".join(x for x in slo if x)
+    if is_generate(meta, steps):
+        out += ("\nGoodput: requests/s meeting %s.\n" % slo if slo else
+                "\nGoodput: no objective given (--slo-ttft-ms, --slo-tpot-ms), none reported.\n")
+    if note:
+        out += "\n%s (null in the report).\n" % note.replace("ttft tpot itl", "TTFT, TPOT, ITL")
+    return out
+
+
 def values(steps, key, field):
     """(load, value) per step; value None where the step has none (every
     request failed), so that lines break there instead of bridging it."""
@@ -59,6 +132,8 @@ def render_matplotlib(meta, key, steps, png, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    if is_generate(meta, steps):
+        return render_matplotlib_generate(meta, key, steps, png, title, plt)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for field, label, color in SERIES:
         pts = values(steps, key, field)
@@ -81,6 +156,32 @@ def render_matplotlib(meta, key, steps, png, title):
     fig.suptitle(title or "tpserve-loadtest: %s" % meta.get("model", ""))
     fig.tight_layout()
     fig.savefig(png, dpi=100, format="png")  # at --png as given, whatever its suffix
+
+
+def render_matplotlib_generate(meta, key, steps, png, title, plt):
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    bad = [s[key] for s in steps if s.get("error_count")]
+    for ax, (name, unit, series) in zip(axes.flat, GENERATE_PANELS):
+        for field, label, color in series:
+            pts = values(steps, key, field)
+            if any(y is not None for _, y in pts):
+                ax.plot([p[0] for p in pts], [math.nan if p[1] is None else p[1] for p in pts],
+                        "o-", label=label, color=[c / 255 for c in color])
+        for x in bad:
+            ax.axvline(x, color="red", alpha=0.3)
+        ax.set_title(name)
+        ax.set_xlabel(key.replace("_", " "))
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    axes.flat[5].axis("off")
+    note = unobserved_note(meta, steps)
+    if note:
+        axes.flat[5].text(0, 0.5, note, fontsize=11)
+    fig.suptitle(title or "tpserve-loadtest generate: %s" % meta.get("model", ""))
+    fig.tight_layout()
+    fig.savefig(png, dpi=100, format="png")
 
 
 # --- built-in rasteriser ----------------------------------------------------
@@ -240,7 +341,26 @@ def panel(cv, x0, y0, w, h, series, xlabel, ylabel, bad_x):
     cv.text(x0, y0 - 14, ylabel)
 
 
+def render_builtin_generate(meta, key, steps, png, title):
+    cv = Canvas(1500, 820)
+    bad = [s[key] for s in steps if s.get("error_count")]
+    for i, (name, unit, series) in enumerate(GENERATE_PANELS):
+        x0, y0 = 80 + 490 * (i % 3), 60 + 390 * (i // 3)
+        pts = [(label, values(steps, key, field), rgb) for field, label, rgb in series]
+        panel(cv, x0, y0, 380, 300, pts, key.replace("_", " "), "%s (%s)" % (name, unit), bad)
+        if not any(y is not None for _, p, _ in pts for _, y in p):
+            cv.text(x0 + 100, y0 + 150, "no values in the report")
+    note = unobserved_note(meta, steps)
+    if note:
+        cv.text(80 + 490 * 2, 60 + 390 + 150, note)
+    cv.text(80, 15, title or "tpserve-loadtest generate: %s" % meta.get("model", ""))
+    with open(png, "wb") as f:
+        f.write(cv.png())
+
+
 def render_builtin(meta, key, steps, png, title):
+    if is_generate(meta, steps):
+        return render_builtin_generate(meta, key, steps, png, title)
     cv = Canvas(1000, 420)
     bad = [s[key] for s in steps if s.get("error_count")]
     lat = [(label, values(steps, key, field), rgb) for field, label, rgb in SERIES]
@@ -255,11 +375,14 @@ def render_builtin(meta, key, steps, png, title):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("report", help="tpserve-loadtest --json output")
-    ap.add_argument("--png", required=True, help="where to write the picture")
+    ap.add_argument("--png", help="where to write the picture")
+    ap.add_argument("--table", help="where to write the Markdown table (- for stdout)")
     ap.add_argument("--title", default="", help="title (default: the model name)")
     ap.add_argument("--builtin", action="store_true",
                     help="use the built-in rasteriser even when matplotlib is installed")
     args = ap.parse_args(argv)
+    if not args.png and not args.table:
+        ap.error("give --png, --table or both")
     try:
         meta, key, steps = load(args.report)
     except (OSError, ValueError) as e:
@@ -269,6 +392,23 @@ def main(argv=None):
         sys.stderr.write("render_loadtest: %s: malformed report (%s: %s)\n"
                          % (args.report, type(e).__name__, e))
         return 2
+    if args.table:
+        try:
+            text = table(meta, key, steps)
+            if args.table == "-":
+                sys.stdout.write(text)
+            else:
+                with open(args.table, "w") as f:
+                    f.write(text)
+        except OSError as e:
+            sys.stderr.write("render_loadtest: cannot write %s: %s\n" % (args.table, e))
+            return 2
+        except (TypeError, KeyError, AttributeError, OverflowError, ValueError) as e:
+            sys.stderr.write("render_loadtest: %s: malformed report (%s: %s)\n"
+                             % (args.report, type(e).__name__, e))
+            return 2
+    if not args.png:
+        return 0
     try:
         try:
             if args.builtin:

@@ -153,5 +153,105 @@ class RenderLoadtestTest(unittest.TestCase):
         self.assertFalse(os.path.exists(png))
 
 
+def generate_steps(streaming=True):
+    """A --mode generate report's steps (TTFT, TPOT and ITL null without streaming)."""
+    steps = []
+    for c in (1, 2, 4, 8):
+        s = {"concurrency": c, "requests_per_sec": 2.0 * c, "goodput_per_sec": 1.5 * c,
+             "tokens_per_sec": 64.0 * c, "output_tokens_per_sec": 256.0 * c,
+             "total_tokens_per_sec": 320.0 * c, "p50_ms": 400.0 + c, "p90_ms": 450.0 + 2 * c,
+             "p99_ms": 500.0 + 3 * c, "error_count": 0}
+        for name, base in (("ttft", 40.0), ("tpot", 10.0), ("itl", 9.0)):
+            for q, k in (("p50", 1.0), ("p90", 1.5), ("p99", 2.0)):
+                s["%s_%s_ms" % (name, q)] = base * k + c if streaming else None
+        steps.append(s)
+    return steps
+
+
+class RenderGenerateTest(unittest.TestCase):
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+
+    def report(self, steps, **meta):
+        path = os.path.join(self.tmp.name, "gen.json")
+        with open(path, "w") as f:
+            json.dump({"meta": dict({"model": "tiny", "mode": "generate"}, **meta),
+                       "steps": steps}, f)
+        return path
+
+    def test_builtin_png_has_every_generation_series(self):
+        png = os.path.join(self.tmp.name, "gen.png")
+        path = self.report(generate_steps(), streaming=True, slo_ttft_ms=50)
+        self.assertEqual(render_loadtest.main([path, "--png", png, "--builtin"]), 0)
+        w, h, rows = read_png(png)
+        self.assertEqual((w, h), (1500, 820))
+        for _, _, series in render_loadtest.GENERATE_PANELS:
+            for field, _, rgb in series:
+                # Colours shared between panels (p50 of e2e and TTFT) count twice: >= one line.
+                self.assertGreater(count(rows, rgb), 100, field)
+
+    def test_unary_report_leaves_ttft_out_with_a_note(self):
+        png = os.path.join(self.tmp.name, "unary.png")
+        path = self.report(generate_steps(streaming=False), streaming=False)
+        self.assertEqual(render_loadtest.main([path, "--png", png, "--builtin"]), 0)
+        _, _, rows = read_png(png)
+        tpot = render_loadtest.GENERATE_PANELS[2][2]
+        for _, _, rgb in tpot:
+            self.assertLess(count(rows, rgb), 60, rgb)  # the legend box only, no line
+        meta, _, steps = render_loadtest.load(path)
+        self.assertIn("not observed without streaming",
+                      render_loadtest.unobserved_note(meta, steps))
+
+    def test_table_has_the_generation_figures(self):
+        path = self.report(generate_steps(), streaming=True, slo_ttft_ms=50, slo_tpot_ms=12)
+        out = os.path.join(self.tmp.name, "gen.md")
+        self.assertEqual(render_loadtest.main([path, "--table", out]), 0)
+        with open(out) as f:
+            text = f.read()
+        lines = text.splitlines()
+        head = [c.strip() for c in lines[0].strip("|").split("|")]
+        self.assertEqual(head[:5], ["concurrency", "req/s", "goodput/s", "output tok/s",
+                                    "total tok/s"])
+        for col in ("TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "e2e p50", "e2e p99"):
+            self.assertIn(col, head)
+        first = [c.strip() for c in lines[2].strip("|").split("|")]
+        self.assertEqual(first[:5], ["1", "2.00", "1.50", "256.0", "320.0"])
+        self.assertEqual(first[head.index("TTFT p50")], "41.0")
+        self.assertEqual(len([ln for ln in lines if ln.startswith("| ")]), 5)  # head + 4 steps
+        self.assertIn("TTFT <= 50 ms and TPOT <= 12 ms", text)
+
+    def test_table_of_a_unary_report_shows_nulls_as_dashes(self):
+        path = self.report(generate_steps(streaming=False), streaming=False)
+        out = os.path.join(self.tmp.name, "unary.md")
+        self.assertEqual(render_loadtest.main([path, "--table", out]), 0)
+        with open(out) as f:
+            text = f.read()
+        lines = text.splitlines()
+        head = [c.strip() for c in lines[0].strip("|").split("|")]
+        row = [c.strip() for c in lines[2].strip("|").split("|")]
+        for col in ("TTFT p50", "TPOT p99", "ITL p50"):
+            self.assertEqual(row[head.index(col)], "-", col)
+        self.assertEqual(row[head.index("e2e p50")], "401.0")
+        self.assertIn("not observed without streaming", text)
+
+    def test_logits_table_and_needs_an_output(self):
+        path = os.path.join(self.tmp.name, "logits.json")
+        with open(path, "w") as f:
+            json.dump({"meta": {"model": "tiny"},
+                       "steps": [{"request_rate": 2.5, "requests_per_sec": 2.4,
+                                  "tokens_per_sec": 40.0, "p50_ms": 3.0, "p90_ms": 4.0,
+                                  "p99_ms": 5.0, "error_count": 0}]}, f)
+        out = os.path.join(self.tmp.name, "logits.md")
+        self.assertEqual(render_loadtest.main([path, "--table", out]), 0)
+        with open(out) as f:
+            lines = f.read().splitlines()
+        self.assertTrue(lines[0].startswith("| request rate | req/s | tok/s |"), lines[0])
+        self.assertTrue(lines[2].startswith("| 2.5 | 2.4 | 40.0 |"), lines[2])
+        with self.assertRaises(SystemExit):
+            render_loadtest.main([path])  # neither --png nor --table
+
+
 if __name__ == "__main__":
     unittest.main()
