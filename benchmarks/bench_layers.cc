@@ -498,7 +498,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     // Without a flush, a method replayed right after one that read the same
     // weights finds part of them in L2 (the sweep interleaves dozens of
     // graphs, the peer times each method back to back): the same GEMM then
-    // differs by up to ~10 % at small M (benchmarks/NOTES.md).
+    // differs by up to ~10 % at small M (benchmarks/PERFORMANCE.md).
     const size_t flush_bytes = static_cast<size_t>(f.l2_flush_mib) << 20;
     DeviceBuffer flush;
     if (flush_bytes > 0) {
@@ -570,7 +570,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     // Tuning: the sweep interleaves every method, so each replay finds the
     // caches and the GPUs' queues as dozens of other graphs left them; at
     // small M that context moves a method by up to 10 % (o, M = 512:
-    // benchmarks/NOTES.md), more than the gaps between the best few. The
+    // benchmarks/PERFORMANCE.md), more than the gaps between the best few. The
     // fastest few layer methods (by rank 0's medians, shared so that every
     // rank replays the same graphs) are timed again among themselves, with
     // plain none, and the tuner chooses from that round.

@@ -7,8 +7,8 @@
 # TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s).
 # LAYERS=0 (the default): all of the model's layers (llama3-70b: 80; FP8 weights ≈ 35 GB per
 # GPU at TP=2, so all of them fit). Fewer layers measure a short burst: the GPUs spend part of
-# each round below their power limit and clock higher, which favours overlap (NOTES.md,
-# seventh session).
+# each round below their power limit and clock higher, which favours overlap
+# (benchmarks/PERFORMANCE.md).
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 source .gpu/env.sh

@@ -13,7 +13,7 @@
 // CUDA stream memory operations (32-bit writes and waits):
 // the GPU's front end executes them, so they occupy no SM. (A first version
 // used one-thread spin kernels; a spinning block holding an SM can deadlock a
-// GEMM whose CTAs must all be resident, and did: see benchmarks/NOTES.md.)
+// GEMM whose CTAs must all be resident, and did; benchmarks/PERFORMANCE.md.)
 // Each call enqueues one cuStreamBatchMemOp.
 // They capture into CUDA graphs; the flags return to zero after every matched
 // Signal/Wait pair, so a replayed graph starts from the state it was captured
@@ -76,7 +76,8 @@ class PeerBuffer {
 
   // Enqueues a copy of `bytes` from rank `rank`'s copy at `offset` to `dst`
   // (this device) on `stream`, on a copy engine. FAILED_PRECONDITION when
-  // that rank is a thread of this process: such copies hung (NOTES.md).
+  // that rank is a thread of this process: such copies can hang (see
+  // PeerBuffer's same-process rule in peer_memory.cc).
   // INVALID_ARGUMENT for a rank outside the communicator or a range outside
   // the buffer.
   Status CopyFromPeer(int rank, size_t offset, void* dst, size_t bytes, cudaStream_t stream) const;
@@ -132,7 +133,7 @@ class PeerSignals {
   // Signal(signal_kind, to) then Wait(wait_kind, from) as one batch of stream
   // memory operations (cuStreamBatchMemOp): a single node when captured,
   // where the two calls would make 1 + 2 * |from| + |to| nodes, each adding
-  // its own scheduling latency (measured: benchmarks/NOTES.md).
+  // its own scheduling latency.
   Status SignalThenWait(Kind signal_kind, const std::vector<Flag>& to, Kind wait_kind,
                         const std::vector<Flag>& from, cudaStream_t stream) const;
   // Operations per cuStreamBatchMemOp call (the driver's limit on one batch);

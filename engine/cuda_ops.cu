@@ -659,7 +659,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
     const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
     // Instantiated twice: with the branch-free division (fp8.inv != 0, checked once here)
     // and with the IEEE fallback; a per-value branch made this epilogue a third of the
-    // kernel's stalls (benchmarks/NOTES.md).
+    // kernel's stalls under a profiler.
     auto store = [&](auto fast_divide) {
       constexpr bool kFast = decltype(fast_divide)::value;
 #pragma unroll

@@ -26,10 +26,10 @@
 // capturing fails with FAILED_PRECONDITION instead.
 //
 // Alignment contract: every matrix pointer and every scale/amax pointer is 16-byte aligned
-// (cublasLtMatmul answered NOT_SUPPORTED for a scale pointer 4 bytes past an allocation's start
-// on the H200 host, 2026-11-29), and every leading dimension and
-// batch stride is a multiple of 16 bytes. The heuristic is told exactly that (not cuBLASLt's
-// default assumption of 256-byte alignment), so row-block offsets into a buffer are fine.
+// (cublasLtMatmul answers NOT_SUPPORTED for a scale pointer 4 bytes past an allocation's
+// start), and every leading dimension and batch stride is a multiple of 16 bytes. The
+// heuristic is told exactly that (not cuBLASLt's default assumption of 256-byte alignment), so
+// row-block offsets into a buffer are fine.
 //
 // Thread safety: none. One object per layer per rank thread. All Run()s of one object share
 // its workspace, so they must be ordered on one stream (or joined by events); two concurrent
@@ -116,9 +116,8 @@ Status ValidateGemmParams(const GemmParams& p);
 //    keeps the fastest (median of 5 runs each). The choice is remembered process-wide per
 //    device and shape/config, so the layers of a model that share a shape are timed once.
 //    The heuristic cannot know whether C will be read (beta is a run-time value), nor how a
-//    shape's waves fit the SMs for each tile size; timing sees both (on the 2xH200 host,
-//    2026-11-30: accumulating GEMMs of the ring's last steps 3-12 % faster than the
-//    heuristic's first answer, most other layer shapes unchanged; benchmarks/NOTES.md).
+//    shape's waves fit the SMs for each tile size; timing sees both (the accumulating GEMMs
+//    of a ring's last steps gain most: benchmarks/PERFORMANCE.md).
 //    Prepare() then allocates (operands and a workspace of its own) and synchronises its
 //    own stream, so it must not run while its thread captures a CUDA graph, nor while any
 //    thread captures in global mode. Without the memory for the operands it keeps the

@@ -48,13 +48,9 @@ struct LinearKnobs {
   // GEMM streams (1 or 2). With 2, a GEMM step that does not depend on the GEMM step before it
   // goes on the other of two streams (each with its own cuBLASLt workspace, 32 MiB more per
   // layer), so that its CTAs take the SMs that the earlier GEMM's last wave leaves idle
-  // instead of waiting for that wave to drain. Measured on one GPU (2026-12-01,
-  // benchmarks/NOTES.md): in bursts the split GEMMs then cost about what one unsplit GEMM does
-  // (gate_up's two 4096-row GEMMs 3.082 ms serial, 3.010 on two streams, 3.030 as one GEMM);
-  // in a long pass at the GPU's power limit the split costs little either way (0.2 % of the
-  // pass with two chunks, 0.9 % with four) and two lanes win back only part of that. At TP = 2
-  // (2x H200) two lanes made most layers faster in bursts but the 80-layer pass slower (by 8–13
-  // ms on o and down, ±1 ms on qkv and gate_up), so the shipped config does not use them.
+  // instead of waiting for that wave to drain. Not in the shipped config: it speeds up layers
+  // timed in bursts but not a whole model pass at the GPU's power limit
+  // (benchmarks/PERFORMANCE.md, "gemm_lanes").
   int gemm_lanes = 1;
   // gemm_rs, copy_engine: no partial sums. Every rank holds the whole
   // weight [n, tp * k] (rank r's shard is columns [r * k, (r + 1) * k)); instead of reduce-
@@ -66,8 +62,8 @@ struct LinearKnobs {
   // at once on the own columns (one GEMM over k, then one accumulating GEMM per peer's pulled
   // block), and the rest of the rows follow in one whole-K GEMM whose pulls run under the
   // lead's GEMMs, so neither the ranks' meeting nor a first pull is exposed. Costs tp x the
-  // layer's weight memory. Measured on one H200 (2026-12-01, benchmarks/NOTES.md): o's whole-K GEMM
-  // of the rank's rows is 4-5 % faster than the sharded GEMM of the same FLOPs (half the output).
+  // layer's weight memory. Worth it where the whole-K GEMM of the rank's rows is faster than
+  // the sharded GEMM of the same FLOPs (half the output), as for o (benchmarks/PERFORMANCE.md).
   bool full_weight = false;
 
   // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"

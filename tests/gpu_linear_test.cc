@@ -318,10 +318,10 @@ TEST_F(GpuLinearTest, AllGatherGemmPipelineGraphReplayIsBitIdenticalAndAllocatio
   CheckGraphReplay(*group_, OverlapOp::kAllGatherGemm, OverlapMode::kPipeline, 4);
 }
 // Copy-engine layers with ranks as threads of one process: eager runs hung
-// until peer copies used cudaMemcpyPeerAsync (2026-11-29); graph replays of a
-// copy-engine ReduceScatter hung (ring and pipeline; 2026-11-30), and so did,
-// rarely, those of the AllGather (pipeline, 4 chunks: once in 14 repeats of
-// its test, benchmarks/results/2026-11-30-ce-thread-tests-d7c7dda.log).
+// until peer copies used cudaMemcpyPeerAsync; graph replays of a copy-engine
+// ReduceScatter hung (ring and pipeline), and so did, rarely, those of the
+// AllGather (pipeline, 4 chunks: once in 14 repeats of its test,
+// benchmarks/results/ce-thread-tests.log.gz).
 // CudaLinear refuses copy engines with ranks as threads, for both ops. In the
 // production process model (one process per GPU, CUDA IPC) every copy-engine
 // mode of both ops is checked by `tpserve layer --copy-engine`

@@ -586,7 +586,7 @@ Status CaptureAndReplayAllGather(NcclCommunicator& comm, void* send, void* recv,
 }
 
 // DISABLED: fails on the 2xH200 host (NCCL 2.28.3 there; run log in
-// benchmarks/results/2026-11-29-ce-allgather-graph-debug.log): the base
+// benchmarks/results/ce-allgather-graph-debug.log.gz): the base
 // communicator's captured AllGather passes, the eager copy-engine AllGather
 // (CTA policy zero, symmetric windows) passes, but the first replay of the
 // captured copy-engine AllGather leaves the peer's block unwritten (still the
