@@ -74,7 +74,14 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
   });
   if (!model.ok()) return fail(model.status());
   std::unique_ptr<CpuKvCache> cache;
-  if (kv_layout_.num_blocks > 0) cache = std::make_unique<CpuKvCache>(kv_layout_);
+  if (kv_layout_.num_blocks > 0) {
+    auto made =
+        CallCatching("allocating the KV cache", [&]() -> StatusOr<std::unique_ptr<CpuKvCache>> {
+          return std::make_unique<CpuKvCache>(kv_layout_);
+        });
+    if (!made.ok()) return fail(made.status());
+    cache = std::move(made).value();
+  }
   uint64_t seen = 0;
   {
     std::lock_guard lock(mu_);

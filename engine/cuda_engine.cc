@@ -6,8 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -19,9 +21,82 @@
 namespace tpserve {
 namespace {
 
-// Header words broadcast before every batch.
-enum HeaderWord { kWhat = 0, kTokens = 1, kSequences = 2, kHeaderWords = 4 };
-enum What : int64_t { kForward = 1, kStop = 2 };
+// Header words broadcast before every batch or step (kMaxBlocks: a step's block table width).
+enum HeaderWord { kWhat = 0, kTokens = 1, kSequences = 2, kMaxBlocks = 3, kHeaderWords = 4 };
+enum What : int64_t { kForward = 1, kStop = 2, kStep = 3 };
+
+// What a worker receives: a forward batch, a generation step, or a stop.
+struct Message {
+  What what = kStop;
+  TokenBatch batch;
+  StepBatch step;
+};
+
+// The widest block table a step may carry: a sequence's longest context, or the whole pool.
+int64_t StepTableWidth(const CudaEngineOptions& o) {
+  return std::min(BlocksFor(o.config.max_position_embeddings, o.model.kv_block_size),
+                  o.model.kv_blocks);
+}
+
+// A step's payload in int32 words: ids, positions | cu_seqlens | per sequence: context_lens,
+// sample, top_k, temperature and top_p (float bits), seed and sample_index (two words each)
+// | block tables.
+int64_t StepWords(int64_t tokens, int64_t seqs, int64_t max_blocks) {
+  return 2 * tokens + (seqs + 1) + 9 * seqs + seqs * max_blocks;
+}
+
+void FlattenStep(const StepBatch& b, std::vector<int32_t>* flat) {
+  const int64_t seqs = b.sequences();
+  flat->clear();
+  flat->insert(flat->end(), b.ids.begin(), b.ids.end());
+  flat->insert(flat->end(), b.positions.begin(), b.positions.end());
+  flat->insert(flat->end(), b.cu_seqlens.begin(), b.cu_seqlens.end());
+  flat->insert(flat->end(), b.context_lens.begin(), b.context_lens.end());
+  auto word = [](auto v) {
+    int32_t w;
+    std::memcpy(&w, &v, 4);
+    return w;
+  };
+  for (int64_t s = 0; s < seqs; ++s) {
+    const SamplingParams& p = b.sampling[s];
+    const uint64_t seed = p.seed, index = b.sample_index[s];
+    for (int32_t w :
+         {int32_t{b.sample[s]}, p.top_k, word(p.temperature), word(p.top_p),
+          word(static_cast<uint32_t>(seed)), word(static_cast<uint32_t>(seed >> 32)),
+          word(static_cast<uint32_t>(index)), word(static_cast<uint32_t>(index >> 32))}) {
+      flat->push_back(w);
+    }
+  }
+  flat->insert(flat->end(), b.block_tables.begin(), b.block_tables.end());
+}
+
+StepBatch UnflattenStep(const std::vector<int32_t>& flat, int64_t tokens, int64_t seqs,
+                        int64_t max_blocks) {
+  StepBatch b;
+  auto it = flat.begin();
+  auto take = [&](int64_t n, std::vector<int32_t>* out) {
+    out->assign(it, it + n);
+    it += n;
+  };
+  take(tokens, &b.ids);
+  take(tokens, &b.positions);
+  take(seqs + 1, &b.cu_seqlens);
+  take(seqs, &b.context_lens);
+  auto u32 = [](int32_t w) { return static_cast<uint64_t>(static_cast<uint32_t>(w)); };
+  for (int64_t s = 0; s < seqs; ++s, it += 8) {
+    SamplingParams p;
+    b.sample.push_back(static_cast<uint8_t>(it[0]));
+    p.top_k = it[1];
+    std::memcpy(&p.temperature, &it[2], 4);
+    std::memcpy(&p.top_p, &it[3], 4);
+    p.seed = u32(it[4]) | u32(it[5]) << 32;
+    b.sampling.push_back(p);
+    b.sample_index.push_back(u32(it[6]) | u32(it[7]) << 32);
+  }
+  b.max_blocks = max_blocks;
+  take(seqs * max_blocks, &b.block_tables);
+  return b;
+}
 
 struct RankState {
   std::unique_ptr<NcclCommPool> pool;
@@ -30,8 +105,11 @@ struct RankState {
   CudaStream stream;
 };
 
-size_t PayloadBytes(const CudaModelOptions& m) {
-  return sizeof(int32_t) * (2 * m.max_tokens + m.max_seqs + 1);
+size_t PayloadBytes(const CudaEngineOptions& o) {
+  const CudaModelOptions& m = o.model;
+  const int64_t forward = 2 * m.max_tokens + m.max_seqs + 1;
+  const int64_t step = m.kv_blocks > 0 ? StepWords(m.max_tokens, m.max_seqs, StepTableWidth(o)) : 0;
+  return sizeof(int32_t) * std::max(forward, step);
 }
 
 StatusOr<RankState> SetUpRank(const CudaEngineOptions& o, const ncclUniqueId& id, int rank,
@@ -57,12 +135,26 @@ StatusOr<RankState> SetUpRank(const CudaEngineOptions& o, const ncclUniqueId& id
   // warm up the same buckets in the same order).
   TP_RETURN_IF_ERROR(st.model->WarmUp());
   TP_ASSIGN_OR_RETURN(st.header, DeviceBuffer::Allocate(kHeaderWords * 8, "batch.header"));
-  TP_ASSIGN_OR_RETURN(st.payload, DeviceBuffer::Allocate(PayloadBytes(o.model), "batch.payload"));
+  TP_ASSIGN_OR_RETURN(st.payload, DeviceBuffer::Allocate(PayloadBytes(o), "batch.payload"));
   TP_ASSIGN_OR_RETURN(st.stream, CudaStream::Create());
   return st;
 }
 
-// Rank 0: the header, then (for a forward) ids | positions | cu_seqlens.
+// Rank 0: the header `h`, then the payload `flat` (a forward's ids | positions | cu_seqlens,
+// a step's FlattenStep; nothing for a stop).
+Status Send(NcclCommunicator& comm, DeviceBuffer& header, DeviceBuffer& payload,
+            cudaStream_t stream, const int64_t (&h)[kHeaderWords],
+            const std::vector<int32_t>& flat) {
+  TP_CUDA_CHECK(cudaMemcpyAsync(header.data(), h, sizeof h, cudaMemcpyHostToDevice, stream));
+  TP_RETURN_IF_ERROR(comm.Broadcast(header.data(), sizeof h, 0, stream));
+  if (!flat.empty()) {
+    TP_CUDA_CHECK(cudaMemcpyAsync(payload.data(), flat.data(), flat.size() * 4,
+                                  cudaMemcpyHostToDevice, stream));
+    TP_RETURN_IF_ERROR(comm.Broadcast(payload.data(), flat.size() * 4, 0, stream));
+  }
+  return comm.WaitStream(stream);  // `h` and `flat` must outlive the copies
+}
+
 Status SendBatch(NcclCommunicator& comm, DeviceBuffer& header, DeviceBuffer& payload,
                  cudaStream_t stream, const TokenBatch* batch) {
   int64_t h[kHeaderWords] = {batch != nullptr ? kForward : kStop, 0, 0, 0};
@@ -75,44 +167,45 @@ Status SendBatch(NcclCommunicator& comm, DeviceBuffer& header, DeviceBuffer& pay
     flat.insert(flat.end(), batch->positions.begin(), batch->positions.end());
     flat.insert(flat.end(), batch->cu_seqlens.begin(), batch->cu_seqlens.end());
   }
-  TP_CUDA_CHECK(cudaMemcpyAsync(header.data(), h, sizeof h, cudaMemcpyHostToDevice, stream));
-  TP_RETURN_IF_ERROR(comm.Broadcast(header.data(), sizeof h, 0, stream));
-  if (!flat.empty()) {
-    TP_CUDA_CHECK(cudaMemcpyAsync(payload.data(), flat.data(), flat.size() * 4,
-                                  cudaMemcpyHostToDevice, stream));
-    TP_RETURN_IF_ERROR(comm.Broadcast(payload.data(), flat.size() * 4, 0, stream));
-  }
-  return comm.WaitStream(stream);  // `h` and `flat` must outlive the copies
+  return Send(comm, header, payload, stream, h, flat);
 }
 
-// Workers: the next batch, or nullopt for a stop. Waits for rank 0 without a
-// deadline (a server may be idle for hours); rank 0's death ends the process
-// through PR_SET_PDEATHSIG.
-StatusOr<std::optional<TokenBatch>> ReceiveBatch(NcclCommunicator& comm, DeviceBuffer& header,
-                                                 DeviceBuffer& payload, cudaStream_t stream,
-                                                 const CudaModelOptions& limits) {
+// Workers: the next message. Waits for rank 0 without a deadline (a server
+// may be idle for hours); rank 0's death ends the process through
+// PR_SET_PDEATHSIG.
+StatusOr<Message> Receive(NcclCommunicator& comm, DeviceBuffer& header, DeviceBuffer& payload,
+                          cudaStream_t stream, const CudaEngineOptions& o) {
   int64_t h[kHeaderWords] = {};
   TP_RETURN_IF_ERROR(comm.Broadcast(header.data(), sizeof h, 0, stream));
   TP_RETURN_IF_ERROR(comm.WaitStream(stream, NcclCommunicator::Clock::time_point::max()));
   TP_CUDA_CHECK(cudaMemcpy(h, header.data(), sizeof h, cudaMemcpyDeviceToHost));
-  if (h[kWhat] == kStop) return std::optional<TokenBatch>();
-  const int64_t tokens = h[kTokens], seqs = h[kSequences];
-  if (h[kWhat] != kForward || tokens < 1 || seqs < 1 || tokens > limits.max_tokens ||
-      seqs > limits.max_seqs) {
+  Message msg;
+  if (h[kWhat] == kStop) return msg;
+  const CudaModelOptions& limits = o.model;
+  const int64_t tokens = h[kTokens], seqs = h[kSequences], max_blocks = h[kMaxBlocks];
+  const bool step = h[kWhat] == kStep;
+  if ((h[kWhat] != kForward && !step) || tokens < 1 || seqs < 1 || tokens > limits.max_tokens ||
+      seqs > limits.max_seqs || (step && (max_blocks < 1 || max_blocks > StepTableWidth(o)))) {
     return InternalError("bad batch header from rank 0: what=" + std::to_string(h[kWhat]) +
-                         " tokens=" + std::to_string(tokens) +
-                         " sequences=" + std::to_string(seqs));
+                         " tokens=" + std::to_string(tokens) + " sequences=" +
+                         std::to_string(seqs) + " max_blocks=" + std::to_string(max_blocks));
   }
-  const size_t words = static_cast<size_t>(2 * tokens + seqs + 1);
+  msg.what = step ? kStep : kForward;
+  const size_t words =
+      static_cast<size_t>(step ? StepWords(tokens, seqs, max_blocks) : 2 * tokens + seqs + 1);
   TP_RETURN_IF_ERROR(comm.Broadcast(payload.data(), words * 4, 0, stream));
   TP_RETURN_IF_ERROR(comm.WaitStream(stream));
   std::vector<int32_t> flat(words);
   TP_CUDA_CHECK(cudaMemcpy(flat.data(), payload.data(), words * 4, cudaMemcpyDeviceToHost));
-  TokenBatch b;
+  if (step) {
+    msg.step = UnflattenStep(flat, tokens, seqs, max_blocks);
+    return msg;
+  }
+  TokenBatch& b = msg.batch;
   b.ids.assign(flat.begin(), flat.begin() + tokens);
   b.positions.assign(flat.begin() + tokens, flat.begin() + 2 * tokens);
   b.cu_seqlens.assign(flat.begin() + 2 * tokens, flat.end());
-  return std::optional<TokenBatch>(std::move(b));
+  return msg;
 }
 
 }  // namespace
@@ -182,6 +275,7 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
     return ready.WithContext("starting the CUDA engine");
   }
   engine->device_bytes_ = engine->model_->device_bytes();
+  engine->kv_layout_ = engine->model_->kv_layout();
   spdlog::info("CudaEngine: {} ranks ready ({} MiB on rank 0's GPU)", o.tp,
                engine->device_bytes_.load() >> 20);
   return engine;
@@ -308,6 +402,47 @@ StatusOr<std::vector<float>> CudaEngine::Forward(const TokenBatch& batch) {
   return logits;
 }
 
+StatusOr<StepResult> CudaEngine::Step(const StepBatch& step) {
+  std::lock_guard lock(mu_);
+  if (broken_) {
+    return UnavailableError("the CUDA engine failed earlier: " + first_error_.ToString());
+  }
+  if (kv_layout_.num_blocks == 0) {
+    return FailedPreconditionError("the CUDA engine was started without a KV cache");
+  }
+  // Refused before anything reaches the workers: malformed, or over the engine's limits.
+  TP_RETURN_IF_ERROR(ValidateStepBatch(step, options_.config.vocab_size,
+                                       options_.config.max_position_embeddings,
+                                       kv_layout_.num_blocks, kv_layout_.block_size));
+  const CudaModelOptions& lim = options_.model;
+  if (step.tokens() > lim.max_tokens || step.sequences() > lim.max_seqs ||
+      step.max_blocks > StepTableWidth(options_)) {
+    return InvalidArgumentError(
+        "step of " + std::to_string(step.tokens()) + " tokens in " +
+        std::to_string(step.sequences()) + " sequences with block tables of " +
+        std::to_string(step.max_blocks) + " is outside the engine's limits (" +
+        std::to_string(lim.max_tokens) + " tokens, " + std::to_string(lim.max_seqs) +
+        " sequences, " + std::to_string(StepTableWidth(options_)) + " blocks)");
+  }
+  if (const std::string gone = LostWorker(); !gone.empty()) {
+    Fail(UnavailableError(gone));
+    return UnavailableError("the CUDA engine failed: " + gone);
+  }
+  const int64_t h[kHeaderWords] = {kStep, step.tokens(), step.sequences(), step.max_blocks};
+  FlattenStep(step, &step_flat_);
+  Status sent = Send(pool_->base(), header_, payload_, stream_.get(), h, step_flat_);
+  StatusOr<StepResult> result = sent;
+  if (sent.ok()) result = model_->Step(step);
+  if (!result.ok()) {
+    const std::string lost = LostWorker();
+    Status why = lost.empty() ? result.status() : UnavailableError(lost);
+    Fail(why);
+    return UnavailableError("the CUDA engine failed: " + why.ToString());
+  }
+  device_bytes_ = model_->device_bytes();
+  return result;
+}
+
 Status RunCudaWorker(const CudaEngineOptions& options) {
   // Exit with rank 0: a worker must not outlive the server that started it.
   // SIGTERM must not be blocked here (an inherited mask would hold it).
@@ -376,11 +511,15 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
   TP_RETURN_IF_ERROR(comm.Barrier());
   int64_t batches = 0;
   while (true) {
-    TP_ASSIGN_OR_RETURN(std::optional<TokenBatch> batch,
-                        ReceiveBatch(comm, st.header, st.payload, st.stream.get(), options.model));
-    if (!batch.has_value()) break;
-    TP_ASSIGN_OR_RETURN(std::vector<float> ignored, st.model->Forward(*batch));
-    (void)ignored;  // rank 0 returns the logits
+    TP_ASSIGN_OR_RETURN(Message msg,
+                        Receive(comm, st.header, st.payload, st.stream.get(), options));
+    if (msg.what == kStop) break;
+    // Rank 0 returns the logits or tokens; the same step on every rank keeps the caches alike.
+    if (msg.what == kStep) {
+      TP_RETURN_IF_ERROR(st.model->Step(msg.step).status());
+    } else {
+      TP_RETURN_IF_ERROR(st.model->Forward(msg.batch).status());
+    }
     ++batches;
   }
   spdlog::info("worker rank {}: stop after {} batches", info.rank, batches);

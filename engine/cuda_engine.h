@@ -7,8 +7,10 @@
 //
 // Per batch, rank 0 broadcasts a header (what to do, tokens, sequences) and
 // then the batch (token ids, positions, sequence boundaries) over NCCL; every
-// rank runs CudaModel::Forward; rank 0 returns the logits. A stop header ends
-// the workers' loops.
+// rank runs CudaModel::Forward; rank 0 returns the logits. A generation step
+// goes the same way (what = step; the payload adds the context lengths, block
+// tables and sampling parameters) and every rank runs CudaModel::Step on its
+// KV cache. A stop header ends the workers' loops.
 //
 // Failure: a WorkerWatch waits for the worker processes from the moment
 // they are started. A worker that exits while the model loads ends Start()
@@ -56,7 +58,9 @@ struct CudaEngineOptions {
   // weights the CPU backend uses, so logits compare; slow for large models).
   bool device_random_weights = false;
   std::shared_ptr<const OverlapConfig> overlap;  // may be null: every layer mode none
-  CudaModelOptions model;                        // batch limits (tokens, sequences)
+  // Batch limits (tokens, sequences) and the KV cache of generation (model.kv_blocks,
+  // kv_block_size, kv_dtype; 0 blocks: no generation).
+  CudaModelOptions model;
   // Rank 0 only: the command line of a worker (argv[0] an executable path,
   // e.g. "/proc/self/exe"); RunCudaWorker must be what it runs.
   std::vector<std::string> worker_argv;
@@ -77,6 +81,11 @@ class CudaEngine final : public Engine {
   ~CudaEngine() override;  // stops and reaps the workers
 
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch) override;
+  // Generation: rank 0 validates the step (INVALID_ARGUMENT, nothing sent), broadcasts it
+  // like a batch, every rank runs CudaModel::Step, rank 0 returns the tokens. Failures are
+  // handled as Forward's. FAILED_PRECONDITION without a KV cache (options.model.kv_blocks 0).
+  StatusOr<StepResult> Step(const StepBatch& step) override;
+  KvCacheLayout kv_cache_layout() const override { return kv_layout_; }
   const ModelConfig& config() const override { return options_.config; }
   bool healthy() const override;
   int tp() const override { return options_.tp; }
@@ -95,7 +104,9 @@ class CudaEngine final : public Engine {
   std::vector<pid_t> workers_;
   std::unique_ptr<NcclCommPool> pool_;
   std::unique_ptr<CudaModel> model_;
-  DeviceBuffer header_, payload_;  // broadcast staging (device)
+  DeviceBuffer header_, payload_;   // broadcast staging (device)
+  std::vector<int32_t> step_flat_;  // a step's payload on the host, reused
+  KvCacheLayout kv_layout_;         // rank 0's, set at Start
   CudaStream stream_;
 
   mutable std::mutex mu_;            // one Forward at a time; guards first_error_

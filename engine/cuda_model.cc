@@ -60,6 +60,7 @@ CudaModel::~CudaModel() = default;
 
 Status CudaModel::Close() {
   graphs_.clear();  // they captured the layers' transfers
+  step_graphs_.clear();
   Status first;
   for (auto& [key, layer] : linears_) {  // map order: the same on every rank
     Status s = layer->Close();
@@ -78,8 +79,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   const int64_t hd = config.head_dim();
   if (hd != 64 && hd != 128) {
     return UnimplementedError(
-        "the CUDA attention kernel supports head_dim 64 and 128; the model "
-        "has " +
+        "the CUDA attention kernel supports head_dim 64 and 128; the model has " +
         std::to_string(hd));
   }
   if (dtype != DataType::kFloat8E4M3 && dtype != DataType::kBFloat16) {
@@ -136,14 +136,15 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(logits_local_, Alloc(seqs * vocab_l * 2, "logits_local"));
   TP_ASSIGN_OR_RETURN(logits_all_, Alloc(tp_ * seqs * vocab_l * 2, "logits_all"));
   TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
-  if (dynamic_inputs_) {
+  if (dynamic_inputs_ || options_.kv_blocks > 0) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
     // and the BF16 outputs of attention and SwiGLU staged for o's and down's
-    // quantization (static scales quantize in those kernels).
+    // quantization (static scales quantize in those kernels; paged attention does not).
     TP_ASSIGN_OR_RETURN(amax_, Alloc((4 + tp_) * 4, "input_amax"));
     TP_ASSIGN_OR_RETURN(attn_, Alloc(m * attn_n * 2, "attn"));
     TP_ASSIGN_OR_RETURN(act_, Alloc(m * inter_l * 2, "swiglu_out"));
   }
+  if (options_.kv_blocks > 0) TP_RETURN_IF_ERROR(AllocateGeneration());
   spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank_, tp_,
                layers_.size(), weight_bytes_ / 1048576.0, pool_->base().device());
   return Status::Ok();
@@ -303,7 +304,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
 }
 
 size_t CudaModel::device_bytes() const {
-  size_t total = weight_bytes_;
+  size_t total = weight_bytes_ + GenerationBytes();
   for (const DeviceBuffer* b :
        {&ids_, &positions_, &cu_seqlens_, &x_, &o_out_, &down_out_, &normed_, &qkv_out_, &attn_,
         &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_, &amax_, &act_}) {
@@ -391,7 +392,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
     emb.table = embed_.as<BFloat16>();
     emb.vocab = c.vocab_size;
     emb.dim = h;
-    emb.ids = ids_.as<int32_t>() + shard.begin;
+    emb.ids = (stepping_ ? step_ids_ : ids_.as<int32_t>()) + shard.begin;
     emb.n = rows;
     emb.out = x;
     emb.error_flag = error_flag_.as<int32_t>();
@@ -479,42 +480,48 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
     rope.k_row_stride = qkv_n_l;
     rope.kv_heads = nkv_l;
     rope.head_dim = hd;
-    rope.positions = positions_.as<int32_t>();
+    rope.positions = stepping_ ? step_positions_ : positions_.as<int32_t>();
     rope.rows = m;
     rope.theta = c.rope_theta;
     TP_RETURN_IF_ERROR(LaunchRope(rope, st));
     TP_RETURN_IF_ERROR(mark("rope"));
 
-    AttentionParams at;
-    at.q = qkv_y;
-    at.q_row_stride = qkv_n_l;
-    at.k = qkv_y + nh_l * hd;
-    at.k_row_stride = qkv_n_l;
-    at.v = qkv_y + (nh_l + nkv_l) * hd;
-    at.v_row_stride = qkv_n_l;
-    // Into o's input: BF16 layers read the output as is; FP8 layers with a static scale get
-    // its E4M3 codes from the kernel; dynamic ones stage BF16 and its amax for `quantize`.
-    if (!fp8) {
-      at.out = static_cast<BFloat16*>(o->input(m));
-      at.out_row_stride = nh_l * hd;
-    } else if (!lw.o.dynamic) {
-      at.out_fp8 = static_cast<uint8_t*>(o->input(m));
-      at.out_fp8_row_stride = nh_l * hd;
-      at.out_fp8_scale = lw.o.x_scale();
+    if (stepping_) {  // paged: BF16 out (staged in attn_ for FP8 layers, quantized below)
+      TP_RETURN_IF_ERROR(EnqueuePagedAttention(
+          l, m, seq_slots, qkv_y, fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m)),
+          fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr));
     } else {
-      at.out = attn_.as<BFloat16>();
-      at.out_row_stride = nh_l * hd;
-      at.out_amax = amax_.as<float>();
+      AttentionParams at;
+      at.q = qkv_y;
+      at.q_row_stride = qkv_n_l;
+      at.k = qkv_y + nh_l * hd;
+      at.k_row_stride = qkv_n_l;
+      at.v = qkv_y + (nh_l + nkv_l) * hd;
+      at.v_row_stride = qkv_n_l;
+      // Into o's input: BF16 layers read the output as is; FP8 layers with a static scale get
+      // its E4M3 codes from the kernel; dynamic ones stage BF16 and its amax for `quantize`.
+      if (!fp8) {
+        at.out = static_cast<BFloat16*>(o->input(m));
+        at.out_row_stride = nh_l * hd;
+      } else if (!lw.o.dynamic) {
+        at.out_fp8 = static_cast<uint8_t*>(o->input(m));
+        at.out_fp8_row_stride = nh_l * hd;
+        at.out_fp8_scale = lw.o.x_scale();
+      } else {
+        at.out = attn_.as<BFloat16>();
+        at.out_row_stride = nh_l * hd;
+        at.out_amax = amax_.as<float>();
+      }
+      at.cu_seqlens = cu_seqlens_.as<int32_t>();
+      at.num_seqs = seq_slots;
+      at.tokens = m;
+      at.max_seqlen = m;  // fixed per bucket: a graph cannot depend on the batch
+      at.q_heads = nh_l;
+      at.kv_heads = nkv_l;
+      at.head_dim = hd;
+      TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
     }
-    at.cu_seqlens = cu_seqlens_.as<int32_t>();
-    at.num_seqs = seq_slots;
-    at.tokens = m;
-    at.max_seqlen = m;  // fixed per bucket: a graph cannot depend on the batch
-    at.q_heads = nh_l;
-    at.kv_heads = nkv_l;
-    at.head_dim = hd;
-    TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
-    if (fp8 && lw.o.dynamic) {
+    if (fp8 && (lw.o.dynamic || stepping_)) {
       TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
     }
     TP_RETURN_IF_ERROR(mark("attention"));
@@ -565,7 +572,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
   g.input_row_stride = h;
   g.tokens = m;
   g.dim = h;
-  g.cu_seqlens = cu_seqlens_.as<int32_t>();
+  g.cu_seqlens = stepping_ ? step_head_cu_ : cu_seqlens_.as<int32_t>();
   g.num_seqs = seq_slots;
   g.out = last_.as<BFloat16>();
   TP_RETURN_IF_ERROR(LaunchGatherLastRowsBf16(g, st));
@@ -579,6 +586,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
       lm_gemm_.Run(lm, last_.data(), lm_head_.data(), nullptr, logits_local_.data(), st));
   TP_RETURN_IF_ERROR(
       comm.AllGather(logits_local_.data(), logits_all_.data(), seq_slots * vocab_l * 2, st));
+  if (stepping_) TP_RETURN_IF_ERROR(EnqueueSampling(seq_slots));
   return mark("head");
 }
 
@@ -605,12 +613,10 @@ Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {
 StatusOr<std::pair<int64_t, int64_t>> CudaModel::UploadBatch(const TokenBatch& batch) {
   const int64_t tokens = batch.tokens(), seqs = batch.sequences();
   if (tokens < 1 || seqs < 1 || tokens > options_.max_tokens || seqs > options_.max_seqs) {
-    return InvalidArgumentError("batch of " + std::to_string(tokens) + " tokens in " +
-                                std::to_string(seqs) +
-                                " sequences is outside this model's "
-                                "limits (1.." +
-                                std::to_string(options_.max_tokens) + " tokens, 1.." +
-                                std::to_string(options_.max_seqs) + " sequences)");
+    return InvalidArgumentError(
+        "batch of " + std::to_string(tokens) + " tokens in " + std::to_string(seqs) +
+        " sequences is outside this model's limits (1.." + std::to_string(options_.max_tokens) +
+        " tokens, 1.." + std::to_string(options_.max_seqs) + " sequences)");
   }
   // Pad to the bucket with a padding sequence (token 0, its own positions),
   // and the sequence boundaries to the fixed slot count with empty sequences.

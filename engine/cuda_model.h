@@ -53,8 +53,10 @@
 #include "comm/cuda_resources.h"
 #include "comm/nccl_communicator.h"
 #include "engine/cpu_model.h"
+#include "engine/kv_cache.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
+#include "engine/step_batch.h"
 #include "engine/tp_layers.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
@@ -77,6 +79,12 @@ struct CudaModelOptions {
   // CreateRandom only: every FP8 layer scales its input per batch, as the
   // layers of a checkpoint without input scales do (to measure that cost).
   bool dynamic_input_scales = false;
+  // Generation (Step): a paged KV cache of kv_blocks blocks of kv_block_size tokens, this
+  // rank's KV heads, allocated at Create. 0 blocks: no cache, Step answers
+  // FAILED_PRECONDITION.
+  int64_t kv_blocks = 0;
+  int64_t kv_block_size = 16;
+  KvCacheDtype kv_dtype = KvCacheDtype::kBFloat16;
 };
 
 class CudaModel {
@@ -111,6 +119,21 @@ class CudaModel {
   // Logits [sequences, vocab] of the last token of every sequence, on every
   // rank. INVALID_ARGUMENT for a batch over the options' limits.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
+
+  // One generation step (engine/step_batch.h), engine/cuda_generation.cc: the blocks as in
+  // Forward, but each layer writes the step's keys and values (after RoPE) into the paged KV
+  // cache (LaunchPagedKvWrite) and attends over it (LaunchPagedAttention); then the final
+  // norm, the LM head on the last row of each sequence marked `sample`, and sampling on the
+  // device (LaunchSampling). Returns the sampled tokens, in sequence order, on every rank.
+  // The step's inputs and sampling parameters go up in one copy from pinned memory; no
+  // device memory is allocated. The token count is padded to a step bucket (powers of two up to
+  // max_seqs, then the token buckets); a pure decode step (one token per sequence) replays a graph
+  // captured per (bucket, sequence slots), other steps run eagerly.
+  // INVALID_ARGUMENT (nothing computed) for a step that ValidateStepBatch refuses or that
+  // is over the options' limits; FAILED_PRECONDITION without a KV cache. Collective.
+  StatusOr<StepResult> Step(const StepBatch& step);
+  // This rank's KV cache (num_blocks 0: none).
+  const KvCacheLayout& kv_layout() const { return kv_layout_; }
 
   // Where one eager pass of `batch` spends its time on this rank: each
   // stage's total over all blocks in milliseconds, between CUDA events on the
@@ -166,6 +189,17 @@ class CudaModel {
                                                        NcclCommPool& pool,
                                                        const CudaModelOptions& options);
   Status AllocateActivations();
+  // Generation's buffers (KV pool, step upload, sampling), for options_.kv_blocks > 0.
+  Status AllocateGeneration();
+  // Enqueue's attention while stepping_: the layer's keys and values into the cache, paged
+  // attention of its queries into `out` (BF16 [m, heads/tp x head_dim]), and with `amax`
+  // the output's absolute maximum into *amax (dynamic FP8 input scales).
+  Status EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
+                               BFloat16* out, float* amax);
+  // Enqueue's head while stepping_, after the logits' AllGather: FP32 logits of the slots
+  // and a token for each.
+  Status EnqueueSampling(int64_t seq_slots);
+  size_t GenerationBytes() const;  // device memory of gen_ (0 without)
   Status SetScales(Linear* out, float input_scale, float weight_scale, const std::string& name);
   // The TP layer `s` of block `block` at bucket `m` (its overlap knobs
   // resolved by name), made on first use and prepared for m.
@@ -226,9 +260,21 @@ class CudaModel {
   // start (null name) and at the end of every stage (the stage's name).
   std::vector<std::pair<const char*, CudaEvent>>* stage_marks_ = nullptr;
   size_t weight_bytes_ = 0;
-  // Last member: destroyed first, before the layers and buffers it uses.
+  // Generation (engine/cuda_generation.cc). While stepping_, Enqueue runs a step: it reads
+  // ids, positions and the LM head's row selection from the step's upload (step_ids_ ...,
+  // views into gen_'s buffer), attends over the paged cache and samples.
+  struct Generation;
+  struct GenerationDeleter {
+    void operator()(Generation* g) const noexcept;
+  };
+  std::unique_ptr<Generation, GenerationDeleter> gen_;
+  KvCacheLayout kv_layout_;  // num_blocks 0: no cache
+  bool stepping_ = false;
+  const int32_t *step_ids_ = nullptr, *step_positions_ = nullptr, *step_head_cu_ = nullptr;
+  // Last members: destroyed first, before the layers and buffers they use.
   using GraphKey = std::tuple<const OverlapConfig*, int64_t, int64_t>;  // settings, bucket, slots
   std::map<GraphKey, std::vector<CudaGraphExec>> graphs_;               // one per segment
+  std::map<GraphKey, CudaGraphExec> step_graphs_;                       // pure decode steps
 };
 
 // Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #include "comm/dtype.h"
 #include "layers/fp8.h"
@@ -65,8 +66,9 @@ void BlockPool::Release(std::vector<int32_t>* table) {
 
 CpuKvCache::CpuKvCache(const KvCacheLayout& layout)
     : layout_(layout),
-      data_(
-          new uint8_t[static_cast<size_t>(layout.Elements() * KvCacheElementBytes(layout.dtype))]) {
+      data_(static_cast<uint8_t*>(std::calloc(
+          static_cast<size_t>(layout.Elements() * KvCacheElementBytes(layout.dtype)), 1))) {
+  if (!data_ && layout.Elements() > 0) throw std::bad_alloc();
 }
 
 void CpuKvCache::Write(int64_t layer, const float* k, const float* v, int64_t rows,
@@ -103,7 +105,7 @@ float CpuKvCache::Read(int64_t layer, int kv, int64_t block, int64_t head, int64
     std::memcpy(&b.bits, data_.get() + 2 * e, 2);
     return BFloat16ToFloat(b);
   }
-  return Fp8E4M3ToFloat(data_[e]);
+  return Fp8E4M3ToFloat(data_.get()[e]);
 }
 
 Status PagedAttention(const CpuKvCache& cache, int64_t layer, const float* q, int64_t q_heads,

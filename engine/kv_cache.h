@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -103,9 +104,12 @@ class CpuKvCache {
 
  private:
   KvCacheLayout layout_;
-  // Left uninitialised: only slots written by Write are ever read, and pages
-  // are taken from the OS as sequences reach them.
-  std::unique_ptr<uint8_t[]> data_;
+  // Zeros from calloc: the OS supplies zero pages as sequences reach them,
+  // so a large pool costs memory only where it is used.
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data_;
 };
 
 // Causal attention of a step's query tokens over the paged cache (after the

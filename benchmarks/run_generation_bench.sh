@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Generation serving throughput on one GPU: `tpserve serve` (CUDA backend, TP=1, a preset with
+# random FP8 weights made on the device) driven by `tpserve-loadtest --mode generate` (closed loop,
+# random prompts, ignore EOS), one loadtest JSON per case.
+#
+#   run_generation_bench.sh OUTDIR ISL:OSL:CONCURRENCY [...]
+#
+# Environment: BIN_DIR (default .gpu/bin: tpserve, tpserve-loadtest), MODEL (llama3-8b),
+# KV_GIB (40: KV cache per GPU), STEP_TOKENS (8192), RUNNING (256), CASE_TIMEOUT_S (240).
+# Each step is bounded in time; the server is stopped with SIGTERM at the end (or on error).
+set -euo pipefail
+[ $# -ge 2 ] || { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+out=$1
+shift
+mkdir -p "$out"
+bin=${BIN_DIR:-.gpu/bin}
+model=${MODEL:-llama3-8b}
+step_tokens=${STEP_TOKENS:-8192}
+running=${RUNNING:-256}
+case_timeout=${CASE_TIMEOUT_S:-240}
+
+"$bin/tpserve" serve --backend cuda --tp 1 --model "$model" --device-random-weights \
+  --kv-cache-gib "${KV_GIB:-40}" --max-batch-tokens "$step_tokens" --max-step-tokens "$step_tokens" \
+  --max-batch-sequences "$running" --max-running-sequences "$running" --max-output-len 4096 \
+  --host 127.0.0.1 --grpc-port 0 --metrics-port 0 >"$out/serve.stdout" 2>"$out/serve.log" &
+server=$!
+trap 'kill -TERM $server 2>/dev/null || true' EXIT
+
+port=""
+for _ in $(seq 1 600); do  # the model loads and captures its graphs: up to 5 minutes
+  port=$(sed -n "s/.*on gRPC port \([0-9]*\).*/\1/p" "$out/serve.stdout" | head -1)
+  [ -n "$port" ] && break
+  kill -0 $server 2>/dev/null || { echo "the server exited:" >&2; tail -20 "$out/serve.log" >&2; exit 1; }
+  sleep 0.5
+done
+[ -n "$port" ] || { echo "the server did not start within 5 minutes" >&2; exit 1; }
+echo "== server on port $port"
+
+for c in "$@"; do
+  IFS=: read -r isl osl conc <<<"$c"
+  echo "== ISL $isl OSL $osl concurrency $conc"
+  timeout "$case_timeout" "$bin/tpserve-loadtest" --url "127.0.0.1:$port" --model-name "$model" \
+    --mode generate --prompt-len "$isl" --output-len "$osl" --ignore-eos --vocab 128256 \
+    --concurrency-range "$conc:$conc:1" --warmup 3 --duration 10 --max-trials 3 --timeout-ms 600000 \
+    --json "$out/generation-$model-isl$isl-osl$osl-c$conc.json" || echo "case $c failed ($?)"
+done
+kill -TERM $server
+wait $server || true
+trap - EXIT
