@@ -254,8 +254,9 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const std::st
   eo.kv_blocks = f.kv_cache_blocks;
   if (eo.kv_blocks == 0 && f.kv_cache_gib > 0) {
     // One rank's share: its KV heads of every layer, per block.
-    KvCacheLayout per_block{config.num_hidden_layers, 1, f.kv_block_size,
-                            config.num_key_value_heads / f.tp, config.head_dim(), eo.kv_dtype};
+    KvCacheLayout per_block{config.num_hidden_layers, 1,
+                            f.kv_block_size,          config.num_key_value_heads / f.tp,
+                            config.head_dim(),        eo.kv_dtype};
     eo.kv_blocks = static_cast<int64_t>(f.kv_cache_gib * 1073741824.0 /
                                         static_cast<double>(per_block.BlockBytes()));
     if (eo.kv_blocks < 1) {
@@ -480,8 +481,8 @@ int Serve(const ServeFlags& f) {
   if (f.metrics_port > 0) {
     auto listening = MetricsHttpServer::Listen(MetricsOptions(f));
     if (!listening.ok()) {
-      spdlog::error("cannot serve metrics: {}", ListenFlagError(listening.status(),
-                                                                "--metrics-host", "--metrics-port"));
+      spdlog::error("cannot serve metrics: {}",
+                    ListenFlagError(listening.status(), "--metrics-host", "--metrics-port"));
       return 1;
     }
     metrics = std::move(listening).value();
