@@ -17,29 +17,16 @@
 #include <type_traits>
 
 #include "comm/cuda_check.h"
+#include "engine/launch_checks.h"
 #include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
 
 namespace tpserve {
 namespace {
 
-constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1
-constexpr int64_t kMaxGridY = 65535;
+using namespace launch_checks;
 
 std::string Str(int64_t v) { return std::to_string(v); }
-
-// "RmsNormParams.dim (12) must be a multiple of 8".
-Status BadField(const char* params, const char* field, int64_t value, const std::string& what) {
-  return InvalidArgumentError(std::string(params) + "." + field + " (" + Str(value) + ") " + what);
-}
-Status NullField(const char* params, const char* field, const std::string& when = "") {
-  return InvalidArgumentError(std::string(params) + "." + field + " must not be null" +
-                              (when.empty() ? "" : " " + when));
-}
-Status MisalignedField(const char* params, const char* field, size_t alignment) {
-  return InvalidArgumentError(std::string(params) + "." + field + " is not aligned to " +
-                              std::to_string(alignment) + " bytes");
-}
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers

@@ -18,26 +18,15 @@
 #include <string>
 
 #include "comm/cuda_check.h"
+#include "engine/launch_checks.h"
 #include "layers/kernel_grid.h"
 
 namespace tpserve {
 namespace {
 
-constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1
-constexpr int64_t kMaxGridY = 65535;
+using namespace launch_checks;
 
 std::string Str(int64_t v) { return std::to_string(v); }
-
-Status BadField(const char* params, const char* field, int64_t value, const std::string& what) {
-  return InvalidArgumentError(std::string(params) + "." + field + " (" + Str(value) + ") " + what);
-}
-Status NullField(const char* params, const char* field) {
-  return InvalidArgumentError(std::string(params) + "." + field + " must not be null");
-}
-Status MisalignedField(const char* params, const char* field, size_t alignment) {
-  return InvalidArgumentError(std::string(params) + "." + field + " is not aligned to " +
-                              std::to_string(alignment) + " bytes");
-}
 
 // The layout's fields as a launcher can trust them (Validate() lives in kv_cache.cc, which the
 // launchers do not need to link against): positive sizes, a layer inside it.

@@ -15,6 +15,7 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/generator.h"
+#include "tests/generation_test_util.h"
 
 namespace tpserve {
 namespace {
@@ -49,42 +50,11 @@ std::unique_ptr<Generator> StartGenerator(std::shared_ptr<Engine> engine, const 
   return g.ok() ? std::move(g).value() : nullptr;
 }
 
-struct Outcome {
-  std::vector<int32_t> tokens;
-  std::vector<float> log_probs;
-  FinishReason finish = FinishReason::kNone;
-  Status error;
-  int events = 0;
-};
+using Outcome = GenerationOutcome;
 
-// Submits every prompt at once and waits for all of them.
 std::vector<Outcome> Generate(Generator& g, const std::vector<std::vector<int32_t>>& prompts,
                               const GenerationParams& params) {
-  std::vector<Outcome> out(prompts.size());
-  std::vector<std::promise<void>> done(prompts.size());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto id = g.Submit(prompts[i], params, Generator::Clock::time_point::max(),
-                       [&out, &done, i](GenerationEvent e) {
-                         Outcome& o = out[i];
-                         ++o.events;
-                         o.tokens.insert(o.tokens.end(), e.new_tokens.begin(), e.new_tokens.end());
-                         o.log_probs.insert(o.log_probs.end(), e.new_log_probs.begin(),
-                                            e.new_log_probs.end());
-                         if (e.last()) {
-                           o.finish = e.finish;
-                           o.error = e.error;
-                           done[i].set_value();
-                         }
-                       });
-    EXPECT_TRUE(id.ok()) << id.status().ToString();
-    if (!id.ok()) done[i].set_value();
-  }
-  for (auto& d : done) {
-    if (d.get_future().wait_for(120s) != std::future_status::ready) {
-      ADD_FAILURE() << "a generation did not finish";
-    }
-  }
-  return out;
+  return GenerateAll(g, prompts, params, 120s);
 }
 
 GenerationParams Greedy(int64_t n) {

@@ -47,42 +47,7 @@ namespace {
 
 #define TP_CUDA_CHECK_FOR_TEST(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
-#define TP_SKIP_WITHOUT_GPU()           \
-  do {                                  \
-    if (!has_device_) {                 \
-      GTEST_SKIP() << "no CUDA device"; \
-    }                                   \
-  } while (0)
-
-class GpuGenerationOpsTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    has_device_ = HasCudaDevice();
-    if (!has_device_) return;
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    TP_ASSERT_OK_AND_ASSIGN(stream_, CudaStream::Create());
-  }
-
-  cudaStream_t stream() const { return stream_.get(); }
-
-  bool has_device_ = false;
-  CudaStream stream_;
-};
-
-StatusOr<DeviceBuffer> PoisonedBuffer(DataType type, size_t count, const std::string& name,
-                                      cudaStream_t stream) {
-  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(count * DataTypeSize(type), name));
-  TP_RETURN_IF_ERROR(LaunchPoisonFill(buf.data(), type, count, stream));
-  return buf;
-}
-
-std::vector<BFloat16> RandomBf16(size_t count, float lo, float hi, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<BFloat16> v(count);
-  for (auto& x : v) x = FloatToBFloat16(dist(rng));
-  return v;
-}
+class GpuGenerationOpsTest : public GpuStreamTest {};
 
 // The float a cache element holds, decoded as the reference does.
 float DecodeCache(const std::vector<uint8_t>& bytes, KvCacheDtype dtype, int64_t e) {

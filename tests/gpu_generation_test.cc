@@ -27,6 +27,7 @@
 #include "engine/cpu_engine.h"
 #include "engine/cuda_engine.h"
 #include "engine/generator.h"
+#include "tests/generation_test_util.h"
 #include "tests/gpu_test_util.h"
 
 namespace tpserve {
@@ -77,12 +78,7 @@ std::shared_ptr<CpuEngine> StartCpu(const GenSetup& s) {
   return e.ok() ? std::shared_ptr<CpuEngine>(std::move(e).value()) : nullptr;
 }
 
-struct Outcome {
-  std::vector<int32_t> tokens;
-  std::vector<float> log_probs;
-  FinishReason finish = FinishReason::kNone;
-  Status error;
-};
+using Outcome = GenerationOutcome;
 
 // Generates for every prompt at once on a Generator over `engine`.
 std::vector<Outcome> Generate(std::shared_ptr<Engine> engine, const GenSetup& s,
@@ -93,30 +89,8 @@ std::vector<Outcome> Generate(std::shared_ptr<Engine> engine, const GenSetup& s,
   go.scheduler.max_running = kMaxSeqs;
   auto g = Generator::Start(go, std::move(engine));
   EXPECT_TRUE(g.ok()) << g.status().ToString();
-  std::vector<Outcome> out(prompts.size());
-  if (!g.ok()) return out;
-  std::vector<std::promise<void>> done(prompts.size());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto id = (*g)->Submit(
-        prompts[i], params, Generator::Clock::time_point::max(),
-        [&out, &done, i](GenerationEvent e) {
-          Outcome& o = out[i];
-          o.tokens.insert(o.tokens.end(), e.new_tokens.begin(), e.new_tokens.end());
-          o.log_probs.insert(o.log_probs.end(), e.new_log_probs.begin(), e.new_log_probs.end());
-          if (e.last()) {
-            o.finish = e.finish;
-            o.error = e.error;
-            done[i].set_value();
-          }
-        });
-    EXPECT_TRUE(id.ok()) << id.status().ToString();
-    if (!id.ok()) done[i].set_value();
-  }
-  for (auto& d : done) {
-    if (d.get_future().wait_for(300s) != std::future_status::ready) {
-      ADD_FAILURE() << "a generation did not finish";
-    }
-  }
+  if (!g.ok()) return std::vector<Outcome>(prompts.size());
+  auto out = GenerateAll(**g, prompts, params, 300s);
   if (stats != nullptr) *stats = (*g)->stats();
   return out;
 }

@@ -46,53 +46,17 @@ namespace {
 #define TP_CUDA_CHECK_FOR_TEST(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
 // First statement of every test that launches kernels.
-#define TP_SKIP_WITHOUT_GPU()           \
-  do {                                  \
-    if (!has_device_) {                 \
-      GTEST_SKIP() << "no CUDA device"; \
-    }                                   \
-  } while (0)
-
 const double kBf16Rel = std::ldexp(1.0, -8);
 
-class GpuOpsTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    has_device_ = HasCudaDevice();
-    if (!has_device_) return;
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    TP_ASSERT_OK_AND_ASSIGN(stream_, CudaStream::Create());
-  }
-
-  cudaStream_t stream() const { return stream_.get(); }
-
-  bool has_device_ = false;
-  CudaStream stream_;
-};
+class GpuOpsTest : public GpuStreamTest {};
 
 // ---------------------------------------------------------------------------------------------
 // Host <-> device helpers
 
 // Upload / Download: tests/gpu_test_util.h.
 
-// A device buffer of `count` elements of `type`, filled with its poison pattern on `stream`.
-StatusOr<DeviceBuffer> PoisonedBuffer(DataType type, size_t count, const std::string& name,
-                                      cudaStream_t stream) {
-  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(count * DataTypeSize(type), name));
-  TP_RETURN_IF_ERROR(LaunchPoisonFill(buf.data(), type, count, stream));
-  return buf;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Data and comparisons
-
-std::vector<BFloat16> RandomBf16(size_t count, float lo, float hi, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<BFloat16> v(count);
-  for (auto& x : v) x = FloatToBFloat16(dist(rng));
-  return v;
-}
 
 std::vector<float> Widen(const std::vector<BFloat16>& v) {
   std::vector<float> f(v.size());

@@ -4,12 +4,15 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 #include <vector>
 
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
+#include "comm/dtype.h"
 #include "comm/nccl_thread_group.h"
+#include "layers/quantize_kernels.h"
 
 // ASSERT that a Status is OK / that a StatusOr is OK and move its value out.
 #define TP_ASSERT_OK(expr)                                               \
@@ -50,6 +53,49 @@ StatusOr<std::vector<T>> Download(const void* src, size_t count) {
     TP_CUDA_CHECK(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
   }
   return host;
+}
+
+// A fixture with a stream on device 0. Without a GPU, has_device_ is false and
+// tests skip through TP_SKIP_WITHOUT_GPU().
+class GpuStreamTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    has_device_ = HasCudaDevice();
+    if (!has_device_) return;
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    auto stream = CudaStream::Create();
+    ASSERT_TRUE(stream.ok()) << stream.status().ToString();
+    stream_ = std::move(stream).value();
+  }
+
+  cudaStream_t stream() const { return stream_.get(); }
+
+  bool has_device_ = false;
+  CudaStream stream_;
+};
+
+#define TP_SKIP_WITHOUT_GPU()           \
+  do {                                  \
+    if (!has_device_) {                 \
+      GTEST_SKIP() << "no CUDA device"; \
+    }                                   \
+  } while (0)
+
+// A device buffer of `count` elements of `type`, filled with its poison pattern on `stream`.
+inline StatusOr<DeviceBuffer> PoisonedBuffer(DataType type, size_t count, const std::string& name,
+                                             cudaStream_t stream) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(count * DataTypeSize(type), name));
+  TP_RETURN_IF_ERROR(LaunchPoisonFill(buf.data(), type, count, stream));
+  return buf;
+}
+
+// `count` BF16 values uniform in [lo, hi).
+inline std::vector<BFloat16> RandomBf16(size_t count, float lo, float hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<BFloat16> v(count);
+  for (auto& x : v) x = FloatToBFloat16(dist(rng));
+  return v;
 }
 
 }  // namespace tpserve

@@ -1,0 +1,32 @@
+// Argument errors of the kernel launchers (engine/cuda_ops.h, engine/paged_kv_ops.h), each
+// naming the params struct and its field, and the grid limits they check against. Host code,
+// C++17 (the .cu files include it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "comm/status.h"
+
+namespace tpserve::launch_checks {
+
+inline constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1
+inline constexpr int64_t kMaxGridY = 65535;
+
+// "RmsNormParams.dim (12) must be a multiple of 8".
+inline Status BadField(const char* params, const char* field, int64_t value,
+                       const std::string& what) {
+  return InvalidArgumentError(std::string(params) + "." + field + " (" + std::to_string(value) +
+                              ") " + what);
+}
+inline Status NullField(const char* params, const char* field, const std::string& when = "") {
+  return InvalidArgumentError(std::string(params) + "." + field + " must not be null" +
+                              (when.empty() ? "" : " " + when));
+}
+inline Status MisalignedField(const char* params, const char* field, size_t alignment) {
+  return InvalidArgumentError(std::string(params) + "." + field + " is not aligned to " +
+                              std::to_string(alignment) + " bytes");
+}
+
+}  // namespace tpserve::launch_checks
