@@ -19,7 +19,7 @@ import unittest
 import grpc
 import grpc.aio
 
-from generation_e2e_test import Client, metric, start_server
+from generation_e2e_test import Client, metric, outputs, start_server
 from grpc_interop_test import compile_messages
 
 
@@ -216,6 +216,27 @@ class HostileClients(unittest.TestCase):
         self.assertEqual(counts["invalid_argument"], 1)
         self.assertEqual(counts["not_found"], 1)
         client.channel.close()
+
+    def test_health_answers_not_serving_during_the_drain(self):
+        server, port, _ = self.server(["--exit-timeout", "60"])
+        client = Client(self.pb, port)
+        self.addCleanup(client.channel.close)
+        check = client.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                           request_serializer=lambda b: b,
+                                           response_deserializer=lambda b: b)
+        self.assertEqual(check(b"", timeout=10), b"\x08\x01")  # SERVING
+        # A generation in flight keeps the drain open for a while.
+        call = client.infer.future(client.request([1, 2, 3], 300), timeout=120)
+        time.sleep(0.3)
+        server.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        self.assertEqual(check(b"", timeout=10), b"\x08\x02")  # NOT_SERVING, not an error
+        with self.assertRaises(grpc.RpcError) as e:  # new work is refused meanwhile
+            client.generate([4], 2)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        out = outputs(call.result())  # the accepted request finishes
+        self.assertEqual(out["sequence_length"], [303])
+        self.assertEqual(server.wait(timeout=60), 0)
 
     def test_sigterm_with_500_queued_exits_0_within_the_exit_timeout(self):
         server, port, _ = self.server(["--exit-timeout", "30", "--max-queue-delay-us", "10000000",
