@@ -303,7 +303,7 @@ StatusOr<const char*> PeerBuffer::PeerSource(int rank, size_t offset, size_t byt
   if (same_process(rank)) {
     // Another device's memory of this process: copies from it hung on the
     // 2xH200 host, eagerly and in graph replays, while copies from CUDA IPC
-    // mappings never did (benchmarks/PERFORMANCE.md, rejected ideas).
+    // mappings never did.
     return FailedPreconditionError("copy from peer buffer '" + name_ + "' of rank " +
                                    std::to_string(rank) +
                                    ", a thread of this process: copy-engine transfers need one "

@@ -13,7 +13,7 @@
 // CUDA stream memory operations (32-bit writes and waits):
 // the GPU's front end executes them, so they occupy no SM. (A first version
 // used one-thread spin kernels; a spinning block holding an SM can deadlock a
-// GEMM whose CTAs must all be resident, and did; benchmarks/PERFORMANCE.md.)
+// GEMM whose CTAs must all be resident, and did.)
 // Each call enqueues one cuStreamBatchMemOp.
 // They capture into CUDA graphs; the flags return to zero after every matched
 // Signal/Wait pair, so a replayed graph starts from the state it was captured

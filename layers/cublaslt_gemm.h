@@ -117,7 +117,7 @@ Status ValidateGemmParams(const GemmParams& p);
 //    device and shape/config, so the layers of a model that share a shape are timed once.
 //    The heuristic cannot know whether C will be read (beta is a run-time value), nor how a
 //    shape's waves fit the SMs for each tile size; timing sees both (the accumulating GEMMs
-//    of a ring's last steps gain most: benchmarks/PERFORMANCE.md).
+//    of a ring's last steps gain most).
 //    Prepare() then allocates (operands and a workspace of its own) and synchronises its
 //    own stream, so it must not run while its thread captures a CUDA graph, nor while any
 //    thread captures in global mode. Without the memory for the operands it keeps the

@@ -221,8 +221,7 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   // The second stream: GEMMs (gemm_lanes 2), or full_weight's local copies of the own input
   // columns, which then run beside the pulls instead of before them on the comm stream.
   if (knobs.gemm_lanes == 2 || (knobs.full_weight && knobs.copy_engine)) {
-    // At the least priority (a lane 0 one level above it gained nothing:
-    // benchmarks/PERFORMANCE.md).
+    // At the least priority (a lane 0 one level above it gained nothing).
     TP_ASSIGN_OR_RETURN(im.lane_stream, CudaStream::Create(true, least));
     TP_ASSIGN_OR_RETURN(im.lane_join, CudaEvent::Create(false));
   }
@@ -829,7 +828,7 @@ Status CudaLinear::Prepare(int64_t m) {
               // between two GEMMs. With more chunks the accumulating GEMMs
               // already overlap each chunk's transfer with the next chunk's
               // GEMM, and the extra passes of the sums cost more than they
-              // hide (benchmarks/PERFORMANCE.md, rejected ideas).
+              // hide.
               d = {BufRef::kPartial, r.begin * row_y};
               // The GEMM waits for earlier GEMMs only; the sum, on the comm
               // stream, for the GEMM and the running sum's arrival.

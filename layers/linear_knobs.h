@@ -49,8 +49,7 @@ struct LinearKnobs {
   // goes on the other of two streams (each with its own cuBLASLt workspace, 32 MiB more per
   // layer), so that its CTAs take the SMs that the earlier GEMM's last wave leaves idle
   // instead of waiting for that wave to drain. Not in the shipped config: it speeds up layers
-  // timed in bursts but not a whole model pass at the GPU's power limit
-  // (benchmarks/PERFORMANCE.md, "gemm_lanes").
+  // timed in bursts but not a whole model pass at the GPU's power limit.
   int gemm_lanes = 1;
   // gemm_rs, copy_engine: no partial sums. Every rank holds the whole
   // weight [n, tp * k] (rank r's shard is columns [r * k, (r + 1) * k)); instead of reduce-
@@ -63,7 +62,7 @@ struct LinearKnobs {
   // block), and the rest of the rows follow in one whole-K GEMM whose pulls run under the
   // lead's GEMMs, so neither the ranks' meeting nor a first pull is exposed. Costs tp x the
   // layer's weight memory. Worth it where the whole-K GEMM of the rank's rows is faster than
-  // the sharded GEMM of the same FLOPs (half the output), as for o (benchmarks/PERFORMANCE.md).
+  // the sharded GEMM of the same FLOPs (half the output), as for o.
   bool full_weight = false;
 
   // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
