@@ -190,6 +190,7 @@ Status CpuModel::Blocks(const std::vector<int32_t>& ids, const std::vector<int32
       EmbeddingLookup(w_.embed.data(), c.vocab_size, h, ids.data() + shard.begin, rows, x.data()));
   std::vector<float> normed(rows * h), qkv, attn(m * nh_l * hd), mlp_in, mlp_act(m * inter_l), proj;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+  const std::vector<double> inv_freq = RopeInverseFrequencies(c);  // plain or scaled RoPE
     const LayerWeights& lw = w_.layers[l];
     const std::string p = "layers." + std::to_string(l);
     RmsNorm(x.data(), lw.input_norm.data(), rows, h, c.rms_norm_eps, normed.data());
@@ -204,8 +205,8 @@ Status CpuModel::Blocks(const std::vector<int32_t>& ids, const std::vector<int32
       std::copy_n(qkv.data() + i * row_n + qn, kn, k.data() + i * kn);
       std::copy_n(qkv.data() + i * row_n + qn + kn, kn, v.data() + i * kn);
     }
-    TP_RETURN_IF_ERROR(ApplyRope(q.data(), m, nh_l, hd, positions.data(), c.rope_theta));
-    TP_RETURN_IF_ERROR(ApplyRope(k.data(), m, nkv_l, hd, positions.data(), c.rope_theta));
+    TP_RETURN_IF_ERROR(ApplyRope(q.data(), m, nh_l, hd, positions.data(), inv_freq));
+    TP_RETURN_IF_ERROR(ApplyRope(k.data(), m, nkv_l, hd, positions.data(), inv_freq));
     TP_RETURN_IF_ERROR(attend(l, q.data(), k.data(), v.data(), attn.data()));
     TP_RETURN_IF_ERROR(Linear(p + ".attn.o", OverlapOp::kGemmReduceScatter, lw.o, h,
                               c.num_attention_heads * hd, m, attn, &proj));

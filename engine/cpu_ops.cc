@@ -7,6 +7,8 @@
 #include <limits>
 #include <string>
 
+#include "engine/model_config.h"
+
 namespace tpserve {
 namespace {
 
@@ -47,7 +49,7 @@ void RmsNorm(const float* x, const float* weight, int64_t rows, int64_t dim, dou
 }
 
 Status ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
-                 double theta) {
+                 const std::vector<double>& inv_freq) {
   constexpr const char* kFn = "ApplyRope";
   TP_RETURN_IF_ERROR(NeedAtLeast(kFn, "rows", rows, 0));
   TP_RETURN_IF_ERROR(NeedAtLeast(kFn, "heads", heads, 1));
@@ -56,9 +58,18 @@ Status ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const 
     return InvalidArgumentError(std::string(kFn) + ": head_dim (" + Str(head_dim) +
                                 ") must be even (elements are rotated in pairs)");
   }
-  if (!(theta > 0) || !std::isfinite(theta)) {
-    return InvalidArgumentError(std::string(kFn) + ": theta (" + std::to_string(theta) +
-                                ") must be a positive finite number");
+  const int64_t half = head_dim / 2;
+  if (static_cast<int64_t>(inv_freq.size()) != half) {
+    return InvalidArgumentError(std::string(kFn) + ": inv_freq has " +
+                                Str(static_cast<int64_t>(inv_freq.size())) +
+                                " entries; head_dim (" + Str(head_dim) + ") needs " + Str(half));
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    if (!(inv_freq[i] > 0) || !std::isfinite(inv_freq[i])) {
+      return InvalidArgumentError(std::string(kFn) + ": inv_freq[" + Str(i) + "] (" +
+                                  std::to_string(inv_freq[i]) +
+                                  ") must be a positive finite number");
+    }
   }
   if (rows == 0) return Status::Ok();
   TP_RETURN_IF_ERROR(NeedPointer(kFn, "x", x));
@@ -71,11 +82,7 @@ Status ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const 
     }
   }
 
-  const int64_t half = head_dim / 2;
-  std::vector<double> inv_freq(half), cos_a(half), sin_a(half);
-  for (int64_t i = 0; i < half; ++i) {
-    inv_freq[i] = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-  }
+  std::vector<double> cos_a(half), sin_a(half);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < half; ++i) {
       const double angle = static_cast<double>(positions[r]) * inv_freq[i];
@@ -93,6 +100,20 @@ Status ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const 
     }
   }
   return Status::Ok();
+}
+
+Status ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
+                 double theta) {
+  if (!(theta > 0) || !std::isfinite(theta)) {
+    return InvalidArgumentError("ApplyRope: theta (" + std::to_string(theta) +
+                                ") must be a positive finite number");
+  }
+  // A head_dim the table form refuses gets an empty table, so that its error is the
+  // head_dim's.
+  const bool table_ok = head_dim >= 2 && head_dim % 2 == 0;
+  return ApplyRope(
+      x, rows, heads, head_dim, positions,
+      table_ok ? RopeInverseFrequencies(theta, head_dim, RopeScaling{}) : std::vector<double>{});
 }
 
 Status CausalAttentionVarlen(const float* q, const float* k, const float* v, int64_t tokens,

@@ -30,13 +30,21 @@ void RmsNorm(const float* x, const float* weight, int64_t rows, int64_t dim, dou
 // Rotary position embedding, in place, Llama / GPT-NeoX "rotate_half"
 // convention: x: [rows, heads, head_dim]; within each head element i is
 // paired with element i + head_dim/2 (i < head_dim/2) and the pair is rotated
-// by the angle positions[r] * theta^(-2i / head_dim):
+// by the angle positions[r] * inv_freq[i]:
 //   x'[i]          = x[i] * cos - x[i + half] * sin
 //   x'[i + half]   = x[i + half] * cos + x[i] * sin
-// positions: [rows]. The angle is computed in double (HF computes it in
-// FP32, which drifts by ~1e-4 rad at positions in the thousands).
+// positions: [rows]; inv_freq: [head_dim/2], the model's inverse frequencies
+// (RopeInverseFrequencies in engine/model_config.h: plain or scaled RoPE).
+// The angle is computed in double (HF computes it in FP32, which drifts by
+// ~1e-4 rad at positions in the thousands).
 // INVALID_ARGUMENT for negative sizes, heads or head_dim < 1, odd head_dim,
-// theta <= 0, or a negative position (naming the row and position).
+// an inv_freq of another size or with an entry that is not positive and
+// finite (naming the index), or a negative position (naming the row and
+// position); x is untouched then.
+Status ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
+                 const std::vector<double>& inv_freq);
+// Plain RoPE of base theta: inv_freq[i] = theta^(-2i / head_dim).
+// INVALID_ARGUMENT also for theta <= 0 or not finite.
 Status ApplyRope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
                  double theta);
 

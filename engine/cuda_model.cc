@@ -110,6 +110,11 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   TP_ASSIGN_OR_RETURN(md.pass_end_, CudaEvent::Create(/*enable_timing=*/true));
   md.layers_.resize(config.num_hidden_layers);
   return model;
+  const std::vector<double> inv_freq = RopeInverseFrequencies(config);
+  TP_ASSIGN_OR_RETURN(md.rope_inv_freq_,
+                      DeviceBuffer::Allocate(inv_freq.size() * sizeof(double), "rope_inv_freq"));
+  TP_CUDA_CHECK(cudaMemcpy(md.rope_inv_freq_.data(), inv_freq.data(),
+                           inv_freq.size() * sizeof(double), cudaMemcpyHostToDevice));
 }
 
 Status CudaModel::AllocateActivations() {
@@ -305,9 +310,9 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
 
 size_t CudaModel::device_bytes() const {
   size_t total = weight_bytes_ + GenerationBytes();
-  for (const DeviceBuffer* b :
-       {&ids_, &positions_, &cu_seqlens_, &x_, &o_out_, &down_out_, &normed_, &qkv_out_, &attn_,
-        &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_, &amax_, &act_}) {
+  for (const DeviceBuffer* b : {&rope_inv_freq_, &ids_, &positions_, &cu_seqlens_, &x_, &o_out_,
+                                &down_out_, &normed_, &qkv_out_, &attn_, &gate_up_out_, &full_,
+                                &last_, &logits_local_, &logits_all_, &amax_, &act_}) {
     total += b->size();
   }
   for (const auto& [key, layer] : linears_) total += layer->device_bytes();
@@ -489,6 +494,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
     if (stepping_) {  // paged: BF16 out (staged in attn_ for FP8 layers, quantized below)
       TP_RETURN_IF_ERROR(EnqueuePagedAttention(
           l, m, seq_slots, qkv_y, fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m)),
+    rope.inv_freq = rope_inv_freq_.as<double>();
           fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr));
     } else {
       AttentionParams at;
@@ -789,13 +795,19 @@ Status CudaModel::WarmUp() {
 
 StatusOr<std::vector<float>> RunCudaModel(const ModelConfig& config, NcclThreadGroup& group,
                                           DataType dtype, uint64_t seed,
-                                          const OverlapConfig* overlap, const TokenBatch& batch) {
+                                          const OverlapConfig* overlap, const TokenBatch& batch,
+                                          const std::string& checkpoint_dir) {
   std::vector<float> result;
   CudaModelOptions options;
   options.max_tokens = batch.tokens();
   options.max_seqs = batch.sequences();
   TP_RETURN_IF_ERROR(group.Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(config, dtype, group.size(), r, seed));
+    RankWeights w;
+    if (checkpoint_dir.empty()) {
+      TP_ASSIGN_OR_RETURN(w, MakeRandomRankWeights(config, dtype, group.size(), r, seed));
+    } else {
+      TP_ASSIGN_OR_RETURN(w, LoadRankWeights(checkpoint_dir, config, group.size(), r, dtype));
+    }
     TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(config, w, overlap, group.pool(r), options));
     TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(batch));
     if (r == 0) result = std::move(logits);

@@ -261,6 +261,9 @@ class CudaModel {
   std::vector<std::pair<const char*, CudaEvent>>* stage_marks_ = nullptr;
   size_t weight_bytes_ = 0;
   // Generation (engine/cuda_generation.cc). While stepping_, Enqueue runs a step: it reads
+  // RoPE's inverse frequencies (RopeInverseFrequencies: plain or scaled), FP64 [head_dim/2],
+  // uploaded once at creation; every RoPE launch (Forward and Step) reads it.
+  DeviceBuffer rope_inv_freq_;
   // ids, positions and the LM head's row selection from the step's upload (step_ids_ ...,
   // views into gen_'s buffer), attends over the paged cache and samples.
   struct Generation;
@@ -278,11 +281,14 @@ class CudaModel {
 };
 
 // Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random
-// weights from `seed` (as RunCpuModel does, so the two are comparable);
-// returns rank 0's logits.
+// weights from `seed` (as RunCpuModel does, so the two are comparable), or
+// with each rank's shard loaded from `checkpoint_dir` (LoadRankWeights, as
+// `tpserve serve` loads it: `dtype` is the TP layers' weight type the stored
+// tensors are converted to) when it is non-empty; returns rank 0's logits.
 class NcclThreadGroup;
 StatusOr<std::vector<float>> RunCudaModel(const ModelConfig& config, NcclThreadGroup& group,
                                           DataType dtype, uint64_t seed,
-                                          const OverlapConfig* overlap, const TokenBatch& batch);
+                                          const OverlapConfig* overlap, const TokenBatch& batch,
+                                          const std::string& checkpoint_dir = "");
 
 }  // namespace tpserve

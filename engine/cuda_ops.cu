@@ -201,7 +201,8 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
 
 // ---------------------------------------------------------------------------------------------
 // RoPE: one block per row. The block first tabulates cos/sin of the row's head_dim/2 angles
-// (in double, like the reference), then every head of q and k uses the table.
+// (in double, like the reference; the inverse frequencies from p.inv_freq, or plain RoPE's
+// from theta), then every head of q and k uses the table.
 
 constexpr int kRopeThreads = 128;
 constexpr int64_t kRopeMaxHeadDim = 512;
@@ -215,7 +216,9 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p) {
   const double position = static_cast<double>(p.positions[row]);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const double inv_freq =
-        pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+        p.inv_freq != nullptr
+            ? p.inv_freq[i]
+            : pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
     double s, c;
     sincos(position * inv_freq, &s, &c);
     cos_sin[i] = make_float2(static_cast<float>(c), static_cast<float>(s));
@@ -884,7 +887,7 @@ Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
   if (p.head_dim < 2 || p.head_dim > kRopeMaxHeadDim || p.head_dim % 2 != 0) {
     return BadField(kP, "head_dim", p.head_dim, "must be even, in [2, 512]");
   }
-  if (!(p.theta > 0.0) || !std::isfinite(p.theta)) {
+  if (p.inv_freq == nullptr && (!(p.theta > 0.0) || !std::isfinite(p.theta))) {
     return InvalidArgumentError(std::string(kP) + ".theta (" + std::to_string(p.theta) +
                                 ") must be a positive finite number");
   }
@@ -904,6 +907,7 @@ Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
   if (!IsAligned(p.q, 2)) return MisalignedField(kP, "q", 2);
   if (!IsAligned(p.k, 2)) return MisalignedField(kP, "k", 2);
   if (!IsAligned(p.positions, 4)) return MisalignedField(kP, "positions", 4);
+  if (!IsAligned(p.inv_freq, 8)) return MisalignedField(kP, "inv_freq", 8);
 
   const bool vec = (p.head_dim / 2) % 8 == 0 && IsAligned(p.q, 16) && p.q_row_stride % 8 == 0 &&
                    (p.k == nullptr || (IsAligned(p.k, 16) && p.k_row_stride % 8 == 0));

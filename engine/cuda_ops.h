@@ -61,7 +61,11 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
 
 // Rotary position embedding in place on q and (optionally) k, the rotate_half convention of
 // engine/cpu_ops.h's ApplyRope: within a head, element i pairs with i + head_dim/2 and the
-// pair is rotated by positions[r] * theta^(-2i / head_dim).
+// pair is rotated by positions[r] * inv_freq[i]. inv_freq is a device table [head_dim/2] of
+// the model's inverse frequencies, plain or scaled (RopeInverseFrequencies in
+// engine/model_config.h, uploaded once: the launch reads it, so a graph captures only its
+// address); without one (nullptr) plain RoPE of base theta, inv_freq[i] = theta^(-2i /
+// head_dim), computed on the device.
 // q: [rows, q_heads, head_dim] with row stride q_row_stride; k likewise with kv_heads, so both
 // can be slices of a fused QKV output [rows, (q_heads + 2 kv_heads) * head_dim].
 // The angle, its cosine and its sine are computed in double on the device (as the reference
@@ -80,7 +84,10 @@ struct RopeParams {
   int64_t head_dim = 0;      // even, 2..512
   const int32_t* positions = nullptr;  // [rows]
   int64_t rows = 0;                    // >= 0; 0 launches nothing
-  double theta = 10000.0;              // finite, > 0
+  double theta = 10000.0;              // finite, > 0; read only when inv_freq is null
+  // Device [head_dim/2], 8-byte aligned, positive finite entries (not checked: device data);
+  // nullptr: plain RoPE of base theta.
+  const double* inv_freq = nullptr;
 };
 Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 

@@ -1,10 +1,13 @@
 #include "engine/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <numbers>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -73,6 +76,128 @@ Status CheckPositive(const ModelConfig& c, const char* field, double value) {
   return Status::Ok();
 }
 
+// RoPE scaling's parameters, as RopeScaling states them; `prefix` starts each message
+// ("<source>: rope_scaling." or "model config '<name>': rope_scaling.").
+Status CheckRopeScaling(const RopeScaling& r, const std::string& prefix) {
+  auto positive = [&](const char* key, double value) -> Status {
+    if (!(value > 0) || !std::isfinite(value)) {
+      std::ostringstream s;
+      s << prefix << key << " (" << value << ") must be a positive finite number";
+      return InvalidArgumentError(s.str());
+    }
+    return Status::Ok();
+  };
+  if (r.type == RopeType::kDefault) return Status::Ok();
+  TP_RETURN_IF_ERROR(positive("factor", r.factor));
+  if (r.type != RopeType::kLlama3) return Status::Ok();
+  TP_RETURN_IF_ERROR(positive("low_freq_factor", r.low_freq_factor));
+  TP_RETURN_IF_ERROR(positive("high_freq_factor", r.high_freq_factor));
+  if (!(r.high_freq_factor > r.low_freq_factor)) {
+    std::ostringstream s;
+    s << prefix << "high_freq_factor (" << r.high_freq_factor
+      << ") must be greater than low_freq_factor (" << r.low_freq_factor << ")";
+    return InvalidArgumentError(s.str());
+  }
+  if (r.original_max_position_embeddings < 1) {
+    return InvalidArgumentError(prefix + "original_max_position_embeddings (" +
+                                std::to_string(r.original_max_position_embeddings) +
+                                ") must be >= 1");
+  }
+  return Status::Ok();
+}
+
+// One RoPE object of a config.json: `key` is "rope_scaling" or "rope_parameters" (which
+// may hold rope_theta: *theta, when with_theta). Errors name key.<field>.
+Status ParseRopeObject(const Json& obj, const std::string& source, const std::string& key,
+                       bool with_theta, RopeScaling* out, std::optional<double>* theta) {
+  if (!obj.is_object()) return WrongType(source, key.c_str(), "an object", obj);
+  auto present = [&](const char* k) {
+    const auto it = obj.find(k);
+    return it != obj.end() && !it->is_null() ? &*it : nullptr;
+  };
+  // The kind first: a scaled RoPE of another kind is named as such, not by its first
+  // unknown key. Both spellings may be given (transformers 4 kept "type" next to
+  // "rope_type"), then they must agree.
+  std::string type, type_key;
+  for (const char* k : {"rope_type", "type"}) {
+    const Json* t = present(k);
+    if (t == nullptr) continue;
+    const std::string where = key + "." + k;
+    if (!t->is_string()) return WrongType(source, where.c_str(), "a string", *t);
+    if (!type.empty() && t->get<std::string>() != type) {
+      return InvalidArgumentError(source + ": " + type_key + " ('" + type + "') and " + where +
+                                  " ('" + t->get<std::string>() + "') disagree");
+    }
+    if (type.empty()) {
+      type = t->get<std::string>();
+      type_key = where;
+    }
+  }
+  if (type.empty()) {
+    // transformers 5 leaves a plain RoPE's rope_type out; rope_scaling without one means
+    // nothing HF would accept.
+    if (!with_theta)
+      return InvalidArgumentError(source + ": missing required key '" + key + ".rope_type'");
+    type = "default";
+  }
+  std::vector<std::string> reads;  // the type's parameters
+  if (type == "default") {
+    out->type = RopeType::kDefault;
+  } else if (type == "linear") {
+    out->type = RopeType::kLinear;
+    reads = {"factor"};
+  } else if (type == "llama3") {
+    out->type = RopeType::kLlama3;
+    reads = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"};
+  } else {
+    return UnimplementedError(source + ": " + type_key + " is '" + type +
+                              "': that RoPE scaling is not implemented (implemented: default, "
+                              "linear, llama3)");
+  }
+  for (const auto& [k, value] : obj.items()) {
+    if (value.is_null() || k == "rope_type" || k == "type") continue;
+    if (k == "rope_theta" && with_theta) continue;
+    if (std::find(reads.begin(), reads.end(), k) != reads.end()) continue;
+    std::string allowed = "rope_type";
+    if (with_theta) allowed += ", rope_theta";
+    for (const std::string& r : reads) allowed += ", " + r;
+    return UnimplementedError(source + ": key '" + key + "." + k + "' (" + Render(value) +
+                              ") is not supported with rope_type '" + type +
+                              "' (reads: " + allowed + ")");
+  }
+  if (with_theta) {
+    if (const Json* t = present("rope_theta")) {
+      const std::string where = key + ".rope_theta";
+      if (!t->is_number()) return WrongType(source, where.c_str(), "a number", *t);
+      *theta = t->get<double>();
+    }
+  }
+  for (const std::string& k : reads) {
+    const std::string where = key + "." + k;
+    const Json* v = present(k.c_str());
+    if (v == nullptr) {
+      return InvalidArgumentError(source + ": missing required key '" + where + "' (rope_type '" +
+                                  type + "')");
+    }
+    if (k == "original_max_position_embeddings") {
+      if (!v->is_number_integer()) return WrongType(source, where.c_str(), "an integer", *v);
+      if (v->is_number_unsigned() &&
+          v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return InvalidArgumentError(source + ": key '" + where +
+                                    "' is out of range: " + Render(*v));
+      }
+      out->original_max_position_embeddings = v->get<int64_t>();
+      continue;
+    }
+    if (!v->is_number()) return WrongType(source, where.c_str(), "a number", *v);
+    const double d = v->get<double>();
+    if (k == "factor") out->factor = d;
+    if (k == "low_freq_factor") out->low_freq_factor = d;
+    if (k == "high_freq_factor") out->high_freq_factor = d;
+  }
+  return CheckRopeScaling(*out, source + ": " + key + ".");
+}
+
 Status CheckTpDivides(const ModelConfig& c, const char* field, int64_t value, int tp,
                       std::string_view why = {}) {
   if (value % tp != 0) {
@@ -115,6 +240,49 @@ const std::vector<ModelConfig>& Presets() {
 
 }  // namespace
 
+const char* RopeTypeName(RopeType type) {
+  switch (type) {
+    case RopeType::kDefault:
+      return "default";
+    case RopeType::kLinear:
+      return "linear";
+    case RopeType::kLlama3:
+      return "llama3";
+  }
+  return "?";
+}
+
+std::vector<double> RopeInverseFrequencies(double theta, int64_t head_dim,
+                                           const RopeScaling& scaling) {
+  const int64_t half = head_dim / 2;
+  std::vector<double> inv(static_cast<size_t>(std::max<int64_t>(half, 0)));
+  for (int64_t i = 0; i < half; ++i) {
+    inv[i] = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+  }
+  if (scaling.type == RopeType::kLinear) {
+    for (double& f : inv) f /= scaling.factor;
+  } else if (scaling.type == RopeType::kLlama3) {
+    const double original = static_cast<double>(scaling.original_max_position_embeddings);
+    const double low_wavelen = original / scaling.low_freq_factor;    // longer: scaled
+    const double high_wavelen = original / scaling.high_freq_factor;  // shorter: kept
+    for (double& f : inv) {
+      const double wavelen = 2.0 * std::numbers::pi / f;
+      if (wavelen > low_wavelen) {
+        f /= scaling.factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (original / wavelen - scaling.low_freq_factor) /
+                              (scaling.high_freq_factor - scaling.low_freq_factor);
+        f = (1.0 - smooth) * f / scaling.factor + smooth * f;
+      }
+    }
+  }
+  return inv;
+}
+
+std::vector<double> RopeInverseFrequencies(const ModelConfig& config) {
+  return RopeInverseFrequencies(config.rope_theta, config.head_dim(), config.rope_scaling);
+}
+
 int64_t ModelConfig::head_dim() const {
   if (head_dim_override > 0) return head_dim_override;
   return num_attention_heads > 0 ? hidden_size / num_attention_heads : 0;
@@ -131,6 +299,7 @@ Status ModelConfig::Validate() const {
   TP_RETURN_IF_ERROR(CheckPositive(*this, "rms_norm_eps", rms_norm_eps));
   TP_RETURN_IF_ERROR(CheckPositive(*this, "rope_theta", rope_theta));
   const std::string prefix = "model config '" + name + "': ";
+  TP_RETURN_IF_ERROR(CheckRopeScaling(rope_scaling, prefix + "rope_scaling."));
   if (head_dim_override < 0 || head_dim_override > kMaxSize) {
     return InvalidArgumentError(prefix + "head_dim (" + std::to_string(head_dim_override) +
                                 ") must be in [1, " + std::to_string(kMaxSize) +
@@ -210,21 +379,6 @@ StatusOr<ModelConfig> ParseModelConfigJson(std::string_view json_text, const std
                                   "' is not supported (allowed: " + kAllowedModelTypes + ")");
     }
   }
-  if (const auto it = root.find("rope_scaling"); it != root.end() && !it->is_null()) {
-    std::string kind;
-    if (it->is_object()) {
-      for (const char* k : {"rope_type", "type"}) {
-        if (const auto t = it->find(k); t != it->end() && t->is_string()) {
-          kind = " (rope_type '" + t->get<std::string>() + "')";
-          break;
-        }
-      }
-    }
-    return UnimplementedError(source + ": key 'rope_scaling' is set" + kind +
-                              ": RoPE scaling (Llama 3.1 and later) is not implemented; only "
-                              "plain RoPE (rope_scaling: null)");
-  }
-
   // Architecture options this engine does not implement: refused, never
   // silently computed as a plain Llama block.
   if (const auto it = root.find("hidden_act"); it != root.end() && !it->is_null()) {
@@ -264,44 +418,35 @@ StatusOr<ModelConfig> ParseModelConfigJson(std::string_view json_text, const std
   TP_RETURN_IF_ERROR(ReadInt(root, source, "num_key_value_heads", false, &c.num_key_value_heads));
   TP_RETURN_IF_ERROR(ReadDouble(root, source, "rms_norm_eps", &c.rms_norm_eps));
   TP_RETURN_IF_ERROR(ReadDouble(root, source, "rope_theta", &c.rope_theta));
-  // transformers 5 writes RoPE's settings as rope_parameters {rope_type, rope_theta, ...}
-  // instead of top-level rope_theta and rope_scaling.
+  // RoPE: transformers 4's rope_scaling next to rope_theta, or transformers 5's
+  // rope_parameters holding both. A file with both spellings must say the same in each.
+  std::optional<RopeScaling> scaling, parameters;
+  if (const auto it = root.find("rope_scaling"); it != root.end() && !it->is_null()) {
+    scaling.emplace();
+    TP_RETURN_IF_ERROR(ParseRopeObject(*it, source, "rope_scaling", false, &*scaling, nullptr));
+  }
   if (const auto it = root.find("rope_parameters"); it != root.end() && !it->is_null()) {
-    if (!it->is_object()) return WrongType(source, "rope_parameters", "an object", *it);
-    // The kind first: a scaled RoPE is named as such, not by its first unknown key.
-    for (const char* key : {"rope_type", "type"}) {
-      const auto t = it->find(key);
-      if (t == it->end()) continue;
-      const std::string where = std::string("rope_parameters.") + key;
-      if (!t->is_string()) return WrongType(source, where.c_str(), "a string", *t);
-      if (t->get<std::string>() != "default") {
-        return UnimplementedError(source + ": " + where + " is '" + t->get<std::string>() +
-                                  "': RoPE scaling (Llama 3.1 and later) is not implemented; "
-                                  "only plain RoPE (rope_type 'default')");
+    parameters.emplace();
+    std::optional<double> theta;
+    TP_RETURN_IF_ERROR(ParseRopeObject(*it, source, "rope_parameters", true, &*parameters, &theta));
+    if (theta.has_value()) {
+      if (const auto top = root.find("rope_theta");
+          top != root.end() && !top->is_null() && top->get<double>() != *theta) {
+        std::ostringstream m;
+        m << source << ": rope_theta (" << top->get<double>()
+          << ") and rope_parameters.rope_theta (" << *theta << ") disagree";
+        return InvalidArgumentError(m.str());
       }
-    }
-    for (const auto& [key, value] : it->items()) {
-      const std::string where = "rope_parameters." + key;
-      if (key == "rope_type" || key == "type") {
-        continue;  // checked above
-      } else if (key == "rope_theta") {
-        if (!value.is_number()) return WrongType(source, where.c_str(), "a number", value);
-        const double theta = value.get<double>();
-        if (const auto top = root.find("rope_theta");
-            top != root.end() && !top->is_null() && top->get<double>() != theta) {
-          std::ostringstream m;
-          m << source << ": rope_theta (" << top->get<double>() << ") and " << where << " ("
-            << theta << ") disagree";
-          return InvalidArgumentError(m.str());
-        }
-        c.rope_theta = theta;
-      } else {
-        return UnimplementedError(source + ": key '" + where +
-                                  "' is not supported (plain RoPE reads rope_type and "
-                                  "rope_theta only)");
-      }
+      c.rope_theta = *theta;
     }
   }
+  if (scaling.has_value() && parameters.has_value() && *scaling != *parameters) {
+    return InvalidArgumentError(
+        source + ": rope_scaling (rope_type '" + RopeTypeName(scaling->type) +
+        "') and rope_parameters (rope_type '" + RopeTypeName(parameters->type) + "') disagree");
+  }
+  if (scaling.has_value()) c.rope_scaling = *scaling;
+  if (parameters.has_value()) c.rope_scaling = *parameters;
   TP_RETURN_IF_ERROR(
       ReadInt(root, source, "max_position_embeddings", false, &c.max_position_embeddings));
   int64_t head_dim = 0;
@@ -354,7 +499,20 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   if (c.head_dim_override > 0) j["head_dim"] = c.head_dim_override;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
-  j["rope_scaling"] = nullptr;
+  const RopeScaling& r = c.rope_scaling;
+  if (r.type == RopeType::kDefault) {
+    j["rope_scaling"] = nullptr;
+  } else {
+    nlohmann::ordered_json scaling;
+    scaling["rope_type"] = RopeTypeName(r.type);
+    scaling["factor"] = r.factor;
+    if (r.type == RopeType::kLlama3) {
+      scaling["low_freq_factor"] = r.low_freq_factor;
+      scaling["high_freq_factor"] = r.high_freq_factor;
+      scaling["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    }
+    j["rope_scaling"] = std::move(scaling);
+  }
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   return j.dump(2) + "\n";

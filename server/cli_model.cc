@@ -100,15 +100,12 @@ int RunModel(const ModelFlags& f, const std::vector<std::string>& given_cuda_onl
   if (f.backend == "cuda") {
 #if TPSERVE_WITH_CUDA
     ApplyGemmAlgo(f.gemm_algo);
-    // Ranks as threads of this process, one GPU each.
-    if (from_dir) {
-      return Fail(
-          UnimplementedError("--backend cuda runs random weights only so far; the "
-                             "checkpoint path is served by `tpserve serve`"));
-    }
+    // Ranks as threads of this process, one GPU each; a checkpoint's shards are loaded as
+    // `tpserve serve` loads them.
     auto group = NcclThreadGroup::Create(f.tp);
     if (!group.ok()) return Fail(group.status());
-    logits = RunCudaModel(*config, **group, dtype, f.seed, overlap.get(), *batch);
+    logits = RunCudaModel(*config, **group, dtype, f.seed, overlap.get(), *batch,
+                          from_dir ? f.model : "");
 #else
     return Fail(InvalidArgumentError("--backend cuda: this build has no CUDA"));
 #endif
@@ -254,7 +251,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   run->add_option("--backend", f->backend,
                   "cpu (ranks are threads on the CPU reference) or cuda (ranks are threads, "
-                  "one GPU each; random weights)")
+                  "one GPU each); both run a preset's random weights or a checkpoint "
+                  "directory's")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   run->add_option("--ids", f->ids, "Prompt token ids, comma-separated")->capture_default_str();

@@ -10,6 +10,8 @@
 #include <random>
 #include <vector>
 
+#include "engine/model_config.h"
+
 namespace tpserve {
 namespace {
 
@@ -172,6 +174,96 @@ TEST(CpuRope, Errors) {
   s = ApplyRope(nullptr, 2, 1, 6, ok_pos.data(), 10000.0);
   EXPECT_THAT(s.message(), HasSubstr("x is null"));
   EXPECT_TRUE(ApplyRope(nullptr, 0, 1, 6, nullptr, 10000.0).ok());
+}
+
+// The table form with the plain table is the theta form, bit for bit.
+TEST(CpuRope, TableOfPlainRopeEqualsTheta) {
+  constexpr int64_t kRows = 4, kHeads = 2, kHeadDim = 128;
+  const auto x = Random(kRows * kHeads * kHeadDim, 8);
+  const std::vector<int32_t> pos = {0, 3, 1000, 131071};
+  std::vector<float> by_theta = x, by_table = x;
+  ASSERT_TRUE(ApplyRope(by_theta.data(), kRows, kHeads, kHeadDim, pos.data(), 500000.0).ok());
+  ASSERT_TRUE(ApplyRope(by_table.data(), kRows, kHeads, kHeadDim, pos.data(),
+                        RopeInverseFrequencies(500000.0, kHeadDim, RopeScaling{}))
+                  .ok());
+  EXPECT_EQ(by_table, by_theta);
+}
+
+// Linear scaling is position interpolation: position p rotates as plain RoPE at p / factor.
+// With a power-of-two factor both angles are the same double, so the results are equal.
+TEST(CpuRope, LinearScalingEqualsDividedPositions) {
+  constexpr int64_t kRows = 5, kHeads = 3, kHeadDim = 64;
+  RopeScaling linear;
+  linear.type = RopeType::kLinear;
+  linear.factor = 4.0;
+  const auto x = Random(kRows * kHeads * kHeadDim, 9);
+  const std::vector<int32_t> pos = {0, 4, 40, 4000, 65532};
+  std::vector<int32_t> divided(pos.size());
+  for (size_t i = 0; i < pos.size(); ++i) divided[i] = pos[i] / 4;
+  std::vector<float> scaled = x, plain = x;
+  ASSERT_TRUE(ApplyRope(scaled.data(), kRows, kHeads, kHeadDim, pos.data(),
+                        RopeInverseFrequencies(10000.0, kHeadDim, linear))
+                  .ok());
+  ASSERT_TRUE(ApplyRope(plain.data(), kRows, kHeads, kHeadDim, divided.data(), 10000.0).ok());
+  EXPECT_EQ(scaled, plain);
+  // And it is not plain RoPE at the undivided positions.
+  std::vector<float> unscaled = x;
+  ASSERT_TRUE(ApplyRope(unscaled.data(), kRows, kHeads, kHeadDim, pos.data(), 10000.0).ok());
+  EXPECT_NE(scaled, unscaled);
+}
+
+// Llama 3.1's scaled RoPE: each pair rotates by position * its scaled inverse frequency.
+TEST(CpuRope, Llama3ScalingRotatesByTheTable) {
+  constexpr int64_t kRows = 3, kHeads = 2, kHeadDim = 128, kHalf = kHeadDim / 2;
+  RopeScaling llama3;
+  llama3.type = RopeType::kLlama3;
+  llama3.factor = 8.0;
+  llama3.low_freq_factor = 1.0;
+  llama3.high_freq_factor = 4.0;
+  llama3.original_max_position_embeddings = 8192;
+  const std::vector<double> inv = RopeInverseFrequencies(500000.0, kHeadDim, llama3);
+  const auto x = Random(kRows * kHeads * kHeadDim, 10);
+  const std::vector<int32_t> pos = {1, 5000, 100000};
+  std::vector<float> y = x;
+  ASSERT_TRUE(ApplyRope(y.data(), kRows, kHeads, kHeadDim, pos.data(), inv).ok());
+  // Pair 0 (kept), 32 (blend: 500000^-0.5 scaled to 5.248461609929547e-4), 63 (/ 8),
+  // worked out by hand from transformers' definition.
+  const struct {
+    int64_t i;
+    double inv_freq;
+  } pairs[] = {{0, 1.0}, {32, 0.0005248461609929547}, {63, 2.455140791131609e-06 / 8}};
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t h = 0; h < kHeads; ++h) {
+      const int64_t off = (r * kHeads + h) * kHeadDim;
+      for (const auto& p : pairs) {
+        const double angle = pos[r] * p.inv_freq;
+        const double a = x[off + p.i], b = x[off + p.i + kHalf];
+        EXPECT_NEAR(y[off + p.i], a * std::cos(angle) - b * std::sin(angle), 2e-6)
+            << r << "," << h << "," << p.i;
+        EXPECT_NEAR(y[off + p.i + kHalf], b * std::cos(angle) + a * std::sin(angle), 2e-6)
+            << r << "," << h << "," << p.i;
+      }
+    }
+  }
+  // The scaling changes the low-frequency pairs only at long range: not plain RoPE.
+  std::vector<float> plain = x;
+  ASSERT_TRUE(ApplyRope(plain.data(), kRows, kHeads, kHeadDim, pos.data(), 500000.0).ok());
+  EXPECT_GT(std::abs(plain[2 * kHeads * kHeadDim + 63] - y[2 * kHeads * kHeadDim + 63]), 1e-3);
+  EXPECT_EQ(plain[0], y[0]);  // row 0, pair 0: kept
+}
+
+TEST(CpuRope, TableErrors) {
+  std::vector<float> x(2 * 6, 1.0f);
+  const std::vector<int32_t> pos = {0, 1};
+  Status s = ApplyRope(x.data(), 2, 1, 6, pos.data(), std::vector<double>{1.0, 0.5});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("inv_freq has 2 entries"), HasSubstr("needs 3")));
+  s = ApplyRope(x.data(), 2, 1, 6, pos.data(), std::vector<double>{1.0, 0.0, 0.5});
+  EXPECT_THAT(s.message(), HasSubstr("inv_freq[1] (0.000000)"));
+  s = ApplyRope(x.data(), 2, 1, 6, pos.data(),
+                std::vector<double>{1.0, 0.5, std::numeric_limits<double>::quiet_NaN()});
+  EXPECT_THAT(s.message(), HasSubstr("inv_freq[2]"));
+  EXPECT_EQ(x, std::vector<float>(12, 1.0f));  // untouched
 }
 
 // ---- Attention -------------------------------------------------------------

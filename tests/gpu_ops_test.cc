@@ -36,6 +36,7 @@
 #include "comm/status.h"
 #include "engine/cpu_ops.h"
 #include "engine/cuda_ops.h"
+#include "engine/model_config.h"
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
 #include "tests/gpu_test_util.h"
@@ -253,11 +254,16 @@ TEST_F(GpuOpsTest, RmsNormInPlaceOnTheResidualStream) {
 // ---------------------------------------------------------------------------------------------
 // RoPE, on the q and k slices of a fused QKV buffer
 
+// `scaling`: null runs the kernel's plain-RoPE path (theta); otherwise both the reference and
+// the kernel rotate by RopeInverseFrequencies' table (the kernel reading it from the device).
 void CheckRope(cudaStream_t stream, int64_t rows, int64_t q_heads, int64_t kv_heads,
-               int64_t head_dim, double theta, bool rotate_k, uint32_t seed) {
-  const std::string what = "rope rows=" + std::to_string(rows) +
-                           " heads=" + std::to_string(q_heads) + "/" + std::to_string(kv_heads) +
-                           " head_dim=" + std::to_string(head_dim) + (rotate_k ? "" : " q only");
+               int64_t head_dim, double theta, bool rotate_k, uint32_t seed,
+               const RopeScaling* scaling = nullptr) {
+  const std::string what =
+      "rope rows=" + std::to_string(rows) + " heads=" + std::to_string(q_heads) + "/" +
+      std::to_string(kv_heads) + " head_dim=" + std::to_string(head_dim) +
+      (rotate_k ? "" : " q only") +
+      (scaling != nullptr ? std::string(" table ") + RopeTypeName(scaling->type) : "");
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t stride = q_width + 2 * kv_width;
   const std::vector<BFloat16> qkv = RandomBf16(rows * stride, -2.0f, 2.0f, seed);
@@ -276,13 +282,16 @@ void CheckRope(cudaStream_t stream, int64_t rows, int64_t q_heads, int64_t kv_he
       k_ref[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + j]);
     }
   }
-  TP_ASSERT_OK(ApplyRope(q_ref.data(), rows, q_heads, head_dim, positions.data(), theta));
+  const std::vector<double> inv_freq =
+      RopeInverseFrequencies(theta, head_dim, scaling != nullptr ? *scaling : RopeScaling{});
+  TP_ASSERT_OK(ApplyRope(q_ref.data(), rows, q_heads, head_dim, positions.data(), inv_freq));
   if (rotate_k) {
-    TP_ASSERT_OK(ApplyRope(k_ref.data(), rows, kv_heads, head_dim, positions.data(), theta));
+    TP_ASSERT_OK(ApplyRope(k_ref.data(), rows, kv_heads, head_dim, positions.data(), inv_freq));
   }
 
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_pos, Upload(positions, "positions"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_inv_freq, Upload(inv_freq, "inv_freq"));
   RopeParams p;
   p.q = d_qkv.as<BFloat16>();
   p.q_row_stride = stride;
@@ -296,6 +305,7 @@ void CheckRope(cudaStream_t stream, int64_t rows, int64_t q_heads, int64_t kv_he
   p.positions = d_pos.as<int32_t>();
   p.rows = rows;
   p.theta = theta;
+  if (scaling != nullptr) p.inv_freq = d_inv_freq.as<double>();
   TP_ASSERT_OK(LaunchRope(p, stream));
   TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
   TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_qkv.data(), qkv.size()));
@@ -322,6 +332,56 @@ TEST_F(GpuOpsTest, RopeMatchesReference) {
   CheckRope(stream(), 1, 4, 2, 64, 10000.0, true, 202);
   CheckRope(stream(), 37, 3, 1, 36, 10000.0, true, 203);  // head_dim/2 = 18: scalar path
   CheckRope(stream(), 5, 2, 1, 64, 10000.0, false, 204);  // k untouched when not given
+}
+
+// Scaled RoPE from the device table, against the CPU ApplyRope with the same table.
+TEST_F(GpuOpsTest, RopeScaledMatchesReference) {
+  TP_SKIP_WITHOUT_GPU();
+  RopeScaling llama3;  // Llama 3.1
+  llama3.type = RopeType::kLlama3;
+  llama3.factor = 8.0;
+  llama3.low_freq_factor = 1.0;
+  llama3.high_freq_factor = 4.0;
+  llama3.original_max_position_embeddings = 8192;
+  RopeScaling linear;
+  linear.type = RopeType::kLinear;
+  linear.factor = 4.0;
+  const RopeScaling plain;
+  CheckRope(stream(), 37, 32, 8, 128, 500000.0, true, 210, &llama3);  // Llama 3.1 8B
+  CheckRope(stream(), 301, 4, 1, 128, 500000.0, true, 211, &llama3);  // at TP 8
+  CheckRope(stream(), 37, 3, 1, 36, 500000.0, true, 212, &llama3);    // scalar path
+  CheckRope(stream(), 19, 8, 2, 64, 10000.0, true, 213, &linear);
+  CheckRope(stream(), 19, 8, 2, 64, 10000.0, false, 214, &plain);  // the plain table
+
+  // The table is what the kernel reads: llama3's rotation is not plain RoPE's (the reference
+  // run both ways differs from the kernel's result by far more than the tolerance).
+  const int64_t rows = 4, heads = 1, head_dim = 128;
+  const std::vector<BFloat16> x = RandomBf16(rows * heads * head_dim, -2.0f, 2.0f, 215);
+  const std::vector<int32_t> positions = {0, 9000, 60000, 120000};
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_x, Upload(x, "x"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_pos, Upload(positions, "positions"));
+  const std::vector<double> inv_freq = RopeInverseFrequencies(500000.0, head_dim, llama3);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_inv, Upload(inv_freq, "inv_freq"));
+  RopeParams p;
+  p.q = d_x.as<BFloat16>();
+  p.q_row_stride = heads * head_dim;
+  p.q_heads = heads;
+  p.head_dim = head_dim;
+  p.positions = d_pos.as<int32_t>();
+  p.rows = rows;
+  p.theta = 500000.0;
+  p.inv_freq = d_inv.as<double>();
+  TP_ASSERT_OK(LaunchRope(p, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_x.data(), x.size()));
+  std::vector<float> unscaled(x.size());
+  for (size_t i = 0; i < x.size(); ++i) unscaled[i] = BFloat16ToFloat(x[i]);
+  TP_ASSERT_OK(ApplyRope(unscaled.data(), rows, heads, head_dim, positions.data(), 500000.0));
+  double most = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    most = std::max(most, std::abs(double(BFloat16ToFloat(out[i])) - unscaled[i]));
+  }
+  EXPECT_GT(most, 0.1) << "the kernel rotated as plain RoPE";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -743,6 +803,11 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     p.positions = ints;
     p.k = bf;
     ExpectRejected(LaunchRope(p, nullptr), kInvalid, "kv_heads");
+  }
+  {
+    RopeParams p = rope;
+    p.inv_freq = reinterpret_cast<const double*>(reinterpret_cast<const char*>(ints) + 4);
+    ExpectRejected(LaunchRope(p, nullptr), kInvalid, "inv_freq");
   }
 
   AttentionParams attn;

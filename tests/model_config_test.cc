@@ -3,9 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 namespace tpserve {
@@ -268,40 +270,237 @@ TEST(ModelConfig, OnlyLlamaModelType) {
                                  HasSubstr("allowed: llama")));
 }
 
-TEST(ModelConfig, RopeScalingIsUnimplemented) {
-  // Llama 3.1's block.
-  const Status s = ParseError(MinimalWith("rope_scaling", R"({
+// Meta-Llama-3.1-8B's block, as published (transformers 4 spelling).
+constexpr char kLlama31Scaling[] = R"({
     "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-    "original_max_position_embeddings": 8192, "rope_type": "llama3"})"));
-  EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
-  EXPECT_THAT(s.message(), AllOf(HasSubstr("bad/config.json"), HasSubstr("'rope_scaling'"),
-                                 HasSubstr("llama3")));
-  EXPECT_TRUE(ParseModelConfigJson(MinimalWith("rope_scaling", "null"), "x").ok());
+    "original_max_position_embeddings": 8192, "rope_type": "llama3"})";
+
+RopeScaling Llama31Scaling() {
+  RopeScaling r;
+  r.type = RopeType::kLlama3;
+  r.factor = 8.0;
+  r.low_freq_factor = 1.0;
+  r.high_freq_factor = 4.0;
+  r.original_max_position_embeddings = 8192;
+  return r;
 }
 
-// transformers 5 writes rope_parameters in place of rope_theta and rope_scaling: its theta is
-// read, and any RoPE other than the plain one is refused as rope_scaling is.
+TEST(ModelConfig, RopeScalingLlama3) {
+  auto c = ParseModelConfigJson(MinimalWith("rope_scaling", kLlama31Scaling), "x");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_scaling, Llama31Scaling());
+  EXPECT_EQ(c->rope_theta, 10000.0);  // top-level rope_theta (absent here: HF's default)
+
+  // The older "type" spelling, and both spellings when they agree.
+  auto linear = ParseModelConfigJson(
+      MinimalWith("rope_scaling", R"({"type": "linear", "factor": 2.5})"), "x");
+  ASSERT_TRUE(linear.ok()) << linear.status().ToString();
+  EXPECT_EQ(linear->rope_scaling.type, RopeType::kLinear);
+  EXPECT_EQ(linear->rope_scaling.factor, 2.5);
+  EXPECT_EQ(linear->rope_scaling.original_max_position_embeddings,
+            RopeScaling{}.original_max_position_embeddings);  // not read: left at the default
+  EXPECT_TRUE(
+      ParseModelConfigJson(MinimalWith("rope_scaling", R"({"type": "linear", "rope_type": "linear",
+                                                   "factor": 2})"),
+                           "x")
+          .ok());
+  const Status mixed = ParseError(
+      MinimalWith("rope_scaling", R"({"type": "linear", "rope_type": "llama3", "factor": 2})"));
+  EXPECT_EQ(mixed.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(mixed.message(), HasSubstr("disagree"));
+
+  // "default" and null are plain RoPE: the same config as no key at all.
+  auto plain = ParseModelConfigJson(kMinimal, "x");
+  ASSERT_TRUE(plain.ok());
+  for (const char* v : {"null", R"({"rope_type": "default"})"}) {
+    auto d = ParseModelConfigJson(MinimalWith("rope_scaling", v), "x");
+    ASSERT_TRUE(d.ok()) << v << ": " << d.status().ToString();
+    EXPECT_EQ(*d, *plain) << v;
+  }
+}
+
+TEST(ModelConfig, RopeScalingOtherTypesAreUnimplemented) {
+  for (const char* type : {"yarn", "dynamic", "longrope", "su"}) {
+    const Status s = ParseError(MinimalWith(
+        "rope_scaling", std::string(R"({"rope_type": ")") + type + R"(", "factor": 4.0})"));
+    EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << type;
+    EXPECT_THAT(s.message(),
+                AllOf(HasSubstr("bad/config.json"),
+                      HasSubstr(std::string("rope_scaling.rope_type is '") + type + "'"),
+                      HasSubstr("implemented: default, linear, llama3")));
+  }
+  const Status old = ParseError(MinimalWith("rope_scaling", R"({"type": "dynamic", "factor": 2})"));
+  EXPECT_EQ(old.code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(old.message(), HasSubstr("rope_scaling.type is 'dynamic'"));
+  // A key the type does not read (yarn's, here next to llama3) is refused, not ignored.
+  nlohmann::json extra = nlohmann::json::parse(kLlama31Scaling);
+  extra["beta_fast"] = 32;
+  const Status e = ParseError(MinimalWith("rope_scaling", extra.dump()));
+  EXPECT_EQ(e.code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(e.message(), AllOf(HasSubstr("'rope_scaling.beta_fast'"), HasSubstr("llama3")));
+}
+
+TEST(ModelConfig, RopeScalingParametersAreChecked) {
+  struct Case {
+    const char* key;
+    const char* value;  // JSON text; nullptr: the key removed
+    StatusCode code;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"factor", nullptr, StatusCode::kInvalidArgument,
+       "missing required key 'rope_scaling.factor'"},
+      {"original_max_position_embeddings", nullptr, StatusCode::kInvalidArgument,
+       "'rope_scaling.original_max_position_embeddings'"},
+      {"factor", "0", StatusCode::kInvalidArgument, "rope_scaling.factor (0)"},
+      {"factor", "-2.0", StatusCode::kInvalidArgument, "rope_scaling.factor (-2)"},
+      {"factor", "\"8\"", StatusCode::kInvalidArgument, "'rope_scaling.factor' must be a number"},
+      {"low_freq_factor", "0.0", StatusCode::kInvalidArgument, "rope_scaling.low_freq_factor (0)"},
+      {"high_freq_factor", "1.0", StatusCode::kInvalidArgument,
+       "high_freq_factor (1) must be greater than low_freq_factor (1)"},
+      {"high_freq_factor", "0.5", StatusCode::kInvalidArgument,
+       "high_freq_factor (0.5) must be greater"},
+      {"original_max_position_embeddings", "0", StatusCode::kInvalidArgument,
+       "rope_scaling.original_max_position_embeddings (0) must be >= 1"},
+      {"original_max_position_embeddings", "8192.5", StatusCode::kInvalidArgument,
+       "'rope_scaling.original_max_position_embeddings' must be an integer"},
+      {"rope_type", nullptr, StatusCode::kInvalidArgument,
+       "missing required key 'rope_scaling.rope_type'"},
+      {"rope_type", "3", StatusCode::kInvalidArgument, "'rope_scaling.rope_type' must be a string"},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json r = nlohmann::json::parse(kLlama31Scaling);
+    if (c.value == nullptr) {
+      r.erase(c.key);
+    } else {
+      r[c.key] = nlohmann::json::parse(c.value);
+    }
+    const Status s = ParseError(MinimalWith("rope_scaling", r.dump()));
+    EXPECT_EQ(s.code(), c.code) << c.key << " " << (c.value ? c.value : "removed");
+    EXPECT_THAT(s.message(), AllOf(HasSubstr("bad/config.json"), HasSubstr(c.expect)));
+  }
+  // Not an object at all.
+  EXPECT_EQ(ParseError(MinimalWith("rope_scaling", "8.0")).code(), StatusCode::kInvalidArgument);
+  // A non-finite factor is as wrong programmatically as in a file.
+  ModelConfig c = Tiny();
+  c.rope_scaling = Llama31Scaling();
+  c.rope_scaling.factor = std::numeric_limits<double>::infinity();
+  EXPECT_THAT(c.Validate().message(), AllOf(HasSubstr("'tiny'"), HasSubstr("rope_scaling.factor")));
+  c.rope_scaling.factor = 8.0;
+  EXPECT_TRUE(c.Validate().ok());
+}
+
+// transformers 5 writes rope_parameters in place of rope_theta and rope_scaling.
 TEST(ModelConfig, RopeParametersOfTransformers5) {
   auto c = ParseModelConfigJson(
       MinimalWith("rope_parameters", R"({"rope_type": "default", "rope_theta": 500000.0})"), "x");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->rope_theta, 500000.0);
-  const Status scaled = ParseError(MinimalWith("rope_parameters", R"({
-    "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+  EXPECT_EQ(c->rope_scaling, RopeScaling{});
+
+  nlohmann::json llama31 = nlohmann::json::parse(kLlama31Scaling);
+  llama31["rope_theta"] = 500000.0;
+  auto scaled = ParseModelConfigJson(MinimalWith("rope_parameters", llama31.dump()), "x");
+  ASSERT_TRUE(scaled.ok()) << scaled.status().ToString();
+  EXPECT_EQ(scaled->rope_theta, 500000.0);
+  EXPECT_EQ(scaled->rope_scaling, Llama31Scaling());
+  // The same model in transformers 4's spelling is the same config.
+  nlohmann::json v4 = nlohmann::json::parse(MinimalWith("rope_theta", "500000.0"));
+  v4["rope_scaling"] = nlohmann::json::parse(kLlama31Scaling);
+  auto old = ParseModelConfigJson(v4.dump(), "x");
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  EXPECT_EQ(*old, *scaled);
+  // Both spellings in one file: accepted when they agree, refused when not.
+  nlohmann::json both = v4;
+  both["rope_parameters"] = llama31;
+  EXPECT_TRUE(ParseModelConfigJson(both.dump(), "x").ok());
+  both["rope_parameters"]["factor"] = 4.0;
+  const Status differ = ParseError(both.dump());
+  EXPECT_EQ(differ.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(differ.message(), AllOf(HasSubstr("rope_scaling"), HasSubstr("rope_parameters"),
+                                      HasSubstr("disagree")));
+
+  const Status yarn = ParseError(MinimalWith("rope_parameters", R"({
+    "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6,
+    "rope_type": "yarn"})"));
+  EXPECT_EQ(yarn.code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(yarn.message(), AllOf(HasSubstr("bad/config.json"),
+                                    HasSubstr("rope_parameters.rope_type is 'yarn'")));
+  const Status bad = ParseError(MinimalWith("rope_parameters", R"({
+    "factor": -8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
     "original_max_position_embeddings": 8192, "rope_theta": 500000.0, "rope_type": "llama3"})"));
-  EXPECT_EQ(scaled.code(), StatusCode::kUnimplemented);
-  EXPECT_THAT(scaled.message(), AllOf(HasSubstr("bad/config.json"),
-                                      HasSubstr("rope_parameters.rope_type is 'llama3'")));
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("rope_parameters.factor (-8)"));
+  // No rope_type: plain RoPE, which reads no factor.
   const Status extra =
       ParseError(MinimalWith("rope_parameters", R"({"rope_theta": 1e4, "factor": 2.0})"));
   EXPECT_EQ(extra.code(), StatusCode::kUnimplemented);
-  EXPECT_THAT(extra.message(), HasSubstr("'rope_parameters.factor' is not supported"));
-  nlohmann::json both = nlohmann::json::parse(MinimalWith("rope_theta", "500000.0"));
-  both["rope_parameters"] = nlohmann::json::parse(R"({"rope_theta": 1e4})");
-  const Status twice = ParseError(both.dump());
-  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(twice.message(), HasSubstr("disagree"));
+  EXPECT_THAT(extra.message(), HasSubstr("'rope_parameters.factor'"));
+  nlohmann::json twice = nlohmann::json::parse(MinimalWith("rope_theta", "500000.0"));
+  twice["rope_parameters"] = nlohmann::json::parse(R"({"rope_theta": 1e4})");
+  const Status theta = ParseError(twice.dump());
+  EXPECT_EQ(theta.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(theta.message(), HasSubstr("disagree"));
   EXPECT_EQ(ParseError(MinimalWith("rope_parameters", "[1]")).code(), StatusCode::kInvalidArgument);
+}
+
+// Values worked out from transformers' definition of each kind, for Llama 3.1 8B
+// (theta 500000, head_dim 128, factor 8, low 1, high 4, original 8192): pair i's plain
+// inverse frequency is 500000^(-i/64), its wavelength 2 pi over that; the bands' edges are
+// wavelengths 8192 / 4 = 2048 and 8192 / 1 = 8192.
+TEST(RopeInverseFrequencies, Llama3Bands) {
+  const std::vector<double> plain = RopeInverseFrequencies(500000.0, 128, RopeScaling{});
+  const std::vector<double> inv = RopeInverseFrequencies(500000.0, 128, Llama31Scaling());
+  ASSERT_EQ(plain.size(), 64u);
+  ASSERT_EQ(inv.size(), 64u);
+  EXPECT_EQ(plain[0], 1.0);
+  EXPECT_DOUBLE_EQ(plain[32], 1.0 / std::sqrt(500000.0));
+  struct Pair {
+    int i;
+    double want;
+  };
+  const Pair pairs[] = {
+      {0, 1.0},                     // wavelength 2 pi: high band, kept
+      {28, 0.003211445994752591},   // wavelength 1956.5 < 2048: kept
+      {29, 0.002166570763503359},   // 2401.7: blend, s = 0.80362
+      {32, 0.0005248461609929547},  // 4442.9: blend, s = 0.28128
+      {34, 0.0001785078127679964},  // 6695.1: blend, s = 0.074527
+      {35, 9.556212353964683e-05},  // 8218.7 > 8192: low band, / 8
+      {63, 3.068925988914511e-07},  // low band, / 8
+  };
+  for (const Pair& p : pairs) {
+    EXPECT_NEAR(inv[p.i], p.want, 1e-12 * p.want) << "pair " << p.i;
+  }
+  // Every pair: kept, divided by the factor, or in between, never outside.
+  for (size_t i = 0; i < inv.size(); ++i) {
+    EXPECT_LE(inv[i], plain[i]) << i;
+    EXPECT_GE(inv[i], plain[i] / 8.0 * (1 - 1e-15)) << i;
+  }
+  // The blend meets both bands: no jump at the edges (pair 28 -> 29 and 34 -> 35 are
+  // neighbours in frequency, so the ratio to plain moves monotonically from 1 to 1/8).
+  for (size_t i = 1; i < inv.size(); ++i) {
+    EXPECT_LE(inv[i] / plain[i], inv[i - 1] / plain[i - 1] * (1 + 1e-15)) << i;
+  }
+
+  // The config overload reads theta, head_dim and the scaling from the config.
+  ModelConfig c = Tiny();  // head_dim 64, theta 10000
+  c.rope_scaling = Llama31Scaling();
+  EXPECT_EQ(RopeInverseFrequencies(c), RopeInverseFrequencies(10000.0, 64, Llama31Scaling()));
+  c.head_dim_override = 128;
+  EXPECT_EQ(RopeInverseFrequencies(c).size(), 64u);
+}
+
+TEST(RopeInverseFrequencies, LinearDividesByFactor) {
+  RopeScaling linear;
+  linear.type = RopeType::kLinear;
+  linear.factor = 2.5;
+  const std::vector<double> plain = RopeInverseFrequencies(10000.0, 64, RopeScaling{});
+  const std::vector<double> inv = RopeInverseFrequencies(10000.0, 64, linear);
+  ASSERT_EQ(inv.size(), 32u);
+  for (size_t i = 0; i < inv.size(); ++i) EXPECT_DOUBLE_EQ(inv[i], plain[i] / 2.5) << i;
+  // Plain: theta^(-2i / head_dim).
+  EXPECT_DOUBLE_EQ(plain[16], 0.01);
+  EXPECT_DOUBLE_EQ(plain[8], 0.1);
 }
 
 TEST(ModelConfig, ParseRunsValidate) {
@@ -332,6 +531,18 @@ TEST(ModelConfig, ValidateMessages) {
       {[](ModelConfig& c) { c.head_dim_override = -1; }, "head_dim (-1)"},
       {[](ModelConfig& c) { c.rms_norm_eps = 0; }, "rms_norm_eps (0)"},
       {[](ModelConfig& c) { c.rope_theta = -1; }, "rope_theta (-1)"},
+      {[](ModelConfig& c) {
+         c.rope_scaling = {RopeType::kLinear, 0.0, 1.0, 4.0, 8192};
+       },
+       "rope_scaling.factor (0)"},
+      {[](ModelConfig& c) {
+         c.rope_scaling = {RopeType::kLlama3, 8.0, 2.0, 2.0, 8192};
+       },
+       "rope_scaling.high_freq_factor (2) must be greater than low_freq_factor (2)"},
+      {[](ModelConfig& c) {
+         c.rope_scaling = {RopeType::kLlama3, 8.0, 1.0, 4.0, 0};
+       },
+       "rope_scaling.original_max_position_embeddings (0)"},
   };
   for (const Case& c : cases) {
     ModelConfig cfg = Tiny();
@@ -385,6 +596,20 @@ TEST(ModelConfig, JsonRoundTrip) {
   odd.rope_theta = 1234567.891;
   odd.max_position_embeddings = 131072;
   configs.push_back(odd);
+  ModelConfig llama31 = *ModelPreset("llama3-8b");
+  llama31.name = "llama3.1-8b";
+  llama31.max_position_embeddings = 131072;
+  llama31.rope_scaling = Llama31Scaling();
+  configs.push_back(llama31);
+  ModelConfig linear = Tiny();
+  linear.name = "linear";
+  linear.rope_scaling.type = RopeType::kLinear;
+  linear.rope_scaling.factor = 1.0 / 3.0;
+  configs.push_back(linear);
+  ModelConfig odd_llama3 = Tiny();
+  odd_llama3.name = "odd-llama3";
+  odd_llama3.rope_scaling = {RopeType::kLlama3, 7.123456789012345, 0.3, 2.75, 4096};
+  configs.push_back(odd_llama3);
   for (const ModelConfig& c : configs) {
     const std::string json = ModelConfigToJson(c);
     EXPECT_THAT(json, AllOf(HasSubstr("\"model_type\": \"llama\""),
