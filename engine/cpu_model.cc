@@ -88,8 +88,14 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
                                                          m, knobs.chunks}));
   // Activations in the layer's operand type.
   std::vector<uint8_t> xq;
+  std::vector<float> x_scales;  // per token / per 1x128 group (CpuLinearArgs)
   float x_scale = w.input_scale;
-  if (w.dtype == DataType::kFloat8E4M3) {
+  if (w.dtype == DataType::kFloat8E4M3 && w.scheme != Fp8Scheme::kPerTensor) {
+    // Scales of this rank's operand rows only: nothing to agree on across ranks.
+    xq.resize(x.size());
+    x_scales.resize(x.size() / w.k * Fp8ActivationScalesPerRow(w.scheme, w.k));
+    QuantizeActivationsFp8(w.scheme, x, w.k, xq, x_scales);
+  } else if (w.dtype == DataType::kFloat8E4M3) {
     if (w.dynamic_input) {
       // This batch's scale from the whole input's amax, the largest over
       // the ranks' parts (rows for a column-parallel layer, columns for a
@@ -117,6 +123,9 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
       op == OverlapOp::kAllGatherGemm ? m : ShardRows(m, comm_.size(), comm_.rank()).size();
   std::vector<BFloat16> out(out_rows * w.n);
   CpuLinearArgs a{w.dtype, w.n, w.k, xq.data(), x_scale, w.data.data(), w.weight_scale, out.data()};
+  a.scheme = w.scheme;
+  a.x_scales = x_scales;
+  a.w_scales = w.weight_scales;
   TP_RETURN_IF_ERROR(RunCpuLinear(plan, comm_, a).WithContext("layer " + name));
   y->resize(out.size());
   for (size_t i = 0; i < out.size(); ++i) (*y)[i] = BFloat16ToFloat(out[i]);
@@ -181,6 +190,7 @@ Status CpuModel::Blocks(const std::vector<int32_t>& ids, const std::vector<int32
   const int64_t m = static_cast<int64_t>(ids.size()), h = c.hidden_size, hd = c.head_dim();
   const int64_t nh_l = c.num_attention_heads / tp, nkv_l = c.num_key_value_heads / tp;
   const int64_t inter_l = c.intermediate_size / tp;
+  const std::vector<double> inv_freq = RopeInverseFrequencies(c);  // plain or scaled RoPE
   const RowRange shard = ShardRows(m, tp, rank);
   const int64_t rows = shard.size();
 
@@ -190,7 +200,6 @@ Status CpuModel::Blocks(const std::vector<int32_t>& ids, const std::vector<int32
       EmbeddingLookup(w_.embed.data(), c.vocab_size, h, ids.data() + shard.begin, rows, x.data()));
   std::vector<float> normed(rows * h), qkv, attn(m * nh_l * hd), mlp_in, mlp_act(m * inter_l), proj;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-  const std::vector<double> inv_freq = RopeInverseFrequencies(c);  // plain or scaled RoPE
     const LayerWeights& lw = w_.layers[l];
     const std::string p = "layers." + std::to_string(l);
     RmsNorm(x.data(), lw.input_norm.data(), rows, h, c.rms_norm_eps, normed.data());

@@ -11,6 +11,7 @@
 #include "comm/cuda_check.h"
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_ops.h"
+#include "engine/fp8_checkpoint_scales.h"
 #include "engine/gather_rows.h"
 #include "engine/token_buckets.h"
 #include "engine/tp_layers.h"
@@ -165,7 +166,12 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
   TP_RETURN_IF_ERROR(ValidateRankWeights(config, weights, tp, pool.base().rank()));
   TP_ASSIGN_OR_RETURN(auto model, NewShell(config, weights.dtype, overlap, pool, options));
   CudaModel& md = *model;
-  auto upload_linear = [&](const LinearWeight& lw, const std::string& name, Linear* out) -> Status {
+  auto upload_linear = [&](const LinearWeight& given, const std::string& name,
+                           Linear* out) -> Status {
+    LinearWeight folded;
+    TP_ASSIGN_OR_RETURN(const LinearWeight* gemm_weight,
+                        FoldScalesForPerTensorGemm(given, name, &folded));
+    const LinearWeight& lw = *gemm_weight;
     if (lw.dtype != weights.dtype) {
       return InvalidArgumentError(name + ": mixed weight types are not supported");
     }

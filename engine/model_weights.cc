@@ -16,6 +16,7 @@
 #include <random>
 #include <set>
 
+#include "engine/fp8_checkpoint_scales.h"
 #include "engine/safetensors.h"
 #include "engine/tp_layers.h"
 #include "layers/fp8.h"
@@ -98,9 +99,13 @@ class Checkpoint {
   const std::map<std::string, TensorView>& views() const { return views_; }
   void set_source(std::string s) { source_ = std::move(s); }
   const std::string& source() const { return source_; }
+  // What config.json's quantization_config declares (nothing for random weights).
+  void set_quant(Fp8QuantConfig q) { quant_ = std::move(q); }
+  const Fp8QuantConfig& quant() const { return quant_; }
 
  private:
   std::string source_ = "random weights";
+  Fp8QuantConfig quant_;
   std::vector<std::unique_ptr<std::vector<uint8_t>>> owned_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, TensorView> views_;
@@ -188,88 +193,42 @@ StatusOr<std::vector<float>> ToFloats(const Checkpoint& ck, const TensorView& v,
   return out;
 }
 
-// An FP8 weight's dequantization scale of each of its `rows` rows, from
-// `name` (its weight_scale): one value for the whole tensor (shape [] or
-// [1]; ModelOpt, compressed-tensors' tensor strategy) or one per output
-// channel (shape [rows] or [rows, 1]; compressed-tensors' channel strategy).
-// F32 or BF16; every value a positive finite number.
-// rows = 0: a per-tensor scale only (an input_scale); one value is returned.
-StatusOr<std::vector<float>> RowScales(const Checkpoint& ck, const std::string& name,
-                                       int64_t rows) {
-  TP_ASSIGN_OR_RETURN(const TensorView* v, ck.Get(name));
-  const std::vector<int64_t>& sh = v->shape;
-  const bool per_tensor = sh.empty() || sh == std::vector<int64_t>{1};
-  const bool per_row =
-      rows > 0 && (sh == std::vector<int64_t>{rows} || sh == std::vector<int64_t>{rows, 1});
-  if (!per_tensor && !per_row) {
-    return InvalidArgumentError(
-        ck.Where(name) + " has shape " + ShapeText(sh) + ": " +
-        (rows > 0 ? "a weight scale is one value ([] or [1]) or one per output channel ([" +
-                        std::to_string(rows) + "] or [" + std::to_string(rows) + ",1])"
-                  : std::string("an input scale is one value ([] or [1]); activations are "
-                                "scaled per tensor")));
-  }
-  if (v->dtype != StDtype::kF32 && v->dtype != StDtype::kBF16) {
-    return InvalidArgumentError(ck.Where(name) + " has dtype " +
-                                std::string(StDtypeName(v->dtype)) + " (F32 or BF16)");
-  }
-  std::vector<float> values(v->numel());
-  for (int64_t i = 0; i < v->numel(); ++i) {
-    if (v->dtype == StDtype::kF32) {
-      std::memcpy(&values[i], v->data + 4 * i, 4);
-    } else {
-      BFloat16 h;
-      std::memcpy(&h.bits, v->data + 2 * i, 2);
-      values[i] = BFloat16ToFloat(h);
-    }
-    if (!(values[i] > 0) || !std::isfinite(values[i])) {
-      return InvalidArgumentError(ck.Where(name) + " must hold positive finite scales, got " +
-                                  std::to_string(values[i]) + " at element " + std::to_string(i));
-    }
-  }
-  if (per_tensor) values.assign(std::max<int64_t>(rows, 1), values.front());
-  return values;
-}
-
-// A block of rows [row_begin, row_end) and columns [col_begin, col_end) of a
-// 2-D weight, dequantized to float.
-struct Block {
-  std::vector<float> values;  // rows x cols
-  int64_t rows = 0, cols = 0;
-  // The whole tensor's FP8 scale (the checkpoint's weight_scale, or its amax
-  // over 448 for a BF16/F32 weight): the same on every rank, so that shards
-  // quantize identically whatever the TP size.
-  float scale = 1.0f;
-  float input_scale = kDefaultInputScale;
-  bool has_input_scale = false;  // the checkpoint's own (static) input_scale
-};
-
-StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t full_rows,
-                          int64_t full_cols, int64_t row_begin, int64_t row_end, int64_t col_begin,
-                          int64_t col_end) {
+// Rows [row_begin, row_end) and columns [col_begin, col_end) of the 2-D
+// weight `base`, dequantized, with the scales an FP8 `dtype` rank keeps.
+StatusOr<LinearPart> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t full_rows,
+                               int64_t full_cols, int64_t row_begin, int64_t row_end,
+                               int64_t col_begin, int64_t col_end, DataType dtype, int tp) {
   const std::string wname = base + ".weight";
   TP_ASSIGN_OR_RETURN(const TensorView* w, ck.Get(wname));
   if (const std::vector<int64_t> want{full_rows, full_cols}; w->shape != want) {
     return InvalidArgumentError(ck.Where(wname) + " has shape " + ShapeText(w->shape) +
                                 ", the config implies " + ShapeText(want));
   }
-  std::vector<float> row_scale;
-  if (w->dtype == StDtype::kF8E4M3) {
-    if (ck.Find(base + ".weight_scale") == nullptr &&
-        ck.Find(base + ".weight_scale_inv") != nullptr) {
-      // HF's fine-grained FP8 (quantization_config.weight_block_size): a scale per block.
-      return UnimplementedError(ck.Where(base + ".weight_scale_inv") +
-                                ": block-wise FP8 scales are not supported (one weight_scale per "
-                                "tensor or per output channel)");
-    }
-    TP_ASSIGN_OR_RETURN(row_scale, RowScales(ck, base + ".weight_scale", full_rows));
-  } else if (w->dtype != StDtype::kBF16 && w->dtype != StDtype::kF32) {
-    return UnimplementedError(ck.Where(wname) + " has dtype " + std::string(StDtypeName(w->dtype)) +
-                              " (supported: F8_E4M3 with weight_scale, BF16, F32)");
-  }
-  Block b;
+  LinearPart b;
   b.rows = row_end - row_begin;
   b.cols = col_end - col_begin;
+  b.row_begin = row_begin;
+  b.col_begin = col_begin;
+  b.where = ck.Where(wname);
+  std::optional<WeightScales> ws;
+  if (w->dtype == StDtype::kF8E4M3) {
+    const TensorView* per = ck.Find(base + ".weight_scale");
+    const TensorView* inv = ck.Find(base + ".weight_scale_inv");
+    if (per != nullptr && inv != nullptr) {
+      return InvalidArgumentError(ck.Where(base + ".weight_scale_inv") + " and " +
+                                  ck.Where(base + ".weight_scale") +
+                                  " both scale one weight; a checkpoint gives one of them");
+    }
+    const std::string sname = base + (inv != nullptr ? ".weight_scale_inv" : ".weight_scale");
+    TP_ASSIGN_OR_RETURN(const TensorView* sv, ck.Get(sname));
+    b.where = ck.Where(sname);
+    TP_ASSIGN_OR_RETURN(
+        ws, ReadWeightScales(*sv, b.where, inv != nullptr, full_rows, full_cols, ck.quant()));
+  } else if (w->dtype != StDtype::kBF16 && w->dtype != StDtype::kF32) {
+    return UnimplementedError(ck.Where(wname) + " has dtype " + std::string(StDtypeName(w->dtype)) +
+                              " (supported: F8_E4M3 with weight_scale or weight_scale_inv, BF16, "
+                              "F32)");
+  }
   b.values.resize(b.rows * b.cols);
   const size_t esize = StDtypeSize(w->dtype);
   for (int64_t r = 0; r < b.rows; ++r) {
@@ -282,7 +241,7 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
                                       std::to_string(row_begin + r) + ", column " +
                                       std::to_string(col_begin + c));
         }
-        v = Fp8E4M3ToFloat(row[c]) * row_scale[row_begin + r];
+        v = Fp8E4M3ToFloat(row[c]) * ws->At(row_begin + r, col_begin + c);
       } else if (w->dtype == StDtype::kBF16) {
         BFloat16 h;
         std::memcpy(&h.bits, row + 2 * c, 2);
@@ -293,25 +252,9 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
       b.values[r * b.cols + c] = v;
     }
   }
-  if (w->dtype == StDtype::kF8E4M3) {
-    // The GEMM takes one scale per tensor (cuBLASLt's FP8 scaling on
-    // Hopper): the largest row scale of the whole tensor. Its rows keep their
-    // codes; rows with smaller scales are requantized by Fuse, where E4M3's
-    // exponent keeps their relative precision unless a row's scale is below
-    // 1/2^6 of the largest (values then fall into subnormals).
-    b.scale = *std::max_element(row_scale.begin(), row_scale.end());
-    if (row_begin == 0) {  // once per tensor (its first block)
-      const int64_t small = std::count_if(row_scale.begin(), row_scale.end(),
-                                          [&](float v) { return v < b.scale / 64; });
-      if (small > 0) {
-        ck.Note(ck.Where(base + ".weight_scale") + ": " + std::to_string(small) + " of " +
-                std::to_string(full_rows) +
-                " rows have a scale below 1/64 of the largest; requantized to the one "
-                "per-tensor scale the GEMM takes, their smaller values fall into E4M3's "
-                "subnormals and lose precision");
-      }
-    }
-  } else {
+  if (ws && dtype == DataType::kFloat8E4M3) {
+    TP_RETURN_IF_ERROR(TakeScales(*ws, tp, &b));  // the codes keep their scales
+  } else if (!ws) {
     float amax = 0.0f;
     for (int64_t i = 0; i < full_rows * full_cols; ++i) {
       float v;
@@ -331,47 +274,14 @@ StatusOr<Block> ReadBlock(const Checkpoint& ck, const std::string& base, int64_t
     }
     b.scale = ScaleFromAmax(amax, Fp8Format::kE4M3);
   }
-  if (ck.Find(base + ".input_scale") != nullptr) {
-    // Static, per tensor.
-    TP_ASSIGN_OR_RETURN(std::vector<float> input_scale, RowScales(ck, base + ".input_scale", 0));
-    b.input_scale = input_scale.front();
+  // Static, per tensor; the finer schemes scale their inputs at run time (an input_scale
+  // they carry is left unread, and named as such).
+  if (b.scheme == Fp8Scheme::kPerTensor && ck.Find(base + ".input_scale") != nullptr) {
+    TP_ASSIGN_OR_RETURN(const TensorView* in, ck.Get(base + ".input_scale"));
+    TP_ASSIGN_OR_RETURN(b.input_scale, ReadInputScale(*in, ck.Where(base + ".input_scale")));
     b.has_input_scale = true;
   }
   return b;
-}
-
-// Stacks blocks along rows into one LinearWeight of `dtype`. FP8: one
-// per-tensor scale, the largest of the parts' whole-tensor scales; a part
-// with that scale keeps its codes exactly, the others are requantized.
-LinearWeight Fuse(const std::vector<Block>& parts, DataType dtype) {
-  LinearWeight lw;
-  lw.dtype = dtype;
-  lw.k = parts.front().cols;
-  float scale = 0.0f, input_scale = 0.0f;
-  for (const Block& b : parts) {
-    lw.n += b.rows;
-    scale = std::max(scale, b.scale);
-    input_scale = std::max(input_scale, b.input_scale);
-    // A part without a static scale (q_proj without, k_proj with, say)
-    // makes the fused layer dynamic: no single static scale is known good.
-    lw.dynamic_input = lw.dynamic_input || (dtype == DataType::kFloat8E4M3 && !b.has_input_scale);
-  }
-  lw.input_scale = input_scale;
-  std::vector<float> all;
-  all.reserve(lw.n * lw.k);
-  for (const Block& b : parts) all.insert(all.end(), b.values.begin(), b.values.end());
-  if (dtype == DataType::kFloat8E4M3) {
-    lw.weight_scale = scale;
-    lw.data.resize(all.size());
-    QuantizeFp8(all, lw.weight_scale, Fp8Format::kE4M3, lw.data);
-  } else {
-    lw.data.resize(all.size() * 2);
-    for (size_t i = 0; i < all.size(); ++i) {
-      const BFloat16 h = FloatToBFloat16(all[i]);
-      std::memcpy(lw.data.data() + 2 * i, &h.bits, 2);
-    }
-  }
-  return lw;
 }
 
 // The embedding, final norm and LM head of rank `rank` (w.tp, w.rank and
@@ -401,6 +311,12 @@ StatusOr<RankWeights> ShardGlobals(const Checkpoint& ck, const ModelConfig& c, D
       if (!name.ends_with("_proj.weight")) continue;
       ++linear;
       const std::string base = name.substr(0, name.size() - std::string_view(".weight").size());
+      // Per-channel and block weights scale their inputs per token / group by design.
+      const TensorView* ws = ck.Find(base + ".weight_scale");
+      if (ck.Find(base + ".weight_scale_inv") != nullptr || (ws != nullptr && ws->numel() > 1)) {
+        --linear;
+        continue;
+      }
       if (ck.Find(base + ".input_scale") == nullptr) ++missing;
     }
     if (missing > 0) {
@@ -419,8 +335,9 @@ StatusOr<RankWeights> ShardGlobals(const Checkpoint& ck, const ModelConfig& c, D
                          "whose LM head is its embedding table sets it true)");
   }
   const std::string head = c.tie_word_embeddings ? "model.embed_tokens" : "lm_head";
-  TP_ASSIGN_OR_RETURN(Block lm, ReadBlock(ck, head, v, h, rank * v_l, (rank + 1) * v_l, 0, h));
-  w.lm_head = Fuse({lm}, DataType::kBFloat16);
+  TP_ASSIGN_OR_RETURN(LinearPart lm, ReadBlock(ck, head, v, h, rank * v_l, (rank + 1) * v_l, 0, h,
+                                               DataType::kBFloat16, tp));
+  TP_ASSIGN_OR_RETURN(w.lm_head, FuseParts({lm}, DataType::kBFloat16, tp));
   return w;
 }
 
@@ -436,24 +353,25 @@ StatusOr<LayerWeights> ShardLayer(const Checkpoint& ck, const ModelConfig& c, Da
   TP_ASSIGN_OR_RETURN(l.input_norm, ToFloats(ck, *in_norm, {h}));
   TP_ASSIGN_OR_RETURN(const TensorView* post, ck.Get(p + ".post_attention_layernorm.weight"));
   TP_ASSIGN_OR_RETURN(l.post_norm, ToFloats(ck, *post, {h}));
-  TP_ASSIGN_OR_RETURN(Block q, ReadBlock(ck, p + ".self_attn.q_proj", nh * hd, h, rank * nh_l * hd,
-                                         (rank + 1) * nh_l * hd, 0, h));
-  TP_ASSIGN_OR_RETURN(Block kk, ReadBlock(ck, p + ".self_attn.k_proj", nkv * hd, h,
-                                          rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
-  TP_ASSIGN_OR_RETURN(Block vv, ReadBlock(ck, p + ".self_attn.v_proj", nkv * hd, h,
-                                          rank * nkv_l * hd, (rank + 1) * nkv_l * hd, 0, h));
-  l.qkv = Fuse({q, kk, vv}, dtype);
-  TP_ASSIGN_OR_RETURN(Block o, ReadBlock(ck, p + ".self_attn.o_proj", h, nh * hd, 0, h,
-                                         rank * nh_l * hd, (rank + 1) * nh_l * hd));
-  l.o = Fuse({o}, dtype);
-  TP_ASSIGN_OR_RETURN(Block gate, ReadBlock(ck, p + ".mlp.gate_proj", inter, h, rank * inter_l,
-                                            (rank + 1) * inter_l, 0, h));
-  TP_ASSIGN_OR_RETURN(Block up, ReadBlock(ck, p + ".mlp.up_proj", inter, h, rank * inter_l,
-                                          (rank + 1) * inter_l, 0, h));
-  l.gate_up = Fuse({gate, up}, dtype);
-  TP_ASSIGN_OR_RETURN(Block down, ReadBlock(ck, p + ".mlp.down_proj", h, inter, 0, h,
-                                            rank * inter_l, (rank + 1) * inter_l));
-  l.down = Fuse({down}, dtype);
+  // Rows [r0, r1) and columns [c0, c1) of the [rows, cols] weight `name`.
+  auto read = [&](const char* name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
+                  int64_t c1) {
+    return ReadBlock(ck, p + name, rows, cols, r0, r1, c0, c1, dtype, tp);
+  };
+  const int64_t q0 = rank * nh_l * hd, q1 = q0 + nh_l * hd;
+  const int64_t kv0 = rank * nkv_l * hd, kv1 = kv0 + nkv_l * hd;
+  const int64_t i0 = rank * inter_l, i1 = i0 + inter_l;
+  TP_ASSIGN_OR_RETURN(LinearPart q, read(".self_attn.q_proj", nh * hd, h, q0, q1, 0, h));
+  TP_ASSIGN_OR_RETURN(LinearPart kk, read(".self_attn.k_proj", nkv * hd, h, kv0, kv1, 0, h));
+  TP_ASSIGN_OR_RETURN(LinearPart vv, read(".self_attn.v_proj", nkv * hd, h, kv0, kv1, 0, h));
+  TP_ASSIGN_OR_RETURN(l.qkv, FuseParts({q, kk, vv}, dtype, tp));
+  TP_ASSIGN_OR_RETURN(LinearPart o, read(".self_attn.o_proj", h, nh * hd, 0, h, q0, q1));
+  TP_ASSIGN_OR_RETURN(l.o, FuseParts({o}, dtype, tp));
+  TP_ASSIGN_OR_RETURN(LinearPart gate, read(".mlp.gate_proj", inter, h, i0, i1, 0, h));
+  TP_ASSIGN_OR_RETURN(LinearPart up, read(".mlp.up_proj", inter, h, i0, i1, 0, h));
+  TP_ASSIGN_OR_RETURN(l.gate_up, FuseParts({gate, up}, dtype, tp));
+  TP_ASSIGN_OR_RETURN(LinearPart down, read(".mlp.down_proj", h, inter, 0, h, i0, i1));
+  TP_ASSIGN_OR_RETURN(l.down, FuseParts({down}, dtype, tp));
   return l;
 }
 
@@ -520,7 +438,7 @@ std::map<std::string, std::string> RandomCheckpointMetadata() {
 // parts gives the same tensors. Without `values`: only their names, dtypes
 // and shapes (views without data), what a streaming writer declares first.
 Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t seed,
-                                const RandomPart& part, bool values = true) {
+                                const RandomPart& part, Fp8Scheme scheme, bool values = true) {
   Checkpoint ck;
   const int64_t h = c.hidden_size, hd = c.head_dim();
   auto numel = [](const std::vector<int64_t>& shape) {
@@ -550,6 +468,14 @@ Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t s
       return bytes;
     });
   };
+  auto f32v = [&](const std::string& name, std::vector<int64_t> shape,
+                  const std::vector<float>& v) {
+    add(name, StDtype::kF32, std::move(shape), [&] {
+      std::vector<uint8_t> bytes(v.size() * 4);
+      std::memcpy(bytes.data(), v.data(), bytes.size());
+      return bytes;
+    });
+  };
   // Drawn straight into BF16: an embedding table has no float copy.
   auto bf16 = [&](const std::string& name, std::vector<int64_t> shape, const std::string& stream,
                   float sd) {
@@ -568,17 +494,27 @@ Checkpoint MakeRandomCheckpoint(const ModelConfig& c, DataType dtype, uint64_t s
       bf16(base + ".weight", {rows, cols}, base, 0.02f);
       return;
     }
-    float scale = 1.0f;  // the weight's, once its values are made
+    // The weight's scales, once its values are made.
+    std::vector<float> scales(Fp8WeightScaleCount(scheme, rows, cols));
     add(base + ".weight", StDtype::kF8E4M3, {rows, cols}, [&] {
       std::vector<float> x(rows * cols);
       draw(base, rows * cols, 0.02f, [&](int64_t i, float v) { x[i] = v; });
-      scale = ScaleFromAmax(Amax(x), Fp8Format::kE4M3);
       std::vector<uint8_t> codes(x.size());
-      QuantizeFp8(x, scale, Fp8Format::kE4M3, codes);
+      QuantizeWeightsFp8(scheme, x, rows, cols, codes, scales);
       return codes;
     });
-    f32(base + ".weight_scale", {}, scale);
-    f32(base + ".input_scale", {}, kDefaultInputScale);
+    switch (scheme) {
+      case Fp8Scheme::kPerTensor:
+        f32(base + ".weight_scale", {}, scales[0]);
+        f32(base + ".input_scale", {}, kDefaultInputScale);
+        break;
+      case Fp8Scheme::kPerChannel:
+        f32v(base + ".weight_scale", {rows, 1}, scales);
+        break;
+      case Fp8Scheme::kBlock:
+        f32v(base + ".weight_scale_inv", {Fp8BlockCount(rows), Fp8BlockCount(cols)}, scales);
+        break;
+    }
   };
   if (part.globals & kEmbedding) {
     bf16("model.embed_tokens.weight", {c.vocab_size, h}, "embed", 1.0f);
@@ -612,13 +548,15 @@ StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType 
   // One block at a time: the host holds this rank's shard and one full
   // block, not the whole model (tp ranks as threads would hold tp copies).
   TP_ASSIGN_OR_RETURN(RankWeights w,
-                      ShardGlobals(MakeRandomCheckpoint(config, dtype, seed, {kAllGlobals, 0, 0}),
+                      ShardGlobals(MakeRandomCheckpoint(config, dtype, seed, {kAllGlobals, 0, 0},
+                                                        Fp8Scheme::kPerTensor),
                                    config, dtype, tp, rank));
   progress.LayerDone(0);  // the embedding and the LM head
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    TP_ASSIGN_OR_RETURN(LayerWeights l,
-                        ShardLayer(MakeRandomCheckpoint(config, dtype, seed, {0, i, i + 1}), config,
-                                   dtype, tp, rank, i));
+    TP_ASSIGN_OR_RETURN(
+        LayerWeights l,
+        ShardLayer(MakeRandomCheckpoint(config, dtype, seed, {0, i, i + 1}, Fp8Scheme::kPerTensor),
+                   config, dtype, tp, rank, i));
     w.layers.push_back(std::move(l));
     progress.LayerDone(i + 1);
   }
@@ -626,7 +564,7 @@ StatusOr<RankWeights> MakeRandomRankWeights(const ModelConfig& config, DataType 
 }
 
 Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t seed,
-                             const std::string& dir) {
+                             const std::string& dir, Fp8Scheme scheme) {
   TP_RETURN_IF_ERROR(config.Validate());
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -646,7 +584,7 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
   std::map<std::string, Planned> plan;
   std::vector<size_t> unwritten(parts.size(), 0);  // tensors of each part
   for (size_t p = 0; p < parts.size(); ++p) {
-    const Checkpoint shapes = MakeRandomCheckpoint(config, dtype, seed, parts[p], false);
+    const Checkpoint shapes = MakeRandomCheckpoint(config, dtype, seed, parts[p], scheme, false);
     for (const auto& [name, v] : shapes.views()) {
       plan[name] = {v.dtype, v.shape, p};
       ++unwritten[p];
@@ -670,7 +608,7 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
   for (const auto& [name, t] : plan) {
     if (t.part != made_part) {
       made.reset();  // before making the next part
-      made.emplace(MakeRandomCheckpoint(config, dtype, seed, parts[t.part]));
+      made.emplace(MakeRandomCheckpoint(config, dtype, seed, parts[t.part], scheme));
       made_part = t.part;
     }
     TP_ASSIGN_OR_RETURN(const TensorView* v, made->Get(name));
@@ -682,17 +620,23 @@ Status WriteRandomCheckpoint(const ModelConfig& config, DataType dtype, uint64_t
   }
   TP_RETURN_IF_ERROR(out.Finish());
   std::ofstream json(dir + "/config.json");
-  json << ModelConfigToJson(config) << "\n";
+  if (dtype == DataType::kFloat8E4M3 && scheme != Fp8Scheme::kPerTensor) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::parse(ModelConfigToJson(config));
+    j["quantization_config"] = nlohmann::ordered_json::parse(Fp8QuantConfigJson(scheme));
+    json << j.dump(2) << "\n";
+  } else {
+    json << ModelConfigToJson(config) << "\n";
+  }
   json.close();  // a failure to flush shows here, not in the destructor
   if (!json) return UnavailableError("cannot write " + dir + "/config.json");
   return Status::Ok();
 }
 
 Status WriteRandomSafetensorsInMemory(const ModelConfig& config, DataType dtype, uint64_t seed,
-                                      const std::string& path) {
+                                      const std::string& path, Fp8Scheme scheme) {
   TP_RETURN_IF_ERROR(config.Validate());
   const Checkpoint ck =
-      MakeRandomCheckpoint(config, dtype, seed, {kAllGlobals, 0, config.num_hidden_layers});
+      MakeRandomCheckpoint(config, dtype, seed, {kAllGlobals, 0, config.num_hidden_layers}, scheme);
   std::vector<TensorToWrite> tensors;
   for (const auto& [name, v] : ck.views()) {
     tensors.push_back({name, v.dtype, v.shape, v.data, v.bytes});
@@ -747,6 +691,13 @@ StatusOr<RankWeights> LoadRankWeights(const std::string& dir, const ModelConfig&
   }
   Checkpoint ck;
   ck.set_source(dir);
+  TP_ASSIGN_OR_RETURN(Fp8QuantConfig quant, ReadFp8QuantConfig(dir + "/config.json"));
+  if (quant.static_activations && quant.weights && *quant.weights != Fp8Scheme::kPerTensor) {
+    ck.Note(quant.where + ": static input activation scales with " + Fp8SchemeName(*quant.weights) +
+            " weight scales; their inputs are scaled at run time instead (per token / per 1x128 "
+            "group), as the GEMM takes them with such weights");
+  }
+  ck.set_quant(std::move(quant));
   std::vector<std::string> files;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
@@ -792,6 +743,14 @@ Status ValidateRankWeights(const ModelConfig& c, const RankWeights& w, int tp, i
           std::to_string(lw.data.size()) + " bytes; rank " + std::to_string(rank) + " of " +
           std::to_string(tp) + " needs " + std::string(DataTypeName(dtype)) + " [" +
           std::to_string(n) + ", " + std::to_string(k) + "]");
+    }
+    const int64_t scales = Fp8WeightScaleCount(lw.scheme, n, k);
+    if (lw.dtype == DataType::kFloat8E4M3 && lw.scheme != Fp8Scheme::kPerTensor &&
+        static_cast<int64_t>(lw.weight_scales.size()) != scales) {
+      return InvalidArgumentError("weights: " + name + " has " +
+                                  std::to_string(lw.weight_scales.size()) + " " +
+                                  Fp8SchemeName(lw.scheme) + " scales, [" + std::to_string(n) +
+                                  ", " + std::to_string(k) + "] needs " + std::to_string(scales));
     }
     return Status::Ok();
   };

@@ -34,42 +34,120 @@ void Decode(DataType dtype, const void* src, int64_t count, float* dst) {
   }
 }
 
-// y[i, :] = round_bf16(scale * x[i, :] · w^T (+ acc[i, :])) for `rows` rows.
-// `w` is already decoded ([n, k] floats).
-void GemmRows(DataType dtype, const std::byte* x, int64_t rows, const std::vector<float>& w,
-              int64_t n, int64_t k, float scale, const BFloat16* acc, BFloat16* y) {
-  const size_t row_bytes = static_cast<size_t>(k) * DataTypeSize(dtype);
-  std::vector<float> xrow(k);
-  for (int64_t i = 0; i < rows; ++i) {
-    Decode(dtype, x + i * row_bytes, k, xrow.data());
-    for (int64_t j = 0; j < n; ++j) {
-      const float* wr = w.data() + j * k;
-      float dot = 0.0f;
-      for (int64_t t = 0; t < k; ++t) dot += xrow[t] * wr[t];
-      float v = dot * scale;
-      if (acc != nullptr) v += BFloat16ToFloat(acc[i * n + j]);
-      y[i * n + j] = FloatToBFloat16(v);
-    }
-  }
-}
-
 std::vector<float> DecodeAll(DataType dtype, const void* w, int64_t count) {
   std::vector<float> out(count);
   Decode(dtype, w, count, out.data());
   return out;
 }
 
+// One rank's GEMM operands. X rows are handled as records: a row's codes
+// followed by its FP32 scales (none for per-tensor and BF16), so that rows
+// moved between ranks carry their scales.
+struct Gemm {
+  DataType dtype = DataType::kBFloat16;
+  Fp8Scheme scheme = Fp8Scheme::kPerTensor;
+  int64_t n = 0, k = 0;
+  std::vector<float> w;  // decoded [n, k]
+  std::span<const float> w_scales;
+  float scale = 1.0f;  // per-tensor FP8: x_scale * w_scale; otherwise 1
+  int64_t x_scales_per_row = 0;
+  size_t code_bytes = 0;    // k * element size
+  size_t record_bytes = 0;  // code_bytes + 4 * x_scales_per_row
+
+  explicit Gemm(const CpuLinearArgs& a)
+      : dtype(a.dtype),
+        scheme(a.dtype == DataType::kFloat8E4M3 ? a.scheme : Fp8Scheme::kPerTensor),
+        n(a.n),
+        k(a.k),
+        w(DecodeAll(a.dtype, a.w, a.n * a.k)),
+        w_scales(a.w_scales),
+        scale(a.dtype == DataType::kFloat8E4M3 ? a.x_scale * a.w_scale : 1.0f),
+        x_scales_per_row(Fp8ActivationScalesPerRow(scheme, a.k)),
+        code_bytes(static_cast<size_t>(a.k) * DataTypeSize(a.dtype)),
+        record_bytes(code_bytes + 4 * x_scales_per_row) {}
+
+  // `rows` rows of x (codes) and their scales as records.
+  std::vector<std::byte> Pack(const void* x, std::span<const float> x_scales, int64_t rows) const {
+    std::vector<std::byte> out(rows * record_bytes);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(out.data() + i * record_bytes, static_cast<const std::byte*>(x) + i * code_bytes,
+                  code_bytes);
+      if (x_scales_per_row > 0) {
+        std::memcpy(out.data() + i * record_bytes + code_bytes,
+                    x_scales.data() + i * x_scales_per_row, 4 * x_scales_per_row);
+      }
+    }
+    return out;
+  }
+
+  // y[i, :] = round_bf16(x[i, :] · w^T, scaled per the scheme (+ acc[i, :]))
+  // for `rows` records.
+  void Rows(const std::byte* x, int64_t rows, const BFloat16* acc, BFloat16* y) const {
+    std::vector<float> xrow(k), xs(std::max<int64_t>(x_scales_per_row, 1));
+    for (int64_t i = 0; i < rows; ++i) {
+      const std::byte* rec = x + i * record_bytes;
+      Decode(dtype, rec, k, xrow.data());
+      if (x_scales_per_row > 0) std::memcpy(xs.data(), rec + code_bytes, 4 * x_scales_per_row);
+      for (int64_t j = 0; j < n; ++j) {
+        float v = Dot(xrow.data(), xs.data(), j);
+        if (acc != nullptr) v += BFloat16ToFloat(acc[i * n + j]);
+        y[i * n + j] = FloatToBFloat16(v);
+      }
+    }
+  }
+
+ private:
+  // The scaled dot product of a decoded x row (scales xs) with W's row j.
+  float Dot(const float* xrow, const float* xs, int64_t j) const {
+    const float* wr = w.data() + j * k;
+    if (scheme == Fp8Scheme::kBlock) {
+      const int64_t kb = Fp8BlockCount(k);
+      const float* ws = w_scales.data() + (j / kFp8BlockSize) * kb;
+      float sum = 0.0f;
+      for (int64_t g = 0; g < kb; ++g) {
+        const int64_t end = std::min(k, (g + 1) * kFp8BlockSize);
+        float dot = 0.0f;
+        for (int64_t t = g * kFp8BlockSize; t < end; ++t) dot += xrow[t] * wr[t];
+        sum += dot * (xs[g] * ws[g]);
+      }
+      return sum;
+    }
+    float dot = 0.0f;
+    for (int64_t t = 0; t < k; ++t) dot += xrow[t] * wr[t];
+    if (scheme == Fp8Scheme::kPerChannel) return dot * (xs[0] * w_scales[j]);
+    return dot * scale;
+  }
+};
+
+// INVALID_ARGUMENT unless x_scales holds `rows` rows' scales and w_scales
+// W's, for a scheme other than per-tensor (whose spans are unused).
+Status CheckScales(const CpuLinearArgs& a, int64_t rows) {
+  if (a.dtype != DataType::kFloat8E4M3 || a.scheme == Fp8Scheme::kPerTensor) return Status::Ok();
+  const int64_t want_x = rows * Fp8ActivationScalesPerRow(a.scheme, a.k);
+  const int64_t want_w = Fp8WeightScaleCount(a.scheme, a.n, a.k);
+  if (static_cast<int64_t>(a.x_scales.size()) != want_x ||
+      static_cast<int64_t>(a.w_scales.size()) != want_w) {
+    return InvalidArgumentError(
+        std::string("cpu linear: fp8 scheme ") + Fp8SchemeName(a.scheme) + " with " +
+        std::to_string(rows) + " x rows, n=" + std::to_string(a.n) + " k=" + std::to_string(a.k) +
+        " needs " + std::to_string(want_x) + " x scales and " + std::to_string(want_w) +
+        " w scales, got " + std::to_string(a.x_scales.size()) + " and " +
+        std::to_string(a.w_scales.size()));
+  }
+  return Status::Ok();
+}
+
 Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLinearArgs& a) {
   const PlanRequest& q = plan.request;
-  const size_t row_bytes = static_cast<size_t>(a.k) * DataTypeSize(a.dtype);
+  const Gemm gemm(a);
+  const size_t row_bytes = gemm.record_bytes;
   const RowRange own = ShardRows(q.m, q.tp, q.rank);
-  // The gathered X in global row order; rows arrive step by step.
+  // The gathered X records in global row order; rows arrive step by step.
   std::vector<std::byte> gathered(static_cast<size_t>(q.m) * row_bytes);
   if (!own.empty()) {
-    std::memcpy(gathered.data() + own.begin * row_bytes, a.x, own.size() * row_bytes);
+    const std::vector<std::byte> mine = gemm.Pack(a.x, a.x_scales, own.size());
+    std::memcpy(gathered.data() + own.begin * row_bytes, mine.data(), mine.size());
   }
-  const std::vector<float> w = DecodeAll(a.dtype, a.w, a.n * a.k);
-  const float scale = a.dtype == DataType::kFloat8E4M3 ? a.x_scale * a.w_scale : 1.0f;
 
   for (const PlanStep& s : plan.steps) {
     switch (s.kind) {
@@ -100,8 +178,7 @@ Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLi
         break;
       case StepKind::kGemm:
         for (RowRange r : s.rows) {
-          GemmRows(a.dtype, gathered.data() + r.begin * row_bytes, r.size(), w, a.n, a.k, scale,
-                   nullptr, a.y + r.begin * a.n);
+          gemm.Rows(gathered.data() + r.begin * row_bytes, r.size(), nullptr, a.y + r.begin * a.n);
         }
         break;
       case StepKind::kReduceScatter:
@@ -113,11 +190,11 @@ Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLi
 
 Status RunGemmReduceScatter(const OverlapPlan& plan, Communicator& comm, const CpuLinearArgs& a) {
   const PlanRequest& q = plan.request;
-  const size_t row_bytes = static_cast<size_t>(a.k) * DataTypeSize(a.dtype);
+  const Gemm gemm(a);
+  const size_t row_bytes = gemm.record_bytes;
   const RowRange own = ShardRows(q.m, q.tp, q.rank);
-  const auto* x = static_cast<const std::byte*>(a.x);
-  const std::vector<float> w = DecodeAll(a.dtype, a.w, a.n * a.k);
-  const float scale = a.dtype == DataType::kFloat8E4M3 ? a.x_scale * a.w_scale : 1.0f;
+  const std::vector<std::byte> records = gemm.Pack(a.x, a.x_scales, q.m);
+  const std::byte* x = records.data();
   const size_t out_row = static_cast<size_t>(a.n);
   // This rank's partials and the partial sums received from its ring
   // neighbour, both in global row order.
@@ -131,7 +208,7 @@ Status RunGemmReduceScatter(const OverlapPlan& plan, Communicator& comm, const C
           BFloat16* dst = s.final_output ? a.y + (r.begin - own.begin) * out_row
                                          : partial.data() + r.begin * out_row;
           const BFloat16* acc = s.accumulate ? received.data() + r.begin * out_row : nullptr;
-          GemmRows(a.dtype, x + r.begin * row_bytes, r.size(), w, a.n, a.k, scale, acc, dst);
+          gemm.Rows(x + r.begin * row_bytes, r.size(), acc, dst);
         }
         break;
       case StepKind::kReduceScatter: {
@@ -189,6 +266,7 @@ Status RunCpuLinear(const OverlapPlan& plan, Communicator& comm, const CpuLinear
       (args.y == nullptr && !(!ag && shard_empty))) {
     return InvalidArgumentError("cpu linear: x, w and y must be non-null");
   }
+  TP_RETURN_IF_ERROR(CheckScales(args, ag ? ShardRows(q.m, q.tp, q.rank).size() : q.m));
   if (ag) return RunAllGatherGemm(plan, comm, args);
   return RunGemmReduceScatter(plan, comm, args);
 }
@@ -203,9 +281,41 @@ Status ReferenceLinear(DataType dtype, int64_t m, int64_t n, int64_t k, const vo
     return InvalidArgumentError("reference linear: y has " + std::to_string(y.size()) +
                                 " elements, expected m*n = " + std::to_string(m * n));
   }
-  const float scale = dtype == DataType::kFloat8E4M3 ? x_scale * w_scale : 1.0f;
-  GemmRows(dtype, static_cast<const std::byte*>(x), m, DecodeAll(dtype, w, n * k), n, k, scale,
-           nullptr, y.data());
+  CpuLinearArgs a{dtype, n, k, x, x_scale, w, w_scale, y.data()};
+  const Gemm gemm(a);
+  gemm.Rows(static_cast<const std::byte*>(x), m, nullptr, y.data());
+  return Status::Ok();
+}
+
+Status ReferenceLinearFp8(Fp8Scheme scheme, int64_t m, int64_t n, int64_t k,
+                          std::span<const uint8_t> x, std::span<const float> x_scales,
+                          std::span<const uint8_t> w, std::span<const float> w_scales,
+                          std::span<BFloat16> y) {
+  if (m < 1 || n < 1 || k < 1) {
+    return InvalidArgumentError("reference linear: m, n, k must be >= 1");
+  }
+  if (x.size() != static_cast<size_t>(m * k) || w.size() != static_cast<size_t>(n * k) ||
+      y.size() != static_cast<size_t>(m * n)) {
+    return InvalidArgumentError("reference linear: x, w, y have " + std::to_string(x.size()) +
+                                ", " + std::to_string(w.size()) + ", " + std::to_string(y.size()) +
+                                " elements, expected m*k, n*k, m*n");
+  }
+  CpuLinearArgs a{DataType::kFloat8E4M3, n, k, x.data(), 1.0f, w.data(), 1.0f, y.data()};
+  a.scheme = scheme;
+  if (scheme == Fp8Scheme::kPerTensor) {
+    if (x_scales.size() != 1 || w_scales.size() != 1) {
+      return InvalidArgumentError("reference linear: per-tensor fp8 takes one x and one w scale");
+    }
+    a.x_scale = x_scales[0];
+    a.w_scale = w_scales[0];
+  } else {
+    a.x_scales = x_scales;
+    a.w_scales = w_scales;
+    TP_RETURN_IF_ERROR(CheckScales(a, m));
+  }
+  const Gemm gemm(a);
+  const std::vector<std::byte> records = gemm.Pack(x.data(), x_scales, m);
+  gemm.Rows(records.data(), m, nullptr, y.data());
   return Status::Ok();
 }
 

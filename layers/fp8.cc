@@ -171,4 +171,127 @@ void DequantizeFp8(std::span<const uint8_t> in, float scale, Fp8Format f, std::s
   DequantizeImpl(in, scale, f == Fp8Format::kE4M3 ? kE4M3Table : kE5M2Table, out);
 }
 
+const char* Fp8SchemeName(Fp8Scheme scheme) {
+  switch (scheme) {
+    case Fp8Scheme::kPerTensor:
+      return "tensor";
+    case Fp8Scheme::kPerChannel:
+      return "channel";
+    case Fp8Scheme::kBlock:
+      return "block";
+  }
+  return "?";
+}
+
+std::optional<Fp8Scheme> ParseFp8Scheme(std::string_view name) {
+  for (Fp8Scheme s : {Fp8Scheme::kPerTensor, Fp8Scheme::kPerChannel, Fp8Scheme::kBlock}) {
+    if (name == Fp8SchemeName(s)) return s;
+  }
+  return std::nullopt;
+}
+
+int64_t Fp8ActivationScalesPerRow(Fp8Scheme scheme, int64_t k) {
+  switch (scheme) {
+    case Fp8Scheme::kPerChannel:
+      return 1;
+    case Fp8Scheme::kBlock:
+      return Fp8BlockCount(k);
+    case Fp8Scheme::kPerTensor:
+      break;
+  }
+  return 0;
+}
+
+int64_t Fp8WeightScaleCount(Fp8Scheme scheme, int64_t n, int64_t k) {
+  switch (scheme) {
+    case Fp8Scheme::kPerChannel:
+      return n;
+    case Fp8Scheme::kBlock:
+      return Fp8BlockCount(n) * Fp8BlockCount(k);
+    case Fp8Scheme::kPerTensor:
+      break;
+  }
+  return 1;
+}
+
+void QuantizeActivationsFp8(Fp8Scheme scheme, std::span<const float> x, int64_t k,
+                            std::span<uint8_t> codes, std::span<float> scales) {
+  assert(k > 0 && x.size() % k == 0 && codes.size() == x.size());
+  const int64_t rows = static_cast<int64_t>(x.size()) / k;
+  if (scheme == Fp8Scheme::kPerTensor) {
+    assert(scales.size() == 1);
+    scales[0] = ScaleFromAmax(Amax(x), Fp8Format::kE4M3);
+    QuantizeFp8(x, scales[0], Fp8Format::kE4M3, codes);
+    return;
+  }
+  // A row (per token) is one group of length k; block groups are 128 long (the last partial).
+  const int64_t group = scheme == Fp8Scheme::kBlock ? kFp8BlockSize : k;
+  const int64_t per_row = Fp8ActivationScalesPerRow(scheme, k);
+  assert(static_cast<int64_t>(scales.size()) == rows * per_row);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < per_row; ++g) {
+      const size_t begin = r * k + g * group;
+      const size_t len = std::min(group, k - g * group);
+      const float s = ScaleFromAmax(Amax(x.subspan(begin, len)), Fp8Format::kE4M3);
+      scales[r * per_row + g] = s;
+      QuantizeFp8(x.subspan(begin, len), s, Fp8Format::kE4M3, codes.subspan(begin, len));
+    }
+  }
+}
+
+void DequantizeActivationsFp8(Fp8Scheme scheme, std::span<const uint8_t> codes,
+                              std::span<const float> scales, int64_t k, std::span<float> out) {
+  assert(k > 0 && codes.size() % k == 0 && out.size() == codes.size());
+  const int64_t rows = static_cast<int64_t>(codes.size()) / k;
+  const int64_t per_row = Fp8ActivationScalesPerRow(scheme, k);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < k; ++c) {
+      const float s =
+          scheme == Fp8Scheme::kPerTensor
+              ? scales[0]
+              : scales[r * per_row + (scheme == Fp8Scheme::kBlock ? c / kFp8BlockSize : 0)];
+      out[r * k + c] = Fp8E4M3ToFloat(codes[r * k + c]) * s;
+    }
+  }
+}
+
+void QuantizeWeightsFp8(Fp8Scheme scheme, std::span<const float> w, int64_t n, int64_t k,
+                        std::span<uint8_t> codes, std::span<float> scales) {
+  assert(w.size() == static_cast<size_t>(n * k) && codes.size() == w.size());
+  assert(static_cast<int64_t>(scales.size()) == Fp8WeightScaleCount(scheme, n, k));
+  if (scheme != Fp8Scheme::kBlock) {
+    // A weight row is an output channel: the per-token layout of activations.
+    QuantizeActivationsFp8(scheme, w, k, codes, scales);
+    return;
+  }
+  const int64_t kb = Fp8BlockCount(k);
+  for (int64_t br = 0; br < Fp8BlockCount(n); ++br) {
+    const int64_t r0 = br * kFp8BlockSize, r1 = std::min(n, r0 + kFp8BlockSize);
+    for (int64_t bc = 0; bc < kb; ++bc) {
+      const int64_t c0 = bc * kFp8BlockSize, len = std::min(kFp8BlockSize, k - c0);
+      float amax = 0.0f;
+      for (int64_t r = r0; r < r1; ++r) amax = std::max(amax, Amax(w.subspan(r * k + c0, len)));
+      const float s = ScaleFromAmax(amax, Fp8Format::kE4M3);
+      scales[br * kb + bc] = s;
+      for (int64_t r = r0; r < r1; ++r) {
+        QuantizeFp8(w.subspan(r * k + c0, len), s, Fp8Format::kE4M3,
+                    codes.subspan(r * k + c0, len));
+      }
+    }
+  }
+}
+
+void DequantizeWeightsFp8(Fp8Scheme scheme, std::span<const uint8_t> codes,
+                          std::span<const float> scales, int64_t n, int64_t k,
+                          std::span<float> out) {
+  assert(codes.size() == static_cast<size_t>(n * k) && out.size() == codes.size());
+  assert(static_cast<int64_t>(scales.size()) == Fp8WeightScaleCount(scheme, n, k));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < k; ++c) {
+      out[r * k + c] =
+          Fp8E4M3ToFloat(codes[r * k + c]) * scales[Fp8WeightScaleIndex(scheme, k, r, c)];
+    }
+  }
+}
+
 }  // namespace tpserve

@@ -17,7 +17,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string_view>
 
 namespace tpserve {
 
@@ -62,5 +64,70 @@ void QuantizeFp8(std::span<const float> in, float scale, Fp8Format f, std::span<
 
 // out[i] = Fp8ToFloat(in[i], f) * scale. Requires in.size() == out.size() (asserted).
 void DequantizeFp8(std::span<const uint8_t> in, float scale, Fp8Format f, std::span<float> out);
+
+// ---- Scale schemes of an FP8 linear layer Y[m, n] = X[m, k] · W[n, k]^T ----
+//
+// How the dequantization scales of X (activations, quantized at run time) and W (weights,
+// as the checkpoint stores them) are laid out. Every scale follows the convention above:
+// real = fp8 * scale, scale = ScaleFromAmax(amax of what it covers).
+//   kPerTensor  W: one scale.  X: one scale (static from the checkpoint, or dynamic from the
+//               whole input's amax; the caller decides).
+//   kPerChannel W: one scale per output channel (row of W), n scales.
+//               X: one dynamic scale per row ("per token"): amax(row) / 448.
+//   kBlock      W: one scale per 128x128 block, a row-major grid [ceil(n/128), ceil(k/128)]
+//               (the last block row/column may be partial).
+//               X: one dynamic scale per 1x128 group of a row, [m, ceil(k/128)] row-major.
+// Per-channel and block scales keep outliers (a large channel, a large token, a large block)
+// from flattening everything else into E4M3's subnormals, as one scale per tensor does.
+enum class Fp8Scheme { kPerTensor, kPerChannel, kBlock };
+
+// Edge of a weight block and length of an activation group.
+inline constexpr int64_t kFp8BlockSize = 128;
+
+// "tensor", "channel", "block" (the spellings of compressed-tensors' weights.strategy).
+const char* Fp8SchemeName(Fp8Scheme scheme);
+// The inverse of Fp8SchemeName; nullopt for anything else.
+std::optional<Fp8Scheme> ParseFp8Scheme(std::string_view name);
+
+// ceil(count / kFp8BlockSize) for count >= 0.
+constexpr int64_t Fp8BlockCount(int64_t count) {
+  return (count + kFp8BlockSize - 1) / kFp8BlockSize;
+}
+
+// Scales of X per row: 0 for kPerTensor (one for the whole tensor), 1, or ceil(k/128).
+int64_t Fp8ActivationScalesPerRow(Fp8Scheme scheme, int64_t k);
+// Scales of a [n, k] W: 1, n, or ceil(n/128) * ceil(k/128).
+int64_t Fp8WeightScaleCount(Fp8Scheme scheme, int64_t n, int64_t k);
+// Index into W's scales of element (row, col) of a [n, k] W (0 for kPerTensor).
+inline int64_t Fp8WeightScaleIndex(Fp8Scheme scheme, int64_t k, int64_t row, int64_t col) {
+  switch (scheme) {
+    case Fp8Scheme::kPerChannel:
+      return row;
+    case Fp8Scheme::kBlock:
+      return (row / kFp8BlockSize) * Fp8BlockCount(k) + col / kFp8BlockSize;
+    case Fp8Scheme::kPerTensor:
+      break;
+  }
+  return 0;
+}
+
+// Dynamic quantization of activations x [rows, k] (rows = x.size() / k) under `scheme`,
+// E4M3: codes [rows, k] and scales (kPerTensor: 1 value, from the whole x's amax; kPerChannel:
+// rows values; kBlock: rows * ceil(k/128), row-major). Each scale is ScaleFromAmax of the
+// amax of what it covers, each code FloatToFp8E4M3(x / its scale). Sizes are asserted.
+void QuantizeActivationsFp8(Fp8Scheme scheme, std::span<const float> x, int64_t k,
+                            std::span<uint8_t> codes, std::span<float> scales);
+// out = code * its scale, for codes/scales laid out as QuantizeActivationsFp8 writes them.
+void DequantizeActivationsFp8(Fp8Scheme scheme, std::span<const uint8_t> codes,
+                              std::span<const float> scales, int64_t k, std::span<float> out);
+
+// Quantization of a weight w [n, k] under `scheme`, E4M3: codes [n, k] and scales
+// (Fp8WeightScaleCount of them, each from the amax of what it covers). Sizes are asserted.
+void QuantizeWeightsFp8(Fp8Scheme scheme, std::span<const float> w, int64_t n, int64_t k,
+                        std::span<uint8_t> codes, std::span<float> scales);
+// out[r, c] = code[r, c] * scales[Fp8WeightScaleIndex(scheme, k, r, c)].
+void DequantizeWeightsFp8(Fp8Scheme scheme, std::span<const uint8_t> codes,
+                          std::span<const float> scales, int64_t n, int64_t k,
+                          std::span<float> out);
 
 }  // namespace tpserve

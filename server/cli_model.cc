@@ -38,6 +38,8 @@ struct ModelFlags {
   bool json = false;
   std::string out;
   bool force = false;  // make-checkpoint: replace a checkpoint in `out`
+  // make-checkpoint: scale layout of the FP8 weights (tensor, channel, block)
+  std::string fp8_scheme = "tensor";
   std::string gemm_algo = "timed";
 };
 
@@ -149,6 +151,10 @@ int MakeCheckpoint(const ModelFlags& f) {
   auto config = ResolveModel(f.model, &from_dir);
   if (!config.ok()) return Fail(config.status());
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  if (dtype == DataType::kBFloat16 && f.fp8_scheme != "tensor") {
+    return Fail(InvalidArgumentError("--fp8-scheme " + f.fp8_scheme +
+                                     " needs --dtype fp8 (a bf16 checkpoint has no scales)"));
+  }
   // A directory that already holds a checkpoint is not written over unless asked: its
   // config.json would be replaced, and a shard of its own next to the new model.safetensors
   // would make the directory unloadable (a tensor in two files).
@@ -185,7 +191,8 @@ int MakeCheckpoint(const ModelFlags& f) {
     std::memcpy(g_partial_file, partial.c_str(), partial.size() + 1);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, RemovePartialAndExit);
   }
-  const Status s = WriteRandomCheckpoint(*config, dtype, f.seed, f.out);
+  const Fp8Scheme scheme = ParseFp8Scheme(f.fp8_scheme).value_or(Fp8Scheme::kPerTensor);
+  const Status s = WriteRandomCheckpoint(*config, dtype, f.seed, f.out, scheme);
   if (!s.ok()) return Fail(s);
   std::printf("wrote %s/config.json and %s/model.safetensors\n", f.out.c_str(), f.out.c_str());
   return 0;
@@ -279,6 +286,13 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   mk->add_flag("--force", g->force,
                "Replace a checkpoint already in --out (its config.json and every *.safetensors "
                "file); without it such a directory is refused");
+  mk->add_option("--fp8-scheme", g->fp8_scheme,
+                 "Scale layout of the FP8 weights: tensor (ModelOpt: weight_scale [] and a static "
+                 "input_scale), channel (weight_scale [N,1], compressed-tensors "
+                 "quantization_config with dynamic per-token activations) or block "
+                 "(weight_scale_inv [ceil(N/128),ceil(K/128)], weight_block_size [128,128])")
+      ->check(CLI::IsMember({"tensor", "channel", "block"}))
+      ->capture_default_str();
   mk->callback([g, exit_code] { *exit_code = MakeCheckpoint(*g); });
 }
 
