@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_gemm_scales.h"
 #include "benchmarks/tune_choice.h"
 #include "benchmarks/write_replacing.h"
 #include "comm/cli_numbers.h"
@@ -674,6 +675,11 @@ constexpr const char* kSplitOutputNote =
     "# copy-engine ring leaves its last sum to the add & norm, which reads both addends.\n";
 
 int Main(int argc, char** argv) {
+#ifndef TPSERVE_TUNE_MAIN
+  // Subcommand: the single-GPU GEMM scale-scheme benchmark (bench_gemm_scales.h).
+  if (argc > 1 && std::string(argv[1]) == "gemm-scales")
+    return RunGemmScalesBench(argc - 1, argv + 1);
+#endif
   Flags f;
 #ifdef TPSERVE_TUNE_MAIN
   CLI::App app{

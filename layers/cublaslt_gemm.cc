@@ -18,6 +18,7 @@
 
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
+#include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
 
 namespace tpserve {
@@ -88,6 +89,7 @@ struct PlanKey {
   int64_t stride_a, stride_b, stride_c, stride_d;
   bool has_a_scale, has_b_scale, has_d_scale, has_amax, uses_c, fast_accum;
   int sm_count_target;
+  GemmScaleScheme scale_scheme;
 
   auto operator<=>(const PlanKey&) const = default;
 };
@@ -114,7 +116,8 @@ PlanKey KeyOf(const GemmParams& r) {
                  r.d_amax != nullptr,
                  UsesC(r),
                  r.fast_accum,
-                 r.sm_count_target};
+                 r.sm_count_target,
+                 r.scale_scheme};
 }
 
 std::string Describe(const std::string& name, const GemmParams& r) {
@@ -125,6 +128,9 @@ std::string Describe(const std::string& name, const GemmParams& r) {
   if (r.batch > 1) {
     s += ", batch=" + Str(r.batch) + " strides a/b/c/d=" + Str(r.stride_a) + "/" + Str(r.stride_b) +
          "/" + Str(r.stride_c) + "/" + Str(r.stride_d);
+  }
+  if (r.scale_scheme != GemmScaleScheme::kPerTensor) {
+    s += ", scales " + std::string(GemmScaleSchemeName(r.scale_scheme));
   }
   if (r.fast_accum) s += ", fast_accum";
   if (r.sm_count_target > 0) s += ", sm_count_target=" + Str(r.sm_count_target);
@@ -211,7 +217,98 @@ StatusOr<LayoutPtr> MakeLayout(DataType t, int64_t rows, int64_t cols, int64_t l
   return layout;
 }
 
+// The per-token/channel and blockwise schemes' extra conditions. cuBLASLt documents them for
+// D in 16/32-bit floats only (no D scale or amax), without C scaling; batched scale tensors
+// are not described at all. beta != 0 and batch > 1 are refused because no test covers them.
+Status CheckScaleScheme(const GemmParams& p, bool fp8) {
+  const std::string scheme =
+      "GemmParams.scale_scheme = " + std::string(GemmScaleSchemeName(p.scale_scheme));
+  if (!fp8) {
+    return InvalidArgumentError(scheme + " needs FP8 inputs (a_type = " + Str(p.a_type) +
+                                ", b_type = " + Str(p.b_type) + "); BF16 GEMMs are unscaled");
+  }
+  if (p.d_type != DataType::kBFloat16) {
+    return UnimplementedError("GemmParams.d_type = " + Str(p.d_type) + " with " + scheme +
+                              ": cuBLASLt supports only a bf16 output (no D scaling) there");
+  }
+  if (p.a_scale == nullptr || p.b_scale == nullptr) {
+    return InvalidArgumentError(std::string("GemmParams.") +
+                                (p.a_scale == nullptr ? "a_scale" : "b_scale") + " is nullptr; " +
+                                scheme + " needs both scale tensors");
+  }
+  if (p.batch > 1) {
+    return UnimplementedError("GemmParams.batch = " + Str(p.batch) + " with " + scheme +
+                              ": strided batches take per-tensor scales only");
+  }
+  if (UsesC(p)) {
+    return UnimplementedError("GemmParams.beta = " + std::to_string(p.beta) + " with " + scheme +
+                              ": accumulating into C takes per-tensor scales only");
+  }
+  if (p.scale_scheme == GemmScaleScheme::kBlockwise) {
+    if (p.k % kGemmScaleBlock != 0) {
+      return InvalidArgumentError("GemmParams.k = " + Str(p.k) + " with " + scheme +
+                                  ": needs k % 128 == 0 (whole 1x128 groups and 128x128 blocks)");
+    }
+    if (p.n % kGemmScaleBlock != 0) {
+      return InvalidArgumentError("GemmParams.n = " + Str(p.n) + " with " + scheme +
+                                  ": needs n % 128 == 0 (whole 128x128 weight blocks)");
+    }
+    if (p.m % 4 != 0) {
+      return InvalidArgumentError(
+          "GemmParams.m = " + Str(p.m) + " with " + scheme +
+          ": needs m % 4 == 0 (cuBLASLt's 128-element block scaling wants both output "
+          "dimensions multiples of 4; pad the token count)");
+    }
+    if (p.fast_accum) {
+      return UnimplementedError("GemmParams.fast_accum = true with " + scheme +
+                                ": blockwise scaling always promotes the accumulation");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+std::string_view GemmScaleSchemeName(GemmScaleScheme scheme) {
+  switch (scheme) {
+    case GemmScaleScheme::kPerTokenChannel:
+      return "per_token_channel";
+    case GemmScaleScheme::kBlockwise:
+      return "blockwise";
+    default:
+      return "per_tensor";
+  }
+}
+
+StatusOr<GemmScaleScheme> ParseGemmScaleScheme(std::string_view name) {
+  if (name == "per_tensor") return GemmScaleScheme::kPerTensor;
+  if (name == "per_token_channel") return GemmScaleScheme::kPerTokenChannel;
+  if (name == "blockwise") return GemmScaleScheme::kBlockwise;
+  return InvalidArgumentError("GEMM scale scheme '" + std::string(name) +
+                              "': allowed values are per_tensor, per_token_channel, blockwise");
+}
+
+int64_t GemmAScaleCount(const GemmParams& p) {
+  switch (p.scale_scheme) {
+    case GemmScaleScheme::kPerTokenChannel:
+      return p.m;
+    case GemmScaleScheme::kBlockwise:
+      return (p.k + kGemmScaleBlock - 1) / kGemmScaleBlock * p.m;
+    default:
+      return 1;
+  }
+}
+
+int64_t GemmBScaleCount(const GemmParams& p) {
+  switch (p.scale_scheme) {
+    case GemmScaleScheme::kPerTokenChannel:
+      return p.n;
+    case GemmScaleScheme::kBlockwise:
+      return (p.n + kGemmScaleBlock - 1) / kGemmScaleBlock * BlockwiseWeightScalePitch(p.k);
+    default:
+      return 1;
+  }
+}
 
 Status ValidateGemmParams(const GemmParams& p) {
   if (p.m <= 0) return InvalidArgumentError("GemmParams.m = " + Str(p.m) + ": must be > 0");
@@ -266,6 +363,17 @@ Status ValidateGemmParams(const GemmParams& p) {
   if (fp8_out && UsesC(p)) {
     return UnimplementedError("GemmParams.beta = " + std::to_string(p.beta) +
                               ": accumulating into C is not supported with an FP8 output");
+  }
+
+  if (p.scale_scheme != GemmScaleScheme::kPerTensor &&
+      p.scale_scheme != GemmScaleScheme::kPerTokenChannel &&
+      p.scale_scheme != GemmScaleScheme::kBlockwise) {
+    return InvalidArgumentError(
+        "GemmParams.scale_scheme = " + std::to_string(static_cast<int>(p.scale_scheme)) +
+        " is not a GemmScaleScheme value");
+  }
+  if (p.scale_scheme != GemmScaleScheme::kPerTensor) {
+    TP_RETURN_IF_ERROR(CheckScaleScheme(p, fp8));
   }
 
   const GemmParams r = Resolve(p);
@@ -396,6 +504,10 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
   const int64_t b_elems = Span(r.n, r.ldb, r.batch, r.stride_b);
   const int64_t c_elems = UsesC(r) ? Span(r.m, r.ldc, r.batch, r.stride_c) : 0;
   const int64_t d_elems = Span(r.m, r.ldd, r.batch, r.stride_d);
+  // Scale / amax slots 16 bytes apart (cuBLASLt's alignment): A's scales, B's, D's, amax.
+  auto round4 = [](int64_t v) { return (v + 3) / 4 * 4; };
+  const int64_t a_scales = round4(GemmAScaleCount(r)), b_scales = round4(GemmBScaleCount(r));
+  const int64_t scale_floats = a_scales + b_scales + 8;
   DeviceBuffer ws, a, b, c, d, scales;
   Status allocated = [&]() -> Status {
     TP_ASSIGN_OR_RETURN(ws, DeviceBuffer::Allocate(workspace.size(), name + ".time_ws"));
@@ -404,7 +516,8 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
     TP_ASSIGN_OR_RETURN(d, DeviceBuffer::Allocate(Bytes(d_elems, r.d_type), name + ".time_d"));
     TP_ASSIGN_OR_RETURN(
         c, DeviceBuffer::Allocate(Bytes(c_elems, DataType::kBFloat16), name + ".time_c"));
-    TP_ASSIGN_OR_RETURN(scales, DeviceBuffer::Allocate(16 * sizeof(float), name + ".time_scales"));
+    TP_ASSIGN_OR_RETURN(
+        scales, DeviceBuffer::Allocate(scale_floats * sizeof(float), name + ".time_scales"));
     return Status::Ok();
   }();
   if (allocated.code() == StatusCode::kResourceExhausted) {
@@ -420,15 +533,15 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
   }
   TP_RETURN_IF_ERROR(LaunchRandomUniform(a.data(), r.a_type, a_elems, 1, 1.0f, s));
   TP_RETURN_IF_ERROR(LaunchRandomUniform(b.data(), r.b_type, b_elems, 2, 1.0f, s));
-  // Scale / amax slots 16 bytes apart (cuBLASLt's alignment), all 1.
-  static const float kOnes[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-  TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), kOnes, sizeof kOnes, cudaMemcpyHostToDevice, s));
+  // All scales 1 (the bits of 1.0f).
+  TP_RETURN_IF_ERROR(LaunchFillPattern(scales.data(), static_cast<size_t>(scale_floats),
+                                       sizeof(float), 0x3F800000u, s));
   GemmParams t = r;
   float* sc = scales.as<float>();
   if (t.a_scale != nullptr) t.a_scale = sc;
-  if (t.b_scale != nullptr) t.b_scale = sc + 4;
-  if (t.d_quant_scale != nullptr) t.d_quant_scale = sc + 8;
-  if (t.d_amax != nullptr) t.d_amax = sc + 12;
+  if (t.b_scale != nullptr) t.b_scale = sc + a_scales;
+  if (t.d_quant_scale != nullptr) t.d_quant_scale = sc + a_scales + b_scales;
+  if (t.d_amax != nullptr) t.d_amax = sc + a_scales + b_scales + 4;
   TP_RETURN_IF_ERROR(SetScalePointers(plan.desc.get(), t));
   const void* c_arg =
       c_elems > 0 ? c.data() : (r.d_type == DataType::kBFloat16 ? d.data() : nullptr);
@@ -501,6 +614,19 @@ StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& 
   if (r.sm_count_target > 0) {
     TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
                                    static_cast<int32_t>(r.sm_count_target)));
+  }
+  if (IsFp8Gemm(r) && r.scale_scheme != GemmScaleScheme::kPerTensor) {
+    // Swapped as the scale pointers are: cuBLAS's A is our weight B, its B our activations A.
+    // Per token/channel: cuBLAS's A scale has one float per row of its op(A) (= our n), its B
+    // scale one per column of op(B) (= our m). Blockwise: our weight's 128x128 blocks are its
+    // A's BLK128x128 (K-major), our activations' 1x128 groups its B's VEC128 (N-major).
+    const bool outer = r.scale_scheme == GemmScaleScheme::kPerTokenChannel;
+    const int32_t weight_mode = outer ? CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+                                      : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t act_mode = outer ? CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+                                   : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, weight_mode));
+    TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, act_mode));
   }
   // The heuristic may depend on which scale/amax pointers are set (not on their values).
   TP_RETURN_IF_ERROR(SetScalePointers(raw_desc, r));

@@ -14,6 +14,11 @@
 //   A, B BF16     → D BF16          optional C (BF16) and beta
 // C, when used, is always BF16.
 //
+// FP8 scale schemes (GemmScaleScheme below): besides one scale per tensor, a scale per row of
+// A (token) and per row of B (output channel), or per 1x128 group of A and per 128x128 block
+// of B. Those two need D BF16, beta 0 and batch 1 (what cuBLASLt documents and this class
+// tests); the block scheme also k % 128 == 0, n % 128 == 0, m % 4 == 0 and no fast_accum.
+//
 // Strided batch: item i reads A + i*stride_a, B + i*stride_b (0: the same weight for every
 // item), C + i*stride_c and writes D + i*stride_d (all strides in elements). The AG+GEMM
 // executor uses this to compute the tp row blocks of one chunk in one launch.
@@ -51,6 +56,36 @@
 
 namespace tpserve {
 
+// How the FP8 *dequantization* scales a_scale (of A, the activations) and b_scale (of B, the
+// weight) are laid out; with the scales, D[i,j] = alpha * sum_kk sa(i,kk) * A[i,kk] *
+// sb(j,kk) * B[j,kk] (+ beta * C[i,j]). In cuBLASLt's column-major terms A is its B operand
+// and B its A operand (see the top of the file), so our per-row-of-A scales are its per-column
+// scales of B and vice versa; this class does that mapping.
+enum class GemmScaleScheme {
+  // sa = a_scale[0], sb = b_scale[0] (each nullptr: 1). cuBLASLt SCALAR_32F.
+  kPerTensor,
+  // Per token and per output channel: sa(i,kk) = a_scale[i] (m floats), sb(j,kk) = b_scale[j]
+  // (n floats). cuBLASLt OUTER_VEC_32F on both operands.
+  kPerTokenChannel,
+  // Blockwise: A in 1x128 groups along k, sa(i,kk) = a_scale[(kk / 128) * m + i] (k/128
+  // columns of m floats: token-major, cuBLASLt VEC128_32F); B in 128x128 blocks,
+  // sb(j,kk) = b_scale[(j / 128) * BlockwiseWeightScalePitch(k) + kk / 128] (n/128 rows of
+  // k/128 floats padded to a multiple of 4: cuBLASLt BLK128x128_32F, K-major).
+  kBlockwise,
+};
+// "per_tensor" | "per_token_channel" | "blockwise".
+std::string_view GemmScaleSchemeName(GemmScaleScheme scheme);
+// INVALID_ARGUMENT naming the allowed values.
+StatusOr<GemmScaleScheme> ParseGemmScaleScheme(std::string_view name);
+
+// The group / block edge of GemmScaleScheme::kBlockwise.
+inline constexpr int64_t kGemmScaleBlock = 128;
+// Floats between consecutive 128-row blocks of a kBlockwise b_scale: k/128 rounded up to a
+// multiple of 4 (cuBLASLt wants the stride between its columns 16-byte aligned).
+inline constexpr int64_t BlockwiseWeightScalePitch(int64_t k) {
+  return ((k + kGemmScaleBlock - 1) / kGemmScaleBlock + 3) / 4 * 4;
+}
+
 struct GemmParams {
   // Problem size: D is m×n, the reduction is over k. All must be > 0. FP8: k % 16 == 0 and
   // n % 16 == 0 (cuBLASLt FP8 on Hopper); m is free.
@@ -81,10 +116,14 @@ struct GemmParams {
   int64_t stride_c = 0;
   int64_t stride_d = 0;
 
-  // Per-tensor *dequantization* scales of A and B (real value = fp8 code * scale), as float
-  // device pointers. FP8 only; nullptr means 1. Must be nullptr for BF16 inputs.
+  // *Dequantization* scales of A and B (real value = fp8 code * scale), as float device
+  // pointers laid out as scale_scheme says (GemmAScaleCount / GemmBScaleCount floats).
+  // FP8 only; must be nullptr for BF16 inputs. kPerTensor: nullptr means 1; the other
+  // schemes need both.
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
+  // FP8 only (BF16 inputs must leave it kPerTensor). Part of the plan key.
+  GemmScaleScheme scale_scheme = GemmScaleScheme::kPerTensor;
   // FP8 output only: the *quantization multiplier* of D, cuBLASLt's D_SCALE_POINTER:
   // D = sat_e4m3(*d_quant_scale * result), i.e. 1 / (D's dequantization scale). nullptr: 1.
   const float* d_quant_scale = nullptr;
@@ -103,6 +142,11 @@ struct GemmParams {
   // on the others); 0 = all SMs of the device.
   int sm_count_target = 0;
 };
+
+// Floats that a_scale / b_scale must hold for p.scale_scheme (1, m or k/128*m for A; 1, n or
+// n/128*BlockwiseWeightScalePitch(k) for B). Pure; meaningful for params that validate.
+int64_t GemmAScaleCount(const GemmParams& p);
+int64_t GemmBScaleCount(const GemmParams& p);
 
 // Checks a GemmParams against this class's contract (everything but pointer alignment, which
 // Run() checks). INVALID_ARGUMENT naming the field for a bad value, UNIMPLEMENTED for a type

@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -144,6 +145,93 @@ __global__ void ScaleFromAmaxKernel(const float* __restrict__ amax, int count,
   *scale = m == 0.0f ? 1.0f : fmaxf(__fdiv_rn(m, 448.0f), 1.40129846e-45f);
 }
 
+// As ScaleFromAmax (layers/fp8.cc) and ScaleFromAmaxKernel above.
+__device__ __forceinline__ float ScaleFromAmaxE4M3(float m) {
+  return m == 0.0f ? 1.0f : fmaxf(__fdiv_rn(m, 448.0f), 1.40129846e-45f);
+}
+
+// One block per row (grid-stride over rows): a pass for the row's amax, then a pass that
+// quantizes (the second reads the row from L1/L2). 8 BF16 per 16-byte load.
+__global__ void QuantizePerRowKernel(const uint16_t* __restrict__ in, uint8_t* __restrict__ out,
+                                     float* __restrict__ scales, int64_t rows, int64_t cols,
+                                     int64_t in_ld, int64_t out_ld) {
+  constexpr int kVec = 8;
+  __shared__ float warp_max[kThreads / 32];
+  __shared__ float row_scale;
+  const int64_t vecs = cols / kVec;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const uint4* src = reinterpret_cast<const uint4*>(in + row * in_ld);
+    float m = 0.0f;
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+      const uint4 raw = src[v];
+      uint16_t vals[kVec];
+      memcpy(vals, &raw, sizeof raw);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) m = fmaxf(m, fabsf(ToFloat(vals[i])));
+    }
+    m = WarpMax(m);
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+      m = lane < kThreads / 32 ? warp_max[lane] : 0.0f;
+      m = WarpMax(m);
+      if (lane == 0) {
+        row_scale = ScaleFromAmaxE4M3(m);
+        scales[row] = row_scale;
+      }
+    }
+    __syncthreads();
+    const Fp8Divisor d = MakeFp8Divisor(row_scale);
+    uint2* dst = reinterpret_cast<uint2*>(out + row * out_ld);
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+      const uint4 raw = src[v];
+      uint16_t vals[kVec];
+      memcpy(vals, &raw, sizeof raw);
+      uint8_t q[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) q[i] = QuantizeToE4M3(ToFloat(vals[i]), d);
+      uint2 o;
+      memcpy(&o, q, sizeof o);
+      dst[v] = o;
+    }
+    __syncthreads();  // warp_max and row_scale are reused by the next row
+  }
+}
+
+// One warp per 1x128 group (grid-stride over groups, row-major order of (row, group)): each
+// lane loads 4 BF16 (8 bytes), the warp reduces the amax, each lane stores 4 codes.
+__global__ void QuantizePerGroup128Kernel(const uint16_t* __restrict__ in,
+                                          uint8_t* __restrict__ out, float* __restrict__ scales,
+                                          int64_t rows, int64_t groups_per_row, int64_t in_ld,
+                                          int64_t out_ld) {
+  const int lane = threadIdx.x & 31;
+  const int64_t total = rows * groups_per_row;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < total;
+       w += warps) {
+    const int64_t row = w / groups_per_row;
+    const int64_t g = w % groups_per_row;
+    const uint2 raw = reinterpret_cast<const uint2*>(in + row * in_ld + g * 128)[lane];
+    uint16_t vals[4];
+    memcpy(vals, &raw, sizeof raw);
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = fmaxf(m, fabsf(ToFloat(vals[i])));
+    m = WarpMax(m);
+    const float scale = ScaleFromAmaxE4M3(m);
+    if (lane == 0) scales[g * rows + row] = scale;
+    const Fp8Divisor d = MakeFp8Divisor(scale);
+    uint8_t q[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = QuantizeToE4M3(ToFloat(vals[i]), d);
+    uint32_t o;
+    memcpy(&o, q, sizeof o);
+    reinterpret_cast<uint32_t*>(out + row * out_ld + g * 128)[lane] = o;
+  }
+}
+
 template <typename T>
 __global__ void FillKernel(T* __restrict__ dst, size_t count, T value) {
   const size_t stride = GridThreads();
@@ -268,6 +356,60 @@ Status LaunchDequantizeFp8E4M3(const DequantizeFp8Params& p, cudaStream_t stream
       return UnimplementedError("DequantizeFp8Params.output_type = " + TypeName(p.output_type) +
                                 " is not supported; supported: bf16, f32");
   }
+}
+
+Status LaunchQuantizeFp8Dynamic(const QuantizeFp8DynamicParams& p, cudaStream_t stream) {
+  const bool per_row = p.granularity == Fp8ScaleGranularity::kPerRow;
+  if (!per_row && p.granularity != Fp8ScaleGranularity::kPerGroup128) {
+    return UnimplementedError(
+        "QuantizeFp8DynamicParams.granularity is not kPerRow or kPerGroup128");
+  }
+  if (p.rows < 0 || p.cols < 0) {
+    return InvalidArgumentError("QuantizeFp8DynamicParams: rows = " + std::to_string(p.rows) +
+                                ", cols = " + std::to_string(p.cols) + " must be >= 0");
+  }
+  if (p.rows == 0 || p.cols == 0) return Status::Ok();
+  const int64_t in_ld = p.input_ld == 0 ? p.cols : p.input_ld;
+  const int64_t out_ld = p.output_ld == 0 ? p.cols : p.output_ld;
+  if (p.input == nullptr || p.output == nullptr || p.scales == nullptr) {
+    return InvalidArgumentError(
+        "QuantizeFp8DynamicParams: input, output and scales must not be null");
+  }
+  const int64_t multiple = per_row ? 8 : 128;
+  if (p.cols % multiple != 0) {
+    return InvalidArgumentError("QuantizeFp8DynamicParams.cols = " + std::to_string(p.cols) +
+                                " must be a multiple of " + std::to_string(multiple) +
+                                (per_row ? " (16-byte loads)" : " (whole 1x128 groups)"));
+  }
+  if (in_ld < p.cols || in_ld % 8 != 0) {
+    return InvalidArgumentError("QuantizeFp8DynamicParams.input_ld = " + std::to_string(in_ld) +
+                                " must be >= cols = " + std::to_string(p.cols) +
+                                " and a multiple of 8 (16 bytes of BF16)");
+  }
+  if (out_ld < p.cols || out_ld % 16 != 0) {
+    return InvalidArgumentError("QuantizeFp8DynamicParams.output_ld = " + std::to_string(out_ld) +
+                                " must be >= cols = " + std::to_string(p.cols) +
+                                " and a multiple of 16 (16 bytes of FP8)");
+  }
+  if (!IsAligned(p.input, 16) || !IsAligned(p.output, 16)) {
+    return InvalidArgumentError(
+        "QuantizeFp8DynamicParams: input and output must be 16-byte aligned");
+  }
+  if (!IsAligned(p.scales, alignof(float))) {
+    return InvalidArgumentError("QuantizeFp8DynamicParams.scales is not aligned to 4 bytes");
+  }
+  const uint16_t* in = static_cast<const uint16_t*>(p.input);
+  if (per_row) {
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(p.rows, 65535));
+    QuantizePerRowKernel<<<blocks, kThreads, 0, stream>>>(in, p.output, p.scales, p.rows, p.cols,
+                                                          in_ld, out_ld);
+  } else {
+    const int64_t groups = p.cols / 128;
+    QuantizePerGroup128Kernel<<<GridFor(p.rows * groups * 32), kThreads, 0, stream>>>(
+        in, p.output, p.scales, p.rows, groups, in_ld, out_ld);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
 }
 
 Status LaunchFillPattern(void* dst, size_t count, size_t element_bytes, uint32_t pattern,

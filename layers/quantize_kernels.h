@@ -60,6 +60,36 @@ struct DequantizeFp8Params {
 };
 Status LaunchDequantizeFp8E4M3(const DequantizeFp8Params& p, cudaStream_t stream);
 
+// Dynamic quantization of a BF16 matrix to FP8 E4M3 with scales computed on the fly, for the
+// GEMM's per-token and blockwise scale schemes (layers/cublaslt_gemm.h, GemmScaleScheme):
+//   kPerRow:      scales[i] = ScaleFromAmax(max_c |in[i][c]|), one float per row (token),
+//                 the layout of GemmScaleScheme::kPerTokenChannel's a_scale.
+//   kPerGroup128: scales[g * rows + i] = ScaleFromAmax(max |in[i][128g .. 128g+127]|), one
+//                 float per 1x128 group, token-major (column g of the groups is `rows`
+//                 consecutive floats): the layout of GemmScaleScheme::kBlockwise's a_scale
+//                 (cuBLASLt VEC128_32F) when rows is the GEMM's m.
+// ScaleFromAmax is layers/fp8.h's: amax / 448 (IEEE division, at least the smallest
+// subnormal), and 1 for an all-zero row or group (its codes are then zeros, and any scale
+// would dequantize them to zero; 1 keeps the scale finite and harmless). NaN elements are
+// skipped by the amax (their codes stay NaN); an infinite element makes the scale inf.
+// out[i][c] = FloatToFp8E4M3(in[i][c] / scale) exactly as layers/fp8.h computes it, so a CPU
+// reference built from layers/fp8.h matches bit for bit.
+// Contract: input and output 16-byte aligned, row pitches multiples of 16 bytes (input_ld % 8,
+// output_ld % 16), cols % 8 == 0 for kPerRow and cols % 128 == 0 for kPerGroup128; scales
+// 4-byte aligned (the GEMM wants 16). One launch, no allocation, no synchronisation.
+enum class Fp8ScaleGranularity { kPerRow, kPerGroup128 };
+struct QuantizeFp8DynamicParams {
+  const void* input = nullptr;  // rows x cols BF16, row pitch input_ld
+  uint8_t* output = nullptr;    // rows x cols FP8 E4M3 codes, row pitch output_ld
+  float* scales = nullptr;      // rows (kPerRow) or rows * cols / 128 (kPerGroup128) floats
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t input_ld = 0;   // elements; 0 = cols
+  int64_t output_ld = 0;  // elements; 0 = cols
+  Fp8ScaleGranularity granularity = Fp8ScaleGranularity::kPerRow;
+};
+Status LaunchQuantizeFp8Dynamic(const QuantizeFp8DynamicParams& p, cudaStream_t stream);
+
 // NaN bit patterns that arithmetic never produces (CUDA's canonical NaNs are 0x7FFF /
 // 0x7FFFFFFF; E4M3 has only 0x7F/0xFF), so a poisoned element that survives a kernel is
 // recognisably unwritten.

@@ -8,6 +8,8 @@
 //   BF16-output GEMMs:  relative Frobenius error ||out - ref|| / ||ref|| <= 1e-2.
 //   FP8-output GEMMs:   every element within one E4M3 ulp of ref * d_quant_scale, relative
 //                       Frobenius error <= 5e-2 (3 mantissa bits), amax within 1e-3 relative.
+//   Scaled (per token/channel, blockwise) GEMMs: relative Frobenius error <= 2^-8, from BF16
+//                       output rounding (see kScaledGemmTolerance).
 //   Quantize, amax, dequantize kernels: bit-exact.
 // Every test skips when no CUDA device is present.
 #include <cuda_runtime_api.h>
@@ -1344,6 +1346,430 @@ TEST_F(GpuTest, SumSlotsMatchesSlotOrderFp32SumExactly) {
   bad.num_slots = kMaxSumSlots + 1;
   bad.count = 8;
   EXPECT_EQ(LaunchSumSlotsBf16(bad, stream()).code(), StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 scale schemes (GemmScaleScheme) and the dynamic quantize kernels that feed them.
+//
+// Tolerance of the scaled GEMMs: the output is BF16, whose rounding moves each element by at
+// most 2^-9 of its value, so the rounding alone gives a relative Frobenius error <= 2^-9; FP32
+// accumulation of K <= 640 products adds orders of magnitude less. 2^-8 leaves a factor of 2
+// and still fails a scale applied to the wrong row or block (the tests below show the
+// reference with swapped or mis-laid-out scales misses it by far more).
+constexpr double kScaledGemmTolerance = 1.0 / 256.0;
+
+// BF16 activations whose rows (and 1x128 groups) differ in magnitude by up to 2^12, so that
+// per-row and per-group scales differ; row 3 is all zeros (scale 1 rule) when rows > 3.
+std::vector<BFloat16> SpreadBf16Matrix(int64_t rows, int64_t cols, int64_t ld, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-6, 6);
+  std::vector<BFloat16> m(static_cast<size_t>(rows * ld), BFloat16{kBf16PoisonBits});
+  for (int64_t r = 0; r < rows; ++r) {
+    const float row_mag = std::ldexp(1.0f, exponent(rng));
+    for (int64_t c = 0; c < cols; ++c) {
+      const float group_mag = std::ldexp(1.0f, static_cast<int>((r * 7 + c / 128) % 7) - 3);
+      const float v = r == 3 ? 0.0f : unit(rng) * row_mag * group_mag;
+      m[r * ld + c] = FloatToBFloat16(v);
+    }
+  }
+  return m;
+}
+
+// CPU reference of LaunchQuantizeFp8Dynamic: codes (row pitch cols) and scales.
+void ReferenceDynamicQuantize(const std::vector<BFloat16>& in, int64_t rows, int64_t cols,
+                              int64_t ld, Fp8ScaleGranularity g, std::vector<uint8_t>* codes,
+                              std::vector<float>* scales) {
+  const int64_t group = g == Fp8ScaleGranularity::kPerRow ? cols : 128;
+  const int64_t groups = cols / group;
+  codes->assign(static_cast<size_t>(rows * cols), 0);
+  scales->assign(static_cast<size_t>(rows * groups), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      std::vector<float> vals(static_cast<size_t>(group));
+      for (int64_t c = 0; c < group; ++c) vals[c] = BFloat16ToFloat(in[r * ld + gi * group + c]);
+      const float scale = ScaleFromAmax(Amax(vals), Fp8Format::kE4M3);
+      (*scales)[gi * rows + r] = scale;  // per row: gi == 0, so scales[r]
+      for (int64_t c = 0; c < group; ++c) {
+        (*codes)[r * cols + gi * group + c] = FloatToFp8E4M3(vals[c] / scale);
+      }
+    }
+  }
+}
+
+struct QuantizeCase {
+  int64_t rows, cols;
+  Fp8ScaleGranularity granularity;
+};
+
+class DynamicQuantizeTest : public GpuTest, public ::testing::WithParamInterface<QuantizeCase> {};
+
+TEST_P(DynamicQuantizeTest, CodesAndScalesAreBitExactWithCpuReference) {
+  const QuantizeCase qc = GetParam();
+  // Padded pitches (input by 16 bytes, output to the next 16-byte multiple plus 16).
+  const int64_t in_ld = qc.cols + 8, out_ld = (qc.cols + 15) / 16 * 16 + 16;
+  const std::vector<BFloat16> x =
+      SpreadBf16Matrix(qc.rows, qc.cols, in_ld, static_cast<uint32_t>(qc.rows * 13 + qc.cols));
+  const int64_t groups = qc.granularity == Fp8ScaleGranularity::kPerRow ? 1 : qc.cols / 128;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dx, Upload(x, "x"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dq, DeviceBuffer::Allocate(qc.rows * out_ld, "q"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer ds, DeviceBuffer::Allocate(qc.rows * groups * 4, "s"));
+  TP_ASSERT_OK(LaunchPoisonFill(dq.data(), DataType::kFloat8E4M3, qc.rows * out_ld, stream()));
+  TP_ASSERT_OK(LaunchPoisonFill(ds.data(), DataType::kFloat32, qc.rows * groups, stream()));
+  QuantizeFp8DynamicParams p;
+  p.input = dx.data();
+  p.output = dq.as<uint8_t>();
+  p.scales = ds.as<float>();
+  p.rows = qc.rows;
+  p.cols = qc.cols;
+  p.input_ld = in_ld;
+  p.output_ld = out_ld;
+  p.granularity = qc.granularity;
+  TP_ASSERT_OK(LaunchQuantizeFp8Dynamic(p, stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> q, Download<uint8_t>(dq.data(), qc.rows * out_ld));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<float> s, Download<float>(ds.data(), qc.rows * groups));
+
+  std::vector<uint8_t> ref_codes;
+  std::vector<float> ref_scales;
+  ReferenceDynamicQuantize(x, qc.rows, qc.cols, in_ld, qc.granularity, &ref_codes, &ref_scales);
+  size_t bad_scales = 0, bad_codes = 0, touched_padding = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    uint32_t got_bits, ref_bits;
+    std::memcpy(&got_bits, &s[i], 4);
+    std::memcpy(&ref_bits, &ref_scales[i], 4);
+    if (got_bits != ref_bits && bad_scales++ < 5) {
+      ADD_FAILURE() << "scale " << i << ": got " << s[i] << ", want " << ref_scales[i];
+    }
+  }
+  for (int64_t r = 0; r < qc.rows; ++r) {
+    for (int64_t c = 0; c < out_ld; ++c) {
+      const uint8_t got = q[r * out_ld + c];
+      if (c >= qc.cols) {
+        touched_padding += got != kFp8E4M3PoisonBits;
+      } else if (got != ref_codes[r * qc.cols + c] && bad_codes++ < 5) {
+        ADD_FAILURE() << "code (" << r << ", " << c << "): got " << int{got} << ", want "
+                      << int{ref_codes[r * qc.cols + c]};
+      }
+    }
+  }
+  EXPECT_EQ(bad_scales, 0u);
+  EXPECT_EQ(bad_codes, 0u);
+  EXPECT_EQ(touched_padding, 0u) << "wrote into the output_ld padding";
+  // The zero row's scale is 1 (row 3, every group).
+  for (int64_t gi = 0; gi < groups; ++gi) EXPECT_EQ(s[gi * qc.rows + 3], 1.0f);
+}
+
+std::string QuantizeCaseName(const ::testing::TestParamInfo<QuantizeCase>& info) {
+  return std::string(info.param.granularity == Fp8ScaleGranularity::kPerRow ? "per_row"
+                                                                            : "per_group128") +
+         "_m" + std::to_string(info.param.rows) + "_k" + std::to_string(info.param.cols);
+}
+
+INSTANTIATE_TEST_SUITE_P(AwkwardShapes, DynamicQuantizeTest,
+                         ::testing::Values(QuantizeCase{37, 640, Fp8ScaleGranularity::kPerRow},
+                                           QuantizeCase{1002, 648, Fp8ScaleGranularity::kPerRow},
+                                           QuantizeCase{5, 14336, Fp8ScaleGranularity::kPerRow},
+                                           QuantizeCase{37, 640, Fp8ScaleGranularity::kPerGroup128},
+                                           QuantizeCase{1002, 1024,
+                                                        Fp8ScaleGranularity::kPerGroup128}),
+                         QuantizeCaseName);
+
+TEST_F(GpuTest, DynamicQuantizeRejectsShapesItsKernelsCannotTake) {
+  QuantizeFp8DynamicParams p;
+  p.input = reinterpret_cast<const void*>(uintptr_t{256});
+  p.output = reinterpret_cast<uint8_t*>(uintptr_t{512});
+  p.scales = reinterpret_cast<float*>(uintptr_t{1024});
+  p.rows = 4;
+  p.cols = 200;
+  p.granularity = Fp8ScaleGranularity::kPerGroup128;
+  ExpectRejected(LaunchQuantizeFp8Dynamic(p, stream()), StatusCode::kInvalidArgument, "cols");
+  p.cols = 256;
+  p.output_ld = 264;
+  ExpectRejected(LaunchQuantizeFp8Dynamic(p, stream()), StatusCode::kInvalidArgument, "output_ld");
+  p.output_ld = 0;
+  p.input = reinterpret_cast<const void*>(uintptr_t{258});
+  ExpectRejected(LaunchQuantizeFp8Dynamic(p, stream()), StatusCode::kInvalidArgument, "aligned");
+}
+
+// One scaled GEMM: A comes from BF16 activations through LaunchQuantizeFp8Dynamic (so the
+// kernel's scale layout is what cuBLASLt reads), B is random FP8 with random scales of the
+// scheme's layout spread over 2^-6..2^2. The reference is computed in double from the
+// downloaded codes and scales. Returns the dequantized operands for the caller's own checks.
+struct ScaledGemmRun {
+  std::vector<uint8_t> a_codes, b_codes;
+  std::vector<float> a_scales, b_scales;
+  std::vector<double> out;  // m x n
+};
+
+void RunScaledGemm(GemmScaleScheme scheme, int64_t m, int64_t n, int64_t k, uint32_t seed,
+                   cudaStream_t stream, ScaledGemmRun* run) {
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.scale_scheme = scheme;
+  const int64_t a_count = GemmAScaleCount(p), b_count = GemmBScaleCount(p);
+
+  const std::vector<BFloat16> x = SpreadBf16Matrix(m, k, k, seed);
+  run->b_codes = RandomFp8Matrix(n, k, k, -448.0f, 448.0f, seed + 1);
+  std::mt19937 rng(seed + 2);
+  std::uniform_real_distribution<float> log2_scale(-6.0f, 2.0f);
+  run->b_scales.assign(static_cast<size_t>(b_count), 0.0f);
+  for (float& v : run->b_scales) v = std::exp2(log2_scale(rng));
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dx, Upload(x, "x"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(run->b_codes, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, Upload(run->b_scales, "b_scales"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, DeviceBuffer::Allocate(m * k, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceBuffer::Allocate(a_count * 4, "a_scales"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(m * n * 2, "D"));
+  TP_ASSERT_OK(LaunchPoisonFill(dsa.data(), DataType::kFloat32, a_count, stream));
+  TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kBFloat16, m * n, stream));
+
+  if (scheme == GemmScaleScheme::kPerTensor) {
+    // Per tensor: the scalar scale from the amax of the whole tensor.
+    AbsMaxParams ap;
+    ap.input = dx.data();
+    ap.count = static_cast<size_t>(m * k);
+    ap.amax = dsa.as<float>();
+    TP_ASSERT_OK(LaunchAbsMax(ap, stream));
+    TP_ASSERT_OK(LaunchScaleFromAmax(dsa.as<float>(), 1, dsa.as<float>(), stream));
+    QuantizeFp8Params qp;
+    qp.input = dx.data();
+    qp.output = da.as<uint8_t>();
+    qp.count = static_cast<size_t>(m * k);
+    qp.scale = dsa.as<float>();
+    TP_ASSERT_OK(LaunchQuantizeToFp8E4M3(qp, stream));
+  } else {
+    QuantizeFp8DynamicParams qp;
+    qp.input = dx.data();
+    qp.output = da.as<uint8_t>();
+    qp.scales = dsa.as<float>();
+    qp.rows = m;
+    qp.cols = k;
+    qp.granularity = scheme == GemmScaleScheme::kBlockwise ? Fp8ScaleGranularity::kPerGroup128
+                                                           : Fp8ScaleGranularity::kPerRow;
+    TP_ASSERT_OK(LaunchQuantizeFp8Dynamic(qp, stream));
+  }
+
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("scaled_gemm_test"));
+  p.a_scale = dsa.as<float>();
+  p.b_scale = dsb.as<float>();
+  TP_ASSERT_OK(gemm.Prepare(p));
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+
+  TP_ASSERT_OK_AND_ASSIGN(run->a_codes, Download<uint8_t>(da.data(), m * k));
+  TP_ASSERT_OK_AND_ASSIGN(run->a_scales, Download<float>(dsa.data(), a_count));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<BFloat16> out, Download<BFloat16>(dd.data(), m * n));
+  run->out = Bf16Block(out, 0, m, n, n);
+}
+
+// sa(i, kk) and sb(j, kk) of the scheme's layout (see GemmScaleScheme), given the vectors.
+double ActScale(GemmScaleScheme s, const std::vector<float>& sa, int64_t m, int64_t i, int64_t kk) {
+  switch (s) {
+    case GemmScaleScheme::kPerTokenChannel:
+      return sa[i];
+    case GemmScaleScheme::kBlockwise:
+      return sa[(kk / 128) * m + i];
+    default:
+      return sa[0];
+  }
+}
+double WeightScale(GemmScaleScheme s, const std::vector<float>& sb, int64_t k, int64_t j,
+                   int64_t kk) {
+  switch (s) {
+    case GemmScaleScheme::kPerTokenChannel:
+      return sb[j];
+    case GemmScaleScheme::kBlockwise:
+      return sb[(j / 128) * BlockwiseWeightScalePitch(k) + kk / 128];
+    default:
+      return sb[0];
+  }
+}
+
+// FP64 reference: D[i,j] = sum_kk (A[i,kk] sa(i,kk)) (B[j,kk] sb(j,kk)). The dequantized
+// operands are exact in double (4-bit codes times 24-bit scales).
+std::vector<double> ReferenceScaledGemm(GemmScaleScheme s, const std::vector<uint8_t>& a,
+                                        const std::vector<float>& sa, const std::vector<uint8_t>& b,
+                                        const std::vector<float>& sb, int64_t m, int64_t n,
+                                        int64_t k) {
+  std::vector<double> ad(static_cast<size_t>(m * k)), bd(static_cast<size_t>(n * k));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t kk = 0; kk < k; ++kk) {
+      ad[i * k + kk] = Fp8E4M3ToFloat(a[i * k + kk]) * ActScale(s, sa, m, i, kk);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t kk = 0; kk < k; ++kk) {
+      bd[j * k + kk] = Fp8E4M3ToFloat(b[j * k + kk]) * WeightScale(s, sb, k, j, kk);
+    }
+  }
+  std::vector<double> out(static_cast<size_t>(m * n));
+  const unsigned threads = std::clamp(std::thread::hardware_concurrency(), 1u, 64u);
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int64_t i = t; i < m; i += threads) {
+        for (int64_t j = 0; j < n; ++j) {
+          double acc = 0.0;
+          for (int64_t kk = 0; kk < k; ++kk) acc += ad[i * k + kk] * bd[j * k + kk];
+          out[i * n + j] = acc;
+        }
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  return out;
+}
+
+struct ScaledShape {
+  GemmScaleScheme scheme;
+  int64_t m, n, k;
+};
+
+class ScaledGemmTest : public GpuTest, public ::testing::WithParamInterface<ScaledShape> {};
+
+TEST_P(ScaledGemmTest, MatchesFp64ReferenceOfTheSameCodesAndScales) {
+  const ScaledShape s = GetParam();
+  ScaledGemmRun run;
+  RunScaledGemm(s.scheme, s.m, s.n, s.k, static_cast<uint32_t>(s.m * 3 + s.n + s.k), stream(),
+                &run);
+  if (HasFatalFailure()) return;
+  const std::vector<double> ref = ReferenceScaledGemm(s.scheme, run.a_codes, run.a_scales,
+                                                      run.b_codes, run.b_scales, s.m, s.n, s.k);
+  const Comparison c = Compare(run.out, ref);
+  EXPECT_EQ(c.nan_count, 0u) << "unwritten (poisoned) or NaN output elements";
+  EXPECT_LE(c.rel_frobenius, kScaledGemmTolerance);
+}
+
+std::string ScaledShapeName(const ::testing::TestParamInfo<ScaledShape>& info) {
+  return std::string(GemmScaleSchemeName(info.param.scheme)) + "_m" + std::to_string(info.param.m) +
+         "_n" + std::to_string(info.param.n) + "_k" + std::to_string(info.param.k);
+}
+
+// Blockwise needs m % 4 == 0 (cuBLASLt), so its awkward M are 36 and 1004.
+INSTANTIATE_TEST_SUITE_P(
+    AwkwardShapes, ScaledGemmTest,
+    ::testing::Values(ScaledShape{GemmScaleScheme::kPerTensor, 37, 384, 640},
+                      ScaledShape{GemmScaleScheme::kPerTokenChannel, 37, 384, 640},
+                      ScaledShape{GemmScaleScheme::kPerTokenChannel, 1002, 1040, 256},
+                      ScaledShape{GemmScaleScheme::kBlockwise, 36, 384, 640},
+                      ScaledShape{GemmScaleScheme::kBlockwise, 1004, 384, 640},
+                      ScaledShape{GemmScaleScheme::kBlockwise, 1004, 1024, 1152}),
+    ScaledShapeName);
+
+// The tolerance can fail: the same output against a reference whose scales are applied to the
+// wrong rows (per token/channel: activation and weight vectors swapped, m == n) or read in the
+// wrong layout (blockwise: the activation groups row-major instead of token-major) misses by
+// far more than the tolerance.
+TEST_F(GpuTest, ScaledGemmToleranceRejectsSwappedOrMisLaidOutScales) {
+  {
+    ScaledGemmRun run;
+    RunScaledGemm(GemmScaleScheme::kPerTokenChannel, 384, 384, 640, 77, stream(), &run);
+    if (HasFatalFailure()) return;
+    const std::vector<double> right =
+        ReferenceScaledGemm(GemmScaleScheme::kPerTokenChannel, run.a_codes, run.a_scales,
+                            run.b_codes, run.b_scales, 384, 384, 640);
+    const std::vector<double> swapped =
+        ReferenceScaledGemm(GemmScaleScheme::kPerTokenChannel, run.a_codes, run.b_scales,
+                            run.b_codes, run.a_scales, 384, 384, 640);
+    EXPECT_LE(Compare(run.out, right).rel_frobenius, kScaledGemmTolerance);
+    EXPECT_GT(Compare(run.out, swapped).rel_frobenius, 10 * kScaledGemmTolerance);
+  }
+  {
+    const int64_t m = 36, n = 384, k = 640, groups = k / 128;
+    ScaledGemmRun run;
+    RunScaledGemm(GemmScaleScheme::kBlockwise, m, n, k, 78, stream(), &run);
+    if (HasFatalFailure()) return;
+    std::vector<float> row_major(run.a_scales.size());
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t g = 0; g < groups; ++g) row_major[g * m + i] = run.a_scales[i * groups + g];
+    }
+    const std::vector<double> right = ReferenceScaledGemm(
+        GemmScaleScheme::kBlockwise, run.a_codes, run.a_scales, run.b_codes, run.b_scales, m, n, k);
+    const std::vector<double> wrong = ReferenceScaledGemm(
+        GemmScaleScheme::kBlockwise, run.a_codes, row_major, run.b_codes, run.b_scales, m, n, k);
+    EXPECT_LE(Compare(run.out, right).rel_frobenius, kScaledGemmTolerance);
+    EXPECT_GT(Compare(run.out, wrong).rel_frobenius, 10 * kScaledGemmTolerance);
+  }
+}
+
+TEST_F(GpuTest, ScaleSchemeIsPartOfThePlanKey) {
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer scales, DeviceBuffer::Allocate(64 << 10, "scales"));
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("scheme_key_test"));
+  GemmParams p;
+  p.m = 256;
+  p.n = 256;
+  p.k = 256;
+  p.a_scale = scales.as<float>();
+  p.b_scale = scales.as<float>() + 4096;
+  for (GemmScaleScheme s : {GemmScaleScheme::kPerTensor, GemmScaleScheme::kPerTokenChannel,
+                            GemmScaleScheme::kBlockwise}) {
+    p.scale_scheme = s;
+    TP_ASSERT_OK(gemm.Prepare(p));
+  }
+  EXPECT_EQ(gemm.num_plans(), 3u);
+}
+
+TEST(GemmScaleSchemeTest, ValidationNamesTheParameterOfUnsupportedCombinations) {
+  float dummy[4] = {};
+  GemmParams good;
+  good.m = 36;
+  good.n = 384;
+  good.k = 640;
+  good.a_scale = dummy;
+  good.b_scale = dummy;
+  good.scale_scheme = GemmScaleScheme::kBlockwise;
+  EXPECT_TRUE(ValidateGemmParams(good).ok()) << ValidateGemmParams(good).ToString();
+  EXPECT_EQ(GemmAScaleCount(good), 5 * 36);
+  EXPECT_EQ(GemmBScaleCount(good), 3 * 8);  // 5 k-blocks padded to 8
+
+  GemmParams p = good;
+  p.m = 37;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.m");
+  p = good;
+  p.k = 576;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.k");
+  p = good;
+  p.n = 400;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.n");
+  p = good;
+  p.fast_accum = true;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kUnimplemented, "GemmParams.fast_accum");
+  p = good;
+  p.d_type = DataType::kFloat8E4M3;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kUnimplemented, "GemmParams.d_type");
+  p = good;
+  p.a_scale = nullptr;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.a_scale");
+  p = good;
+  p.beta = 1.0f;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kUnimplemented, "GemmParams.beta");
+  p = good;
+  p.batch = 2;
+  p.stride_a = 36 * 640;
+  p.stride_d = 36 * 384;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kUnimplemented, "GemmParams.batch");
+  p = good;
+  p.a_type = p.b_type = DataType::kBFloat16;
+  p.a_scale = p.b_scale = nullptr;
+  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "GemmParams.scale_scheme");
+
+  // Per token/channel takes any m (outer vectors have no block shape).
+  p = good;
+  p.scale_scheme = GemmScaleScheme::kPerTokenChannel;
+  p.m = 37;
+  p.n = 1040;
+  p.k = 272;
+  EXPECT_TRUE(ValidateGemmParams(p).ok()) << ValidateGemmParams(p).ToString();
+  EXPECT_EQ(GemmAScaleCount(p), 37);
+  EXPECT_EQ(GemmBScaleCount(p), 1040);
+
+  EXPECT_EQ(ParseGemmScaleScheme("blockwise").value(), GemmScaleScheme::kBlockwise);
+  ExpectRejected(ParseGemmScaleScheme("rowwise").status(), StatusCode::kInvalidArgument,
+                 "per_token_channel");
 }
 
 }  // namespace
