@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -246,7 +247,7 @@ Status CudaModel::EnqueueSampling(int64_t seq_slots) {
   return LaunchSampling(s, st);
 }
 
-StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
+StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
   if (gen_ == nullptr) {
     return FailedPreconditionError(
         "CudaModel was created without a KV cache (CudaModelOptions.kv_blocks = 0)");
@@ -339,11 +340,31 @@ StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
   TP_CUDA_CHECK(cudaMemcpyAsync(g.dev.data(), g.host.get(),
                                 a.block_tables + seq_slots * g.width * 4, cudaMemcpyHostToDevice,
                                 st));
+  g.query_rows = query_rows;
+  return StepShape{m, seq_slots, sampled, query_rows};
+}
 
+StatusOr<StepResult> CudaModel::DownloadStep(int64_t sampled) {
+  Generation& g = *gen_;
+  cudaStream_t st = stream_.get();
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(g.out_host.get(), g.out.data(), g.slots * 8, cudaMemcpyDeviceToHost, st));
+  TP_RETURN_IF_ERROR(pool_->base().WaitStream(st));
+  StepResult result;
+  result.tokens.resize(sampled);
+  const int32_t* token = reinterpret_cast<const int32_t*>(g.out_host.get());
+  const float* log_prob = reinterpret_cast<const float*>(g.out_host.get()) + g.slots;
+  for (int64_t k = 0; k < sampled; ++k) result.tokens[k] = {token[k], log_prob[k]};
+  return result;
+}
+
+StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
+  TP_ASSIGN_OR_RETURN(const StepShape shape, UploadStep(step));
+  const int64_t m = shape.m, seq_slots = shape.seq_slots;
+  cudaStream_t st = stream_.get();
   // Pure decode steps replay a graph per (bucket, slots); the first one of each runs eagerly
   // (planning, NCCL's connections) and is then captured. Other steps run eagerly.
-  const bool decode = query_rows == 1;
-  g.query_rows = query_rows;
+  const bool decode = shape.query_rows == 1;
   const GraphKey key{overlap_, m, seq_slots};
   auto graph = decode ? step_graphs_.find(key) : step_graphs_.end();
   stepping_ = true;
@@ -351,27 +372,42 @@ StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
     bool* flag;
     ~Reset() { *flag = false; }
   } reset{&stepping_};
+  const bool timed = options_.time_passes;
+  if (timed) TP_RETURN_IF_ERROR(pass_start_.Record(st));
   if (graph != step_graphs_.end()) {
     TP_RETURN_IF_ERROR(graph->second.Launch(st));
   } else {
     TP_RETURN_IF_ERROR(PrepareBucket(m, seq_slots));
     TP_RETURN_IF_ERROR(Enqueue(m, seq_slots));
   }
-  TP_CUDA_CHECK(
-      cudaMemcpyAsync(g.out_host.get(), g.out.data(), g.slots * 8, cudaMemcpyDeviceToHost, st));
-  TP_RETURN_IF_ERROR(pool_->base().WaitStream(st));
+  if (timed) TP_RETURN_IF_ERROR(pass_end_.Record(st));
+  TP_ASSIGN_OR_RETURN(StepResult result, DownloadStep(shape.sampled));
+  if (timed) {
+    const StatusOr<float> pass_ms = CudaEvent::ElapsedMs(pass_start_, pass_end_);
+    last_pass_ms_ = pass_ms.ok() ? *pass_ms : std::nan("");
+  }
   if (decode && graph == step_graphs_.end() && options_.cuda_graphs) {
     TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
                         CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal,
                                                [&] { return Enqueue(m, seq_slots); }));
     step_graphs_.emplace(key, std::move(exec));
   }
-  StepResult result;
-  result.tokens.resize(sampled);
-  const int32_t* token = reinterpret_cast<const int32_t*>(g.out_host.get());
-  const float* log_prob = reinterpret_cast<const float*>(g.out_host.get()) + g.slots;
-  for (int64_t k = 0; k < sampled; ++k) result.tokens[k] = {token[k], log_prob[k]};
   return result;
+}
+
+StatusOr<std::vector<std::pair<std::string, double>>> CudaModel::ProfileStep(
+    const StepBatch& step) {
+  TP_ASSIGN_OR_RETURN(const StepShape shape, UploadStep(step));
+  TP_RETURN_IF_ERROR(PrepareBucket(shape.m, shape.seq_slots));
+  stepping_ = true;
+  std::vector<std::pair<const char*, CudaEvent>> marks;
+  stage_marks_ = &marks;
+  const Status enqueued = Enqueue(shape.m, shape.seq_slots);
+  stage_marks_ = nullptr;
+  stepping_ = false;
+  TP_RETURN_IF_ERROR(enqueued);
+  TP_RETURN_IF_ERROR(DownloadStep(shape.sampled).status());
+  return StagesFromMarks(marks, nullptr);
 }
 
 }  // namespace tpserve

@@ -110,12 +110,12 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   TP_ASSIGN_OR_RETURN(md.pass_start_, CudaEvent::Create(/*enable_timing=*/true));
   TP_ASSIGN_OR_RETURN(md.pass_end_, CudaEvent::Create(/*enable_timing=*/true));
   md.layers_.resize(config.num_hidden_layers);
-  return model;
   const std::vector<double> inv_freq = RopeInverseFrequencies(config);
   TP_ASSIGN_OR_RETURN(md.rope_inv_freq_,
                       DeviceBuffer::Allocate(inv_freq.size() * sizeof(double), "rope_inv_freq"));
   TP_CUDA_CHECK(cudaMemcpy(md.rope_inv_freq_.data(), inv_freq.data(),
                            inv_freq.size() * sizeof(double), cudaMemcpyHostToDevice));
+  return model;
 }
 
 Status CudaModel::AllocateActivations() {
@@ -494,13 +494,13 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
     rope.positions = stepping_ ? step_positions_ : positions_.as<int32_t>();
     rope.rows = m;
     rope.theta = c.rope_theta;
+    rope.inv_freq = rope_inv_freq_.as<double>();
     TP_RETURN_IF_ERROR(LaunchRope(rope, st));
     TP_RETURN_IF_ERROR(mark("rope"));
 
     if (stepping_) {  // paged: BF16 out (staged in attn_ for FP8 layers, quantized below)
       TP_RETURN_IF_ERROR(EnqueuePagedAttention(
           l, m, seq_slots, qkv_y, fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m)),
-    rope.inv_freq = rope_inv_freq_.as<double>();
           fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr));
     } else {
       AttentionParams at;
@@ -660,6 +660,11 @@ StatusOr<std::vector<std::pair<std::string, double>>> CudaModel::ProfileStages(
   stage_marks_ = nullptr;
   TP_RETURN_IF_ERROR(enqueued);
   TP_RETURN_IF_ERROR(pool_->base().WaitStream(stream_.get()));
+  return StagesFromMarks(marks, block_ms);
+}
+
+StatusOr<std::vector<std::pair<std::string, double>>> CudaModel::StagesFromMarks(
+    const std::vector<std::pair<const char*, CudaEvent>>& marks, std::vector<double>* block_ms) {
   std::vector<std::pair<std::string, double>> stages;
   if (block_ms != nullptr) block_ms->clear();
   double block = 0;  // the running block's stages so far

@@ -149,6 +149,11 @@ class CudaModel {
   StatusOr<std::vector<std::pair<std::string, double>>> ProfileStages(
       const TokenBatch& batch, std::vector<double>* block_ms = nullptr);
 
+  // ProfileStages for one generation step, run eagerly (not its graph): the same stages,
+  // attention being the paged KV write and paged attention, and head including sampling.
+  // The step's keys and values are written into the cache as Step would. Collective.
+  StatusOr<std::vector<std::pair<std::string, double>>> ProfileStep(const StepBatch& step);
+
   // Runs one batch per (bucket, sequence slots) that requests can reach
   // (eager, then capture): every graph exists before the first request, so
   // no request pays for planning or capture. Collective.
@@ -156,7 +161,7 @@ class CudaModel {
 
   const std::vector<int64_t>& buckets() const { return buckets_; }
 
-  // With options.time_passes, the last Forward's pass on the GPU, in milliseconds: from an
+  // With options.time_passes, the last Forward's (or Step's) pass on the GPU, in milliseconds: from an
   // event recorded just before its graph launch (or its eager enqueue) to one just after, on
   // the model's stream — the graph's execution and launch latency, without the batch upload,
   // the logits download or the host's own time (NaN if the events could not be read; 0
@@ -200,6 +205,17 @@ class CudaModel {
   // and a token for each.
   Status EnqueueSampling(int64_t seq_slots);
   size_t GenerationBytes() const;  // device memory of gen_ (0 without)
+  // Step's halves: validates the step and uploads it (one copy from pinned memory) on
+  // stream_; waits for the stream and reads the sampled tokens.
+  struct StepShape {
+    int64_t m = 0, seq_slots = 0, sampled = 0, query_rows = 0;
+  };
+  StatusOr<StepShape> UploadStep(const StepBatch& step);
+  StatusOr<StepResult> DownloadStep(int64_t sampled);
+  // ProfileStages' events (a null name at the start, then each stage's end) as stage totals
+  // in first-run order, and optionally per block.
+  static StatusOr<std::vector<std::pair<std::string, double>>> StagesFromMarks(
+      const std::vector<std::pair<const char*, CudaEvent>>& marks, std::vector<double>* block_ms);
   Status SetScales(Linear* out, float input_scale, float weight_scale, const std::string& name);
   // The TP layer `s` of block `block` at bucket `m` (its overlap knobs
   // resolved by name), made on first use and prepared for m.
@@ -245,6 +261,9 @@ class CudaModel {
   CudaLinear::SplitOutput pending_;
   std::vector<Layer> layers_;
   DeviceBuffer embed_, final_norm_, lm_head_;
+  // RoPE's inverse frequencies (RopeInverseFrequencies: plain or scaled), FP64 [head_dim/2],
+  // uploaded once at creation; every RoPE launch (Forward and Step) reads it.
+  DeviceBuffer rope_inv_freq_;
   // Batch metadata and activations.
   DeviceBuffer ids_, positions_, cu_seqlens_, error_flag_;
   DeviceBuffer x_, o_out_, down_out_, normed_, qkv_out_, gate_up_out_, full_, last_, logits_local_,
@@ -261,9 +280,6 @@ class CudaModel {
   std::vector<std::pair<const char*, CudaEvent>>* stage_marks_ = nullptr;
   size_t weight_bytes_ = 0;
   // Generation (engine/cuda_generation.cc). While stepping_, Enqueue runs a step: it reads
-  // RoPE's inverse frequencies (RopeInverseFrequencies: plain or scaled), FP64 [head_dim/2],
-  // uploaded once at creation; every RoPE launch (Forward and Step) reads it.
-  DeviceBuffer rope_inv_freq_;
   // ids, positions and the LM head's row selection from the step's upload (step_ids_ ...,
   // views into gen_'s buffer), attends over the paged cache and samples.
   struct Generation;

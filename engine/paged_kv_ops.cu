@@ -156,8 +156,8 @@ __global__ void PagedKvWriteKernel(KvWriteArgs a) {
 // ---------------------------------------------------------------------------------------------
 // Paged attention.
 //
-// A CTA of kAttnWarps warps owns up to kPairsPerCta (query row, head) pairs of one (sequence,
-// KV head): the pairs of a sequence and KV head are numbered row-major (pair = j * group + g),
+// A CTA of kAttnWarps warps owns up to kPairsPerCta = kAttnWarps x kPpw (query row, head) pairs
+// of one (sequence, KV head), kPpw being PairsPerWarp's 1, 2 or 4: the pairs of a sequence and KV head are numbered row-major (pair = j * group + g),
 // and tile t is pairs [t * kPairsPerCta, ...). Warp w holds pairs w, w + kAttnWarps, ... in
 // registers (its running max, sum and kHeadDim / 32 output dims per lane). The keys go by
 // tiles of 32, staged in shared memory as FP32 (K padded by one column so that lane = key
@@ -167,8 +167,10 @@ __global__ void PagedKvWriteKernel(KvWriteArgs a) {
 
 constexpr int kAttnWarps = 4;
 constexpr int kAttnThreads = kAttnWarps * 32;
-constexpr int kPairsPerWarp = 4;
-constexpr int kPairsPerCta = kAttnWarps * kPairsPerWarp;
+// Pairs per warp: 4 when a CTA's tile has query rows enough (prefill), fewer when it has
+// only one row's group of heads (decode), so that no warp computes scores for pairs that do
+// not exist; the kernel is instantiated for 1, 2 and 4.
+constexpr int kMaxPairsPerWarp = 4;
 constexpr int kKeyTile = 32;
 constexpr int64_t kMinSplitKeys = 256;
 constexpr int64_t kMaxSplits = 32;
@@ -211,14 +213,15 @@ __device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begi
   *ctx = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
 }
 
-template <int kHeadDim, bool kFp8>
+template <int kHeadDim, bool kFp8, int kPpw>
 __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a) {
+  constexpr int kPairsPerCta = kAttnWarps * kPpw;
   constexpr int kPerLane = kHeadDim / 32;
   constexpr int kVecs = kHeadDim / 8;
   __shared__ float k_s[kKeyTile][kHeadDim + 1];
   __shared__ __align__(16) float v_s[kKeyTile][kHeadDim];
   __shared__ __align__(16) float q_s[kPairsPerCta][kHeadDim];
-  __shared__ float p_s[kAttnWarps][kPairsPerWarp][32];
+  __shared__ float p_s[kAttnWarps][kPpw][32];
   __shared__ int64_t key_off_s[kKeyTile];  // element offset of the key's (block, head, slot); -1
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -254,10 +257,10 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
     // Keys this tile needs: up to the last pair's position, inside this split's range.
     const int last_row = (pair0 + npairs - 1) / a.group;
     const int key_end = min(first_pos + last_row + 1, key_hi);
-    int my_pos[kPairsPerWarp];
-    float m[kPairsPerWarp], l[kPairsPerWarp], acc[kPairsPerWarp][kPerLane];
+    int my_pos[kPpw];
+    float m[kPpw], l[kPpw], acc[kPpw][kPerLane];
 #pragma unroll
-    for (int k = 0; k < kPairsPerWarp; ++k) {
+    for (int k = 0; k < kPpw; ++k) {
       const int pr = warp + k * kAttnWarps;
       my_pos[k] = pr < npairs ? first_pos + (pair0 + pr) / a.group : -1;
       m[k] = -INFINITY;
@@ -303,15 +306,15 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
       __syncthreads();
 
       // Scores: lane = key.
-      float sc[kPairsPerWarp];
+      float sc[kPpw];
 #pragma unroll
-      for (int k = 0; k < kPairsPerWarp; ++k) sc[k] = 0.0f;
+      for (int k = 0; k < kPpw; ++k) sc[k] = 0.0f;
 #pragma unroll 8
       for (int d = 0; d < kHeadDim; d += 4) {
         const float k0 = k_s[lane][d], k1 = k_s[lane][d + 1], k2 = k_s[lane][d + 2],
                     k3 = k_s[lane][d + 3];
 #pragma unroll
-        for (int k = 0; k < kPairsPerWarp; ++k) {
+        for (int k = 0; k < kPpw; ++k) {
           const float4 qv = *reinterpret_cast<const float4*>(&q_s[warp + k * kAttnWarps][d]);
           sc[k] = fmaf(qv.x, k0, sc[k]);
           sc[k] = fmaf(qv.y, k1, sc[k]);
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
       const int key_pos = t0 + lane;
       const bool key_ok = key_off_s[lane] >= 0;
 #pragma unroll
-      for (int k = 0; k < kPairsPerWarp; ++k) {
+      for (int k = 0; k < kPpw; ++k) {
         const float score = key_ok && key_pos <= my_pos[k] ? sc[k] : -INFINITY;
         const float m_new = fmaxf(m[k], WarpMax(score));
         float p = 0.0f, alpha = 1.0f;
@@ -342,7 +345,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) vv[i] = v_s[key][lane + 32 * i];
 #pragma unroll
-        for (int k = 0; k < kPairsPerWarp; ++k) {
+        for (int k = 0; k < kPpw; ++k) {
           const float p = p_s[warp][k][key];
 #pragma unroll
           for (int i = 0; i < kPerLane; ++i) acc[k][i] = fmaf(p, vv[i], acc[k][i]);
@@ -352,7 +355,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
     }
 
 #pragma unroll
-    for (int k = 0; k < kPairsPerWarp; ++k) {
+    for (int k = 0; k < kPpw; ++k) {
       const int pr = warp + k * kAttnWarps;
       if (pr >= npairs) continue;
       const int pair = pair0 + pr, j = pair / a.group, g = pair % a.group;
@@ -383,51 +386,294 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
   }
 }
 
-// Merges the splits' partial results: out = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i.
-// Grid (sequence, row slots); a CTA loops over its sequence's rows.
-template <int kHeadDim>
-__global__ void __launch_bounds__(kAttnThreads) PagedAttentionCombineKernel(AttnArgs a) {
-  const int s = blockIdx.x;
-  int row_begin, n, ctx;
-  SequenceRows(a, s, &row_begin, &n, &ctx);
-  const int64_t per_row = static_cast<int64_t>(a.q_heads) * kHeadDim;
-  for (int j = blockIdx.y; j < n; j += gridDim.y) {
-    const int64_t tok = row_begin + j;
-    for (int64_t i = threadIdx.x; i < per_row; i += kAttnThreads) {
-      const int64_t head = i / kHeadDim, d = i % kHeadDim;
-      float big = -INFINITY;
-      for (int sp = 0; sp < a.splits; ++sp) {
-        const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
-        big = fmaxf(big, a.ws_ml[2 * slot]);
-      }
-      float num = 0.0f, den = 0.0f;
-      if (big != -INFINITY) {
-        for (int sp = 0; sp < a.splits; ++sp) {
-          const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
-          const float w = exp2f(a.ws_ml[2 * slot] - big);  // 0 for an empty split
-          num = fmaf(w, a.ws_acc[slot * kHeadDim + d], num);
-          den = fmaf(w, a.ws_ml[2 * slot + 1], den);
-        }
-      }
-      const float y = den > 0.0f ? num / den : 0.0f;
-      reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride + i] =
-          static_cast<uint16_t>(FloatToBf16Bits(y));
+// Decode attention (one query row per sequence): a CTA per (sequence, KV head, split) scores
+// the KV head's kGroup query heads together, so each key and value is read once for all of
+// them. Its warps take the split's key tiles in turn (warp w: tiles w, w + kAttnWarps, ...),
+// each independently and without block barriers: a lane scores one key of the tile against
+// the kGroup queries (q staged once in shared memory, FP32, scaled to log2 units), then the
+// warp accumulates P.V with lane = kHeadDim / 32 consecutive output dims, each lane reading
+// its slice of every key's value row. At the end the CTA merges its warps' (m, l, acc).
+// A sequence's context is cut into splits on the device, from its own length (at most
+// a.splits of at least kDecodeMinSplitKeys keys each), so one graph serves every context; a
+// split past the context writes an empty partial (m = -inf, l = 0) for the combine pass.
+constexpr int kDecodeMinSplitKeys = kAttnWarps * kKeyTile;
+
+template <int kDims, bool kFp8>
+__device__ __forceinline__ void LoadValueSlice(const uint8_t* cache, int64_t v_offset, int64_t at,
+                                               float (&f)[kDims]) {
+  if constexpr (kFp8) {
+    if constexpr (kDims == 4) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(cache + v_offset + at);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f[i] = Fp8E4M3ToFloat((w >> (8 * i)) & 0xFFu);
+    } else {
+      const uint32_t w = *reinterpret_cast<const uint16_t*>(cache + v_offset + at);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) f[i] = Fp8E4M3ToFloat((w >> (8 * i)) & 0xFFu);
+    }
+  } else {
+    const uint16_t* base = reinterpret_cast<const uint16_t*>(cache) + v_offset + at;
+    if constexpr (kDims == 4) {
+      const uint2 w = *reinterpret_cast<const uint2*>(base);
+      f[0] = __uint_as_float(w.x << 16);
+      f[1] = __uint_as_float(w.x & 0xFFFF0000u);
+      f[2] = __uint_as_float(w.y << 16);
+      f[3] = __uint_as_float(w.y & 0xFFFF0000u);
+    } else {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(base);
+      f[0] = __uint_as_float(w << 16);
+      f[1] = __uint_as_float(w & 0xFFFF0000u);
     }
   }
 }
 
+template <int kHeadDim, bool kFp8, int kGroup>
+__global__ void __launch_bounds__(kAttnThreads) PagedDecodeAttentionKernel(AttnArgs a) {
+  constexpr int kVecs = kHeadDim / 8;
+  constexpr int kDims = kHeadDim / 32;  // output dims per lane
+  __shared__ __align__(16) float q_s[kGroup][kHeadDim];
+  __shared__ float acc_s[kAttnWarps][kGroup][kHeadDim];
+  __shared__ float ml_s[kAttnWarps][kGroup][2];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int s = blockIdx.x / a.kv_heads, kvh = blockIdx.x % a.kv_heads;
+  const int split = blockIdx.z;
+  int row_begin, n, ctx;
+  SequenceRows(a, s, &row_begin, &n, &ctx);
+  const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks;
+  const int64_t head_stride = static_cast<int64_t>(a.block_size) * kHeadDim;
+  const int64_t block_stride = a.kv_heads * head_stride;
+  // This sequence's splits: as many as have kDecodeMinSplitKeys keys, at most a.splits.
+  const int used = max(1, min(a.splits, (ctx + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys));
+  const int chunk = ((ctx + used - 1) / used + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int key_lo = split < used ? split * chunk : ctx;
+  const int key_hi = split < used ? min(ctx, key_lo + chunk) : ctx;
+
+  for (int j = 0; j < n; ++j) {  // one row per sequence in decode; more are taken in turn
+    const int64_t tok = row_begin + j;
+    const int key_end = min(ctx - n + j + 1, key_hi);  // causal: keys up to the row's position
+    for (int i = threadIdx.x; i < kGroup * kVecs; i += kAttnThreads) {
+      const int g = i / kVecs, c = i % kVecs;
+      const BFloat16* src = a.q + tok * a.q_row_stride +
+                            static_cast<int64_t>(kvh * kGroup + g) * kHeadDim + c * 8;
+      float f[8];
+      UnpackBf16x8(*reinterpret_cast<const uint4*>(src), f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q_s[g][c * 8 + e] = f[e] * a.scale_log2;
+    }
+    __syncthreads();  // q_s
+
+    float m[kGroup], l[kGroup], acc[kGroup][kDims];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      m[g] = -INFINITY;
+      l[g] = 0.0f;  // this lane's keys' share; summed over the warp at the end
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) acc[g][i] = 0.0f;
+    }
+    for (int t0 = key_lo + warp * kKeyTile; t0 < key_end; t0 += kAttnWarps * kKeyTile) {
+      const int pos = t0 + lane;
+      int64_t off = -1;
+      if (pos < key_end) {
+        const int b = table[pos / a.block_size];
+        if (b >= 0 && b < a.num_blocks) {
+          off = b * block_stride + kvh * head_stride +
+                static_cast<int64_t>(pos % a.block_size) * kHeadDim;
+        }
+      }
+      float sc[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) sc[g] = 0.0f;
+      if (off >= 0) {
+#pragma unroll
+        for (int c = 0; c < kVecs; ++c) {
+          float kf[8];
+          if constexpr (kFp8) {
+            UnpackFp8x8(*reinterpret_cast<const uint2*>(a.cache + a.k_offset + off + c * 8), kf);
+          } else {
+            const uint16_t* base = reinterpret_cast<const uint16_t*>(a.cache);
+            UnpackBf16x8(*reinterpret_cast<const uint4*>(base + a.k_offset + off + c * 8), kf);
+          }
+#pragma unroll
+          for (int g = 0; g < kGroup; ++g) {
+            const float4 q0 = *reinterpret_cast<const float4*>(&q_s[g][c * 8]);
+            const float4 q1 = *reinterpret_cast<const float4*>(&q_s[g][c * 8 + 4]);
+            sc[g] = fmaf(q0.x, kf[0], sc[g]);
+            sc[g] = fmaf(q0.y, kf[1], sc[g]);
+            sc[g] = fmaf(q0.z, kf[2], sc[g]);
+            sc[g] = fmaf(q0.w, kf[3], sc[g]);
+            sc[g] = fmaf(q1.x, kf[4], sc[g]);
+            sc[g] = fmaf(q1.y, kf[5], sc[g]);
+            sc[g] = fmaf(q1.z, kf[6], sc[g]);
+            sc[g] = fmaf(q1.w, kf[7], sc[g]);
+          }
+        }
+      }
+      float p[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        const float score = off >= 0 ? sc[g] : -INFINITY;
+        const float m_new = fmaxf(m[g], WarpMax(score));
+        float alpha = 1.0f;
+        p[g] = 0.0f;
+        if (m_new != -INFINITY) {  // warp-uniform
+          p[g] = exp2f(score - m_new);
+          alpha = exp2f(m[g] - m_new);
+        }
+        l[g] = l[g] * alpha + p[g];
+        m[g] = m_new;
+#pragma unroll
+        for (int i = 0; i < kDims; ++i) acc[g][i] *= alpha;
+      }
+      // P.V: key k's value row, this lane's kDims dims of it, kValueBatch keys at a time
+      // whose slices are all loaded before the first is used (the loads overlap; a key past
+      // the context or the table has p = 0 and a zero slice).
+      constexpr int kValueBatch = 8;
+#pragma unroll
+      for (int k0 = 0; k0 < kKeyTile; k0 += kValueBatch) {
+        if (t0 + k0 >= key_end) break;  // warp-uniform
+        float vf[kValueBatch][kDims];
+#pragma unroll
+        for (int u = 0; u < kValueBatch; ++u) {
+          const int64_t off_k = __shfl_sync(0xffffffffu, off, k0 + u);
+          if (off_k >= 0) {
+            LoadValueSlice<kDims, kFp8>(a.cache, a.v_offset, off_k + lane * kDims, vf[u]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kDims; ++i) vf[u][i] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kValueBatch; ++u) {
+#pragma unroll
+          for (int g = 0; g < kGroup; ++g) {
+            const float pk = __shfl_sync(0xffffffffu, p[g], k0 + u);
+#pragma unroll
+            for (int i = 0; i < kDims; ++i) acc[g][i] = fmaf(pk, vf[u][i], acc[g][i]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const float lw = WarpSum(l[g]);
+      if (lane == 0) {
+        ml_s[warp][g][0] = m[g];
+        ml_s[warp][g][1] = lw;
+      }
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) acc_s[warp][g][lane * kDims + i] = acc[g][i];
+    }
+    __syncthreads();  // acc_s, ml_s
+    for (int i = threadIdx.x; i < kGroup * kHeadDim; i += kAttnThreads) {
+      const int g = i / kHeadDim, d = i % kHeadDim;
+      float big = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) big = fmaxf(big, ml_s[w][g][0]);
+      float num = 0.0f, den = 0.0f;
+      if (big != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w) {
+          const float wt = exp2f(ml_s[w][g][0] - big);  // 0 for a warp that saw no key
+          num = fmaf(wt, acc_s[w][g][d], num);
+          den = fmaf(wt, ml_s[w][g][1], den);
+        }
+      }
+      const int head = kvh * kGroup + g;
+      if (a.splits == 1) {
+        const float y = den > 0.0f ? num / den : 0.0f;
+        reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride +
+                                           static_cast<int64_t>(head) * kHeadDim + d] =
+            static_cast<uint16_t>(FloatToBf16Bits(y));
+      } else {
+        const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
+        a.ws_acc[slot * kHeadDim + d] = num;
+        if (d == 0) {
+          a.ws_ml[2 * slot] = big;
+          a.ws_ml[2 * slot + 1] = den;
+        }
+      }
+    }
+    __syncthreads();  // q_s, acc_s and ml_s are rewritten for the next row
+  }
+}
+
+// Merges the splits' partial results: out = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i.
+// Grid (sequence, row slots, query head), one thread per output dimension; a CTA loops over
+// its sequence's rows. The first warp turns the splits' (m, l) into weights (one split per
+// lane: splits <= kMaxSplits = 32), so each dimension is one pass over the splits' partials.
+static_assert(kMaxSplits <= 32, "the combine kernel's first warp holds one split per lane");
 template <int kHeadDim>
-void LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, const AttnArgs& a,
-                            cudaStream_t stream) {
+__global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs a) {
+  __shared__ float w_s[32];
+  const int s = blockIdx.x, head = blockIdx.z;
+  int row_begin, n, ctx;
+  SequenceRows(a, s, &row_begin, &n, &ctx);
+  for (int j = blockIdx.y; j < n; j += gridDim.y) {
+    const int64_t tok = row_begin + j;
+    if (threadIdx.x < 32) {
+      const int sp = threadIdx.x;
+      const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
+      const float m = sp < a.splits ? a.ws_ml[2 * slot] : -INFINITY;
+      const float l = sp < a.splits ? a.ws_ml[2 * slot + 1] : 0.0f;
+      const float big = WarpMax(m);
+      const float w = big != -INFINITY ? exp2f(m - big) : 0.0f;  // 0 for an empty split
+      const float den = WarpSum(w * l);
+      w_s[sp] = den > 0.0f ? w / den : 0.0f;
+    }
+    __syncthreads();
+    float y = 0.0f;
+    for (int sp = 0; sp < a.splits; ++sp) {
+      const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
+      y = fmaf(w_s[sp], a.ws_acc[slot * kHeadDim + threadIdx.x], y);
+    }
+    reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride +
+                                       static_cast<int64_t>(head) * kHeadDim + threadIdx.x] =
+        static_cast<uint16_t>(FloatToBf16Bits(y));
+    __syncthreads();  // w_s is rewritten for the next row
+  }
+}
+
+template <int kHeadDim, int kPpw>
+void LaunchAttentionKernel(dim3 grid, bool fp8, const AttnArgs& a, cudaStream_t stream) {
   if (fp8) {
-    PagedAttentionKernel<kHeadDim, true><<<grid, kAttnThreads, 0, stream>>>(a);
+    PagedAttentionKernel<kHeadDim, true, kPpw><<<grid, kAttnThreads, 0, stream>>>(a);
   } else {
-    PagedAttentionKernel<kHeadDim, false><<<grid, kAttnThreads, 0, stream>>>(a);
+    PagedAttentionKernel<kHeadDim, false, kPpw><<<grid, kAttnThreads, 0, stream>>>(a);
+  }
+}
+
+template <int kHeadDim, int kGroup>
+void LaunchDecodeKernel(dim3 grid, bool fp8, const AttnArgs& a, cudaStream_t stream) {
+  if (fp8) {
+    PagedDecodeAttentionKernel<kHeadDim, true, kGroup><<<grid, kAttnThreads, 0, stream>>>(a);
+  } else {
+    PagedDecodeAttentionKernel<kHeadDim, false, kGroup><<<grid, kAttnThreads, 0, stream>>>(a);
+  }
+}
+
+// pairs_per_warp 0: the decode kernel (one query row per sequence, a.group in 1, 2, 4, 8).
+template <int kHeadDim>
+void LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, int pairs_per_warp,
+                            const AttnArgs& a, cudaStream_t stream) {
+  if (pairs_per_warp == 0) {
+    switch (a.group) {
+      case 1: LaunchDecodeKernel<kHeadDim, 1>(grid, fp8, a, stream); break;
+      case 2: LaunchDecodeKernel<kHeadDim, 2>(grid, fp8, a, stream); break;
+      case 4: LaunchDecodeKernel<kHeadDim, 4>(grid, fp8, a, stream); break;
+      default: LaunchDecodeKernel<kHeadDim, 8>(grid, fp8, a, stream); break;
+    }
+  } else if (pairs_per_warp == 1) {
+    LaunchAttentionKernel<kHeadDim, 1>(grid, fp8, a, stream);
+  } else if (pairs_per_warp == 2) {
+    LaunchAttentionKernel<kHeadDim, 2>(grid, fp8, a, stream);
+  } else {
+    LaunchAttentionKernel<kHeadDim, kMaxPairsPerWarp>(grid, fp8, a, stream);
   }
   if (a.splits > 1) {
     const dim3 cgrid(grid.x / static_cast<unsigned>(a.kv_heads),
-                     static_cast<unsigned>(combine_rows));
-    PagedAttentionCombineKernel<kHeadDim><<<cgrid, kAttnThreads, 0, stream>>>(a);
+                     static_cast<unsigned>(combine_rows), static_cast<unsigned>(a.q_heads));
+    PagedAttentionCombineKernel<kHeadDim><<<cgrid, kHeadDim, 0, stream>>>(a);
   }
 }
 
@@ -770,9 +1016,25 @@ int64_t QueryRows(const PagedAttentionParams& p) {
   return p.max_query_rows > 0 ? std::min(p.max_query_rows, p.tokens) : p.tokens;
 }
 
+// The smallest of 1, 2, 4 pairs per warp that holds every pair of a sequence's longest
+// query-row range in one tile, else 4.
+int PairsPerWarp(const PagedAttentionParams& p) {
+  const int64_t pairs = QueryRows(p) * (p.q_heads / p.layout.kv_heads);
+  if (pairs <= kAttnWarps) return 1;
+  if (pairs <= 2 * kAttnWarps) return 2;
+  return kMaxPairsPerWarp;
+}
+
+// Pure decode (one query row per sequence) with a group size the decode kernel has.
+bool UsesDecodeKernel(const PagedAttentionParams& p) {
+  const int64_t group = p.q_heads / p.layout.kv_heads;
+  return QueryRows(p) == 1 && (group == 1 || group == 2 || group == 4 || group == 8);
+}
+
 int64_t PairTiles(const PagedAttentionParams& p) {
   const int64_t group = p.q_heads / p.layout.kv_heads;
-  return std::min((QueryRows(p) * group + kPairsPerCta - 1) / kPairsPerCta, kMaxGridY);
+  const int64_t per_cta = int64_t{kAttnWarps} * PairsPerWarp(p);
+  return std::min((QueryRows(p) * group + per_cta - 1) / per_cta, kMaxGridY);
 }
 
 }  // namespace
@@ -782,9 +1044,11 @@ int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
   const int64_t cap = PagedAttentionMaxSplits(ResolvedMaxContext(p));
   int64_t splits = p.splits;
   if (splits <= 0) {
-    // Enough CTAs for two per SM; the combine pass costs little next to an idle GPU.
+    // Enough CTAs for two per SM (four for the decode kernel, whose CTAs are lighter); the
+    // combine pass costs little next to an idle GPU.
     const int64_t ctas = p.num_seqs * p.layout.kv_heads * std::max<int64_t>(1, PairTiles(p));
-    splits = (2 * int64_t{sm_count} + ctas - 1) / ctas;
+    const int64_t per_sm = UsesDecodeKernel(p) ? 4 : 2;
+    splits = (per_sm * int64_t{sm_count} + ctas - 1) / ctas;
   }
   splits = std::max<int64_t>(1, std::min(splits, cap));
   if (splits > 1) {
@@ -834,6 +1098,9 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   if (p.tokens * (p.q_heads / kv_heads) > std::numeric_limits<int32_t>::max()) {
     return InvalidArgumentError(std::string(kP) +
                                 ": tokens * (q_heads / kv_heads) exceeds 2^31 - 1");
+  }
+  if (p.q_heads > 65535) {  // the combine pass's grid has a z index per query head
+    return BadField(kP, "q_heads", p.q_heads, "must be at most 65535");
   }
   if (p.num_seqs * kv_heads > kMaxGridX) {
     return InvalidArgumentError(std::string(kP) + ": num_seqs * kv_heads (" +
@@ -893,10 +1160,11 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
                   static_cast<unsigned>(splits));
   const int64_t combine_rows = std::max<int64_t>(1, std::min(QueryRows(p), kMaxGridY));
   const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
+  const int kernel = UsesDecodeKernel(p) ? 0 : PairsPerWarp(p);
   if (hd == 64) {
-    LaunchAttentionKernels<64>(grid, combine_rows, fp8, a, stream);
+    LaunchAttentionKernels<64>(grid, combine_rows, fp8, kernel, a, stream);
   } else {
-    LaunchAttentionKernels<128>(grid, combine_rows, fp8, a, stream);
+    LaunchAttentionKernels<128>(grid, combine_rows, fp8, kernel, a, stream);
   }
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();

@@ -1,0 +1,342 @@
+// tpserve-bench-decode: decode step time of the CUDA model (engine/cuda_model.h: Step) on one
+// GPU against its floor, measured in the same run.
+//
+// For every --batches entry B: B sequences are prefilled to --context tokens (eager prefill
+// steps of at most --step-tokens tokens, through the paged KV cache), then the model runs pure
+// decode steps (one token per sequence, each fed its last sampled token, greedy), the first
+// capturing the step's CUDA graph. --steps more are timed on the host around Step() (upload,
+// graph replay, sampling, download of the tokens: what the serving loop pays per step besides
+// its own bookkeeping) and on the GPU (events around the replay). One eager decode step is then
+// timed stage by stage (CudaModel::ProfileStep).
+//
+// The floor of a step is max(bytes / HBM bandwidth, FLOPs / GEMM ceiling): bytes are the
+// weights the step reads (every block's linear layers, norms, the LM head; embedding rows are
+// negligible) plus the KV cache it attends over (B x context x layers x 2 x kv_heads x
+// head_dim elements); the bandwidth is a device-to-device copy measured in this run (read +
+// write bytes over time); FLOPs are 2 x B x (linear + LM head parameters) + attention's
+// 4 x B x context x heads x head_dim per layer, over --gemm-ceiling-tflops.
+#include <cuda_runtime_api.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "comm/cli_numbers.h"
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/rank_group.h"
+#include "engine/cuda_model.h"
+#include "engine/kv_cache.h"
+#include "engine/model_config.h"
+#include "layers/gemm_algo_flag.h"
+
+namespace tpserve {
+namespace {
+
+using json = nlohmann::json;
+
+struct Flags {
+  std::string model = "llama3-8b";
+  std::string dtype = "fp8";
+  std::string kv_dtype = "bf16";
+  std::vector<int64_t> batches = {1, 8, 64, 256};
+  int64_t context = 1024;
+  int steps = 30;
+  int warmup = 3;
+  int64_t step_tokens = 8192;
+  int64_t block_size = 16;
+  double gemm_ceiling_tflops = 1760;  // cuBLASLt FP8 8192^3 on this host (shared/GPU_HOST.md)
+  uint64_t seed = 7;
+  std::string out = "decode.json";
+  std::string commit = "unknown";
+  std::string gemm_algo = "timed";
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? std::nan("") : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+
+// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`, the best
+// of `rounds`.
+StatusOr<double> MeasureHbmBandwidth(size_t bytes, int rounds) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::Allocate(bytes, "bandwidth_src"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(bytes, "bandwidth_dst"));
+  TP_ASSIGN_OR_RETURN(CudaStream st, CudaStream::Create());
+  TP_ASSIGN_OR_RETURN(CudaEvent e0, CudaEvent::Create(true));
+  TP_ASSIGN_OR_RETURN(CudaEvent e1, CudaEvent::Create(true));
+  TP_CUDA_CHECK(cudaMemsetAsync(a.data(), 1, bytes, st.get()));
+  double best = 0;
+  for (int r = 0; r < rounds + 1; ++r) {
+    TP_RETURN_IF_ERROR(e0.Record(st.get()));
+    TP_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, st.get()));
+    TP_RETURN_IF_ERROR(e1.Record(st.get()));
+    TP_CUDA_CHECK(cudaStreamSynchronize(st.get()));
+    TP_ASSIGN_OR_RETURN(const float ms, CudaEvent::ElapsedMs(e0, e1));
+    if (r > 0) best = std::max(best, 2.0 * static_cast<double>(bytes) / (ms * 1e-3));
+  }
+  return best;
+}
+
+struct Floor {
+  double weight_bytes = 0, kv_bytes = 0, flops = 0;
+};
+
+Floor StepFloor(const ModelConfig& c, DataType dtype, KvCacheDtype kv, int64_t batch,
+                int64_t context) {
+  const double h = static_cast<double>(c.hidden_size), hd = static_cast<double>(c.head_dim());
+  const double heads = static_cast<double>(c.num_attention_heads);
+  const double kvh = static_cast<double>(c.num_key_value_heads);
+  const double inter = static_cast<double>(c.intermediate_size);
+  const double layers = static_cast<double>(c.num_hidden_layers);
+  const double linear = h * (heads + 2 * kvh) * hd + heads * hd * h + 2 * h * inter + inter * h;
+  const double head = static_cast<double>(c.vocab_size) * h;
+  const double wbytes = dtype == DataType::kFloat8E4M3 ? 1.0 : 2.0;
+  Floor f;
+  // Linear weights in the model's dtype; norms and the LM head in BF16.
+  f.weight_bytes = layers * (linear * wbytes + 2 * h * 2) + h * 2 + head * 2;
+  f.kv_bytes = static_cast<double>(batch) * static_cast<double>(context) * layers * 2 * kvh * hd *
+               static_cast<double>(KvCacheElementBytes(kv));
+  f.flops = 2.0 * static_cast<double>(batch) * (layers * linear + head) +
+            4.0 * static_cast<double>(batch) * static_cast<double>(context) * heads * hd * layers;
+  return f;
+}
+
+// Sequence s owns blocks [s * per_seq, (s + 1) * per_seq).
+StepBatch MakeStep(int64_t first_seq, int64_t seqs, int64_t begin, int64_t len, int64_t per_seq,
+                   const std::vector<int32_t>& last_tokens, int64_t vocab, bool sample,
+                   uint64_t index) {
+  StepBatch b;
+  b.max_blocks = per_seq;
+  b.cu_seqlens.push_back(0);
+  for (int64_t s = first_seq; s < first_seq + seqs; ++s) {
+    for (int64_t i = begin; i < begin + len; ++i) {
+      const int32_t id = len == 1 && !last_tokens.empty()
+                             ? last_tokens[static_cast<size_t>(s)]
+                             : static_cast<int32_t>((7919 * (s * 4099 + i) + 17) % vocab);
+      b.ids.push_back(id);
+      b.positions.push_back(static_cast<int32_t>(i));
+    }
+    b.cu_seqlens.push_back(static_cast<int32_t>(b.ids.size()));
+    b.context_lens.push_back(static_cast<int32_t>(begin + len));
+    for (int64_t k = 0; k < per_seq; ++k) b.block_tables.push_back(static_cast<int32_t>(s * per_seq + k));
+    b.sample.push_back(sample ? 1 : 0);
+    b.sampling.push_back(SamplingParams{});
+    b.sample_index.push_back(index);
+  }
+  return b;
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{
+      "tpserve-bench-decode: decode step time of the CUDA model on one GPU (random FP8 or BF16 "
+      "weights generated on the device) at each batch size, each sequence at a fixed context, "
+      "against the step's floor measured in the same run; writes a JSON record per batch"};
+  app.add_option("--model", f.model, "Preset: tiny, llama3-8b, llama3-70b (must fit one GPU)")
+      ->check(CLI::IsMember({"tiny", "llama3-8b", "llama3-70b"}))
+      ->capture_default_str();
+  app.add_option("--dtype", f.dtype, "Weights and activations of the linear layers: fp8 or bf16")
+      ->check(CLI::IsMember({"fp8", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--kv-dtype", f.kv_dtype, "KV cache elements: bf16 or fp8")
+      ->check(CLI::IsMember({"bf16", "fp8"}))
+      ->capture_default_str();
+  app.add_option("--batches", f.batches, "Sequences per decode step (each a separate case)")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->capture_default_str();
+  app.add_option("--context", f.context, "Tokens each sequence has cached when decoding starts")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--steps", f.steps, "Timed decode steps per batch")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--warmup", f.warmup, "Untimed decode steps after the one that captures the graph")
+      ->check(NonNegative())
+      ->capture_default_str();
+  app.add_option("--step-tokens", f.step_tokens, "Most tokens per prefill step")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--kv-block-size", f.block_size, "Tokens per KV cache block")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->capture_default_str();
+  app.add_option("--gemm-ceiling-tflops", f.gemm_ceiling_tflops,
+                 "Dense GEMM throughput the FLOP floor divides by (TFLOP/s)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seed", f.seed, "Seed of the random weights")->capture_default_str();
+  AddGemmAlgoFlag(&app, &f.gemm_algo);
+  app.add_option("--out", f.out, "JSON output")->capture_default_str();
+  app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
+      ->capture_default_str();
+  StrictNumbers(app);
+  CLI11_PARSE(app, argc, argv);
+  ApplyGemmAlgo(f.gemm_algo);
+
+  auto config = ModelPreset(f.model);
+  if (!config.ok()) {
+    spdlog::error("{}", config.status().ToString());
+    return 2;
+  }
+  const int64_t max_batch = *std::max_element(f.batches.begin(), f.batches.end());
+  const int64_t total_steps = 1 + f.warmup + f.steps + 1;  // capture, warm-up, timed, profile
+  if (f.context + total_steps > config->max_position_embeddings) {
+    spdlog::error("--context {} plus {} decode steps exceeds {}'s max_position_embeddings ({})",
+                  f.context, total_steps, f.model, config->max_position_embeddings);
+    return 2;
+  }
+  const int64_t per_seq = (f.context + total_steps + f.block_size - 1) / f.block_size;
+  const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  const KvCacheDtype kv = f.kv_dtype == "fp8" ? KvCacheDtype::kFloat8E4M3 : KvCacheDtype::kBFloat16;
+  CudaModelOptions options;
+  options.max_tokens = std::max(f.step_tokens, max_batch);
+  options.max_seqs = std::max<int64_t>(max_batch, 1);
+  options.time_passes = true;
+  options.kv_blocks = max_batch * per_seq;
+  options.kv_block_size = f.block_size;
+  options.kv_dtype = kv;
+
+  auto group = CreateRankGroup("threads", std::vector<std::string>(argv, argv + argc), 1,
+                               std::chrono::seconds(120));
+  if (!group.ok()) {
+    spdlog::error("{}", group.status().ToString());
+    return 1;
+  }
+  const auto bw = MeasureHbmBandwidth(size_t{4} << 30, 5);
+  if (!bw.ok()) {
+    spdlog::error("bandwidth: {}", bw.status().ToString());
+    return 1;
+  }
+  spdlog::info("HBM: {:.0f} GB/s (device-to-device copy, read + write)", *bw / 1e9);
+
+  json records = json::array();
+  Status s = (*group)->Run([&](int r) -> Status {
+    TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(*config, dtype, f.seed, nullptr,
+                                                            (*group)->pool(r), options));
+    for (const int64_t batch : f.batches) {
+      // Prefill: whole sequences per step while they fit, else chunks of one sequence.
+      const int64_t chunk = std::min(f.context, f.step_tokens);
+      const int64_t seqs_per_step = std::max<int64_t>(1, f.step_tokens / f.context);
+      std::vector<int32_t> last(static_cast<size_t>(batch), 0);
+      const auto p0 = std::chrono::steady_clock::now();
+      for (int64_t s0 = 0; s0 < batch; s0 += seqs_per_step) {
+        const int64_t n = std::min(seqs_per_step, batch - s0);
+        for (int64_t begin = 0; begin < f.context; begin += chunk) {
+          const int64_t len = std::min(chunk, f.context - begin);
+          const bool done = begin + len == f.context;
+          TP_ASSIGN_OR_RETURN(StepResult got,
+                              model->Step(MakeStep(s0, n, begin, len, per_seq, {},
+                                                   config->vocab_size, done, 0)));
+          for (size_t k = 0; done && k < got.tokens.size(); ++k) {
+            last[static_cast<size_t>(s0) + k] = got.tokens[k].token;
+          }
+        }
+      }
+      const double prefill_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
+      std::vector<double> host_ms, gpu_ms;
+      int64_t pos = f.context;
+      auto decode = [&](bool profile) -> StatusOr<std::vector<std::pair<std::string, double>>> {
+        // Greedy, so the tokens fed back are the model's own; last holds all sequences'.
+        std::vector<int32_t> fed(last.begin(), last.end());
+        const StepBatch step = MakeStep(0, batch, pos, 1, per_seq, fed, config->vocab_size, true,
+                                        static_cast<uint64_t>(pos - f.context));
+        ++pos;
+        if (profile) return model->ProfileStep(step);
+        const auto t0 = std::chrono::steady_clock::now();
+        TP_ASSIGN_OR_RETURN(StepResult got, model->Step(step));
+        host_ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
+        gpu_ms.push_back(model->last_pass_ms());
+        for (size_t k = 0; k < got.tokens.size(); ++k) last[k] = got.tokens[k].token;
+        return std::vector<std::pair<std::string, double>>{};
+      };
+      for (int i = 0; i < 1 + f.warmup; ++i) TP_RETURN_IF_ERROR(decode(false).status());
+      host_ms.clear();
+      gpu_ms.clear();
+      for (int i = 0; i < f.steps; ++i) TP_RETURN_IF_ERROR(decode(false).status());
+      TP_ASSIGN_OR_RETURN(const auto stages, decode(true));
+
+      const Floor fl = StepFloor(*config, dtype, kv, batch, f.context);
+      const double bytes_ms = (fl.weight_bytes + fl.kv_bytes) / *bw * 1e3;
+      const double flops_ms = fl.flops / (f.gemm_ceiling_tflops * 1e12) * 1e3;
+      const double floor_ms = std::max(bytes_ms, flops_ms);
+      const double host = Median(host_ms), gpu = Median(gpu_ms);
+      json st = json::object();
+      std::string line;
+      double stage_sum = 0;
+      for (const auto& [name, ms] : stages) {
+        st[name] = ms;
+        stage_sum += ms;
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " %s %.3f", name.c_str(), ms);
+        line += buf;
+      }
+      spdlog::info(
+          "batch {:>4} at context {}: step {:.3f} ms host-timed, {:.3f} ms GPU; floor {:.3f} ms "
+          "(bytes {:.3f}, FLOPs {:.3f}): {:.2f}x the floor host-timed; prefill {:.1f} s",
+          batch, f.context, host, gpu, floor_ms, bytes_ms, flops_ms, host / floor_ms, prefill_s);
+      spdlog::info("batch {:>4} eager step by stage, ms (total {:.3f}):{}", batch, stage_sum, line);
+      records.push_back(json{{"batch", batch},
+                             {"context", f.context},
+                             {"step_host_ms_median", host},
+                             {"step_gpu_ms_median", gpu},
+                             {"step_host_ms_min", *std::min_element(host_ms.begin(), host_ms.end())},
+                             {"floor_ms", floor_ms},
+                             {"floor_bytes_ms", bytes_ms},
+                             {"floor_flops_ms", flops_ms},
+                             {"weight_bytes", fl.weight_bytes},
+                             {"kv_bytes", fl.kv_bytes},
+                             {"flops", fl.flops},
+                             {"host_over_floor", host / floor_ms},
+                             {"gpu_over_floor", gpu / floor_ms},
+                             {"eager_stages_ms", st},
+                             {"steps", f.steps},
+                             {"prefill_s", prefill_s}});
+    }
+    return model->Close();
+  });
+  if (!s.ok()) {
+    spdlog::error("{}", s.ToString());
+    return 1;
+  }
+  int dev = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaGetDeviceProperties(&prop, dev);
+  json doc{{"meta",
+            {{"benchmark", "decode"},
+             {"model", f.model},
+             {"dtype", f.dtype},
+             {"kv_dtype", f.kv_dtype},
+             {"kv_block_size", f.block_size},
+             {"tp", 1},
+             {"gpu", prop.name},
+             {"hbm_copy_gbps", *bw / 1e9},
+             {"gemm_ceiling_tflops", f.gemm_ceiling_tflops},
+             {"gemm_algo", f.gemm_algo},
+             {"commit", f.commit}}},
+           {"records", records}};
+  std::ofstream out(f.out);
+  out << doc.dump(2) << "\n";
+  if (!out) {
+    spdlog::error("could not write {}", f.out);
+    return 1;
+  }
+  spdlog::info("wrote {}", f.out);
+  return 0;
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main(int argc, char** argv) { return tpserve::Main(argc, argv); }
