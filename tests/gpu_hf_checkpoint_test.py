@@ -1,13 +1,30 @@
 #!/usr/bin/env python3
 """The HuggingFace fixtures (tests/data/hf, written by transformers: see
 make_hf_fixtures.py there) served by `tpserve serve --backend cuda --dtype
-bf16 --model DIR`, against transformers' references: for each checkpoint, the
-logits of every reference prompt (a prefill request: input_ids alone, the
-`logits` output is the last position's) within a relative L2 error of
---tolerance (3e-2, as tests/hf_checkpoint_test.cc holds the CPU engine to)
-with the same top-1, and 16 greedy tokens (request_output_len 16) equal to
-transformers'. Prints one PASS/FAIL line per checkpoint and exits 1 on any
-failure (2 on a usage error).
+bf16 --model DIR`, against transformers' references. For each checkpoint
+(Llama 2 MHA, Llama 3 GQA 4/2, Llama 3.1 llama3 RoPE scaling in both config
+spellings, tied embeddings, head_dim 64 on hidden 96; all head_dim 64, which
+the CUDA attention kernels take, and 2 KV heads, so TP 2 shards them) it
+checks:
+  - the logits of every reference prompt (lengths 1, 7, 33, 100; a prefill
+    request: input_ids alone, the `logits` output is the last position's)
+    within a relative L2 error of --tolerance of transformers' FP32 logits,
+    with the same top-1;
+  - 16 greedy tokens (request_output_len 16) equal to transformers'.
+Prints one PASS/FAIL line per checkpoint and exits 1 on any failure (2 on a
+usage error).
+
+Why --tolerance 5e-2 (the same as tests/hf_checkpoint_test.cc holds the CPU
+engine to): the CUDA backend runs BF16 activations, and a BF16-activation run
+lands a few hundredths from FP32 logits (transformers' own: up to 3.6e-2;
+manifest.json records it per checkpoint and prompt, and each PASS/FAIL line
+prints it next to ours), while a wrong RoPE (theta, or llama3 scaling
+dropped) moves the logits by 0.5 to 1.0 at 33 and 100 tokens. The script
+refuses a --tolerance above a third of that (exit 2): the check would no
+longer see a RoPE misreading. Every reference top-2 gap, the greedy run's
+included, is at least 0.5 (logits of a few units) and transformers' BF16 run
+keeps every top-1 and greedy token, so the top-1 and token checks do not
+hang on rounding either.
 
 For the GPU host (grpc and protoc on the system Python), not CI:
   source .gpu/env.sh
@@ -38,7 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--only", nargs="*", default=None, help="checkpoint names (default: all)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--backend", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--tolerance", type=float, default=3e-2,
+    ap.add_argument("--tolerance", type=float, default=5e-2,
                     help="largest relative L2 error of a prompt's logits")
     ap.add_argument("--tpserve", default=os.environ.get(
         "TPSERVE_BIN", os.path.join(ROOT, ".gpu", "bin", "tpserve")))
@@ -64,6 +81,19 @@ def compare_logits(ours, ref, tolerance):
     if top_ours != top_ref:
         return False, err, "top-1 %d, reference's %d" % (top_ours, top_ref)
     return True, err, "relative error %.4g, top-1 %d" % (err, top_ours)
+
+
+def tolerance_problem(manifest, tolerance):
+    """None, or why `tolerance` cannot tell a wrong RoPE from a right one on some checkpoint:
+    it must stay below a third of the error manifest.json records for a wrong RoPE at 33
+    tokens and more."""
+    lengths = manifest["args"]["lengths"]
+    for c in manifest["checkpoints"]:
+        long_range = [e for n, e in zip(lengths, c["wrong_rope"]["rel_err"]) if n >= 33]
+        if long_range and tolerance * 3 > min(long_range):
+            return ("--tolerance %g: %s read with %s lands only %g away at 33+ tokens"
+                    % (tolerance, c["name"], c["wrong_rope"]["what"], min(long_range)))
+    return None
 
 
 def check_checkpoint(args, pb, grpc, start_server, name, directory, log_dir):
@@ -149,6 +179,11 @@ def main(argv=None):
     with open(os.path.join(args.fixtures, "manifest.json")) as f:
         manifest = json.load(f)
     names = [c["name"] for c in manifest["checkpoints"]]
+    problem = tolerance_problem(manifest, args.tolerance)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    bf16_err = {c["name"]: max(c["bf16_activations_rel_err"]) for c in manifest["checkpoints"]}
     if args.only:
         unknown = sorted(set(args.only) - set(names))
         if unknown:
@@ -172,6 +207,7 @@ def main(argv=None):
             t0 = time.time()
             ok, details, log_path = check_checkpoint(args, pb, grpc, start_server, name,
                                                      os.path.join(args.fixtures, name), tmp)
+            details.insert(1, "transformers' BF16 run %.4g" % bf16_err[name])
             print("%s %s (%s tp=%d, %.1f s): %s" % ("PASS" if ok else "FAIL", name, args.backend,
                                                     args.tp, time.time() - t0,
                                                     "; ".join(details)), flush=True)

@@ -7,15 +7,21 @@
 //     100) within a relative L2 error of kTolerance of transformers', with
 //     the same top-1;
 //   - 16 greedy tokens through the Generator equal to transformers'.
-// The references' prompts were drawn with a top-2 gap of at least 0.2 (logits
-// of a few units), so that "the same top-1" does not hang on rounding.
+// The references' prompts (and every greedy step) have a top-2 gap of at
+// least 0.5 (logits of a few units, about 35 in L2 norm over the vocab of 128;
+// the tied checkpoint's are larger), so that "the same top-1" does not hang
+// on BF16 rounding. Every checkpoint has head_dim 64 and 2 KV heads or more,
+// so the same fixtures serve the CUDA backend (tests/gpu_hf_checkpoint_test.py)
+// at TP 1 and 2.
 //
-// Why 3e-2: transformers' own BF16-activation run of these checkpoints lands
-// up to about 3e-2 from its FP32 logits, while reading a checkpoint with a
-// wrong RoPE (theta, or llama3 scaling dropped) moves them by 0.1 to 1.1 at 7
-// tokens and more (manifest.json records both per checkpoint). The negative
-// tests below show the comparison failing on such a misreading and on a
-// corrupted reference.
+// Why 5e-2: this engine's BF16 activations land about 1e-2 from
+// transformers' FP32 logits (each case records rel_err_len<N>), and
+// transformers' own BF16-activation run up to 3.6e-2 (llama3, 100 tokens); a
+// BF16 engine may round either way, so the tolerance sits above both. Reading
+// a checkpoint with a wrong RoPE (theta, or llama3 scaling dropped) moves the
+// logits by 0.1 to 0.6 at 7 tokens and by 0.5 to 1.0 at 33 and 100
+// (manifest.json records both per checkpoint). The negative tests below show
+// the comparison failing on such a misreading and on a corrupted reference.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,6 +30,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -41,7 +48,7 @@ namespace {
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
-constexpr double kTolerance = 3e-2;
+constexpr double kTolerance = 5e-2;
 constexpr int64_t kGreedyTokens = 16;
 
 const std::vector<std::string> kCheckpoints = {"llama2", "llama3",  "llama31", "llama31-respelled",
@@ -216,40 +223,58 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, HfCheckpoint, ::testing::ValuesIn([] {
                            return n + "_tp" + std::to_string(p.param.tp);
                          });
 
-// The comparison fails on a corrupted reference: a few percent of noise, a
-// top-1 moved by a nudge too small for the error, a swapped top-1.
+// The comparison fails on a corrupted reference: noise of twice the tolerance, a
+// top-1 moved by a nudge too small for the error, a swapped top-1. The
+// prompt used is the one whose top-2 gap is smallest against its logits'
+// norm: there a new top-1 moves the error least.
 TEST(HfCheckpointCompare, CorruptedReferenceFails) {
   const std::string dir = FixtureDir("llama3");
   const Reference ref = ReadReference(dir);
   ASSERT_FALSE(ref.prompts.empty());
   auto engine = StartEngine(dir, 1);
   ASSERT_NE(engine, nullptr);
-  const auto ours = LastLogits(*engine, {ref.prompts.back()});
-  ASSERT_EQ(ours.size(), 1u);
-  const std::vector<float>& good = ref.logits.back();
-  ASSERT_TRUE(CompareLogits(ours[0], good, kTolerance).ok());
+  const auto all = LastLogits(*engine, ref.prompts);
+  ASSERT_EQ(all.size(), ref.prompts.size());
+  size_t pick = 0;
+  double pick_ratio = std::numeric_limits<double>::infinity();
+  for (size_t p = 0; p < ref.logits.size(); ++p) {
+    std::vector<float> s = ref.logits[p];
+    std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<>());
+    double n = 0;
+    for (float x : s) n += double(x) * x;
+    const double ratio = (s[0] - s[1]) / std::sqrt(n);
+    if (ratio < pick_ratio) pick = p, pick_ratio = ratio;
+  }
+  const std::vector<float>& ours = all[pick];
+  const std::vector<float>& good = ref.logits[pick];
+  ASSERT_TRUE(CompareLogits(ours, good, kTolerance).ok());
 
   double norm = 0;
   for (float x : good) norm += double(x) * x;
   const float rms = static_cast<float>(std::sqrt(norm / good.size()));
   std::vector<float> noisy = good;
-  for (size_t i = 0; i < noisy.size(); ++i) noisy[i] += (i % 2 ? 0.05f : -0.05f) * rms;
+  const float amp = static_cast<float>(2 * kTolerance) * rms;  // twice the tolerance
+  for (size_t i = 0; i < noisy.size(); ++i) noisy[i] += i % 2 ? amp : -amp;
   double err = 0;
-  EXPECT_FALSE(CompareLogits(ours[0], noisy, kTolerance, &err).ok()) << "error " << err;
+  EXPECT_FALSE(CompareLogits(ours, noisy, kTolerance, &err).ok()) << "error " << err;
 
   const size_t top = std::max_element(good.begin(), good.end()) - good.begin();
   std::vector<float> sorted = good;
   std::sort(sorted.begin(), sorted.end(), std::greater<>());
   std::vector<float> nudged = good;
   const size_t second = std::find(good.begin(), good.end(), sorted[1]) - good.begin();
-  nudged[second] = sorted[0] + 1e-3f;  // a new top-1, the error barely moves
-  const Status s = CompareLogits(ours[0], nudged, kTolerance, &err);
+  // The two leading logits meet at their midpoint, the second 1e-3 ahead: a
+  // new top-1 at the least change of the error.
+  const float mid = 0.5f * (sorted[0] + sorted[1]);
+  nudged[top] = mid - 5e-4f;
+  nudged[second] = mid + 5e-4f;
+  const Status s = CompareLogits(ours, nudged, kTolerance, &err);
   EXPECT_FALSE(s.ok());
   EXPECT_LT(err, kTolerance) << "the nudge should fail on the top-1 alone";
 
   std::vector<float> swapped = good;
   std::swap(swapped[top], swapped[std::min_element(good.begin(), good.end()) - good.begin()]);
-  EXPECT_FALSE(CompareLogits(ours[0], swapped, kTolerance).ok());
+  EXPECT_FALSE(CompareLogits(ours, swapped, kTolerance).ok());
 }
 
 // A checkpoint read with the wrong RoPE lands outside the tolerance on the

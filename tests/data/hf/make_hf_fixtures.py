@@ -27,12 +27,26 @@ per checkpoint, how far the logits move when the model is read with a wrong
 RoPE (the tests' tolerance must lie well below that) and how far a BF16
 activation run of transformers lands (the tolerance must lie above that).
 Prompts are redrawn until their last position's top-2 gap is at least
---min-gap, and the greedy prompt until every step's is: a near tie would make
-"the same top-1" depend on rounding rather than on correctness.
+--min-gap; the greedy prompt is the one, of up to --greedy-tries, whose
+smallest top-2 gap over the --new-tokens steps is largest (drawing stops once
+it reaches --min-gap): a near tie would make "the same top-1" depend on
+rounding rather than on correctness. --min-gap (0.5, logits of a few units)
+is chosen against BF16 activations (a BF16 engine lands a few hundredths of
+the logits' norm away, i.e. about 0.1 per logit); manifest.json records
+whether transformers' own BF16-activation run keeps every top-1 and the
+greedy tokens.
 
-Checkpoints (hidden 64, 2 layers, vocab 512, max_position_embeddings 128):
-  llama2             MHA (4 heads, 4 KV heads), rope_theta 10000
-  llama3             GQA (4 heads, 2 KV heads), rope_theta 500000
+Shapes: every checkpoint has head_dim 64 (the smaller of the two head sizes
+the CUDA attention kernels take), 2 layers, vocab 128, intermediate 64,
+max_position_embeddings 128, and at least 2 KV heads so that TP 2 can shard
+them (neither engine replicates KV heads). GQA with 2 KV heads then takes 4
+query heads, 256 wide; on hidden 128 (kept small: about 0.5 MB of weights a
+checkpoint) head_dim is not hidden / heads there either. transformers writes
+head_dim into every config.json.
+  llama2             MHA (2 heads, 2 KV heads, hidden 128: head_dim 64 =
+                     hidden / heads), rope_theta 10000
+  llama3             GQA (4 heads, 2 KV heads, hidden 128, head_dim 64),
+                     rope_theta 500000
   llama31            llama3 + rope_scaling {rope_type llama3, factor 8,
                      low_freq_factor 1, high_freq_factor 4,
                      original_max_position_embeddings 32}
@@ -41,7 +55,9 @@ Checkpoints (hidden 64, 2 layers, vocab 512, max_position_embeddings 128):
                      (rope_scaling + rope_theta <-> transformers 5's
                      rope_parameters); same weights and references
   tied               llama3 with tie_word_embeddings (no lm_head tensor)
-  head-dim           llama3 with head_dim 32 (hidden / heads would be 16)
+  head-dim           MHA (2 heads, 2 KV heads) on hidden 96 with head_dim 64:
+                     hidden / heads would be 48, which no kernel takes and
+                     whose q/k/v shapes do not fit the tensors
 """
 
 import argparse
@@ -64,17 +80,21 @@ def parse_args(argv=None):
     ap.add_argument("--greedy-len", type=int, default=12, help="prompt length of the greedy run")
     ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated")
     ap.add_argument("--decimals", type=int, default=4, help="logits rounded to this many decimals")
-    ap.add_argument("--min-gap", type=float, default=0.2,
+    ap.add_argument("--min-gap", type=float, default=0.5,
                     help="smallest top-2 logit gap accepted for a prompt's last position and "
                     "along the greedy run (redrawn otherwise)")
     ap.add_argument("--tries", type=int, default=200, help="redraws per prompt at most")
+    ap.add_argument("--greedy-tries", type=int, default=4096,
+                    help="greedy prompts drawn at most in search of one whose every step clears "
+                    "--min-gap")
     ap.add_argument("--only", nargs="*", choices=NAMES, default=None,
                     help="write only these checkpoints (default: all)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan (configs, shapes) without torch and exit")
     args = ap.parse_args(argv)
-    if any(n < 1 for n in args.lengths) or args.greedy_len < 1 or args.new_tokens < 1:
-        ap.error("lengths, --greedy-len and --new-tokens must be >= 1")
+    if (any(n < 1 for n in args.lengths) or args.greedy_len < 1 or args.new_tokens < 1
+            or args.tries < 1 or args.greedy_tries < 1):
+        ap.error("lengths, --greedy-len, --new-tokens, --tries and --greedy-tries must be >= 1")
     if max(args.lengths + [args.greedy_len + args.new_tokens]) > MAX_POSITIONS:
         ap.error("a prompt (plus the greedy tokens) exceeds max_position_embeddings %d"
                  % MAX_POSITIONS)
@@ -82,29 +102,45 @@ def parse_args(argv=None):
 
 
 MAX_POSITIONS = 128
-VOCAB = 512
+VOCAB = 128
+GREEDY_BATCH = 256
+KERNEL_HEAD_DIM = 64  # engine/cuda_model.cc: the CUDA attention kernels take 64 and 128
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def variants():
     """name -> (description, LlamaConfig fields without RoPE, rope_theta, rope scaling or None)."""
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
+    base = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                max_position_embeddings=MAX_POSITIONS,
                 rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False, mlp_bias=False,
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                 pad_token_id=None)
     return {
-        "llama2": ("Llama 2 style: MHA, rope_theta 10000",
-                   dict(base, num_key_value_heads=4, rms_norm_eps=1e-6), 10000.0, None),
-        "llama3": ("Llama 3.0 style: GQA 4/2, rope_theta 500000", dict(base), 500000.0, None),
+        "llama2": ("Llama 2 style: MHA 2/2, head_dim 64 = hidden / heads, rope_theta 10000",
+                   dict(base, num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6),
+                   10000.0, None),
+        "llama3": ("Llama 3.0 style: GQA 4/2, head_dim 64, rope_theta 500000", dict(base),
+                   500000.0, None),
         "llama31": ("Llama 3.1 style: llama3 RoPE scaling (factor 8, original 32 positions)",
                     dict(base), 500000.0, dict(LLAMA3_SCALING)),
         "tied": ("tie_word_embeddings: no lm_head tensor", dict(base, tie_word_embeddings=True),
                  500000.0, None),
-        "head-dim": ("explicit head_dim 32 (hidden / heads = 16)", dict(base, head_dim=32),
+        "head-dim": ("explicit head_dim 64 on hidden 96, MHA 2/2 (hidden / heads = 48)",
+                     dict(base, hidden_size=96, num_attention_heads=2, num_key_value_heads=2),
                      500000.0, None),
     }
+
+
+def weight_count(fields):
+    """Parameters of a LlamaForCausalLM with these fields (no biases)."""
+    h, i, v = fields["hidden_size"], fields["intermediate_size"], fields["vocab_size"]
+    hd = fields.get("head_dim") or h // fields["num_attention_heads"]
+    q, kv = fields["num_attention_heads"] * hd, fields["num_key_value_heads"] * hd
+    layer = h * (2 * q + 2 * kv) + 3 * h * i + 2 * h
+    return (fields["num_hidden_layers"] * layer + h
+            + v * h * (1 if fields["tie_word_embeddings"] else 2))
 
 
 def tf_major(transformers):
@@ -227,32 +263,37 @@ def draw_prompt(torch, model, gen, length, min_gap, tries):
     return best
 
 
-def greedy_by_recompute(torch, model, ids, n, stop_below=None):
-    """Greedy tokens by a full forward pass per step, and each step's top-2 gap; stops early
-    (fewer than n tokens) at a gap below stop_below."""
+def greedy_by_recompute(torch, model, ids, n):
+    """n greedy tokens by a full forward pass per step, and each step's top-2 gap."""
     seq, tokens, gaps = list(ids), [], []
     for _ in range(n):
         logits = last_logits(torch, model, seq)
         tokens.append(int(torch.argmax(logits)))
         gaps.append(gap(torch, logits))
         seq.append(tokens[-1])
-        if stop_below is not None and gaps[-1] < stop_below:
-            break
     return tokens, gaps
 
 
 def draw_greedy(torch, model, gen, args):
-    best = None
-    for _ in range(args.tries):
-        ids = torch.randint(0, VOCAB, (args.greedy_len,), generator=gen).tolist()
-        tokens, gaps = greedy_by_recompute(torch, model, ids, args.new_tokens, args.min_gap)
-        if len(tokens) == args.new_tokens and min(gaps) >= args.min_gap:
-            best = ids
-            break
-        if best is None or len(tokens) > best[1]:
-            best = (ids, len(tokens))
-    if isinstance(best, tuple):  # none cleared the gap all the way: the longest run's prompt
-        best = best[0]
+    """The greedy prompt whose smallest top-2 gap over the run is largest, of up to
+    args.greedy_tries drawn in batches of GREEDY_BATCH (all of --greedy-len tokens, so a batch
+    stays rectangular and needs no mask); stops after a batch whose best clears args.min_gap.
+    The batch only picks the prompt: its gaps are recomputed below one prompt at a time."""
+    best, best_min, drawn = None, -1.0, 0
+    while drawn < args.greedy_tries and best_min < args.min_gap:
+        n = min(GREEDY_BATCH, args.greedy_tries - drawn)
+        drawn += n
+        ids = torch.randint(0, VOCAB, (n, args.greedy_len), generator=gen)
+        seq, mins = ids, torch.full((n,), float("inf"))
+        with torch.no_grad():
+            for _ in range(args.new_tokens):
+                logits = model(seq).logits[:, -1].float()
+                top = torch.topk(logits, 2, dim=-1).values
+                mins = torch.minimum(mins, top[:, 0] - top[:, 1])
+                seq = torch.cat([seq, torch.argmax(logits, dim=-1, keepdim=True)], dim=1)
+        i = int(torch.argmax(mins))
+        if float(mins[i]) > best_min:
+            best, best_min = ids[i].tolist(), float(mins[i])
     ids = best
     tokens, gaps = greedy_by_recompute(torch, model, ids, args.new_tokens)
     with torch.no_grad():
@@ -315,11 +356,17 @@ def write_checkpoint(torch, transformers, args, name, spec, out_dir, seed):
     sensitivity = {"what": what,
                    "rel_err": [round(rel_err(torch, last_logits(torch, wrong, p), l), 4)
                                for p, l in zip(prompts, logits)]}
-    bf16_err = [round(rel_err(torch, last_logits(torch, bf16, p), l), 5)
-                for p, l in zip(prompts, logits)]
+    bf16_logits = [last_logits(torch, bf16, p) for p in prompts]
+    bf16_err = [round(rel_err(torch, b, l), 5) for b, l in zip(bf16_logits, logits)]
+    bf16_top1 = all(int(torch.argmax(b)) == int(torch.argmax(l))
+                    for b, l in zip(bf16_logits, logits))
+    bf16_greedy = greedy_by_recompute(torch, bf16, g_ids, args.new_tokens)[0] == g_tokens
 
     with open(os.path.join(directory, "config.json")) as f:
         config_json = json.load(f)
+    if config_json.get("head_dim") != KERNEL_HEAD_DIM:
+        raise RuntimeError("%s: config.json head_dim %s, want %d (the CUDA attention kernels')"
+                           % (name, config_json.get("head_dim"), KERNEL_HEAD_DIM))
     reference = {
         "prompts": prompts,
         "last_logits": [[round(float(x), args.decimals) for x in l] for l in logits],
@@ -334,10 +381,13 @@ def write_checkpoint(torch, transformers, args, name, spec, out_dir, seed):
              "rope_spelling": spelling_of(config_json), "tensors": sorted(keys),
              "prompt_top2_gap": reference["top2_gap"],
              "greedy_min_top2_gap": reference["greedy"]["min_top2_gap"],
-             "wrong_rope": sensitivity, "bf16_activations_rel_err": bf16_err}
-    print("%-18s %s; wrong rope rel err %s; bf16 activations %s; gaps %s; greedy min gap %.3f"
-          % (name, entry["rope_spelling"], sensitivity["rel_err"], bf16_err, reference["top2_gap"],
-             min(g_gaps)), flush=True)
+             "wrong_rope": sensitivity, "bf16_activations_rel_err": bf16_err,
+             "bf16_activations_same_top1": bf16_top1,
+             "bf16_activations_same_greedy": bf16_greedy}
+    print("%-18s %s; wrong rope rel err %s; bf16 activations %s (same top-1 %s, same greedy %s); "
+          "gaps %s; greedy min gap %.3f"
+          % (name, entry["rope_spelling"], sensitivity["rel_err"], bf16_err, bf16_top1,
+             bf16_greedy, reference["top2_gap"], min(g_gaps)), flush=True)
     return entry, ref, prompts, logits
 
 
@@ -357,7 +407,8 @@ def write_respelled(torch, transformers, out_dir, source_entry, ref_logits, prom
     # still reads rope_scaling; 4.x ignores rope_parameters): recorded, not required.
     try:
         again = load_f32(torch, transformers, directory)
-        errs = [rel_err(torch, last_logits(torch, again, p), l) for p, l in zip(prompts, ref_logits)]
+        errs = [rel_err(torch, last_logits(torch, again, p), l)
+                for p, l in zip(prompts, ref_logits)]
         reads = max(errs) < 1e-6
     except Exception as e:  # noqa: BLE001 - recorded in the manifest
         reads = "error: %s" % e
@@ -376,7 +427,9 @@ def main(argv=None):
     if args.dry_run:
         for n in names:
             spec = specs.get(n if n != "llama31-respelled" else "llama31")
-            print(n, spec[0], spec[2], spec[3])
+            print("%-18s %s; rope_theta %g, scaling %s; %d BF16 weights (%d bytes); %s"
+                  % (n, spec[0], spec[2], spec[3], weight_count(spec[1]),
+                     2 * weight_count(spec[1]), spec[1]))
         return 0
     import safetensors
     import tokenizers  # noqa: F401 - recorded only
