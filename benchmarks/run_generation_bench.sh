@@ -3,7 +3,10 @@
 # random FP8 weights made on the device) driven by `tpserve-loadtest --mode generate` (closed loop,
 # random prompts, ignore EOS), one loadtest JSON per case.
 #
-#   run_generation_bench.sh OUTDIR ISL:OSL:CONCURRENCY [...]
+#   run_generation_bench.sh OUTDIR ISL:OSL:CONCURRENCY[:unary] [...]
+#
+# A case ending in :unary sends each request as one ModelInfer (the whole generation in one
+# response, --no-streaming) instead of streaming it, to measure what streaming costs.
 #
 # Environment: BIN_DIR (default .gpu/bin: tpserve, tpserve-loadtest), MODEL (llama3-8b),
 # KV_GIB (40: KV cache per GPU), STEP_TOKENS (8192), RUNNING (256), CASE_TIMEOUT_S (240).
@@ -37,12 +40,15 @@ done
 echo "== server on port $port"
 
 for c in "$@"; do
-  IFS=: read -r isl osl conc <<<"$c"
-  echo "== ISL $isl OSL $osl concurrency $conc"
+  IFS=: read -r isl osl conc kind <<<"$c"
+  mode=(--streaming)
+  suffix=""
+  if [ "${kind:-}" = unary ]; then mode=(--no-streaming); suffix="-unary"; fi
+  echo "== ISL $isl OSL $osl concurrency $conc ${kind:-streaming}"
   timeout "$case_timeout" "$bin/tpserve-loadtest" --url "127.0.0.1:$port" --model-name "$model" \
-    --mode generate --prompt-len "$isl" --output-len "$osl" --ignore-eos --vocab 128256 \
+    --mode generate --prompt-len "$isl" --output-len "$osl" --ignore-eos --vocab 128256 "${mode[@]}" \
     --concurrency-range "$conc:$conc:1" --warmup 3 --duration 10 --max-trials 3 --timeout-ms 600000 \
-    --json "$out/generation-$model-isl$isl-osl$osl-c$conc.json" || echo "case $c failed ($?)"
+    --json "$out/generation-$model-isl$isl-osl$osl-c$conc$suffix.json" || echo "case $c failed ($?)"
 done
 kill -TERM $server
 wait $server || true
