@@ -128,7 +128,8 @@ StepBatch MakeStep(int64_t first_seq, int64_t seqs, int64_t begin, int64_t len, 
     }
     b.cu_seqlens.push_back(static_cast<int32_t>(b.ids.size()));
     b.context_lens.push_back(static_cast<int32_t>(begin + len));
-    for (int64_t k = 0; k < per_seq; ++k) b.block_tables.push_back(static_cast<int32_t>(s * per_seq + k));
+    for (int64_t k = 0; k < per_seq; ++k)
+      b.block_tables.push_back(static_cast<int32_t>(s * per_seq + k));
     b.sample.push_back(sample ? 1 : 0);
     b.sampling.push_back(SamplingParams{});
     b.sample_index.push_back(index);
@@ -233,9 +234,8 @@ int Main(int argc, char** argv) {
         for (int64_t begin = 0; begin < f.context; begin += chunk) {
           const int64_t len = std::min(chunk, f.context - begin);
           const bool done = begin + len == f.context;
-          TP_ASSIGN_OR_RETURN(StepResult got,
-                              model->Step(MakeStep(s0, n, begin, len, per_seq, {},
-                                                   config->vocab_size, done, 0)));
+          TP_ASSIGN_OR_RETURN(StepResult got, model->Step(MakeStep(s0, n, begin, len, per_seq, {},
+                                                                   config->vocab_size, done, 0)));
           for (size_t k = 0; done && k < got.tokens.size(); ++k) {
             last[static_cast<size_t>(s0) + k] = got.tokens[k].token;
           }
@@ -287,22 +287,23 @@ int Main(int argc, char** argv) {
           "(bytes {:.3f}, FLOPs {:.3f}): {:.2f}x the floor host-timed; prefill {:.1f} s",
           batch, f.context, host, gpu, floor_ms, bytes_ms, flops_ms, host / floor_ms, prefill_s);
       spdlog::info("batch {:>4} eager step by stage, ms (total {:.3f}):{}", batch, stage_sum, line);
-      records.push_back(json{{"batch", batch},
-                             {"context", f.context},
-                             {"step_host_ms_median", host},
-                             {"step_gpu_ms_median", gpu},
-                             {"step_host_ms_min", *std::min_element(host_ms.begin(), host_ms.end())},
-                             {"floor_ms", floor_ms},
-                             {"floor_bytes_ms", bytes_ms},
-                             {"floor_flops_ms", flops_ms},
-                             {"weight_bytes", fl.weight_bytes},
-                             {"kv_bytes", fl.kv_bytes},
-                             {"flops", fl.flops},
-                             {"host_over_floor", host / floor_ms},
-                             {"gpu_over_floor", gpu / floor_ms},
-                             {"eager_stages_ms", st},
-                             {"steps", f.steps},
-                             {"prefill_s", prefill_s}});
+      records.push_back(
+          json{{"batch", batch},
+               {"context", f.context},
+               {"step_host_ms_median", host},
+               {"step_gpu_ms_median", gpu},
+               {"step_host_ms_min", *std::min_element(host_ms.begin(), host_ms.end())},
+               {"floor_ms", floor_ms},
+               {"floor_bytes_ms", bytes_ms},
+               {"floor_flops_ms", flops_ms},
+               {"weight_bytes", fl.weight_bytes},
+               {"kv_bytes", fl.kv_bytes},
+               {"flops", fl.flops},
+               {"host_over_floor", host / floor_ms},
+               {"gpu_over_floor", gpu / floor_ms},
+               {"eager_stages_ms", st},
+               {"steps", f.steps},
+               {"prefill_s", prefill_s}});
     }
     return model->Close();
   });

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/device_compare.h"
 #include "benchmarks/write_replacing.h"
 #include "comm/cli_numbers.h"
 #include "comm/cuda_check.h"
@@ -72,25 +73,6 @@ json Stats(std::vector<float> t) {
               {"max_ms", t.back()},
               {"mean_ms", mean},
               {"rounds", n}};
-}
-
-// Relative Frobenius distance of two BF16 device tensors, on every 7th row.
-StatusOr<double> RelDiff(const void* a, const void* b, int64_t rows, int64_t cols) {
-  const int64_t step = 7, sampled = (rows + step - 1) / step;
-  std::vector<uint16_t> ha(sampled * cols), hb(sampled * cols);
-  const size_t pitch = cols * 2;
-  TP_CUDA_CHECK(
-      cudaMemcpy2D(ha.data(), pitch, a, pitch * step, pitch, sampled, cudaMemcpyDeviceToHost));
-  TP_CUDA_CHECK(
-      cudaMemcpy2D(hb.data(), pitch, b, pitch * step, pitch, sampled, cudaMemcpyDeviceToHost));
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ha.size(); ++i) {
-    const double x = BFloat16ToFloat(BFloat16{ha[i]}), y = BFloat16ToFloat(BFloat16{hb[i]});
-    if (std::isnan(x) || std::isnan(y)) return INFINITY;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
 }
 
 // One scheme of one case: its buffers and graphs.
@@ -264,7 +246,7 @@ Status RunCase(const Flags& f, const LayerShape& shape, int64_t m,
     if (f.check && base != nullptr && &r != base) {
       // Same real weights, activations quantized three ways: the outputs agree to FP8
       // quantization error (a few percent); a scale read from the wrong place does not.
-      TP_ASSIGN_OR_RETURN(double d, RelDiff(r.d.data(), base->d.data(), m, n));
+      TP_ASSIGN_OR_RETURN(double d, RelDiffBf16Rows(r.d.data(), base->d.data(), m, n));
       rec["check_rel_diff_vs_per_tensor"] = d;
       if (!(d <= 0.1)) {
         return InternalError(shape.layer + " m=" + std::to_string(m) + " " +

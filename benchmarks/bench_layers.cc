@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "benchmarks/bench_gemm_scales.h"
+#include "benchmarks/device_compare.h"
 #include "benchmarks/tune_choice.h"
 #include "benchmarks/write_replacing.h"
 #include "comm/cli_numbers.h"
@@ -265,25 +266,6 @@ struct Prepared {
   std::vector<float> times;
 };
 
-// Relative Frobenius distance of two BF16 device tensors, on every 7th row.
-StatusOr<double> RelDiff(const void* a, const void* b, int64_t rows, int64_t cols) {
-  const int64_t step = 7, sampled = (rows + step - 1) / step;
-  std::vector<uint16_t> ha(sampled * cols), hb(sampled * cols);
-  const size_t pitch = cols * 2;
-  TP_CUDA_CHECK(
-      cudaMemcpy2D(ha.data(), pitch, a, pitch * step, pitch, sampled, cudaMemcpyDeviceToHost));
-  TP_CUDA_CHECK(
-      cudaMemcpy2D(hb.data(), pitch, b, pitch * step, pitch, sampled, cudaMemcpyDeviceToHost));
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ha.size(); ++i) {
-    const double x = BFloat16ToFloat(BFloat16{ha[i]}), y = BFloat16ToFloat(BFloat16{hb[i]});
-    if (std::isnan(x) || std::isnan(y)) return INFINITY;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
 Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const OverlapConfig* overlap,
                DataType dtype, std::vector<json>& records) {
   const int tp = group.size();
@@ -467,7 +449,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         }
         TP_RETURN_IF_ERROR(base.WaitStream(st));
         if (check && checked(m) && out_rows > 0) {
-          TP_ASSIGN_OR_RETURN(double d, RelDiff(out_of(m), y_ref.data(), out_rows, n_local));
+          TP_ASSIGN_OR_RETURN(double d,
+                              RelDiffBf16Rows(out_of(m), y_ref.data(), out_rows, n_local));
           checks[i] = d;
           if (!(d <= 1e-2)) {
             return InternalError(sc.layer + " " + m.method + " " + m.knobs.ToString() +
@@ -615,7 +598,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
       TP_RETURN_IF_ERROR(LaunchPoisonFill(out, DataType::kBFloat16, out_rows * n_local, st));
       TP_RETURN_IF_ERROR(prepared[i].graph.Launch(st));
       TP_RETURN_IF_ERROR(base.WaitStream(st));
-      TP_ASSIGN_OR_RETURN(double d, RelDiff(out, y_ref.data(), out_rows, n_local));
+      TP_ASSIGN_OR_RETURN(double d, RelDiffBf16Rows(out, y_ref.data(), out_rows, n_local));
       if (!(d <= 1e-2)) {
         return InternalError(sc.layer + " " + name + " " + methods[i].knobs.ToString() +
                              ": graph replay differs from mode none: rel " + std::to_string(d));

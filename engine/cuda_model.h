@@ -161,11 +161,11 @@ class CudaModel {
 
   const std::vector<int64_t>& buckets() const { return buckets_; }
 
-  // With options.time_passes, the last Forward's (or Step's) pass on the GPU, in milliseconds: from an
-  // event recorded just before its graph launch (or its eager enqueue) to one just after, on
-  // the model's stream — the graph's execution and launch latency, without the batch upload,
-  // the logits download or the host's own time (NaN if the events could not be read; 0
-  // without time_passes). For benchmarks separating the two.
+  // With options.time_passes, the last Forward's (or Step's) pass on the GPU, in milliseconds: from
+  // an event recorded just before its graph launch (or its eager enqueue) to one just after, on the
+  // model's stream — the graph's execution and launch latency, without the batch upload, the logits
+  // download or the host's own time (NaN if the events could not be read; 0 without time_passes).
+  // For benchmarks separating the two.
   double last_pass_ms() const { return last_pass_ms_; }
 
   // Switches every layer's overlap settings (may be null: mode none; must

@@ -157,13 +157,13 @@ __global__ void PagedKvWriteKernel(KvWriteArgs a) {
 // Paged attention.
 //
 // A CTA of kAttnWarps warps owns up to kPairsPerCta = kAttnWarps x kPpw (query row, head) pairs
-// of one (sequence, KV head), kPpw being PairsPerWarp's 1, 2 or 4: the pairs of a sequence and KV head are numbered row-major (pair = j * group + g),
-// and tile t is pairs [t * kPairsPerCta, ...). Warp w holds pairs w, w + kAttnWarps, ... in
-// registers (its running max, sum and kHeadDim / 32 output dims per lane). The keys go by
-// tiles of 32, staged in shared memory as FP32 (K padded by one column so that lane = key
-// reads are conflict-free); a lane scores one key against each of the warp's pairs, then the
-// warp's pairs accumulate P.V with lane = output dims. Scores are in log2 units (q is scaled by
-// log2(e) / sqrt(head_dim) when staged).
+// of one (sequence, KV head), kPpw being PairsPerWarp's 1, 2 or 4: the pairs of a sequence and KV
+// head are numbered row-major (pair = j * group + g), and tile t is pairs [t * kPairsPerCta, ...).
+// Warp w holds pairs w, w + kAttnWarps, ... in registers (its running max, sum and kHeadDim / 32
+// output dims per lane). The keys go by tiles of 32, staged in shared memory as FP32 (K padded by
+// one column so that lane = key reads are conflict-free); a lane scores one key against each of the
+// warp's pairs, then the warp's pairs accumulate P.V with lane = output dims. Scores are in log2
+// units (q is scaled by log2(e) / sqrt(head_dim) when staged).
 
 constexpr int kAttnWarps = 4;
 constexpr int kAttnThreads = kAttnWarps * 32;
@@ -454,8 +454,8 @@ __global__ void __launch_bounds__(kAttnThreads) PagedDecodeAttentionKernel(AttnA
     const int key_end = min(ctx - n + j + 1, key_hi);  // causal: keys up to the row's position
     for (int i = threadIdx.x; i < kGroup * kVecs; i += kAttnThreads) {
       const int g = i / kVecs, c = i % kVecs;
-      const BFloat16* src = a.q + tok * a.q_row_stride +
-                            static_cast<int64_t>(kvh * kGroup + g) * kHeadDim + c * 8;
+      const BFloat16* src =
+          a.q + tok * a.q_row_stride + static_cast<int64_t>(kvh * kGroup + g) * kHeadDim + c * 8;
       float f[8];
       UnpackBf16x8(*reinterpret_cast<const uint4*>(src), f);
 #pragma unroll
@@ -582,8 +582,8 @@ __global__ void __launch_bounds__(kAttnThreads) PagedDecodeAttentionKernel(AttnA
       const int head = kvh * kGroup + g;
       if (a.splits == 1) {
         const float y = den > 0.0f ? num / den : 0.0f;
-        reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride +
-                                           static_cast<int64_t>(head) * kHeadDim + d] =
+        reinterpret_cast<uint16_t*>(
+            a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d] =
             static_cast<uint16_t>(FloatToBf16Bits(y));
       } else {
         const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
@@ -627,8 +627,8 @@ __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs
       const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
       y = fmaf(w_s[sp], a.ws_acc[slot * kHeadDim + threadIdx.x], y);
     }
-    reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride +
-                                       static_cast<int64_t>(head) * kHeadDim + threadIdx.x] =
+    reinterpret_cast<uint16_t*>(
+        a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + threadIdx.x] =
         static_cast<uint16_t>(FloatToBf16Bits(y));
     __syncthreads();  // w_s is rewritten for the next row
   }
@@ -658,10 +658,18 @@ void LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, int pairs
                             const AttnArgs& a, cudaStream_t stream) {
   if (pairs_per_warp == 0) {
     switch (a.group) {
-      case 1: LaunchDecodeKernel<kHeadDim, 1>(grid, fp8, a, stream); break;
-      case 2: LaunchDecodeKernel<kHeadDim, 2>(grid, fp8, a, stream); break;
-      case 4: LaunchDecodeKernel<kHeadDim, 4>(grid, fp8, a, stream); break;
-      default: LaunchDecodeKernel<kHeadDim, 8>(grid, fp8, a, stream); break;
+      case 1:
+        LaunchDecodeKernel<kHeadDim, 1>(grid, fp8, a, stream);
+        break;
+      case 2:
+        LaunchDecodeKernel<kHeadDim, 2>(grid, fp8, a, stream);
+        break;
+      case 4:
+        LaunchDecodeKernel<kHeadDim, 4>(grid, fp8, a, stream);
+        break;
+      default:
+        LaunchDecodeKernel<kHeadDim, 8>(grid, fp8, a, stream);
+        break;
     }
   } else if (pairs_per_warp == 1) {
     LaunchAttentionKernel<kHeadDim, 1>(grid, fp8, a, stream);

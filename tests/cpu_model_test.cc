@@ -502,9 +502,9 @@ TEST(CpuModel, PerChannelWeightScalesAreKeptPerChannel) {
     return true;
   });
   with_config("o_channel");
-  EXPECT_LE(RelDiff(Logits(2, b, nullptr, dir + "/doubled"),
-                    Logits(2, b, nullptr, dir + "/o_channel")),
-            1e-3);
+  EXPECT_LE(
+      RelDiff(Logits(2, b, nullptr, dir + "/doubled"), Logits(2, b, nullptr, dir + "/o_channel")),
+      1e-3);
 
   // 3. Refused, naming the tensor: a scale of the wrong length, a zero
   //    scale, an input scale per channel.
