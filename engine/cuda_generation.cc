@@ -13,6 +13,7 @@
 #include "engine/cuda_model.h"
 #include "engine/cuda_ops.h"
 #include "engine/paged_kv_ops.h"
+#include "engine/sampling_kernels.h"
 #include "engine/token_buckets.h"
 #include "layers/quantize_kernels.h"
 

@@ -1,15 +1,15 @@
-// CUDA kernels of the generation step: writing a step's keys and values into the paged KV
-// cache, paged attention over it (decode and prefill chunks), and token sampling. The CPU
-// references they follow are engine/kv_cache.h (layout, CpuKvCache::Write, PagedAttention) and
-// engine/sampling.h (SampleToken).
+// CUDA kernels of the generation step's paged KV cache: writing a step's keys and values into
+// it, and paged attention over it (decode and prefill chunks). The CPU references they follow
+// are engine/kv_cache.h (layout, CpuKvCache::Write, PagedAttention). The step's token sampling
+// is in engine/sampling_kernels.h.
 //
 // Launchers only; the kernels live in paged_kv_ops.cu, so .cc files can include this. As in
 // engine/cuda_ops.h, each launcher checks its host-side arguments (INVALID_ARGUMENT naming the
 // field), enqueues onto `stream` and returns; none allocates, synchronises or reads device
 // memory on the host, so all can be captured in a CUDA graph. Values that live on the device
-// (slot mappings, block tables, lengths, sampling parameters) are therefore not validated by
-// the launchers; the kernels clamp or skip bad entries so that they never access memory out of
-// bounds (each op says how), which gives wrong numbers for corrupt inputs, never a fault.
+// (slot mappings, block tables, lengths) are therefore not validated by the launchers; the
+// kernels clamp or skip bad entries so that they never access memory out of bounds (each op
+// says how), which gives wrong numbers for corrupt inputs, never a fault.
 // Pointers are device pointers; row strides are in elements.
 //
 // Only compiled when TPSERVE_WITH_CUDA is on.
@@ -112,37 +112,5 @@ size_t PagedAttentionWorkspaceBytes(int64_t max_tokens, int64_t q_heads, int64_t
 // The split count LaunchPagedAttention would use for `p` on a GPU of `sm_count`
 // multiprocessors (exposed for tests and for sizing decisions).
 int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count);
-
-// Samples one token per sequence from its logits by engine/sampling.h's rule (one CTA per
-// sequence):
-// - greedy when temperature == 0 or top_k == 1: the largest logit, lowest id among equal ones
-//   (bit-identical to SampleToken);
-// - otherwise the inverse CDF over the candidates in (logit descending, id ascending) order,
-//   after the top-k and top-p cuts, with u = SampleUniform(seed, index) computed with the same
-//   integer splitmix64. The candidates' weights exp(logit / T - max / T) are computed in double
-//   and summed as 2^-44 fixed point (exact, order-independent integer sums, so a (seed, index)
-//   always gives the same token), which the reference sums in double: a token can differ from
-//   SampleToken's only when u falls within ~1e-12 of a boundary of the cumulative sums.
-// The candidate order is searched by radix selection on a 64-bit (logit, id) key, not sorted.
-// log_prob = log_softmax(logits)[token] (temperature 1, nothing cut), exp in FP32 summed in
-// double.
-// Logits must not be NaN or +inf (NaN never wins the greedy choice; the rest is undefined but
-// in bounds); -inf is a valid logit. Device parameters are not validated; the kernel reads a
-// temperature that is not a finite number > 0 as greedy, top_k <= 0 or >= vocab as no cut, and
-// top_p >= 1 or NaN as no cut (top_p <= 0 keeps the first candidate).
-struct SamplingLaunchParams {
-  const float* logits = nullptr;  // [num_seqs, vocab], row stride logits_row_stride; 4-byte aligned
-  int64_t logits_row_stride = 0;  // >= vocab
-  int64_t vocab = 0;              // 1 .. 2^31 - 1
-  int64_t num_seqs = 0;           // >= 0; 0 launches nothing
-  const float* temperature = nullptr;  // [num_seqs]
-  const int32_t* top_k = nullptr;      // [num_seqs]
-  const float* top_p = nullptr;        // [num_seqs]
-  const uint64_t* seed = nullptr;      // [num_seqs]
-  const uint64_t* index = nullptr;     // [num_seqs]: tokens the sequence generated before
-  int32_t* token = nullptr;            // [num_seqs] out
-  float* log_prob = nullptr;           // [num_seqs] out; optional
-};
-Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream);
 
 }  // namespace tpserve

@@ -1,5 +1,6 @@
-// GPU tests for the generation kernels (engine/paged_kv_ops.h) against the CPU references:
-// CpuKvCache::Write and PagedAttention (engine/kv_cache.h), SampleToken (engine/sampling.h).
+// GPU tests for the generation kernels (engine/paged_kv_ops.h, engine/sampling_kernels.h)
+// against the CPU references: CpuKvCache::Write and PagedAttention (engine/kv_cache.h),
+// SampleToken (engine/sampling.h).
 //
 // Inputs are random from fixed seeds at awkward shapes: odd sequence counts, contexts that are
 // not multiples of the block size, block tables in shuffled order, prefill chunks that start
@@ -38,6 +39,7 @@
 #include "engine/kv_cache.h"
 #include "engine/paged_kv_ops.h"
 #include "engine/sampling.h"
+#include "engine/sampling_kernels.h"
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
 #include "tests/gpu_test_util.h"

@@ -1,0 +1,56 @@
+// CUDA kernel of the generation step's token sampling: one token per sequence drawn from its
+// logits, following the CPU reference engine/sampling.h (SampleToken). The KV cache kernels of
+// the step (paged KV write, paged attention) are in engine/paged_kv_ops.h.
+//
+// Launcher only; the kernel lives in sampling_kernels.cu, so .cc files can include this. As in
+// engine/cuda_ops.h, the launcher checks its host-side arguments (INVALID_ARGUMENT naming the
+// field), enqueues onto `stream` and returns; it does not allocate, synchronise or read device
+// memory on the host, so it can be captured in a CUDA graph. The sampling parameters live on
+// the device and are therefore not validated by the launcher; the kernel reads bad values as
+// described below and never accesses memory out of bounds, which gives wrong tokens for
+// corrupt inputs, never a fault. Pointers are device pointers; row strides are in elements.
+//
+// Only compiled when TPSERVE_WITH_CUDA is on.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "comm/status.h"
+
+namespace tpserve {
+
+// Samples one token per sequence from its logits by engine/sampling.h's rule (one CTA per
+// sequence):
+// - greedy when temperature == 0 or top_k == 1: the largest logit, lowest id among equal ones
+//   (bit-identical to SampleToken);
+// - otherwise the inverse CDF over the candidates in (logit descending, id ascending) order,
+//   after the top-k and top-p cuts, with u = SampleUniform(seed, index) computed with the same
+//   integer splitmix64. The candidates' weights exp(logit / T - max / T) are computed in double
+//   and summed as 2^-44 fixed point (exact, order-independent integer sums, so a (seed, index)
+//   always gives the same token), which the reference sums in double: a token can differ from
+//   SampleToken's only when u falls within ~1e-12 of a boundary of the cumulative sums.
+// The candidate order is searched by radix selection on a 64-bit (logit, id) key, not sorted.
+// log_prob = log_softmax(logits)[token] (temperature 1, nothing cut), exp in FP32 summed in
+// double.
+// Logits must not be NaN or +inf (NaN never wins the greedy choice; the rest is undefined but
+// in bounds); -inf is a valid logit. Device parameters are not validated; the kernel reads a
+// temperature that is not a finite number > 0 as greedy, top_k <= 0 or >= vocab as no cut, and
+// top_p >= 1 or NaN as no cut (top_p <= 0 keeps the first candidate).
+struct SamplingLaunchParams {
+  const float* logits = nullptr;  // [num_seqs, vocab], row stride logits_row_stride; 4-byte aligned
+  int64_t logits_row_stride = 0;  // >= vocab
+  int64_t vocab = 0;              // 1 .. 2^31 - 1
+  int64_t num_seqs = 0;           // >= 0; 0 launches nothing
+  const float* temperature = nullptr;  // [num_seqs]
+  const int32_t* top_k = nullptr;      // [num_seqs]
+  const float* top_p = nullptr;        // [num_seqs]
+  const uint64_t* seed = nullptr;      // [num_seqs]
+  const uint64_t* index = nullptr;     // [num_seqs]: tokens the sequence generated before
+  int32_t* token = nullptr;            // [num_seqs] out
+  float* log_prob = nullptr;           // [num_seqs] out; optional
+};
+Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream);
+
+}  // namespace tpserve
