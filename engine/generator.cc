@@ -3,17 +3,6 @@
 #include <spdlog/spdlog.h>
 
 namespace tpserve {
-namespace {
-
-using Delivery = std::vector<std::pair<GenerationCallback, GenerationEvent>>;
-
-void Deliver(Delivery* d) {
-  for (auto& [callback, event] : *d) callback(std::move(event));
-  d->clear();
-}
-
-}  // namespace
-
 StatusOr<std::unique_ptr<Generator>> Generator::Start(GeneratorOptions options,
                                                       std::shared_ptr<Engine> engine) {
   if (!engine) return InvalidArgumentError("no engine to generate with");
@@ -31,6 +20,7 @@ StatusOr<std::unique_ptr<Generator>> Generator::Start(GeneratorOptions options,
   }
   auto g = std::unique_ptr<Generator>(new Generator(std::move(options), std::move(engine), so));
   g->stats_.blocks_free = kv.num_blocks;
+  g->delivery_thread_ = std::thread(&Generator::DeliveryLoop, g.get());
   g->thread_ = std::thread(&Generator::Loop, g.get());
   return g;
 }
@@ -68,6 +58,36 @@ void Generator::Stop(Clock::time_point deadline) {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard lock(delivery_mu_);
+    delivery_done_ = true;
+  }
+  delivery_cv_.notify_all();
+  if (delivery_thread_.joinable()) delivery_thread_.join();
+}
+
+void Generator::Post(Delivery* d) {
+  if (d->empty()) return;
+  {
+    std::lock_guard lock(delivery_mu_);
+    deliveries_.push_back(std::move(*d));
+  }
+  d->clear();
+  delivery_cv_.notify_one();
+}
+
+void Generator::DeliveryLoop() {
+  while (true) {
+    Delivery d;
+    {
+      std::unique_lock lock(delivery_mu_);
+      delivery_cv_.wait(lock, [&] { return delivery_done_ || !deliveries_.empty(); });
+      if (deliveries_.empty()) return;  // done, and everything delivered
+      d = std::move(deliveries_.front());
+      deliveries_.pop_front();
+    }
+    for (auto& [callback, event] : d) callback(std::move(event));
+  }
 }
 
 GeneratorStats Generator::stats() const {
@@ -129,13 +149,13 @@ void Generator::Loop() {
       }
       if (pending_.empty() && stopping_) {
         lock.unlock();
-        Deliver(&delivery);
+        Post(&delivery);
         return;
       }
       if (!pending_.empty()) step = scheduler_.Schedule();
     }
     const bool ended_some = !delivery.empty();
-    Deliver(&delivery);
+    Post(&delivery);
     if (step.sequences() == 0) {
       // Everything pending was just ended; otherwise (the scheduler's policy
       // always lets the oldest sequence run) a guard against a hot loop.
@@ -187,7 +207,7 @@ void Generator::Loop() {
         }
       }
     }
-    Deliver(&delivery);
+    Post(&delivery);
   }
 }
 

@@ -3,8 +3,10 @@
 // on its ranks), report each sequence's new tokens and finish.
 //
 // Completion is signalled: every request's events go to its callback, called
-// on the generator's thread in step order; a callback must not block (the
-// server hands the event to the RPC's reactor). A request's last event has
+// on the generator's delivery thread in step order; a callback must not block
+// (the server hands the event to the RPC's reactor). The delivery thread is
+// not the stepping one, so building and sending the responses of one step
+// overlaps the next step on the engine. A request's last event has
 // finish != kNone or a non-OK error, and no event follows it.
 //
 // Thread-safety: all public methods may be called from any thread, callbacks
@@ -13,6 +15,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -70,7 +73,8 @@ class Generator {
   void Cancel(uint64_t id);
 
   // Refuses new requests, lets the admitted ones finish until `deadline`,
-  // then ends the rest with UNAVAILABLE, and stops the thread.
+  // then ends the rest with UNAVAILABLE, and stops the threads: every event
+  // has been delivered when it returns. Not from a callback.
   void Stop(Clock::time_point deadline);
 
   GeneratorStats stats() const;
@@ -79,11 +83,14 @@ class Generator {
  private:
   Generator(GeneratorOptions options, std::shared_ptr<Engine> engine, SchedulerOptions so)
       : options_(std::move(options)), engine_(std::move(engine)), scheduler_(so) {}
+  using Delivery = std::vector<std::pair<GenerationCallback, GenerationEvent>>;
   void Loop();
+  // Hands `d`'s events to the delivery thread (in order after earlier ones) and empties it.
+  void Post(Delivery* d);
+  void DeliveryLoop();
   // Ends `id` with `event` (finish or error): removes it from the scheduler
   // and the callbacks; the event is queued for delivery. Holds mu_.
-  void EndLocked(uint64_t id, GenerationEvent event,
-                 std::vector<std::pair<GenerationCallback, GenerationEvent>>* out);
+  void EndLocked(uint64_t id, GenerationEvent event, Delivery* out);
 
   struct Pending {
     GenerationCallback callback;
@@ -101,7 +108,12 @@ class Generator {
   bool stopping_ = false;
   Clock::time_point drain_deadline_ = Clock::time_point::max();
   GeneratorStats stats_;
-  std::thread thread_;
+  // Events on their way to the callbacks (Post -> DeliveryLoop).
+  std::mutex delivery_mu_;
+  std::condition_variable delivery_cv_;
+  std::deque<Delivery> deliveries_;
+  bool delivery_done_ = false;  // the stepping thread has posted its last events
+  std::thread thread_, delivery_thread_;
 };
 
 }  // namespace tpserve
