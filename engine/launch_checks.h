@@ -1,6 +1,6 @@
-// Argument errors of the kernel launchers (engine/cuda_ops.h, engine/paged_kv_ops.h), each
-// naming the params struct and its field, and the grid limits they check against. Host code,
-// C++17 (the .cu files include it).
+// Argument errors of the kernel launchers (engine/cuda_ops.h, engine/paged_kv_ops.h,
+// engine/sampling_kernels.h), each naming the params struct and its field, and the grid limits
+// they check against. Host code, C++17 (the .cu files include it).
 #pragma once
 
 #include <cstddef>
