@@ -247,8 +247,7 @@ int Main(int argc, char** argv) {
       int64_t pos = f.context;
       auto decode = [&](bool profile) -> StatusOr<std::vector<std::pair<std::string, double>>> {
         // Greedy, so the tokens fed back are the model's own; last holds all sequences'.
-        std::vector<int32_t> fed(last.begin(), last.end());
-        const StepBatch step = MakeStep(0, batch, pos, 1, per_seq, fed, config->vocab_size, true,
+        const StepBatch step = MakeStep(0, batch, pos, 1, per_seq, last, config->vocab_size, true,
                                         static_cast<uint64_t>(pos - f.context));
         ++pos;
         if (profile) return model->ProfileStep(step);
