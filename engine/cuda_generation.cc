@@ -51,12 +51,15 @@ struct CudaModel::Generation {
   std::vector<int64_t> buckets;
   // Max query rows of the step being enqueued (1 for pure decode; sizes the attention grid).
   int64_t query_rows = 1;
+  // Sequences of two or more query rows in that step (listed at `multi_rows`): paged
+  // attention gives them its tensor-core kernel.
+  int64_t multi_row_count = 0;
 
   // The step's upload: byte offsets into `host` (pinned) and `dev` alike. The block tables
   // come last, so that a step copies only the rows of its slots.
   struct Offsets {
     int64_t ids, positions, slot_mapping, cu_seqlens, head_cu, context_lens, top_k;
-    int64_t temperature, top_p, seed, index, block_tables, end;
+    int64_t temperature, top_p, seed, index, multi_rows, block_tables, end;
   } at{};
   PinnedBytes host;
   DeviceBuffer dev;
@@ -133,6 +136,7 @@ Status CudaModel::AllocateGeneration() {
   a.temperature = take(s * 4);
   a.top_p = take(s * 4);
   a.seed = take(s * 8);
+  a.multi_rows = take(s * 4);
   a.index = take(s * 8);
   a.block_tables = take(s * g.width * 4);
   a.end = off;
@@ -196,6 +200,8 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   p.tokens = m;
   p.max_blocks = g.width;
   p.max_query_rows = g.query_rows;
+  p.multi_row_seqs = g.d<int32_t>(g.at.multi_rows);
+  p.multi_row_count = g.multi_row_count;
   // Fixed, not the step's longest context: the split count is then the same for every step
   // of a (bucket, slots) graph.
   p.max_context = g.width * kv_layout_.block_size;
@@ -296,7 +302,8 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
   uint64_t* seed = g.h<uint64_t>(a.seed);
   uint64_t* index = g.h<uint64_t>(a.index);
   const int64_t cols = std::min(step.max_blocks, g.width);
-  int64_t sampled = 0, query_rows = 0;
+  int32_t* multi_rows = g.h<int32_t>(a.multi_rows);
+  int64_t sampled = 0, query_rows = 0, multi_row_count = 0;
   head_cu[0] = 0;
   for (int64_t s = 0; s < seqs; ++s) {
     const int32_t begin = step.cu_seqlens[s], end = step.cu_seqlens[s + 1];
@@ -304,6 +311,7 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
     if (BlocksFor(step.context_lens[s], bs) > g.width) {
       return InvalidArgumentError("step: sequence " + std::to_string(s) + "'s context of " +
                                   std::to_string(step.context_lens[s]) +
+    if (end - begin >= 2) multi_rows[multi_row_count++] = static_cast<int32_t>(s);
                                   " tokens needs more than " + std::to_string(g.width) +
                                   " blocks (the KV pool's)");
     }
@@ -331,6 +339,7 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
   for (int64_t k = sampled; k < seq_slots; ++k) {
     head_cu[k + 1] = head_cu[k];
     temperature[k] = 0.0f;
+  g.multi_row_count = multi_row_count;
     top_k[k] = 0;
     top_p[k] = 1.0f;
     seed[k] = index[k] = 0;

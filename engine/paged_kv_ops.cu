@@ -198,6 +198,7 @@ struct AttnArgs {
   int splits;
   int chunk;  // keys per split (a multiple of kKeyTile); the last split takes the rest
   float scale_log2;
+  int max_rows;  // sequences of more query rows are another kernel's (multi_row_seqs)
 };
 
 // The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.
@@ -229,6 +230,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
   const int split = blockIdx.z;
   int row_begin, n, ctx;
   SequenceRows(a, s, &row_begin, &n, &ctx);
+  if (n > a.max_rows) return;
   const int total_pairs = n * a.group;
   const int num_tiles = (total_pairs + kPairsPerCta - 1) / kPairsPerCta;
   const int key_lo = split * a.chunk;
@@ -440,6 +442,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedDecodeAttentionKernel(AttnA
   const int split = blockIdx.z;
   int row_begin, n, ctx;
   SequenceRows(a, s, &row_begin, &n, &ctx);
+  if (n > a.max_rows) return;
   const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks;
   const int64_t head_stride = static_cast<int64_t>(a.block_size) * kHeadDim;
   const int64_t block_stride = a.kv_heads * head_stride;
@@ -609,6 +612,7 @@ __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs
   const int s = blockIdx.x, head = blockIdx.z;
   int row_begin, n, ctx;
   SequenceRows(a, s, &row_begin, &n, &ctx);
+  if (n > a.max_rows) return;
   for (int j = blockIdx.y; j < n; j += gridDim.y) {
     const int64_t tok = row_begin + j;
     if (threadIdx.x < 32) {
@@ -765,7 +769,14 @@ size_t PagedAttentionWorkspaceBytes(int64_t max_tokens, int64_t q_heads, int64_t
 
 namespace {
 
+bool HasMultiRowList(const PagedAttentionParams& p) {
+  return p.multi_row_seqs != nullptr && p.multi_row_count > 0;
+}
+
+// The most query rows the split kernels see in one sequence (1 when the multi-row sequences
+// go to the tensor-core kernel).
 int64_t QueryRows(const PagedAttentionParams& p) {
+  if (HasMultiRowList(p)) return std::min<int64_t>(1, p.tokens);
   return p.max_query_rows > 0 ? std::min(p.max_query_rows, p.tokens) : p.tokens;
 }
 
@@ -874,6 +885,16 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
     if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(kP, t.name, t.alignment);
   }
   if (!IsAligned(p.workspace, 16)) return MisalignedField(kP, "workspace", 16);
+  const bool flash = HasMultiRowList(p);
+  if (p.multi_row_count < 0 || p.multi_row_count > p.num_seqs) {
+    return BadField(kP, "multi_row_count", p.multi_row_count,
+                    "must be in [0, num_seqs = " + Str(p.num_seqs) + "]");
+  }
+  if (!IsAligned(p.multi_row_seqs, 4)) return MisalignedField(kP, "multi_row_seqs", 4);
+  if (flash) {
+    TP_RETURN_IF_ERROR(LaunchPagedPrefillAttention(p, stream));
+    if (p.multi_row_count == p.num_seqs) return Status::Ok();  // nothing left for the others
+  }
 
   int device = 0, sms = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
@@ -907,6 +928,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   a.ws_ml = splits > 1 ? a.ws_acc + splits * p.tokens * p.q_heads * hd : nullptr;
   constexpr double kLog2E = 1.4426950408889634;
   a.scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
+  a.max_rows = flash ? 1 : INT_MAX;
 
   const dim3 grid(static_cast<unsigned>(p.num_seqs * kv_heads),
                   static_cast<unsigned>(std::max<int64_t>(1, PairTiles(p))),

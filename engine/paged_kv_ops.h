@@ -99,8 +99,21 @@ struct PagedAttentionParams {
   void* workspace = nullptr;   // optional: 16-byte aligned, workspace_bytes long
   size_t workspace_bytes = 0;
   int64_t splits = 0;  // 0: chosen by the launcher; > 0: this many (clamped as above)
+  // Optional: the sequences of two or more query rows in this step (prefill chunks),
+  // multi_row_count indexes in [0, num_seqs) on the device, 4-byte aligned. Those are attended
+  // by a tensor-core kernel (flash-attention-2 style on BF16 MMAs: K and V read from the cache
+  // block by block, E4M3 widened to BF16 exactly; the probabilities are rounded to BF16 for
+  // P.V), every other sequence by the kernels above, which then size their launch for one
+  // row per sequence. The list must name every sequence of two or more rows: one left out is
+  // not written. Null or a count of 0: the kernels above take everything.
+  const int32_t* multi_row_seqs = nullptr;
+  int64_t multi_row_count = 0;
 };
 Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream);
+
+// LaunchPagedAttention's tensor-core part (engine/attention.cu), for p.multi_row_seqs; its
+// caller has checked the rest of `p`.
+Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t stream);
 
 // The most context splits a launch with this max_context (after its 0 default is resolved)
 // may use: one per 256 keys, at most 32.

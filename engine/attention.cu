@@ -1,0 +1,732 @@
+// The engine's tensor-core attention (engine/cuda_ops.h: LaunchCausalAttention over packed
+// rows; engine/paged_kv_ops.h: the multi-row sequences of LaunchPagedAttention over the paged
+// KV cache). Plain CUDA C++17.
+//
+// BF16 travels as its raw bits (uint16_t).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "comm/cuda_check.h"
+#include "engine/cuda_ops.h"
+#include "engine/device_math.cuh"
+#include "engine/launch_checks.h"
+#include "engine/paged_kv_ops.h"
+#include "layers/fp8_divide.cuh"
+#include "layers/kernel_grid.h"
+
+namespace tpserve {
+namespace {
+
+using namespace launch_checks;
+using namespace device;
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+// ---------------------------------------------------------------------------------------------
+// Causal varlen attention, flash-attention-2 style on mma.sync m16n8k16 (BF16 in, FP32
+// accumulate). Keys and values come from packed rows (AttentionParams) or, kPaged, from the
+// paged KV cache (PagedKeys): then a sequence's n query rows are the last n of its context,
+// row j at position context - n + j. A block owns one (sequence, query head) and a tile of
+// kAttnBr query rows; each
+// of its warps owns kAttnMTiles m16 tiles of those rows and keeps their O accumulators and
+// softmax state in registers, so every K or V fragment read from shared memory feeds
+// kAttnMTiles products. Q, K and V tiles are staged through shared memory (K and V double
+// buffered, kAttnBc keys each).
+//
+// Fragment layouts (PTX ISA, "mma.m16n8k16" for .bf16), g = lane / 4, t = lane % 4:
+//   A (16x16, row-major) regs 0..3: (row g, cols 2t..2t+1), (row g+8, cols 2t..), (row g,
+//     cols 2t+8..), (row g+8, cols 2t+8..)
+//   B (16x8, "col"): regs 0..1: (k rows 2t..2t+1, col g), (k rows 2t+8..2t+9, col g)
+//   C (16x8 FP32): c0, c1: (row g, cols 2t, 2t+1); c2, c3: (row g+8, same cols)
+// so the C fragments of two adjacent n8 tiles of S are exactly the A fragment of P for the
+// next product, without a trip through shared memory.
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = 32 * kAttnWarps;
+constexpr int kAttnMTiles = 2;                          // m16 tiles per warp
+constexpr int kAttnBr = 16 * kAttnMTiles * kAttnWarps;  // query rows per tile
+constexpr int kAttnBc = 64;                             // keys per tile
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the launcher documents sm_80+; the default build is sm_90a only
+#endif
+}
+
+// Four 8x8 BF16 matrices from shared memory (ldmatrix .x4): lanes 8i..8i+7 give the
+// addresses of matrix i's eight 16-byte rows; r[i] receives this lane's pair of matrix i,
+// row lane/4, columns 2(lane%4) and +1 (kTrans: column lane/4, rows 2(lane%4) and +1), the
+// lower index in the low half.
+template <bool kTrans>
+__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const uint16_t* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+#else
+  (void)row;
+  r[0] = r[1] = r[2] = r[3] = 0;
+  __trap();
+#endif
+}
+
+// 16 bytes global -> shared without a trip through registers (cp.async, L2 only); `zero`
+// fills the 16 bytes with zeros instead (src is then not read).
+__device__ __forceinline__ void CopyAsync16(uint16_t* dst, const uint16_t* src, bool zero) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const int src_bytes = zero ? 0 : 16;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+               "r"(src_bytes));
+#else
+  (void)dst, (void)src, (void)zero;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void CopyAsyncCommit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most kPending of this thread's committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+
+// Shared memory of the attention kernel (dynamic): K and V tiles, two of each (the next
+// tile loads while this one is used), and the Q tile.
+template <int kHeadDim>
+constexpr size_t AttentionSmemBytes() {
+  return (4 * static_cast<size_t>(kAttnBc) + kAttnBr) * (kHeadDim + 8) * sizeof(uint16_t);
+}
+
+// 2^x on the multi-function unit; results below 2^-126 flush to zero (softmax weights
+// that small vanish next to the row's largest, which is 1).
+__device__ __forceinline__ float Exp2Approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Blocks of the attention kernel resident per SM (its __launch_bounds__); the launcher
+// sizes the grid with it.
+constexpr int kAttnBlocksPerSm = 2;
+
+// Where the kernel's keys and values come from.
+enum KeySource : int {
+  kPackedRows = 0,  // AttentionParams k and v rows
+  kPagedBf16 = 1,   // the paged cache, BF16: copied to shared memory asynchronously
+  kPagedFp8 = 2,    // the paged cache, E4M3: loaded, widened to BF16 (exactly), stored
+};
+
+// Where a paged launch finds keys and values, and which sequences it takes:
+// seqs[blockIdx.x / q_heads] (a host-made list; a sequence of fewer than two query rows in it
+// is skipped). A packed launch leaves it empty.
+struct PagedKeys {
+  const void* cache = nullptr;
+  int64_t k_offset = 0;  // elements (of the cache's type): (layer, K, block 0, head 0, slot 0)
+  int64_t v_offset = 0;
+  int64_t block_stride = 0;  // kv_heads * block_size * head_dim
+  int block_size = 0;
+  int num_blocks = 0;
+  const int32_t* seqs = nullptr;
+  const int32_t* context_lens = nullptr;
+  const int32_t* block_tables = nullptr;
+  int64_t max_blocks = 0;
+};
+
+// Eight E4M3 codes as eight BF16 values (exact: E4M3 has fewer mantissa and exponent bits).
+__device__ __forceinline__ uint4 Fp8x8ToBf16x8(const uint2& raw) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = i < 2 ? raw.x : raw.y;
+    const __nv_fp8x2_storage_t pair =
+        static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i & 1))) & 0xFFFFu);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    w[i] = PackBf16x2(f.x, f.y);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <int kHeadDim, int kSource>
+__global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
+    CausalAttentionKernel(AttentionParams p, PagedKeys pk, float scale_log2) {
+  constexpr bool kPaged = kSource != kPackedRows;
+  constexpr bool kFp8 = kSource == kPagedFp8;
+  // Rows padded by 8 BF16 (16 bytes): rows stay 16-byte aligned for the copies, and the
+  // ldmatrix row addresses of 8 consecutive rows hit distinct banks.
+  constexpr int kPitch = kHeadDim + 8;
+  constexpr int kVecsPerRow = kHeadDim / 8;
+  constexpr int kKSteps = kHeadDim / 16;   // k-steps of Q.K^T
+  constexpr int kDimTiles = kHeadDim / 8;  // n8 tiles of O
+  constexpr int kKeyTiles = kAttnBc / 8;   // n8 tiles of S
+  constexpr int kTileElems = kAttnBc * kPitch;
+  constexpr int kWarpRows = 16 * kAttnMTiles;
+  // Each thread copies the same 16-byte column of every kRowStep-th row of a tile.
+  constexpr int kRowStep = kAttnThreads / kVecsPerRow;
+  constexpr int kCopies = kAttnBc / kRowStep;
+  constexpr int kQCopies = kAttnBr / kRowStep;
+  static_assert(
+      kAttnThreads % kVecsPerRow == 0 && kAttnBc % kRowStep == 0 && kAttnBr % kRowStep == 0,
+      "tile copies");
+  // [K buffer 0 | K buffer 1 | V buffer 0 | V buffer 1 | Q tile]
+  extern __shared__ __align__(16) uint16_t attn_smem[];
+  uint16_t* q_tile = attn_smem + 4 * kTileElems;
+
+  // The sequence first, so that a block with no tile leaves at once (grid.y is sized for a
+  // typical sequence of the bucket: a block whose y is at least its sequence's tile count has
+  // nothing to do).
+  // The launcher bounds num_seqs * q_heads and tokens by 2^31 - 1: 32-bit from here on.
+  const int q_heads = static_cast<int>(p.q_heads);
+  const int item = static_cast<int>(blockIdx.x) / q_heads;
+  const int head = static_cast<int>(blockIdx.x) - item * q_heads;
+  const int seq = kPaged ? pk.seqs[item] : item;
+  // Clamped, so that a corrupt cu_seqlens cannot send a block outside [0, tokens).
+  const int tokens = static_cast<int>(p.tokens);
+  int begin = p.cu_seqlens[seq];
+  int end = p.cu_seqlens[seq + 1];
+  begin = begin < 0 ? 0 : (begin > tokens ? tokens : begin);
+  end = end < begin ? begin : (end > tokens ? tokens : end);
+  const int len = end - begin;
+  const int num_tiles = len / kAttnBr + (len % kAttnBr != 0 ? 1 : 0);
+  if (static_cast<int>(blockIdx.y) >= num_tiles) return;  // uniform over the block
+  // Keys 0 .. key_len - 1 exist; query row r (from `begin`) is at position q_off + r.
+  int key_len = len, q_off = 0;
+  if constexpr (kPaged) {
+    if (len < 2) return;  // the split kernels take it
+    const int64_t cap = pk.max_blocks * pk.block_size;
+    const int64_t c = pk.context_lens[seq];
+    key_len = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
+    q_off = key_len > len ? key_len - len : 0;
+  }
+
+  const int kv_head = head / (q_heads / static_cast<int>(p.kv_heads));
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+
+  // Packed: the sequence's first key row. Paged: the layer's K and V at this KV head, and
+  // the sequence's block table.
+  const int64_t head_off = int64_t{kv_head} * (kPaged ? pk.block_size : 1) * kHeadDim;
+  const uint16_t* k_base = nullptr;
+  const uint16_t* v_base = nullptr;
+  const uint8_t* k_base8 = nullptr;
+  const uint8_t* v_base8 = nullptr;
+  if constexpr (kFp8) {
+    k_base8 = static_cast<const uint8_t*>(pk.cache) + pk.k_offset + head_off;
+    v_base8 = static_cast<const uint8_t*>(pk.cache) + pk.v_offset + head_off;
+  } else if constexpr (kPaged) {
+    k_base = static_cast<const uint16_t*>(pk.cache) + pk.k_offset + head_off;
+    v_base = static_cast<const uint16_t*>(pk.cache) + pk.v_offset + head_off;
+  } else {
+    k_base = reinterpret_cast<const uint16_t*>(p.k) + static_cast<int64_t>(begin) * p.k_row_stride +
+             head_off;
+    v_base = reinterpret_cast<const uint16_t*>(p.v) + static_cast<int64_t>(begin) * p.v_row_stride +
+             head_off;
+  }
+  const int32_t* table =
+      kPaged ? pk.block_tables + static_cast<int64_t>(seq) * pk.max_blocks : nullptr;
+  float amax = 0.0f;  // of the BF16-rounded values this thread stores (out_amax)
+
+  // This thread's share of every tile copy: rows copy_row + i * kRowStep, column copy_col.
+  const int copy_row = threadIdx.x / kVecsPerRow;
+  const int copy_col = (threadIdx.x % kVecsPerRow) * 8;
+  const int64_t k_step = kRowStep * p.k_row_stride;
+  const int64_t v_step = kRowStep * p.v_row_stride;
+  // ldmatrix row addresses: lanes 8i..8i+7 give matrix i's rows.
+  const int mat = lane >> 3;
+
+  // Tiles from the last (the most keys) down, so the heaviest are scheduled first (blockIdx.y
+  // varies slowest). Every condition below that guards a __syncthreads is uniform over the
+  // block.
+  for (int tile = num_tiles - 1 - static_cast<int>(blockIdx.y); tile >= 0;
+       tile -= static_cast<int>(gridDim.y)) {
+    const int q0 = tile * kAttnBr;
+    const int warp_row0 = q0 + warp * kWarpRows;  // this warp's first query row
+    // Causal: the tile's last row is q0 + kAttnBr - 1, so no key at or beyond kv_end matters;
+    // this warp needs keys up to its own last row only.
+    const int kv_end = min(q_off + q0 + kAttnBr, key_len);
+    const int warp_kv_end = min(q_off + warp_row0 + kWarpRows, kv_end);
+
+    // Starts loading the key tile at kv0 into buffer `buf` (one commit group per thread).
+    auto load_tile = [&](int buf, int kv0) {
+      uint16_t* k_dst = attn_smem + buf * kTileElems + copy_row * kPitch + copy_col;
+      uint16_t* v_dst = attn_smem + (2 + buf) * kTileElems + copy_row * kPitch + copy_col;
+      const int rows_left = kv_end - kv0 - copy_row;  // this thread's rows before kv_end
+      if constexpr (kPaged) {
+#pragma unroll
+        for (int i = 0; i < kCopies; ++i) {
+          // A key past kv_end, or in a block outside the pool (a corrupt table), is zeros:
+          // no read outside the cache.
+          const int pos = kv0 + copy_row + i * kRowStep;
+          bool zero = i * kRowStep >= rows_left;
+          int64_t off = 0;
+          if (!zero) {
+            const int b = table[pos / pk.block_size];
+            zero = b < 0 || b >= pk.num_blocks;
+            off = zero ? 0
+                       : b * pk.block_stride + static_cast<int64_t>(pos % pk.block_size) * kHeadDim;
+          }
+          if constexpr (kFp8) {  // synchronous: E4M3 is widened on its way to shared memory
+            uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
+            if (!zero) {
+              kw = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(k_base8 + off + copy_col));
+              vw = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(v_base8 + off + copy_col));
+            }
+            *reinterpret_cast<uint4*>(k_dst + i * kRowStep * kPitch) = kw;
+            *reinterpret_cast<uint4*>(v_dst + i * kRowStep * kPitch) = vw;
+          } else {
+            CopyAsync16(k_dst + i * kRowStep * kPitch, k_base + off + copy_col, zero);
+            CopyAsync16(v_dst + i * kRowStep * kPitch, v_base + off + copy_col, zero);
+          }
+        }
+      } else {
+        const int64_t first = static_cast<int64_t>(kv0 + copy_row);
+        const uint16_t* k_src = k_base + first * p.k_row_stride + copy_col;
+        const uint16_t* v_src = v_base + first * p.v_row_stride + copy_col;
+#pragma unroll
+        for (int i = 0; i < kCopies; ++i) {
+          // Zeros past kv_end: such keys are masked, and 0 * V must not meet a NaN there.
+          // The address stays valid (the sequence's first row) when nothing is read.
+          const bool past = i * kRowStep >= rows_left;
+          CopyAsync16(k_dst + i * kRowStep * kPitch, past ? k_base + copy_col : k_src, past);
+          CopyAsync16(v_dst + i * kRowStep * kPitch, past ? v_base + copy_col : v_src, past);
+          k_src += k_step;
+          v_src += v_step;
+        }
+      }
+    };
+    // The Q tile (zeros past the sequence) joins the first key tile's commit group.
+    {
+      const uint16_t* q_base = reinterpret_cast<const uint16_t*>(p.q) +
+                               static_cast<int64_t>(begin) * p.q_row_stride +
+                               int64_t{head} * kHeadDim;
+      const int rows_left = len - q0 - copy_row;
+      const uint16_t* q_src =
+          q_base + static_cast<int64_t>(q0 + copy_row) * p.q_row_stride + copy_col;
+      const int64_t q_step = kRowStep * p.q_row_stride;
+#pragma unroll
+      for (int i = 0; i < kQCopies; ++i) {
+        const bool past = i * kRowStep >= rows_left;
+        CopyAsync16(q_tile + (copy_row + i * kRowStep) * kPitch + copy_col,
+                    past ? q_base + copy_col : q_src, past);
+        q_src += q_step;
+      }
+    }
+    load_tile(0, 0);
+    CopyAsyncCommit();
+
+    float o[kAttnMTiles][kDimTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kAttnMTiles; ++mt) {
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.0f;
+      }
+    }
+    // Per m-tile and half (rows g, g + 8): the running max of the raw scores Q.K (the
+    // positive scale is applied inside the exponent) and this thread's share of the sum.
+    float row_max[kAttnMTiles][2], row_sum[kAttnMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kAttnMTiles; ++mt) {
+      row_max[mt][0] = row_max[mt][1] = -INFINITY;
+      row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+    }
+
+    int buf = 0;
+    for (int kv0 = 0; kv0 < kv_end; kv0 += kAttnBc, buf ^= 1) {
+      // The next tile loads into the other buffer (everyone finished reading it at the end
+      // of the previous step) while this one is used.
+      if (kv_end - kv0 > kAttnBc) {
+        load_tile(buf ^ 1, kv0 + kAttnBc);
+        CopyAsyncCommit();
+        CopyAsyncWait<1>();
+      } else {
+        CopyAsyncWait<0>();
+      }
+      __syncthreads();  // this tile (and the Q tile), from every thread's copies
+
+      // A warp whose rows all precede the tile has nothing to add (causal); it only keeps
+      // the block's barriers.
+      if (kv0 < warp_kv_end) {
+        const uint16_t* k_tile = attn_smem + buf * kTileElems;
+        const uint16_t* v_tile = attn_smem + (2 + buf) * kTileElems;
+
+        // S = Q K^T for this warp's rows and the tile's kAttnBc keys.
+        float s[kAttnMTiles][kKeyTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kAttnMTiles; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+            s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          // A = Q rows (16 per m-tile) x dims ks*16..: matrices (rows 0-7 / 8-15, dims
+          // 0-7 / 8-15), in the A register order.
+          uint32_t a[kAttnMTiles][4];
+#pragma unroll
+          for (int mt = 0; mt < kAttnMTiles; ++mt) {
+            LoadMatrixX4<false>(
+                a[mt], q_tile + (warp * kWarpRows + mt * 16 + (mat & 1) * 8 + (lane & 7)) * kPitch +
+                           ks * 16 + (mat >> 1) * 8);
+          }
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; nt += 2) {
+            // B[k = dim][n = key] = K[key][dim]: matrices (keys nt*8.., dims ks*16 + 0 / 8)
+            // and the same for keys (nt+1)*8..; each lane's pair is (key g, dims 2t, 2t+1).
+            uint32_t b[4];
+            LoadMatrixX4<false>(b, k_tile + ((nt + (mat >> 1)) * 8 + (lane & 7)) * kPitch +
+                                       ks * 16 + (mat & 1) * 8);
+#pragma unroll
+            for (int mt = 0; mt < kAttnMTiles; ++mt) {
+              MmaBf16(s[mt][nt], a[mt], b[0], b[1]);
+              MmaBf16(s[mt][nt + 1], a[mt], b[2], b[3]);
+            }
+          }
+        }
+
+        uint32_t p_frag[kAttnMTiles][kAttnBc / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < kAttnMTiles; ++mt) {
+          const int row_lo = warp_row0 + mt * 16 + g;  // this thread's two rows
+          // Masks: a key after the row (causal) or past the sequence. Only tiles that reach
+          // the m-tile's diagonal or the sequence's end have any (warp-uniform).
+          if (kv0 + kAttnBc - 1 > q_off + warp_row0 + mt * 16 || key_len - kv0 < kAttnBc) {
+            // Element (nt, e) holds key kv0 + nt*8 + 2t + (e & 1) of row row_lo (e < 2) or
+            // row_lo + 8: it is visible iff nt*8 + (e & 1) <= limit[e >> 1].
+            const int last_key = key_len - 1 - kv0 - 2 * t;
+            const int limit[2] = {min(q_off + row_lo - kv0 - 2 * t, last_key),
+                                  min(q_off + row_lo + 8 - kv0 - 2 * t, last_key)};
+#pragma unroll
+            for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                if (nt * 8 + (e & 1) > limit[e >> 1]) s[mt][nt][e] = -INFINITY;
+              }
+            }
+          }
+          // The tile's row maxima (over the 4 lanes of a row).
+          float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[mt][nt][e]);
+          }
+          float alpha[2];
+          float base[2];  // the new max, in log2 units
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+            const float new_max = fmaxf(row_max[mt][i], tile_max[i]);
+            // A row with no visible key yet keeps max -inf; subtracting 0 instead keeps
+            // exp2(-inf - -inf) = NaN out (every p and alpha is then 0).
+            base[i] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+            alpha[i] = Exp2Approx(fmaf(row_max[mt][i], scale_log2, -base[i]));
+            row_max[mt][i] = new_max;
+          }
+          // P, packed to BF16 at once (the A fragments of P V; it frees S's registers):
+          // n8 tiles 2kk and 2kk+1 of S are the A fragment kk.
+          float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+            float pr[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              pr[e] = Exp2Approx(fmaf(s[mt][nt][e], scale_log2, -base[e >> 1]));
+              tile_sum[e >> 1] += pr[e];
+            }
+            p_frag[mt][nt >> 1][(nt & 1) * 2] = PackBf16x2(pr[0], pr[1]);
+            p_frag[mt][nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(pr[2], pr[3]);
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i) row_sum[mt][i] = row_sum[mt][i] * alpha[i] + tile_sum[i];
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; ++dt) {
+            o[mt][dt][0] *= alpha[0];
+            o[mt][dt][1] *= alpha[0];
+            o[mt][dt][2] *= alpha[1];
+            o[mt][dt][3] *= alpha[1];
+          }
+        }
+
+        // O += P V.
+#pragma unroll
+        for (int kk = 0; kk < kAttnBc / 16; ++kk) {
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; dt += 2) {
+            // B[k = key][n = dim] = V[key][dim], transposed on load: matrices (keys
+            // kk*16 + 0 / 8.., dims dt*8..) and the same for dims (dt+1)*8..; each lane's
+            // pair is (keys 2t, 2t+1 of its half, dim g).
+            uint32_t b[4];
+            LoadMatrixX4<true>(b, v_tile + (kk * 16 + (mat & 1) * 8 + (lane & 7)) * kPitch +
+                                      (dt + (mat >> 1)) * 8);
+#pragma unroll
+            for (int mt = 0; mt < kAttnMTiles; ++mt) {
+              MmaBf16(o[mt][dt], p_frag[mt][kk], b[0], b[1]);
+              MmaBf16(o[mt][dt + 1], p_frag[mt][kk], b[2], b[3]);
+            }
+          }
+        }
+      }
+      __syncthreads();  // everyone is done with this buffer before it loads again
+    }
+
+    // This thread's two adjacent values per n8 tile of each of its rows: BF16, and/or the
+    // E4M3 codes of those BF16 values (what a quantize pass over `out` would give). The
+    // output pointers are formed here, not held through the key loop (registers).
+    uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
+                                                static_cast<int64_t>(begin) * p.out_row_stride +
+                                                int64_t{head} * kHeadDim
+                                          : nullptr;
+    uint8_t* fp8_base = p.out_fp8 != nullptr
+                            ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride +
+                                  int64_t{head} * kHeadDim
+                            : nullptr;
+    const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
+    // Instantiated twice: with the branch-free division (fp8.inv != 0, checked once here)
+    // and with the IEEE fallback; a per-value branch made this epilogue a third of the
+    // kernel's stalls under a profiler.
+    auto store = [&](auto fast_divide) {
+      constexpr bool kFast = decltype(fast_divide)::value;
+#pragma unroll
+      for (int mt = 0; mt < kAttnMTiles; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float sum = row_sum[mt][half];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          // Every real row sees its own key, so its sum is >= 1; rows past len are not stored.
+          const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+          const int row = warp_row0 + mt * 16 + g + 8 * half;
+          if (row >= len) continue;
+          uint32_t* dst = out_base != nullptr
+                              ? reinterpret_cast<uint32_t*>(out_base + row * p.out_row_stride)
+                              : nullptr;
+          uint16_t* dst_fp8 =
+              fp8_base != nullptr
+                  ? reinterpret_cast<uint16_t*>(fp8_base + row * p.out_fp8_row_stride)
+                  : nullptr;
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; ++dt) {
+            const uint32_t pair =
+                PackBf16x2(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum);
+            if (dst != nullptr) dst[dt * 4 + t] = pair;
+            const float lo = Bf16ToFloat(pair & 0xFFFFu), hi = Bf16ToFloat(pair >> 16);
+            if (dst_fp8 != nullptr) {
+              dst_fp8[dt * 4 + t] = static_cast<uint16_t>(QuantizeToE4M3<kFast>(lo, fp8) |
+                                                          (QuantizeToE4M3<kFast>(hi, fp8) << 8));
+            }
+            if (p.out_amax != nullptr) amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
+          }
+        }
+      }
+    };
+    if (fp8.inv != 0.0f) {
+      store(std::true_type{});
+    } else {
+      store(std::false_type{});
+    }
+    // The next tile's Q copy overwrites q_tile: every warp must be done reading it (the last
+    // key step's barrier already ensures that; no extra barrier needed).
+  }
+  // Every thread of the block gets here (the tile loop's bounds are uniform).
+  if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
+}
+
+// The kernel's tiles take more than the 48 KiB of shared memory a launch gets by default
+// (head_dim 128: 104,448 bytes). The opt-in holds per device (context), and ranks may be
+// threads of one process on several devices: set before every launch (a host-side call,
+// allowed while a stream is captured; a graph replay does not repeat it).
+template <int kHeadDim, int kSource>
+Status LaunchAttention(dim3 grid, const AttentionParams& p, const PagedKeys& pk, float scale_log2,
+                       cudaStream_t stream) {
+  constexpr size_t kSmem = AttentionSmemBytes<kHeadDim>();
+  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionKernel<kHeadDim, kSource>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kSmem)));
+  CausalAttentionKernel<kHeadDim, kSource>
+      <<<grid, kAttnThreads, kSmem, stream>>>(p, pk, scale_log2);
+  return Status::Ok();
+}
+
+constexpr double kLog2E = 1.4426950408889634;  // exp(x) = exp2(x * log2(e))
+
+}  // namespace
+
+Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "AttentionParams";
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return UnimplementedError(std::string(kP) + ".head_dim = " + Str(p.head_dim) +
+                              " is unsupported; supported: 64, 128");
+  }
+  if (p.kv_heads < 1) return BadField(kP, "kv_heads", p.kv_heads, "must be >= 1");
+  if (p.q_heads < 1 || p.q_heads % p.kv_heads != 0) {
+    return BadField(kP, "q_heads", p.q_heads,
+                    "must be a positive multiple of kv_heads (" + Str(p.kv_heads) + ")");
+  }
+  if (p.num_seqs < 0) return BadField(kP, "num_seqs", p.num_seqs, "must be >= 0");
+  // cu_seqlens are int32, and the kernel's row arithmetic (32-bit) runs up to a tile past
+  // the last token.
+  if (p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max() - kAttnBr) {
+    return BadField(kP, "tokens", p.tokens, "must be in [0, 2^31 - 1 - " + Str(kAttnBr) + "]");
+  }
+  if (p.out == nullptr && p.out_fp8 == nullptr) {
+    return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
+  }
+  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
+    return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
+  }
+  const struct {
+    const char* name;
+    int64_t stride;
+    int64_t min;
+    bool used;
+  } strides[] = {
+      {"q_row_stride", p.q_row_stride, p.q_heads * p.head_dim, true},
+      {"k_row_stride", p.k_row_stride, p.kv_heads * p.head_dim, true},
+      {"v_row_stride", p.v_row_stride, p.kv_heads * p.head_dim, true},
+      {"out_row_stride", p.out_row_stride, p.q_heads * p.head_dim, p.out != nullptr},
+      {"out_fp8_row_stride", p.out_fp8_row_stride, p.q_heads * p.head_dim, p.out_fp8 != nullptr}};
+  for (const auto& s : strides) {
+    if (s.used && (s.stride < s.min || s.stride % 8 != 0)) {
+      return BadField(kP, s.name, s.stride,
+                      "must be a multiple of 8 and >= heads * head_dim (" + Str(s.min) + ")");
+    }
+  }
+  TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));  // nothing to attend: amax 0
+  if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
+  if (p.max_seqlen < 1) return BadField(kP, "max_seqlen", p.max_seqlen, "must be >= 1");
+  if (p.num_seqs * p.q_heads > kMaxGridX) {
+    return InvalidArgumentError(std::string(kP) + ": num_seqs * q_heads (" +
+                                Str(p.num_seqs * p.q_heads) + ") exceeds 2^31 - 1");
+  }
+  const struct {
+    const char* name;
+    const void* ptr;
+    bool required;
+  } tensors[] = {{"q", p.q, true},
+                 {"k", p.k, true},
+                 {"v", p.v, true},
+                 {"out", p.out, false},
+                 {"out_fp8", p.out_fp8, false}};
+  for (const auto& t : tensors) {
+    if (t.ptr == nullptr && t.required) return NullField(kP, t.name);
+    if (!IsAligned(t.ptr, 16)) return MisalignedField(kP, t.name, 16);
+  }
+  if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
+  if (p.cu_seqlens == nullptr) return NullField(kP, "cu_seqlens");
+  if (!IsAligned(p.cu_seqlens, 4)) return MisalignedField(kP, "cu_seqlens", 4);
+
+  // grid.y: tiles per (sequence, head) in flight at once; a block takes tiles
+  // num_tiles - 1 - y, then gridDim.y fewer each time. The longest sequence the bucket
+  // allows would need no loop, but the graph is captured once per bucket, and for a batch of
+  // many short sequences most of those blocks would find no tile, and each still costs a
+  // launch and a read of cu_seqlens. So: the tiles of the average sequence, and at least
+  // enough blocks that one long sequence alone occupies every SM.
+  const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
+  const int64_t most_tiles = (longest + kAttnBr - 1) / kAttnBr;
+  const int64_t average = (p.tokens + p.num_seqs - 1) / p.num_seqs;
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t fill = (int64_t{sms} * kAttnBlocksPerSm + p.q_heads - 1) / p.q_heads;
+  int64_t tiles = std::max((average + kAttnBr - 1) / kAttnBr, fill);
+  tiles = std::min({tiles, most_tiles, kMaxGridY});
+  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
+  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
+  if (p.head_dim == 64) {
+    TP_RETURN_IF_ERROR(
+        (LaunchAttention<64, kPackedRows>(grid, p, PagedKeys{}, scale_log2, stream)));
+  } else {
+    TP_RETURN_IF_ERROR(
+        (LaunchAttention<128, kPackedRows>(grid, p, PagedKeys{}, scale_log2, stream)));
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "PagedAttentionParams";
+  // The rest was checked by LaunchPagedAttention, its only caller.
+  if (p.tokens > std::numeric_limits<int32_t>::max() - kAttnBr) {
+    return BadField(kP, "tokens", p.tokens, "must be at most 2^31 - 1 - " + Str(kAttnBr));
+  }
+  if (p.multi_row_count * p.q_heads > kMaxGridX) {
+    return InvalidArgumentError(std::string(kP) + ": multi_row_count * q_heads (" +
+                                Str(p.multi_row_count * p.q_heads) + ") exceeds 2^31 - 1");
+  }
+  const int64_t hd = p.layout.head_dim;
+  PagedKeys pk;
+  pk.cache = p.cache;
+  pk.k_offset = p.layout.Offset(p.layer, 0, 0, 0, 0);
+  pk.v_offset = p.layout.Offset(p.layer, 1, 0, 0, 0);
+  pk.block_stride = p.layout.kv_heads * p.layout.block_size * hd;
+  pk.block_size = static_cast<int>(p.layout.block_size);
+  pk.num_blocks = static_cast<int>(p.layout.num_blocks);
+  pk.seqs = p.multi_row_seqs;
+  pk.context_lens = p.context_lens;
+  pk.block_tables = p.block_tables;
+  pk.max_blocks = p.max_blocks;
+  AttentionParams a;
+  a.q = p.q;
+  a.q_row_stride = p.q_row_stride;
+  a.out = p.out;
+  a.out_row_stride = p.out_row_stride;
+  a.cu_seqlens = p.cu_seqlens;
+  a.num_seqs = p.multi_row_count;
+  a.tokens = p.tokens;
+  a.q_heads = p.q_heads;
+  a.kv_heads = p.layout.kv_heads;
+  a.head_dim = hd;
+  // A block per (listed sequence, head, query tile of the longest): blocks past their own
+  // sequence's tiles leave at once.
+  const int64_t rows = p.max_query_rows > 0 ? std::min(p.max_query_rows, p.tokens) : p.tokens;
+  const int64_t tiles = std::min((rows + kAttnBr - 1) / kAttnBr, kMaxGridY);
+  const dim3 grid(static_cast<unsigned>(p.multi_row_count * p.q_heads),
+                  static_cast<unsigned>(std::max<int64_t>(1, tiles)));
+  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
+  const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
+  if (hd == 64) {
+    TP_RETURN_IF_ERROR((fp8 ? LaunchAttention<64, kPagedFp8>(grid, a, pk, scale_log2, stream)
+                            : LaunchAttention<64, kPagedBf16>(grid, a, pk, scale_log2, stream)));
+  } else {
+    TP_RETURN_IF_ERROR((fp8 ? LaunchAttention<128, kPagedFp8>(grid, a, pk, scale_log2, stream)
+                            : LaunchAttention<128, kPagedBf16>(grid, a, pk, scale_log2, stream)));
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace tpserve
