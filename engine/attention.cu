@@ -632,22 +632,13 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
     return InvalidArgumentError(std::string(kP) + ": num_seqs * q_heads (" +
                                 Str(p.num_seqs * p.q_heads) + ") exceeds 2^31 - 1");
   }
-  const struct {
-    const char* name;
-    const void* ptr;
-    bool required;
-  } tensors[] = {{"q", p.q, true},
-                 {"k", p.k, true},
-                 {"v", p.v, true},
-                 {"out", p.out, false},
-                 {"out_fp8", p.out_fp8, false}};
-  for (const auto& t : tensors) {
-    if (t.ptr == nullptr && t.required) return NullField(kP, t.name);
-    if (!IsAligned(t.ptr, 16)) return MisalignedField(kP, t.name, 16);
-  }
+  TP_RETURN_IF_ERROR(CheckPointers(kP, {{"q", p.q, 16},
+                                        {"k", p.k, 16},
+                                        {"v", p.v, 16},
+                                        {"out", p.out, 16, false},
+                                        {"out_fp8", p.out_fp8, 16, false},
+                                        {"cu_seqlens", p.cu_seqlens, 4}}));
   if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
-  if (p.cu_seqlens == nullptr) return NullField(kP, "cu_seqlens");
-  if (!IsAligned(p.cu_seqlens, 4)) return MisalignedField(kP, "cu_seqlens", 4);
 
   // grid.y: tiles per (sequence, head) in flight at once; a block takes tiles
   // num_tiles - 1 - y, then gridDim.y fewer each time. The longest sequence the bucket

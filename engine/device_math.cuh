@@ -1,9 +1,12 @@
-// Device helpers shared by the engine's kernels (engine/cuda_ops.cu, engine/attention.cu):
+// Device helpers shared by the engine's kernels (engine/cuda_ops.cu, engine/attention.cu,
+// engine/paged_kv_ops.cu, engine/paged_kv_write.cu):
 // BF16 as raw bits, warp and block reductions, grid-stride indexing. CUDA C++17, device code
 // only; include from .cu files.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -51,6 +54,28 @@ __device__ __forceinline__ void StoreFp8x8(uint8_t* dst, const float (&f)[8], co
 #pragma unroll
     for (int i = 0; i < 8; ++i) dst[i] = q[i];
   }
+}
+
+// E4M3 codes to float (exact).
+__device__ __forceinline__ float Fp8E4M3ToFloat(uint32_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__device__ __forceinline__ void UnpackFp8x8(const uint2& raw, float (&f)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[i] = Fp8E4M3ToFloat((raw.x >> (8 * i)) & 0xFFu);
+    f[4 + i] = Fp8E4M3ToFloat((raw.y >> (8 * i)) & 0xFFu);
+  }
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
 }
 
 __device__ __forceinline__ float WarpSum(float v) {

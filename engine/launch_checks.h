@@ -5,12 +5,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
 #include <string>
 
 #include <cuda_runtime.h>
 
 #include "comm/cuda_check.h"
 #include "comm/status.h"
+#include "engine/kv_cache.h"
 #include "layers/kernel_grid.h"
 
 namespace tpserve::launch_checks {
@@ -33,6 +36,27 @@ inline Status MisalignedField(const char* params, const char* field, size_t alig
                               std::to_string(alignment) + " bytes");
 }
 
+// A device pointer argument: its field name, the alignment it needs, and whether null is
+// allowed (an optional argument: then only a non-null one is checked).
+struct DevicePointer {
+  const char* name;
+  const void* ptr;
+  size_t alignment;
+  bool required = true;
+};
+// The first required pointer that is null, or pointer that is misaligned, as an
+// INVALID_ARGUMENT naming its field.
+inline Status CheckPointers(const char* params, std::initializer_list<DevicePointer> ptrs) {
+  for (const DevicePointer& t : ptrs) {
+    if (t.ptr == nullptr) {
+      if (t.required) return NullField(params, t.name);
+      continue;
+    }
+    if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(params, t.name, t.alignment);
+  }
+  return Status::Ok();
+}
+
 // An optional scale pointer: float-aligned.
 inline Status CheckScale(const char* params, const char* field, const float* scale) {
   if (!IsAligned(scale, alignof(float))) return MisalignedField(params, field, alignof(float));
@@ -48,6 +72,31 @@ inline Status ZeroAmax(const char* params, float* amax, const void* out, cudaStr
     return MisalignedField(params, "out_amax", alignof(float));
   }
   TP_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  return Status::Ok();
+}
+
+// The layout's fields as a launcher can trust them (Validate() lives in kv_cache.cc, which the
+// launchers do not need to link against): positive sizes, a layer inside it.
+inline Status CheckKvLayout(const char* params, const KvCacheLayout& l, int64_t layer) {
+  const struct {
+    const char* name;
+    int64_t value;
+  } sizes[] = {{"layout.layers", l.layers},
+               {"layout.num_blocks", l.num_blocks},
+               {"layout.block_size", l.block_size},
+               {"layout.kv_heads", l.kv_heads},
+               {"layout.head_dim", l.head_dim}};
+  for (const auto& s : sizes) {
+    if (s.value < 1) return BadField(params, s.name, s.value, "must be >= 1");
+  }
+  if (layer < 0 || layer >= l.layers) {
+    return BadField(params, "layer", layer,
+                    "must be in [0, layout.layers = " + std::to_string(l.layers) + ")");
+  }
+  if (l.num_blocks * l.block_size > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgumentError(std::string(params) +
+                                ": num_blocks * block_size exceeds 2^31 - 1 (slots are int32)");
+  }
   return Status::Ok();
 }
 

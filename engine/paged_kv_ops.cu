@@ -18,6 +18,7 @@
 #include <string>
 
 #include "comm/cuda_check.h"
+#include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
 #include "layers/kernel_grid.h"
 
@@ -25,133 +26,9 @@ namespace tpserve {
 namespace {
 
 using namespace launch_checks;
+using namespace device;
 
 std::string Str(int64_t v) { return std::to_string(v); }
-
-// The layout's fields as a launcher can trust them (Validate() lives in kv_cache.cc, which the
-// launchers do not need to link against): positive sizes, a layer inside it.
-Status CheckLayout(const char* params, const KvCacheLayout& l, int64_t layer) {
-  const struct {
-    const char* name;
-    int64_t value;
-  } sizes[] = {{"layout.layers", l.layers},
-               {"layout.num_blocks", l.num_blocks},
-               {"layout.block_size", l.block_size},
-               {"layout.kv_heads", l.kv_heads},
-               {"layout.head_dim", l.head_dim}};
-  for (const auto& s : sizes) {
-    if (s.value < 1) return BadField(params, s.name, s.value, "must be >= 1");
-  }
-  if (layer < 0 || layer >= l.layers) {
-    return BadField(params, "layer", layer,
-                    "must be in [0, layout.layers = " + Str(l.layers) + ")");
-  }
-  if (l.num_blocks * l.block_size > std::numeric_limits<int32_t>::max()) {
-    return InvalidArgumentError(std::string(params) +
-                                ": num_blocks * block_size exceeds 2^31 - 1 (slots are int32)");
-  }
-  return Status::Ok();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Device helpers
-
-__device__ __forceinline__ uint32_t FloatToBf16Bits(float x) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
-
-__device__ __forceinline__ void UnpackBf16x8(const uint4& raw, float (&f)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ float Fp8E4M3ToFloat(uint32_t code) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
-  return __half2float(__half(h));
-}
-
-__device__ __forceinline__ void UnpackFp8x8(const uint2& raw, float (&f)[8]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[i] = Fp8E4M3ToFloat((raw.x >> (8 * i)) & 0xFFu);
-    f[4 + i] = Fp8E4M3ToFloat((raw.y >> (8 * i)) & 0xFFu);
-  }
-}
-
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  return v;
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-// ---------------------------------------------------------------------------------------------
-// KV write: one thread per 8 elements of (row, K|V, head).
-
-struct KvWriteArgs {
-  const BFloat16* k;
-  int64_t k_row_stride;
-  const BFloat16* v;
-  int64_t v_row_stride;
-  const int32_t* slot_mapping;
-  int64_t rows;
-  void* cache;
-  int64_t k_offset;  // element offset of (layer, K, block 0, head 0, slot 0)
-  int64_t v_offset;
-  int64_t num_slots;  // num_blocks * block_size
-  int64_t block_size;
-  int64_t kv_heads;
-  int64_t head_dim;
-};
-
-template <bool kFp8>
-__global__ void PagedKvWriteKernel(KvWriteArgs a) {
-  const int64_t vecs_per_head = a.head_dim / 8;
-  const int64_t per_row = 2 * a.kv_heads * vecs_per_head;
-  const int64_t total = a.rows * per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / per_row;
-    int64_t rest = i - row * per_row;
-    const int kv = static_cast<int>(rest / (a.kv_heads * vecs_per_head));
-    rest -= kv * a.kv_heads * vecs_per_head;
-    const int64_t head = rest / vecs_per_head;
-    const int64_t c = rest - head * vecs_per_head;
-    const int64_t slot = a.slot_mapping[row];
-    if (slot < 0 || slot >= a.num_slots) continue;  // padding, or corrupt
-    const int64_t block = slot / a.block_size, in_block = slot - block * a.block_size;
-    const BFloat16* src = (kv == 0 ? a.k + row * a.k_row_stride : a.v + row * a.v_row_stride) +
-                          head * a.head_dim + c * 8;
-    const int64_t dst = (kv == 0 ? a.k_offset : a.v_offset) +
-                        ((block * a.kv_heads + head) * a.block_size + in_block) * a.head_dim +
-                        c * 8;
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    if (!kFp8) {
-      reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.cache) + dst)[0] = raw;
-    } else {
-      float f[8];
-      UnpackBf16x8(raw, f);
-      uint32_t w[2] = {0, 0};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t code = __nv_cvt_float_to_fp8(f[j], __NV_SATFINITE, __NV_E4M3);
-        w[j / 4] |= code << (8 * (j % 4));
-      }
-      reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.cache) + dst)[0] = make_uint2(w[0], w[1]);
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Paged attention.
@@ -369,7 +246,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
                         static_cast<int64_t>(head) * kHeadDim;
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
-          dst[lane + 32 * i] = static_cast<uint16_t>(FloatToBf16Bits(acc[k][i] * inv));
+          dst[lane + 32 * i] = static_cast<uint16_t>(FloatToBf16(acc[k][i] * inv));
         }
       } else {
         const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
@@ -587,7 +464,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedDecodeAttentionKernel(AttnA
         const float y = den > 0.0f ? num / den : 0.0f;
         reinterpret_cast<uint16_t*>(
             a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d] =
-            static_cast<uint16_t>(FloatToBf16Bits(y));
+            static_cast<uint16_t>(FloatToBf16(y));
       } else {
         const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
         a.ws_acc[slot * kHeadDim + d] = num;
@@ -633,7 +510,7 @@ __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs
     }
     reinterpret_cast<uint16_t*>(
         a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + threadIdx.x] =
-        static_cast<uint16_t>(FloatToBf16Bits(y));
+        static_cast<uint16_t>(FloatToBf16(y));
     __syncthreads();  // w_s is rewritten for the next row
   }
 }
@@ -703,57 +580,6 @@ int64_t ResolvedMaxContext(const PagedAttentionParams& p) {
 
 // ---------------------------------------------------------------------------------------------
 // Launchers
-
-Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
-  constexpr const char* kP = "PagedKvWriteParams";
-  TP_RETURN_IF_ERROR(CheckLayout(kP, p.layout, p.layer));
-  const int64_t hd = p.layout.head_dim, width = p.layout.kv_heads * hd;
-  if (hd % 8 != 0) return BadField(kP, "layout.head_dim", hd, "must be a multiple of 8");
-  if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
-  const struct {
-    const char* name;
-    int64_t stride;
-  } strides[] = {{"k_row_stride", p.k_row_stride}, {"v_row_stride", p.v_row_stride}};
-  for (const auto& st : strides) {
-    if (st.stride < width || st.stride % 8 != 0) {
-      return BadField(kP, st.name, st.stride,
-                      "must be a multiple of 8 and >= kv_heads * head_dim (" + Str(width) + ")");
-    }
-  }
-  if (p.rows == 0) return Status::Ok();
-  const struct {
-    const char* name;
-    const void* ptr;
-    size_t alignment;
-  } ptrs[] = {
-      {"k", p.k, 16}, {"v", p.v, 16}, {"cache", p.cache, 16}, {"slot_mapping", p.slot_mapping, 4}};
-  for (const auto& t : ptrs) {
-    if (t.ptr == nullptr) return NullField(kP, t.name);
-    if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(kP, t.name, t.alignment);
-  }
-  KvWriteArgs a;
-  a.k = p.k;
-  a.k_row_stride = p.k_row_stride;
-  a.v = p.v;
-  a.v_row_stride = p.v_row_stride;
-  a.slot_mapping = p.slot_mapping;
-  a.rows = p.rows;
-  a.cache = p.cache;
-  a.k_offset = p.layout.Offset(p.layer, 0, 0, 0, 0);
-  a.v_offset = p.layout.Offset(p.layer, 1, 0, 0, 0);
-  a.num_slots = p.layout.num_blocks * p.layout.block_size;
-  a.block_size = p.layout.block_size;
-  a.kv_heads = p.layout.kv_heads;
-  a.head_dim = hd;
-  const unsigned grid = GridFor(p.rows * 2 * width / 8);
-  if (p.layout.dtype == KvCacheDtype::kFloat8E4M3) {
-    PagedKvWriteKernel<true><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    PagedKvWriteKernel<false><<<grid, kThreads, 0, stream>>>(a);
-  }
-  TP_CUDA_CHECK(cudaGetLastError());
-  return Status::Ok();
-}
 
 int64_t PagedAttentionMaxSplits(int64_t max_context) {
   const int64_t splits = (max_context + kMinSplitKeys - 1) / kMinSplitKeys;
@@ -826,7 +652,7 @@ int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
 
 Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr const char* kP = "PagedAttentionParams";
-  TP_RETURN_IF_ERROR(CheckLayout(kP, p.layout, p.layer));
+  TP_RETURN_IF_ERROR(CheckKvLayout(kP, p.layout, p.layer));
   const int64_t hd = p.layout.head_dim, kv_heads = p.layout.kv_heads;
   if (hd != 64 && hd != 128) {
     return UnimplementedError(std::string(kP) + ".layout.head_dim = " + Str(hd) +
@@ -870,27 +696,19 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
     return InvalidArgumentError(std::string(kP) + ": num_seqs * kv_heads (" +
                                 Str(p.num_seqs * kv_heads) + ") exceeds 2^31 - 1");
   }
-  const struct {
-    const char* name;
-    const void* ptr;
-    size_t alignment;
-  } ptrs[] = {{"q", p.q, 16},
-              {"cache", p.cache, 16},
-              {"out", p.out, 16},
-              {"cu_seqlens", p.cu_seqlens, 4},
-              {"context_lens", p.context_lens, 4},
-              {"block_tables", p.block_tables, 4}};
-  for (const auto& t : ptrs) {
-    if (t.ptr == nullptr) return NullField(kP, t.name);
-    if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(kP, t.name, t.alignment);
-  }
-  if (!IsAligned(p.workspace, 16)) return MisalignedField(kP, "workspace", 16);
+  TP_RETURN_IF_ERROR(CheckPointers(kP, {{"q", p.q, 16},
+                                        {"cache", p.cache, 16},
+                                        {"out", p.out, 16},
+                                        {"cu_seqlens", p.cu_seqlens, 4},
+                                        {"context_lens", p.context_lens, 4},
+                                        {"block_tables", p.block_tables, 4},
+                                        {"workspace", p.workspace, 16, false},
+                                        {"multi_row_seqs", p.multi_row_seqs, 4, false}}));
   const bool flash = HasMultiRowList(p);
   if (p.multi_row_count < 0 || p.multi_row_count > p.num_seqs) {
     return BadField(kP, "multi_row_count", p.multi_row_count,
                     "must be in [0, num_seqs = " + Str(p.num_seqs) + "]");
   }
-  if (!IsAligned(p.multi_row_seqs, 4)) return MisalignedField(kP, "multi_row_seqs", 4);
   if (flash) {
     TP_RETURN_IF_ERROR(LaunchPagedPrefillAttention(p, stream));
     if (p.multi_row_count == p.num_seqs) return Status::Ok();  // nothing left for the others

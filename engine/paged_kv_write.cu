@@ -1,0 +1,129 @@
+// The paged KV cache's write kernel and its launcher (engine/paged_kv_ops.h:
+// LaunchPagedKvWrite). Plain CUDA C++17.
+//
+// BF16 travels as its raw bits (uint16_t), eight to a 16-byte vector.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "comm/cuda_check.h"
+#include "engine/device_math.cuh"
+#include "engine/launch_checks.h"
+#include "engine/paged_kv_ops.h"
+#include "layers/kernel_grid.h"
+
+namespace tpserve {
+namespace {
+
+using namespace launch_checks;
+using device::UnpackBf16x8;
+
+// ---------------------------------------------------------------------------------------------
+// KV write: one thread per 8 elements of (row, K|V, head).
+
+struct KvWriteArgs {
+  const BFloat16* k;
+  int64_t k_row_stride;
+  const BFloat16* v;
+  int64_t v_row_stride;
+  const int32_t* slot_mapping;
+  int64_t rows;
+  void* cache;
+  int64_t k_offset;  // element offset of (layer, K, block 0, head 0, slot 0)
+  int64_t v_offset;
+  int64_t num_slots;  // num_blocks * block_size
+  int64_t block_size;
+  int64_t kv_heads;
+  int64_t head_dim;
+};
+
+template <bool kFp8>
+__global__ void PagedKvWriteKernel(KvWriteArgs a) {
+  const int64_t vecs_per_head = a.head_dim / 8;
+  const int64_t per_row = 2 * a.kv_heads * vecs_per_head;
+  const int64_t total = a.rows * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / per_row;
+    int64_t rest = i - row * per_row;
+    const int kv = static_cast<int>(rest / (a.kv_heads * vecs_per_head));
+    rest -= kv * a.kv_heads * vecs_per_head;
+    const int64_t head = rest / vecs_per_head;
+    const int64_t c = rest - head * vecs_per_head;
+    const int64_t slot = a.slot_mapping[row];
+    if (slot < 0 || slot >= a.num_slots) continue;  // padding, or corrupt
+    const int64_t block = slot / a.block_size, in_block = slot - block * a.block_size;
+    const BFloat16* src = (kv == 0 ? a.k + row * a.k_row_stride : a.v + row * a.v_row_stride) +
+                          head * a.head_dim + c * 8;
+    const int64_t dst = (kv == 0 ? a.k_offset : a.v_offset) +
+                        ((block * a.kv_heads + head) * a.block_size + in_block) * a.head_dim +
+                        c * 8;
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    if (!kFp8) {
+      reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.cache) + dst)[0] = raw;
+    } else {
+      float f[8];
+      UnpackBf16x8(raw, f);
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t code = __nv_cvt_float_to_fp8(f[j], __NV_SATFINITE, __NV_E4M3);
+        w[j / 4] |= code << (8 * (j % 4));
+      }
+      reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.cache) + dst)[0] = make_uint2(w[0], w[1]);
+    }
+  }
+}
+
+}  // namespace
+
+Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "PagedKvWriteParams";
+  TP_RETURN_IF_ERROR(CheckKvLayout(kP, p.layout, p.layer));
+  const int64_t hd = p.layout.head_dim, width = p.layout.kv_heads * hd;
+  if (hd % 8 != 0) return BadField(kP, "layout.head_dim", hd, "must be a multiple of 8");
+  if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
+  const struct {
+    const char* name;
+    int64_t stride;
+  } strides[] = {{"k_row_stride", p.k_row_stride}, {"v_row_stride", p.v_row_stride}};
+  for (const auto& st : strides) {
+    if (st.stride < width || st.stride % 8 != 0) {
+      return BadField(
+          kP, st.name, st.stride,
+          "must be a multiple of 8 and >= kv_heads * head_dim (" + std::to_string(width) + ")");
+    }
+  }
+  if (p.rows == 0) return Status::Ok();
+  TP_RETURN_IF_ERROR(CheckPointers(kP, {{"k", p.k, 16},
+                                        {"v", p.v, 16},
+                                        {"cache", p.cache, 16},
+                                        {"slot_mapping", p.slot_mapping, 4}}));
+  KvWriteArgs a;
+  a.k = p.k;
+  a.k_row_stride = p.k_row_stride;
+  a.v = p.v;
+  a.v_row_stride = p.v_row_stride;
+  a.slot_mapping = p.slot_mapping;
+  a.rows = p.rows;
+  a.cache = p.cache;
+  a.k_offset = p.layout.Offset(p.layer, 0, 0, 0, 0);
+  a.v_offset = p.layout.Offset(p.layer, 1, 0, 0, 0);
+  a.num_slots = p.layout.num_blocks * p.layout.block_size;
+  a.block_size = p.layout.block_size;
+  a.kv_heads = p.layout.kv_heads;
+  a.head_dim = hd;
+  const unsigned grid = GridFor(p.rows * 2 * width / 8);
+  if (p.layout.dtype == KvCacheDtype::kFloat8E4M3) {
+    PagedKvWriteKernel<true><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    PagedKvWriteKernel<false><<<grid, kThreads, 0, stream>>>(a);
+  }
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace tpserve
