@@ -9,7 +9,8 @@
 # response, --no-streaming) instead of streaming it, to measure what streaming costs.
 #
 # Environment: BIN_DIR (default .gpu/bin: tpserve, tpserve-loadtest), MODEL (llama3-8b),
-# KV_GIB (40: KV cache per GPU), STEP_TOKENS (8192), RUNNING (256), CASE_TIMEOUT_S (240).
+# KV_GIB (40: KV cache per GPU), KV_DTYPE (bf16, or fp8: E4M3 KV cache; its JSON names end in
+# -kvfp8), STEP_TOKENS (8192), RUNNING (256), CASE_TIMEOUT_S (240).
 # Each step is bounded in time; the server is stopped with SIGTERM at the end (or on error).
 set -euo pipefail
 [ $# -ge 2 ] || { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -21,9 +22,12 @@ model=${MODEL:-llama3-8b}
 step_tokens=${STEP_TOKENS:-8192}
 running=${RUNNING:-256}
 case_timeout=${CASE_TIMEOUT_S:-240}
+kv_dtype=${KV_DTYPE:-bf16}
+kv_suffix=""
+[ "$kv_dtype" = bf16 ] || kv_suffix="-kv$kv_dtype"
 
 "$bin/tpserve" serve --backend cuda --tp 1 --model "$model" --device-random-weights \
-  --kv-cache-gib "${KV_GIB:-40}" --max-batch-tokens "$step_tokens" --max-step-tokens "$step_tokens" \
+  --kv-cache-gib "${KV_GIB:-40}" --kv-cache-dtype "$kv_dtype" --max-batch-tokens "$step_tokens" --max-step-tokens "$step_tokens" \
   --max-batch-sequences "$running" --max-running-sequences "$running" --max-output-len 4096 \
   --host 127.0.0.1 --grpc-port 0 --metrics-port 0 >"$out/serve.stdout" 2>"$out/serve.log" &
 server=$!
@@ -44,11 +48,11 @@ for c in "$@"; do
   mode=(--streaming)
   suffix=""
   if [ "${kind:-}" = unary ]; then mode=(--no-streaming); suffix="-unary"; fi
-  echo "== ISL $isl OSL $osl concurrency $conc ${kind:-streaming}"
+  echo "== ISL $isl OSL $osl concurrency $conc ${kind:-streaming}, $kv_dtype KV cache"
   timeout "$case_timeout" "$bin/tpserve-loadtest" --url "127.0.0.1:$port" --model-name "$model" \
     --mode generate --prompt-len "$isl" --output-len "$osl" --ignore-eos --vocab 128256 "${mode[@]}" \
     --concurrency-range "$conc:$conc:1" --warmup 3 --duration 10 --max-trials 3 --timeout-ms 600000 \
-    --json "$out/generation-$model-isl$isl-osl$osl-c$conc$suffix.json" || echo "case $c failed ($?)"
+    --json "$out/generation-$model-isl$isl-osl$osl-c$conc$suffix$kv_suffix.json" || echo "case $c failed ($?)"
 done
 kill -TERM $server
 wait $server || true
