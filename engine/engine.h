@@ -6,9 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/cpu_model.h"
 #include "engine/kv_cache.h"
+#include "engine/model_config.h"
 #include "engine/step_batch.h"
+#include "engine/token_batch.h"
 #include "layers/overlap_config.h"
 
 namespace tpserve {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "comm/status.h"
-#include "engine/cpu_model.h"
+#include "engine/token_batch.h"
 
 namespace tpserve {
 

@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/cpu_model.h"
+#include "engine/token_batch.h"
 
 namespace tpserve {
 
