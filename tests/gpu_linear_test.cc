@@ -180,7 +180,7 @@ void CheckAllConfigs(NcclThreadGroup& group, OverlapOp op, DataType dtype) {
 // RunSplit on NCCL plans, which have no sum step of their own: each rank's
 // output in y, as Run writes it, and no second addend. (The copy-engine ring
 // whose last sum RunSplit leaves to the consumer needs one process per GPU:
-// benchmarks/gpu_layer_cli.sh checks it with `tpserve layer --split-output`.)
+// GpuLayerProcessesTest checks it with `tpserve layer --split-output`.)
 TEST_F(GpuLinearTest, RunSplitOfAPlanWithoutItsOwnSumStepWritesY) {
   for (OverlapOp op : {OverlapOp::kGemmReduceScatter, OverlapOp::kAllGatherGemm}) {
     const bool ag = op == OverlapOp::kAllGatherGemm;
@@ -325,7 +325,7 @@ TEST_F(GpuLinearTest, AllGatherGemmPipelineGraphReplayIsBitIdenticalAndAllocatio
 // CudaLinear refuses copy engines with ranks as threads, for both ops. In the
 // production process model (one process per GPU, CUDA IPC) every copy-engine
 // mode of both ops is checked by `tpserve layer --copy-engine`
-// (benchmarks/gpu_layer_cli.sh: the eager output against the CPU reference,
+// (GpuLayerProcessesTest in gpu_layer_processes_test.cc: the eager output against the CPU reference,
 // and 10 graph replays, the input alternating between two tensors, against
 // the eager outputs bit for bit).
 TEST_F(GpuLinearTest, CopyEngineWithRanksAsThreadsIsRefused) {
@@ -492,7 +492,7 @@ TEST(GpuLinearOneGpuTest, TwoGemmLanesAtTpOneMatchOneLaneAndTheCpuReference) {
 // read at the weight's pitch from block 0, then the rest; m = 4099 gives a 2048- or 1024-row
 // lead, m = 37 an unrounded one, m = 1 none). The pulls and the lead's accumulating GEMMs need
 // one process per GPU and are checked by `tpserve layer --full-weight`
-// (benchmarks/gpu_layer_cli.sh).
+// (GpuLayerProcessesTest).
 TEST(GpuLinearOneGpuTest, FullWeightAtTpOneMatchesTheCpuReference) {
   if (CudaDeviceCount() < 1) GTEST_SKIP() << "needs a GPU";
   auto group = NcclThreadGroup::Create(1);
