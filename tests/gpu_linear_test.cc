@@ -325,7 +325,7 @@ TEST_F(GpuLinearTest, AllGatherGemmPipelineGraphReplayIsBitIdenticalAndAllocatio
 // CudaLinear refuses copy engines with ranks as threads, for both ops. In the
 // production process model (one process per GPU, CUDA IPC) every copy-engine
 // mode of both ops is checked by `tpserve layer --copy-engine`
-// (GpuLayerProcessesTest in gpu_layer_processes_test.cc: the eager output against the CPU reference,
+// (GpuLayerProcessesTest: the eager output against the CPU reference,
 // and 10 graph replays, the input alternating between two tensors, against
 // the eager outputs bit for bit).
 TEST_F(GpuLinearTest, CopyEngineWithRanksAsThreadsIsRefused) {
