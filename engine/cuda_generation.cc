@@ -311,7 +311,6 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
     if (BlocksFor(step.context_lens[s], bs) > g.width) {
       return InvalidArgumentError("step: sequence " + std::to_string(s) + "'s context of " +
                                   std::to_string(step.context_lens[s]) +
-    if (end - begin >= 2) multi_rows[multi_row_count++] = static_cast<int32_t>(s);
                                   " tokens needs more than " + std::to_string(g.width) +
                                   " blocks (the KV pool's)");
     }
@@ -323,6 +322,7 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
     }
     cu[s] = begin;
     ctx[s] = step.context_lens[s];
+    if (end - begin >= 2) multi_rows[multi_row_count++] = static_cast<int32_t>(s);
     if (step.sample[s] == 0) continue;
     const SamplingParams& sp = step.sampling[s];
     head_cu[sampled + 1] = end;
@@ -339,7 +339,6 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
   for (int64_t k = sampled; k < seq_slots; ++k) {
     head_cu[k + 1] = head_cu[k];
     temperature[k] = 0.0f;
-  g.multi_row_count = multi_row_count;
     top_k[k] = 0;
     top_p[k] = 1.0f;
     seed[k] = index[k] = 0;
@@ -351,6 +350,7 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
                                 a.block_tables + seq_slots * g.width * 4, cudaMemcpyHostToDevice,
                                 st));
   g.query_rows = query_rows;
+  g.multi_row_count = multi_row_count;
   return StepShape{m, seq_slots, sampled, query_rows};
 }
 
