@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "comm/local_communicator.h"
 #include "engine/cpu_ops.h"
@@ -74,6 +75,14 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
 }
 
 StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
+  return Prefill(batch, /*all_rows=*/false);
+}
+
+StatusOr<std::vector<float>> CpuModel::ForwardAllTokens(const TokenBatch& batch) {
+  return Prefill(batch, /*all_rows=*/true);
+}
+
+StatusOr<std::vector<float>> CpuModel::Prefill(const TokenBatch& batch, bool all_rows) {
   // Every rank checks the same batch and so fails alike, before any
   // collective (an empty sequence would otherwise never find its owner).
   TP_RETURN_IF_ERROR(
@@ -88,9 +97,14 @@ StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
                                      batch.cu_seqlens, out);
       },
       &normed));
-  std::vector<int64_t> last;
-  for (int64_t s = 0; s < batch.sequences(); ++s) last.push_back(batch.cu_seqlens[s + 1] - 1);
-  return Head(normed, batch.tokens(), last);
+  std::vector<int64_t> rows;
+  if (all_rows) {
+    rows.resize(batch.tokens());
+    std::iota(rows.begin(), rows.end(), int64_t{0});
+  } else {
+    for (int64_t s = 0; s < batch.sequences(); ++s) rows.push_back(batch.cu_seqlens[s + 1] - 1);
+  }
+  return Head(normed, batch.tokens(), rows);
 }
 
 StatusOr<std::vector<float>> CpuModel::Step(const StepBatch& step, CpuKvCache& cache) {

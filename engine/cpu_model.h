@@ -41,6 +41,10 @@ class CpuModel {
   // Logits of the last token of every sequence, [sequences, vocab], on every
   // rank. Collective: all ranks call it with the same batch.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
+  // The same pass with the LM head on every token: logits [tokens, vocab],
+  // row i of the batch's token i, on every rank (benchmarks/accuracy.h
+  // compares every position of its prompts). Collective.
+  StatusOr<std::vector<float>> ForwardAllTokens(const TokenBatch& batch);
 
   // One generation step over this rank's paged KV cache: the step's keys and
   // values are written into `cache`, attention reads the cache
@@ -50,6 +54,9 @@ class CpuModel {
   StatusOr<std::vector<float>> Step(const StepBatch& step, CpuKvCache& cache);
 
  private:
+  // Forward's pass; the LM head on every row (all_rows) or on each
+  // sequence's last.
+  StatusOr<std::vector<float>> Prefill(const TokenBatch& batch, bool all_rows);
   // Attention of one layer: q [m, q_heads_l, hd], k and v [m, kv_heads_l, hd]
   // (RoPE applied) -> out [m, q_heads_l, hd].
   using AttendFn = std::function<Status(int64_t layer, const float* q, const float* k,
