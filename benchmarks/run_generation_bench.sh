@@ -6,7 +6,9 @@
 #   run_generation_bench.sh OUTDIR ISL:OSL:CONCURRENCY[:unary] [...]
 #
 # A case ending in :unary sends each request as one ModelInfer (the whole generation in one
-# response, --no-streaming) instead of streaming it, to measure what streaming costs.
+# response, --no-streaming) instead of streaming it, to measure what streaming costs. A third
+# field pRATE instead of a concurrency (e.g. 128:128:p120) is an open loop: Poisson arrivals at
+# RATE requests/s, streaming.
 #
 # Environment: BIN_DIR (default .gpu/bin: tpserve, tpserve-loadtest), MODEL (llama3-8b),
 # KV_GIB (40: KV cache per GPU), KV_DTYPE (bf16, or fp8: E4M3 KV cache; its JSON names end in
@@ -48,10 +50,14 @@ for c in "$@"; do
   mode=(--streaming)
   suffix=""
   if [ "${kind:-}" = unary ]; then mode=(--no-streaming); suffix="-unary"; fi
+  load=(--concurrency-range "$conc:$conc:1")
+  if [ "${conc#p}" != "$conc" ]; then
+    load=(--request-rate-range "${conc#p}:${conc#p}:1" --distribution poisson)
+  fi
   echo "== ISL $isl OSL $osl concurrency $conc ${kind:-streaming}, $kv_dtype KV cache"
   timeout "$case_timeout" "$bin/tpserve-loadtest" --url "127.0.0.1:$port" --model-name "$model" \
     --mode generate --prompt-len "$isl" --output-len "$osl" --ignore-eos --vocab 128256 "${mode[@]}" \
-    --concurrency-range "$conc:$conc:1" --warmup 3 --duration 10 --max-trials 3 --timeout-ms 600000 \
+    "${load[@]}" --warmup 3 --duration 10 --max-trials 3 --timeout-ms 600000 \
     --json "$out/generation-$model-isl$isl-osl$osl-c$conc$suffix$kv_suffix.json" || echo "case $c failed ($?)"
 done
 kill -TERM $server
