@@ -42,7 +42,7 @@ class CpuModel {
   // rank. Collective: all ranks call it with the same batch.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
   // The same pass with the LM head on every token: logits [tokens, vocab],
-  // row i of the batch's token i, on every rank (benchmarks/accuracy.h
+  // row i of the batch's token i, on every rank (benchmarks/accuracy_eval.h
   // compares every position of its prompts). Collective.
   StatusOr<std::vector<float>> ForwardAllTokens(const TokenBatch& batch);
 
