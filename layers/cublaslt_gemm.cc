@@ -18,6 +18,7 @@
 
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
+#include "layers/gemm_scale_scheme.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
 
@@ -54,6 +55,11 @@ bool IsFp8Gemm(const GemmParams& p) {
   return p.a_type == DataType::kFloat8E4M3 && p.b_type == DataType::kFloat8E4M3;
 }
 bool UsesC(const GemmParams& p) { return p.beta != 0.0f; }
+// C's type: FP32 with an FP32 D (cuBLASLt needs C's type to equal D's there), else BF16 (also
+// for an FP8 D, whose C cuBLASLt wants BF16).
+DataType CType(const GemmParams& p) {
+  return p.d_type == DataType::kFloat32 ? DataType::kFloat32 : DataType::kBFloat16;
+}
 
 int64_t Bytes(int64_t elements, DataType t) {
   return elements * static_cast<int64_t>(DataTypeSize(t));
@@ -143,8 +149,10 @@ cudaDataType_t CudaType(DataType t) {
       return CUDA_R_8F_E4M3;
     case DataType::kBFloat16:
       return CUDA_R_16BF;
+    case DataType::kFloat32:
+      return CUDA_R_32F;
     default:
-      return CUDA_R_32F;  // not reached: ValidateGemmParams admits only the two above
+      return CUDA_R_32F;  // not reached: ValidateGemmParams admits only the three above
   }
 }
 
@@ -217,98 +225,7 @@ StatusOr<LayoutPtr> MakeLayout(DataType t, int64_t rows, int64_t cols, int64_t l
   return layout;
 }
 
-// The per-token/channel and blockwise schemes' extra conditions. cuBLASLt documents them for
-// D in 16/32-bit floats only (no D scale or amax), without C scaling; batched scale tensors
-// are not described at all. beta != 0 and batch > 1 are refused because no test covers them.
-Status CheckScaleScheme(const GemmParams& p, bool fp8) {
-  const std::string scheme =
-      "GemmParams.scale_scheme = " + std::string(GemmScaleSchemeName(p.scale_scheme));
-  if (!fp8) {
-    return InvalidArgumentError(scheme + " needs FP8 inputs (a_type = " + Str(p.a_type) +
-                                ", b_type = " + Str(p.b_type) + "); BF16 GEMMs are unscaled");
-  }
-  if (p.d_type != DataType::kBFloat16) {
-    return UnimplementedError("GemmParams.d_type = " + Str(p.d_type) + " with " + scheme +
-                              ": cuBLASLt supports only a bf16 output (no D scaling) there");
-  }
-  if (p.a_scale == nullptr || p.b_scale == nullptr) {
-    return InvalidArgumentError(std::string("GemmParams.") +
-                                (p.a_scale == nullptr ? "a_scale" : "b_scale") + " is nullptr; " +
-                                scheme + " needs both scale tensors");
-  }
-  if (p.batch > 1) {
-    return UnimplementedError("GemmParams.batch = " + Str(p.batch) + " with " + scheme +
-                              ": strided batches take per-tensor scales only");
-  }
-  if (UsesC(p)) {
-    return UnimplementedError("GemmParams.beta = " + std::to_string(p.beta) + " with " + scheme +
-                              ": accumulating into C takes per-tensor scales only");
-  }
-  if (p.scale_scheme == GemmScaleScheme::kBlockwise) {
-    if (p.k % kGemmScaleBlock != 0) {
-      return InvalidArgumentError("GemmParams.k = " + Str(p.k) + " with " + scheme +
-                                  ": needs k % 128 == 0 (whole 1x128 groups and 128x128 blocks)");
-    }
-    if (p.n % kGemmScaleBlock != 0) {
-      return InvalidArgumentError("GemmParams.n = " + Str(p.n) + " with " + scheme +
-                                  ": needs n % 128 == 0 (whole 128x128 weight blocks)");
-    }
-    if (p.m % 4 != 0) {
-      return InvalidArgumentError(
-          "GemmParams.m = " + Str(p.m) + " with " + scheme +
-          ": needs m % 4 == 0 (cuBLASLt's 128-element block scaling wants both output "
-          "dimensions multiples of 4; pad the token count)");
-    }
-    if (p.fast_accum) {
-      return UnimplementedError("GemmParams.fast_accum = true with " + scheme +
-                                ": blockwise scaling always promotes the accumulation");
-    }
-  }
-  return Status::Ok();
-}
-
 }  // namespace
-
-std::string_view GemmScaleSchemeName(GemmScaleScheme scheme) {
-  switch (scheme) {
-    case GemmScaleScheme::kPerTokenChannel:
-      return "per_token_channel";
-    case GemmScaleScheme::kBlockwise:
-      return "blockwise";
-    default:
-      return "per_tensor";
-  }
-}
-
-StatusOr<GemmScaleScheme> ParseGemmScaleScheme(std::string_view name) {
-  if (name == "per_tensor") return GemmScaleScheme::kPerTensor;
-  if (name == "per_token_channel") return GemmScaleScheme::kPerTokenChannel;
-  if (name == "blockwise") return GemmScaleScheme::kBlockwise;
-  return InvalidArgumentError("GEMM scale scheme '" + std::string(name) +
-                              "': allowed values are per_tensor, per_token_channel, blockwise");
-}
-
-int64_t GemmAScaleCount(const GemmParams& p) {
-  switch (p.scale_scheme) {
-    case GemmScaleScheme::kPerTokenChannel:
-      return p.m;
-    case GemmScaleScheme::kBlockwise:
-      return (p.k + kGemmScaleBlock - 1) / kGemmScaleBlock * p.m;
-    default:
-      return 1;
-  }
-}
-
-int64_t GemmBScaleCount(const GemmParams& p) {
-  switch (p.scale_scheme) {
-    case GemmScaleScheme::kPerTokenChannel:
-      return p.n;
-    case GemmScaleScheme::kBlockwise:
-      return (p.n + kGemmScaleBlock - 1) / kGemmScaleBlock * BlockwiseWeightScalePitch(p.k);
-    default:
-      return 1;
-  }
-}
 
 Status ValidateGemmParams(const GemmParams& p) {
   if (p.m <= 0) return InvalidArgumentError("GemmParams.m = " + Str(p.m) + ": must be > 0");
@@ -333,9 +250,9 @@ Status ValidateGemmParams(const GemmParams& p) {
     return UnimplementedError("GemmParams.d_type = " + Str(p.d_type) +
                               " is not supported for FP8 inputs; supported: bf16, fp8_e4m3");
   }
-  if (bf16 && p.d_type != DataType::kBFloat16) {
+  if (bf16 && p.d_type != DataType::kBFloat16 && p.d_type != DataType::kFloat32) {
     return UnimplementedError("GemmParams.d_type = " + Str(p.d_type) +
-                              " is not supported for BF16 inputs; supported: bf16");
+                              " is not supported for BF16 inputs; supported: bf16, f32");
   }
   const bool fp8_out = p.d_type == DataType::kFloat8E4M3;
 
@@ -373,20 +290,20 @@ Status ValidateGemmParams(const GemmParams& p) {
         " is not a GemmScaleScheme value");
   }
   if (p.scale_scheme != GemmScaleScheme::kPerTensor) {
-    TP_RETURN_IF_ERROR(CheckScaleScheme(p, fp8));
+    TP_RETURN_IF_ERROR(CheckGemmScaleScheme(p, fp8));
   }
 
   const GemmParams r = Resolve(p);
   TP_RETURN_IF_ERROR(CheckLeadingDim("lda", r.lda, "k", r.k, r.a_type));
   TP_RETURN_IF_ERROR(CheckLeadingDim("ldb", r.ldb, "k", r.k, r.b_type));
   TP_RETURN_IF_ERROR(CheckLeadingDim("ldd", r.ldd, "n", r.n, r.d_type));
-  if (UsesC(r)) TP_RETURN_IF_ERROR(CheckLeadingDim("ldc", r.ldc, "n", r.n, DataType::kBFloat16));
+  if (UsesC(r)) TP_RETURN_IF_ERROR(CheckLeadingDim("ldc", r.ldc, "n", r.n, CType(r)));
 
   if (r.batch > 1) {
     TP_RETURN_IF_ERROR(CheckStride("stride_a", r.stride_a, r.a_type));
     TP_RETURN_IF_ERROR(CheckStride("stride_b", r.stride_b, r.b_type));
     TP_RETURN_IF_ERROR(CheckStride("stride_d", r.stride_d, r.d_type));
-    if (UsesC(r)) TP_RETURN_IF_ERROR(CheckStride("stride_c", r.stride_c, DataType::kBFloat16));
+    if (UsesC(r)) TP_RETURN_IF_ERROR(CheckStride("stride_c", r.stride_c, CType(r)));
     if (r.stride_d < r.m * r.ldd) {
       return InvalidArgumentError("GemmParams.stride_d = " + Str(r.stride_d) +
                                   " is smaller than m * ldd = " + Str(r.m * r.ldd) +
@@ -514,8 +431,7 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
     TP_ASSIGN_OR_RETURN(a, DeviceBuffer::Allocate(Bytes(a_elems, r.a_type), name + ".time_a"));
     TP_ASSIGN_OR_RETURN(b, DeviceBuffer::Allocate(Bytes(b_elems, r.b_type), name + ".time_b"));
     TP_ASSIGN_OR_RETURN(d, DeviceBuffer::Allocate(Bytes(d_elems, r.d_type), name + ".time_d"));
-    TP_ASSIGN_OR_RETURN(
-        c, DeviceBuffer::Allocate(Bytes(c_elems, DataType::kBFloat16), name + ".time_c"));
+    TP_ASSIGN_OR_RETURN(c, DeviceBuffer::Allocate(Bytes(c_elems, CType(r)), name + ".time_c"));
     TP_ASSIGN_OR_RETURN(
         scales, DeviceBuffer::Allocate(scale_floats * sizeof(float), name + ".time_scales"));
     return Status::Ok();
@@ -529,7 +445,7 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
   }
   TP_RETURN_IF_ERROR(allocated);
   if (c_elems > 0) {
-    TP_RETURN_IF_ERROR(LaunchRandomUniform(c.data(), DataType::kBFloat16, c_elems, 3, 1.0f, s));
+    TP_RETURN_IF_ERROR(LaunchRandomUniform(c.data(), CType(r), c_elems, 3, 1.0f, s));
   }
   TP_RETURN_IF_ERROR(LaunchRandomUniform(a.data(), r.a_type, a_elems, 1, 1.0f, s));
   TP_RETURN_IF_ERROR(LaunchRandomUniform(b.data(), r.b_type, b_elems, 2, 1.0f, s));
@@ -544,7 +460,7 @@ Status CublasLtGemm::Impl::TimeCandidates(const GemmParams& r, Plan& plan) {
   if (t.d_amax != nullptr) t.d_amax = sc + a_scales + b_scales + 4;
   TP_RETURN_IF_ERROR(SetScalePointers(plan.desc.get(), t));
   const void* c_arg =
-      c_elems > 0 ? c.data() : (r.d_type == DataType::kBFloat16 ? d.data() : nullptr);
+      c_elems > 0 ? c.data() : (r.d_type != DataType::kFloat8E4M3 ? d.data() : nullptr);
 
   // Rounds over all candidates (round 0 warms up), so that drift hits each alike.
   constexpr int kRounds = 6;
@@ -634,8 +550,7 @@ StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& 
   TP_ASSIGN_OR_RETURN(plan->weight_layout,
                       MakeLayout(r.b_type, r.k, r.n, r.ldb, r.batch, r.stride_b));
   TP_ASSIGN_OR_RETURN(plan->act_layout, MakeLayout(r.a_type, r.k, r.m, r.lda, r.batch, r.stride_a));
-  TP_ASSIGN_OR_RETURN(plan->c_layout,
-                      MakeLayout(DataType::kBFloat16, r.n, r.m, r.ldc, r.batch, r.stride_c));
+  TP_ASSIGN_OR_RETURN(plan->c_layout, MakeLayout(CType(r), r.n, r.m, r.ldc, r.batch, r.stride_c));
   TP_ASSIGN_OR_RETURN(plan->d_layout, MakeLayout(r.d_type, r.n, r.m, r.ldd, r.batch, r.stride_d));
 
   cublasLtMatmulPreference_t raw_pref = nullptr;
@@ -771,9 +686,10 @@ Status CheckRunPointers(const GemmParams& r, const void* a, const void* b, const
                                   " needs a C pointer");
     }
     TP_RETURN_IF_ERROR(CheckPointer("C", c, kAlignBytes));
-    if (c == d && (r.d_type != DataType::kBFloat16 || r.ldc != r.ldd || r.stride_c != r.stride_d)) {
+    const bool fp8_out = r.d_type == DataType::kFloat8E4M3;
+    if (c == d && (fp8_out || r.ldc != r.ldd || r.stride_c != r.stride_d)) {
       return InvalidArgumentError(
-          "in-place accumulation (C == D) needs d_type = bf16, ldc == ldd and "
+          "in-place accumulation (C == D) needs d_type = bf16 or f32, ldc == ldd and "
           "stride_c == stride_d");
     }
   }
@@ -807,7 +723,7 @@ Status CublasLtGemm::Run(const GemmParams& p, const void* a, const void* b, cons
   // C is not read when beta == 0. cuBLASLt still wants a pointer for its layout: D itself when
   // the types match (in place, identical layouts), else null (FP8 output: C would be BF16).
   const void* c_arg = c;
-  if (!UsesC(r)) c_arg = r.d_type == DataType::kBFloat16 ? d : nullptr;
+  if (!UsesC(r)) c_arg = r.d_type != DataType::kFloat8E4M3 ? d : nullptr;
 
   const cublasStatus_t st = cublasLtMatmul(
       impl_->handle, plan->desc.get(), &r.alpha, /*A=*/b, plan->weight_layout.get(), /*B=*/a,

@@ -12,7 +12,9 @@
 //   A, B FP8 E4M3 → D BF16          per-tensor a_scale / b_scale, optional C (BF16) and beta
 //   A, B FP8 E4M3 → D FP8 E4M3      plus d_quant_scale and d_amax; no C (beta must be 0)
 //   A, B BF16     → D BF16          optional C (BF16) and beta
-// C, when used, is always BF16.
+//   A, B BF16     → D FP32          optional C (FP32) and beta (e.g. an LM head's logits,
+//                                   kept unrounded)
+// C, when used, is FP32 with an FP32 D (cuBLASLt needs C's type to equal D's there), else BF16.
 //
 // FP8 scale schemes (GemmScaleScheme below): besides one scale per tensor, a scale per row of
 // A (token) and per row of B (output channel), or per 1x128 group of A and per 128x128 block
@@ -93,10 +95,10 @@ struct GemmParams {
   int64_t n = 0;
   int64_t k = 0;
 
-  // kFloat8E4M3 (A and B both) or kBFloat16 (A, B and D all).
+  // kFloat8E4M3 (A and B both) or kBFloat16 (A and B both).
   DataType a_type = DataType::kFloat8E4M3;
   DataType b_type = DataType::kFloat8E4M3;
-  // kBFloat16, or kFloat8E4M3 when A and B are FP8.
+  // kBFloat16; or kFloat8E4M3 when A and B are FP8; or kFloat32 when A and B are BF16.
   DataType d_type = DataType::kBFloat16;
 
   // Row pitches in elements; 0 means packed (lda = ldb = k, ldc = ldd = n). Must be at least
@@ -198,8 +200,8 @@ class CublasLtGemm {
 
   // Enqueues D = ... (see top of file) on `stream`. A, B, D must be non-null and 16-byte
   // aligned; C may be nullptr when beta == 0. C == D (in place, for accumulation) needs
-  // d_type BF16 and ldc == ldd (and stride_c == stride_d). Builds the plan on first use of a
-  // shape unless Prepare() did.
+  // d_type BF16 or FP32 and ldc == ldd (and stride_c == stride_d). Builds the plan on first use
+  // of a shape unless Prepare() did.
   Status Run(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
              cudaStream_t stream);
 

@@ -15,11 +15,11 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "comm/cli_numbers.h"
 #include "comm/nccl_config.h"
 #include "engine/cpu_engine.h"
 #if TPSERVE_WITH_CUDA
@@ -29,6 +29,7 @@
 #include "layers/gemm_algo_flag.h"
 #include "server/cli.h"
 #include "server/cli_cuda_only.h"
+#include "server/cli_serve_flags.h"
 #include "server/inference_server.h"
 #include "server/metrics_http.h"
 
@@ -37,51 +38,6 @@ namespace {
 
 // Seconds that tearing down may take after the drain's exit timeout.
 constexpr int kTeardownGraceS = 20;
-// Longest --exit-timeout / --rank-timeout-s: a week (their milliseconds must fit int64).
-constexpr double kMaxTimeoutS = 7 * 24 * 3600.0;
-
-struct ServeFlags {
-  std::string model = "tiny";
-  std::string model_name;
-  int tp = 2;
-  std::string backend = "auto";
-  std::string overlap_config;
-  std::string dtype = "fp8";
-  uint64_t seed = 7;
-  bool seed_given = false;  // serve: --seed on the command line (refused with a checkpoint)
-  std::string host = "0.0.0.0";
-  int grpc_port = 8001;
-  std::string metrics_host = "127.0.0.1";
-  int metrics_port = 8002;
-  // The /metrics server's bounds (MetricsHttpOptions).
-  int metrics_max_connections = 64;
-  int64_t metrics_max_header_bytes = 8192;
-  double metrics_read_timeout_s = 5;
-  double metrics_write_timeout_s = 5;
-  int64_t max_batch_tokens = 8192;
-  int64_t max_queue_delay_us = 2000;
-  int64_t max_queue_size = 1024;
-  int64_t max_streams = 1024;
-  int64_t max_batch_sequences = 256;
-  // Generation (engine/generator.h).
-  double kv_cache_gib = 0.25;
-  int64_t kv_cache_blocks = 0;  // > 0: exactly this many (overrides --kv-cache-gib)
-  int64_t kv_block_size = 16;
-  std::string kv_cache_dtype = "bf16";
-  int64_t max_step_tokens = 2048;
-  int64_t max_running_sequences = 256;
-  int64_t max_output_len = 4096;
-  int64_t max_requests_per_stream = 64;
-  double rank_timeout_s = 300;
-  bool device_random_weights = false;
-  int64_t max_tokens_per_request = 4096;
-  double exit_timeout_s = 30;
-  std::string tls_cert, tls_key, tls_client_ca;
-  std::string gemm_algo = "timed";
-  // Those of the cuda-only flags (CudaOnly) given on the command line,
-  // whatever their value: --backend cpu refuses them, auto on the cpu warns.
-  std::vector<std::string> cuda_only_given;
-};
 
 // The model (--model) and the overlap config (--overlap-config, may be
 // absent) that serve and worker load alike.
@@ -342,9 +298,10 @@ MetricsHttpOptions MetricsOptions(const ServeFlags& f) {
   return o;
 }
 
-int Serve(const ServeFlags& f) {
-  // Refused before anything else, the model's loading included (auto
-  // falling back to the cpu only warns, below).
+// Serve's checks before anything else, the model's loading included (auto falling back to the
+// cpu only warns, later): the cuda-only flags and the listen addresses. 0 if they pass, else
+// the exit status, logged.
+int CheckServeFlags(const ServeFlags& f) {
   if (const std::string e = CudaOnlyFlagsError(f.backend, f.cuda_only_given, /*offers_auto=*/true);
       !e.empty()) {
     spdlog::error("{}", e);
@@ -359,65 +316,61 @@ int Serve(const ServeFlags& f) {
       return 2;
     }
   }
-  ApplyGemmAlgo(f.gemm_algo);
-  // Signals are taken by a waiting thread, not a handler: block them in
-  // every thread first (threads inherit the mask).
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGUSR1);  // from the engine watcher below: the engine failed
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return 0;
+}
 
 #if TPSERVE_WITH_CUDA
-  // Several nodes: the launcher (mpirun, LeaderWorkerSet) starts this same
-  // command on every node; ranks > 0 run the worker loop, not a server.
-  if (f.backend != "cpu") {
-    auto plan = LaunchPlanFor(f);
-    if (!plan.ok()) {
-      spdlog::error("{}", plan.status().ToString());
-      return 2;
-    }
-    if (plan->role == LaunchPlan::Role::kWorker) {
-      spdlog::info("rank {} of {}: a worker of the group (no gRPC server here)", plan->rank,
-                   plan->world_size);
-      // When the group is stopped (a Kubernetes delete signals every pod at once) the leader
-      // drains its accepted requests, which needs every worker: a worker keeps serving after
-      // SIGTERM or SIGINT until the leader's stop ends Worker(), and exits by itself only if
-      // that has not come within the leader's drain (--exit-timeout), its teardown (20 s) and
-      // 10 s more (the leader's preStop pause in deploy/k8s). A second signal ends it at once.
-      // (A handler is needed anyway: as a container's first process, with none, SIGTERM
-      // would be ignored.)
-      const double wait_s = f.exit_timeout_s + 30;
-      std::thread([signals, wait_s] {
-        int sig = 0;
-        if (sigwait(&signals, &sig) != 0) return;
-        spdlog::warn(
-            "{} received: serving the leader's drain; exiting in {:.0f} s unless the "
-            "leader stops this worker first (a second signal exits now)",
-            sig == SIGINT ? "SIGINT" : "SIGTERM", wait_s);
-        std::thread([sig, wait_s] {
-          std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
-          spdlog::error("the leader did not stop this worker within {:.0f} s: exiting", wait_s);
-          spdlog::default_logger()->flush();
-          std::_Exit(128 + sig);
-        }).detach();
-        int again = 0;
-        if (sigwait(&signals, &again) == 0) {
-          spdlog::warn("second signal: exiting now");
-          spdlog::default_logger()->flush();
-          std::_Exit(128 + again);
-        }
-      }).detach();
-      return Worker(f);
-    }
+// Several nodes: the launcher (mpirun, LeaderWorkerSet) starts this same
+// command on every node; ranks > 0 run the worker loop, not a server.
+// nullopt where this process serves (rank 0, or --backend cpu), else its exit status: the
+// worker loop's, or 2 for a launch it cannot place. `signals`: blocked in every thread.
+std::optional<int> RunIfGroupWorker(const ServeFlags& f, const sigset_t& signals) {
+  if (f.backend == "cpu") return std::nullopt;
+  auto plan = LaunchPlanFor(f);
+  if (!plan.ok()) {
+    spdlog::error("{}", plan.status().ToString());
+    return 2;
   }
+  if (plan->role != LaunchPlan::Role::kWorker) return std::nullopt;
+  spdlog::info("rank {} of {}: a worker of the group (no gRPC server here)", plan->rank,
+               plan->world_size);
+  // When the group is stopped (a Kubernetes delete signals every pod at once) the leader
+  // drains its accepted requests, which needs every worker: a worker keeps serving after
+  // SIGTERM or SIGINT until the leader's stop ends Worker(), and exits by itself only if
+  // that has not come within the leader's drain (--exit-timeout), its teardown (20 s) and
+  // 10 s more (the leader's preStop pause in deploy/k8s). A second signal ends it at once.
+  // (A handler is needed anyway: as a container's first process, with none, SIGTERM
+  // would be ignored.)
+  const double wait_s = f.exit_timeout_s + 30;
+  std::thread([signals, wait_s] {
+    int sig = 0;
+    if (sigwait(&signals, &sig) != 0) return;
+    spdlog::warn(
+        "{} received: serving the leader's drain; exiting in {:.0f} s unless the "
+        "leader stops this worker first (a second signal exits now)",
+        sig == SIGINT ? "SIGINT" : "SIGTERM", wait_s);
+    std::thread([sig, wait_s] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
+      spdlog::error("the leader did not stop this worker within {:.0f} s: exiting", wait_s);
+      spdlog::default_logger()->flush();
+      std::_Exit(128 + sig);
+    }).detach();
+    int again = 0;
+    if (sigwait(&signals, &again) == 0) {
+      spdlog::warn("second signal: exiting now");
+      spdlog::default_logger()->flush();
+      std::_Exit(128 + again);
+    }
+  }).detach();
+  return Worker(f);
+}
 #endif
-  // One thread takes the signals from here on. Until the server is up
-  // (loading a model can take minutes) nothing has been accepted, so a
-  // SIGTERM or SIGINT then ends the process at once; afterwards it starts
-  // the drain below.
-  SignalBox box;
+
+// One thread takes the signals from here on. Until the server is up
+// (loading a model can take minutes) nothing has been accepted, so a
+// SIGTERM or SIGINT then ends the process at once; afterwards it starts
+// the drain (ServeUntilSignal).
+void StartSignalThread(const sigset_t& signals, SignalBox& box) {
   std::thread signal_thread([&signals, &box] {
     int sig = 0;
     while (sigwait(&signals, &sig) == 0) {
@@ -431,6 +384,12 @@ int Serve(const ServeFlags& f) {
     }
   });
   signal_thread.detach();
+}
+
+// The engine that serves, as the flags say: the backend resolved, the model loaded, the
+// engine started. 0 with *engine and *from_dir set, else the exit status (2 for a bad
+// flag), logged.
+int StartServeEngine(const ServeFlags& f, std::shared_ptr<Engine>* engine, bool* from_dir) {
   std::string why_cpu;
   auto backend = ResolveBackend(f, &why_cpu);
   if (!backend.ok()) {
@@ -442,22 +401,27 @@ int Serve(const ServeFlags& f) {
     spdlog::warn("--backend auto runs the cpu backend ({}): ignoring {} (cuda backend only)",
                  why_cpu, JoinFlags(f.cuda_only_given));
   }
-  bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
   ModelConfig config;
-  if (!LoadModelFlagsOrLog(f, &config, &from_dir, &overlap)) return 2;
-  if (from_dir && f.seed_given) {
+  if (!LoadModelFlagsOrLog(f, &config, from_dir, &overlap)) return 2;
+  if (*from_dir && f.seed_given) {
     spdlog::error(
         "--seed: --model {} is a checkpoint, whose weights are used; --seed seeds a "
         "preset's random weights",
         f.model);
     return 2;
   }
-  auto engine = StartEngine(f, *backend, config, from_dir, overlap);
-  if (!engine.ok()) {
-    spdlog::error("{}", engine.status().ToString());
-    return engine.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  auto started = StartEngine(f, *backend, config, *from_dir, overlap);
+  if (!started.ok()) {
+    spdlog::error("{}", started.status().ToString());
+    return started.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
+  *engine = std::move(started).value();
+  return 0;
+}
+
+// The gRPC server's options from the flags.
+ServerOptions ServerOptionsFor(const ServeFlags& f, bool from_dir) {
   ServerOptions so;
   so.model_name = f.model_name.empty() ? DefaultModelName(f.model, from_dir) : f.model_name;
   so.grpc_address = GrpcListenAddress(f.host, f.grpc_port);
@@ -474,39 +438,20 @@ int Serve(const ServeFlags& f) {
   so.generation.scheduler.max_step_tokens = f.max_step_tokens;
   so.generation.scheduler.max_running = f.max_running_sequences;
   so.generation.scheduler.max_new_tokens = f.max_output_len;
-  // The metrics port is bound before the gRPC server starts, so that a port
-  // already in use fails the start before any request is accepted; it serves once the
-  // gRPC server does (connections wait in the backlog until then).
-  std::unique_ptr<MetricsHttpServer> metrics;
-  if (f.metrics_port > 0) {
-    auto listening = MetricsHttpServer::Listen(MetricsOptions(f));
-    if (!listening.ok()) {
-      spdlog::error("cannot serve metrics: {}",
-                    ListenFlagError(listening.status(), "--metrics-host", "--metrics-port"));
-      return 1;
-    }
-    metrics = std::move(listening).value();
-  }
-  auto server = InferenceServer::Start(so, *engine);
-  if (!server.ok()) {
-    spdlog::error("{}", server.status().ToString());
-    return 1;
-  }
-  InferenceServer* srv = server->get();
-  box.MarkServing();  // requests may be accepted from here on: a signal drains them
-  if (metrics) {
-    metrics->Start([srv] { return srv->MetricsText(); });  // stopped before *srv goes
-    spdlog::info("metrics on http://{}:{}/metrics", f.metrics_host, f.metrics_port);
-  }
-  std::printf("tpserve: serving '%s' on gRPC port %d\n", so.model_name.c_str(), srv->port());
-  std::fflush(stdout);
+  return so;
+}
 
+// Serves until a signal (SIGTERM, SIGINT, or SIGUSR1 from the engine watch below), then
+// drains and tears down; returns the exit status (or ends the process). `box`: marked serving.
+int ServeUntilSignal(const ServeFlags& f, SignalBox& box, const std::shared_ptr<Engine>& engine,
+                     std::unique_ptr<InferenceServer>& server, MetricsHttpServer* metrics) {
+  InferenceServer* srv = server.get();
   // An engine that fails (a GPU rank lost) cannot recover in this process:
   // the server reports NOT_SERVING (its health watcher), answers what it
   // holds with UNAVAILABLE while draining, and exits non-zero so that the
   // orchestrator restarts it.
   std::atomic<bool> watching{true};
-  std::shared_ptr<Engine> watched = *engine;
+  std::shared_ptr<Engine> watched = engine;
   std::thread engine_watch([&] {
     while (watching.load()) {
       if (!watched->healthy()) {
@@ -545,7 +490,7 @@ int Serve(const ServeFlags& f) {
   }).detach();
   srv->Shutdown(deadline);  // metrics stay up while the server drains
   if (metrics) metrics->Stop();
-  server->reset();  // engine threads stop after the server
+  server.reset();  // engine threads stop after the server
   spdlog::info("stopped");
   if (engine_failed) {
     // An abort of the lost rank's communicators may still be running in NCCL
@@ -555,6 +500,55 @@ int Serve(const ServeFlags& f) {
     std::_Exit(1);
   }
   return 0;
+}
+
+int Serve(const ServeFlags& f) {
+  if (const int status = CheckServeFlags(f); status != 0) return status;
+  ApplyGemmAlgo(f.gemm_algo);
+  // Signals are taken by a waiting thread, not a handler: block them in
+  // every thread first (threads inherit the mask).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGUSR1);  // from ServeUntilSignal's engine watch: the engine failed
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+#if TPSERVE_WITH_CUDA
+  if (const std::optional<int> status = RunIfGroupWorker(f, signals)) return *status;
+#endif
+  SignalBox box;
+  StartSignalThread(signals, box);
+  std::shared_ptr<Engine> engine;
+  bool from_dir = false;
+  if (const int status = StartServeEngine(f, &engine, &from_dir); status != 0) return status;
+  ServerOptions so = ServerOptionsFor(f, from_dir);
+  // The metrics port is bound before the gRPC server starts, so that a port
+  // already in use fails the start before any request is accepted; it serves once the
+  // gRPC server does (connections wait in the backlog until then).
+  std::unique_ptr<MetricsHttpServer> metrics;
+  if (f.metrics_port > 0) {
+    auto listening = MetricsHttpServer::Listen(MetricsOptions(f));
+    if (!listening.ok()) {
+      spdlog::error("cannot serve metrics: {}",
+                    ListenFlagError(listening.status(), "--metrics-host", "--metrics-port"));
+      return 1;
+    }
+    metrics = std::move(listening).value();
+  }
+  auto server = InferenceServer::Start(so, engine);
+  if (!server.ok()) {
+    spdlog::error("{}", server.status().ToString());
+    return 1;
+  }
+  InferenceServer* srv = server->get();
+  box.MarkServing();  // requests may be accepted from here on: a signal drains them
+  if (metrics) {
+    metrics->Start([srv] { return srv->MetricsText(); });  // stopped before *srv goes
+    spdlog::info("metrics on http://{}:{}/metrics", f.metrics_host, f.metrics_port);
+  }
+  std::printf("tpserve: serving '%s' on gRPC port %d\n", so.model_name.c_str(), srv->port());
+  std::fflush(stdout);
+  return ServeUntilSignal(f, box, engine, *server, metrics.get());
 }
 
 int Worker(const ServeFlags& f) {
@@ -588,168 +582,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       "serve",
       "Serve a model over gRPC (KServe v2 / Open Inference Protocol) with Prometheus metrics; "
       "SIGTERM or SIGINT drains accepted requests and exits 0");
-  cmd->add_option("--model", f->model,
-                  "A preset (tiny, llama3-8b, llama3-70b: random weights) or a directory with "
-                  "config.json and *.safetensors")
-      ->capture_default_str();
-  cmd->add_option("--model-name", f->model_name,
-                  "Name clients address (default: the preset or directory name)");
-  cmd->add_option("--tp", f->tp, "Tensor-parallel size")
-      ->check(CLI::Range(1, 64))
-      ->capture_default_str();
-  cmd->add_option("--backend", f->backend,
-                  "auto (cuda when this build has CUDA and the node has --tp GPUs, else cpu), "
-                  "cuda (one process per GPU: this process is rank 0 and starts the others as "
-                  "`tpserve worker`), or cpu (ranks are threads)")
-      ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
-      ->capture_default_str();
-  cmd->add_option("--overlap-config", f->overlap_config,
-                  "Overlap config (YAML) choosing each TP layer's mode by name and M");
-  cmd->add_option("--dtype", f->dtype,
-                  "Type of the TP layers' weights and GEMMs: fp8 (E4M3) or bf16. Random weights "
-                  "are made in it; a checkpoint's weights are converted on load (FP8 ones "
-                  "dequantized with their weight_scale for bf16, BF16/F32 ones quantized for "
-                  "fp8)")
-      ->check(CLI::IsMember({"fp8", "bf16"}))
-      ->capture_default_str();
-  cmd->add_option("--seed", f->seed, "Seed of random weights")->capture_default_str();
-  cmd->add_option("--host", f->host,
-                  "gRPC bind address: a name, an IPv4 address or an IPv6 address (with or "
-                  "without brackets: ::1 and [::1] are the same)")
-      ->capture_default_str();
-  cmd->add_option("--grpc-port", f->grpc_port, "gRPC port (0: pick a free one)")
-      ->check(CLI::Range(0, 65535))
-      ->capture_default_str();
-  cmd->add_option("--metrics-host", f->metrics_host,
-                  "Metrics bind address: a name, an IPv4 or an IPv6 address (brackets are "
-                  "removed)")
-      ->capture_default_str();
-  cmd->add_option("--metrics-port", f->metrics_port, "Prometheus /metrics port (0: off)")
-      ->check(CLI::Range(0, 65535))
-      ->capture_default_str();
-  cmd->add_option("--metrics-max-connections", f->metrics_max_connections,
-                  "Open /metrics connections at most; one more closes the one that has waited "
-                  "longest (a slow or idle client), so that scrapes are served whatever other "
-                  "clients do")
-      ->check(CLI::Range(1, 4096))
-      ->capture_default_str();
-  cmd->add_option("--metrics-max-header-bytes", f->metrics_max_header_bytes,
-                  "Bytes of a /metrics request's line and headers at most (answered 431 "
-                  "beyond; request bodies are never read)")
-      ->check(CLI::Range(int64_t{256}, int64_t{1} << 20))
-      ->capture_default_str();
-  cmd->add_option("--metrics-read-timeout-s", f->metrics_read_timeout_s,
-                  "Seconds a /metrics request's line and headers may take to arrive, however "
-                  "they trickle (then the connection is closed); also how long a kept-alive "
-                  "connection may idle")
-      ->check(CLI::Range(0.001, 3600.0))
-      ->capture_default_str();
-  cmd->add_option("--metrics-write-timeout-s", f->metrics_write_timeout_s,
-                  "Seconds a client may take to receive a /metrics response before its "
-                  "connection is closed")
-      ->check(CLI::Range(0.001, 3600.0))
-      ->capture_default_str();
-  cmd->add_option("--max-batch-tokens", f->max_batch_tokens, "Tokens per engine batch")
-      ->check(Positive())
-      ->capture_default_str();
-  cmd->add_option("--max-batch-sequences", f->max_batch_sequences,
-                  "Requests per engine batch (the GPU engine sizes its per-sequence buffers "
-                  "by it)")
-      ->check(Positive())
-      ->capture_default_str();
-  cmd->add_option("--kv-cache-gib", f->kv_cache_gib,
-                  "Generation: KV cache memory per rank in GiB, allocated at start (cpu "
-                  "backend: host memory; 0 with no --kv-cache-blocks: no generation, logits "
-                  "requests only; cuda backend: GPU memory on every rank)")
-      ->check(CLI::Range(0.0, 4096.0))
-      ->capture_default_str();
-  cmd->add_option("--kv-cache-blocks", f->kv_cache_blocks,
-                  "Generation: exactly this many KV cache blocks (overrides --kv-cache-gib; "
-                  "a small pool makes the scheduler preempt and recompute sequences)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
-      ->capture_default_str();
-  cmd->add_option("--kv-block-size", f->kv_block_size, "Generation: tokens per KV cache block")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  cmd->add_option("--kv-cache-dtype", f->kv_cache_dtype,
-                  "Generation: KV cache element type, bf16 or fp8 (E4M3, scale 1)")
-      ->check(CLI::IsMember({"bf16", "fp8"}))
-      ->capture_default_str();
-  cmd->add_option("--max-step-tokens", f->max_step_tokens,
-                  "Generation: tokens per step, one per decoding sequence plus chunks of "
-                  "prompts (chunked prefill)")
-      ->check(Positive())
-      ->capture_default_str();
-  cmd->add_option("--max-running-sequences", f->max_running_sequences,
-                  "Generation: sequences in flight (holding KV cache blocks) at most")
-      ->check(Positive())
-      ->capture_default_str();
-  cmd->add_option("--max-output-len", f->max_output_len,
-                  "Generation: largest request_output_len accepted (also capped by the "
-                  "model's max_position_embeddings)")
-      ->check(Positive())
-      ->capture_default_str();
-  cmd->add_option("--max-requests-per-stream", f->max_requests_per_stream,
-                  "Requests in progress on one ModelStreamInfer stream; beyond, that stream is "
-                  "not read until one finishes")
-      ->check(Positive())
-      ->capture_default_str();
-  CudaOnly(cmd->add_option("--rank-timeout-s", f->rank_timeout_s,
-                           "seconds a collective may take before the engine declares a rank lost "
-                           "(then every request gets UNAVAILABLE and health turns NOT_SERVING); "
-                           "at most a week")
-               ->check(CLI::Range(0.001, kMaxTimeoutS))
-               ->capture_default_str(),
-           cuda_only.get());
-  CudaOnly(cmd->add_flag("--device-random-weights", f->device_random_weights,
-                         "with a preset model, generate its random weights on the GPUs (seconds, "
-                         "also for llama3-70b) instead of on the host (what the CPU backend uses, "
-                         "so logits compare; minutes for large models)"),
-           cuda_only.get());
-  cmd->add_option("--max-queue-delay-us", f->max_queue_delay_us,
-                  "Longest wait for batch-mates, microseconds (at most 10 s)")
-      ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
-      ->capture_default_str();
-  cmd->add_option("--max-queue-size", f->max_queue_size,
-                  "Queued requests beyond this get RESOURCE_EXHAUSTED (logits requests waiting "
-                  "for a batch; generation requests in progress); a waiting request holds no "
-                  "thread; at most 65536")
-      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
-      ->capture_default_str();
-  cmd->add_option("--max-streams", f->max_streams,
-                  "Open ModelStreamInfer streams beyond this get RESOURCE_EXHAUSTED (a stream "
-                  "holds no thread); at most 65536")
-      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
-      ->capture_default_str();
-  cmd->add_option("--max-tokens-per-request", f->max_tokens_per_request,
-                  "Longest prompt accepted (INVALID_ARGUMENT beyond); capped by --max-batch-tokens "
-                  "(a request is never split over batches) and the model's "
-                  "max_position_embeddings")
-      ->check(Positive())
-      ->capture_default_str();
-  cmd->add_option(
-         "--exit-timeout", f->exit_timeout_s,
-         "Seconds to finish accepted requests after SIGTERM (or an engine failure); "
-         "if tearing down then takes 20 s more, the process exits with status 1; at most a "
-         "week")
-      ->check(CLI::Range(0.0, kMaxTimeoutS))
-      ->capture_default_str();
-  AddGemmAlgoFlag(cmd, &f->gemm_algo);
-  CudaOnly(cmd->get_option("--gemm-algo"), cuda_only.get());
-  // Checked before the model loads (minutes for a large one), not when the server starts.
-  CLI::Option* tls_cert =
-      cmd->add_option("--tls-cert", f->tls_cert,
-                      "PEM certificate chain: serve gRPC over TLS (needs --tls-key)")
-          ->check(CLI::ExistingFile);
-  CLI::Option* tls_key = cmd->add_option("--tls-key", f->tls_key, "PEM private key of --tls-cert")
-                             ->check(CLI::ExistingFile);
-  tls_cert->needs(tls_key);
-  tls_key->needs(tls_cert);
-  cmd->add_option("--tls-client-ca", f->tls_client_ca,
-                  "PEM CA bundle: require client certificates signed by it (mutual TLS; needs "
-                  "--tls-cert and --tls-key)")
-      ->check(CLI::ExistingFile)
-      ->needs(tls_cert);
+  AddServeFlags(cmd, f.get(), cuda_only.get());
   cmd->callback([f, exit_code, cuda_only, cmd] {
     f->cuda_only_given = GivenFlags(*cuda_only);
     f->seed_given = cmd->get_option("--seed")->count() > 0;
@@ -764,34 +597,7 @@ void AddServeCommand(CLI::App& app, int* exit_code) {
       "Internal: one GPU rank of `serve --backend cuda`, started by rank 0 (reads TPSERVE_RANK, "
       "TPSERVE_WORLD_SIZE, TPSERVE_LOCAL_RANK and TPSERVE_NCCL_ID); exits when rank 0 stops it "
       "or exits");
-  wcmd->add_option("--model", w->model, "As serve --model")->capture_default_str();
-  wcmd->add_option("--tp", w->tp, "As serve --tp")->check(CLI::Range(1, 64))->capture_default_str();
-  wcmd->add_option("--dtype", w->dtype, "As serve --dtype")
-      ->check(CLI::IsMember({"fp8", "bf16"}))
-      ->capture_default_str();
-  wcmd->add_option("--seed", w->seed, "As serve --seed")->capture_default_str();
-  wcmd->add_option("--overlap-config", w->overlap_config, "As serve --overlap-config");
-  wcmd->add_option("--max-batch-tokens", w->max_batch_tokens, "As serve --max-batch-tokens")
-      ->check(Positive())
-      ->capture_default_str();
-  wcmd->add_option("--max-batch-sequences", w->max_batch_sequences,
-                   "As serve --max-batch-sequences")
-      ->check(Positive())
-      ->capture_default_str();
-  wcmd->add_flag("--device-random-weights", w->device_random_weights,
-                 "As serve --device-random-weights");
-  wcmd->add_option("--kv-cache-gib", w->kv_cache_gib, "As serve --kv-cache-gib")
-      ->check(CLI::Range(0.0, 4096.0));
-  wcmd->add_option("--kv-cache-blocks", w->kv_cache_blocks, "As serve --kv-cache-blocks")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
-  wcmd->add_option("--kv-block-size", w->kv_block_size, "As serve --kv-block-size")
-      ->check(CLI::Range(1, 1024));
-  wcmd->add_option("--kv-cache-dtype", w->kv_cache_dtype, "As serve --kv-cache-dtype")
-      ->check(CLI::IsMember({"bf16", "fp8"}));
-  wcmd->add_option("--rank-timeout-s", w->rank_timeout_s, "As serve --rank-timeout-s")
-      ->check(CLI::Range(0.001, kMaxTimeoutS))
-      ->capture_default_str();
-  AddGemmAlgoFlag(wcmd, &w->gemm_algo);
+  AddWorkerFlags(wcmd, w.get());
   wcmd->callback([w, exit_code] { *exit_code = Worker(*w); });
 }
 

@@ -47,6 +47,44 @@ std::string FirstKey(const Map& m, const char* accepted = nullptr) {
   return first;
 }
 
+// The outputs `q` asks for, into p->want_logits and p->want_next (none listed: both, as
+// ParsedRequest's defaults say); INVALID_ARGUMENT for an unknown or repeated output or an
+// output parameter other than a bool binary_data.
+Status ParseRequestedOutputs(const inference::ModelInferRequest& q, ParsedRequest* p) {
+  if (q.outputs_size() == 0) return Status::Ok();
+  p->want_logits = p->want_next = false;
+  for (const auto& o : q.outputs()) {
+    bool* wanted = nullptr;
+    if (o.name() == kLogits) {
+      wanted = &p->want_logits;
+    } else if (o.name() == kNextToken) {
+      wanted = &p->want_next;
+    } else {
+      return InvalidArgumentError("unknown requested output '" + ClientText(o.name()) +
+                                  "' (outputs: logits, next_token_id)");
+    }
+    if (*wanted) {
+      return InvalidArgumentError("output '" + o.name() + "' is requested twice");
+    }
+    // binary_data (KServe's and Triton's clients): over gRPC every output is in
+    // raw_output_contents, which those clients read whatever they asked for.
+    if (o.parameters().size() > o.parameters().count(kBinaryData)) {
+      return InvalidArgumentError("output '" + o.name() + "': parameter '" +
+                                  ClientText(FirstKey(o.parameters(), kBinaryData)) +
+                                  "' is not supported (outputs are raw logits and the argmax; "
+                                  "only binary_data is accepted)");
+    }
+    if (const auto it = o.parameters().find(kBinaryData);
+        it != o.parameters().end() &&
+        it->second.parameter_choice_case() != inference::InferParameter::kBoolParam) {
+      return InvalidArgumentError("output '" + o.name() +
+                                  "': parameter 'binary_data' must be a bool_param");
+    }
+    *wanted = true;
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string ClientText(std::string_view s) {
@@ -201,38 +239,7 @@ StatusOr<ParsedRequest> ValidateInferRequest(const inference::ModelInferRequest&
       p.ids[i] = static_cast<int32_t>(v);
     }
   }
-  if (q.outputs_size() > 0) {
-    p.want_logits = p.want_next = false;
-    for (const auto& o : q.outputs()) {
-      bool* wanted = nullptr;
-      if (o.name() == kLogits) {
-        wanted = &p.want_logits;
-      } else if (o.name() == kNextToken) {
-        wanted = &p.want_next;
-      } else {
-        return InvalidArgumentError("unknown requested output '" + ClientText(o.name()) +
-                                    "' (outputs: logits, next_token_id)");
-      }
-      if (*wanted) {
-        return InvalidArgumentError("output '" + o.name() + "' is requested twice");
-      }
-      // binary_data (KServe's and Triton's clients): over gRPC every output is in
-      // raw_output_contents, which those clients read whatever they asked for.
-      if (o.parameters().size() > o.parameters().count(kBinaryData)) {
-        return InvalidArgumentError("output '" + o.name() + "': parameter '" +
-                                    ClientText(FirstKey(o.parameters(), kBinaryData)) +
-                                    "' is not supported (outputs are raw logits and the argmax; "
-                                    "only binary_data is accepted)");
-      }
-      if (const auto it = o.parameters().find(kBinaryData);
-          it != o.parameters().end() &&
-          it->second.parameter_choice_case() != inference::InferParameter::kBoolParam) {
-        return InvalidArgumentError("output '" + o.name() +
-                                    "': parameter 'binary_data' must be a bool_param");
-      }
-      *wanted = true;
-    }
-  }
+  TP_RETURN_IF_ERROR(ParseRequestedOutputs(q, &p));
   return p;
 }
 

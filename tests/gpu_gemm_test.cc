@@ -887,6 +887,68 @@ TEST_F(GpuTest, GemmRejectsParamsCublasLtFp8CannotRun) {
   ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "sm_count_target");
 }
 
+TEST_F(GpuTest, Bf16GemmWritesFp32OutputUnroundedAndAccumulatesFp32C) {
+  // BF16 x BF16 -> FP32 D (an LM head's logits), planned by Prepare (timed: its operands
+  // include an FP32 C), then in place with beta (C FP32 as D). Tolerance 1e-5 relative: FP32
+  // accumulation over k = 264 errs by ~1e-7, while D rounded to BF16 would err by ~1e-3
+  // (half a step of 2^-8, uniformly), a hundred times the bound.
+  const int64_t m = 37, n = 1000, k = 264;
+  const float alpha = 0.5f, beta = 1.0f;
+  const std::vector<BFloat16> a = RandomBf16Matrix(m, k, k, -2.0f, 2.0f, 91);
+  const std::vector<BFloat16> b = RandomBf16Matrix(n, k, k, -0.1f, 0.1f, 92);
+  std::vector<float> c(static_cast<size_t>(m * n));
+  std::mt19937 rng(93);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (float& v : c) v = dist(rng);
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("bf16_fp32"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dd, DeviceBuffer::Allocate(m * n * 4, "D"));
+  TP_ASSERT_OK(LaunchPoisonFill(dd.data(), DataType::kFloat32, m * n, stream()));
+  GemmParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a_type = p.b_type = DataType::kBFloat16;
+  p.d_type = DataType::kFloat32;
+  TP_ASSERT_OK(gemm.Prepare(p));
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), nullptr, dd.data(), stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(std::vector<float> out, Download<float>(dd.data(), m * n));
+  const std::vector<float> af = DecodeBf16(a), bf = DecodeBf16(b);
+  std::vector<double> ref = ReferenceGemm(af.data(), k, bf.data(), k, m, n, k, 1.0);
+  Comparison cmp = Compare(std::vector<double>(out.begin(), out.end()), ref);
+  EXPECT_EQ(cmp.nan_count, 0u);
+  EXPECT_LE(cmp.rel_frobenius, 1e-5);
+  std::vector<double> rounded(ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    rounded[i] = BFloat16ToFloat(FloatToBFloat16(static_cast<float>(ref[i])));
+  }
+  EXPECT_GT(Compare(rounded, ref).rel_frobenius, 1e-4) << "test construction: BF16 would pass";
+
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dcd, Upload(c, "C=D"));
+  p.alpha = alpha;
+  p.beta = beta;
+  TP_ASSERT_OK(gemm.Prepare(p));
+  TP_ASSERT_OK(gemm.Run(p, da.data(), db.data(), dcd.data(), dcd.data(), stream()));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+  TP_ASSERT_OK_AND_ASSIGN(out, Download<float>(dcd.data(), m * n));
+  ref = ReferenceGemm(af.data(), k, bf.data(), k, m, n, k, alpha);
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] += beta * static_cast<double>(c[i]);
+  cmp = Compare(std::vector<double>(out.begin(), out.end()), ref);
+  EXPECT_EQ(cmp.nan_count, 0u);
+  EXPECT_LE(cmp.rel_frobenius, 1e-5);
+
+  // FP32 rows must be 16-byte multiples; FP8 inputs keep their output types.
+  GemmParams bad = p;
+  bad.ldd = bad.ldc = 1002;  // 4008 bytes
+  ExpectRejected(ValidateGemmParams(bad), StatusCode::kInvalidArgument, "GemmParams.ldd");
+  bad = p;
+  bad.a_type = bad.b_type = DataType::kFloat8E4M3;
+  bad.beta = 0.0f;
+  ExpectRejected(ValidateGemmParams(bad), StatusCode::kUnimplemented, "d_type");
+}
+
 TEST_F(GpuTest, GemmRunRejectsMisalignedPointersAndMissingC) {
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("validation"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer buf, DeviceBuffer::Allocate(1 << 20, "scratch"));

@@ -1,0 +1,666 @@
+// BuildPreparedSteps: one M's steps of a CudaLinear, derived on the host from its OverlapPlan.
+#include "layers/cuda_linear_steps.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace tpserve::cuda_linear_detail {
+namespace {
+
+// LinearKnobs::gemm_lanes == 2: a GEMM step that depends neither directly nor through other
+// steps on the GEMM step before it goes on the other lane than that one, so that its CTAs can
+// take the SMs the earlier GEMM's last wave leaves idle; a dependent one stays on its lane.
+// Steps' deps point backwards (ValidatePlan; the deferred sums come last). Returns whether any
+// step went on lane 1.
+bool AssignGemmLanes(std::vector<PreparedStep>& steps) {
+  const size_t n = steps.size();
+  std::vector<std::vector<bool>> after(n, std::vector<bool>(n, false));  // [i][j]: i waits for j
+  for (size_t i = 0; i < n; ++i) {
+    for (int d : steps[i].deps) {
+      after[i][d] = true;
+      for (size_t j = 0; j < n; ++j) after[i][j] = after[i][j] || after[d][j];
+    }
+  }
+  int prev = -1;
+  bool used = false;
+  for (size_t i = 0; i < n; ++i) {
+    if (!steps[i].is_gemm) continue;
+    if (prev >= 0) steps[i].lane = after[i][prev] ? steps[prev].lane : 1 - steps[prev].lane;
+    used = used || steps[i].lane == 1;
+    prev = static_cast<int>(i);
+  }
+  return used;
+}
+
+// One BuildPreparedSteps call: the layer's facts, the plan, and the steps built so far.
+class StepBuilder {
+ public:
+  StepBuilder(const StepsInput& in, const OverlapPlan& plan);
+  StatusOr<Prepared> Build();
+
+ private:
+  GemmCall Single(int64_t rows, BufRef a, BufRef d) const;
+  template <typename AOf, typename DOf>
+  std::vector<GemmCall> SlotGemms(const std::vector<RowRange>& rows, int64_t slot_rows,
+                                  const AOf& a_of, const DOf& d_of) const;
+
+  // full_weight (no plan steps).
+  void AddFullWeightSteps();
+  int AddFullWeightPulls(bool first, bool last, RowRange rows, int64_t at_row);
+  void AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step);
+  void AddFullWeightRing();
+
+  // The plan's steps.
+  StatusOr<int> NextSlot(std::vector<int>& seq, int peer);
+  Status AddSend(CommCall& c, int peer);
+  Status AddReceive(CommCall& c, int peer);
+  Status PrepareAllGather(size_t i, int64_t slot_rows);
+  Status PrepareReduceScatter(size_t i, int64_t slot_rows);
+  Status PreparePeerReduceScatter(size_t i, int64_t slot_rows, BufRef dst);
+  Status PrepareSendRecv(size_t i);
+  Status PrepareGemm(size_t i);
+  void PrepareSlotGemmsAllGather(size_t i);
+  void PrepareSlotGemmsReduceScatter(size_t i);
+  Status PrepareRangeGemm(size_t i, RowRange r);
+  Status PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d);
+  void PrepareDeferredSumGemm(size_t i, RowRange r, BufRef a);
+  void AppendDeferredSums();
+
+  const std::string& name_;
+  const CudaLinearShape& shape_;
+  const LinearKnobs& knobs_;
+  const int tp_, rank_;
+  const int64_t m_;
+  const bool in_place_;
+  const int signal_slots_;
+  const OverlapPlan& plan_;
+  const bool ag_, ring_;
+  const int64_t n_, k_;
+  const size_t row_x_, row_y_;
+  const RowRange own_;
+  const bool ce_;  // copy-engine transfers
+  GemmParams base_;
+  Prepared prep_;
+  // AG slot layout: where each AllGather step's slots start, and their rows.
+  std::vector<size_t> region_;
+  std::vector<int64_t> slot_rows_of_;
+  size_t next_region_ = 0;
+  // Copy engine: messages so far to / from each peer. The k-th message from
+  // a to b uses flag slot k on both sides (plans issue matching sends and
+  // receives in the same order: ValidatePlanGroup).
+  std::vector<int> sent_, received_;
+  // Ring gemm_rs with copy engines: the sum steps of the last step's
+  // additions (see PrepareDeferredSumGemm), appended after the plan's own steps.
+  std::vector<PreparedStep> deferred_sums_;
+};
+
+StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
+    : name_(in.name),
+      shape_(in.shape),
+      knobs_(in.knobs),
+      tp_(in.tp),
+      rank_(in.rank),
+      m_(in.m),
+      in_place_(in.in_place),
+      signal_slots_(in.signal_slots),
+      plan_(plan),
+      ag_(in.shape.op == OverlapOp::kAllGatherGemm),
+      ring_(in.knobs.mode == OverlapMode::kRing),
+      n_(in.shape.n),
+      k_(in.shape.k),
+      row_x_(in.shape.k * DataTypeSize(in.shape.dtype)),
+      row_y_(in.shape.n * sizeof(uint16_t)),
+      own_(ShardRows(in.m, in.tp, in.rank)),
+      ce_(in.knobs.copy_engine && in.tp > 1),
+      region_(plan.steps.size(), 0),
+      slot_rows_of_(plan.steps.size(), 0),
+      sent_(in.tp, 0),
+      received_(in.tp, 0) {
+  const bool fp8 = shape_.dtype == DataType::kFloat8E4M3;
+  base_.n = n_;
+  base_.k = k_;
+  base_.a_type = base_.b_type = shape_.dtype;
+  base_.d_type = DataType::kBFloat16;
+  base_.fast_accum = fp8 && knobs_.fast_accum;
+  base_.sm_count_target = knobs_.gemm_sm_count;
+  if (fp8) {
+    base_.a_scale = in.unit_scales;
+    base_.b_scale = in.unit_scales + 4;
+  }
+}
+
+StatusOr<Prepared> StepBuilder::Build() {
+  if (knobs_.full_weight) {
+    AddFullWeightSteps();
+  } else {
+    prep_.steps.resize(plan_.steps.size());
+    for (size_t i = 0; i < plan_.steps.size(); ++i) {
+      const PlanStep& s = plan_.steps[i];
+      PreparedStep& ps = prep_.steps[i];
+      ps.stream = s.stream;
+      ps.deps = s.deps;
+      ps.is_gemm = s.kind == StepKind::kGemm;
+      int64_t slot_rows = 0;
+      for (RowRange r : s.rows) slot_rows = std::max(slot_rows, r.size());
+      switch (s.kind) {
+        case StepKind::kAllGather:
+          TP_RETURN_IF_ERROR(PrepareAllGather(i, slot_rows));
+          break;
+        case StepKind::kReduceScatter:
+          TP_RETURN_IF_ERROR(PrepareReduceScatter(i, slot_rows));
+          break;
+        case StepKind::kSendRecv:
+          TP_RETURN_IF_ERROR(PrepareSendRecv(i));
+          break;
+        case StepKind::kGemm:
+          TP_RETURN_IF_ERROR(PrepareGemm(i));
+          break;
+      }
+    }
+  }
+  AppendDeferredSums();
+  if (knobs_.gemm_lanes == 2) {
+    const bool gemm_on_lane = AssignGemmLanes(prep_.steps);
+    prep_.uses_lane = prep_.uses_lane || gemm_on_lane;  // full_weight's copies may use it too
+  }
+  return std::move(prep_);
+}
+
+GemmCall StepBuilder::Single(int64_t rows, BufRef a, BufRef d) const {
+  GemmCall g;
+  g.params = base_;
+  g.params.m = rows;
+  g.a = a;
+  g.d = d;
+  return g;
+}
+
+// GEMMs over the per-rank slots of one chunk: one launch when the slots
+// are full and evenly spaced on both sides, else one launch per slot.
+template <typename AOf, typename DOf>
+std::vector<GemmCall> StepBuilder::SlotGemms(const std::vector<RowRange>& rows, int64_t slot_rows,
+                                             const AOf& a_of, const DOf& d_of) const {
+  std::vector<GemmCall> calls;
+  bool uniform = static_cast<int>(rows.size()) == tp_;
+  for (size_t s = 1; uniform && s < rows.size(); ++s) {
+    uniform = rows[s].begin - rows[s - 1].begin == rows[1].begin - rows[0].begin;
+  }
+  for (size_t s = 0; uniform && s < rows.size(); ++s) uniform = rows[s].size() == slot_rows;
+  if (uniform) {
+    GemmCall g = Single(slot_rows, a_of(0), d_of(0));
+    if (tp_ > 1) {
+      const size_t a_step = a_of(1).offset - a_of(0).offset;
+      const size_t d_step = d_of(1).offset - d_of(0).offset;
+      if (a_step == slot_rows * row_x_ && d_step == slot_rows * row_y_) {
+        g.params.m = slot_rows * tp_;  // contiguous on both sides: one plain GEMM
+      } else {
+        g.params.batch = tp_;
+        g.params.stride_a = a_step / DataTypeSize(shape_.dtype);
+        g.params.stride_d = d_step / sizeof(uint16_t);
+      }
+    }
+    calls.push_back(g);
+    return calls;
+  }
+  for (size_t s = 0; s < rows.size(); ++s) {
+    if (!rows[s].empty()) calls.push_back(Single(rows[s].size(), a_of(s), d_of(s)));
+  }
+  return calls;
+}
+
+// No partial sums (LinearKnobs::full_weight): this rank's rows over the whole K, their
+// peers' input columns pulled into the gather buffer's column blocks ([shard rows, tp * k];
+// the own columns copied into block `rank` on the second stream, beside the pulls).
+// Mode none / pipeline: per chunk of the rows, a comm step of pulls, then one whole-K GEMM
+// after that step and the own copy. Mode ring: see AddFullWeightRing. The first comm step
+// signals this rank's input ready and waits for the peers'; the last tells the peers that their
+// input has been read. Every rank has every comm step (the same chunk count), even where its
+// rows are few or none, so the flags always pair up.
+void StepBuilder::AddFullWeightSteps() {
+  if (ring_) {
+    AddFullWeightRing();
+  } else {
+    for (int j = 0; j < knobs_.chunks; ++j) {
+      const RowRange rows = ChunkRows(own_, knobs_.chunks, j);
+      const int64_t at_row = rows.begin - own_.begin;
+      const int comm_step =
+          ce_ ? AddFullWeightPulls(j == 0, j == knobs_.chunks - 1, rows, at_row) : -1;
+      AddWholeKGemm(rows, at_row, comm_step);
+    }
+  }
+  if (ce_) {
+    std::vector<PeerSignals::Flag> peers;
+    for (int p = 0; p < tp_; ++p) {
+      if (p != rank_) peers.push_back({p, 0});
+    }
+    prep_.done_from = peers;
+  }
+}
+
+// full_weight: a comm step that signals as AddFullWeightSteps says, and pulls (2D) each peer's
+// columns of `rows` into gather row `at_row`'s column blocks (none for empty rows).
+int StepBuilder::AddFullWeightPulls(bool first, bool last, RowRange rows, int64_t at_row) {
+  const size_t row_g = tp_ * k_ * DataTypeSize(shape_.dtype);
+  std::vector<PeerSignals::Flag> peers;
+  for (int p = 0; p < tp_; ++p) {
+    if (p != rank_) peers.push_back({p, 0});
+  }
+  PreparedStep cs;
+  cs.stream = StepStream::kComm;
+  CommCall& c = cs.comm;
+  c.copy_engine = true;
+  if (first) c.ready_to = c.ready_from = peers;
+  if (last) c.done_to = peers;
+  for (const PeerSignals::Flag& f : rows.empty() ? std::vector<PeerSignals::Flag>{} : peers) {
+    c.pulls.push_back({f.peer,
+                       {BufRef::kInput, rows.begin * row_x_},
+                       {BufRef::kGather, at_row * row_g + f.peer * row_x_},
+                       row_x_,
+                       static_cast<size_t>(rows.size()),
+                       row_x_,
+                       row_g});
+  }
+  prep_.steps.push_back(std::move(cs));
+  return static_cast<int>(prep_.steps.size()) - 1;
+}
+
+// full_weight: the whole-K GEMM of `rows` (gather row `at_row` on), after `comm_step` (if any)
+// and a copy of the own columns on the second stream.
+void StepBuilder::AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step) {
+  if (rows.empty()) return;
+  const int64_t kk = tp_ * k_;
+  const size_t row_g = kk * DataTypeSize(shape_.dtype);
+  PreparedStep gs;
+  gs.is_gemm = true;
+  if (comm_step >= 0) {
+    PreparedStep own_copy;
+    own_copy.lane = 1;
+    CommCall& c = own_copy.comm;
+    c.copy_engine = true;
+    c.copy_src = {BufRef::kInput, rows.begin * row_x_};
+    c.copy_dst = {BufRef::kGather, at_row * row_g + rank_ * row_x_};
+    c.copy_bytes = row_x_;
+    c.copy_height = rows.size();
+    c.copy_src_pitch = row_x_;
+    c.copy_dst_pitch = row_g;
+    gs.deps = {comm_step, static_cast<int>(prep_.steps.size())};
+    prep_.steps.push_back(std::move(own_copy));
+    prep_.uses_lane = true;
+  }
+  GemmCall call = Single(
+      rows.size(),
+      ce_ ? BufRef{BufRef::kGather, at_row * row_g} : BufRef{BufRef::kInput, rows.begin * row_x_},
+      {BufRef::kY, (rows.begin - own_.begin) * row_y_});
+  call.params.k = kk;
+  gs.gemms.push_back(call);
+  prep_.steps.push_back(std::move(gs));
+}
+
+// full_weight, mode ring: a lead of rows / (2 * chunks) rows that waits for nothing (a GEMM
+// over the own columns, where the caller wrote them, then one accumulating GEMM per peer block
+// once it is pulled, 1D, into a packed staging area at the start of the gather buffer), then
+// the rest of the rows in one whole-K GEMM, whose pulls run under the lead's GEMMs.
+void StepBuilder::AddFullWeightRing() {
+  const int64_t kk = tp_ * k_;
+  std::vector<PeerSignals::Flag> peers;
+  for (int p = 0; p < tp_; ++p) {
+    if (p != rank_) peers.push_back({p, 0});
+  }
+  int64_t lead = own_.size() / (2 * knobs_.chunks);
+  if (lead >= 128) lead = lead / 128 * 128;  // whole 128-row tiles
+  const RowRange head{own_.begin, own_.begin + lead}, rest{own_.begin + lead, own_.end};
+  int head_comm = -1, rest_comm = -1;
+  if (ce_) {
+    PreparedStep cs;
+    cs.stream = StepStream::kComm;
+    CommCall& c = cs.comm;
+    c.copy_engine = true;
+    c.ready_to = c.ready_from = peers;
+    for (size_t i = 0; i < peers.size() && lead > 0; ++i) {  // packed: [lead, k] per peer
+      c.pulls.push_back({peers[i].peer,
+                         {BufRef::kInput, head.begin * row_x_},
+                         {BufRef::kGather, i * lead * row_x_},
+                         lead * row_x_});
+    }
+    prep_.steps.push_back(std::move(cs));
+    head_comm = static_cast<int>(prep_.steps.size()) - 1;
+    rest_comm = AddFullWeightPulls(false, true, rest, lead);
+  }
+  if (lead > 0) {
+    PreparedStep own_gemm;  // no deps: the own columns are where the caller wrote them
+    own_gemm.is_gemm = true;
+    GemmCall call = Single(lead, {BufRef::kInput, head.begin * row_x_}, {BufRef::kY, 0});
+    call.params.ldb = kk;
+    call.b_offset = rank_ * row_x_;
+    own_gemm.gemms.push_back(call);
+    prep_.steps.push_back(std::move(own_gemm));
+    if (ce_) {
+      // After the pulls, and after the own GEMM, whose output it adds to (gemm_lanes 2
+      // must not put the two on different streams without that edge).
+      PreparedStep add;
+      add.is_gemm = true;
+      add.deps = {head_comm, static_cast<int>(prep_.steps.size()) - 1};
+      for (size_t i = 0; i < peers.size(); ++i) {
+        GemmCall acc = Single(lead, {BufRef::kGather, i * lead * row_x_}, {BufRef::kY, 0});
+        acc.c = acc.d;
+        acc.params.beta = 1.0f;
+        acc.params.ldb = kk;
+        acc.b_offset = peers[i].peer * row_x_;
+        add.gemms.push_back(acc);
+      }
+      prep_.steps.push_back(std::move(add));
+    }
+  }
+  AddWholeKGemm(rest, lead, rest_comm);
+}
+
+StatusOr<int> StepBuilder::NextSlot(std::vector<int>& seq, int peer) {
+  if (seq[peer] >= signal_slots_) {
+    return InternalError("layer " + name_ + ": copy-engine plan for m=" + std::to_string(m_) +
+                         " needs more than " + std::to_string(signal_slots_) +
+                         " messages to/from rank " + std::to_string(peer));
+  }
+  return seq[peer]++;
+}
+
+// This rank's next message to `peer` in `c`: it signals `ready` there and
+// waits for the peer's `done` at the end of Run.
+Status StepBuilder::AddSend(CommCall& c, int peer) {
+  TP_ASSIGN_OR_RETURN(int slot, NextSlot(sent_, peer));
+  c.ready_to.push_back({peer, slot});
+  prep_.done_from.push_back({peer, slot});
+  return Status::Ok();
+}
+
+// The next message from `peer` in `c`: wait for its `ready`, signal `done`.
+Status StepBuilder::AddReceive(CommCall& c, int peer) {
+  TP_ASSIGN_OR_RETURN(int slot, NextSlot(received_, peer));
+  c.ready_from.push_back({peer, slot});
+  c.done_to.push_back({peer, slot});
+  return Status::Ok();
+}
+
+Status StepBuilder::PrepareAllGather(size_t i, int64_t slot_rows) {
+  const PlanStep& s = plan_.steps[i];
+  PreparedStep& ps = prep_.steps[i];
+  region_[i] = next_region_;
+  slot_rows_of_[i] = slot_rows;
+  next_region_ += tp_ * slot_rows * row_x_;
+  ps.comm.kind = s.kind;
+  ps.comm.send = {BufRef::kInput, (s.rows[rank_].begin - own_.begin) * row_x_};
+  ps.comm.recv = {BufRef::kGather, region_[i]};
+  ps.comm.send_bytes = slot_rows * row_x_;
+  if (!ce_) return Status::Ok();
+  CommCall& c = ps.comm;
+  c.copy_engine = true;
+  for (int p = 0; p < tp_; ++p) {
+    const size_t slot_offset = region_[i] + p * slot_rows * row_x_;
+    if (p == rank_) {
+      c.copy_src = c.send;
+      c.copy_dst = {BufRef::kGather, slot_offset};
+      c.copy_bytes = s.rows[p].size() * row_x_;
+      continue;
+    }
+    TP_RETURN_IF_ERROR(AddSend(c, p));
+    TP_RETURN_IF_ERROR(AddReceive(c, p));
+    if (!s.rows[p].empty()) {
+      const size_t src = (s.rows[p].begin - ShardRows(m_, tp_, p).begin) * row_x_;
+      c.pulls.push_back({p,
+                         {BufRef::kInput, src},
+                         {BufRef::kGather, slot_offset},
+                         static_cast<size_t>(s.rows[p].size()) * row_x_});
+    }
+  }
+  return Status::Ok();
+}
+
+Status StepBuilder::PrepareReduceScatter(size_t i, int64_t slot_rows) {
+  const PlanStep& s = plan_.steps[i];
+  PreparedStep& ps = prep_.steps[i];
+  const int g = s.deps.at(0);
+  ps.comm.kind = s.kind;
+  ps.comm.send = {BufRef::kPartial, region_[g]};
+  ps.comm.send_bytes = slot_rows * n_;  // elements
+  const RowRange mine = s.rows[rank_];
+  const BufRef dst{BufRef::kY, (mine.begin - own_.begin) * row_y_};
+  if (ce_) return PreparePeerReduceScatter(i, slot_rows, dst);
+  if (mine.size() == slot_rows) {
+    ps.comm.recv = dst;
+  } else {
+    ps.comm.recv = {BufRef::kScratch, 0};
+    if (!mine.empty()) {
+      ps.comm.copy_src = {BufRef::kScratch, 0};
+      ps.comm.copy_dst = dst;
+      ps.comm.copy_bytes = mine.size() * row_y_;
+    }
+  }
+  return Status::Ok();
+}
+
+// Copy engine: every peer's partial of this rank's rows (slot rank_ of the
+// peer's region) is added to this rank's own. Pipelined, copy
+// engines pull them while later chunks' GEMMs run, and the sum
+// reads local copies; in mode none nothing runs alongside, so the
+// sum kernel reads them over NVLink itself (one pass, no copy).
+Status StepBuilder::PreparePeerReduceScatter(size_t i, int64_t slot_rows, BufRef dst) {
+  const PlanStep& s = plan_.steps[i];
+  const int g = s.deps.at(0);
+  const RowRange mine = s.rows[rank_];
+  CommCall& c = prep_.steps[i].comm;
+  c.copy_engine = true;
+  const bool direct = knobs_.mode == OverlapMode::kNone;
+  const size_t slot_bytes = slot_rows * row_y_;
+  for (int p = 0; p < tp_; ++p) {
+    if (p == rank_) continue;
+    TP_RETURN_IF_ERROR(AddSend(c, p));
+    TP_RETURN_IF_ERROR(AddReceive(c, p));
+    if (!mine.empty() && !direct) {
+      c.pulls.push_back({p,
+                         {BufRef::kPartial, region_[g] + rank_ * slot_bytes},
+                         {BufRef::kReceived, region_[g] + p * slot_bytes},
+                         static_cast<size_t>(mine.size()) * row_y_});
+    }
+  }
+  if (!mine.empty()) {
+    c.sum = true;
+    c.sum_args.direct = direct;
+    c.sum_args.dst = dst;
+    c.sum_args.count = mine.size() * n_;
+    for (int p = 0; p < tp_; ++p) {
+      if (p == rank_) {
+        c.sum_args.slots.push_back({BufRef::kPartial, region_[g] + rank_ * slot_bytes});
+      } else if (direct) {
+        c.sum_args.slots.push_back({BufRef::kPartial, region_[g] + rank_ * slot_bytes, p});
+      } else {
+        c.sum_args.slots.push_back({BufRef::kReceived, region_[g] + p * slot_bytes});
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status StepBuilder::PrepareSendRecv(size_t i) {
+  const PlanStep& s = plan_.steps[i];
+  PreparedStep& ps = prep_.steps[i];
+  const size_t row = ag_ ? row_x_ : row_y_;
+  const auto src = ag_ ? BufRef::kGather : BufRef::kPartial;
+  const auto dst = ag_ ? BufRef::kGather : BufRef::kReceived;
+  ps.comm.kind = s.kind;
+  ps.comm.send = {src, s.send_rows.begin * row};
+  ps.comm.send_bytes = s.send_rows.size() * row;
+  ps.comm.send_peer = s.send_peer;
+  ps.comm.recv = {dst, s.recv_rows.begin * row};
+  ps.comm.recv_bytes = s.recv_rows.size() * row;
+  ps.comm.recv_peer = s.recv_peer;
+  if (ce_) {
+    CommCall& c = ps.comm;
+    c.copy_engine = true;
+    if (c.send_peer >= 0) {
+      TP_RETURN_IF_ERROR(AddSend(c, c.send_peer));
+    }
+    if (c.recv_peer >= 0) {
+      TP_RETURN_IF_ERROR(AddReceive(c, c.recv_peer));
+      // The sender's copy of the same buffer holds the rows at the
+      // same offset (ring buffers are indexed by global row).
+      if (c.recv_bytes > 0 && !in_place_) {  // in_place_: read there, not pulled
+        c.pulls.push_back({c.recv_peer, {src, c.recv.offset}, c.recv, c.recv_bytes});
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status StepBuilder::PrepareGemm(size_t i) {
+  if (ag_ && !ring_ && tp_ > 1) {
+    PrepareSlotGemmsAllGather(i);
+  } else if (!ag_ && !ring_ && tp_ > 1) {
+    PrepareSlotGemmsReduceScatter(i);
+  } else {
+    // Ring steps and tp = 1: each range is contiguous in global rows.
+    for (RowRange r : plan_.steps[i].rows) TP_RETURN_IF_ERROR(PrepareRangeGemm(i, r));
+  }
+  return Status::Ok();
+}
+
+// AG, mode none / pipeline: rows come from the slots of the AllGather this GEMM waits for.
+void StepBuilder::PrepareSlotGemmsAllGather(size_t i) {
+  const PlanStep& s = plan_.steps[i];
+  const int g = s.deps.at(0);
+  const PlanStep& gather = plan_.steps[g];
+  const int64_t srows = slot_rows_of_[g];
+  auto slot_of = [&](size_t idx) {
+    for (int r = 0; r < tp_; ++r) {
+      if (gather.rows[r] == s.rows[idx]) return r;
+    }
+    return -1;
+  };
+  auto a_of = [&](size_t idx) {
+    return BufRef{BufRef::kGather, region_[g] + slot_of(idx) * srows * row_x_};
+  };
+  auto d_of = [&](size_t idx) { return BufRef{BufRef::kY, s.rows[idx].begin * row_y_}; };
+  prep_.steps[i].gemms = SlotGemms(s.rows, srows, a_of, d_of);
+}
+
+// RS, mode none / pipeline: partials go to the send slots of the ReduceScatter that follows.
+void StepBuilder::PrepareSlotGemmsReduceScatter(size_t i) {
+  const PlanStep& s = plan_.steps[i];
+  region_[i] = next_region_;
+  int64_t srows = 0;
+  for (int r = 0; r < tp_; ++r) {
+    srows = std::max(srows, ChunkRows(ShardRows(m_, tp_, r), knobs_.chunks, s.chunk).size());
+  }
+  next_region_ += tp_ * srows * row_y_;
+  auto slot_of = [&](size_t idx) {
+    for (int r = 0; r < tp_; ++r) {
+      if (ChunkRows(ShardRows(m_, tp_, r), knobs_.chunks, s.chunk) == s.rows[idx]) return r;
+    }
+    return -1;
+  };
+  auto a_of = [&](size_t idx) { return BufRef{BufRef::kInput, s.rows[idx].begin * row_x_}; };
+  auto d_of = [&](size_t idx) {
+    return BufRef{BufRef::kPartial, region_[i] + slot_of(idx) * srows * row_y_};
+  };
+  prep_.steps[i].gemms = SlotGemms(s.rows, srows, a_of, d_of);
+}
+
+// A ring step's (or tp = 1's) GEMM of the global rows `r`.
+Status StepBuilder::PrepareRangeGemm(size_t i, RowRange r) {
+  const PlanStep& s = plan_.steps[i];
+  BufRef a = ag_ ? BufRef{ring_ ? BufRef::kGather : BufRef::kInput,
+                          (ring_ ? r.begin : r.begin - own_.begin) * row_x_}
+                 : BufRef{BufRef::kInput, r.begin * row_x_};
+  BufRef d;
+  if (ag_) {
+    d = {BufRef::kY, r.begin * row_y_};
+  } else if (s.final_output) {
+    d = {BufRef::kY, (r.begin - own_.begin) * row_y_};
+  } else {
+    d = {BufRef::kPartial, r.begin * row_y_};
+  }
+  if (in_place_ && s.accumulate) return PrepareInPlaceGemm(i, r, a, d);
+  if (!ag_ && ce_ && knobs_.chunks == 1 && s.final_output && s.accumulate) {
+    PrepareDeferredSumGemm(i, r, a);
+    return Status::Ok();
+  }
+  GemmCall call = Single(r.size(), a, d);
+  if (s.accumulate) {
+    call.c = {BufRef::kReceived, r.begin * row_y_};
+    call.params.beta = 1.0f;
+  }
+  prep_.steps[i].gemms.push_back(call);
+  return Status::Ok();
+}
+
+// in_place_: C is the running sum in the sender's `partial` (the receive step this
+// GEMM waits for says who sent it); that peer may reuse it after this GEMM.
+Status StepBuilder::PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d) {
+  const PlanStep& s = plan_.steps[i];
+  PreparedStep& ps = prep_.steps[i];
+  int recv_step = -1;
+  for (int dep : s.deps) {
+    if (plan_.steps[dep].kind == StepKind::kSendRecv) recv_step = dep;
+  }
+  if (recv_step < 0 || prep_.steps[recv_step].comm.recv_peer < 0) {
+    return InternalError("layer " + name_ + ": in_place GEMM step " + std::to_string(i) +
+                         " has no receive step to read from");
+  }
+  CommCall& recv = prep_.steps[recv_step].comm;
+  GemmCall call = Single(r.size(), a, d);
+  call.c = {BufRef::kPartial, r.begin * row_y_, recv.recv_peer};
+  call.params.beta = 1.0f;
+  ps.gemms.push_back(call);
+  ps.done_to.insert(ps.done_to.end(), recv.done_to.begin(), recv.done_to.end());
+  recv.done_to.clear();
+  return Status::Ok();
+}
+
+// The ring's last step with copy engines and one chunk: rather
+// than wait for the running sum to arrive and add it in the
+// GEMM's epilogue, compute this rank's own partial at once
+// (into its rows of `partial`, which no peer reads), while the
+// copy engine brings the running sum in, and add the two
+// afterwards with the sum kernel (deferred_sums_). The last
+// transfer then hides under the last GEMM instead of sitting
+// between two GEMMs. With more chunks the accumulating GEMMs
+// already overlap each chunk's transfer with the next chunk's
+// GEMM, and the extra passes of the sums cost more than they
+// hide.
+void StepBuilder::PrepareDeferredSumGemm(size_t i, RowRange r, BufRef a) {
+  const PlanStep& s = plan_.steps[i];
+  PreparedStep& ps = prep_.steps[i];
+  const BufRef d = {BufRef::kPartial, r.begin * row_y_};
+  // The GEMM waits for earlier GEMMs only; the sum, on the comm
+  // stream, for the GEMM and the running sum's arrival.
+  PreparedStep sum;
+  sum.stream = StepStream::kComm;
+  ps.deps.clear();
+  for (int dep : s.deps) {
+    (plan_.steps[dep].kind == StepKind::kGemm ? ps.deps : sum.deps).push_back(dep);
+  }
+  sum.deps.push_back(static_cast<int>(i));
+  sum.comm.copy_engine = true;  // no transfer of its own: the sum kernel alone
+  sum.comm.sum = true;
+  sum.comm.sum_args.slots = {d, {BufRef::kReceived, r.begin * row_y_}};
+  sum.comm.sum_args.dst = {BufRef::kY, (r.begin - own_.begin) * row_y_};
+  sum.comm.sum_args.count = r.size() * n_;
+  deferred_sums_.push_back(std::move(sum));
+  ps.gemms.push_back(Single(r.size(), a, d));
+}
+
+void StepBuilder::AppendDeferredSums() {
+  if (deferred_sums_.size() == 1) {
+    const CommCall::Sum& sum = deferred_sums_[0].comm.sum_args;
+    if (sum.slots.size() == 2 && sum.dst.offset == 0 && sum.count == own_.size() * n_) {
+      prep_.split_sum_step = static_cast<int>(prep_.steps.size());
+    }
+  }
+  for (PreparedStep& sum : deferred_sums_) prep_.steps.push_back(std::move(sum));
+}
+
+}  // namespace
+
+StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan) {
+  return StepBuilder(in, plan).Build();
+}
+
+}  // namespace tpserve::cuda_linear_detail

@@ -1,0 +1,122 @@
+// The steps CudaLinear enqueues for one M (private to layers/cuda_linear*.cc): where each GEMM
+// reads and writes, what each communication step sends, pulls and sums, on which stream, after
+// which steps. BuildPreparedSteps derives them, on the host only, from the OverlapPlan (or, for
+// a gemm_rs layer with knobs.full_weight, from the knobs alone); CudaLinear::Run maps each step
+// to its launches in step order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/peer_memory.h"
+#include "layers/cublaslt_gemm.h"
+#include "layers/cuda_linear.h"
+#include "layers/overlap_plan.h"
+
+namespace tpserve::cuda_linear_detail {
+
+// A place in one of the layer's buffers (or the caller's w / y).
+struct BufRef {
+  enum Base : uint8_t { kNone, kInput, kGather, kPartial, kReceived, kScratch, kY } base = kNone;
+  size_t offset = 0;  // bytes
+  int peer = -1;      // >= 0: in that rank's copy of `base` (a PeerBuffer mapped here)
+};
+
+struct GemmCall {
+  GemmParams params;  // scale pointers filled in at Run
+  BufRef a, c, d;
+  size_t b_offset = 0;  // bytes into the weight (full_weight's ring lead: a column block)
+};
+
+struct CommCall {
+  StepKind kind = StepKind::kAllGather;
+  BufRef send, recv;
+  size_t send_bytes = 0;  // AllGather: bytes per rank; ReduceScatter: elements per rank
+  size_t recv_bytes = 0;  // SendRecv only
+  int send_peer = -1, recv_peer = -1;
+  BufRef copy_src, copy_dst;  // ReduceScatter with a short own chunk: scratch -> y;
+  size_t copy_bytes = 0;      // copy-engine AllGather: own rows input -> gather slot
+  // copy_height > 0: the copy is 2D, copy_height rows of copy_bytes bytes at these pitches
+  // (full_weight: the own input columns into the gather buffer's column block).
+  size_t copy_height = 0, copy_src_pitch = 0, copy_dst_pitch = 0;
+
+  // Copy-engine transfers (knobs.copy_engine): this rank pulls each message
+  // from the sender's PeerBuffer. The sender signals `ready` when the data is
+  // in place; the receiver waits, pulls, and signals `done`; the sender waits
+  // for every `done` before its Run ends (then the caller may overwrite it).
+  struct Pull {
+    int peer = -1;
+    BufRef src;        // in `peer`'s copy of the buffer
+    BufRef dst;        // local
+    size_t bytes = 0;  // height > 0: bytes per row of a 2D copy of `height` rows
+    size_t height = 0, src_pitch = 0, dst_pitch = 0;
+  };
+  bool copy_engine = false;
+  std::vector<PeerSignals::Flag> ready_to, ready_from, done_to;
+  std::vector<Pull> pulls;
+  // Peer-memory ReduceScatter: dst = the sum of every rank's partial of this
+  // rank's rows, slot r holding rank r's: pulled into `received` (after the
+  // pulls), or read in the peer's memory by the kernel itself (`direct`:
+  // then the peers may reuse their partials only after the sum).
+  struct Sum {
+    std::vector<BufRef> slots;
+    BufRef dst;
+    int64_t count = 0;  // elements
+    bool direct = false;
+  };
+  bool sum = false;
+  Sum sum_args;
+};
+
+struct PreparedStep {
+  StepStream stream = StepStream::kCompute;
+  std::vector<int> deps;
+  bool is_gemm = false;
+  std::vector<GemmCall> gemms;
+  CommCall comm;
+  bool record_event = false;  // a later step on the other stream waits for it
+  // A GEMM that read peers' memory (in_place): they may reuse it once the GEMM is done.
+  std::vector<PeerSignals::Flag> done_to;
+  // 0 = the caller's stream, 1 = the layer's second stream (GEMM steps with gemm_lanes 2;
+  // full_weight's copies of the own input columns)
+  int lane = 0;
+};
+
+struct Prepared {
+  OverlapPlan plan;
+  std::vector<PreparedStep> steps;
+  std::vector<PeerSignals::Flag> done_from;  // copy engine: waited for at the end of Run
+  // The step that sums this rank's whole output from two addends (a one-chunk copy-engine
+  // ring's last addition), which RunSplit skips; -1 if the plan has none.
+  int split_sum_step = -1;
+  bool uses_lane = false;  // some GEMM step runs on the second GEMM stream
+};
+
+// The stream a step runs on: 0 the caller's, 1 the second stream, 2 the comm stream.
+inline int StreamKey(const PreparedStep& ps) {
+  return ps.stream == StepStream::kComm ? 2 : ps.lane;
+}
+
+// What BuildPreparedSteps needs to know of the layer and its M.
+struct StepsInput {
+  std::string name;  // the layer's, for errors
+  CudaLinearShape shape;
+  LinearKnobs knobs;
+  int tp = 1;
+  int rank = 0;
+  int64_t m = 0;
+  bool in_place = false;  // CudaLinear's in_place_
+  // The layer's unit scales (two floats 16 bytes apart), the FP8 GEMMs' planning scales.
+  const float* unit_scales = nullptr;
+  int signal_slots = 0;  // PeerSignals slots per pair of ranks
+};
+
+// The steps of `plan` (the layer's plan for in.m), with lanes assigned (knobs.gemm_lanes 2) and
+// split_sum_step set; `plan` itself is left to the caller to store. Neither prepares GEMMs nor
+// creates events. INTERNAL when a copy-engine plan needs more than in.signal_slots messages
+// between two ranks, or an in_place GEMM step has no receive step.
+StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan);
+
+}  // namespace tpserve::cuda_linear_detail
