@@ -72,10 +72,10 @@ struct CudaModel::Generation {
     return reinterpret_cast<T*>(dev.as<uint8_t>() + offset);
   }
 
-  DeviceBuffer identity_cu;   // 0, 1, 2, ...: one row per "sequence" for the logits' widening
-  DeviceBuffer logits;        // FP32 [slots, vocab]
-  DeviceBuffer logits_ranks;  // FP32 [tp, slots, vocab / tp] (tp > 1)
-  DeviceBuffer out;           // token int32 [slots], then log_prob float [slots]
+  // tp > 1: FP32 [slots, vocab], the ranks' vocabulary slices of logits_all_ interleaved into
+  // whole rows for sampling (tp 1 samples logits_all_ itself).
+  DeviceBuffer logits;
+  DeviceBuffer out;  // token int32 [slots], then log_prob float [slots]
   PinnedBytes out_host;
 };
 
@@ -84,8 +84,7 @@ void CudaModel::GenerationDeleter::operator()(Generation* g) const noexcept { de
 size_t CudaModel::GenerationBytes() const {
   if (gen_ == nullptr) return 0;
   const Generation& g = *gen_;
-  return g.pool.size() + g.workspace.size() + g.dev.size() + g.identity_cu.size() +
-         g.logits.size() + g.logits_ranks.size() + g.out.size();
+  return g.pool.size() + g.workspace.size() + g.dev.size() + g.logits.size() + g.out.size();
 }
 
 Status CudaModel::AllocateGeneration() {
@@ -136,8 +135,8 @@ Status CudaModel::AllocateGeneration() {
   a.temperature = take(s * 4);
   a.top_p = take(s * 4);
   a.seed = take(s * 8);
-  a.multi_rows = take(s * 4);
   a.index = take(s * 8);
+  a.multi_rows = take(s * 4);
   a.block_tables = take(s * g.width * 4);
   a.end = off;
   TP_ASSIGN_OR_RETURN(g.host, AllocatePinned(static_cast<size_t>(off), "step_upload"));
@@ -146,22 +145,16 @@ Status CudaModel::AllocateGeneration() {
   step_positions_ = g.d<int32_t>(a.positions);
   step_head_cu_ = g.d<int32_t>(a.head_cu);
 
-  const int64_t vocab = c.vocab_size;
-  std::vector<int32_t> identity(tp_ * s + 1);
-  for (size_t i = 0; i < identity.size(); ++i) identity[i] = static_cast<int32_t>(i);
-  TP_ASSIGN_OR_RETURN(g.identity_cu, DeviceBuffer::Allocate(identity.size() * 4, "identity_cu"));
-  TP_CUDA_CHECK(cudaMemcpy(g.identity_cu.data(), identity.data(), identity.size() * 4,
-                           cudaMemcpyHostToDevice));
-  TP_ASSIGN_OR_RETURN(g.logits, DeviceBuffer::Allocate(s * vocab * 4, "step_logits"));
   if (tp_ > 1) {
-    TP_ASSIGN_OR_RETURN(g.logits_ranks, DeviceBuffer::Allocate(s * vocab * 4, "step_logits_ranks"));
+    TP_ASSIGN_OR_RETURN(g.logits,
+                        DeviceBuffer::Allocate(s * c.vocab_size * sizeof(float), "step_logits"));
   }
   TP_ASSIGN_OR_RETURN(g.out, DeviceBuffer::Allocate(s * 8, "sampled"));
   TP_ASSIGN_OR_RETURN(g.out_host, AllocatePinned(s * 8, "sampled"));
   // Paged attention leaves the padding rows of its output unwritten; o's FP8 quantization
   // reads them: zeros (and later real rows' values) keep them finite.
   TP_CUDA_CHECK(cudaMemset(attn_.data(), 0, attn_.size()));
-  TP_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets and the pageable copy, before any stream
+  TP_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets, before any stream
   spdlog::info("CudaModel rank {}: KV cache of {} blocks x {} tokens ({}), {:.1f} MiB", rank_,
                o.kv_blocks, o.kv_block_size, KvCacheDtypeName(o.kv_dtype), bytes / 1048576.0);
   return Status::Ok();
@@ -200,8 +193,6 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   p.tokens = m;
   p.max_blocks = g.width;
   p.max_query_rows = g.query_rows;
-  p.multi_row_seqs = g.d<int32_t>(g.at.multi_rows);
-  p.multi_row_count = g.multi_row_count;
   // Fixed, not the step's longest context: the split count is then the same for every step
   // of a (bucket, slots) graph.
   p.max_context = g.width * kv_layout_.block_size;
@@ -209,6 +200,8 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   p.out_row_stride = nh_l * hd;
   p.workspace = g.workspace.data();
   p.workspace_bytes = g.workspace.size();
+  p.multi_row_seqs = g.d<int32_t>(g.at.multi_rows);
+  p.multi_row_count = g.multi_row_count;
   TP_RETURN_IF_ERROR(LaunchPagedAttention(p, st));
   if (amax == nullptr) return Status::Ok();
   AbsMaxParams am;
@@ -222,25 +215,21 @@ Status CudaModel::EnqueueSampling(int64_t seq_slots) {
   const Generation& g = *gen_;
   const int64_t vocab = config_.vocab_size, vocab_l = vocab / tp_;
   cudaStream_t st = stream_.get();
-  // logits_all_ is [tp, seq_slots, vocab / tp] BF16: widen to FP32 (each row its own
-  // "sequence" of one token), then interleave the ranks' vocabulary slices.
-  GatherLastTokensParams wide;
-  wide.input = logits_all_.as<BFloat16>();
-  wide.input_row_stride = vocab_l;
-  wide.tokens = tp_ * seq_slots;
-  wide.dim = vocab_l;
-  wide.cu_seqlens = g.identity_cu.as<int32_t>();
-  wide.num_seqs = tp_ * seq_slots;
-  wide.out = tp_ == 1 ? g.logits.as<float>() : g.logits_ranks.as<float>();
-  TP_RETURN_IF_ERROR(LaunchGatherLastTokens(wide, st));
-  for (int r = 0; tp_ > 1 && r < tp_; ++r) {
-    TP_CUDA_CHECK(cudaMemcpy2DAsync(g.logits.as<float>() + r * vocab_l, vocab * 4,
-                                    g.logits_ranks.as<float>() + r * seq_slots * vocab_l,
-                                    vocab_l * 4, vocab_l * 4, seq_slots, cudaMemcpyDeviceToDevice,
-                                    st));
+  // logits_all_ is FP32 [tp, seq_slots, vocab / tp]: at tp 1 that is [seq_slots, vocab],
+  // sampled where it lies; otherwise the ranks' vocabulary slices are interleaved into whole
+  // rows first (one strided copy per rank, no conversion: the values stay the GEMM's).
+  const float* logits = logits_all_.as<float>();
+  if (tp_ > 1) {
+    for (int r = 0; r < tp_; ++r) {
+      TP_CUDA_CHECK(cudaMemcpy2DAsync(g.logits.as<float>() + r * vocab_l, vocab * sizeof(float),
+                                      logits_all_.as<float>() + r * seq_slots * vocab_l,
+                                      vocab_l * sizeof(float), vocab_l * sizeof(float), seq_slots,
+                                      cudaMemcpyDeviceToDevice, st));
+    }
+    logits = g.logits.as<float>();
   }
   SamplingLaunchParams s;
-  s.logits = g.logits.as<float>();
+  s.logits = logits;
   s.logits_row_stride = vocab;
   s.vocab = vocab;
   s.num_seqs = seq_slots;

@@ -139,8 +139,12 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(gate_up_out_, Alloc(m * 2 * inter_l * 2, "gate_up_out"));
   TP_ASSIGN_OR_RETURN(full_, Alloc(m * h * 2, "full_normed"));
   TP_ASSIGN_OR_RETURN(last_, Alloc(seqs * h * 2, "last_rows"));
-  TP_ASSIGN_OR_RETURN(logits_local_, Alloc(seqs * vocab_l * 2, "logits_local"));
-  TP_ASSIGN_OR_RETURN(logits_all_, Alloc(tp_ * seqs * vocab_l * 2, "logits_all"));
+  // FP32 logits (the LM head's GEMM accumulates in FP32 and writes that, unrounded). At
+  // tp 1 the GEMM writes logits_all_ itself: no local buffer, no gather.
+  if (tp_ > 1) {
+    TP_ASSIGN_OR_RETURN(logits_local_, Alloc(seqs * vocab_l * 4, "logits_local"));
+  }
+  TP_ASSIGN_OR_RETURN(logits_all_, Alloc(tp_ * seqs * vocab_l * 4, "logits_all"));
   TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
   if (dynamic_inputs_ || options_.kv_blocks > 0) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
@@ -589,15 +593,20 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
   g.out = last_.as<BFloat16>();
   TP_RETURN_IF_ERROR(LaunchGatherLastRowsBf16(g, st));
   const int64_t vocab_l = c.vocab_size / tp_;
+  // BF16 rows x BF16 weight -> FP32 logits: rounded to BF16 (steps of 2^-8 of the value),
+  // two logits closer than a step could tie or swap, flipping greedy tokens.
   GemmParams lm;
   lm.m = seq_slots;
   lm.n = vocab_l;
   lm.k = h;
-  lm.a_type = lm.b_type = lm.d_type = DataType::kBFloat16;
-  TP_RETURN_IF_ERROR(
-      lm_gemm_.Run(lm, last_.data(), lm_head_.data(), nullptr, logits_local_.data(), st));
-  TP_RETURN_IF_ERROR(
-      comm.AllGather(logits_local_.data(), logits_all_.data(), seq_slots * vocab_l * 2, st));
+  lm.a_type = lm.b_type = DataType::kBFloat16;
+  lm.d_type = DataType::kFloat32;
+  void* local = tp_ == 1 ? logits_all_.data() : logits_local_.data();
+  TP_RETURN_IF_ERROR(lm_gemm_.Run(lm, last_.data(), lm_head_.data(), nullptr, local, st));
+  if (tp_ > 1) {
+    TP_RETURN_IF_ERROR(comm.AllGather(logits_local_.data(), logits_all_.data(),
+                                      seq_slots * vocab_l * sizeof(float), st));
+  }
   if (stepping_) TP_RETURN_IF_ERROR(EnqueueSampling(seq_slots));
   return mark("head");
 }
@@ -618,7 +627,8 @@ Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {
   lm.m = seq_slots;
   lm.n = config_.vocab_size / tp_;
   lm.k = config_.hidden_size;
-  lm.a_type = lm.b_type = lm.d_type = DataType::kBFloat16;
+  lm.a_type = lm.b_type = DataType::kBFloat16;
+  lm.d_type = DataType::kFloat32;  // as Enqueue's head runs it
   return lm_gemm_.Prepare(lm);
 }
 
@@ -746,17 +756,16 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
     return InvalidArgumentError("token id at position " + std::to_string(shard.begin + bad - 1) +
                                 " is outside [0, " + std::to_string(c.vocab_size) + ")");
   }
+  // logits_all_ is FP32 [tp, seq_slots, vocab / tp]: each rank's slice of the batch's
+  // sequences' rows goes straight into its columns of the result (the padding's and the
+  // empty slots' rows are not read).
   const int64_t vocab_l = c.vocab_size / tp_;
-  std::vector<BFloat16> all(static_cast<size_t>(tp_ * seq_slots * vocab_l));
-  TP_CUDA_CHECK(cudaMemcpy(all.data(), logits_all_.data(), all.size() * 2, cudaMemcpyDeviceToHost));
   std::vector<float> logits(static_cast<size_t>(seqs * c.vocab_size));
   for (int r = 0; r < tp_; ++r) {
-    for (int64_t s = 0; s < seqs; ++s) {
-      for (int64_t j = 0; j < vocab_l; ++j) {
-        logits[s * c.vocab_size + r * vocab_l + j] =
-            BFloat16ToFloat(all[(r * seq_slots + s) * vocab_l + j]);
-      }
-    }
+    TP_CUDA_CHECK(cudaMemcpy2D(logits.data() + r * vocab_l, c.vocab_size * sizeof(float),
+                               logits_all_.as<float>() + r * seq_slots * vocab_l,
+                               vocab_l * sizeof(float), vocab_l * sizeof(float), seqs,
+                               cudaMemcpyDeviceToHost));
   }
   return logits;
 }

@@ -8,13 +8,14 @@
 //   attention -> FP8 -> attn.o (GEMM+RS) -> add & RMSNorm -> FP8 ->
 //   mlp.gate_up (AG+GEMM) -> SwiGLU -> FP8 -> mlp.down (GEMM+RS)
 // then add & RMSNorm, an AllGather of the normed rows, each sequence's last
-// row, the LM head (BF16, vocabulary split over ranks) and an AllGather of
-// the logits. Residual adds are fused into the next RMSNorm. So is the last
-// addition of a row-parallel layer (o, down) whose plan ends in a sum step of
-// its own (a one-chunk copy-engine ring, CudaLinear::RunSplit): the norm adds
-// its two addends itself, the same FP32 sum rounded once, instead of a pass
-// that writes the sum for the norm to read. FP8 activations use each layer's
-// static input scale, as the CPU model does.
+// row, the LM head (BF16 rows and weight, FP32 logits, vocabulary split over
+// ranks) and an AllGather of the FP32 logits. Residual adds are fused into the
+// next RMSNorm. So is the last addition of a row-parallel layer (o, down)
+// whose plan ends in a sum step of its own (a one-chunk copy-engine ring,
+// CudaLinear::RunSplit): the norm adds its two addends itself, the same FP32
+// sum rounded once, instead of a pass that writes the sum for the norm to
+// read. FP8 activations use each layer's static input scale, as the CPU model
+// does.
 //
 // Differences from CpuModel that show in the numbers: activations between
 // ops are BF16 (CPU: FP32), attention uses BF16 probabilities; tests compare
@@ -117,7 +118,8 @@ class CudaModel {
   Status Close();
 
   // Logits [sequences, vocab] of the last token of every sequence, on every
-  // rank. INVALID_ARGUMENT for a batch over the options' limits.
+  // rank: the LM head GEMM's FP32 results as they are (never rounded to BF16).
+  // INVALID_ARGUMENT for a batch over the options' limits.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
 
   // One generation step (engine/step_batch.h), engine/cuda_generation.cc: the blocks as in
@@ -201,8 +203,9 @@ class CudaModel {
   // the output's absolute maximum into *amax (dynamic FP8 input scales).
   Status EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
                                BFloat16* out, float* amax);
-  // Enqueue's head while stepping_, after the logits' AllGather: FP32 logits of the slots
-  // and a token for each.
+  // Enqueue's head while stepping_, after the logits' AllGather: a token for each slot,
+  // sampled from its FP32 logits (logits_all_ itself at tp 1; the ranks' vocabulary slices
+  // interleaved into one row per slot first otherwise).
   Status EnqueueSampling(int64_t seq_slots);
   size_t GenerationBytes() const;  // device memory of gen_ (0 without)
   // Step's halves: validates the step and uploads it (one copy from pinned memory) on
@@ -266,6 +269,9 @@ class CudaModel {
   DeviceBuffer rope_inv_freq_;
   // Batch metadata and activations.
   DeviceBuffer ids_, positions_, cu_seqlens_, error_flag_;
+  // The LM head's FP32 logits of a pass with seq_slots slots: this rank's [seq_slots,
+  // vocab / tp] in logits_local_, every rank's gathered [tp, seq_slots, vocab / tp] in
+  // logits_all_ (each sized for max_seqs + 1 slots).
   DeviceBuffer x_, o_out_, down_out_, normed_, qkv_out_, gate_up_out_, full_, last_, logits_local_,
       logits_all_;
   CublasLtGemm lm_gemm_;

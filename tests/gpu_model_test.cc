@@ -1,5 +1,7 @@
 // The CUDA model (engine/cuda_model.h) against the CPU reference model on the
 // same random weights, on 2 GPUs (ranks as threads). Skipped without 2 GPUs.
+// The LM head's tests at the end (GpuLmHeadTest: FP32 logits, exact) run at tp 1
+// on one GPU and at tp 2 on two; each skips without its GPUs.
 //
 // Tolerance: the GPU keeps activations in BF16 between ops (the CPU model in
 // FP32) and attention multiplies BF16 probabilities, so logits differ by a
@@ -404,6 +406,256 @@ TEST_F(GpuModelTest, ProfileStagesTimesEveryStageAndLeavesForwardIntact) {
   EXPECT_FALSE(got[0].empty());
   EXPECT_EQ(got[0], got[1]) << "Forward after ProfileStages differs from before";
 }
+
+// ---------------------------------------------------------------------------------------------
+// The LM head's logits are FP32, exactly as its GEMM accumulates them, through Forward and
+// through Step's sampling, at tp 1 and (with 2 GPUs) tp 2, eager and replayed from a graph.
+//
+// The model is built so that the head's input is known on the host: every linear layer's
+// weight is 0 (each block adds exactly 0 to the residual stream), every embedding entry is +1
+// or -1, so the final RMSNorm's output is +-final_norm[k] exactly (x * rsqrt(1 + eps) * w is
+// within 5e-6 of +-w, far below half a BF16 step, 2^-9), and final_norm[k] = m / 32,
+// lm_head[v][k] = n / 32 with integers 1 <= |m| <= 31, |n| <= 31. Every logit is then a sum of
+// 512 products that are multiples of 2^-10, and every partial sum, in any order, a multiple
+// of 2^-10 below 2^9 (19 significant bits): an FP32 accumulation in any order or split is
+// exact. So the GPU's logits must equal the host's exact ones bit for bit (tolerance 0). A BF16
+// logit keeps 8 significant bits and so changes most of them (the test checks that more than
+// half would change), and rows kLow < kHigh, whose logits after kTieToken differ by 2^-10 at
+// about 250 (BF16 step 1), would round to equal values, so greedy sampling (lowest id among
+// equal logits) would pick kLow where the FP32 logits make it kHigh.
+constexpr int32_t kTieToken = 77, kLow = 100, kHigh = 900;
+
+uint32_t Mix(uint32_t a, uint32_t b) {
+  uint64_t x = (static_cast<uint64_t>(a) << 32 | b) + 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<uint32_t>(x ^ (x >> 31));
+}
+
+// The host side of the construction above (full vocabulary).
+struct ExactHead {
+  int64_t vocab = 0, hidden = 0;
+  std::vector<float> embed, norm, head;  // [V, H], [H], [V, H]
+
+  explicit ExactHead(const ModelConfig& c) : vocab(c.vocab_size), hidden(c.hidden_size) {
+    embed.resize(vocab * hidden);
+    norm.resize(hidden);
+    head.resize(vocab * hidden);
+    for (int64_t i = 0; i < vocab * hidden; ++i) {
+      embed[i] = (Mix(1, static_cast<uint32_t>(i)) & 1) != 0 ? 1.0f : -1.0f;
+      head[i] =
+          static_cast<float>(static_cast<int>(Mix(2, static_cast<uint32_t>(i)) % 63) - 31) / 32.0f;
+    }
+    for (int64_t k = 0; k < hidden; ++k) {
+      const int m = 1 + static_cast<int>(Mix(3, static_cast<uint32_t>(k)) % 31);
+      norm[k] = ((Mix(4, static_cast<uint32_t>(k)) & 1) != 0 ? m : -m) / 32.0f;
+    }
+    norm[0] = 1.0f / 32.0f;
+    // The near-tie after kTieToken: kLow's row 31/32 with the sign of each input element
+    // (column 0 aside), kHigh's the same plus 1/32 in column 0, where the input is +-1/32.
+    const float* x = &embed[kTieToken * hidden];
+    for (int64_t k = 0; k < hidden; ++k) {
+      const float sign = x[k] * norm[k] > 0 ? 1.0f : -1.0f;
+      head[kLow * hidden + k] = k == 0 ? 0.0f : sign * 31.0f / 32.0f;
+      head[kHigh * hidden + k] = k == 0 ? sign / 32.0f : sign * 31.0f / 32.0f;
+    }
+  }
+
+  // Logits after a sequence's last token `t`, exact (the sums are exact in double, and in
+  // float, see above).
+  std::vector<float> Logits(int32_t t) const {
+    std::vector<float> out(vocab);
+    for (int64_t v = 0; v < vocab; ++v) {
+      double sum = 0;
+      for (int64_t k = 0; k < hidden; ++k) {
+        sum += static_cast<double>(embed[t * hidden + k]) * norm[k] * head[v * hidden + k];
+      }
+      out[v] = static_cast<float>(sum);
+    }
+    return out;
+  }
+
+  // Rank `rank` of `tp`: these tensors, every linear layer's weight zero.
+  StatusOr<RankWeights> Weights(const ModelConfig& c, int tp, int rank) const {
+    TP_ASSIGN_OR_RETURN(RankWeights w, MakeRandomRankWeights(c, DataType::kBFloat16, tp, rank, 1));
+    w.embed = embed;
+    w.final_norm = norm;
+    const int64_t rows = vocab / tp;
+    if (w.lm_head.n != rows || w.lm_head.k != hidden) {
+      return InternalError("unexpected lm_head shard shape");
+    }
+    w.lm_head.data.resize(rows * hidden * sizeof(BFloat16));
+    auto* dst = reinterpret_cast<BFloat16*>(w.lm_head.data.data());
+    for (int64_t i = 0; i < rows * hidden; ++i) {
+      dst[i] = FloatToBFloat16(head[rank * rows * hidden + i]);
+    }
+    for (LayerWeights& l : w.layers) {
+      for (LinearWeight* lw : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+        std::fill(lw->data.begin(), lw->data.end(), uint8_t{0});
+      }
+    }
+    return w;
+  }
+};
+
+// Greedy's choice: the largest logit, the lowest id among equal ones, and its log-softmax.
+SampledToken GreedyOf(const std::vector<float>& logits) {
+  const int64_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+  double sum = 0;
+  for (float l : logits) sum += std::exp(static_cast<double>(l) - logits[best]);
+  return SampledToken{static_cast<int32_t>(best), static_cast<float>(-std::log(sum))};
+}
+
+class GpuLmHeadTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() < GetParam()) GTEST_SKIP() << "needs " << GetParam() << " GPUs";
+    auto g = NcclThreadGroup::Create(GetParam());
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    group_ = std::move(g).value();
+  }
+  void TearDown() override { group_.reset(); }
+
+  StatusOr<std::unique_ptr<CudaModel>> Model(int r, const CudaModelOptions& o) {
+    TP_ASSIGN_OR_RETURN(RankWeights w, head_.Weights(c_, GetParam(), r));
+    return CudaModel::Create(c_, w, nullptr, group_->pool(r), o);
+  }
+
+  const ModelConfig c_ = SmallConfig();
+  const ExactHead head_{c_};
+  std::unique_ptr<NcclThreadGroup> group_;
+};
+
+TEST_P(GpuLmHeadTest, ForwardLogitsAreTheExactFp32Products) {
+  // Last tokens: kTieToken twice, and others. The first batch runs eagerly (and is captured),
+  // the second (the same bucket and sequence slots) replays the graph on its own contents,
+  // and the first again must give its logits again.
+  auto first = PackSequences(
+      {std::vector<int32_t>(37, 3), {5}, std::vector<int32_t>(100, 9), {1, 2, kTieToken}},
+      c_.vocab_size, c_.max_position_embeddings);
+  auto second = PackSequences({{4, 1023}, std::vector<int32_t>(50, kTieToken), {7}, {8, 9, 10}},
+                              c_.vocab_size, c_.max_position_embeddings);
+  ASSERT_TRUE(first.ok() && second.ok());
+  first->ids[36] = kTieToken;  // the first sequence's last token
+  first->ids[137] = 1023;      // the third's
+  std::vector<std::vector<float>> got(3);
+  Status s = group_->Run([&](int r) -> Status {
+    CudaModelOptions o;
+    o.max_tokens = 256;
+    o.max_seqs = 8;
+    TP_ASSIGN_OR_RETURN(auto model, Model(r, o));
+    return ForwardInOrder(*model, {&*first, &*second, &*first}, r, &got);
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  int64_t checked = 0, bf16_would_change = 0;
+  for (int i = 0; i < 3; ++i) {
+    const TokenBatch& b = i == 1 ? *second : *first;
+    ASSERT_EQ(got[i].size(), static_cast<size_t>(b.sequences() * c_.vocab_size)) << "batch " << i;
+    for (int64_t q = 0; q < b.sequences(); ++q) {
+      const int32_t last = b.ids[b.cu_seqlens[q + 1] - 1];
+      const std::vector<float> want = head_.Logits(last);
+      const float* g = got[i].data() + q * c_.vocab_size;
+      double max_diff = 0;
+      for (int64_t v = 0; v < c_.vocab_size; ++v) {
+        max_diff = std::max(max_diff, std::fabs(static_cast<double>(g[v]) - want[v]));
+        bf16_would_change += BFloat16ToFloat(FloatToBFloat16(want[v])) != want[v];
+        ++checked;
+      }
+      EXPECT_EQ(max_diff, 0.0) << "batch " << i << ", sequence " << q << " (last token " << last
+                               << "): the logits are not the FP32 GEMM's exact values";
+      if (last == kTieToken) {
+        EXPECT_EQ(want[kHigh] - want[kLow], 1.0f / 1024) << "test construction";
+        EXPECT_EQ(FloatToBFloat16(want[kHigh]).bits, FloatToBFloat16(want[kLow]).bits)
+            << "test construction: the two must tie in BF16";
+        EXPECT_EQ(g[kHigh] - g[kLow], 1.0f / 1024) << "batch " << i << ", sequence " << q;
+      }
+    }
+  }
+  // Can fail: BF16 logits would differ from the exact ones in most places.
+  EXPECT_GT(bf16_would_change, checked / 2) << "test construction";
+  EXPECT_EQ(got[0], got[2]) << "graph replay differs from the eager run";
+}
+
+TEST_P(GpuLmHeadTest, StepSamplesFromTheExactFp32Logits) {
+  // A prefill step (eager), then two decode steps (the first eager and captured, the second
+  // replayed), every sequence sampled greedily: each token must be the exact logits' argmax
+  // (kHigh after kTieToken, which BF16 logits would make kLow) and its log-probability theirs
+  // (exp in FP32 summed in double by the kernel: within 1e-5).
+  const std::vector<std::vector<int32_t>> prompts = {
+      std::vector<int32_t>(37, kTieToken), {5}, std::vector<int32_t>(100, 1023), {1, kTieToken}};
+  const std::vector<std::vector<int32_t>> decode = {{kTieToken, 900, kTieToken, 3},
+                                                    {3, kTieToken, 5, kTieToken}};
+  const int64_t bs = 16, seqs = static_cast<int64_t>(prompts.size());
+  int64_t width = 0;
+  for (const auto& p : prompts) {
+    width = std::max<int64_t>(width, (static_cast<int64_t>(p.size()) + 2 + bs - 1) / bs);
+  }
+  std::vector<StepBatch> steps(3);
+  int32_t next_block = 0;
+  std::vector<int32_t> tables(seqs * width, -1);
+  for (int64_t q = 0; q < seqs; ++q) {
+    const int64_t n = (static_cast<int64_t>(prompts[q].size()) + 2 + bs - 1) / bs;
+    for (int64_t j = 0; j < n; ++j) tables[q * width + j] = next_block++;
+  }
+  for (int i = 0; i < 3; ++i) {
+    StepBatch& st = steps[i];
+    st.cu_seqlens = {0};
+    for (int64_t q = 0; q < seqs; ++q) {
+      const int32_t len = static_cast<int32_t>(prompts[q].size());
+      if (i == 0) {
+        st.ids.insert(st.ids.end(), prompts[q].begin(), prompts[q].end());
+        for (int32_t t = 0; t < len; ++t) st.positions.push_back(t);
+      } else {
+        st.ids.push_back(decode[i - 1][q]);
+        st.positions.push_back(len + i - 1);
+      }
+      st.cu_seqlens.push_back(static_cast<int32_t>(st.ids.size()));
+      st.context_lens.push_back(len + i);
+      st.sample.push_back(1);
+      st.sampling.push_back(SamplingParams{});
+      st.sample_index.push_back(static_cast<uint64_t>(i));
+    }
+    st.max_blocks = width;
+    st.block_tables = tables;
+  }
+  std::vector<StepResult> got(3);
+  Status s = group_->Run([&](int r) -> Status {
+    CudaModelOptions o;
+    o.max_tokens = 256;
+    o.max_seqs = 8;
+    o.kv_blocks = next_block;
+    o.kv_block_size = bs;
+    TP_ASSIGN_OR_RETURN(auto model, Model(r, o));
+    for (int i = 0; i < 3; ++i) {
+      TP_ASSIGN_OR_RETURN(StepResult res, model->Step(steps[i]));
+      if (r == 0) got[i] = std::move(res);
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  int ties = 0;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(got[i].tokens.size(), static_cast<size_t>(seqs)) << "step " << i;
+    for (int64_t q = 0; q < seqs; ++q) {
+      const int32_t last = steps[i].ids[steps[i].cu_seqlens[q + 1] - 1];
+      const SampledToken want = GreedyOf(head_.Logits(last));
+      if (last == kTieToken) {
+        ASSERT_EQ(want.token, kHigh) << "test construction";
+        ++ties;
+      }
+      EXPECT_EQ(got[i].tokens[q].token, want.token)
+          << "step " << i << ", sequence " << q << " (last token " << last << ")";
+      EXPECT_NEAR(got[i].tokens[q].log_prob, want.log_prob, 1e-5)
+          << "step " << i << ", sequence " << q;
+    }
+  }
+  EXPECT_EQ(ties, 6) << "test construction";
+}
+
+INSTANTIATE_TEST_SUITE_P(Tp, GpuLmHeadTest, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "tp" + std::to_string(i.param);
+                         });
 
 }  // namespace
 }  // namespace tpserve
