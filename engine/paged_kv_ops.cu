@@ -325,10 +325,7 @@ __global__ void __launch_bounds__(kAttnThreads) PagedDecodeAttentionKernel(AttnA
   const int64_t block_stride = a.kv_heads * head_stride;
   // This sequence's splits: as many as have kDecodeMinSplitKeys keys, at most a.splits.
   const int used = max(1, min(a.splits, (ctx + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys));
-  // Whole rounds of the CTA's warps (kDecodeMinSplitKeys keys), so that no warp idles while
-  // another takes one more tile; the last splits may then be empty.
-  const int chunk = ((ctx + used - 1) / used + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys *
-                    kDecodeMinSplitKeys;
+  const int chunk = ((ctx + used - 1) / used + kKeyTile - 1) / kKeyTile * kKeyTile;
   const int key_lo = split < used ? split * chunk : ctx;
   const int key_hi = split < used ? min(ctx, key_lo + chunk) : ctx;
 
@@ -536,35 +533,6 @@ void LaunchDecodeKernel(dim3 grid, bool fp8, const AttnArgs& a, cudaStream_t str
   }
 }
 
-// CTAs of the decode kernel for (head_dim, cache type, group) resident on one SM.
-template <int kHeadDim>
-int DecodeResidentCtas(bool fp8, int group) {
-  int n = 0;
-  cudaError_t e = cudaSuccess;
-  auto query = [&](auto kernel) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kAttnThreads, 0);
-  };
-  switch (group) {
-    case 1:
-      fp8 ? query(PagedDecodeAttentionKernel<kHeadDim, true, 1>)
-          : query(PagedDecodeAttentionKernel<kHeadDim, false, 1>);
-      break;
-    case 2:
-      fp8 ? query(PagedDecodeAttentionKernel<kHeadDim, true, 2>)
-          : query(PagedDecodeAttentionKernel<kHeadDim, false, 2>);
-      break;
-    case 4:
-      fp8 ? query(PagedDecodeAttentionKernel<kHeadDim, true, 4>)
-          : query(PagedDecodeAttentionKernel<kHeadDim, false, 4>);
-      break;
-    default:
-      fp8 ? query(PagedDecodeAttentionKernel<kHeadDim, true, 8>)
-          : query(PagedDecodeAttentionKernel<kHeadDim, false, 8>);
-      break;
-  }
-  return e == cudaSuccess ? n : 0;  // 0: the fixed rule of PagedAttentionSplitsFor
-}
-
 // pairs_per_warp 0: the decode kernel (one query row per sequence, a.group in 1, 2, 4, 8).
 template <int kHeadDim>
 void LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, int pairs_per_warp,
@@ -661,31 +629,14 @@ int64_t PairTiles(const PagedAttentionParams& p) {
 
 }  // namespace
 
-int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count,
-                                int resident_ctas_per_sm) {
+int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
   if (p.tokens <= 0 || p.num_seqs <= 0 || p.layout.kv_heads <= 0 || p.q_heads <= 0) return 1;
   const int64_t cap = PagedAttentionMaxSplits(ResolvedMaxContext(p));
   int64_t splits = p.splits;
-  const int64_t ctas = p.num_seqs * p.layout.kv_heads * std::max<int64_t>(1, PairTiles(p));
-  if (splits <= 0 && UsesDecodeKernel(p) && resident_ctas_per_sm > 0) {
-    // The decode kernel's CTAs all take about as long, so they run in waves of `slots`: the
-    // power-of-two split count whose last wave leaves the fewest slots idle (a larger count
-    // only when it fills at least 2 % more; the combine pass costs little next to an idle
-    // slot).
-    const int64_t slots = int64_t{resident_ctas_per_sm} * sm_count;
-    double best_fill = 0.0;
-    splits = 1;
-    for (int64_t s = 1; s <= cap; s *= 2) {
-      const int64_t n = ctas * s, waves = (n + slots - 1) / slots;
-      const double fill = static_cast<double>(n) / static_cast<double>(waves * slots);
-      if (fill > best_fill * 1.02) {
-        best_fill = fill;
-        splits = s;
-      }
-    }
-  } else if (splits <= 0) {
+  if (splits <= 0) {
     // Enough CTAs for two per SM (four for the decode kernel, whose CTAs are lighter); the
     // combine pass costs little next to an idle GPU.
+    const int64_t ctas = p.num_seqs * p.layout.kv_heads * std::max<int64_t>(1, PairTiles(p));
     const int64_t per_sm = UsesDecodeKernel(p) ? 4 : 2;
     splits = (per_sm * int64_t{sm_count} + ctas - 1) / ctas;
   }
@@ -766,13 +717,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   int device = 0, sms = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
   TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
-  int resident = 0;
-  if (UsesDecodeKernel(p) && p.splits <= 0) {
-    const int group = static_cast<int>(p.q_heads / kv_heads);
-    resident = hd == 64 ? DecodeResidentCtas<64>(fp8, group) : DecodeResidentCtas<128>(fp8, group);
-  }
-  const int64_t splits = PagedAttentionSplitsFor(p, sms, resident);
+  const int64_t splits = PagedAttentionSplitsFor(p, sms);
   const int64_t max_context = ResolvedMaxContext(p);
   int64_t chunk = (max_context + splits - 1) / splits;
   chunk = (chunk + kKeyTile - 1) / kKeyTile * kKeyTile;
@@ -807,6 +752,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
                   static_cast<unsigned>(std::max<int64_t>(1, PairTiles(p))),
                   static_cast<unsigned>(splits));
   const int64_t combine_rows = std::max<int64_t>(1, std::min(QueryRows(p), kMaxGridY));
+  const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
   const int kernel = UsesDecodeKernel(p) ? 0 : PairsPerWarp(p);
   if (hd == 64) {
     LaunchAttentionKernels<64>(grid, combine_rows, fp8, kernel, a, stream);

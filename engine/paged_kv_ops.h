@@ -123,11 +123,7 @@ int64_t PagedAttentionMaxSplits(int64_t max_context);
 size_t PagedAttentionWorkspaceBytes(int64_t max_tokens, int64_t q_heads, int64_t head_dim,
                                     int64_t max_context);
 // The split count LaunchPagedAttention would use for `p` on a GPU of `sm_count`
-// multiprocessors (exposed for tests and for sizing decisions). `resident_ctas_per_sm`: how many
-// CTAs of the decode kernel one SM holds (the launcher asks the occupancy API; 0: a fixed
-// rule); with it, a decode launch picks the power-of-two split count that fills its last wave
-// of CTAs best.
-int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count,
-                                int resident_ctas_per_sm = 0);
+// multiprocessors (exposed for tests and for sizing decisions).
+int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count);
 
 }  // namespace tpserve
