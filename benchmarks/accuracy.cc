@@ -12,8 +12,8 @@
 
 #include "benchmarks/accuracy_eval.h"
 #include "benchmarks/write_replacing.h"
-#include "comm/cli_numbers.h"
 #include "engine/model_config.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

@@ -29,14 +29,14 @@
 #include <string>
 #include <vector>
 
-#include "comm/cli_numbers.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/kv_cache.h"
 #include "engine/model_config.h"
-#include "layers/gemm_algo_flag.h"
+#include "server/cli_gemm_algo.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

@@ -16,14 +16,14 @@
 
 #include "benchmarks/device_compare.h"
 #include "benchmarks/write_replacing.h"
-#include "comm/cli_numbers.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/dtype.h"
 #include "layers/cublaslt_gemm.h"
-#include "layers/gemm_algo_flag.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
+#include "server/cli_gemm_algo.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

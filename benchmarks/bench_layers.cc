@@ -22,18 +22,18 @@
 #include "benchmarks/device_compare.h"
 #include "benchmarks/tune_choice.h"
 #include "benchmarks/write_replacing.h"
-#include "comm/cli_numbers.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
-#include "comm/graph_priority_flag.h"
 #include "comm/rank_group.h"
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
-#include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
 #include "layers/sum_kernels.h"
+#include "server/cli_gemm_algo.h"
+#include "server/cli_graph_priority.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

@@ -30,13 +30,13 @@
 #include <thread>
 #include <vector>
 
-#include "comm/cli_numbers.h"
-#include "comm/graph_priority_flag.h"
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
-#include "layers/gemm_algo_flag.h"
 #include "layers/overlap_config.h"
+#include "server/cli_gemm_algo.h"
+#include "server/cli_graph_priority.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

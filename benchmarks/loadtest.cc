@@ -52,8 +52,8 @@
 #include "benchmarks/loadtest_generate.h"
 #include "benchmarks/loadtest_stats.h"
 #include "benchmarks/write_replacing.h"
-#include "comm/cli_numbers.h"
 #include "proto/grpc_service.grpc.pb.h"
+#include "server/cli_numbers.h"
 
 namespace {
 

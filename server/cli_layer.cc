@@ -8,12 +8,12 @@
 #include <string>
 #include <vector>
 
-#include "comm/cli_numbers.h"
-#include "layers/gemm_algo_flag.h"
 #include "layers/linear_problem.h"
 #include "server/cli.h"
 #include "server/cli_cuda_only.h"
+#include "server/cli_gemm_algo.h"
 #include "server/cli_layer.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

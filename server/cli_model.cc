@@ -19,9 +19,9 @@
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_model.h"
 #endif
-#include "layers/gemm_algo_flag.h"
 #include "server/cli.h"
 #include "server/cli_cuda_only.h"
+#include "server/cli_gemm_algo.h"
 
 namespace tpserve {
 namespace {

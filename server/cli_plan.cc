@@ -3,9 +3,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/cli_numbers.h"
 #include "layers/overlap_plan.h"
 #include "server/cli.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

@@ -26,9 +26,9 @@
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_engine.h"
 #endif
-#include "layers/gemm_algo_flag.h"
 #include "server/cli.h"
 #include "server/cli_cuda_only.h"
+#include "server/cli_gemm_algo.h"
 #include "server/cli_serve_flags.h"
 #include "server/inference_server.h"
 #include "server/metrics_http.h"

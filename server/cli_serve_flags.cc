@@ -1,8 +1,8 @@
 #include "server/cli_serve_flags.h"
 
-#include "comm/cli_numbers.h"
-#include "layers/gemm_algo_flag.h"
 #include "server/cli_cuda_only.h"
+#include "server/cli_gemm_algo.h"
+#include "server/cli_numbers.h"
 
 namespace tpserve {
 namespace {

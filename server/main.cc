@@ -7,8 +7,8 @@
 #include <iostream>
 #include <new>
 
-#include "comm/cli_numbers.h"
 #include "server/cli.h"
+#include "server/cli_numbers.h"
 
 int main(int argc, char** argv) {
   // Logs go to stderr: stdout carries results (e.g. `tpserve run --json`).
