@@ -1,0 +1,34 @@
+// CudaModel's per-layer weight records, shared by its source files (engine/cuda_model.cc: the
+// forward pass; engine/cuda_model_setup.cc: creation, weights and buffers). Not a public header.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "comm/cuda_resources.h"
+#include "engine/cuda_model.h"
+
+namespace tpserve {
+
+struct CudaModel::Linear {
+  DeviceBuffer w;
+  DeviceBuffer scales;  // input (x) scale at 0, weight scale at 16 bytes (cuBLASLt alignment)
+  int64_t n = 0, k = 0;
+  // The whole weight [n, tp * k] for a layer whose knobs say full_weight (GatherWholeWeight).
+  DeviceBuffer w_full;
+  // FP8 input scaled per batch from its amax (LinearWeight::dynamic_input):
+  // the forward pass writes x_scale before the layer reads it.
+  bool dynamic = false;
+  const float* x_scale() const { return scales.as<float>(); }
+  const float* w_scale() const { return scales.as<float>() + 4; }
+};
+
+struct CudaModel::Layer {
+  DeviceBuffer input_norm, post_norm;  // BF16 [H]
+  Linear qkv, o, gate_up, down;
+  // By TpLayerShape::index (block order).
+  Linear& at(int index) { return *std::array<Linear*, 4>{&qkv, &o, &gate_up, &down}[index]; }
+  const Linear& at(int index) const { return const_cast<Layer*>(this)->at(index); }
+};
+
+}  // namespace tpserve
