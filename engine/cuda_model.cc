@@ -65,6 +65,68 @@ Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void*
   return layer.Run(m, weight, x_scale, w_scale, y, stream_.get());
 }
 
+namespace {
+
+// The residual of an add & norm is a row-parallel layer's output, possibly split in two addends
+// (CudaLinear::RunSplit), which the norm adds first; the sum goes back into the stream x.
+void SetResidual(const CudaLinear::SplitOutput& r, BFloat16* x, RmsNormParams& p) {
+  p.residual = static_cast<const BFloat16*>(r.first);
+  p.residual2 = static_cast<const BFloat16*>(r.second);
+  p.residual_out = r.first != nullptr ? x : nullptr;
+}
+
+}  // namespace
+
+Status CudaModel::Mark(const char* stage) {
+  if (stage_marks_ == nullptr) return Status::Ok();
+  TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(/*enable_timing=*/true));
+  TP_RETURN_IF_ERROR(e.Record(stream_.get()));
+  stage_marks_->emplace_back(stage, std::move(e));
+  return Status::Ok();
+}
+
+Status CudaModel::QuantizeInput(const BFloat16* src, int64_t count, const Linear& w, void* out) {
+  cudaStream_t st = stream_.get();
+  if (w.dynamic) {
+    float* amax = amax_.as<float>();
+    const bool gather = tp_ > 1;
+    if (gather) TP_RETURN_IF_ERROR(pool_->base().AllGather(amax, amax + 4, sizeof(float), st));
+    TP_RETURN_IF_ERROR(
+        LaunchScaleFromAmax(gather ? amax + 4 : amax, gather ? tp_ : 1, w.scales.as<float>(), st));
+  }
+  QuantizeFp8Params q;
+  q.input = src;
+  q.input_type = DataType::kBFloat16;
+  q.output = static_cast<uint8_t*>(out);
+  q.count = static_cast<size_t>(count);
+  q.scale = w.x_scale();
+  return LaunchQuantizeToFp8E4M3(q, st);
+}
+
+Status CudaModel::AddNorm(const CudaLinear::SplitOutput& residual, const DeviceBuffer& weight,
+                          CudaLinear& next, const Linear& next_w, int64_t m, int64_t rows) {
+  const bool fp8 = dtype_ == DataType::kFloat8E4M3;
+  RmsNormParams p;
+  p.input = x_.as<BFloat16>();
+  SetResidual(residual, x_.as<BFloat16>(), p);
+  p.weight = weight.as<BFloat16>();
+  if (fp8 && !next_w.dynamic) {
+    p.out_fp8 = static_cast<uint8_t*>(next.input(m));
+    p.out_fp8_scale = next_w.x_scale();
+  } else if (fp8) {  // dynamic: BF16 staging and its amax
+    p.out = normed_.as<BFloat16>();
+    p.out_amax = amax_.as<float>();
+  } else {
+    p.out = static_cast<BFloat16*>(next.input(m));
+  }
+  p.rows = rows;
+  p.dim = config_.hidden_size;
+  p.eps = static_cast<float>(config_.rms_norm_eps);
+  TP_RETURN_IF_ERROR(LaunchRmsNorm(p, stream_.get()));
+  if (!fp8 || !next_w.dynamic) return Status::Ok();
+  return QuantizeInput(normed_.as<BFloat16>(), rows * config_.hidden_size, next_w, next.input(m));
+}
+
 Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int64_t end_block) {
   const ModelConfig& c = config_;
   const int64_t blocks = static_cast<int64_t>(layers_.size());
@@ -75,199 +137,147 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
                                 std::to_string(blocks));
   }
   const bool with_embedding = first_block == 0, with_head = end_block == blocks;
-  const int64_t h = c.hidden_size, hd = c.head_dim();
-  const int64_t nh_l = c.num_attention_heads / tp_, nkv_l = c.num_key_value_heads / tp_;
-  const int64_t inter_l = c.intermediate_size / tp_;
-  const int64_t qkv_n_l = TpLayerShapes(c)[0].local_n(tp_);
   const RowRange shard = ShardRows(m, tp_, rank_);
-  cudaStream_t st = stream_.get();
   const int64_t rows = shard.size();
-  const bool fp8 = dtype_ == DataType::kFloat8E4M3;
-  auto* x = x_.as<BFloat16>();
-  // ProfileStages' events: the start (null), then the end of each stage.
-  auto mark = [&](const char* stage) -> Status {
-    if (stage_marks_ == nullptr) return Status::Ok();
-    TP_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(/*enable_timing=*/true));
-    TP_RETURN_IF_ERROR(e.Record(st));
-    stage_marks_->emplace_back(stage, std::move(e));
-    return Status::Ok();
-  };
-  TP_RETURN_IF_ERROR(mark(nullptr));
+  TP_RETURN_IF_ERROR(Mark(nullptr));  // ProfileStages' start
 
   if (with_embedding) {
     EmbeddingParams emb;
     emb.table = embed_.as<BFloat16>();
     emb.vocab = c.vocab_size;
-    emb.dim = h;
+    emb.dim = c.hidden_size;
     emb.ids = (stepping_ ? step_ids_ : ids_.as<int32_t>()) + shard.begin;
     emb.n = rows;
-    emb.out = x;
+    emb.out = x_.as<BFloat16>();
     emb.error_flag = error_flag_.as<int32_t>();
-    TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, st));
-    TP_RETURN_IF_ERROR(mark("embedding"));
+    TP_RETURN_IF_ERROR(LaunchEmbeddingLookup(emb, stream_.get()));
+    TP_RETURN_IF_ERROR(Mark("embedding"));
   }
-
-  NcclCommunicator& comm = pool_->base();
-  // A TP layer's FP8 input from `count` BF16 values at `src`, quantized
-  // with the layer's x_scale (which its GEMM reads). A dynamic layer first
-  // sets x_scale from this batch: the amax of `src`, which its producer
-  // (RMSNorm, attention, SwiGLU) left in amax_[0], the largest over all
-  // ranks' parts (the whole input's, as an unsharded model computes it, and
-  // one scale for a gathered operand).
-  auto quantize = [&](const BFloat16* src, int64_t count, const Linear& w, void* out) -> Status {
-    if (w.dynamic) {
-      float* amax = amax_.as<float>();
-      const bool gather = tp_ > 1;
-      if (gather) TP_RETURN_IF_ERROR(comm.AllGather(amax, amax + 4, sizeof(float), st));
-      TP_RETURN_IF_ERROR(LaunchScaleFromAmax(gather ? amax + 4 : amax, gather ? tp_ : 1,
-                                             w.scales.as<float>(), st));
-    }
-    QuantizeFp8Params q;
-    q.input = src;
-    q.input_type = DataType::kBFloat16;
-    q.output = static_cast<uint8_t*>(out);
-    q.count = static_cast<size_t>(count);
-    q.scale = w.x_scale();
-    return LaunchQuantizeToFp8E4M3(q, st);
-  };
-
-  // add & norm into a TP layer's input: FP8 with the layer's input scale
-  // (static, or from this batch via BF16 in normed_), or BF16.
-  // The residual is a row-parallel layer's output, possibly split in two addends
-  // (CudaLinear::RunSplit), which the norm adds first.
-  using Split = CudaLinear::SplitOutput;
-  auto set_residual = [&](const Split& r, RmsNormParams& p) {
-    p.residual = static_cast<const BFloat16*>(r.first);
-    p.residual2 = static_cast<const BFloat16*>(r.second);
-    p.residual_out = r.first != nullptr ? x : nullptr;
-  };
-  auto add_norm = [&](const Split& residual, const DeviceBuffer& weight, CudaLinear& next,
-                      const Linear& next_w) -> Status {
-    RmsNormParams p;
-    p.input = x;
-    set_residual(residual, p);
-    p.weight = weight.as<BFloat16>();
-    if (fp8 && !next_w.dynamic) {
-      p.out_fp8 = static_cast<uint8_t*>(next.input(m));
-      p.out_fp8_scale = next_w.x_scale();
-    } else if (fp8) {  // dynamic: BF16 staging and its amax
-      p.out = normed_.as<BFloat16>();
-      p.out_amax = amax_.as<float>();
-    } else {
-      p.out = static_cast<BFloat16*>(next.input(m));
-    }
-    p.rows = rows;
-    p.dim = h;
-    p.eps = static_cast<float>(c.rms_norm_eps);
-    TP_RETURN_IF_ERROR(LaunchRmsNorm(p, st));
-    if (!fp8 || !next_w.dynamic) return Status::Ok();
-    return quantize(normed_.as<BFloat16>(), rows * h, next_w, next.input(m));
-  };
-
   // The block output still to be added to x: none before the first block; a segment that
   // starts later continues from where the one before it stopped (pending_).
-  Split& pending = pending_;
-  if (with_embedding) pending = Split{};
+  if (with_embedding) pending_ = CudaLinear::SplitOutput{};
   for (int64_t l = first_block; l < end_block; ++l) {
-    const Layer& lw = layers_[l];
-    TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(l, m));
-    CudaLinear *qkv = block[0], *o = block[1], *gate_up = block[2], *down = block[3];
-
-    TP_RETURN_IF_ERROR(add_norm(pending, lw.input_norm, *qkv, lw.qkv));
-    TP_RETURN_IF_ERROR(mark("norm"));
-    auto* qkv_y = qkv_out_.as<BFloat16>();
-    TP_RETURN_IF_ERROR(RunLinear(*qkv, lw.qkv, m, qkv_y));
-    TP_RETURN_IF_ERROR(mark("qkv"));
-
-    RopeParams rope;
-    rope.q = qkv_y;
-    rope.q_row_stride = qkv_n_l;
-    rope.q_heads = nh_l;
-    rope.k = qkv_y + nh_l * hd;
-    rope.k_row_stride = qkv_n_l;
-    rope.kv_heads = nkv_l;
-    rope.head_dim = hd;
-    rope.positions = stepping_ ? step_positions_ : positions_.as<int32_t>();
-    rope.rows = m;
-    rope.theta = c.rope_theta;
-    rope.inv_freq = rope_inv_freq_.as<double>();
-    TP_RETURN_IF_ERROR(LaunchRope(rope, st));
-    TP_RETURN_IF_ERROR(mark("rope"));
-
-    if (stepping_) {  // paged: BF16 out (staged in attn_ for FP8 layers, quantized below)
-      TP_RETURN_IF_ERROR(EnqueuePagedAttention(
-          l, m, seq_slots, qkv_y, fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m)),
-          fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr));
-    } else {
-      AttentionParams at;
-      at.q = qkv_y;
-      at.q_row_stride = qkv_n_l;
-      at.k = qkv_y + nh_l * hd;
-      at.k_row_stride = qkv_n_l;
-      at.v = qkv_y + (nh_l + nkv_l) * hd;
-      at.v_row_stride = qkv_n_l;
-      // Into o's input: BF16 layers read the output as is; FP8 layers with a static scale get
-      // its E4M3 codes from the kernel; dynamic ones stage BF16 and its amax for `quantize`.
-      if (!fp8) {
-        at.out = static_cast<BFloat16*>(o->input(m));
-        at.out_row_stride = nh_l * hd;
-      } else if (!lw.o.dynamic) {
-        at.out_fp8 = static_cast<uint8_t*>(o->input(m));
-        at.out_fp8_row_stride = nh_l * hd;
-        at.out_fp8_scale = lw.o.x_scale();
-      } else {
-        at.out = attn_.as<BFloat16>();
-        at.out_row_stride = nh_l * hd;
-        at.out_amax = amax_.as<float>();
-      }
-      at.cu_seqlens = cu_seqlens_.as<int32_t>();
-      at.num_seqs = seq_slots;
-      at.tokens = m;
-      at.max_seqlen = m;  // fixed per bucket: a graph cannot depend on the batch
-      at.q_heads = nh_l;
-      at.kv_heads = nkv_l;
-      at.head_dim = hd;
-      TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
-    }
-    if (fp8 && (lw.o.dynamic || stepping_)) {
-      TP_RETURN_IF_ERROR(quantize(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
-    }
-    TP_RETURN_IF_ERROR(mark("attention"));
-    Split o_out;
-    TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data(), &o_out));
-    TP_RETURN_IF_ERROR(mark("o"));
-
-    TP_RETURN_IF_ERROR(add_norm(o_out, lw.post_norm, *gate_up, lw.gate_up));
-    TP_RETURN_IF_ERROR(mark("norm"));
-    TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
-    TP_RETURN_IF_ERROR(mark("gate_up"));
-    SwiGluParams sw;
-    sw.gate_up = gate_up_out_.as<BFloat16>();
-    if (fp8 && !lw.down.dynamic) {
-      sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
-      sw.out_fp8_scale = lw.down.x_scale();
-    } else if (fp8) {  // dynamic: BF16 staging and its amax
-      sw.out = act_.as<BFloat16>();
-      sw.out_amax = amax_.as<float>();
-    } else {
-      sw.out = static_cast<BFloat16*>(down->input(m));
-    }
-    sw.rows = m;
-    sw.inter = inter_l;
-    TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
-    if (fp8 && lw.down.dynamic) {
-      TP_RETURN_IF_ERROR(quantize(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
-    }
-    TP_RETURN_IF_ERROR(mark("swiglu"));
-    TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data(), &pending));
-    TP_RETURN_IF_ERROR(mark("down"));
+    TP_RETURN_IF_ERROR(EnqueueBlock(l, m, seq_slots, rows, pending_));
   }
-
   if (!with_head) return Status::Ok();
+  return EnqueueHead(m, seq_slots, rows, pending_);
+}
+
+Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t rows,
+                               CudaLinear::SplitOutput& pending) {
+  using Split = CudaLinear::SplitOutput;
+  const ModelConfig& c = config_;
+  const int64_t hd = c.head_dim();
+  const int64_t nh_l = c.num_attention_heads / tp_, nkv_l = c.num_key_value_heads / tp_;
+  const int64_t inter_l = c.intermediate_size / tp_;
+  const int64_t qkv_n_l = TpLayerShapes(c)[0].local_n(tp_);
+  const bool fp8 = dtype_ == DataType::kFloat8E4M3;
+  cudaStream_t st = stream_.get();
+  const Layer& lw = layers_[l];
+  TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(l, m));
+  CudaLinear *qkv = block[0], *o = block[1], *gate_up = block[2], *down = block[3];
+
+  TP_RETURN_IF_ERROR(AddNorm(pending, lw.input_norm, *qkv, lw.qkv, m, rows));
+  TP_RETURN_IF_ERROR(Mark("norm"));
+  auto* qkv_y = qkv_out_.as<BFloat16>();
+  TP_RETURN_IF_ERROR(RunLinear(*qkv, lw.qkv, m, qkv_y));
+  TP_RETURN_IF_ERROR(Mark("qkv"));
+
+  RopeParams rope;
+  rope.q = qkv_y;
+  rope.q_row_stride = qkv_n_l;
+  rope.q_heads = nh_l;
+  rope.k = qkv_y + nh_l * hd;
+  rope.k_row_stride = qkv_n_l;
+  rope.kv_heads = nkv_l;
+  rope.head_dim = hd;
+  rope.positions = stepping_ ? step_positions_ : positions_.as<int32_t>();
+  rope.rows = m;
+  rope.theta = c.rope_theta;
+  rope.inv_freq = rope_inv_freq_.as<double>();
+  TP_RETURN_IF_ERROR(LaunchRope(rope, st));
+  TP_RETURN_IF_ERROR(Mark("rope"));
+
+  if (stepping_) {  // paged: BF16 out (staged in attn_ for FP8 layers, quantized below)
+    TP_RETURN_IF_ERROR(EnqueuePagedAttention(
+        l, m, seq_slots, qkv_y, fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m)),
+        fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr));
+  } else {
+    AttentionParams at;
+    at.q = qkv_y;
+    at.q_row_stride = qkv_n_l;
+    at.k = qkv_y + nh_l * hd;
+    at.k_row_stride = qkv_n_l;
+    at.v = qkv_y + (nh_l + nkv_l) * hd;
+    at.v_row_stride = qkv_n_l;
+    // Into o's input: BF16 layers read the output as is; FP8 layers with a static scale get
+    // its E4M3 codes from the kernel; dynamic ones stage BF16 and its amax for QuantizeInput.
+    if (!fp8) {
+      at.out = static_cast<BFloat16*>(o->input(m));
+      at.out_row_stride = nh_l * hd;
+    } else if (!lw.o.dynamic) {
+      at.out_fp8 = static_cast<uint8_t*>(o->input(m));
+      at.out_fp8_row_stride = nh_l * hd;
+      at.out_fp8_scale = lw.o.x_scale();
+    } else {
+      at.out = attn_.as<BFloat16>();
+      at.out_row_stride = nh_l * hd;
+      at.out_amax = amax_.as<float>();
+    }
+    at.cu_seqlens = cu_seqlens_.as<int32_t>();
+    at.num_seqs = seq_slots;
+    at.tokens = m;
+    at.max_seqlen = m;  // fixed per bucket: a graph cannot depend on the batch
+    at.q_heads = nh_l;
+    at.kv_heads = nkv_l;
+    at.head_dim = hd;
+    TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
+  }
+  if (fp8 && (lw.o.dynamic || stepping_)) {
+    TP_RETURN_IF_ERROR(QuantizeInput(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
+  }
+  TP_RETURN_IF_ERROR(Mark("attention"));
+  Split o_out;
+  TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data(), &o_out));
+  TP_RETURN_IF_ERROR(Mark("o"));
+
+  TP_RETURN_IF_ERROR(AddNorm(o_out, lw.post_norm, *gate_up, lw.gate_up, m, rows));
+  TP_RETURN_IF_ERROR(Mark("norm"));
+  TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
+  TP_RETURN_IF_ERROR(Mark("gate_up"));
+  SwiGluParams sw;
+  sw.gate_up = gate_up_out_.as<BFloat16>();
+  if (fp8 && !lw.down.dynamic) {
+    sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
+    sw.out_fp8_scale = lw.down.x_scale();
+  } else if (fp8) {  // dynamic: BF16 staging and its amax
+    sw.out = act_.as<BFloat16>();
+    sw.out_amax = amax_.as<float>();
+  } else {
+    sw.out = static_cast<BFloat16*>(down->input(m));
+  }
+  sw.rows = m;
+  sw.inter = inter_l;
+  TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
+  if (fp8 && lw.down.dynamic) {
+    TP_RETURN_IF_ERROR(QuantizeInput(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
+  }
+  TP_RETURN_IF_ERROR(Mark("swiglu"));
+  TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data(), &pending));
+  TP_RETURN_IF_ERROR(Mark("down"));
+  return Status::Ok();
+}
+
+Status CudaModel::EnqueueHead(int64_t m, int64_t seq_slots, int64_t rows,
+                              const CudaLinear::SplitOutput& pending) {
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden_size;
+  cudaStream_t st = stream_.get();
+  NcclCommunicator& comm = pool_->base();
   // Final add & norm, then the LM head on each sequence's last row.
   RmsNormParams fin;
-  fin.input = x;
-  set_residual(pending, fin);
+  fin.input = x_.as<BFloat16>();
+  SetResidual(pending, x_.as<BFloat16>(), fin);
   fin.weight = final_norm_.as<BFloat16>();
   fin.out = normed_.as<BFloat16>();
   fin.rows = rows;
@@ -300,7 +310,7 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
                                       seq_slots * vocab_l * sizeof(float), st));
   }
   if (stepping_) TP_RETURN_IF_ERROR(EnqueueSampling(seq_slots));
-  return mark("head");
+  return Mark("head");
 }
 
 Status CudaModel::PrepareBucket(int64_t m, int64_t seq_slots) {

@@ -243,6 +243,24 @@ class CudaModel {
   // embedding with block 0 and the head with the last: a segment continues
   // from the one before it, which must have been enqueued (or captured) first.
   Status Enqueue(int64_t m, int64_t seq_slots, int64_t first_block = 0, int64_t end_block = -1);
+  // Enqueue's parts. Mark: while ProfileStages runs, an event at the end of `stage` (null: the
+  // start). QuantizeInput: a TP layer's FP8 input from `count` BF16 values at `src`, quantized
+  // with the layer's x_scale (which its GEMM reads); a dynamic layer first sets x_scale from this
+  // batch: the amax of `src`, which its producer (RMSNorm, attention, SwiGLU) left in amax_[0],
+  // the largest over all ranks' parts (the whole input's, and one scale for a gathered operand).
+  // AddNorm: add & norm of the stream x_ and `residual` (possibly two addends) into `next`'s
+  // input, FP8 with its input scale (static, or from this batch via BF16 in normed_) or BF16.
+  // EnqueueBlock: block l; `pending` is the previous block's output still to be added, and
+  // becomes this block's. EnqueueHead: the final add & norm, then the LM head on each
+  // sequence's last row (and sampling while stepping_).
+  Status Mark(const char* stage);
+  Status QuantizeInput(const BFloat16* src, int64_t count, const Linear& w, void* out);
+  Status AddNorm(const CudaLinear::SplitOutput& residual, const DeviceBuffer& weight,
+                 CudaLinear& next, const Linear& next_w, int64_t m, int64_t rows);
+  Status EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t rows,
+                      CudaLinear::SplitOutput& pending);
+  Status EnqueueHead(int64_t m, int64_t seq_slots, int64_t rows,
+                     const CudaLinear::SplitOutput& pending);
   // The segments a bucket's pass is captured in: [begin, end) block ranges.
   std::vector<std::pair<int64_t, int64_t>> GraphSegments() const;
 
