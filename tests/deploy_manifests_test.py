@@ -72,8 +72,9 @@ def statement_flags(text):
 
 def serve_flags():
     """The flags of `tpserve serve`, read from server/cli_serve.cc (None without
-    the source): its own add_option/add_flag calls and those of the Add*Flag
-    helpers it calls (e.g. layers/gemm_algo_flag.h)."""
+    the source): its own add_option/add_flag calls and those of the Add*Flag(s)
+    helpers it calls, and of the helpers those call in turn (server/cli_serve_flags.cc,
+    server/cli_gemm_algo.h)."""
     text = repo_text("server", "cli_serve.cc")
     if text is None:
         return None
@@ -81,14 +82,22 @@ def serve_flags():
     end = text.find('"worker",', start)
     block = text[start:end]
     flags = statement_flags(block)
-    for helper in set(re.findall(r"\b(Add\w*Flags?)\(cmd\b", block)):
-        for path in glob.glob(os.path.join(REPO_DIR, "*", "*.h")) + \
-                glob.glob(os.path.join(REPO_DIR, "*", "*.cc")):
-            with open(path, encoding="utf-8") as f:
-                src = f.read()
-            m = re.search(r"void %s\(" % helper, src)
+    sources = []
+    for path in glob.glob(os.path.join(REPO_DIR, "*", "*.h")) + \
+            glob.glob(os.path.join(REPO_DIR, "*", "*.cc")):
+        with open(path, encoding="utf-8") as f:
+            sources.append(f.read())
+    pending = set(re.findall(r"\b(Add\w*Flags?)\(cmd\b", block))
+    seen = set()
+    while pending:
+        helper = pending.pop()
+        seen.add(helper)
+        for src in sources:
+            m = re.search(r"void %s\([^;{]*\)\s*\{" % helper, src)  # the definition
             if m:
-                flags.update(statement_flags(src[m.start():src.find("\n}", m.start())]))
+                body = src[m.start():src.find("\n}", m.start())]
+                flags.update(statement_flags(body))
+                pending.update(set(re.findall(r"\b(Add\w*Flags?)\(cmd\b", body)) - seen)
                 break
     return flags
 
@@ -587,7 +596,7 @@ class ManifestSchema(unittest.TestCase):
 
 class ServeArguments(unittest.TestCase):
     """Container args, the image's CMD and the README's `docker run` lines
-    against the flags `tpserve serve` defines (server/cli_serve.cc)."""
+    against the flags `tpserve serve` defines (server/cli_serve*.cc)."""
 
     def setUp(self):
         self.flags = serve_flags()
