@@ -17,14 +17,7 @@
 
 namespace tpserve {
 
-using safetensors_detail::CheckedNumel;
-using safetensors_detail::ErrnoError;
-using safetensors_detail::IsValidUtf8;
-using safetensors_detail::kLengthPrefixBytes;
-using safetensors_detail::kMetadataKey;
-using safetensors_detail::Quote;
-using safetensors_detail::ShapeString;
-using safetensors_detail::TensorContext;
+using namespace safetensors_detail;  // the format names and error wording both halves share
 
 namespace {
 

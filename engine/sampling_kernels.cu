@@ -287,19 +287,14 @@ Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
     return BadField(kP, "num_seqs", p.num_seqs, "must be in [0, 2^31 - 1]");
   }
   if (p.num_seqs == 0) return Status::Ok();
-  const struct {
-    const char* name;
-    const void* ptr;
-    size_t alignment;
-  } ptrs[] = {{"logits", p.logits, 4}, {"temperature", p.temperature, 4},
-              {"top_k", p.top_k, 4},   {"top_p", p.top_p, 4},
-              {"seed", p.seed, 8},     {"index", p.index, 8},
-              {"token", p.token, 4}};
-  for (const auto& t : ptrs) {
-    if (t.ptr == nullptr) return NullField(kP, t.name);
-    if (!IsAligned(t.ptr, t.alignment)) return MisalignedField(kP, t.name, t.alignment);
-  }
-  if (!IsAligned(p.log_prob, 4)) return MisalignedField(kP, "log_prob", 4);
+  TP_RETURN_IF_ERROR(CheckPointers(kP, {{"logits", p.logits, 4},
+                                        {"temperature", p.temperature, 4},
+                                        {"top_k", p.top_k, 4},
+                                        {"top_p", p.top_p, 4},
+                                        {"seed", p.seed, 8},
+                                        {"index", p.index, 8},
+                                        {"token", p.token, 4},
+                                        {"log_prob", p.log_prob, 4, false}}));
   SampleArgs a;
   a.logits = p.logits;
   a.logits_row_stride = p.logits_row_stride;
