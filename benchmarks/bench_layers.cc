@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "benchmarks/bench_gemm_scales.h"
+#include "benchmarks/bench_layers.h"
 #include "benchmarks/device_compare.h"
 #include "benchmarks/tune_choice.h"
 #include "benchmarks/write_replacing.h"
@@ -56,13 +57,10 @@ struct Flags {
   std::vector<int64_t> ms = {512, 2048, 8192, 16384};
   std::vector<std::string> dtypes = {"fp8"};
   std::vector<int> chunks = {2, 4};
-#ifdef TPSERVE_TUNE_MAIN
-  std::vector<std::string> methods = {"none", "pipeline", "ring"};
-#else
-  // pipeline_ce / ring_ce on request only: see LinearKnobs::copy_engine.
+  // pipeline_ce / ring_ce on request only: see LinearKnobs::copy_engine. tpserve-tune's
+  // default is {none, pipeline, ring} (Main).
   std::vector<std::string> methods = {"gemm_only", "comm_only", "none",
                                       "pipeline",  "ring",      "layer_gemm"};
-#endif
   std::vector<int> max_ctas = {0};    // NCCL CTA limits to sweep (0 = NCCL's default)
   std::vector<int> gemm_sms = {0};    // GEMM SM budgets to sweep (0 = all SMs)
   std::vector<int> gemm_lanes = {1};  // GEMM stream counts to sweep (LinearKnobs::gemm_lanes)
@@ -83,11 +81,7 @@ struct Flags {
   std::string out = "bench.json";
   std::string commit = "unknown";
   std::string run_label;  // recorded as "run" in every record (one session, several runs)
-#ifdef TPSERVE_TUNE_MAIN
-  std::string tune_out = "overlap.yaml";  // tpserve-tune: the tuned overlap config
-#else
-  std::string tune_out;  // write the tuned overlap config (YAML) here
-#endif
+  std::string tune_out;   // write the tuned overlap config (YAML) here (tpserve-tune: overlap.yaml)
   // Tuning: the fastest layer methods of each case timed again among
   // themselves (with plain none), and the tuned choice made from that round.
   int finalists = 3;
@@ -657,23 +651,23 @@ constexpr const char* kSplitOutputNote =
     "# gemm_rs entries: timed as the engine runs o and down (--split-output): a one-chunk\n"
     "# copy-engine ring leaves its last sum to the add & norm, which reads both addends.\n";
 
-int Main(int argc, char** argv) {
-#ifndef TPSERVE_TUNE_MAIN
+}  // namespace
+
+int BenchLayersMain(int argc, char** argv, bool tune) {
   // Subcommand: the single-GPU GEMM scale-scheme benchmark (bench_gemm_scales.h).
-  if (argc > 1 && std::string(argv[1]) == "gemm-scales")
+  if (!tune && argc > 1 && std::string(argv[1]) == "gemm-scales")
     return RunGemmScalesBench(argc - 1, argv + 1);
-#endif
   Flags f;
-#ifdef TPSERVE_TUNE_MAIN
+  if (tune) {
+    f.methods = {"none", "pipeline", "ring"};
+    f.tune_out = "overlap.yaml";
+  }
   CLI::App app{
-      "tpserve-tune: sweep every overlap method and knob (chunks, NCCL CTAs, GEMM SMs, copy "
-      "engines) per TP layer shape and M on this host's GPUs, and write the overlap config "
-      "(YAML) that mode auto reads; also writes the measurements as JSON (--out)"};
-#else
-  CLI::App app{
-      "tpserve-bench: time TP linear layers (every overlap method, GEMM alone, communication "
-      "alone) on the GPUs of this host; writes JSON records"};
-#endif
+      tune ? "tpserve-tune: sweep every overlap method and knob (chunks, NCCL CTAs, GEMM SMs, "
+             "copy engines) per TP layer shape and M on this host's GPUs, and write the overlap "
+             "config (YAML) that mode auto reads; also writes the measurements as JSON (--out)"
+           : "tpserve-bench: time TP linear layers (every overlap method, GEMM alone, "
+             "communication alone) on the GPUs of this host; writes JSON records"};
   app.add_option("--shapes", f.shapes,
                  "Shape preset: llama70b (QKV, O, gate_up, down at each "
                  "--m), seed (m=65536 k=4096 n=1024*tp), small")
@@ -996,7 +990,4 @@ int Main(int argc, char** argv) {
   return failures == 0 ? 0 : 1;
 }
 
-}  // namespace
 }  // namespace tpserve
-
-int main(int argc, char** argv) { return tpserve::Main(argc, argv); }
