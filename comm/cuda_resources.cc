@@ -189,6 +189,48 @@ void DeviceBuffer::Reset() noexcept {
 }
 
 // ---------------------------------------------------------------------------------------------
+// PinnedHostBuffer
+
+StatusOr<PinnedHostBuffer> PinnedHostBuffer::Allocate(size_t bytes, std::string name) {
+  PinnedHostBuffer buf;
+  if (bytes == 0) return buf;
+  const cudaError_t e = cudaMallocHost(&buf.data_, bytes);
+  if (e != cudaSuccess) {
+    buf.data_ = nullptr;
+    return ResourceExhaustedError("pinned host buffer " + name + " (" + std::to_string(bytes) +
+                                  " bytes): " + cudaGetErrorString(e));
+  }
+  buf.size_ = bytes;
+  buf.name_ = std::move(name);
+  return buf;
+}
+
+PinnedHostBuffer::~PinnedHostBuffer() { Reset(); }
+
+PinnedHostBuffer::PinnedHostBuffer(PinnedHostBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      name_(std::move(other.name_)) {}
+
+PinnedHostBuffer& PinnedHostBuffer::operator=(PinnedHostBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    name_ = std::move(other.name_);
+  }
+  return *this;
+}
+
+void PinnedHostBuffer::Reset() noexcept {
+  if (data_ != nullptr) {
+    TP_CUDA_LOG(cudaFreeHost(data_));
+    data_ = nullptr;
+  }
+  size_ = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // CudaGraphExec
 
 namespace {

@@ -1,4 +1,5 @@
-// Move-only RAII owners for CUDA runtime handles: stream, event, device memory, graph.
+// Move-only RAII owners for CUDA runtime handles: stream, event, device memory, pinned host
+// memory, graph.
 //
 // Factories return StatusOr and never throw. Destructors are noexcept: a failing release is
 // logged (TP_CUDA_LOG), never thrown, and a moved-from owner releases nothing.
@@ -114,6 +115,38 @@ class DeviceBuffer {
  private:
   DeviceBuffer(void* data, size_t size, std::string name)
       : data_(data), size_(size), name_(std::move(name)) {}
+  void Reset() noexcept;
+
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  std::string name_;
+};
+
+// Page-locked host memory from cudaMallocHost, with a name for error messages: the source or
+// destination of asynchronous copies that run at the link's speed and return at once (a copy
+// from pageable memory is staged by the driver and blocks the caller). Reuse one across passes:
+// allocating it costs far more than a copy.
+class PinnedHostBuffer {
+ public:
+  // bytes == 0 gives an empty buffer without calling CUDA. Failure is RESOURCE_EXHAUSTED naming
+  // the buffer and the size. Memory is uninitialised.
+  static StatusOr<PinnedHostBuffer> Allocate(size_t bytes, std::string name);
+
+  PinnedHostBuffer() = default;  // empty
+  ~PinnedHostBuffer();
+  PinnedHostBuffer(PinnedHostBuffer&& other) noexcept;
+  PinnedHostBuffer& operator=(PinnedHostBuffer&& other) noexcept;
+  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
+  PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }  // bytes
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
   void Reset() noexcept;
 
   void* data_ = nullptr;

@@ -3,8 +3,11 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -37,6 +40,8 @@ class ScopedDevice {
 // microseconds), then sleeps with growing intervals up to 1 ms.
 class Backoff {
  public:
+  // Still in the yielding phase: the next Pause() does not sleep.
+  bool spinning() const { return n_ < 64; }
   void Pause() {
     if (n_ < 64) {
       ++n_;
@@ -51,6 +56,43 @@ class Backoff {
 
  private:
   int n_ = 0;
+};
+
+// Completion of a stream's work so far, signalled by a host function enqueued behind it: a
+// waiter wakes when the work ends instead of at its next poll. Shared with the host function,
+// which may run after the waiter gave up (deadline, abort) or never (an aborted stream).
+struct StreamSignal {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+
+  static void CUDART_CB Fire(void* arg) {
+    auto* self = static_cast<std::shared_ptr<StreamSignal>*>(arg);
+    {
+      std::lock_guard lock((*self)->mu);
+      (*self)->done = true;
+    }
+    (*self)->cv.notify_all();
+    delete self;
+  }
+
+  // Enqueues the signal on `stream`; null (the caller polls instead) when CUDA refuses.
+  static std::shared_ptr<StreamSignal> Enqueue(cudaStream_t stream) {
+    auto signal = std::make_shared<StreamSignal>();
+    auto* ref = new std::shared_ptr<StreamSignal>(signal);
+    if (cudaLaunchHostFunc(stream, &StreamSignal::Fire, ref) != cudaSuccess) {
+      delete ref;
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return signal;
+  }
+
+  // Waits until fired or `most` has passed.
+  void WaitFor(std::chrono::microseconds most) {
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, most, [this] { return done; });
+  }
 };
 
 int64_t MillisSince(Clock::time_point start) {
@@ -571,6 +613,7 @@ Status NcclCommunicator::WaitStream(cudaStream_t stream, Clock::time_point deadl
   }
   const Clock::time_point start = Clock::now();
   Backoff backoff;
+  std::shared_ptr<StreamSignal> signal;
   for (;;) {
     const cudaError_t q = cudaStreamQuery(stream);
     {
@@ -605,7 +648,14 @@ Status NcclCommunicator::WaitStream(cudaStream_t stream, Clock::time_point deadl
         return s;
       }
     }
-    backoff.Pause();
+    // Short work is caught by yielding polls; longer work (a whole pass) signals its end,
+    // and the errors, cancellation and deadline above are checked between waits.
+    if (signal == nullptr && !backoff.spinning()) signal = StreamSignal::Enqueue(stream);
+    if (signal != nullptr) {
+      signal->WaitFor(std::chrono::milliseconds(2));
+    } else {
+      backoff.Pause();
+    }
   }
 }
 

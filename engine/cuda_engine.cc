@@ -518,7 +518,7 @@ Status RunCudaWorker(const CudaEngineOptions& options) {
     if (msg.what == kStep) {
       TP_RETURN_IF_ERROR(st.model->Step(msg.step).status());
     } else {
-      TP_RETURN_IF_ERROR(st.model->Forward(msg.batch).status());
+      TP_RETURN_IF_ERROR(st.model->Run(msg.batch));
     }
     ++batches;
   }

@@ -20,25 +20,6 @@
 namespace tpserve {
 namespace {
 
-struct FreePinned {
-  void operator()(uint8_t* p) const noexcept {
-    if (const cudaError_t e = cudaFreeHost(p); e != cudaSuccess) {
-      spdlog::warn("cudaFreeHost: {}", cudaGetErrorString(e));
-    }
-  }
-};
-using PinnedBytes = std::unique_ptr<uint8_t[], FreePinned>;
-
-StatusOr<PinnedBytes> AllocatePinned(size_t bytes, const std::string& name) {
-  void* p = nullptr;
-  const cudaError_t e = cudaMallocHost(&p, std::max<size_t>(bytes, 16));
-  if (e != cudaSuccess) {
-    return ResourceExhaustedError("pinned host buffer " + name + " (" + std::to_string(bytes) +
-                                  " bytes): " + cudaGetErrorString(e));
-  }
-  return PinnedBytes(static_cast<uint8_t*>(p));
-}
-
 int64_t Align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
 }  // namespace
@@ -61,11 +42,11 @@ struct CudaModel::Generation {
     int64_t ids, positions, slot_mapping, cu_seqlens, head_cu, context_lens, top_k;
     int64_t temperature, top_p, seed, index, multi_rows, block_tables, end;
   } at{};
-  PinnedBytes host;
+  PinnedHostBuffer host;
   DeviceBuffer dev;
   template <class T>
   T* h(int64_t offset) {
-    return reinterpret_cast<T*>(host.get() + offset);
+    return reinterpret_cast<T*>(host.as<uint8_t>() + offset);
   }
   template <class T>
   T* d(int64_t offset) const {
@@ -76,7 +57,7 @@ struct CudaModel::Generation {
   // whole rows for sampling (tp 1 samples logits_all_ itself).
   DeviceBuffer logits;
   DeviceBuffer out;  // token int32 [slots], then log_prob float [slots]
-  PinnedBytes out_host;
+  PinnedHostBuffer out_host;
 };
 
 void CudaModel::GenerationDeleter::operator()(Generation* g) const noexcept { delete g; }
@@ -139,7 +120,7 @@ Status CudaModel::AllocateGeneration() {
   a.multi_rows = take(s * 4);
   a.block_tables = take(s * g.width * 4);
   a.end = off;
-  TP_ASSIGN_OR_RETURN(g.host, AllocatePinned(static_cast<size_t>(off), "step_upload"));
+  TP_ASSIGN_OR_RETURN(g.host, PinnedHostBuffer::Allocate(static_cast<size_t>(off), "step_upload"));
   TP_ASSIGN_OR_RETURN(g.dev, DeviceBuffer::Allocate(static_cast<size_t>(off), "step_upload"));
   step_ids_ = g.d<int32_t>(a.ids);
   step_positions_ = g.d<int32_t>(a.positions);
@@ -150,7 +131,7 @@ Status CudaModel::AllocateGeneration() {
                         DeviceBuffer::Allocate(s * c.vocab_size * sizeof(float), "step_logits"));
   }
   TP_ASSIGN_OR_RETURN(g.out, DeviceBuffer::Allocate(s * 8, "sampled"));
-  TP_ASSIGN_OR_RETURN(g.out_host, AllocatePinned(s * 8, "sampled"));
+  TP_ASSIGN_OR_RETURN(g.out_host, PinnedHostBuffer::Allocate(s * 8, "sampled"));
   // Paged attention leaves the padding rows of its output unwritten; o's FP8 quantization
   // reads them: zeros (and later real rows' values) keep them finite.
   TP_CUDA_CHECK(cudaMemset(attn_.data(), 0, attn_.size()));
@@ -335,7 +316,7 @@ StatusOr<CudaModel::StepShape> CudaModel::UploadStep(const StepBatch& step) {
   cudaStream_t st = stream_.get();
   TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
   // One copy; the previous step's has completed (its results were waited for).
-  TP_CUDA_CHECK(cudaMemcpyAsync(g.dev.data(), g.host.get(),
+  TP_CUDA_CHECK(cudaMemcpyAsync(g.dev.data(), g.host.data(),
                                 a.block_tables + seq_slots * g.width * 4, cudaMemcpyHostToDevice,
                                 st));
   g.query_rows = query_rows;
@@ -347,12 +328,12 @@ StatusOr<StepResult> CudaModel::DownloadStep(int64_t sampled) {
   Generation& g = *gen_;
   cudaStream_t st = stream_.get();
   TP_CUDA_CHECK(
-      cudaMemcpyAsync(g.out_host.get(), g.out.data(), g.slots * 8, cudaMemcpyDeviceToHost, st));
+      cudaMemcpyAsync(g.out_host.data(), g.out.data(), g.slots * 8, cudaMemcpyDeviceToHost, st));
   TP_RETURN_IF_ERROR(pool_->base().WaitStream(st));
   StepResult result;
   result.tokens.resize(sampled);
-  const int32_t* token = reinterpret_cast<const int32_t*>(g.out_host.get());
-  const float* log_prob = reinterpret_cast<const float*>(g.out_host.get()) + g.slots;
+  const int32_t* token = g.out_host.as<const int32_t>();
+  const float* log_prob = g.out_host.as<const float>() + g.slots;
   for (int64_t k = 0; k < sampled; ++k) result.tokens[k] = {token[k], log_prob[k]};
   return result;
 }

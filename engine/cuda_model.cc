@@ -348,16 +348,16 @@ StatusOr<std::pair<int64_t, int64_t>> CudaModel::UploadBatch(const TokenBatch& b
   // Sequence slots: the batch's sequences and the padding one, rounded up to
   // a power of two (the attention grid and the LM head scale with them).
   const int64_t seq_slots = SequenceSlots(seqs + 1, options_.max_seqs);
-  const TokenBatch padded = PadBatch(batch, m, seq_slots);
+  int32_t* host = upload_host_.as<int32_t>();
+  PadBatchInto(batch, m, seq_slots, host, host + max_m_, host + 2 * max_m_);
   TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
   cudaStream_t st = stream_.get();
-  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), padded.ids.data(), m * 4, cudaMemcpyHostToDevice, st));
-  TP_CUDA_CHECK(cudaMemcpyAsync(positions_.data(), padded.positions.data(), m * 4,
+  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), host, m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(positions_.data(), host + max_m_, m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(cudaMemcpyAsync(cu_seqlens_.data(), host + 2 * max_m_, (seq_slots + 1) * 4,
                                 cudaMemcpyHostToDevice, st));
-  TP_CUDA_CHECK(cudaMemcpyAsync(cu_seqlens_.data(), padded.cu_seqlens.data(),
-                                padded.cu_seqlens.size() * 4, cudaMemcpyHostToDevice, st));
-  // `padded` may go on return: a copy from pageable memory returns once its
-  // source has been staged.
+  // The pinned source is rewritten by the next pass only, after this one's wait.
   return std::pair<int64_t, int64_t>{m, seq_slots};
 }
 
@@ -411,6 +411,17 @@ std::vector<std::pair<int64_t, int64_t>> CudaModel::GraphSegments() const {
 }
 
 StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
+  TP_ASSIGN_OR_RETURN(const std::span<const float> logits, Pass(batch, /*download=*/true));
+  return std::vector<float>(logits.begin(), logits.end());
+}
+
+StatusOr<std::span<const float>> CudaModel::ForwardView(const TokenBatch& batch) {
+  return Pass(batch, /*download=*/true);
+}
+
+Status CudaModel::Run(const TokenBatch& batch) { return Pass(batch, /*download=*/false).status(); }
+
+StatusOr<std::span<const float>> CudaModel::Pass(const TokenBatch& batch, bool download) {
   const ModelConfig& c = config_;
   const int64_t seqs = batch.sequences();
   TP_ASSIGN_OR_RETURN(const auto shape, UploadBatch(batch));
@@ -432,6 +443,22 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
     TP_RETURN_IF_ERROR(Enqueue(m, seq_slots));
   }
   if (timed) TP_RETURN_IF_ERROR(pass_end_.Record(st));
+  // The error flag and the logits come back behind the pass, into pinned memory, and one
+  // wait covers all three. logits_all_ is FP32 [tp, seq_slots, vocab / tp]: each rank's
+  // slice of the batch's sequences' rows goes straight into its columns of the result (the
+  // padding's and the empty slots' rows are not read).
+  int32_t* flag = upload_host_.as<int32_t>() + 2 * max_m_ + options_.max_seqs + 2;
+  TP_CUDA_CHECK(cudaMemcpyAsync(flag, error_flag_.data(), 4, cudaMemcpyDeviceToHost, st));
+  const int64_t vocab_l = c.vocab_size / tp_;
+  float* logits = logits_host_.as<float>();
+  if (download) {
+    for (int r = 0; r < tp_; ++r) {
+      TP_CUDA_CHECK(cudaMemcpy2DAsync(logits + r * vocab_l, c.vocab_size * sizeof(float),
+                                      logits_all_.as<float>() + r * seq_slots * vocab_l,
+                                      vocab_l * sizeof(float), vocab_l * sizeof(float), seqs,
+                                      cudaMemcpyDeviceToHost, st));
+    }
+  }
   NcclCommunicator& comm = pool_->base();
   TP_RETURN_IF_ERROR(comm.WaitStream(st));
   if (timed) {
@@ -451,25 +478,13 @@ StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
     graphs_.emplace(key, std::move(segments));
   }
 
-  const RowRange shard = ShardRows(m, tp_, rank_);
-  int32_t bad = 0;
-  TP_CUDA_CHECK(cudaMemcpy(&bad, error_flag_.data(), 4, cudaMemcpyDeviceToHost));
-  if (bad != 0) {
-    return InvalidArgumentError("token id at position " + std::to_string(shard.begin + bad - 1) +
+  if (*flag != 0) {
+    const RowRange shard = ShardRows(m, tp_, rank_);
+    return InvalidArgumentError("token id at position " + std::to_string(shard.begin + *flag - 1) +
                                 " is outside [0, " + std::to_string(c.vocab_size) + ")");
   }
-  // logits_all_ is FP32 [tp, seq_slots, vocab / tp]: each rank's slice of the batch's
-  // sequences' rows goes straight into its columns of the result (the padding's and the
-  // empty slots' rows are not read).
-  const int64_t vocab_l = c.vocab_size / tp_;
-  std::vector<float> logits(static_cast<size_t>(seqs * c.vocab_size));
-  for (int r = 0; r < tp_; ++r) {
-    TP_CUDA_CHECK(cudaMemcpy2D(logits.data() + r * vocab_l, c.vocab_size * sizeof(float),
-                               logits_all_.as<float>() + r * seq_slots * vocab_l,
-                               vocab_l * sizeof(float), vocab_l * sizeof(float), seqs,
-                               cudaMemcpyDeviceToHost));
-  }
-  return logits;
+  if (!download) return std::span<const float>();
+  return std::span<const float>(logits, static_cast<size_t>(seqs * c.vocab_size));
 }
 
 void CudaModel::SetOverlap(const OverlapConfig* overlap) { overlap_ = overlap; }

@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -121,6 +122,15 @@ class CudaModel {
   // rank: the LM head GEMM's FP32 results as they are (never rounded to BF16).
   // INVALID_ARGUMENT for a batch over the options' limits.
   StatusOr<std::vector<float>> Forward(const TokenBatch& batch);
+  // Forward without a copy: the logits stay in this model's pinned host buffer, which the
+  // pass's download writes at the link's speed; the view is valid until the next Forward,
+  // ForwardView, Run, Step or Close. The batch goes up from pinned memory too, and the
+  // pass's end is signalled (NcclCommunicator::WaitStream): after warm-up a pass allocates
+  // nothing.
+  StatusOr<std::span<const float>> ForwardView(const TokenBatch& batch);
+  // The pass without downloading logits: what a rank whose logits nobody reads runs (the
+  // CUDA engine's workers). Collective with the other ranks' Forward/ForwardView.
+  Status Run(const TokenBatch& batch);
 
   // One generation step (engine/step_batch.h), engine/cuda_generation.cc: the blocks as in
   // Forward, but each layer writes the step's keys and values (after RoPE) into the paged KV
@@ -190,6 +200,9 @@ class CudaModel {
   // uploads ids, positions and sequence boundaries on stream_: {bucket m,
   // sequence slots}.
   StatusOr<std::pair<int64_t, int64_t>> UploadBatch(const TokenBatch& batch);
+  // Forward, Run and ForwardView: the pass, and with `download` the logits into
+  // logits_host_ ([sequences, vocab] of them in the returned view; empty without).
+  StatusOr<std::span<const float>> Pass(const TokenBatch& batch, bool download);
   // Validates, and sets up everything but the weights and activations.
   static StatusOr<std::unique_ptr<CudaModel>> NewShell(const ModelConfig& config, DataType dtype,
                                                        const OverlapConfig* overlap,
@@ -287,6 +300,10 @@ class CudaModel {
   DeviceBuffer rope_inv_freq_;
   // Batch metadata and activations.
   DeviceBuffer ids_, positions_, cu_seqlens_, error_flag_;
+  // The pass's host side, pinned: ids [max_m], positions [max_m], cu_seqlens [max_seqs + 3]
+  // and the error flag read back (one int32) in upload_host_; the logits in logits_host_
+  // (FP32 [max_seqs + 1, vocab]).
+  PinnedHostBuffer upload_host_, logits_host_;
   // The LM head's FP32 logits of a pass with seq_slots slots: this rank's [seq_slots,
   // vocab / tp] in logits_local_, every rank's gathered [tp, seq_slots, vocab / tp] in
   // logits_all_ (each sized for max_seqs + 1 slots).

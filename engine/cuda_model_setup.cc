@@ -125,6 +125,10 @@ Status CudaModel::AllocateActivations() {
     TP_ASSIGN_OR_RETURN(logits_local_, Alloc(seqs * vocab_l * 4, "logits_local"));
   }
   TP_ASSIGN_OR_RETURN(logits_all_, Alloc(tp_ * seqs * vocab_l * 4, "logits_all"));
+  TP_ASSIGN_OR_RETURN(upload_host_,
+                      PinnedHostBuffer::Allocate((2 * m + seqs + 2) * 4, "batch_upload"));
+  TP_ASSIGN_OR_RETURN(logits_host_,
+                      PinnedHostBuffer::Allocate(seqs * c.vocab_size * 4, "logits_host"));
   TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
   if (dynamic_inputs_ || options_.kv_blocks > 0) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),

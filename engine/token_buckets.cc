@@ -44,16 +44,27 @@ int64_t SequenceSlots(int64_t sequences, int64_t max_seqs) {
   return std::min(slots, max_seqs + 1);
 }
 
+void PadBatchInto(const TokenBatch& batch, int64_t m, int64_t slots, int32_t* ids,
+                  int32_t* positions, int32_t* cu_seqlens) {
+  const int64_t tokens = batch.tokens();
+  std::copy(batch.ids.begin(), batch.ids.end(), ids);
+  std::copy(batch.positions.begin(), batch.positions.end(), positions);
+  for (int64_t i = 0; i < m - tokens; ++i) {
+    ids[tokens + i] = 0;
+    positions[tokens + i] = static_cast<int32_t>(i);
+  }
+  const int64_t given = static_cast<int64_t>(batch.cu_seqlens.size());
+  std::copy(batch.cu_seqlens.begin(), batch.cu_seqlens.end(), cu_seqlens);
+  for (int64_t i = given; i < slots + 1; ++i) cu_seqlens[i] = static_cast<int32_t>(m);
+}
+
 TokenBatch PadBatch(const TokenBatch& batch, int64_t m, int64_t slots) {
-  TokenBatch out = batch;
-  const int64_t pad = m - batch.tokens();
-  for (int64_t i = 0; i < pad; ++i) {
-    out.ids.push_back(0);
-    out.positions.push_back(static_cast<int32_t>(i));
-  }
-  while (static_cast<int64_t>(out.cu_seqlens.size()) < slots + 1) {
-    out.cu_seqlens.push_back(static_cast<int32_t>(m));
-  }
+  TokenBatch out;
+  out.ids.resize(static_cast<size_t>(m));
+  out.positions.resize(static_cast<size_t>(m));
+  out.cu_seqlens.resize(static_cast<size_t>(
+      std::max<int64_t>(slots + 1, static_cast<int64_t>(batch.cu_seqlens.size()))));
+  PadBatchInto(batch, m, slots, out.ids.data(), out.positions.data(), out.cu_seqlens.data());
   return out;
 }
 

@@ -38,5 +38,9 @@ int64_t SequenceSlots(int64_t sequences, int64_t max_seqs);
 // and cu_seqlens to slots + 1 entries with empty sequences at the end.
 // Preconditions: m >= batch.tokens(), slots >= batch.sequences() + 1.
 TokenBatch PadBatch(const TokenBatch& batch, int64_t m, int64_t slots);
+// The same, written into caller-owned arrays (ids and positions of m entries, cu_seqlens of
+// slots + 1): no allocation, for a pass's pinned upload buffer.
+void PadBatchInto(const TokenBatch& batch, int64_t m, int64_t slots, int32_t* ids,
+                  int32_t* positions, int32_t* cu_seqlens);
 
 }  // namespace tpserve

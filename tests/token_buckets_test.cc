@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace tpserve {
 namespace {
 
@@ -72,6 +74,17 @@ TEST(TokenBuckets, PadBatchAddsAPaddingSequenceAndEmptySlots) {
   const TokenBatch q = PadBatch(*b, 5, 4);
   EXPECT_THAT(q.ids, ElementsAre(5, 6, 7, 8, 9));
   EXPECT_THAT(q.cu_seqlens, ElementsAre(0, 3, 5, 5, 5));
+}
+
+TEST(TokenBuckets, PadBatchIntoWritesOnlyTheBucketAndTheSlots) {
+  auto b = PackSequences({{5, 6, 7}, {8, 9}}, 1024, 2048);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  // Arrays as a pinned upload buffer holds them: larger than the pass, stale contents.
+  std::vector<int32_t> ids(10, -1), positions(10, -1), cu(7, -1);
+  PadBatchInto(*b, 8, 4, ids.data(), positions.data(), cu.data());
+  EXPECT_THAT(ids, ElementsAre(5, 6, 7, 8, 9, 0, 0, 0, -1, -1));
+  EXPECT_THAT(positions, ElementsAre(0, 1, 2, 0, 1, 0, 1, 2, -1, -1));
+  EXPECT_THAT(cu, ElementsAre(0, 3, 5, 8, 8, -1, -1));
 }
 
 }  // namespace
