@@ -129,7 +129,8 @@ VsNone CompareLogits(std::span<const float> got, const std::vector<float>& none,
   v.rel_frobenius = den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0);
   v.seqs = static_cast<int64_t>(got.size()) / vocab;
   for (int64_t q = 0; q < v.seqs; ++q) {
-    const auto g = got.begin() + q * vocab, n = none.begin() + q * vocab;
+    const float* g = got.data() + q * vocab;
+    const float* n = none.data() + q * vocab;
     v.top1_agree += std::max_element(g, g + vocab) - g == std::max_element(n, n + vocab) - n;
   }
   return v;
@@ -282,6 +283,8 @@ int Main(int argc, char** argv) {
   // gpu_times[batch][setting]: rank 0's CudaModel::last_pass_ms of each round
   std::vector<std::vector<std::vector<double>>> gpu_times(
       shapes.size(), std::vector<std::vector<double>>(configs.size()));
+  // copy_times[batch][setting]: rank 0's CudaModel::last_copy_ms of each round
+  auto copy_times = gpu_times;
   // times[batch][setting]; stages[batch][setting]: rank 0's stage times (--stages)
   std::vector<std::vector<std::vector<double>>> times(
       shapes.size(), std::vector<std::vector<double>>(configs.size()));
@@ -325,6 +328,7 @@ int Main(int argc, char** argv) {
           if (round >= 0 && r == 0) {
             times[b][c].push_back(ms);
             gpu_times[b][c].push_back(model->last_pass_ms());
+            copy_times[b][c].push_back(model->last_copy_ms());
           }
           const bool first = round == -1 - f.warmup, last = round == f.rounds - 1;
           if ((first || last) && r == 0) {
@@ -404,6 +408,8 @@ int Main(int argc, char** argv) {
       // what the host-timed rounds spend beyond it is upload, download and host time.
       rec["gpu_times_ms"] = rounds(gpu_times[b][c]);
       rec["gpu_median_ms"] = Stats(gpu_times[b][c])["median_ms"];
+      // The copies behind the pass on the GPU (error flag, logits to pinned host memory).
+      rec["copy_median_ms"] = Stats(copy_times[b][c])["median_ms"];
       for (int replay = 0; c > 0 && replay < 2; ++replay) {
         const VsNone& v = (replay ? vs_none_replay : vs_none)[b][c];
         rec[replay ? "logits_vs_none_replay" : "logits_vs_none"] = {
@@ -424,9 +430,11 @@ int Main(int argc, char** argv) {
       }
       rec["tokens_per_sec"] = tokens / (rec["median_ms"].get<double>() / 1000.0);
       spdlog::info(
-          "{:>6} tokens ({}x{}) {:40} median {:.3f} ms  {:.0f} tokens/s (GPU pass {:.3f} ms)",
+          "{:>6} tokens ({}x{}) {:40} median {:.3f} ms  {:.0f} tokens/s (GPU pass {:.3f} ms, "
+          "download {:.3f} ms)",
           tokens, shapes[b].seqs, shapes[b].len, names[c], rec["median_ms"].get<double>(),
-          rec["tokens_per_sec"].get<double>(), rec["gpu_median_ms"].get<double>());
+          rec["tokens_per_sec"].get<double>(), rec["gpu_median_ms"].get<double>(),
+          rec["copy_median_ms"].get<double>());
       if (f.stages) {
         json st = json::object();
         std::string line;

@@ -179,6 +179,9 @@ class CudaModel {
   // download or the host's own time (NaN if the events could not be read; 0 without time_passes).
   // For benchmarks separating the two.
   double last_pass_ms() const { return last_pass_ms_; }
+  // With options.time_passes, the last Forward's copies behind its pass on the GPU (error flag
+  // and logits to the host), in milliseconds (NaN if unreadable; 0 without time_passes).
+  double last_copy_ms() const { return last_copy_ms_; }
 
   // Switches every layer's overlap settings (may be null: mode none; must
   // outlive the model). Graphs are kept per (settings, bucket), so switching
@@ -288,8 +291,8 @@ class CudaModel {
 
   CudaStream stream_;
   // Around each Forward's graph launch (or eager pass) on stream_: last_pass_ms_.
-  CudaEvent pass_start_, pass_end_;
-  double last_pass_ms_ = 0;
+  CudaEvent pass_start_, pass_end_, copy_end_;
+  double last_pass_ms_ = 0, last_copy_ms_ = 0;
   // Enqueue's block output still to be added to the residual stream, carried from one
   // segment to the next.
   CudaLinear::SplitOutput pending_;
@@ -304,6 +307,9 @@ class CudaModel {
   // and the error flag read back (one int32) in upload_host_; the logits in logits_host_
   // (FP32 [max_seqs + 1, vocab]).
   PinnedHostBuffer upload_host_, logits_host_;
+  // tp > 1: FP32 [max_seqs + 1, vocab], the ranks' slices of logits_all_ as whole rows, the
+  // source of one contiguous download.
+  DeviceBuffer logits_rows_;
   // The LM head's FP32 logits of a pass with seq_slots slots: this rank's [seq_slots,
   // vocab / tp] in logits_local_, every rank's gathered [tp, seq_slots, vocab / tp] in
   // logits_all_ (each sized for max_seqs + 1 slots).

@@ -89,6 +89,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   TP_ASSIGN_OR_RETURN(md.stream_, CudaStream::Create());
   TP_ASSIGN_OR_RETURN(md.pass_start_, CudaEvent::Create(/*enable_timing=*/true));
   TP_ASSIGN_OR_RETURN(md.pass_end_, CudaEvent::Create(/*enable_timing=*/true));
+  TP_ASSIGN_OR_RETURN(md.copy_end_, CudaEvent::Create(/*enable_timing=*/true));
   md.layers_.resize(config.num_hidden_layers);
   const std::vector<double> inv_freq = RopeInverseFrequencies(config);
   TP_ASSIGN_OR_RETURN(md.rope_inv_freq_,
@@ -129,6 +130,9 @@ Status CudaModel::AllocateActivations() {
                       PinnedHostBuffer::Allocate((2 * m + seqs + 2) * 4, "batch_upload"));
   TP_ASSIGN_OR_RETURN(logits_host_,
                       PinnedHostBuffer::Allocate(seqs * c.vocab_size * 4, "logits_host"));
+  if (tp_ > 1) {
+    TP_ASSIGN_OR_RETURN(logits_rows_, Alloc(seqs * c.vocab_size * 4, "logits_rows"));
+  }
   TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
   if (dynamic_inputs_ || options_.kv_blocks > 0) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
@@ -304,9 +308,10 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
 
 size_t CudaModel::device_bytes() const {
   size_t total = weight_bytes_ + GenerationBytes();
-  for (const DeviceBuffer* b : {&rope_inv_freq_, &ids_, &positions_, &cu_seqlens_, &x_, &o_out_,
-                                &down_out_, &normed_, &qkv_out_, &attn_, &gate_up_out_, &full_,
-                                &last_, &logits_local_, &logits_all_, &amax_, &act_}) {
+  for (const DeviceBuffer* b :
+       {&rope_inv_freq_, &ids_, &positions_, &cu_seqlens_, &x_, &o_out_, &down_out_, &normed_,
+        &qkv_out_, &attn_, &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_,
+        &logits_rows_, &amax_, &act_}) {
     total += b->size();
   }
   for (const auto& [key, layer] : linears_) total += layer->device_bytes();
