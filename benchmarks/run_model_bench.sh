@@ -4,7 +4,12 @@
 # model on the same shapes, in one call; merged into one results file.
 #   COMMIT=<sha> bash benchmarks/run_model_bench.sh
 # Knobs: MODEL (llama3-70b), LAYERS (0), BATCHES ("8x1024 16x1024"), ROUNDS (10),
-# TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s).
+# TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s),
+# PEER: eager (torch_model.py, any TP) or compiled (torch_model_compiled.py, TP 1: torch.compile,
+# CUDA graphs, fastest SDPA; FAST_ACCUM on|off|both, ATTENTION=1 adds SDPA alone per backend).
+# The file of record at TP 1 (results/model-llama3-8b-tp1.json):
+#   MODEL=llama3-8b TP=1 BATCHES="8x1024 1x8192 64x128" OVERLAP=deploy/overlap-tp1-fast-accum.yaml \
+#   PEER=compiled ATTENTION=1 COMMIT=<sha> bash benchmarks/run_model_bench.sh
 # LAYERS=0 (the default): all of the model's layers (llama3-70b: 80; FP8 weights ≈ 35 GB per
 # GPU at TP=2, so all of them fit). Fewer layers measure a short burst: the GPUs spend part of
 # each round below their power limit and clock higher, which favours overlap
@@ -22,7 +27,13 @@ overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}
 date=$(date -u +%Y-%m-%d)
 rc=0
 ours=".gpu/bin/tpserve-bench-model --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds --overlap $overlap --commit $commit"
-peer="python3 benchmarks/torch_model.py --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds"
+case ${PEER:-eager} in
+  eager) peer="python3 benchmarks/torch_model.py --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds" ;;
+  # torch is run without env.sh's LD_LIBRARY_PATH: the host's system cuDNN would shadow its own.
+  compiled) peer="env -u LD_LIBRARY_PATH python3 benchmarks/torch_model_compiled.py --model $model --layers $layers --batches $batches --rounds $rounds --fast-accum ${FAST_ACCUM:-both}${ATTENTION:+ --attention-only}"
+            [ "$tp" = 1 ] || { echo "PEER=compiled runs at TP 1 only" >&2; exit 2; } ;;
+  *) echo "PEER: eager or compiled, not '$PEER'" >&2; exit 2 ;;
+esac
 # Never merge an earlier run's file under this commit.
 rm -f /tmp/model-ours.json /tmp/model-peer.json
 # The GPUs' SM clock, power and temperature every 200 ms while both benchmarks
@@ -83,35 +94,45 @@ meta = dict(docs[0]["meta"], commit=commit, command=command, date=date,
 meta["torch"] = next((d["meta"].get("torch") for d in docs if d["meta"].get("torch")), None)
 records = [r for d in docs for r in d["records"]]
 doc = {"meta": meta, "records": records}
+attention = [a for d in docs for a in d.get("attention", [])]
+if attention:
+    doc["attention"] = attention  # the compiled peer's SDPA alone, per backend
 if missing:
     doc["missing_inputs"] = missing  # a benchmark died: not a complete comparison
 json.dump(doc, open(path, "w"), indent=1)
 print("wrote %s (%d records)" % (path, len(records)))
-by, rounds = {}, {}
+by = {}
 for r in records:
-    by.setdefault(r["tokens"], {})[r.get("overlap_config") or r["method"]] = r["tokens_per_sec"]
+    by.setdefault((r["seqs"], r["seq_len"]), {})[r.get("overlap_config") or r["method"]] = \
+        r["tokens_per_sec"]
+rounds = {(r["seqs"], r["seq_len"]): {} for r in records}
+for r in records:
     if r.get("impl") == "tpserve" and r.get("times_ms"):
-        rounds.setdefault(r["tokens"], {})[r.get("overlap_config") or r["method"]] = r["times_ms"]
-for tokens, v in sorted(by.items()):
-    none = v.get("none"); torch = v.get("torch_eager")
-    tuned = max((x for k, x in v.items() if k not in ("none", "torch_eager")), default=None)
+        rounds[(r["seqs"], r["seq_len"])][r.get("overlap_config") or r["method"]] = r["times_ms"]
+peers = ("torch_eager", "torch_compiled", "torch_compiled_fast_accum")
+for (seqs, length), v in sorted(by.items()):
+    none = v.get("none")
+    tuned = max((x for k, x in v.items() if k != "none" and k not in peers), default=None)
     def ratio(a, b):
         return "%.3f" % (a / b) if a and b else "n/a"
-    print("%6d tokens: none %s, tuned %s, torch %s tokens/s; tuned/none %s (goal >= 1.10), "
-          "tuned/torch %s (goal >= 1.3)" % (tokens, none and round(none), tuned and round(tuned),
-                                            torch and round(torch), ratio(tuned, none),
-                                            ratio(tuned, torch)))
+    line = "%dx%d: none %s, tuned %s tokens/s; tuned/none %s" % (
+        seqs, length, none and round(none), tuned and round(tuned), ratio(tuned, none))
+    for p in peers:
+        if p in v:
+            line += "; %s %d, tuned/it %s, none/it %s" % (p, round(v[p]), ratio(tuned, v[p]),
+                                                          ratio(none, v[p]))
+    print(line)
     # none and each overlap config ran interleaved round by round: the ratio of each round's
     # pair, so that drift over the run (clocks, temperature) falls on both sides alike.
-    t = rounds.get(tokens, {})
+    t = rounds.get((seqs, length), {})
     for name, times in sorted(t.items()):
         if name == "none" or "none" not in t or len(times) != len(t["none"]):
             continue
         pairs = sorted(a / b for a, b in zip(t["none"], times))
         q = lambda p: pairs[min(len(pairs) - 1, int(p * (len(pairs) - 1) + 0.5))]
-        print("%6d tokens: speed-up of %s over none per round (none's time / its time, %d "
+        print("%dx%d: speed-up of %s over none per round (none's time / its time, %d "
               "pairs): median %.3f, quartiles %.3f-%.3f, range %.3f-%.3f"
-              % (tokens, name, len(pairs), q(0.5), q(0.25), q(0.75), pairs[0], pairs[-1]))
+              % (seqs, length, name, len(pairs), q(0.5), q(0.25), q(0.75), pairs[0], pairs[-1]))
 sys.exit(1 if missing else 0)
 PY
 exit $rc

@@ -337,7 +337,8 @@ def main(argv=None):
             json.dump({"meta": meta, "records": records,
                        "attention": attention if args.attention_only else []}, f, indent=1)
     write()
-    settings = {"on": [True], "off": [False], "both": [False, True]}[args.fast_accum]
+    # Fast accumulation first: it is the setting tpserve is compared with when it uses it.
+    settings = {"on": [True], "off": [False], "both": [True, False]}[args.fast_accum]
     if args.dtype == "bf16":
         settings = [False]
     for fast in settings:

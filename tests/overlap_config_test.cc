@@ -444,7 +444,8 @@ TEST(OverlapConfig, DeployExamplesLoadAndResolveEveryLayer) {
                           {"layers.79.mlp.gate_up", OverlapOp::kAllGatherGemm, 57344, 8192},
                           {"layers.79.mlp.down", OverlapOp::kGemmReduceScatter, 8192, 28672}};
   for (const auto& [file, tp] : {std::pair<const char*, int>{"overlap-llama3-70b-tp2.yaml", 2},
-                                 std::pair<const char*, int>{"overlap-llama3-70b-tp8.yaml", 8}}) {
+                                 std::pair<const char*, int>{"overlap-llama3-70b-tp8.yaml", 8},
+                                 std::pair<const char*, int>{"overlap-tp1-fast-accum.yaml", 1}}) {
     SCOPED_TRACE(file);
     auto cfg = OverlapConfig::LoadFile(std::string(TPSERVE_SOURCE_DIR) + "/deploy/" + file);
     ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
@@ -453,6 +454,10 @@ TEST(OverlapConfig, DeployExamplesLoadAndResolveEveryLayer) {
       for (int64_t m : {1, 512, 1000, 2048, 4096, 8192, 16384, 100000}) {
         auto k = cfg->Resolve(l.name, l.op, l.n, l.k, m, tp);
         ASSERT_TRUE(k.ok()) << l.name << " m=" << m << ": " << k.status().ToString();
+        if (tp == 1) {  // the one-GPU file: every GEMM with fast accumulation, no overlap
+          EXPECT_TRUE(k->fast_accum) << l.name << " m=" << m;
+          EXPECT_EQ(k->mode, OverlapMode::kNone) << l.name << " m=" << m;
+        }
       }
     }
   }
