@@ -181,7 +181,6 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
-  ApplyGemmAlgo(f.gemm_algo);
 
   auto config = ModelPreset(f.model);
   if (!config.ok()) {
@@ -200,6 +199,7 @@ int Main(int argc, char** argv) {
   const KvCacheDtype kv = f.kv_dtype == "fp8" ? KvCacheDtype::kFloat8E4M3 : KvCacheDtype::kBFloat16;
   CudaModelOptions options;
   options.max_tokens = std::max(f.step_tokens, max_batch);
+  options.gemm_algo = GemmAlgoFromFlag(f.gemm_algo);
   options.max_seqs = std::max<int64_t>(max_batch, 1);
   options.time_passes = true;
   options.kv_blocks = max_batch * per_seq;

@@ -159,7 +159,8 @@ Status RunCase(const Flags& f, const LayerShape& shape, int64_t m,
     TP_ASSIGN_OR_RETURN(r.d, DeviceBuffer::Allocate(m * n * 2, "bench.d." + name));
     r.params.a_scale = r.a_scales.as<float>();
     r.params.b_scale = w_scales.as<float>();
-    TP_ASSIGN_OR_RETURN(r.gemm, CublasLtGemm::Create("bench." + shape.layer + "." + name));
+    TP_ASSIGN_OR_RETURN(r.gemm, CublasLtGemm::Create("bench." + shape.layer + "." + name,
+                                                     GemmAlgoFromFlag(f.gemm_algo)));
     TP_RETURN_IF_ERROR(r.gemm.Prepare(r.params));
     // Eager run first: the check below reads its output.
     TP_RETURN_IF_ERROR(EnqueueQuantize(r.scheme, x.data(), m, k, r.a.as<uint8_t>(),
@@ -324,7 +325,6 @@ int RunGemmScalesBench(int argc, char** argv) {
       ->capture_default_str();
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
-  ApplyGemmAlgo(f.gemm_algo);
 
   std::vector<GemmScaleScheme> schemes;
   for (const std::string& s : f.schemes) schemes.push_back(ParseGemmScaleScheme(s).value());

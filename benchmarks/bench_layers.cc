@@ -266,6 +266,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
   const bool ag = sc.op == OverlapOp::kAllGatherGemm;
   const int64_t n_local = ag ? sc.n / tp : sc.n, k_local = ag ? sc.k : sc.k / tp;
   const std::vector<Method> methods = MakeMethods(f, sc, overlap);
+  CudaLinearOptions layer_options;  // every layer's and gemm_only's GEMM alike
+  layer_options.gemm_algo = GemmAlgoFromFlag(f.gemm_algo);
   std::vector<std::vector<json>> rank_records(tp);
   Status s = group.Run([&](int r) -> Status {
     NcclCommPool& pool = group.pool(r);
@@ -339,7 +341,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     if (check) {
       CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
       TP_ASSIGN_OR_RETURN(auto ref, CudaLinear::Create("bench." + sc.layer + ".reference", shape,
-                                                       LinearKnobs{}, pool));
+                                                       LinearKnobs{}, pool, layer_options));
       TP_RETURN_IF_ERROR(ref->Prepare(sc.m));
       const void* src =
           static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
@@ -357,7 +359,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
       const Method& m = methods[i];
       Prepared& p = prepared[i];
       if (m.method == "gemm_only") {
-        TP_ASSIGN_OR_RETURN(p.gemm, CublasLtGemm::Create("bench.gemm_only"));
+        TP_ASSIGN_OR_RETURN(p.gemm,
+                            CublasLtGemm::Create("bench.gemm_only", layer_options.gemm_algo));
         GemmParams& gp = p.gemm_params;
         gp.m = sc.m;
         gp.n = n_local;
@@ -399,7 +402,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
       } else {
         CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
         const void* wm = m.knobs.full_weight ? w_full.data() : w.data();
-        TP_ASSIGN_OR_RETURN(p.layer, CudaLinear::Create("bench." + sc.layer, shape, m.knobs, pool));
+        TP_ASSIGN_OR_RETURN(
+            p.layer, CudaLinear::Create("bench." + sc.layer, shape, m.knobs, pool, layer_options));
         TP_RETURN_IF_ERROR(p.layer->Prepare(sc.m));
         const void* src =
             static_cast<const char*>(x_full.data()) + (ag ? own.begin * k_local * e : 0);
@@ -455,7 +459,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
       for (int k = 0; k < 2; ++k) TP_RETURN_IF_ERROR(bodies[i]());
       TP_RETURN_IF_ERROR(base.WaitStream(st));
       TP_ASSIGN_OR_RETURN(p.graph,
-                          CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, bodies[i]));
+                          CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, bodies[i],
+                                                 GraphPriorityFromFlag(f.graph_priority)));
       if (r == 0) {
         spdlog::info("{} m={} {}: prepared {} {} ({}/{})", sc.layer, sc.m, fp8 ? "fp8" : "bf16",
                      m.method, m.knobs.ToString(), i + 1, methods.size());
@@ -793,8 +798,6 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
       ->capture_default_str();
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
-  ApplyGemmAlgo(f.gemm_algo);
-  ApplyGraphPriority(f.graph_priority);
   // Usage errors before any GPU work (a process group starts the other ranks).
   if (f.shapes == "seed" && m_option->count() > 0 && f.ms != std::vector<int64_t>{65536}) {
     spdlog::error("--m: --shapes seed has its own m (65536); --m is for llama70b and small");

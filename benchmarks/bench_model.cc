@@ -215,8 +215,6 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
-  ApplyGemmAlgo(f.gemm_algo);
-  ApplyGraphPriority(f.graph_priority);
 
   auto preset = ModelPreset(f.model);
   if (!preset.ok()) {
@@ -273,6 +271,8 @@ int Main(int argc, char** argv) {
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
   CudaModelOptions options;
   options.max_tokens = max_tokens;
+  options.gemm_algo = GemmAlgoFromFlag(f.gemm_algo);
+  options.graph_priority = GraphPriorityFromFlag(f.graph_priority);
   options.max_seqs = max_seqs;
   for (const BatchShape& b : shapes) options.buckets.push_back(b.seqs * b.len);
   options.dynamic_input_scales = f.dynamic_input_scales;

@@ -1,6 +1,5 @@
 #include "comm/cuda_resources.h"
 
-#include <atomic>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -233,13 +232,6 @@ void PinnedHostBuffer::Reset() noexcept {
 // ---------------------------------------------------------------------------------------------
 // CudaGraphExec
 
-namespace {
-std::atomic<CudaGraphExec::Priority> g_graph_priority{CudaGraphExec::Priority::kPerNode};
-}  // namespace
-
-void CudaGraphExec::SetPriority(Priority priority) { g_graph_priority.store(priority); }
-CudaGraphExec::Priority CudaGraphExec::GetPriority() { return g_graph_priority.load(); }
-
 std::string_view CudaGraphExec::PriorityName(Priority priority) {
   return priority == Priority::kPerNode ? "node" : "stream";
 }
@@ -250,11 +242,11 @@ StatusOr<CudaGraphExec::Priority> CudaGraphExec::ParsePriority(std::string_view 
   return InvalidArgumentError("graph priority '" + std::string(name) + "' (allowed: node, stream)");
 }
 
-StatusOr<CudaGraphExec> CudaGraphExec::Instantiate(cudaGraph_t graph) {
+StatusOr<CudaGraphExec> CudaGraphExec::Instantiate(cudaGraph_t graph, Priority priority) {
   if (graph == nullptr) return InvalidArgumentError("CudaGraphExec::Instantiate: graph is null");
   cudaGraphExec_t exec = nullptr;
   using Flags = unsigned long long;  // NOLINT(runtime/int): the API's type
-  const Flags flags = GetPriority() == Priority::kPerNode
+  const Flags flags = priority == Priority::kPerNode
                           ? static_cast<Flags>(cudaGraphInstantiateFlagUseNodePriority)
                           : Flags{0};
   const cudaError_t err = cudaGraphInstantiate(&exec, graph, flags);
@@ -266,7 +258,8 @@ StatusOr<CudaGraphExec> CudaGraphExec::Instantiate(cudaGraph_t graph) {
 }
 
 StatusOr<CudaGraphExec> CudaGraphExec::Capture(cudaStream_t stream, cudaStreamCaptureMode mode,
-                                               const std::function<Status()>& body) {
+                                               const std::function<Status()>& body,
+                                               Priority priority) {
   TP_CUDA_CHECK(cudaStreamBeginCapture(stream, mode));
   const Status body_status = body();
   cudaGraph_t graph = nullptr;
@@ -279,7 +272,7 @@ StatusOr<CudaGraphExec> CudaGraphExec::Capture(cudaStream_t stream, cudaStreamCa
     return CudaCallError(end_err, "cudaStreamEndCapture(stream, &graph)", __FILE__, __LINE__)
         .WithContext("capture was invalidated (an operation not allowed under capture?)");
   }
-  return Instantiate(graph);
+  return Instantiate(graph, priority);
 }
 
 CudaGraphExec::~CudaGraphExec() { Reset(); }

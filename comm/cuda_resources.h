@@ -164,16 +164,15 @@ class CudaGraphExec {
   // stream it was captured from, as when the same work is enqueued eagerly (a layer's comm
   // stream outranks its GEMMs', so NCCL's kernels get SMs ahead of queued GEMM blocks).
   // kLaunchStream is CUDA's default: every kernel of the graph runs at the priority of the
-  // stream the graph is launched into. Process-wide; read by every later Instantiate/Capture.
+  // stream the graph is launched into. Chosen per graph, by its Instantiate/Capture.
   enum class Priority { kPerNode, kLaunchStream };
-  static void SetPriority(Priority priority);
-  static Priority GetPriority();
   static std::string_view PriorityName(Priority priority);  // "node" | "stream"
   // "node" or "stream"; INVALID_ARGUMENT naming the allowed values otherwise.
   static StatusOr<Priority> ParsePriority(std::string_view name);
 
   // Takes ownership of `graph` (on failure too) and instantiates it.
-  static StatusOr<CudaGraphExec> Instantiate(cudaGraph_t graph);
+  static StatusOr<CudaGraphExec> Instantiate(cudaGraph_t graph,
+                                             Priority priority = Priority::kPerNode);
 
   // Captures the work that `body` enqueues on `stream` (and on streams forked from it with
   // events, which must join back before body returns), then instantiates it. Capture always
@@ -181,7 +180,8 @@ class CudaGraphExec {
   // should use cudaStreamCaptureModeThreadLocal. A body that does something illegal under
   // capture (synchronisation, cudaMalloc, ...) yields an error, not a graph.
   static StatusOr<CudaGraphExec> Capture(cudaStream_t stream, cudaStreamCaptureMode mode,
-                                         const std::function<Status()>& body);
+                                         const std::function<Status()>& body,
+                                         Priority priority = Priority::kPerNode);
 
   CudaGraphExec() = default;  // empty
   ~CudaGraphExec();

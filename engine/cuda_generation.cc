@@ -368,8 +368,9 @@ StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
   }
   if (decode && graph == step_graphs_.end() && options_.cuda_graphs) {
     TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
-                        CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal,
-                                               [&] { return Enqueue(m, seq_slots); }));
+                        CudaGraphExec::Capture(
+                            st, cudaStreamCaptureModeThreadLocal,
+                            [&] { return Enqueue(m, seq_slots); }, options_.graph_priority));
     step_graphs_.emplace(key, std::move(exec));
   }
   return result;

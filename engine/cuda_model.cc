@@ -40,7 +40,9 @@ StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, 
   auto it = linears_.find(key);
   if (it == linears_.end()) {
     CudaLinearShape shape{s.op, dtype_, max_m_, n_local, k_local};
-    TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("model." + key, shape, knobs, *pool_));
+    CudaLinearOptions lo;
+    lo.gemm_algo = options_.gemm_algo;
+    TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("model." + key, shape, knobs, *pool_, lo));
     it = linears_.emplace(key, std::move(layer)).first;
   }
   TP_RETURN_IF_ERROR(it->second->Prepare(m));
@@ -479,10 +481,10 @@ StatusOr<std::span<const float>> CudaModel::Pass(const TokenBatch& batch, bool d
   if (graph == graphs_.end() && options_.cuda_graphs) {
     std::vector<CudaGraphExec> segments;
     for (const auto& [begin, end] : GraphSegments()) {
-      TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
-                          CudaGraphExec::Capture(st, cudaStreamCaptureModeThreadLocal, [&] {
-                            return Enqueue(m, seq_slots, begin, end);
-                          }));
+      TP_ASSIGN_OR_RETURN(CudaGraphExec exec, CudaGraphExec::Capture(
+                                                  st, cudaStreamCaptureModeThreadLocal,
+                                                  [&] { return Enqueue(m, seq_slots, begin, end); },
+                                                  options_.graph_priority));
       segments.push_back(std::move(exec));
     }
     graphs_.emplace(key, std::move(segments));
@@ -543,9 +545,11 @@ Status CudaModel::WarmUp() {
 StatusOr<std::vector<float>> RunCudaModel(const ModelConfig& config, NcclThreadGroup& group,
                                           DataType dtype, uint64_t seed,
                                           const OverlapConfig* overlap, const TokenBatch& batch,
-                                          const std::string& checkpoint_dir) {
+                                          const std::string& checkpoint_dir,
+                                          GemmAlgoSelection gemm_algo) {
   std::vector<float> result;
   CudaModelOptions options;
+  options.gemm_algo = gemm_algo;
   options.max_tokens = batch.tokens();
   options.max_seqs = batch.sequences();
   TP_RETURN_IF_ERROR(group.Run([&](int r) -> Status {

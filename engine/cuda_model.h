@@ -87,6 +87,11 @@ struct CudaModelOptions {
   int64_t kv_blocks = 0;
   int64_t kv_block_size = 16;
   KvCacheDtype kv_dtype = KvCacheDtype::kBFloat16;
+  // How every GEMM (the TP layers' and the LM head's) chooses its cuBLASLt algorithm, and how
+  // the pass's graphs prioritise their kernels (comm/cuda_resources.h): per node keeps the
+  // layers' comm streams ahead of their GEMMs, as eagerly.
+  GemmAlgoSelection gemm_algo = GemmAlgoSelection::kTimed;
+  CudaGraphExec::Priority graph_priority = CudaGraphExec::Priority::kPerNode;
 };
 
 class CudaModel {
@@ -347,11 +352,13 @@ class CudaModel {
 // weights from `seed` (as RunCpuModel does, so the two are comparable), or
 // with each rank's shard loaded from `checkpoint_dir` (LoadRankWeights, as
 // `tpserve serve` loads it: `dtype` is the TP layers' weight type the stored
-// tensors are converted to) when it is non-empty; returns rank 0's logits.
+// tensors are converted to) when it is non-empty; returns rank 0's logits. `gemm_algo`: as
+// CudaModelOptions's.
 class NcclThreadGroup;
 StatusOr<std::vector<float>> RunCudaModel(const ModelConfig& config, NcclThreadGroup& group,
                                           DataType dtype, uint64_t seed,
                                           const OverlapConfig* overlap, const TokenBatch& batch,
-                                          const std::string& checkpoint_dir = "");
+                                          const std::string& checkpoint_dir = "",
+                                          GemmAlgoSelection gemm_algo = GemmAlgoSelection::kTimed);
 
 }  // namespace tpserve

@@ -133,7 +133,7 @@ Status CudaModel::AllocateActivations() {
   if (tp_ > 1) {
     TP_ASSIGN_OR_RETURN(logits_rows_, Alloc(seqs * c.vocab_size * 4, "logits_rows"));
   }
-  TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head"));
+  TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head", options_.gemm_algo));
   if (dynamic_inputs_ || options_.kv_blocks > 0) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
     // and the BF16 outputs of attention and SwiGLU staged for o's and down's

@@ -5,7 +5,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <atomic>
 #include <compare>
 #include <cstdint>
 #include <map>
@@ -346,7 +345,6 @@ TimedChoices& Choices() {
   static TimedChoices* c = new TimedChoices;  // never destroyed: used until exit
   return *c;
 }
-std::atomic<GemmAlgoSelection> g_selection{GemmAlgoSelection::kTimed};
 
 bool SameAlgo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
   return std::equal(std::begin(a.data), std::end(a.data), std::begin(b.data));
@@ -379,6 +377,7 @@ Status SetScalePointers(cublasLtMatmulDesc_t desc, const GemmParams& r) {
 
 struct CublasLtGemm::Impl {
   std::string name;
+  GemmAlgoSelection selection = GemmAlgoSelection::kTimed;
   cublasLtHandle_t handle = nullptr;
   DeviceBuffer workspace;
   // Node-based: a Plan stays where it is while others are added.
@@ -580,6 +579,7 @@ StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& 
   }
   if (!plan->candidates.empty()) {
     plan->algo = plan->candidates.front();
+    if (selection != GemmAlgoSelection::kTimed) return plan;
     // A choice timed earlier in this process (by any object) for the same shape.
     TimedChoices& tc = Choices();
     std::lock_guard<std::mutex> lock(tc.mu);
@@ -615,9 +615,11 @@ StatusOr<Plan*> CublasLtGemm::Impl::FindOrBuildPlan(const GemmParams& r,
 
 // ---------------------------------------------------------------------------------------------
 
-StatusOr<CublasLtGemm> CublasLtGemm::Create(std::string name, size_t workspace_bytes) {
+StatusOr<CublasLtGemm> CublasLtGemm::Create(std::string name, GemmAlgoSelection selection,
+                                            size_t workspace_bytes) {
   auto impl = std::make_unique<Impl>();
   impl->name = std::move(name);
+  impl->selection = selection;
   TP_CUBLAS_CHECK(cublasLtCreate(&impl->handle));
   TP_ASSIGN_OR_RETURN(impl->workspace,
                       DeviceBuffer::Allocate(workspace_bytes, impl->name + ".cublaslt_workspace"));
@@ -645,17 +647,18 @@ const std::string& CublasLtGemm::name() const {
 
 size_t CublasLtGemm::workspace_bytes() const { return impl_ ? impl_->workspace.size() : 0; }
 
+GemmAlgoSelection CublasLtGemm::selection() const {
+  return impl_ ? impl_->selection : GemmAlgoSelection::kTimed;
+}
+
 Status CublasLtGemm::Prepare(const GemmParams& p) {
   if (!impl_) return FailedPreconditionError("CublasLtGemm::Prepare on an empty object");
   if (Status s = ValidateGemmParams(p); !s.ok()) return s.WithContext("gemm '" + impl_->name + "'");
   const GemmParams r = Resolve(p);
   TP_ASSIGN_OR_RETURN(Plan * plan, impl_->FindOrBuildPlan(r, nullptr));
-  if (GetGemmAlgoSelection() != GemmAlgoSelection::kTimed) return Status::Ok();
+  if (impl_->selection != GemmAlgoSelection::kTimed) return Status::Ok();
   return impl_->TimeCandidates(r, *plan);
 }
-
-void SetGemmAlgoSelection(GemmAlgoSelection selection) { g_selection.store(selection); }
-GemmAlgoSelection GetGemmAlgoSelection() { return g_selection.load(); }
 
 std::string_view GemmAlgoSelectionName(GemmAlgoSelection selection) {
   return selection == GemmAlgoSelection::kTimed ? "timed" : "heuristic";

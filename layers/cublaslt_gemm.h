@@ -155,7 +155,7 @@ int64_t GemmBScaleCount(const GemmParams& p);
 // combination that is not supported. Pure; runs without a GPU.
 Status ValidateGemmParams(const GemmParams& p);
 
-// How Prepare() picks the algorithm of a shape (process-wide; thread-safe):
+// How Prepare() picks the algorithm of a shape (each object its own, from Create):
 //  - kHeuristic: the first answer of cublasLtMatmulAlgoGetHeuristic.
 //  - kTimed (default): Prepare() runs each of the heuristic's answers (up to 8) on the GPU,
 //    on random operands of the shape in temporary buffers and on a stream of its own, and
@@ -169,9 +169,10 @@ Status ValidateGemmParams(const GemmParams& p);
 //    thread captures in global mode. Without the memory for the operands it keeps the
 //    heuristic's answer (with a warning). Run() never times: a shape first seen there takes
 //    the remembered choice if any, else the heuristic's.
+//  - kHeuristic: cuBLASLt's first answer, never a remembered one.
+// Each CublasLtGemm has its own (Create's argument; layers and models pass theirs down from
+// their options).
 enum class GemmAlgoSelection { kHeuristic, kTimed };
-void SetGemmAlgoSelection(GemmAlgoSelection selection);
-GemmAlgoSelection GetGemmAlgoSelection();
 std::string_view GemmAlgoSelectionName(GemmAlgoSelection selection);  // "heuristic" | "timed"
 // INVALID_ARGUMENT naming the allowed values.
 StatusOr<GemmAlgoSelection> ParseGemmAlgoSelection(std::string_view name);
@@ -182,8 +183,10 @@ class CublasLtGemm {
   static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;
 
   // Creates the cuBLASLt handle and allocates the workspace on the current device. `name`
-  // (the layer's) appears in error messages and names the workspace buffer.
+  // (the layer's) appears in error messages and names the workspace buffer; `selection` is how
+  // this object's plans choose their algorithms.
   static StatusOr<CublasLtGemm> Create(std::string name,
+                                       GemmAlgoSelection selection = GemmAlgoSelection::kTimed,
                                        size_t workspace_bytes = kDefaultWorkspaceBytes);
 
   CublasLtGemm();  // empty; only assignable
@@ -216,6 +219,7 @@ class CublasLtGemm {
   static size_t timed_shapes();
   const std::string& name() const;
   size_t workspace_bytes() const;
+  GemmAlgoSelection selection() const;
 
  private:
   struct Impl;

@@ -57,7 +57,8 @@ struct CudaLinear::Impl {
     return b != nullptr && b->data() != nullptr ? b : nullptr;
   }
   // Create's phases.
-  Status CreateStreams(const std::string& name, const LinearKnobs& knobs);
+  Status CreateStreams(const std::string& name, const LinearKnobs& knobs,
+                       GemmAlgoSelection gemm_algo);
   // The buffers the knobs' mode needs, for shape.max_m rows (copy engine: PeerBuffers where
   // peers pull from). INVALID_ARGUMENT for a copy-engine pipelined gemm_rs over more than
   // kMaxSumSlots ranks.
@@ -103,7 +104,8 @@ Status CudaLinear::Close() {
 StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
                                                          const CudaLinearShape& shape,
                                                          const LinearKnobs& knobs,
-                                                         NcclCommPool& pool) {
+                                                         NcclCommPool& pool,
+                                                         const CudaLinearOptions& options) {
   const std::string ctx = "layer " + name;
   if (shape.dtype != DataType::kFloat8E4M3 && shape.dtype != DataType::kBFloat16) {
     return InvalidArgumentError(ctx + ": dtype must be fp8_e4m3 or bf16, got " +
@@ -127,7 +129,7 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   layer->tp_ = im.comm->size();
   layer->rank_ = im.comm->rank();
   TP_CUDA_CHECK(cudaSetDevice(im.comm->device()));
-  TP_RETURN_IF_ERROR(im.CreateStreams(layer->name_, knobs));
+  TP_RETURN_IF_ERROR(im.CreateStreams(layer->name_, knobs, options.gemm_algo));
 
   const int tp = layer->tp_;
   TP_RETURN_IF_ERROR(im.AllocateBuffers(layer->name_, shape, knobs, tp));
@@ -157,7 +159,8 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   return layer;
 }
 
-Status CudaLinear::Impl::CreateStreams(const std::string& name, const LinearKnobs& knobs) {
+Status CudaLinear::Impl::CreateStreams(const std::string& name, const LinearKnobs& knobs,
+                                       GemmAlgoSelection gemm_algo) {
   int least = 0, greatest = 0;
   TP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   // The comm stream outranks the GEMM's so that NCCL's kernels get SMs as
@@ -165,7 +168,7 @@ Status CudaLinear::Impl::CreateStreams(const std::string& name, const LinearKnob
   TP_ASSIGN_OR_RETURN(comm_stream, CudaStream::Create(true, greatest));
   TP_ASSIGN_OR_RETURN(fork, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(join, CudaEvent::Create(false));
-  TP_ASSIGN_OR_RETURN(gemm, CublasLtGemm::Create(name));
+  TP_ASSIGN_OR_RETURN(gemm, CublasLtGemm::Create(name, gemm_algo));
   // The second stream: GEMMs (gemm_lanes 2), or full_weight's local copies of the own input
   // columns, which then run beside the pulls instead of before them on the comm stream.
   if (knobs.gemm_lanes == 2 || (knobs.full_weight && knobs.copy_engine)) {
@@ -174,7 +177,7 @@ Status CudaLinear::Impl::CreateStreams(const std::string& name, const LinearKnob
     TP_ASSIGN_OR_RETURN(lane_join, CudaEvent::Create(false));
   }
   if (knobs.gemm_lanes == 2) {
-    TP_ASSIGN_OR_RETURN(lane_gemm, CublasLtGemm::Create(name + ".lane1"));
+    TP_ASSIGN_OR_RETURN(lane_gemm, CublasLtGemm::Create(name + ".lane1", gemm_algo));
   }
   return Status::Ok();
 }

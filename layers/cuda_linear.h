@@ -51,6 +51,13 @@ struct CudaLinearShape {
   int64_t k = 0;  // local input features (AG: K; RS: K / tp); multiple of 16
 };
 
+// What a layer takes from its owner beyond the tuned knobs: the process's choices (a server's or
+// a benchmark's flags), the same for every layer it builds.
+struct CudaLinearOptions {
+  // How its GEMMs choose their cuBLASLt algorithms (layers/cublaslt_gemm.h).
+  GemmAlgoSelection gemm_algo = GemmAlgoSelection::kTimed;
+};
+
 class CudaLinear {
  public:
   // Allocates the layer's buffers on the communicator's device and creates
@@ -59,7 +66,8 @@ class CudaLinear {
   // order). `name` (e.g. "layers.3.mlp.down") appears in errors.
   static StatusOr<std::unique_ptr<CudaLinear>> Create(std::string name,
                                                       const CudaLinearShape& shape,
-                                                      const LinearKnobs& knobs, NcclCommPool& pool);
+                                                      const LinearKnobs& knobs, NcclCommPool& pool,
+                                                      const CudaLinearOptions& options = {});
   ~CudaLinear();
 
   // Builds (once per m) the plan and the GEMM algorithms of every GEMM step.

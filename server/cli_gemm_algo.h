@@ -1,7 +1,8 @@
 // --gemm-algo, the command-line face of GemmAlgoSelection (layers/cublaslt_gemm.h), for the
 // `tpserve` commands and the benchmarks alike. Header-only: CLI11 belongs to the executables
-// that include it, not to tpserve_layers. In a build without CUDA the flag is accepted and
-// there is nothing to set.
+// that include it, not to tpserve_layers. The choice travels in the options of what a command
+// builds (CudaModelOptions, CudaLinearOptions, CublasLtGemm::Create); in a build without CUDA
+// the flag is accepted and means nothing.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -24,13 +25,11 @@ inline void AddGemmAlgoFlag(CLI::App* cmd, std::string* value) {
       ->capture_default_str();
 }
 
-// Sets the process-wide selection from a value AddGemmAlgoFlag's check accepted.
-inline void ApplyGemmAlgo(const std::string& value) {
 #if TPSERVE_WITH_CUDA
-  SetGemmAlgoSelection(ParseGemmAlgoSelection(value).value());
-#else
-  (void)value;
-#endif
+// The selection a value AddGemmAlgoFlag's check accepted names.
+inline GemmAlgoSelection GemmAlgoFromFlag(const std::string& value) {
+  return ParseGemmAlgoSelection(value).value();
 }
+#endif
 
 }  // namespace tpserve

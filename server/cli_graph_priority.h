@@ -1,6 +1,7 @@
 // --graph-priority, the command-line face of CudaGraphExec::Priority (comm/cuda_resources.h), for
 // the benchmarks that compare the two. Header-only: CLI11 belongs to the executables that include
-// it. In a build without CUDA the flag is accepted and there is nothing to set.
+// it. The choice travels in the options of what a benchmark builds (CudaModelOptions) or in its
+// own captures; in a build without CUDA the flag is accepted and means nothing.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -23,13 +24,11 @@ inline void AddGraphPriorityFlag(CLI::App* cmd, std::string* value) {
       ->capture_default_str();
 }
 
-// Sets the process-wide priority from a value AddGraphPriorityFlag's check accepted.
-inline void ApplyGraphPriority(const std::string& value) {
 #if TPSERVE_WITH_CUDA
-  CudaGraphExec::SetPriority(CudaGraphExec::ParsePriority(value).value());
-#else
-  (void)value;
-#endif
+// The priority a value AddGraphPriorityFlag's check accepted names.
+inline CudaGraphExec::Priority GraphPriorityFromFlag(const std::string& value) {
+  return CudaGraphExec::ParsePriority(value).value();
 }
+#endif
 
 }  // namespace tpserve

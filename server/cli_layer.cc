@@ -44,7 +44,6 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
   }
   if (f.backend == "cuda") {
 #if TPSERVE_WITH_CUDA
-    ApplyGemmAlgo(f.gemm_algo);
     return RunLayerCuda(f, argv);
 #else
     (void)argv;

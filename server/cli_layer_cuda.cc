@@ -14,6 +14,7 @@
 #include "layers/cuda_linear.h"
 #include "layers/linear_problem.h"
 #include "layers/quantize_kernels.h"
+#include "server/cli_gemm_algo.h"
 #include "server/cli_layer.h"
 
 namespace tpserve {
@@ -60,7 +61,9 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   cudaStream_t st = stream.get();
   const int r = who.rank;
   CudaLinearShape shape{op, dtype, f.m, p.n_local(), p.k_local()};
-  TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("cli.layer", shape, knobs, pool));
+  CudaLinearOptions lo;
+  lo.gemm_algo = GemmAlgoFromFlag(f.gemm_algo);
+  TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("cli.layer", shape, knobs, pool, lo));
   TP_RETURN_IF_ERROR(layer->Prepare(f.m));
   // full_weight: the whole weight W [n, k] (GEMM+RS splits it on k), every rank the same.
   const std::vector<uint8_t>& w_host = f.full_weight ? p.w : p.w_local[r];

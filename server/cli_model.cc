@@ -101,13 +101,12 @@ int RunModel(const ModelFlags& f, const std::vector<std::string>& given_cuda_onl
   StatusOr<std::vector<float>> logits = UnimplementedError("unreachable");
   if (f.backend == "cuda") {
 #if TPSERVE_WITH_CUDA
-    ApplyGemmAlgo(f.gemm_algo);
     // Ranks as threads of this process, one GPU each; a checkpoint's shards are loaded as
     // `tpserve serve` loads them.
     auto group = NcclThreadGroup::Create(f.tp);
     if (!group.ok()) return Fail(group.status());
     logits = RunCudaModel(*config, **group, dtype, f.seed, overlap.get(), *batch,
-                          from_dir ? f.model : "");
+                          from_dir ? f.model : "", GemmAlgoFromFlag(f.gemm_algo));
 #else
     return Fail(InvalidArgumentError("--backend cuda: this build has no CUDA"));
 #endif

@@ -94,6 +94,7 @@ StatusOr<CudaEngineOptions> CudaOptions(const ServeFlags& f, const ModelConfig& 
   auto eo = CommonEngineOptions<CudaEngineOptions>(f, config, from_dir, std::move(overlap));
   eo.model.max_tokens = f.max_batch_tokens;
   eo.model.max_seqs = f.max_batch_sequences;
+  eo.model.gemm_algo = GemmAlgoFromFlag(f.gemm_algo);
   eo.timeout = std::chrono::milliseconds(static_cast<int64_t>(f.rank_timeout_s * 1000));
   eo.device_random_weights = f.device_random_weights;
   // The KV cache (generation): --kv-cache-blocks, else as many blocks as --kv-cache-gib
@@ -504,7 +505,6 @@ int ServeUntilSignal(const ServeFlags& f, SignalBox& box, const std::shared_ptr<
 
 int Serve(const ServeFlags& f) {
   if (const int status = CheckServeFlags(f); status != 0) return status;
-  ApplyGemmAlgo(f.gemm_algo);
   // Signals are taken by a waiting thread, not a handler: block them in
   // every thread first (threads inherit the mask).
   sigset_t signals;
@@ -553,7 +553,6 @@ int Serve(const ServeFlags& f) {
 
 int Worker(const ServeFlags& f) {
 #if TPSERVE_WITH_CUDA
-  ApplyGemmAlgo(f.gemm_algo);
   bool from_dir = false;
   std::shared_ptr<const OverlapConfig> overlap;
   ModelConfig config;

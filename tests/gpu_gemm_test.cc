@@ -422,7 +422,8 @@ TEST_F(GpuTest, Fp8GemmAmaxIsOverwrittenNotAccumulated) {
 // ---------------------------------------------------------------------------------------------
 // Accumulation: D = A·B^T + beta * C.
 
-void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k) {
+void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
+                          GemmAlgoSelection selection = GemmAlgoSelection::kTimed) {
   const int64_t m = 1002, n = 1040;
   const int64_t ldc = n + 8;  // out of place: C's pitch differs from D's
   const float a_scale = 0.37f, b_scale = 0.011f;
@@ -436,7 +437,7 @@ void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k) {
     for (int64_t j = 0; j < n; ++j) ref[i * n + j] += BFloat16ToFloat(c[i * ldc + j]);
   }
 
-  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_beta"));
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_beta", selection));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer da, Upload(a, "A"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer db, Upload(b, "B"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dc, Upload(c, "C"));
@@ -483,18 +484,6 @@ TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
   CheckFp8AccumulatesC(stream(), 256);
 }
 
-// One GemmAlgoSelection for the test's scope; the previous one again after it.
-class ScopedSelection {
- public:
-  explicit ScopedSelection(GemmAlgoSelection s) : saved_(GetGemmAlgoSelection()) {
-    SetGemmAlgoSelection(s);
-  }
-  ~ScopedSelection() { SetGemmAlgoSelection(saved_); }
-
- private:
-  GemmAlgoSelection saved_;
-};
-
 TEST(GemmAlgoSelectionTest, ParsesItsTwoNamesAndRejectsOthersNamingThem) {
   TP_ASSERT_OK_AND_ASSIGN(GemmAlgoSelection h, ParseGemmAlgoSelection("heuristic"));
   EXPECT_EQ(h, GemmAlgoSelection::kHeuristic);
@@ -506,11 +495,19 @@ TEST(GemmAlgoSelectionTest, ParsesItsTwoNamesAndRejectsOthersNamingThem) {
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("'fastest'"), std::string::npos);
   EXPECT_NE(bad.status().message().find("heuristic, timed"), std::string::npos);
-  EXPECT_EQ(GetGemmAlgoSelection(), GemmAlgoSelection::kTimed) << "the default";
+}
+
+TEST_F(GpuTest, EachGemmObjectKeepsItsOwnSelection) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm by_default, CublasLtGemm::Create("default_selection"));
+  EXPECT_EQ(by_default.selection(), GemmAlgoSelection::kTimed) << "the default";
+  TP_ASSERT_OK_AND_ASSIGN(
+      CublasLtGemm heuristic,
+      CublasLtGemm::Create("heuristic_selection", GemmAlgoSelection::kHeuristic));
+  EXPECT_EQ(heuristic.selection(), GemmAlgoSelection::kHeuristic);
+  EXPECT_EQ(by_default.selection(), GemmAlgoSelection::kTimed) << "not changed by another object";
 }
 
 TEST_F(GpuTest, TimedAlgoSelectionTimesEachShapeOnceAndMatchesReference) {
-  ScopedSelection timed(GemmAlgoSelection::kTimed);
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsa, DeviceScalar(1.0f, "a_scale"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer dsb, DeviceScalar(1.0f, "b_scale"));
   GemmParams p;
@@ -540,13 +537,11 @@ TEST_F(GpuTest, TimedAndHeuristicAlgoSelectionBothAccumulateC) {
   // Out of place (ldc != ldd) and in place: each plan chosen by Prepare(), then run.
   for (GemmAlgoSelection s : {GemmAlgoSelection::kTimed, GemmAlgoSelection::kHeuristic}) {
     SCOPED_TRACE(std::string(GemmAlgoSelectionName(s)));
-    ScopedSelection scoped(s);
-    CheckFp8AccumulatesC(stream(), 4096);
+    CheckFp8AccumulatesC(stream(), 4096, s);
   }
 }
 
 TEST_F(GpuTest, TimedAlgoSelectionWithoutMemoryForOperandsKeepsTheHeuristic) {
-  ScopedSelection timed(GemmAlgoSelection::kTimed);
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("timed_oom"));
   GemmParams p;
   p.m = int64_t{1} << 21;  // A alone: 2^21 x 2^17 FP8 = 256 GiB, more than any GPU here
@@ -560,8 +555,8 @@ TEST_F(GpuTest, TimedAlgoSelectionWithoutMemoryForOperandsKeepsTheHeuristic) {
 }
 
 TEST_F(GpuTest, HeuristicAlgoSelectionTimesNothing) {
-  ScopedSelection heuristic(GemmAlgoSelection::kHeuristic);
-  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("heuristic_only"));
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm,
+                          CublasLtGemm::Create("heuristic_only", GemmAlgoSelection::kHeuristic));
   GemmParams p;
   p.m = 4096 + 37;  // a shape no other test uses
   p.n = 1040;
@@ -782,7 +777,6 @@ TEST_F(GpuTest, GemmRunWithoutPrepareWhileCapturingFailsCleanly) {
 // forked from the captured one, as a layer's comm stream is) that computes the same bytes; the
 // names parse back and anything else is refused naming the allowed values.
 TEST_F(GpuTest, GraphsRunUnderEitherPriority) {
-  EXPECT_EQ(CudaGraphExec::GetPriority(), CudaGraphExec::Priority::kPerNode);  // the default
   for (const char* name : {"node", "stream"}) {
     TP_ASSERT_OK_AND_ASSIGN(CudaGraphExec::Priority p, CudaGraphExec::ParsePriority(name));
     EXPECT_EQ(CudaGraphExec::PriorityName(p), name);
@@ -799,13 +793,8 @@ TEST_F(GpuTest, GraphsRunUnderEitherPriority) {
   const int64_t count = 1 << 16;
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a, DeviceBuffer::Allocate(count * 2, "a"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b, DeviceBuffer::Allocate(count * 2, "b"));
-  // The setting is process-wide: back to the default however this test ends.
-  struct Restore {
-    ~Restore() { CudaGraphExec::SetPriority(CudaGraphExec::Priority::kPerNode); }
-  } restore;
   for (const auto priority :
        {CudaGraphExec::Priority::kLaunchStream, CudaGraphExec::Priority::kPerNode}) {
-    CudaGraphExec::SetPriority(priority);
     TP_ASSERT_OK(LaunchPoisonFill(a.data(), DataType::kBFloat16, count, stream()));
     TP_ASSERT_OK(LaunchPoisonFill(b.data(), DataType::kBFloat16, count, stream()));
     auto body = [&]() -> Status {
@@ -816,7 +805,7 @@ TEST_F(GpuTest, GraphsRunUnderEitherPriority) {
       TP_RETURN_IF_ERROR(join.Record(side.get()));
       return join.WaitOn(stream());
     };
-    auto graph = CudaGraphExec::Capture(stream(), cudaStreamCaptureModeThreadLocal, body);
+    auto graph = CudaGraphExec::Capture(stream(), cudaStreamCaptureModeThreadLocal, body, priority);
     ASSERT_TRUE(graph.ok()) << CudaGraphExec::PriorityName(priority) << ": "
                             << graph.status().ToString();
     TP_ASSERT_OK(graph->Launch(stream()));
