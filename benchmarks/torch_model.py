@@ -56,8 +56,14 @@ def parse_args(argv):
     ap.add_argument("--out", default="torch-model.json")
     ap.add_argument("--timeout", type=int, default=600, help="NCCL timeout, seconds")
     args = ap.parse_args(argv)
+    args.shapes = parse_shapes(ap, args.batches)
+    return args
+
+
+def parse_shapes(ap, batches):
+    """--batches' SEQSxLEN values as (seqs, len) pairs; ap.error names a bad one."""
     shapes = []
-    for b in args.batches:
+    for b in batches:
         try:
             seqs, length = (int(v) for v in b.split("x"))
         except ValueError:
@@ -65,8 +71,7 @@ def parse_args(argv):
         if seqs < 1 or length < 1:
             ap.error("--batches: %r must be positive" % b)
         shapes.append((seqs, length))
-    args.shapes = shapes
-    return args
+    return shapes
 
 
 class Model:

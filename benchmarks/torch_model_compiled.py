@@ -31,12 +31,8 @@ import json
 import sys
 import time
 
-PRESETS = {  # hidden, intermediate, heads, kv heads, layers, vocab, rope theta
-    "tiny": (512, 512, 8, 4, 2, 1024, 10000.0),
-    "llama3-8b": (4096, 14336, 32, 8, 32, 128256, 500000.0),
-    "llama3-70b": (8192, 28672, 64, 8, 80, 128256, 500000.0),
-}
-FP8_MAX = 448.0
+from torch_model import FP8_MAX, PRESETS, parse_shapes  # the eager peer's shapes and parsing
+
 BACKENDS = ("cudnn", "flash", "efficient")
 
 
@@ -62,16 +58,7 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", default="torch-compiled.json")
     args = ap.parse_args(argv)
-    shapes = []
-    for b in args.batches:
-        try:
-            seqs, length = (int(v) for v in b.split("x"))
-        except ValueError:
-            ap.error("--batches: %r is not SEQSxLEN" % b)
-        if seqs < 1 or length < 1:
-            ap.error("--batches: %r must be positive" % b)
-        shapes.append((seqs, length))
-    args.shapes = shapes
+    args.shapes = parse_shapes(ap, args.batches)
     if args.layers < 0:
         ap.error("--layers: %d is negative" % args.layers)
     if args.warmup < 1 or args.rounds < 1:

@@ -350,14 +350,14 @@ StatusOr<std::pair<int64_t, int64_t>> CudaModel::UploadBatch(const TokenBatch& b
   // Sequence slots: the batch's sequences and the padding one, rounded up to
   // a power of two (the attention grid and the LM head scale with them).
   const int64_t seq_slots = SequenceSlots(seqs + 1, options_.max_seqs);
-  int32_t* host = upload_host_.as<int32_t>();
-  PadBatchInto(batch, m, seq_slots, host, host + max_m_, host + 2 * max_m_);
+  const HostUpload host = host_upload();
+  PadBatchInto(batch, m, seq_slots, host.ids, host.positions, host.cu_seqlens);
   TP_CUDA_CHECK(cudaSetDevice(pool_->base().device()));
   cudaStream_t st = stream_.get();
-  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), host, m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), host.ids, m * 4, cudaMemcpyHostToDevice, st));
   TP_CUDA_CHECK(
-      cudaMemcpyAsync(positions_.data(), host + max_m_, m * 4, cudaMemcpyHostToDevice, st));
-  TP_CUDA_CHECK(cudaMemcpyAsync(cu_seqlens_.data(), host + 2 * max_m_, (seq_slots + 1) * 4,
+      cudaMemcpyAsync(positions_.data(), host.positions, m * 4, cudaMemcpyHostToDevice, st));
+  TP_CUDA_CHECK(cudaMemcpyAsync(cu_seqlens_.data(), host.cu_seqlens, (seq_slots + 1) * 4,
                                 cudaMemcpyHostToDevice, st));
   // The pinned source is rewritten by the next pass only, after this one's wait.
   return std::pair<int64_t, int64_t>{m, seq_slots};
@@ -412,6 +412,11 @@ std::vector<std::pair<int64_t, int64_t>> CudaModel::GraphSegments() const {
   return out;
 }
 
+CudaModel::HostUpload CudaModel::host_upload() const {
+  int32_t* base = upload_host_.as<int32_t>();
+  return {base, base + max_m_, base + 2 * max_m_, base + 2 * max_m_ + options_.max_seqs + 2};
+}
+
 StatusOr<std::vector<float>> CudaModel::Forward(const TokenBatch& batch) {
   TP_ASSIGN_OR_RETURN(const std::span<const float> logits, Pass(batch, /*download=*/true));
   return std::vector<float>(logits.begin(), logits.end());
@@ -450,7 +455,7 @@ StatusOr<std::span<const float>> CudaModel::Pass(const TokenBatch& batch, bool d
   // rank's slice of the batch's sequences' rows first goes into its columns of whole rows on
   // the device (the padding's and the empty slots' rows are not read), so that the download
   // is one contiguous copy (a strided one to the host runs at a fraction of the link's speed).
-  int32_t* flag = upload_host_.as<int32_t>() + 2 * max_m_ + options_.max_seqs + 2;
+  int32_t* flag = host_upload().error_flag;
   TP_CUDA_CHECK(cudaMemcpyAsync(flag, error_flag_.data(), 4, cudaMemcpyDeviceToHost, st));
   const int64_t vocab_l = c.vocab_size / tp_;
   float* logits = logits_host_.as<float>();

@@ -208,6 +208,12 @@ class CudaModel {
   // uploads ids, positions and sequence boundaries on stream_: {bucket m,
   // sequence slots}.
   StatusOr<std::pair<int64_t, int64_t>> UploadBatch(const TokenBatch& batch);
+  // upload_host_'s parts (its one layout): ids [max_m], positions [max_m], cu_seqlens
+  // [max_seqs + 2], the error flag read back [1].
+  struct HostUpload {
+    int32_t *ids, *positions, *cu_seqlens, *error_flag;
+  };
+  HostUpload host_upload() const;
   // Forward, Run and ForwardView: the pass, and with `download` the logits into
   // logits_host_ ([sequences, vocab] of them in the returned view; empty without).
   StatusOr<std::span<const float>> Pass(const TokenBatch& batch, bool download);
@@ -308,9 +314,8 @@ class CudaModel {
   DeviceBuffer rope_inv_freq_;
   // Batch metadata and activations.
   DeviceBuffer ids_, positions_, cu_seqlens_, error_flag_;
-  // The pass's host side, pinned: ids [max_m], positions [max_m], cu_seqlens [max_seqs + 3]
-  // and the error flag read back (one int32) in upload_host_; the logits in logits_host_
-  // (FP32 [max_seqs + 1, vocab]).
+  // The pass's host side, pinned: the batch going up and the error flag coming back in
+  // upload_host_ (host_upload()); the logits in logits_host_ (FP32 [max_seqs + 1, vocab]).
   PinnedHostBuffer upload_host_, logits_host_;
   // tp > 1: FP32 [max_seqs + 1, vocab], the ranks' slices of logits_all_ as whole rows, the
   // source of one contiguous download.

@@ -126,6 +126,7 @@ Status CudaModel::AllocateActivations() {
     TP_ASSIGN_OR_RETURN(logits_local_, Alloc(seqs * vocab_l * 4, "logits_local"));
   }
   TP_ASSIGN_OR_RETURN(logits_all_, Alloc(tp_ * seqs * vocab_l * 4, "logits_all"));
+  // host_upload()'s parts: ids and positions [m], cu_seqlens [seqs + 1], the error flag.
   TP_ASSIGN_OR_RETURN(upload_host_,
                       PinnedHostBuffer::Allocate((2 * m + seqs + 2) * 4, "batch_upload"));
   TP_ASSIGN_OR_RETURN(logits_host_,
