@@ -58,14 +58,15 @@ struct Flags {
   uint64_t seed = 7;
   std::string out = "model.json";
   std::string commit = "unknown";
-  std::string gemm_algo = "timed";      // GemmAlgoSelection of every GEMM
-  std::string graph_priority = "node";  // CudaGraphExec::Priority of every graph
-  bool dynamic_input_scales = false;    // FP8 inputs scaled per batch (CudaModelOptions)
-  bool stages = false;                  // also where an eager pass spends its time
-  double check_logits = -1;             // >= 0: fail above this rel. difference from none
-  int idle_ms = 0;                      // the GPUs idle this long before every timed pass
-  bool eager = false;                   // time eager passes, no CUDA graphs
-  int graph_blocks = 0;                 // > 0: one graph per this many blocks
+  std::string gemm_algo = "timed";          // GemmAlgoSelection of every GEMM
+  std::string graph_priority = "node";      // CudaGraphExec::Priority of every graph
+  bool dynamic_input_scales = false;        // FP8 inputs scaled per batch (CudaModelOptions)
+  std::string scale_scheme = "per_tensor";  // FP8 scale scheme (CudaModelOptions, tp 1)
+  bool stages = false;                      // also where an eager pass spends its time
+  double check_logits = -1;                 // >= 0: fail above this rel. difference from none
+  int idle_ms = 0;                          // the GPUs idle this long before every timed pass
+  bool eager = false;                       // time eager passes, no CUDA graphs
+  int graph_blocks = 0;                     // > 0: one graph per this many blocks
 };
 
 struct BatchShape {
@@ -181,6 +182,12 @@ int Main(int argc, char** argv) {
   app.add_flag("--dynamic-input-scales", f.dynamic_input_scales,
                "Scale every FP8 layer's input per batch from its amax, as for a checkpoint "
                "without input scales (default: the static scales of the random weights)");
+  app.add_option("--scale-scheme", f.scale_scheme,
+                 "FP8 scale scheme of every TP layer (tp 1 only besides per_tensor): per_tensor; "
+                 "per_token_channel (a scale per weight row, the input quantized per token for "
+                 "every batch); blockwise (128x128 weight blocks, 1x128 input groups)")
+      ->check(CLI::IsMember({"per_tensor", "per_token_channel", "blockwise"}))
+      ->capture_default_str();
   app.add_flag("--stages", f.stages,
                "After the timed rounds, one eager pass per (batch, setting) timed stage by stage "
                "with CUDA events on rank 0 (embedding, norm, qkv, rope, attention, o, gate_up, "
@@ -276,6 +283,7 @@ int Main(int argc, char** argv) {
   options.max_seqs = max_seqs;
   for (const BatchShape& b : shapes) options.buckets.push_back(b.seqs * b.len);
   options.dynamic_input_scales = f.dynamic_input_scales;
+  options.scale_scheme = ParseGemmScaleScheme(f.scale_scheme).value();  // CLI checked it
   options.cuda_graphs = !f.eager;
   options.time_passes = true;
   options.graph_blocks = f.graph_blocks;
@@ -377,6 +385,7 @@ int Main(int argc, char** argv) {
              {"gemm_algo", f.gemm_algo},
              {"graph_priority", f.graph_priority},
              {"input_scales", f.dynamic_input_scales ? "dynamic" : "static"},
+             {"scale_scheme", f.scale_scheme},
              {"idle_ms", f.idle_ms},
              {"cuda_graphs", !f.eager},
              {"graph_blocks", f.graph_blocks}}},

@@ -91,7 +91,8 @@ Status CudaModel::AllocateGeneration() {
   // max_seqs (decode steps), then the token buckets.
   std::vector<int64_t> wanted = buckets_;
   for (int64_t b = 8; b < std::min(o.max_seqs * 2, max_m_); b *= 2) wanted.push_back(b);
-  TP_ASSIGN_OR_RETURN(g.buckets, MakeTokenBuckets(o.max_tokens, tp_, wanted));
+  TP_ASSIGN_OR_RETURN(g.buckets,
+                      MakeTokenBuckets(o.max_tokens, static_cast<int>(bucket_multiple_), wanted));
   // Splits for decode-sized launches (larger ones have parallelism enough and get fewer).
   TP_ASSIGN_OR_RETURN(const int64_t ws_tokens, BucketFor(g.buckets, std::min(o.max_seqs, max_m_)));
   const size_t ws = PagedAttentionWorkspaceBytes(ws_tokens, c.num_attention_heads / tp_,

@@ -35,11 +35,13 @@ StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, 
     TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(s.Name(block), s.op, s.n, s.k, m, tp_));
   }
   const int64_t n_local = s.local_n(tp_), k_local = s.local_k(tp_);
-  const std::string key = std::string(OverlapOpName(s.op)) + " " + std::to_string(n_local) + "x" +
-                          std::to_string(k_local) + " " + knobs.ToString();
+  const GemmScaleScheme scheme = layers_[block].at(s.index).scheme;
+  std::string key = std::string(OverlapOpName(s.op)) + " " + std::to_string(n_local) + "x" +
+                    std::to_string(k_local) + " " + knobs.ToString();
+  if (scheme != GemmScaleScheme::kPerTensor) key += " " + std::string(GemmScaleSchemeName(scheme));
   auto it = linears_.find(key);
   if (it == linears_.end()) {
-    CudaLinearShape shape{s.op, dtype_, max_m_, n_local, k_local};
+    CudaLinearShape shape{s.op, dtype_, max_m_, n_local, k_local, scheme};
     CudaLinearOptions lo;
     lo.gemm_algo = options_.gemm_algo;
     TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("model." + key, shape, knobs, *pool_, lo));
@@ -52,8 +54,8 @@ StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, 
 Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y,
                             CudaLinear::SplitOutput* split) {
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
-  const float* x_scale = fp8 ? w.x_scale() : nullptr;
-  const float* w_scale = fp8 ? w.w_scale() : nullptr;
+  const float* x_scale = !fp8 ? nullptr : w.fine() ? a_scales_.as<float>() : w.x_scale();
+  const float* w_scale = !fp8 ? nullptr : w.fine() ? w.w_scales.as<float>() : w.w_scale();
   const void* weight = w.w.data();
   if (layer.knobs().full_weight) {
     weight = w.w_full.data();
@@ -87,8 +89,20 @@ Status CudaModel::Mark(const char* stage) {
   return Status::Ok();
 }
 
-Status CudaModel::QuantizeInput(const BFloat16* src, int64_t count, const Linear& w, void* out) {
+Status CudaModel::QuantizeInput(const BFloat16* src, int64_t rows, int64_t cols, const Linear& w,
+                                void* out) {
   cudaStream_t st = stream_.get();
+  if (w.fine()) {
+    QuantizeFp8DynamicParams q;
+    q.input = src;
+    q.output = static_cast<uint8_t*>(out);
+    q.scales = a_scales_.as<float>();
+    q.rows = rows;
+    q.cols = cols;
+    q.granularity = w.scheme == GemmScaleScheme::kBlockwise ? Fp8ScaleGranularity::kPerGroup128
+                                                            : Fp8ScaleGranularity::kPerRow;
+    return LaunchQuantizeFp8Dynamic(q, st);
+  }
   if (w.dynamic) {
     float* amax = amax_.as<float>();
     const bool gather = tp_ > 1;
@@ -100,7 +114,7 @@ Status CudaModel::QuantizeInput(const BFloat16* src, int64_t count, const Linear
   q.input = src;
   q.input_type = DataType::kBFloat16;
   q.output = static_cast<uint8_t*>(out);
-  q.count = static_cast<size_t>(count);
+  q.count = static_cast<size_t>(rows * cols);
   q.scale = w.x_scale();
   return LaunchQuantizeToFp8E4M3(q, st);
 }
@@ -112,12 +126,12 @@ Status CudaModel::AddNorm(const CudaLinear::SplitOutput& residual, const DeviceB
   p.input = x_.as<BFloat16>();
   SetResidual(residual, x_.as<BFloat16>(), p);
   p.weight = weight.as<BFloat16>();
-  if (fp8 && !next_w.dynamic) {
+  if (fp8 && !next_w.staged()) {
     p.out_fp8 = static_cast<uint8_t*>(next.input(m));
     p.out_fp8_scale = next_w.x_scale();
-  } else if (fp8) {  // dynamic: BF16 staging and its amax
+  } else if (fp8) {  // BF16 staging (and its amax for a dynamic scale)
     p.out = normed_.as<BFloat16>();
-    p.out_amax = amax_.as<float>();
+    p.out_amax = next_w.dynamic ? amax_.as<float>() : nullptr;
   } else {
     p.out = static_cast<BFloat16*>(next.input(m));
   }
@@ -125,8 +139,8 @@ Status CudaModel::AddNorm(const CudaLinear::SplitOutput& residual, const DeviceB
   p.dim = config_.hidden_size;
   p.eps = static_cast<float>(config_.rms_norm_eps);
   TP_RETURN_IF_ERROR(LaunchRmsNorm(p, stream_.get()));
-  if (!fp8 || !next_w.dynamic) return Status::Ok();
-  return QuantizeInput(normed_.as<BFloat16>(), rows * config_.hidden_size, next_w, next.input(m));
+  if (!fp8 || !next_w.staged()) return Status::Ok();
+  return QuantizeInput(normed_.as<BFloat16>(), rows, config_.hidden_size, next_w, next.input(m));
 }
 
 Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int64_t end_block) {
@@ -213,18 +227,19 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.v = qkv_y + (nh_l + nkv_l) * hd;
     at.v_row_stride = qkv_n_l;
     // Into o's input: BF16 layers read the output as is; FP8 layers with a static scale get
-    // its E4M3 codes from the kernel; dynamic ones stage BF16 and its amax for QuantizeInput.
+    // its E4M3 codes from the kernel; the others stage BF16 (dynamic ones with its amax) for
+    // QuantizeInput.
     if (!fp8) {
       at.out = static_cast<BFloat16*>(o->input(m));
       at.out_row_stride = nh_l * hd;
-    } else if (!lw.o.dynamic) {
+    } else if (!lw.o.staged()) {
       at.out_fp8 = static_cast<uint8_t*>(o->input(m));
       at.out_fp8_row_stride = nh_l * hd;
       at.out_fp8_scale = lw.o.x_scale();
     } else {
       at.out = attn_.as<BFloat16>();
       at.out_row_stride = nh_l * hd;
-      at.out_amax = amax_.as<float>();
+      at.out_amax = lw.o.dynamic ? amax_.as<float>() : nullptr;
     }
     at.cu_seqlens = cu_seqlens_.as<int32_t>();
     at.num_seqs = seq_slots;
@@ -235,8 +250,8 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.head_dim = hd;
     TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
   }
-  if (fp8 && (lw.o.dynamic || stepping_)) {
-    TP_RETURN_IF_ERROR(QuantizeInput(attn_.as<BFloat16>(), m * nh_l * hd, lw.o, o->input(m)));
+  if (fp8 && (lw.o.staged() || stepping_)) {
+    TP_RETURN_IF_ERROR(QuantizeInput(attn_.as<BFloat16>(), m, nh_l * hd, lw.o, o->input(m)));
   }
   TP_RETURN_IF_ERROR(Mark("attention"));
   Split o_out;
@@ -249,20 +264,20 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   TP_RETURN_IF_ERROR(Mark("gate_up"));
   SwiGluParams sw;
   sw.gate_up = gate_up_out_.as<BFloat16>();
-  if (fp8 && !lw.down.dynamic) {
+  if (fp8 && !lw.down.staged()) {
     sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
     sw.out_fp8_scale = lw.down.x_scale();
-  } else if (fp8) {  // dynamic: BF16 staging and its amax
+  } else if (fp8) {  // BF16 staging (and its amax for a dynamic scale)
     sw.out = act_.as<BFloat16>();
-    sw.out_amax = amax_.as<float>();
+    sw.out_amax = lw.down.dynamic ? amax_.as<float>() : nullptr;
   } else {
     sw.out = static_cast<BFloat16*>(down->input(m));
   }
   sw.rows = m;
   sw.inter = inter_l;
   TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
-  if (fp8 && lw.down.dynamic) {
-    TP_RETURN_IF_ERROR(QuantizeInput(act_.as<BFloat16>(), m * inter_l, lw.down, down->input(m)));
+  if (fp8 && lw.down.staged()) {
+    TP_RETURN_IF_ERROR(QuantizeInput(act_.as<BFloat16>(), m, inter_l, lw.down, down->input(m)));
   }
   TP_RETURN_IF_ERROR(Mark("swiglu"));
   TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data(), &pending));

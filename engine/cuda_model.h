@@ -81,6 +81,10 @@ struct CudaModelOptions {
   // CreateRandom only: every FP8 layer scales its input per batch, as the
   // layers of a checkpoint without input scales do (to measure that cost).
   bool dynamic_input_scales = false;
+  // CreateRandom only, FP8 at tp 1: every layer's weight scaled as this scheme says (all its
+  // scales equal) and its input quantized per row / 1x128 group for every batch, as the layers
+  // of a per-channel or block-wise checkpoint are (to measure what the scheme costs).
+  GemmScaleScheme scale_scheme = GemmScaleScheme::kPerTensor;
   // Generation (Step): a paged KV cache of kv_blocks blocks of kv_block_size tokens, this
   // rank's KV heads, allocated at Create. 0 blocks: no cache, Step answers
   // FAILED_PRECONDITION.
@@ -221,7 +225,8 @@ class CudaModel {
   static StatusOr<std::unique_ptr<CudaModel>> NewShell(const ModelConfig& config, DataType dtype,
                                                        const OverlapConfig* overlap,
                                                        NcclCommPool& pool,
-                                                       const CudaModelOptions& options);
+                                                       const CudaModelOptions& options,
+                                                       int64_t row_multiple = 1);
   Status AllocateActivations();
   // Generation's buffers (KV pool, step upload, sampling), for options_.kv_blocks > 0.
   Status AllocateGeneration();
@@ -247,6 +252,9 @@ class CudaModel {
   static StatusOr<std::vector<std::pair<std::string, double>>> StagesFromMarks(
       const std::vector<std::pair<const char*, CudaEvent>>& marks, std::vector<double>* block_ms);
   Status SetScales(Linear* out, float input_scale, float weight_scale, const std::string& name);
+  // A per-channel or block-wise FP8 weight's scales as the GEMM reads them (Linear::w_scales),
+  // at tp 1; INVALID_ARGUMENT naming the layer for a block-wise shape the GEMM cannot take.
+  Status SetFineScales(Linear* out, const LinearWeight& lw, const std::string& name);
   // The TP layer `s` of block `block` at bucket `m` (its overlap knobs
   // resolved by name), made on first use and prepared for m.
   StatusOr<CudaLinear*> LayerFor(const TpLayerShape& s, int64_t block, int64_t m);
@@ -271,17 +279,18 @@ class CudaModel {
   // from the one before it, which must have been enqueued (or captured) first.
   Status Enqueue(int64_t m, int64_t seq_slots, int64_t first_block = 0, int64_t end_block = -1);
   // Enqueue's parts. Mark: while ProfileStages runs, an event at the end of `stage` (null: the
-  // start). QuantizeInput: a TP layer's FP8 input from `count` BF16 values at `src`, quantized
+  // start). QuantizeInput: a TP layer's FP8 input from BF16 [rows, cols] at `src`, quantized
   // with the layer's x_scale (which its GEMM reads); a dynamic layer first sets x_scale from this
   // batch: the amax of `src`, which its producer (RMSNorm, attention, SwiGLU) left in amax_[0],
-  // the largest over all ranks' parts (the whole input's, and one scale for a gathered operand).
+  // the largest over all ranks' parts (the whole input's, and one scale for a gathered operand);
+  // a fine layer's scales are computed per row / 1x128 group into a_scales_.
   // AddNorm: add & norm of the stream x_ and `residual` (possibly two addends) into `next`'s
   // input, FP8 with its input scale (static, or from this batch via BF16 in normed_) or BF16.
   // EnqueueBlock: block l; `pending` is the previous block's output still to be added, and
   // becomes this block's. EnqueueHead: the final add & norm, then the LM head on each
   // sequence's last row (and sampling while stepping_).
   Status Mark(const char* stage);
-  Status QuantizeInput(const BFloat16* src, int64_t count, const Linear& w, void* out);
+  Status QuantizeInput(const BFloat16* src, int64_t rows, int64_t cols, const Linear& w, void* out);
   Status AddNorm(const CudaLinear::SplitOutput& residual, const DeviceBuffer& weight,
                  CudaLinear& next, const Linear& next_w, int64_t m, int64_t rows);
   Status EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t rows,
@@ -331,6 +340,13 @@ class CudaModel {
   // [max_m, heads/tp x head_dim], SwiGLU's BF16 output [max_m, I/tp].
   bool dynamic_inputs_ = false;
   DeviceBuffer amax_, attn_, act_;
+  // Layers with per-channel or block-wise weights (Linear::fine): their inputs' scales, one
+  // float per row or per 1x128 group of the largest input ([max_m x k_max / 128]).
+  bool fine_inputs_ = false;
+  DeviceBuffer a_scales_;
+  // Token and step buckets are multiples of this: tp, and 4 with block-wise layers (cuBLASLt's
+  // blockwise GEMM takes m % 4 == 0 only).
+  int64_t bucket_multiple_ = 1;
   std::map<std::string, std::unique_ptr<CudaLinear>> linears_;  // by op/shape/knobs
   // Set by ProfileStages for one eager Enqueue: an event recorded at its
   // start (null name) and at the end of every stage (the stage's name).

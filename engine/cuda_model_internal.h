@@ -19,6 +19,16 @@ struct CudaModel::Linear {
   // FP8 input scaled per batch from its amax (LinearWeight::dynamic_input):
   // the forward pass writes x_scale before the layer reads it.
   bool dynamic = false;
+  // FP8 scale scheme (CudaLinearShape::scale_scheme). kPerTensor: `scales` above. The finer
+  // schemes (tp 1): w_scales holds the weight's scales as the GEMM reads them (n floats, or
+  // the 128x128 blocks at BlockwiseWeightScalePitch(k)), and the input is quantized for every
+  // batch per row / 1x128 group, its scales in the model's a_scales_.
+  GemmScaleScheme scheme = GemmScaleScheme::kPerTensor;
+  DeviceBuffer w_scales;
+  bool fine() const { return scheme != GemmScaleScheme::kPerTensor; }
+  // The input is quantized by CudaModel::QuantizeInput from its producer's BF16 output
+  // (dynamic or fine), not by the producer itself.
+  bool staged() const { return dynamic || fine(); }
   const float* x_scale() const { return scales.as<float>(); }
   const float* w_scale() const { return scales.as<float>() + 4; }
 };

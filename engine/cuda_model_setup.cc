@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <string_view>
 #include <utility>
 
@@ -53,7 +54,8 @@ Status CudaModel::Close() {
 StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& config, DataType dtype,
                                                          const OverlapConfig* overlap,
                                                          NcclCommPool& pool,
-                                                         const CudaModelOptions& options) {
+                                                         const CudaModelOptions& options,
+                                                         int64_t row_multiple) {
   NcclCommunicator& comm = pool.base();
   const int tp = comm.size(), rank = comm.rank();
   TP_RETURN_IF_ERROR(config.ValidateForTp(tp));
@@ -84,7 +86,10 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   md.tp_ = tp;
   md.rank_ = rank;
   md.dtype_ = dtype;
-  TP_ASSIGN_OR_RETURN(md.buckets_, MakeTokenBuckets(options.max_tokens, tp, options.buckets));
+  md.bucket_multiple_ = std::lcm<int64_t>(tp, row_multiple);
+  TP_ASSIGN_OR_RETURN(
+      md.buckets_,
+      MakeTokenBuckets(options.max_tokens, static_cast<int>(md.bucket_multiple_), options.buckets));
   md.max_m_ = md.buckets_.back();
   TP_ASSIGN_OR_RETURN(md.stream_, CudaStream::Create());
   TP_ASSIGN_OR_RETURN(md.pass_start_, CudaEvent::Create(/*enable_timing=*/true));
@@ -135,7 +140,11 @@ Status CudaModel::AllocateActivations() {
     TP_ASSIGN_OR_RETURN(logits_rows_, Alloc(seqs * c.vocab_size * 4, "logits_rows"));
   }
   TP_ASSIGN_OR_RETURN(lm_gemm_, CublasLtGemm::Create("lm_head", options_.gemm_algo));
-  if (dynamic_inputs_ || options_.kv_blocks > 0) {
+  if (fine_inputs_) {
+    const int64_t groups = (std::max({h, attn_n, inter_l}) + kGemmScaleBlock - 1) / kGemmScaleBlock;
+    TP_ASSIGN_OR_RETURN(a_scales_, Alloc(m * groups * 4, "input_scales"));
+  }
+  if (dynamic_inputs_ || fine_inputs_ || options_.kv_blocks > 0) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
     // and the BF16 outputs of attention and SwiGLU staged for o's and down's
     // quantization (static scales quantize in those kernels; paged attention does not).
@@ -157,13 +166,27 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
   const int tp = pool.base().size();
   // Sizes and types against the config, before anything is uploaded.
   TP_RETURN_IF_ERROR(ValidateRankWeights(config, weights, tp, pool.base().rank()));
-  TP_ASSIGN_OR_RETURN(auto model, NewShell(config, weights.dtype, overlap, pool, options));
+  // Per-channel and block-wise weights run as they are at tp 1 (CudaLinearShape::scale_scheme);
+  // with more ranks they are folded to one scale per tensor, or refused (block-wise).
+  auto native = [&](const LinearWeight& w) {
+    return tp == 1 && w.dtype == DataType::kFloat8E4M3 && w.scheme != Fp8Scheme::kPerTensor;
+  };
+  bool any_block = false;
+  for (const LayerWeights& lw : weights.layers) {
+    for (const LinearWeight* w : {&lw.qkv, &lw.o, &lw.gate_up, &lw.down}) {
+      any_block = any_block || (native(*w) && w->scheme == Fp8Scheme::kBlock);
+    }
+  }
+  TP_ASSIGN_OR_RETURN(auto model,
+                      NewShell(config, weights.dtype, overlap, pool, options, any_block ? 4 : 1));
   CudaModel& md = *model;
   auto upload_linear = [&](const LinearWeight& given, const std::string& name,
                            Linear* out) -> Status {
     LinearWeight folded;
-    TP_ASSIGN_OR_RETURN(const LinearWeight* gemm_weight,
-                        FoldScalesForPerTensorGemm(given, name, &folded));
+    const LinearWeight* gemm_weight = &given;
+    if (!native(given)) {
+      TP_ASSIGN_OR_RETURN(gemm_weight, FoldScalesForPerTensorGemm(given, name, &folded));
+    }
     const LinearWeight& lw = *gemm_weight;
     if (lw.dtype != weights.dtype) {
       return InvalidArgumentError(name + ": mixed weight types are not supported");
@@ -174,8 +197,13 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
     TP_CUDA_CHECK(
         cudaMemcpy(out->w.data(), lw.data.data(), lw.data.size(), cudaMemcpyHostToDevice));
     TP_RETURN_IF_ERROR(md.SetScales(out, lw.input_scale, lw.weight_scale, name));
-    out->dynamic = lw.dtype == DataType::kFloat8E4M3 && lw.dynamic_input;
+    if (native(lw)) {
+      TP_RETURN_IF_ERROR(md.SetFineScales(out, lw, name));
+    } else {
+      out->dynamic = lw.dtype == DataType::kFloat8E4M3 && lw.dynamic_input;
+    }
     md.dynamic_inputs_ = md.dynamic_inputs_ || out->dynamic;
+    md.fine_inputs_ = md.fine_inputs_ || out->fine();
     md.weight_bytes_ += lw.data.size();
     return Status::Ok();
   };
@@ -213,6 +241,42 @@ Status CudaModel::SetScales(Linear* out, float input_scale, float weight_scale,
   TP_ASSIGN_OR_RETURN(out->scales, DeviceBuffer::Allocate(8 * sizeof(float), name + ".scales"));
   const float s[8] = {input_scale, 0, 0, 0, weight_scale, 0, 0, 0};
   TP_CUDA_CHECK(cudaMemcpy(out->scales.data(), s, sizeof s, cudaMemcpyHostToDevice));
+  return Status::Ok();
+}
+
+Status CudaModel::SetFineScales(Linear* out, const LinearWeight& lw, const std::string& name) {
+  std::vector<float> s;
+  if (lw.scheme == Fp8Scheme::kPerChannel) {
+    out->scheme = GemmScaleScheme::kPerTokenChannel;
+    if (static_cast<int64_t>(lw.weight_scales.size()) != lw.n) {
+      return InvalidArgumentError(name + ": " + std::to_string(lw.weight_scales.size()) +
+                                  " per-channel weight scales for " + std::to_string(lw.n) +
+                                  " rows");
+    }
+    s = lw.weight_scales;
+  } else {
+    out->scheme = GemmScaleScheme::kBlockwise;
+    if (lw.n % kGemmScaleBlock != 0 || lw.k % kGemmScaleBlock != 0) {
+      return InvalidArgumentError(
+          name + ": block-wise FP8 on the GPU needs this rank's weight to be whole 128x128 " +
+          "blocks, got [" + std::to_string(lw.n) + ", " + std::to_string(lw.k) + "]");
+    }
+    // The checkpoint's grid [n/128, k/128] row-major, each row padded to the GEMM's pitch.
+    const int64_t rows = lw.n / kGemmScaleBlock, cols = lw.k / kGemmScaleBlock;
+    const int64_t pitch = BlockwiseWeightScalePitch(lw.k);
+    if (static_cast<int64_t>(lw.weight_scales.size()) != rows * cols) {
+      return InvalidArgumentError(name + ": " + std::to_string(lw.weight_scales.size()) +
+                                  " block scales for a grid of " + std::to_string(rows) + "x" +
+                                  std::to_string(cols));
+    }
+    s.assign(rows * pitch, 1.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(lw.weight_scales.begin() + r * cols, cols, s.begin() + r * pitch);
+    }
+  }
+  TP_ASSIGN_OR_RETURN(out->w_scales, Alloc(static_cast<int64_t>(s.size() * 4), name + ".w_scales"));
+  TP_CUDA_CHECK(cudaMemcpy(out->w_scales.data(), s.data(), s.size() * 4, cudaMemcpyHostToDevice));
+  weight_bytes_ += out->w_scales.size();
   return Status::Ok();
 }
 
@@ -257,7 +321,15 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
                                                              const OverlapConfig* overlap,
                                                              NcclCommPool& pool,
                                                              const CudaModelOptions& options) {
-  TP_ASSIGN_OR_RETURN(auto model, NewShell(config, dtype, overlap, pool, options));
+  const GemmScaleScheme scheme =
+      dtype == DataType::kFloat8E4M3 ? options.scale_scheme : GemmScaleScheme::kPerTensor;
+  if (scheme != GemmScaleScheme::kPerTensor && pool.base().size() > 1) {
+    return UnimplementedError("CudaModelOptions.scale_scheme " +
+                              std::string(GemmScaleSchemeName(scheme)) +
+                              " runs at tp 1 only, got tp " + std::to_string(pool.base().size()));
+  }
+  TP_ASSIGN_OR_RETURN(auto model, NewShell(config, dtype, overlap, pool, options,
+                                           scheme == GemmScaleScheme::kBlockwise ? 4 : 1));
   CudaModel& md = *model;
   const ModelConfig& c = config;
   const int tp = md.tp_;
@@ -284,8 +356,23 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
     out->k = k;
     const bool fp8 = dtype == DataType::kFloat8E4M3;
     TP_RETURN_IF_ERROR(random(&out->w, dtype, n * k, fp8 ? 448.0f : a, name + ".weight"));
-    out->dynamic = fp8 && options.dynamic_input_scales;
+    out->dynamic = fp8 && options.dynamic_input_scales && scheme == GemmScaleScheme::kPerTensor;
     md.dynamic_inputs_ = md.dynamic_inputs_ || out->dynamic;
+    if (scheme != GemmScaleScheme::kPerTensor) {  // every weight scale a / 448, as per tensor
+      out->scheme = scheme;
+      md.fine_inputs_ = true;
+      if (scheme == GemmScaleScheme::kBlockwise && (n % kGemmScaleBlock || k % kGemmScaleBlock)) {
+        return InvalidArgumentError(name + ": block-wise scales need n and k multiples of 128");
+      }
+      const int64_t count = scheme == GemmScaleScheme::kPerTokenChannel
+                                ? n
+                                : n / kGemmScaleBlock * BlockwiseWeightScalePitch(k);
+      TP_ASSIGN_OR_RETURN(out->w_scales, Alloc(count * 4, name + ".w_scales"));
+      const float s = a / 448.0f;
+      uint32_t bits;
+      std::memcpy(&bits, &s, 4);
+      TP_RETURN_IF_ERROR(LaunchFillPattern(out->w_scales.data(), count, 4, bits, st));
+    }
     return md.SetScales(out, 8.0f / 448.0f, fp8 ? a / 448.0f : 1.0f, name);
   };
   TP_RETURN_IF_ERROR(random(&md.embed_, DataType::kBFloat16, c.vocab_size * h, 1.0f, "embed"));
@@ -312,7 +399,7 @@ size_t CudaModel::device_bytes() const {
   for (const DeviceBuffer* b :
        {&rope_inv_freq_, &ids_, &positions_, &cu_seqlens_, &x_, &o_out_, &down_out_, &normed_,
         &qkv_out_, &attn_, &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_,
-        &logits_rows_, &amax_, &act_}) {
+        &logits_rows_, &amax_, &act_, &a_scales_}) {
     total += b->size();
   }
   for (const auto& [key, layer] : linears_) total += layer->device_bytes();

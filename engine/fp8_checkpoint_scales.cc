@@ -317,14 +317,15 @@ StatusOr<const LinearWeight*> FoldScalesForPerTensorGemm(const LinearWeight& w,
   if (w.dtype != DataType::kFloat8E4M3 || w.scheme == Fp8Scheme::kPerTensor) return &w;
   if (w.scheme == Fp8Scheme::kBlock) {
     return UnimplementedError(name +
-                              ": block-wise FP8 weight scales (128x128 blocks) are not "
-                              "run by the CUDA engine yet; use the CPU backend or --dtype bf16");
+                              ": block-wise FP8 weight scales (128x128 blocks) are run by the "
+                              "CUDA engine at tp 1 only; use --tp 1, the CPU backend or --dtype "
+                              "bf16");
   }
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true)) {
     spdlog::warn(
         "{}: {} FP8 weight scales (per output channel, per-token activations) are "
-        "folded to one scale per tensor for the CUDA engine's GEMM, with dynamic "
+        "folded to one scale per tensor for the CUDA engine's GEMM at tp > 1, with dynamic "
         "per-tensor activation scales: less accurate than the checkpoint's scheme",
         name, Fp8SchemeName(w.scheme));
   }

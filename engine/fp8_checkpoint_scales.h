@@ -1,7 +1,7 @@
 // FP8 scale schemes of a checkpoint's linear layers (layers/fp8.h's Fp8Scheme): reading and
 // checking the scale tensors, what config.json's quantization_config declares, fusing the
-// parts of a fused projection, and the fold the CUDA engine applies until its GEMM takes the
-// finer schemes.
+// parts of a fused projection, and the fold the CUDA engine applies at tp > 1, where its layers
+// take one scale per tensor.
 //
 // Layouts read (the weight is [rows, cols] = [out, in]):
 //   per tensor   `weight_scale` [] or [1] (ModelOpt quant_algo FP8, compressed-tensors
@@ -105,12 +105,12 @@ Status TakeScales(const WeightScales& ws, int tp, LinearPart* part);
 // 1x128 group): dynamic_input is set and input_scale unused.
 StatusOr<LinearWeight> FuseParts(const std::vector<LinearPart>& parts, DataType dtype, int tp);
 
-// The CUDA engine's GEMM takes one scale per tensor (until its cuBLASLt path takes the
-// finer schemes). Returns the weight that GEMM is to use: `w` itself when it is per-tensor
-// (or BF16); for per-channel, a copy in *storage requantized to one scale per tensor (the
-// largest row scale) with dynamic per-tensor input scaling, after a warning (once per
-// process) naming the scheme; UNIMPLEMENTED naming `name` for block-wise. The one place to
-// replace when the GPU GEMM takes per-channel and block scales.
+// The CUDA engine's layers at tp > 1 take one scale per tensor (at tp 1 they run every scheme:
+// layers/cuda_linear.h, CudaLinearShape::scale_scheme). Returns the weight such a layer is to
+// use: `w` itself when it is per-tensor (or BF16); for per-channel, a copy in *storage
+// requantized to one scale per tensor (the largest row scale) with dynamic per-tensor input
+// scaling, after a warning (once per process) naming the scheme; UNIMPLEMENTED naming `name`
+// for block-wise.
 StatusOr<const LinearWeight*> FoldScalesForPerTensorGemm(const LinearWeight& w,
                                                          const std::string& name,
                                                          LinearWeight* storage);

@@ -101,6 +101,42 @@ Status CudaLinear::Close() {
   return all_unmapped.WithContext("closing layer " + name_);
 }
 
+namespace {
+
+// The scale schemes beyond one scale per tensor run where the layer is one GEMM over X as the
+// caller wrote it (see CudaLinearShape::scale_scheme).
+Status CheckScaleScheme(const std::string& ctx, const CudaLinearShape& shape,
+                        const LinearKnobs& knobs, int tp) {
+  const GemmScaleScheme scheme = shape.scale_scheme;
+  if (scheme == GemmScaleScheme::kPerTensor) return Status::Ok();
+  const std::string name(GemmScaleSchemeName(scheme));
+  if (shape.dtype != DataType::kFloat8E4M3) {
+    return InvalidArgumentError(ctx + ": scale_scheme " + name + " needs fp8_e4m3, got " +
+                                std::string(DataTypeName(shape.dtype)));
+  }
+  if (tp > 1 || knobs.chunks > 1 || knobs.full_weight) {
+    return UnimplementedError(
+        ctx + ": scale_scheme " + name + " runs at tp 1 with one chunk (got tp " +
+        std::to_string(tp) + ", chunks " + std::to_string(knobs.chunks) +
+        (knobs.full_weight ? ", full_weight" : "") +
+        "): gathered or chunked rows would need their scales carried with them");
+  }
+  if (scheme == GemmScaleScheme::kBlockwise) {
+    if (shape.n % kGemmScaleBlock != 0 || shape.k % kGemmScaleBlock != 0) {
+      return InvalidArgumentError(
+          ctx + ": scale_scheme blockwise needs n and k multiples of 128, " +
+          "got n=" + std::to_string(shape.n) + " k=" + std::to_string(shape.k));
+    }
+    if (knobs.fast_accum) {
+      return InvalidArgumentError(ctx + ": scale_scheme blockwise runs without fast_accum " +
+                                  "(cuBLASLt's blockwise FP8 GEMM has no fast accumulation)");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
                                                          const CudaLinearShape& shape,
                                                          const LinearKnobs& knobs,
@@ -118,6 +154,7 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
         " n=" + std::to_string(shape.n) + " k=" + std::to_string(shape.k));
   }
   TP_RETURN_IF_ERROR(ValidateLinearKnobs(knobs, shape.op).WithContext(ctx));
+  TP_RETURN_IF_ERROR(CheckScaleScheme(ctx, shape, knobs, pool.base().size()));
 
   auto layer = std::unique_ptr<CudaLinear>(new CudaLinear());
   layer->name_ = std::move(name);

@@ -20,7 +20,8 @@
 //  - GEMM+RS: the caller writes X_r ([m, k], its K slice) at input(m); Run
 //    writes this rank's row shard of sum_r X_r · W_r^T, [shard rows, n].
 //  Rows are sharded as ShardRows(m, tp, rank). w is [n, k]. FP8: x_scale and
-//  w_scale are device pointers to per-tensor dequantization scales.
+//  w_scale are device pointers to dequantization scales laid out as shape.scale_scheme says
+//  (one float each for per-tensor).
 //  - GEMM+RS with knobs.full_weight: w is the whole weight [n, tp * k] (rank r's
 //    K slice in columns [r * k, (r + 1) * k)); X_r and the output as above.
 //
@@ -49,6 +50,15 @@ struct CudaLinearShape {
   int64_t max_m = 0;                       // largest global M that Run accepts
   int64_t n = 0;  // local output features (AG: N / tp; RS: N); multiple of 16
   int64_t k = 0;  // local input features (AG: K; RS: K / tp); multiple of 16
+  // FP8 only: how x_scale and w_scale are laid out (layers/cublaslt_gemm.h). Besides
+  // kPerTensor, the layer runs kPerTokenChannel (x_scale: m floats, one per row of X; w_scale:
+  // n floats) and kBlockwise (x_scale: the 1x128 groups' scales of X as the dynamic quantize
+  // kernel writes them for m rows; w_scale: the weight's 128x128 blocks at
+  // BlockwiseWeightScalePitch(k)) at tp 1 with one chunk: their one GEMM reads X as the caller
+  // wrote it. Create refuses them with more ranks or chunks (UNIMPLEMENTED: a gathered row's
+  // scale would have to travel with it), and Prepare refuses a blockwise m that is not a
+  // multiple of 4 (cuBLASLt's condition).
+  GemmScaleScheme scale_scheme = GemmScaleScheme::kPerTensor;
 };
 
 // What a layer takes from its owner beyond the tuned knobs: the process's choices (a server's or

@@ -122,6 +122,7 @@ StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
   base_.a_type = base_.b_type = shape_.dtype;
   base_.d_type = DataType::kBFloat16;
   base_.fast_accum = fp8 && knobs_.fast_accum;
+  if (fp8) base_.scale_scheme = shape_.scale_scheme;
   base_.sm_count_target = knobs_.gemm_sm_count;
   if (fp8) {
     base_.a_scale = in.unit_scales;

@@ -24,6 +24,7 @@
 #include "engine/cuda_model.h"
 #include "layers/overlap_config.h"
 #include "tests/checkpoint_test_util.h"
+#include "tests/gpu_test_util.h"
 
 namespace tpserve {
 namespace {
@@ -33,37 +34,6 @@ constexpr int kTp = 2;
 // The tiny preset: hidden 512 = 8 heads of 64 (the attention kernel's
 // smallest head_dim), 4 KV heads, 2 layers, vocab 1024.
 ModelConfig SmallConfig() { return *ModelPreset("tiny"); }
-
-struct Comparison {
-  double rel_frobenius = 0;
-  int top1_mismatches = 0;  // outside near-ties
-};
-
-Comparison Compare(const std::vector<float>& gpu, const std::vector<float>& ref, int64_t seqs,
-                   int64_t vocab) {
-  Comparison out;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = static_cast<double>(gpu[i]) - ref[i];
-    num += std::isfinite(d) ? d * d : 1e30;
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  out.rel_frobenius = std::sqrt(num / std::max(den, 1e-30));
-  for (int64_t s = 0; s < seqs; ++s) {
-    const float* r = ref.data() + s * vocab;
-    const float* g = gpu.data() + s * vocab;
-    std::vector<int64_t> idx(vocab);
-    for (int64_t j = 0; j < vocab; ++j) idx[j] = j;
-    std::partial_sort(idx.begin(), idx.begin() + 2, idx.end(),
-                      [&](int64_t a, int64_t b) { return r[a] > r[b]; });
-    const int64_t gpu_top = std::max_element(g, g + vocab) - g;
-    float scale = 0;
-    for (int64_t j = 0; j < vocab; ++j) scale = std::max(scale, std::fabs(r[j]));
-    const bool near_tie = r[idx[0]] - r[idx[1]] < 0.02f * scale;
-    if (gpu_top != idx[0] && !near_tie) ++out.top1_mismatches;
-  }
-  return out;
-}
 
 // Runs `order` through `model` one batch after another; rank 0 keeps each
 // batch's logits in (*got)[i].
@@ -298,12 +268,12 @@ TEST_F(GpuModelTest, DynamicInputScalesMatchCpuReferenceAndReplayEqualsEager) {
   std::filesystem::remove_all(dir);
 }
 
-// Until the GPU GEMM takes per-channel and block scales (engine/fp8_checkpoint_scales.h:
-// FoldScalesForPerTensorGemm), a per-channel checkpoint runs folded to one weight scale per
-// tensor with per-batch input scales. Its random N(0, 0.02) rows have scales within 2x of each
-// other, so folding keeps their precision: the logits stay close to the CPU reference's
-// per-channel + per-token run (FP8 roundings of the activations differ: per token against per
-// batch). A block-wise checkpoint is refused naming the layer.
+// At tp > 1 (engine/fp8_checkpoint_scales.h: FoldScalesForPerTensorGemm; tp 1 runs the
+// schemes themselves, gpu_fp8_schemes_test.cc), a per-channel checkpoint runs folded to one
+// weight scale per tensor with per-batch input scales. Its random N(0, 0.02) rows have scales
+// within 2x of each other, so folding keeps their precision: the logits stay close to the CPU
+// reference's per-channel + per-token run (FP8 roundings of the activations differ: per token
+// against per batch). A block-wise checkpoint is refused naming the layer.
 TEST_F(GpuModelTest, PerChannelCheckpointRunsFoldedAndBlockIsRefused) {
   const ModelConfig c = SmallConfig();
   const std::string dir = ::testing::TempDir() + "/tpserve_gpu_fp8_schemes";

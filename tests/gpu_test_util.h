@@ -4,6 +4,9 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,6 +32,40 @@
   lhs = std::move(tmp).value()
 
 namespace tpserve {
+
+// Logits [seqs, vocab] against a reference's: the relative Frobenius error over all of them
+// (a non-finite difference counts as huge), and the sequences whose top-1 token differs
+// although the reference's top two are more than 2 % of its largest |logit| apart.
+struct Comparison {
+  double rel_frobenius = 0;
+  int top1_mismatches = 0;  // outside near-ties
+};
+
+inline Comparison Compare(const std::vector<float>& gpu, const std::vector<float>& ref,
+                          int64_t seqs, int64_t vocab) {
+  Comparison out;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(gpu[i]) - ref[i];
+    num += std::isfinite(d) ? d * d : 1e30;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  out.rel_frobenius = std::sqrt(num / std::max(den, 1e-30));
+  for (int64_t s = 0; s < seqs; ++s) {
+    const float* r = ref.data() + s * vocab;
+    const float* g = gpu.data() + s * vocab;
+    std::vector<int64_t> idx(vocab);
+    for (int64_t j = 0; j < vocab; ++j) idx[j] = j;
+    std::partial_sort(idx.begin(), idx.begin() + 2, idx.end(),
+                      [&](int64_t a, int64_t b) { return r[a] > r[b]; });
+    const int64_t gpu_top = std::max_element(g, g + vocab) - g;
+    float scale = 0;
+    for (int64_t j = 0; j < vocab; ++j) scale = std::max(scale, std::fabs(r[j]));
+    const bool near_tie = r[idx[0]] - r[idx[1]] < 0.02f * scale;
+    if (gpu_top != idx[0] && !near_tie) ++out.top1_mismatches;
+  }
+  return out;
+}
 
 // Whether any CUDA device is visible (tests skip without one).
 inline bool HasCudaDevice() { return CudaDeviceCount() > 0; }
