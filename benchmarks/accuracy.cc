@@ -1,16 +1,20 @@
 // tpserve-accuracy: what each FP8 scale scheme costs a model's output. For a HuggingFace-layout
-// checkpoint with BF16 weights, tpserve's logits (CPU reference backend, TP 1) under per-tensor,
+// checkpoint with BF16 weights, tpserve's logits (CPU reference backend, or with --backend cuda
+// the CUDA engine; TP 1) under per-tensor,
 // per-channel + per-token and block-wise (128x128 weights, 1x128 activations) FP8 against the
 // same model in BF16, at every position of a few prompts: mean and max KL(P_bf16 || P_scheme),
 // top-1 agreement and relative error (benchmarks/accuracy_eval.h says how the FP8 models are
 // made). Writes a JSON file and a Markdown table (each through FILE.tmp and a rename) and
-// prints the table. Runs anywhere: no GPU is involved.
+// prints the table. The CPU backend runs anywhere.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "benchmarks/accuracy_eval.h"
+#if TPSERVE_WITH_CUDA
+#include "benchmarks/accuracy_cuda.h"
+#endif
 #include "benchmarks/write_replacing.h"
 #include "engine/model_config.h"
 #include "server/cli_numbers.h"
@@ -30,6 +34,7 @@ struct Flags {
   std::string commit = "unknown";
   int outlier_exponent = 0;
   bool quiet = false;
+  std::string backend = "cpu";
 };
 
 int Fail(const std::string& message) {
@@ -41,7 +46,8 @@ int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{
       "tpserve-accuracy: tpserve's logits under each FP8 scale scheme against the same model in "
-      "BF16, on the CPU reference backend (TP 1). The FP8 weights are made in memory from the "
+      "BF16, on the CPU reference backend or the CUDA engine (TP 1). The FP8 weights are made in "
+      "memory from the "
       "checkpoint's BF16 ones (scale = amax / 448 per tensor, per output channel or per "
       "128x128 block; E4M3 codes); activations are scaled at run time per tensor (the batch's "
       "amax), per token, or per 1x128 group. Each prompt runs as one batch; every position "
@@ -89,6 +95,12 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
       ->capture_default_str();
+  app.add_option("--backend", f.backend,
+                 "Where every model of the run (the BF16 reference and each scheme) computes its "
+                 "logits: cpu (the CPU reference) or cuda (the CUDA engine at tp 1 on GPU 0, "
+                 "each prompt as one batch of its prefixes; in builds with CUDA)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_flag("--quiet", f.quiet, "No progress lines on stderr (the table is still printed)");
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
@@ -112,6 +124,14 @@ int Main(int argc, char** argv) {
     o.prompts_source = "random token ids, seed " + std::to_string(f.seed);
   }
   o.outlier_exponent = f.outlier_exponent;
+  if (f.backend == "cuda") {
+#if TPSERVE_WITH_CUDA
+    o.logits = CudaPromptLogits;
+    o.backend = "CUDA engine (engine/cuda_model.h), tp 1, one GPU";
+#else
+    return Fail("--backend cuda: this build has no CUDA backend (configure with CUDA)");
+#endif
+  }
   o.schemes.clear();
   for (const std::string& s : f.schemes) o.schemes.push_back(*ParseFp8Scheme(s));
   if (!f.quiet) {

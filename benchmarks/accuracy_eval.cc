@@ -363,7 +363,9 @@ StatusOr<AccuracyReport> RunAccuracy(const AccuracyOptions& o) {
   };
   if (o.prompts.empty()) return InvalidArgumentError("accuracy: no prompts");
   AccuracyReport r;
+  r.backend = o.backend;
   r.model_dir = o.model_dir;
+  const PromptLogitsFn logits_of = o.logits ? o.logits : PromptLogitsFn(PromptLogits);
   r.prompts_source = o.prompts_source;
   for (const auto& p : o.prompts) {
     r.prompt_lengths.push_back(static_cast<int64_t>(p.size()));
@@ -387,14 +389,14 @@ StatusOr<AccuracyReport> RunAccuracy(const AccuracyOptions& o) {
   };
   t0 = std::chrono::steady_clock::now();
   TP_ASSIGN_OR_RETURN(std::vector<float> ref,
-                      PromptLogits(r.config, bf16, o.prompts, per_prompt("bf16", t0)));
+                      logits_of(r.config, bf16, o.prompts, per_prompt("bf16", t0)));
   r.reference_seconds = Seconds(t0);
   for (Fp8Scheme scheme : o.schemes) {
     const std::string name = Fp8SchemeName(scheme);
     t0 = std::chrono::steady_clock::now();
     TP_ASSIGN_OR_RETURN(RankWeights fp8, QuantizeModelFp8(bf16, scheme));
     TP_ASSIGN_OR_RETURN(std::vector<float> logits,
-                        PromptLogits(r.config, fp8, o.prompts, per_prompt(name, t0)));
+                        logits_of(r.config, fp8, o.prompts, per_prompt(name, t0)));
     SchemeAccuracy s;
     s.scheme = scheme;
     TP_ASSIGN_OR_RETURN(s.divergence, CompareLogits(ref, logits, r.config.vocab_size));
@@ -425,7 +427,7 @@ std::string AccuracyJson(const AccuracyReport& r, const std::string& commit) {
       {"meta",
        {{"tool", "tpserve-accuracy"},
         {"commit", commit},
-        {"backend", "cpu reference (engine/cpu_model.h), tp 1"},
+        {"backend", r.backend},
         {"reference", "the same model with BF16 weights and activations"},
         {"kl", "KL(P_bf16 || P_scheme) in nats per position, softmax in double"},
         {"rel_err", "||logits_scheme - logits_bf16|| / ||logits_bf16||, over all positions"}}},
@@ -453,8 +455,9 @@ std::string AccuracyMarkdown(const AccuracyReport& r) {
   s << "## FP8 scale schemes against BF16: " << fs::path(r.model_dir).filename().string() << "\n\n"
     << "Model `" << r.model_dir << "`: " << ModelLine(r) << ".  \n"
     << "Prompts: " << PromptsLine(r) << ".  \n"
-    << "tpserve's CPU reference backend at TP 1; the reference is the same model with BF16 "
-       "weights and activations. KL(P_bf16 || P_scheme) in nats per position.\n\n"
+    << "tpserve's " << r.backend
+    << "; the reference is the same model with BF16 weights and activations on it. "
+       "KL(P_bf16 || P_scheme) in nats per position.\n\n"
     << "| scheme | weights | activations | mean KL | max KL | top-1 agreement | rel. error |\n"
     << "|---|---|---|---:|---:|---:|---:|\n";
   for (const SchemeAccuracy& a : r.schemes) {
@@ -470,7 +473,8 @@ std::string AccuracyConsoleTable(const AccuracyReport& r) {
   std::ostringstream s;
   s << "model:   " << r.model_dir << " (" << ModelLine(r) << ")\n"
     << "prompts: " << PromptsLine(r) << "\n"
-    << "reference: BF16 weights and activations (CPU reference backend, TP 1)\n";
+    << "backend: " << r.backend << "\n"
+    << "reference: BF16 weights and activations, same backend\n";
   char line[256];
   std::snprintf(line, sizeof line, "%-8s %-19s %-33s %10s %10s %-20s %10s\n", "scheme", "weights",
                 "activations", "mean KL", "max KL", "top-1 agreement", "rel err");

@@ -1,6 +1,7 @@
 // What FP8 costs a model's output: tpserve's logits under each FP8 scale scheme (layers/fp8.h:
 // Fp8Scheme) against the same model with BF16 weights and activations, at every position of a
-// few prompts, on the CPU reference backend (engine/cpu_model.h). The library of
+// few prompts, on the CPU reference backend (engine/cpu_model.h) or any backend a caller plugs in
+// (AccuracyOptions::logits; tpserve-accuracy --backend cuda: the CUDA engine). The library of
 // tpserve-accuracy (benchmarks/accuracy.cc); tests/accuracy_eval_test.cc checks it on a
 // transformers-made checkpoint.
 //
@@ -104,7 +105,17 @@ StatusOr<Prompts> ReadPrompts(const std::string& path, int64_t vocab, int64_t ma
 const char* Fp8SchemeWeightsText(Fp8Scheme scheme);
 const char* Fp8SchemeActivationsText(Fp8Scheme scheme);
 
+// How a run computes logits: PromptLogits's signature and contract (every position of every
+// prompt, [sum of prompt lengths, vocab]).
+using PromptLogitsFn = std::function<StatusOr<std::vector<float>>(
+    const ModelConfig& config, const RankWeights& weights, const Prompts& prompts,
+    const std::function<void(size_t done)>& progress)>;
+
 struct AccuracyOptions {
+  // The backend every model of the run (the BF16 reference and each scheme) goes through, and
+  // its name for the report. Default: PromptLogits, the CPU reference.
+  PromptLogitsFn logits;
+  std::string backend = "CPU reference backend (engine/cpu_model.h), tp 1";
   std::string model_dir;  // HF layout: config.json and *.safetensors with BF16 (or F32) weights
   Prompts prompts;
   std::string prompts_source;  // for the report: a file, or how they were drawn
@@ -123,6 +134,7 @@ struct SchemeAccuracy {
 };
 
 struct AccuracyReport {
+  std::string backend;  // AccuracyOptions::backend
   std::string model_dir;
   ModelConfig config;
   std::string prompts_source;
