@@ -99,8 +99,7 @@ Status CudaModel::QuantizeInput(const BFloat16* src, int64_t rows, int64_t cols,
     q.scales = a_scales_.as<float>();
     q.rows = rows;
     q.cols = cols;
-    q.granularity = w.scheme == GemmScaleScheme::kBlockwise ? Fp8ScaleGranularity::kPerGroup128
-                                                            : Fp8ScaleGranularity::kPerRow;
+    q.granularity = w.granularity();
     return LaunchQuantizeFp8Dynamic(q, st);
   }
   if (w.dynamic) {
@@ -126,7 +125,11 @@ Status CudaModel::AddNorm(const CudaLinear::SplitOutput& residual, const DeviceB
   p.input = x_.as<BFloat16>();
   SetResidual(residual, x_.as<BFloat16>(), p);
   p.weight = weight.as<BFloat16>();
-  if (fp8 && !next_w.staged()) {
+  if (fp8 && next_w.fine()) {  // codes and their scales in one pass
+    p.out_fp8 = static_cast<uint8_t*>(next.input(m));
+    p.out_fp8_scales = a_scales_.as<float>();
+    p.out_fp8_granularity = next_w.granularity();
+  } else if (fp8 && !next_w.dynamic) {
     p.out_fp8 = static_cast<uint8_t*>(next.input(m));
     p.out_fp8_scale = next_w.x_scale();
   } else if (fp8) {  // BF16 staging (and its amax for a dynamic scale)
@@ -139,7 +142,7 @@ Status CudaModel::AddNorm(const CudaLinear::SplitOutput& residual, const DeviceB
   p.dim = config_.hidden_size;
   p.eps = static_cast<float>(config_.rms_norm_eps);
   TP_RETURN_IF_ERROR(LaunchRmsNorm(p, stream_.get()));
-  if (!fp8 || !next_w.staged()) return Status::Ok();
+  if (!fp8 || !next_w.dynamic) return Status::Ok();
   return QuantizeInput(normed_.as<BFloat16>(), rows, config_.hidden_size, next_w, next.input(m));
 }
 
@@ -264,7 +267,11 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   TP_RETURN_IF_ERROR(Mark("gate_up"));
   SwiGluParams sw;
   sw.gate_up = gate_up_out_.as<BFloat16>();
-  if (fp8 && !lw.down.staged()) {
+  if (fp8 && lw.down.fine()) {  // codes and their scales in one pass
+    sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
+    sw.out_fp8_scales = a_scales_.as<float>();
+    sw.out_fp8_granularity = lw.down.granularity();
+  } else if (fp8 && !lw.down.dynamic) {
     sw.out_fp8 = static_cast<uint8_t*>(down->input(m));
     sw.out_fp8_scale = lw.down.x_scale();
   } else if (fp8) {  // BF16 staging (and its amax for a dynamic scale)
@@ -276,7 +283,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   sw.rows = m;
   sw.inter = inter_l;
   TP_RETURN_IF_ERROR(LaunchSwiGlu(sw, st));
-  if (fp8 && lw.down.staged()) {
+  if (fp8 && lw.down.dynamic) {
     TP_RETURN_IF_ERROR(QuantizeInput(act_.as<BFloat16>(), m, inter_l, lw.down, down->input(m)));
   }
   TP_RETURN_IF_ERROR(Mark("swiglu"));

@@ -7,6 +7,7 @@
 
 #include "comm/cuda_resources.h"
 #include "engine/cuda_model.h"
+#include "layers/quantize_kernels.h"
 
 namespace tpserve {
 
@@ -26,8 +27,12 @@ struct CudaModel::Linear {
   GemmScaleScheme scheme = GemmScaleScheme::kPerTensor;
   DeviceBuffer w_scales;
   bool fine() const { return scheme != GemmScaleScheme::kPerTensor; }
-  // The input is quantized by CudaModel::QuantizeInput from its producer's BF16 output
-  // (dynamic or fine), not by the producer itself.
+  // How a fine layer's input is scaled: per row, or per 1x128 group (block-wise).
+  Fp8ScaleGranularity granularity() const {
+    return scheme == GemmScaleScheme::kBlockwise ? Fp8ScaleGranularity::kPerGroup128
+                                                 : Fp8ScaleGranularity::kPerRow;
+  }
+  // Attention writes BF16 for QuantizeInput (which sets or computes the scales), not E4M3.
   bool staged() const { return dynamic || fine(); }
   const float* x_scale() const { return scales.as<float>(); }
   const float* w_scale() const { return scales.as<float>() + 4; }

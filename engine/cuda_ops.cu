@@ -32,6 +32,52 @@ using namespace device;
 // RMSNorm: one block per row, each thread holding up to kRmsVecsPerThread vectors of 8 in
 // registers between the sum of squares and the output.
 
+// Stores a row's values, already rounded to BF16, as E4M3 codes with scales of their own (see
+// RmsNormParams::out_fp8_scales): thread t holds vectors v = t + k * blockDim.x (k < kVecs) of
+// 8 values in y; vectors from `vecs` on are not read. Per row, the block's amax; per 1x128
+// group, 16 consecutive vectors, which 16 consecutive lanes of one warp hold (blockDim.x a
+// multiple of 32, vecs of 16). Every thread of the block calls it.
+template <int kVecs>
+__device__ __forceinline__ void StoreFp8OwnScales(const float (&y)[kVecs][8], int vecs,
+                                                  uint8_t* out, float* scales, int64_t row,
+                                                  int64_t rows, bool per_group) {
+  if (!per_group) {
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if (threadIdx.x + k * blockDim.x >= vecs) continue;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(y[k][i]));
+    }
+    const float scale = ScaleFromAmaxE4M3(BlockMax(m));
+    if (threadIdx.x == 0) scales[row] = scale;
+    const Fp8Divisor d = MakeFp8Divisor(scale);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = threadIdx.x + k * blockDim.x;
+      if (v < vecs) StoreFp8x8(out + 8 * v, y[k], d);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    float m = 0.0f;
+    if (v < vecs) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(y[k][i]));
+    }
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    }
+    if (v >= vecs) continue;
+    const float scale = ScaleFromAmaxE4M3(m);
+    if (v % 16 == 0) scales[(v / 16) * rows + row] = scale;
+    StoreFp8x8(out + 8 * v, y[k], MakeFp8Divisor(scale));
+  }
+}
+
 constexpr int kRmsVecsPerThread = 2;
 constexpr int kRmsMaxThreads = 1024;
 constexpr int64_t kRmsMaxDim = 8 * kRmsVecsPerThread * kRmsMaxThreads;  // 16384
@@ -68,7 +114,9 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
   }
   sum_sq = BlockSum(sum_sq);
   const float inv_rms = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
-  const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
+  const bool own_scales = p.out_fp8_scales != nullptr;
+  const Fp8Divisor fp8 =
+      MakeFp8Divisor(p.out_fp8 != nullptr && !own_scales ? *p.out_fp8_scale : 1.0f);
   const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
   float amax = 0.0f;
 #pragma unroll
@@ -81,13 +129,22 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
 #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = h[k][i] * inv_rms * w[i];
     if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + offset)[v] = PackBf16x8(y);
-    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8);
+    if (own_scales) {  // kept, as BF16 stores them, for StoreFp8OwnScales below
+#pragma unroll
+      for (int i = 0; i < 8; ++i) h[k][i] = Bf16ToFloat(FloatToBf16(y[i]));
+    } else if (p.out_fp8 != nullptr) {
+      StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8);
+    }
     if (p.out_amax != nullptr) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
     }
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
+  if (own_scales) {
+    StoreFp8OwnScales(h, vecs, p.out_fp8 + offset, p.out_fp8_scales, row, p.rows,
+                      p.out_fp8_granularity == Fp8ScaleGranularity::kPerGroup128);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -184,6 +241,33 @@ __global__ void SwiGluVecKernel(SwiGluParams p) {
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 }
 
+// SwiGLU with an E4M3 output on scales of its own (SwiGluParams::out_fp8_scales): one block per
+// row, each thread holding up to kSwiGluRowVecs vectors of 8 in registers until the row's (or
+// group's) amax is known.
+constexpr int kSwiGluRowVecs = 4;
+constexpr int64_t kSwiGluOwnScalesMaxInter = 8 * kSwiGluRowVecs * 1024;
+
+__global__ void __launch_bounds__(1024) SwiGluOwnScalesKernel(SwiGluParams p) {
+  const int64_t row = blockIdx.x;
+  const int vecs = static_cast<int>(p.inter / 8);
+  const uint4* gate = reinterpret_cast<const uint4*>(p.gate_up + row * 2 * p.inter);
+  const uint4* up = gate + vecs;
+  float y[kSwiGluRowVecs][8];
+#pragma unroll
+  for (int k = 0; k < kSwiGluRowVecs; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    if (v >= vecs) continue;
+    float g[8], u[8];
+    UnpackBf16x8(gate[v], g);
+    UnpackBf16x8(up[v], u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[k][i] = Bf16ToFloat(FloatToBf16(Silu(g[i]) * u[i]));
+    if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + row * p.inter)[v] = PackBf16x8(y[k]);
+  }
+  StoreFp8OwnScales(y, vecs, p.out_fp8 + row * p.inter, p.out_fp8_scales, row, p.rows,
+                    p.out_fp8_granularity == Fp8ScaleGranularity::kPerGroup128);
+}
+
 __global__ void SwiGluScalarKernel(SwiGluParams p) {
   const int64_t total = p.rows * p.inter;
   const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
@@ -253,6 +337,34 @@ __global__ void GatherLastTokensKernel(GatherLastTokensParams p) {
 
 }  // namespace
 
+// The output choices of an op with an FP8 output (RmsNormParams, SwiGluParams): a static
+// scale, or scales of its own (`cols`, named `cols_name`, the row length).
+static Status CheckOwnScales(const char* kP, const uint8_t* out_fp8, const float* out_fp8_scale,
+                             const float* out_fp8_scales, Fp8ScaleGranularity granularity,
+                             const float* out_amax, int64_t cols, const char* cols_name) {
+  if (out_fp8_scales == nullptr) {
+    if (out_fp8 != nullptr && out_fp8_scale == nullptr) {
+      return NullField(kP, "out_fp8_scale", "when out_fp8 is set (or out_fp8_scales)");
+    }
+    return Status::Ok();
+  }
+  const std::string p(kP);
+  if (out_fp8 == nullptr) return InvalidArgumentError(p + ": out_fp8_scales needs out_fp8");
+  if (out_fp8_scale != nullptr || out_amax != nullptr) {
+    return InvalidArgumentError(p + ": out_fp8_scales goes with neither out_fp8_scale nor " +
+                                "out_amax");
+  }
+  if (!IsAligned(out_fp8_scales, 4)) return MisalignedField(kP, "out_fp8_scales", 4);
+  if (granularity != Fp8ScaleGranularity::kPerRow &&
+      granularity != Fp8ScaleGranularity::kPerGroup128) {
+    return InvalidArgumentError(p + ".out_fp8_granularity is not kPerRow or kPerGroup128");
+  }
+  if (granularity == Fp8ScaleGranularity::kPerGroup128 && cols % 128 != 0) {
+    return BadField(kP, cols_name, cols, "must be a multiple of 128 with kPerGroup128 scales");
+  }
+  return Status::Ok();
+}
+
 Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   constexpr const char* kP = "RmsNormParams";
   if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
@@ -267,9 +379,8 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   if (p.out == nullptr && p.out_fp8 == nullptr) {
     return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
   }
-  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
-    return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
-  }
+  TP_RETURN_IF_ERROR(CheckOwnScales(kP, p.out_fp8, p.out_fp8_scale, p.out_fp8_scales,
+                                    p.out_fp8_granularity, p.out_amax, p.dim, "dim"));
   if ((p.residual == nullptr) != (p.residual_out == nullptr)) {
     return InvalidArgumentError(std::string(kP) +
                                 ": residual and residual_out must be both set or both null");
@@ -290,7 +401,9 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   for (const auto& v : vectors) {
     if (!IsAligned(v.ptr, 16)) return MisalignedField(kP, v.name, 16);
   }
-  if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
+  if (p.out_fp8 != nullptr && p.out_fp8_scales == nullptr) {
+    TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
+  }
 
   const int64_t vecs = p.dim / 8;
   const int64_t per_thread = (vecs + kRmsVecsPerThread - 1) / kRmsVecsPerThread;
@@ -348,14 +461,27 @@ Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream) {
   if (p.out == nullptr && p.out_fp8 == nullptr) {
     return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
   }
-  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
-    return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
-  }
+  TP_RETURN_IF_ERROR(CheckOwnScales(kP, p.out_fp8, p.out_fp8_scale, p.out_fp8_scales,
+                                    p.out_fp8_granularity, p.out_amax, p.inter, "inter"));
   TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));  // 0 rows: amax 0
   if (p.rows == 0) return Status::Ok();
   if (p.gate_up == nullptr) return NullField(kP, "gate_up");
   if (!IsAligned(p.gate_up, 2)) return MisalignedField(kP, "gate_up", 2);
   if (!IsAligned(p.out, 2)) return MisalignedField(kP, "out", 2);
+  if (p.out_fp8_scales != nullptr) {
+    if (p.rows > kMaxGridX) return BadField(kP, "rows", p.rows, "exceeds 2^31 - 1");
+    if (p.inter % 8 != 0 || p.inter > kSwiGluOwnScalesMaxInter) {
+      return BadField(kP, "inter", p.inter,
+                      "must be a multiple of 8 up to 32768 with out_fp8_scales");
+    }
+    if (!IsAligned(p.gate_up, 16)) return MisalignedField(kP, "gate_up", 16);
+    if (!IsAligned(p.out, 16)) return MisalignedField(kP, "out", 16);
+    const int64_t per_thread = (p.inter / 8 + kSwiGluRowVecs - 1) / kSwiGluRowVecs;
+    const int threads = static_cast<int>((per_thread + 31) / 32 * 32);
+    SwiGluOwnScalesKernel<<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
+    TP_CUDA_CHECK(cudaGetLastError());
+    return Status::Ok();
+  }
   if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
 
   const int64_t total = p.rows * p.inter;

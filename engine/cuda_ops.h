@@ -25,6 +25,7 @@
 
 #include "comm/dtype.h"
 #include "comm/status.h"
+#include "layers/quantize_kernels.h"
 
 namespace tpserve {
 
@@ -53,6 +54,14 @@ struct RmsNormParams {
   // the launcher on the stream first (0 for 0 rows). Dynamic FP8 scaling
   // reads it instead of a separate AbsMax pass over out.
   float* out_amax = nullptr;
+  // Optional instead of out_fp8_scale: out_fp8 quantized with scales of its own, computed from
+  // the BF16-rounded output exactly as LaunchQuantizeFp8Dynamic (layers/quantize_kernels.h)
+  // computes them from a BF16 tensor (codes and scales bit for bit the same, in one pass
+  // instead of a BF16 output and a second pass): one float per row (kPerRow) or per 1x128
+  // group at out_fp8_scales[g * rows + r] (kPerGroup128; needs dim a multiple of 128).
+  // 4-byte aligned; not with out_amax.
+  float* out_fp8_scales = nullptr;
+  Fp8ScaleGranularity out_fp8_granularity = Fp8ScaleGranularity::kPerRow;
   int64_t rows = 0;   // >= 0; 0 launches nothing
   int64_t dim = 0;    // multiple of 8, 8..16384
   float eps = 1e-5f;  // >= 0
@@ -147,8 +156,17 @@ struct SwiGluParams {
   uint8_t* out_fp8 = nullptr;            // optional
   const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
   float* out_amax = nullptr;             // optional (needs out): as RmsNormParams::out_amax
-  int64_t rows = 0;                      // >= 0; 0 launches nothing
-  int64_t inter = 0;                     // >= 1
+  // Optional instead of out_fp8_scale: out_fp8 quantized with scales of its own, computed from
+  // the BF16-rounded output exactly as LaunchQuantizeFp8Dynamic (layers/quantize_kernels.h)
+  // computes them from a BF16 tensor (codes and scales bit for bit the same, in one pass
+  // instead of a BF16 output and a second pass): one float per row (kPerRow) or per 1x128
+  // group at out_fp8_scales[g * rows + r] (kPerGroup128; needs inter a multiple of 128).
+  // 4-byte aligned; not with out_amax; needs inter a multiple of 8 up to 32768 and
+  // gate_up and out 16-byte aligned.
+  float* out_fp8_scales = nullptr;
+  Fp8ScaleGranularity out_fp8_granularity = Fp8ScaleGranularity::kPerRow;
+  int64_t rows = 0;   // >= 0; 0 launches nothing
+  int64_t inter = 0;  // >= 1
 };
 Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
 

@@ -53,6 +53,12 @@ __device__ __forceinline__ float DivideForFp8(float x, const Fp8Divisor& d) {
   return d.inv == 0.0f ? __fdiv_rn(x, d.scale) : DivideForFp8Fast(x, d);
 }
 
+// The E4M3 dequantization scale of values whose absolute maximum is m, as ScaleFromAmax
+// (layers/fp8.cc): m / 448 by IEEE division, never below the smallest subnormal, 1 for m = 0.
+__device__ __forceinline__ float ScaleFromAmaxE4M3(float m) {
+  return m == 0.0f ? 1.0f : fmaxf(__fdiv_rn(m, 448.0f), 1.40129846e-45f);
+}
+
 // The E4M3 code of x / scale, saturating to +-448 (NaN stays NaN). kFast: the caller has
 // checked d.inv != 0 once for many values (a branch per value costs more than the division
 // saves where the compiler does not hoist it out of a loop).

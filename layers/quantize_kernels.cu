@@ -145,11 +145,6 @@ __global__ void ScaleFromAmaxKernel(const float* __restrict__ amax, int count,
   *scale = m == 0.0f ? 1.0f : fmaxf(__fdiv_rn(m, 448.0f), 1.40129846e-45f);
 }
 
-// As ScaleFromAmax (layers/fp8.cc) and ScaleFromAmaxKernel above.
-__device__ __forceinline__ float ScaleFromAmaxE4M3(float m) {
-  return m == 0.0f ? 1.0f : fmaxf(__fdiv_rn(m, 448.0f), 1.40129846e-45f);
-}
-
 // One block per row (grid-stride over rows): a pass for the row's amax, then a pass that
 // quantizes (the second reads the row from L1/L2). 8 BF16 per 16-byte load.
 __global__ void QuantizePerRowKernel(const uint16_t* __restrict__ in, uint8_t* __restrict__ out,

@@ -26,10 +26,12 @@
 #include "comm/nccl_thread_group.h"
 #include "engine/cpu_model.h"
 #include "engine/cuda_model.h"
+#include "engine/cuda_ops.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
 #include "engine/token_batch.h"
 #include "layers/fp8.h"
+#include "layers/quantize_kernels.h"
 #include "tests/gpu_test_util.h"
 
 namespace tpserve {
@@ -213,6 +215,123 @@ TEST(GpuFp8SchemesRandomTest, RandomModelRunsEveryScheme) {
     EXPECT_TRUE(std::all_of(first.begin(), first.end(), [](float v) { return std::isfinite(v); }));
     EXPECT_GT(*std::max_element(first.begin(), first.end()), 0.0f) << "all logits zero or less";
   }
+}
+
+// RMSNorm and SwiGLU with out_fp8_scales (what the engine runs for a fine layer's input) give
+// the codes and scales that quantizing their BF16 output with LaunchQuantizeFp8Dynamic gives,
+// bit for bit: per row and per 1x128 group, rows of magnitudes 2^-10 .. 2^9 apart and an
+// all-zero row (scale 1).
+class GpuOwnScalesTest : public GpuStreamTest {};
+
+TEST_F(GpuOwnScalesTest, FusedQuantizationEqualsQuantizingTheBf16Output) {
+  TP_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37;
+  for (const int64_t cols : {256, 1408, 4096, 14336}) {
+    for (const Fp8ScaleGranularity g :
+         {Fp8ScaleGranularity::kPerRow, Fp8ScaleGranularity::kPerGroup128}) {
+      const bool group = g == Fp8ScaleGranularity::kPerGroup128;
+      SCOPED_TRACE("cols " + std::to_string(cols) + (group ? ", 1x128 groups" : ", per row"));
+      const size_t n = static_cast<size_t>(rows * cols);
+      const size_t n_scales = group ? n / 128 : static_cast<size_t>(rows);
+      // Inputs: rows scaled by 2^(r % 20 - 10), row 5 zero.
+      auto loud = [&](size_t count, int64_t row_len, uint32_t seed) {
+        std::vector<BFloat16> v = RandomBf16(count, -2.0f, 2.0f, seed);
+        for (size_t i = 0; i < count; ++i) {
+          const int64_t r = static_cast<int64_t>(i) / row_len;
+          const float f = r == 5 ? 0.0f : std::ldexp(BFloat16ToFloat(v[i]), r % 20 - 10);
+          v[i] = FloatToBFloat16(f);
+        }
+        return v;
+      };
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer x, Upload(loud(n, cols, 1), "x"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer res, Upload(RandomBf16(n, -1.0f, 1.0f, 2), "res"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer w, Upload(RandomBf16(cols, 0.5f, 1.5f, 3), "w"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer gate_up, Upload(loud(2 * n, 2 * cols, 4), "gate_up"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer res_out, DeviceBuffer::Allocate(2 * n, "res_out"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer bf16, DeviceBuffer::Allocate(2 * n, "bf16"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer codes_a, DeviceBuffer::Allocate(n, "codes_a"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer codes_b, DeviceBuffer::Allocate(n, "codes_b"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer scales_a, DeviceBuffer::Allocate(4 * n_scales, "sa"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer scales_b, DeviceBuffer::Allocate(4 * n_scales, "sb"));
+      auto staged = [&]() -> Status {  // BF16 output, then the dynamic quantize kernel
+        QuantizeFp8DynamicParams q;
+        q.input = bf16.data();
+        q.output = codes_a.as<uint8_t>();
+        q.scales = scales_a.as<float>();
+        q.rows = rows;
+        q.cols = cols;
+        q.granularity = g;
+        return LaunchQuantizeFp8Dynamic(q, stream());
+      };
+      auto expect_same = [&](const char* op) {
+        ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);
+        TP_ASSERT_OK_AND_ASSIGN(auto a, Download<uint8_t>(codes_a.data(), n));
+        TP_ASSERT_OK_AND_ASSIGN(auto b, Download<uint8_t>(codes_b.data(), n));
+        TP_ASSERT_OK_AND_ASSIGN(auto sa, Download<uint32_t>(scales_a.data(), n_scales));
+        TP_ASSERT_OK_AND_ASSIGN(auto sb, Download<uint32_t>(scales_b.data(), n_scales));
+        EXPECT_EQ(sa, sb) << op << ": scales differ";
+        EXPECT_EQ(a, b) << op << ": codes differ";
+        EXPECT_NE(sa[0], sa[1]) << "rows 0 and 1 (2^-10, 2^-9) should differ in scale";
+      };
+      if (cols <= 16384) {
+        RmsNormParams p;
+        p.input = x.as<BFloat16>();
+        p.residual = res.as<BFloat16>();
+        p.residual_out = res_out.as<BFloat16>();
+        p.weight = w.as<BFloat16>();
+        p.rows = rows;
+        p.dim = cols;
+        p.out = bf16.as<BFloat16>();
+        TP_ASSERT_OK(LaunchRmsNorm(p, stream()));
+        TP_ASSERT_OK(staged());
+        p.out = nullptr;
+        p.out_fp8 = codes_b.as<uint8_t>();
+        p.out_fp8_scales = scales_b.as<float>();
+        p.out_fp8_granularity = g;
+        TP_ASSERT_OK(LaunchRmsNorm(p, stream()));
+        expect_same("rms_norm");
+      }
+      SwiGluParams sw;
+      sw.gate_up = gate_up.as<BFloat16>();
+      sw.rows = rows;
+      sw.inter = cols;
+      sw.out = bf16.as<BFloat16>();
+      TP_ASSERT_OK(LaunchSwiGlu(sw, stream()));
+      TP_ASSERT_OK(staged());
+      sw.out = nullptr;
+      sw.out_fp8 = codes_b.as<uint8_t>();
+      sw.out_fp8_scales = scales_b.as<float>();
+      sw.out_fp8_granularity = g;
+      TP_ASSERT_OK(LaunchSwiGlu(sw, stream()));
+      expect_same("swiglu");
+    }
+  }
+}
+
+// The launchers refuse what the fused path cannot do, naming the field.
+TEST(OwnScalesParamsTest, InvalidCombinationsAreRefused) {
+  float scale_storage[4];
+  uint8_t codes[16];
+  SwiGluParams sw;
+  sw.rows = 0;  // nothing would launch: only the checks run
+  sw.inter = 136;
+  sw.out_fp8 = codes;
+  sw.out_fp8_scales = scale_storage;
+  sw.out_fp8_granularity = Fp8ScaleGranularity::kPerGroup128;
+  Status s = LaunchSwiGlu(sw, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("inter"), std::string::npos) << s.ToString();
+  sw.out_fp8_granularity = Fp8ScaleGranularity::kPerRow;
+  sw.out_fp8_scale = scale_storage;
+  s = LaunchSwiGlu(sw, nullptr);
+  EXPECT_NE(s.message().find("out_fp8_scale"), std::string::npos) << s.ToString();
+  RmsNormParams p;
+  p.rows = 0;
+  p.dim = 64;
+  p.out_fp8_scales = scale_storage;
+  p.out = reinterpret_cast<BFloat16*>(codes);
+  s = LaunchRmsNorm(p, nullptr);
+  EXPECT_NE(s.message().find("needs out_fp8"), std::string::npos) << s.ToString();
 }
 
 }  // namespace
