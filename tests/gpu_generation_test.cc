@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <future>
 #include <iostream>
 #include <memory>
@@ -27,6 +28,8 @@
 #include "engine/cpu_engine.h"
 #include "engine/cuda_engine.h"
 #include "engine/generator.h"
+#include "engine/model_weights.h"
+#include "layers/fp8.h"
 #include "tests/generation_test_util.h"
 #include "tests/gpu_test_util.h"
 
@@ -42,6 +45,7 @@ struct GenSetup {
   KvCacheDtype kv_dtype = KvCacheDtype::kBFloat16;
   int64_t max_step_tokens = 512;
   bool cuda_graphs = true;
+  std::string checkpoint_dir;  // empty: random weights of seed 7
 };
 
 constexpr int64_t kMaxTokens = 512, kMaxSeqs = 16, kNewTokens = 20;
@@ -52,6 +56,7 @@ std::shared_ptr<Engine> StartCuda(const GenSetup& s) {
   o.config = *ModelPreset("tiny");
   o.dtype = s.dtype;
   o.seed = 7;
+  o.checkpoint_dir = s.checkpoint_dir;
   o.model.max_tokens = kMaxTokens;
   o.model.max_seqs = kMaxSeqs;
   o.model.cuda_graphs = s.cuda_graphs;
@@ -70,6 +75,7 @@ std::shared_ptr<CpuEngine> StartCpu(const GenSetup& s) {
   o.config = *ModelPreset("tiny");
   o.dtype = s.dtype;
   o.seed = 7;
+  o.checkpoint_dir = s.checkpoint_dir;
   o.kv_blocks = 256;
   o.kv_block_size = 16;
   o.kv_dtype = s.kv_dtype;
@@ -192,6 +198,21 @@ class GpuGenerationTest : public ::testing::Test {
 
 TEST_F(GpuGenerationTest, Fp8WeightsGreedyTokensMatchCpuEngine) {
   CheckAgainstCpu(GenSetup{}, kTieMargin, "fp8 weights");
+}
+
+// Per-channel and block-wise FP8 checkpoints: at tp 1 the CUDA engine runs their scales (prefill
+// chunks and decode steps, block-wise at step buckets in multiples of 4), as the CPU engine does.
+TEST_F(GpuGenerationTest, FineScaleCheckpointsGreedyTokensMatchCpuEngine) {
+  for (Fp8Scheme scheme : {Fp8Scheme::kPerChannel, Fp8Scheme::kBlock}) {
+    GenSetup s;
+    s.checkpoint_dir = ::testing::TempDir() + "/tpserve_gpu_gen_" + Fp8SchemeName(scheme);
+    std::filesystem::remove_all(s.checkpoint_dir);
+    ASSERT_TRUE(WriteRandomCheckpoint(*ModelPreset("tiny"), DataType::kFloat8E4M3, 7,
+                                      s.checkpoint_dir, scheme)
+                    .ok());
+    CheckAgainstCpu(s, kTieMargin, std::string("fp8 ") + Fp8SchemeName(scheme) + " checkpoint");
+    std::filesystem::remove_all(s.checkpoint_dir);
+  }
 }
 
 TEST_F(GpuGenerationTest, Bf16WeightsGreedyTokensMatchCpuEngine) {
