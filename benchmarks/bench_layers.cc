@@ -61,9 +61,7 @@ struct Flags {
   // default is {none, pipeline, ring} (Main).
   std::vector<std::string> methods = {"gemm_only", "comm_only", "none",
                                       "pipeline",  "ring",      "layer_gemm"};
-  std::vector<int> max_ctas = {0};    // NCCL CTA limits to sweep (0 = NCCL's default)
-  std::vector<int> gemm_sms = {0};    // GEMM SM budgets to sweep (0 = all SMs)
-  std::vector<int> gemm_lanes = {1};  // GEMM stream counts to sweep (LinearKnobs::gemm_lanes)
+  std::vector<int> max_ctas = {0};  // NCCL CTA limits to sweep (0 = NCCL's default)
   int tp = 2;
   std::string ranks = "processes";  // processes (one per GPU, as served) | threads
   int warmup = 5;
@@ -164,16 +162,13 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
         chunks.insert(chunks.begin(), 1);
       }
       for (int c : chunks) {
-        for (int lanes : f.gemm_lanes) {
-          Method m = base;
-          m.method = OverlapModeName(mode);
-          m.knobs.mode = mode;
-          m.knobs.chunks = c;
-          m.knobs.copy_engine = true;
-          m.knobs.full_weight = true;
-          m.knobs.gemm_lanes = lanes;
-          add(m);
-        }
+        Method m = base;
+        m.method = OverlapModeName(mode);
+        m.knobs.mode = mode;
+        m.knobs.chunks = c;
+        m.knobs.copy_engine = true;
+        m.knobs.full_weight = true;
+        add(m);
       }
     } else if (name == "pipeline" || name == "ring" || name == "pipeline_ce" || name == "ring_ce" ||
                name == "ring_inplace") {
@@ -192,20 +187,14 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       for (int c : chunks) {
         for (int ctas : f.max_ctas) {
           if (ce && ctas != 0) continue;  // copy engines use no NCCL CTAs
-          for (int sms : f.gemm_sms) {
-            for (int lanes : f.gemm_lanes) {
-              Method m = base;
-              m.method = ring ? "ring" : "pipeline";
-              m.knobs.mode = ring ? OverlapMode::kRing : OverlapMode::kPipeline;
-              m.knobs.chunks = c;
-              m.knobs.comm.max_ctas = ctas;
-              m.knobs.gemm_sm_count = sms;
-              m.knobs.copy_engine = ce;
-              m.knobs.in_place = in_place;
-              m.knobs.gemm_lanes = lanes;
-              add(m);
-            }
-          }
+          Method m = base;
+          m.method = ring ? "ring" : "pipeline";
+          m.knobs.mode = ring ? OverlapMode::kRing : OverlapMode::kPipeline;
+          m.knobs.chunks = c;
+          m.knobs.comm.max_ctas = ctas;
+          m.knobs.copy_engine = ce;
+          m.knobs.in_place = in_place;
+          add(m);
         }
       }
     }
@@ -243,10 +232,8 @@ json KnobsJson(const LinearKnobs& k) {
               {"max_ctas", k.comm.max_ctas},
               {"cta_policy", CtaPolicyName(k.comm.cta_policy)},
               {"copy_engine", k.copy_engine},
-              {"gemm_sm_count", k.gemm_sm_count},
               {"fast_accum", k.fast_accum},
               {"in_place", k.in_place},
-              {"gemm_lanes", k.gemm_lanes},
               {"full_weight", k.full_weight}};
 }
 
@@ -709,16 +696,6 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
   app.add_option("--max-ctas", f.max_ctas,
                  "NCCL max CTA counts to sweep for pipeline/ring (0 = NCCL's default; at most 64)")
       ->check(CLI::Range(0, 64))
-      ->capture_default_str();
-  app.add_option("--gemm-sms", f.gemm_sms,
-                 "GEMM SM budgets (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) to sweep for "
-                 "pipeline/ring (0 = all SMs)")
-      ->check(NonNegative())
-      ->capture_default_str();
-  app.add_option("--gemm-lanes", f.gemm_lanes,
-                 "GEMM stream counts to sweep for pipeline/ring (LinearKnobs::gemm_lanes: 2 puts "
-                 "each GEMM step that does not depend on the one before on a second stream)")
-      ->check(CLI::Range(1, 2))
       ->capture_default_str();
   app.add_option("--tp", f.tp,
                  "Tensor-parallel size (GPUs); must divide each shape's split dimension (n of "

@@ -82,7 +82,8 @@ def check_failed(r):
 
 
 def config_summary(r):
-    """A few words for the non-default knobs of a record's config."""
+    """A few words for the non-default knobs of a record's config. Fields of knobs that no
+    longer exist, in older files' records, are not read: those records hold their defaults."""
     c = r.get("config") or {}
     words = []
     if c.get("copy_engine"):
@@ -97,12 +98,8 @@ def config_summary(r):
         words.append("maxctas=%s" % hi)
     elif lo:
         words.append("minctas=%s" % lo)
-    if c.get("gemm_sm_count"):
-        words.append("sm=%s" % c["gemm_sm_count"])
     if c.get("fast_accum"):
         words.append("fast")
-    if (c.get("gemm_lanes") or 1) != 1:
-        words.append("lanes=%s" % c["gemm_lanes"])
     if c.get("graph") is False:
         words.append("eager")
     return " ".join(words)

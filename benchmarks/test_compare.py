@@ -20,8 +20,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare")
 def record(layer="llama70b.qkv", op="ag_gemm", method="pipeline", dtype="fp8", m=512,
            n=10240, k=8192, chunks=2, median=1.0, impl="tpserve", **config):
     cfg = {"chunks": chunks, "copy_engine": False, "cta_policy": "default",
-           "fast_accum": False, "gemm_sm_count": 0, "max_ctas": 0, "min_ctas": 0,
-           "mode": method}
+           "fast_accum": False, "max_ctas": 0, "min_ctas": 0, "mode": method}
     cfg.update(config)
     r = {"impl": impl, "op": op, "method": method, "dtype": dtype, "tp": 2, "m": m,
          "n": n, "k": k, "chunks": chunks, "config": cfg, "median_ms": median,
@@ -258,6 +257,30 @@ class CompareTest(unittest.TestCase):
         self.assertEqual(rc, 0, out + err)
         self.assertIn("4 cases compared", out)
         self.assertIn("1 only in OLD, 1 only in NEW", out)
+
+    def test_older_records_with_removed_knobs_match_newer_ones(self):
+        # Files written before gemm_sm_count and gemm_lanes were removed carry them in every
+        # tpserve record, at 0 (all SMs) and 1 (one GEMM stream): the same cases as records
+        # without them. Another value measured something no longer run: its own case.
+        old_records = base_records()
+        for r in old_records:
+            if r["impl"] == "tpserve":
+                r["config"].update(gemm_sm_count=0, gemm_lanes=1)
+        old_records.append(record(method="ring", chunks=2, median=0.08, gemm_lanes=2))
+        old = self.write("old.json", results(old_records))
+        new = self.write("new.json", results(base_records()))
+        rc, out, err = self.run_compare(old, new, "--allow-missing")
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("5 cases compared, 0 slower than threshold, 0 faster, "
+                      "1 only in OLD, 0 only in NEW", out)
+        lines = out.splitlines()
+        only_old = lines[lines.index("only in OLD (1):") + 1]
+        self.assertIn("\"gemm_lanes\":2", only_old)
+        self.assertNotIn("gemm_sm_count", out)
+        # Only the one that cannot be matched is lost.
+        rc, out, err = self.run_compare(old, new)
+        self.assertEqual(rc, 3, out + err)
+        self.assertIn("1 case(s) of OLD missing from NEW", err)
 
     def test_nothing_in_common_is_an_error(self):
         old = self.write("old.json", results(base_records()))

@@ -282,19 +282,19 @@ class RowNameTest(unittest.TestCase):
         self.assertEqual(render_results.row_name(r), "tpserve ring_fullw c=2")
 
     def test_vs_gemm_gives_each_case_its_ratios_to_gemm_only(self):
-        lanes = rec("tpserve", "ring", 0.55)
-        lanes.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
-                                       "gemm_lanes": 2})
+        fast = rec("tpserve", "ring", 0.55)
+        fast.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
+                                      "fast_accum": True})
         other = rec("tpserve", "ring", 0.3, m=2048)  # a case without gemm_only
         other.update(chunks=2, config={"mode": "ring", "chunks": 2})
         text = render_results.render_vs_gemm(
-            {"records": [lanes, rec("tpserve", "gemm_only", 0.5), other]})
+            {"records": [fast, rec("tpserve", "gemm_only", 0.5), other]})
         lines = text.splitlines()
         self.assertEqual(len(lines), 2)
         self.assertEqual(lines[0], "ag_gemm n=10240 k=8192 m=2048 fp8: tpserve ring c=2 0.3000")
         self.assertIn("m=8192 fp8: ", lines[1])
         self.assertIn("tpserve gemm_only 0.5000 (1.000 x gemm)", lines[1])
-        self.assertIn("tpserve ring_ce c=1 [lanes=2] 0.5500 (1.100 x gemm)", lines[1])
+        self.assertIn("tpserve ring_ce c=1 [fast] 0.5500 (1.100 x gemm)", lines[1])
 
     def test_the_peers_gemm_only_and_comm_only_are_diagnostics(self):
         # PyTorch's parts of torch_seq, timed alone: never its best, and never
@@ -328,13 +328,31 @@ class RowNameTest(unittest.TestCase):
             finally:
                 os.remove(f.name)
 
-    def test_two_gemm_lanes_are_named_and_one_is_not(self):
-        r = rec("tpserve", "ring", 0.4)
-        r.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
-                                   "gemm_lanes": 2})
-        self.assertEqual(render_results.row_name(r), "tpserve ring_ce c=1 [lanes=2]")
-        r["config"]["gemm_lanes"] = 1
-        self.assertEqual(render_results.row_name(r), "tpserve ring_ce c=1")
+    def test_older_records_with_removed_knobs_render_as_without_them(self):
+        # Files of record written before gemm_sm_count and gemm_lanes were removed carry them
+        # at their defaults (0: all SMs; one GEMM stream) in every record.
+        import contextlib
+        import io
+        import json
+        import tempfile
+        old = rec("tpserve", "ring", 0.4)
+        old.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True,
+                                     "gemm_sm_count": 0, "gemm_lanes": 1})
+        new = rec("tpserve", "ring", 0.4)
+        new.update(chunks=1, config={"mode": "ring", "chunks": 1, "copy_engine": True})
+        self.assertEqual(render_results.row_name(old), "tpserve ring_ce c=1")
+        self.assertEqual(render_results.row_name(new), "tpserve ring_ce c=1")
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"records": [old, rec("tpserve", "none", 0.5)]}, f)
+        try:
+            for args in ([f.name], [f.name, "--vs-gemm"]):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    self.assertEqual(render_results.main(args), 0)
+                self.assertIn("tpserve ring_ce c=1 ", out.getvalue())
+                self.assertNotIn("sm=", out.getvalue())
+        finally:
+            os.remove(f.name)
 
     def test_the_plain_layer_gemm_and_methods_keep_their_names(self):
         r = rec("tpserve", "layer_gemm", 0.4)

@@ -93,7 +93,6 @@ struct PlanKey {
   int batch;
   int64_t stride_a, stride_b, stride_c, stride_d;
   bool has_a_scale, has_b_scale, has_d_scale, has_amax, uses_c, fast_accum;
-  int sm_count_target;
   GemmScaleScheme scale_scheme;
 
   auto operator<=>(const PlanKey&) const = default;
@@ -121,7 +120,6 @@ PlanKey KeyOf(const GemmParams& r) {
                  r.d_amax != nullptr,
                  UsesC(r),
                  r.fast_accum,
-                 r.sm_count_target,
                  r.scale_scheme};
 }
 
@@ -138,7 +136,6 @@ std::string Describe(const std::string& name, const GemmParams& r) {
     s += ", scales " + std::string(GemmScaleSchemeName(r.scale_scheme));
   }
   if (r.fast_accum) s += ", fast_accum";
-  if (r.sm_count_target > 0) s += ", sm_count_target=" + Str(r.sm_count_target);
   return s + ")";
 }
 
@@ -232,10 +229,6 @@ Status ValidateGemmParams(const GemmParams& p) {
   if (p.k <= 0) return InvalidArgumentError("GemmParams.k = " + Str(p.k) + ": must be > 0");
   if (p.batch < 1) {
     return InvalidArgumentError("GemmParams.batch = " + Str(p.batch) + ": must be >= 1");
-  }
-  if (p.sm_count_target < 0) {
-    return InvalidArgumentError("GemmParams.sm_count_target = " + Str(p.sm_count_target) +
-                                ": must be >= 0 (0 = all SMs)");
   }
 
   const bool fp8 = IsFp8Gemm(p);
@@ -525,10 +518,6 @@ StatusOr<std::unique_ptr<Plan>> CublasLtGemm::Impl::BuildPlan(const GemmParams& 
   if (IsFp8Gemm(r)) {
     TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                    static_cast<int8_t>(r.fast_accum ? 1 : 0)));
-  }
-  if (r.sm_count_target > 0) {
-    TP_RETURN_IF_ERROR(SetDescAttr(raw_desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
-                                   static_cast<int32_t>(r.sm_count_target)));
   }
   if (IsFp8Gemm(r) && r.scale_scheme != GemmScaleScheme::kPerTensor) {
     // Swapped as the scale pointers are: cuBLAS's A is our weight B, its B our activations A.

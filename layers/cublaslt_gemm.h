@@ -140,9 +140,6 @@ struct GemmParams {
   // CUBLASLT_MATMUL_DESC_FAST_ACCUM: faster FP8 accumulation without periodic promotion to
   // full FP32. Ignored for BF16 inputs.
   bool fast_accum = false;
-  // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: plan for this many SMs (because communication runs
-  // on the others); 0 = all SMs of the device.
-  int sm_count_target = 0;
 };
 
 // Floats that a_scale / b_scale must hold for p.scale_scheme (1, m or k/128*m for A; 1, n or

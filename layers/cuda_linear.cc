@@ -31,10 +31,10 @@ struct CudaLinear::Impl {
   CublasLtGemm gemm;
   CudaStream comm_stream;
   CudaEvent fork, join;
-  // gemm_lanes 2: the second GEMM stream, its own cuBLASLt workspace, and its join event.
-  CublasLtGemm lane_gemm;
-  CudaStream lane_stream;
-  CudaEvent lane_join;
+  // full_weight with copy engines: the stream of the local copies of the own input columns,
+  // and its join event.
+  CudaStream copy_stream;
+  CudaEvent copy_join;
   std::vector<CudaEvent> step_events;
   // Plain buffers; with copy engines, the buffers that peers pull from are
   // PeerBuffers instead (mapped on every rank).
@@ -73,8 +73,7 @@ struct CudaLinear::Impl {
 
   size_t Bytes() const {
     return input.size() + gather.size() + partial.size() + received.size() + scratch.size() +
-           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() +
-           gemm.workspace_bytes() + lane_gemm.workspace_bytes();
+           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() + gemm.workspace_bytes();
   }
 };
 
@@ -206,15 +205,11 @@ Status CudaLinear::Impl::CreateStreams(const std::string& name, const LinearKnob
   TP_ASSIGN_OR_RETURN(fork, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(join, CudaEvent::Create(false));
   TP_ASSIGN_OR_RETURN(gemm, CublasLtGemm::Create(name, gemm_algo));
-  // The second stream: GEMMs (gemm_lanes 2), or full_weight's local copies of the own input
-  // columns, which then run beside the pulls instead of before them on the comm stream.
-  if (knobs.gemm_lanes == 2 || (knobs.full_weight && knobs.copy_engine)) {
-    // At the least priority (a lane 0 one level above it gained nothing).
-    TP_ASSIGN_OR_RETURN(lane_stream, CudaStream::Create(true, least));
-    TP_ASSIGN_OR_RETURN(lane_join, CudaEvent::Create(false));
-  }
-  if (knobs.gemm_lanes == 2) {
-    TP_ASSIGN_OR_RETURN(lane_gemm, CublasLtGemm::Create(name + ".lane1", gemm_algo));
+  // full_weight's local copies of the own input columns, which then run beside the pulls
+  // instead of before them on the comm stream.
+  if (knobs.full_weight && knobs.copy_engine) {
+    TP_ASSIGN_OR_RETURN(copy_stream, CudaStream::Create(true, least));
+    TP_ASSIGN_OR_RETURN(copy_join, CudaEvent::Create(false));
   }
   return Status::Ok();
 }
@@ -389,9 +384,7 @@ Status CudaLinear::Prepare(int64_t m) {
   TP_ASSIGN_OR_RETURN(Prepared prep, cuda_linear_detail::BuildPreparedSteps(in, plan));
   for (const PreparedStep& ps : prep.steps) {
     for (const GemmCall& call : ps.gemms) {
-      TP_RETURN_IF_ERROR((ps.lane == 1 ? im.lane_gemm : im.gemm)
-                             .Prepare(call.params)
-                             .WithContext("layer " + name_));
+      TP_RETURN_IF_ERROR(im.gemm.Prepare(call.params).WithContext("layer " + name_));
     }
   }
   for (size_t i = 0; i < prep.steps.size(); ++i) {
@@ -589,10 +582,10 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   const Prepared& prep = it->second;
   auto resolve = [&](BufRef r) -> char* { return ResolveRef(im, y, r); };
   cudaStream_t side = im.comm_stream.get();
-  cudaStream_t lane = im.lane_stream.get();
+  cudaStream_t copies = im.copy_stream.get();
   auto stream_of = [&](const PreparedStep& ps) {
     const int key = StreamKey(ps);
-    return key == 2 ? side : key == 1 ? lane : stream;
+    return key == 2 ? side : key == 1 ? copies : stream;
   };
 
   // Everything that can be refused is checked before the first enqueue: a
@@ -633,7 +626,7 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   }
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));
-  if (prep.uses_lane) TP_RETURN_IF_ERROR(im.fork.WaitOn(lane));
+  if (prep.uses_copy_stream) TP_RETURN_IF_ERROR(im.fork.WaitOn(copies));
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     if (static_cast<int>(i) == skip) continue;
     const PreparedStep& ps = prep.steps[i];
@@ -649,10 +642,9 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     if (ps.is_gemm) {
       for (const GemmCall& call : ps.gemms) {
         if (!with_gemm) break;
-        CublasLtGemm& gemm = ps.lane == 1 ? im.lane_gemm : im.gemm;
-        TP_RETURN_IF_ERROR(gemm.Run(params_of(call), resolve(call.a),
-                                    static_cast<const char*>(w) + call.b_offset, resolve(call.c),
-                                    resolve(call.d), s));
+        TP_RETURN_IF_ERROR(im.gemm.Run(params_of(call), resolve(call.a),
+                                       static_cast<const char*>(w) + call.b_offset, resolve(call.c),
+                                       resolve(call.d), s));
       }
       if (with_comm) TP_RETURN_IF_ERROR(im.signals.Signal(PeerSignals::kDone, ps.done_to, s));
     } else if (ps.comm.copy_engine) {
@@ -667,9 +659,9 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     // Peers have pulled everything this rank sent: the caller may overwrite it.
     TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kDone, prep.done_from, side));
   }
-  if (prep.uses_lane) {
-    TP_RETURN_IF_ERROR(im.lane_join.Record(lane));
-    TP_RETURN_IF_ERROR(im.lane_join.WaitOn(stream));
+  if (prep.uses_copy_stream) {
+    TP_RETURN_IF_ERROR(im.copy_join.Record(copies));
+    TP_RETURN_IF_ERROR(im.copy_join.WaitOn(stream));
   }
   TP_RETURN_IF_ERROR(im.join.Record(side));
   return im.join.WaitOn(stream);

@@ -3,12 +3,11 @@
 //
 // The layer runs OverlapPlans (layers/overlap_plan.h; a gemm_rs layer with
 // knobs.full_weight builds its own steps, see LinearKnobs::full_weight): GEMM steps on the
-// caller's stream (with knobs.gemm_lanes == 2, GEMM steps that do not depend
-// on the one before alternate between it and a second stream of the layer's,
-// which full_weight's local copies also use), communication steps on the layer's own high-priority
-// comm stream, dependencies as events. The comm stream forks from and joins back into the caller's
-// stream inside Run(), so a Run can be captured into a CUDA graph (and a whole model of them into
-// one).
+// caller's stream, communication steps on the layer's own high-priority comm stream
+// (full_weight's local copies of its own input columns on a copy stream of the layer's, beside
+// the comm stream's pulls), dependencies as events. The layer's streams fork from and join back
+// into the caller's stream inside Run(), so a Run can be captured into a CUDA graph (and a whole
+// model of them into one).
 //
 // Buffers are allocated once, in Create(), for the largest M; Prepare(m)
 // builds the plan and the GEMM algorithms for one M ahead of time (host only).

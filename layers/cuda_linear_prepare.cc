@@ -7,31 +7,6 @@
 namespace tpserve::cuda_linear_detail {
 namespace {
 
-// LinearKnobs::gemm_lanes == 2: a GEMM step that depends neither directly nor through other
-// steps on the GEMM step before it goes on the other lane than that one, so that its CTAs can
-// take the SMs the earlier GEMM's last wave leaves idle; a dependent one stays on its lane.
-// Steps' deps point backwards (ValidatePlan; the deferred sums come last). Returns whether any
-// step went on lane 1.
-bool AssignGemmLanes(std::vector<PreparedStep>& steps) {
-  const size_t n = steps.size();
-  std::vector<std::vector<bool>> after(n, std::vector<bool>(n, false));  // [i][j]: i waits for j
-  for (size_t i = 0; i < n; ++i) {
-    for (int d : steps[i].deps) {
-      after[i][d] = true;
-      for (size_t j = 0; j < n; ++j) after[i][j] = after[i][j] || after[d][j];
-    }
-  }
-  int prev = -1;
-  bool used = false;
-  for (size_t i = 0; i < n; ++i) {
-    if (!steps[i].is_gemm) continue;
-    if (prev >= 0) steps[i].lane = after[i][prev] ? steps[prev].lane : 1 - steps[prev].lane;
-    used = used || steps[i].lane == 1;
-    prev = static_cast<int>(i);
-  }
-  return used;
-}
-
 // One BuildPreparedSteps call: the layer's facts, the plan, and the steps built so far.
 class StepBuilder {
  public:
@@ -123,7 +98,6 @@ StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
   base_.d_type = DataType::kBFloat16;
   base_.fast_accum = fp8 && knobs_.fast_accum;
   if (fp8) base_.scale_scheme = shape_.scale_scheme;
-  base_.sm_count_target = knobs_.gemm_sm_count;
   if (fp8) {
     base_.a_scale = in.unit_scales;
     base_.b_scale = in.unit_scales + 4;
@@ -160,10 +134,6 @@ StatusOr<Prepared> StepBuilder::Build() {
     }
   }
   AppendDeferredSums();
-  if (knobs_.gemm_lanes == 2) {
-    const bool gemm_on_lane = AssignGemmLanes(prep_.steps);
-    prep_.uses_lane = prep_.uses_lane || gemm_on_lane;  // full_weight's copies may use it too
-  }
   return std::move(prep_);
 }
 
@@ -211,7 +181,7 @@ std::vector<GemmCall> StepBuilder::SlotGemms(const std::vector<RowRange>& rows, 
 
 // No partial sums (LinearKnobs::full_weight): this rank's rows over the whole K, their
 // peers' input columns pulled into the gather buffer's column blocks ([shard rows, tp * k];
-// the own columns copied into block `rank` on the second stream, beside the pulls).
+// the own columns copied into block `rank` on the copy stream, beside the pulls).
 // Mode none / pipeline: per chunk of the rows, a comm step of pulls, then one whole-K GEMM
 // after that step and the own copy. Mode ring: see AddFullWeightRing. The first comm step
 // signals this rank's input ready and waits for the peers'; the last tells the peers that their
@@ -266,7 +236,7 @@ int StepBuilder::AddFullWeightPulls(bool first, bool last, RowRange rows, int64_
 }
 
 // full_weight: the whole-K GEMM of `rows` (gather row `at_row` on), after `comm_step` (if any)
-// and a copy of the own columns on the second stream.
+// and a copy of the own columns on the copy stream.
 void StepBuilder::AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step) {
   if (rows.empty()) return;
   const int64_t kk = tp_ * k_;
@@ -275,7 +245,7 @@ void StepBuilder::AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step) {
   gs.is_gemm = true;
   if (comm_step >= 0) {
     PreparedStep own_copy;
-    own_copy.lane = 1;
+    own_copy.on_copy_stream = true;
     CommCall& c = own_copy.comm;
     c.copy_engine = true;
     c.copy_src = {BufRef::kInput, rows.begin * row_x_};
@@ -286,7 +256,7 @@ void StepBuilder::AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step) {
     c.copy_dst_pitch = row_g;
     gs.deps = {comm_step, static_cast<int>(prep_.steps.size())};
     prep_.steps.push_back(std::move(own_copy));
-    prep_.uses_lane = true;
+    prep_.uses_copy_stream = true;
   }
   GemmCall call = Single(
       rows.size(),
@@ -336,8 +306,7 @@ void StepBuilder::AddFullWeightRing() {
     own_gemm.gemms.push_back(call);
     prep_.steps.push_back(std::move(own_gemm));
     if (ce_) {
-      // After the pulls, and after the own GEMM, whose output it adds to (gemm_lanes 2
-      // must not put the two on different streams without that edge).
+      // After the pulls, and after the own GEMM, whose output it adds to.
       PreparedStep add;
       add.is_gemm = true;
       add.deps = {head_comm, static_cast<int>(prep_.steps.size()) - 1};

@@ -79,9 +79,9 @@ struct PreparedStep {
   bool record_event = false;  // a later step on the other stream waits for it
   // A GEMM that read peers' memory (in_place): they may reuse it once the GEMM is done.
   std::vector<PeerSignals::Flag> done_to;
-  // 0 = the caller's stream, 1 = the layer's second stream (GEMM steps with gemm_lanes 2;
-  // full_weight's copies of the own input columns)
-  int lane = 0;
+  // On the layer's copy stream (full_weight's copies of the own input columns, beside the
+  // pulls on the comm stream) rather than on `stream`.
+  bool on_copy_stream = false;
 };
 
 struct Prepared {
@@ -91,12 +91,12 @@ struct Prepared {
   // The step that sums this rank's whole output from two addends (a one-chunk copy-engine
   // ring's last addition), which RunSplit skips; -1 if the plan has none.
   int split_sum_step = -1;
-  bool uses_lane = false;  // some GEMM step runs on the second GEMM stream
+  bool uses_copy_stream = false;  // some step runs on the layer's copy stream
 };
 
-// The stream a step runs on: 0 the caller's, 1 the second stream, 2 the comm stream.
+// The stream a step runs on: 0 the caller's, 1 the copy stream, 2 the comm stream.
 inline int StreamKey(const PreparedStep& ps) {
-  return ps.stream == StepStream::kComm ? 2 : ps.lane;
+  return ps.stream == StepStream::kComm ? 2 : ps.on_copy_stream ? 1 : 0;
 }
 
 // What BuildPreparedSteps needs to know of the layer and its M.
@@ -113,10 +113,10 @@ struct StepsInput {
   int signal_slots = 0;  // PeerSignals slots per pair of ranks
 };
 
-// The steps of `plan` (the layer's plan for in.m), with lanes assigned (knobs.gemm_lanes 2) and
-// split_sum_step set; `plan` itself is left to the caller to store. Neither prepares GEMMs nor
-// creates events. INTERNAL when a copy-engine plan needs more than in.signal_slots messages
-// between two ranks, or an in_place GEMM step has no receive step.
+// The steps of `plan` (the layer's plan for in.m), with split_sum_step set; `plan` itself is
+// left to the caller to store. Neither prepares GEMMs nor creates events. INTERNAL when a
+// copy-engine plan needs more than in.signal_slots messages between two ranks, or an in_place
+// GEMM step has no receive step.
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan);
 
 }  // namespace tpserve::cuda_linear_detail

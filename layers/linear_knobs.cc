@@ -5,9 +5,7 @@ namespace tpserve {
 std::string LinearKnobs::ToString() const {
   return "mode=" + std::string(OverlapModeName(mode)) + " chunks=" + std::to_string(chunks) +
          " comm{" + comm.Key() + "} copy_engine=" + std::to_string(copy_engine) +
-         " gemm_sm_count=" + std::to_string(gemm_sm_count) +
          " fast_accum=" + std::to_string(fast_accum) + (in_place ? " in_place=1" : "") +
-         (gemm_lanes != 1 ? " gemm_lanes=" + std::to_string(gemm_lanes) : "") +
          (full_weight ? " full_weight=1" : "");
 }
 
@@ -19,10 +17,6 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
     return InvalidArgumentError("chunks must be 1 with mode none, got " +
                                 std::to_string(knobs.chunks));
   }
-  if (knobs.gemm_sm_count < 0) {
-    return InvalidArgumentError("gemm_sm_count must be >= 0 (0 = all SMs), got " +
-                                std::to_string(knobs.gemm_sm_count));
-  }
   if (knobs.in_place && (op != OverlapOp::kGemmReduceScatter || knobs.mode != OverlapMode::kRing ||
                          !knobs.copy_engine)) {
     return InvalidArgumentError(
@@ -30,10 +24,6 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
         "read in the peer's memory), got " +
         std::string(OverlapOpName(op)) + " mode " + std::string(OverlapModeName(knobs.mode)) +
         (knobs.copy_engine ? " with" : " without") + " copy_engine");
-  }
-  if (knobs.gemm_lanes != 1 && knobs.gemm_lanes != 2) {
-    return InvalidArgumentError("gemm_lanes must be 1 or 2, got " +
-                                std::to_string(knobs.gemm_lanes));
   }
   if (knobs.full_weight && (op != OverlapOp::kGemmReduceScatter || !knobs.copy_engine)) {
     return InvalidArgumentError(

@@ -35,8 +35,6 @@ struct LinearKnobs {
   // as threads of one process, graph replays of copy-engine layers hung (gemm_rs always,
   // ag_gemm rarely), so CudaLinear refuses copy engines there (FAILED_PRECONDITION).
   bool copy_engine = false;
-  // GEMM SM budget (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0 = all SMs.
-  int gemm_sm_count = 0;
   // FP8 fast accumulation (no periodic promotion to FP32 inside the GEMM).
   bool fast_accum = false;
   // gemm_rs, mode ring, copy_engine only: each accumulating GEMM reads the running sum where
@@ -45,12 +43,6 @@ struct LinearKnobs {
   // (the last GEMM writes the finished output). The peers' `done` (they have read this
   // rank's partial) is awaited at the start of the next Run rather than the end of this one.
   bool in_place = false;
-  // GEMM streams (1 or 2). With 2, a GEMM step that does not depend on the GEMM step before it
-  // goes on the other of two streams (each with its own cuBLASLt workspace, 32 MiB more per
-  // layer), so that its CTAs take the SMs that the earlier GEMM's last wave leaves idle
-  // instead of waiting for that wave to drain. Not in the shipped config: it speeds up layers
-  // timed in bursts but not a whole model pass at the GPU's power limit.
-  int gemm_lanes = 1;
   // gemm_rs, copy_engine: no partial sums. Every rank holds the whole
   // weight [n, tp * k] (rank r's shard is columns [r * k, (r + 1) * k)); instead of reduce-
   // scattering BF16 partials of every row, each rank pulls the peers' FP8 input columns of its
@@ -65,15 +57,14 @@ struct LinearKnobs {
   // the sharded GEMM of the same FLOPs (half the output), as for o.
   bool full_weight = false;
 
-  // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 sm=0 fast_accum=0"
-  // (" in_place=1", " gemm_lanes=2" and " full_weight=1" appended when set).
+  // One line, e.g. "mode=pipeline chunks=4 comm{...} copy_engine=0 fast_accum=0"
+  // (" in_place=1" and " full_weight=1" appended when set).
   std::string ToString() const;
 };
 
-// INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none;
-// sm count >= 0; the comm knobs valid; in_place only for gemm_rs in mode ring with
-// copy_engine; gemm_lanes 1 or 2; full_weight only for gemm_rs with copy_engine. Every other knob
-// goes with every op and mode.
+// INVALID_ARGUMENT naming the field: chunks in [1, 64] and 1 with mode none; the comm knobs
+// valid; in_place only for gemm_rs in mode ring with copy_engine; full_weight only for gemm_rs
+// with copy_engine. Every other knob goes with every op and mode.
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
 }  // namespace tpserve

@@ -16,8 +16,12 @@ namespace tpserve {
 namespace {
 
 constexpr std::initializer_list<const char*> kKnobKeys = {
-    "mode",       "chunks",   "comm",       "copy_engine", "gemm_sm_count",
-    "fast_accum", "in_place", "gemm_lanes", "full_weight"};
+    "mode", "chunks", "comm", "copy_engine", "fast_accum", "in_place", "full_weight"};
+// Knobs that were removed: files written before may still carry them (the tuner wrote
+// gemm_sm_count: 0 into every entry). Refused with a message that says so rather than as
+// unknown keys. Every GEMM now runs on the caller's stream over all SMs, as their defaults
+// (0 = all SMs, 1 stream) did, so for such files deleting the line changes nothing.
+constexpr std::initializer_list<const char*> kRemovedKnobKeys = {"gemm_sm_count", "gemm_lanes"};
 constexpr std::initializer_list<const char*> kCommKeys = {"min_ctas", "max_ctas", "cta_policy",
                                                           "cga_cluster_size"};
 
@@ -76,6 +80,20 @@ class Parser {
     return Status::Ok();
   }
 
+  // CheckKeys for a map of knobs (kKnobKeys) and `own` keys, refusing removed knobs by name
+  // first.
+  Status CheckKnobKeys(const YAML::Node& node, const std::string& path,
+                       std::initializer_list<const char*> own = {}) const {
+    TP_RETURN_IF_ERROR(CheckMap(node, path));
+    for (const auto& kv : node) {
+      if (kv.first.IsScalar() && In(kv.first.Scalar(), kRemovedKnobKeys)) {
+        return Error(kv.first, path + "." + kv.first.Scalar(),
+                     "was removed (GEMMs run on one stream over all SMs); delete the key");
+      }
+    }
+    return CheckKeys(node, path, own, kKnobKeys);
+  }
+
   template <typename T>
   Status Read(const YAML::Node& node, const std::string& path, const char* type, T* out) const {
     if (!node.IsScalar()) return Error(node, path, std::string("must be ") + type);
@@ -119,14 +137,6 @@ class Parser {
     if (const YAML::Node v = node["chunks"]) {
       TP_RETURN_IF_ERROR(ReadInt(v, path + ".chunks", 1, 64, &i));
       s->knobs.chunks = static_cast<int>(i);
-    }
-    if (const YAML::Node v = node["gemm_sm_count"]) {
-      TP_RETURN_IF_ERROR(ReadInt(v, path + ".gemm_sm_count", 0, 1024, &i));
-      s->knobs.gemm_sm_count = static_cast<int>(i);
-    }
-    if (const YAML::Node v = node["gemm_lanes"]) {
-      TP_RETURN_IF_ERROR(ReadInt(v, path + ".gemm_lanes", 1, 2, &i));
-      s->knobs.gemm_lanes = static_cast<int>(i);
     }
     if (const YAML::Node v = node["copy_engine"]) {
       TP_RETURN_IF_ERROR(Read(v, path + ".copy_engine", "true or false", &s->knobs.copy_engine));
@@ -190,7 +200,7 @@ class Parser {
       cfg.set_tp(static_cast<int>(tp));
     }
     if (const YAML::Node d = root["defaults"]) {
-      TP_RETURN_IF_ERROR(CheckKeys(d, "defaults", kKnobKeys));
+      TP_RETURN_IF_ERROR(CheckKnobKeys(d, "defaults"));
       TP_RETURN_IF_ERROR(ReadKnobs(d, "defaults", &cfg.mutable_defaults()));
     }
     if (const YAML::Node layers = root["layers"]) {
@@ -198,7 +208,7 @@ class Parser {
       for (size_t i = 0; i < layers.size(); ++i) {
         const YAML::Node r = layers[i];
         const std::string path = "layers[" + std::to_string(i) + "]";
-        TP_RETURN_IF_ERROR(CheckKeys(r, path, {"match", "m_ranges"}, kKnobKeys));
+        TP_RETURN_IF_ERROR(CheckKnobKeys(r, path, {"match", "m_ranges"}));
         OverlapConfig::Rule rule;
         rule.line = r.Mark().line + 1;
         if (!r["match"]) return Error(r, path + ".match", "missing (a glob on the layer name)");
@@ -212,7 +222,7 @@ class Parser {
           for (size_t j = 0; j < ranges.size(); ++j) {
             const YAML::Node g = ranges[j];
             const std::string gpath = path + ".m_ranges[" + std::to_string(j) + "]";
-            TP_RETURN_IF_ERROR(CheckKeys(g, gpath, {"m_min", "m_max"}, kKnobKeys));
+            TP_RETURN_IF_ERROR(CheckKnobKeys(g, gpath, {"m_min", "m_max"}));
             OverlapConfig::Setting s = base;
             s.m_min = 1;
             s.m_max = INT64_MAX;
@@ -254,8 +264,7 @@ class Parser {
       for (size_t i = 0; i < tuned.size(); ++i) {
         const YAML::Node t = tuned[i];
         const std::string path = "tuned[" + std::to_string(i) + "]";
-        TP_RETURN_IF_ERROR(
-            CheckKeys(t, path, {"op", "n", "k", "m", "median_ms", "none_ms"}, kKnobKeys));
+        TP_RETURN_IF_ERROR(CheckKnobKeys(t, path, {"op", "n", "k", "m", "median_ms", "none_ms"}));
         OverlapConfig::Tuned e;
         std::string op;
         if (!t["op"] || !t["n"] || !t["k"] || !t["m"]) {
@@ -315,10 +324,8 @@ void EmitKnobs(YAML::Emitter& out, const LinearKnobs& k, bool auto_mode) {
   out << YAML::Key << "cga_cluster_size" << YAML::Value << k.comm.cga_cluster_size;
   out << YAML::EndMap;
   out << YAML::Key << "copy_engine" << YAML::Value << k.copy_engine;
-  out << YAML::Key << "gemm_sm_count" << YAML::Value << k.gemm_sm_count;
   out << YAML::Key << "fast_accum" << YAML::Value << k.fast_accum;
-  if (k.in_place) out << YAML::Key << "in_place" << YAML::Value << true;  // written when set
-  if (k.gemm_lanes != 1) out << YAML::Key << "gemm_lanes" << YAML::Value << k.gemm_lanes;
+  if (k.in_place) out << YAML::Key << "in_place" << YAML::Value << true;        // written when set
   if (k.full_weight) out << YAML::Key << "full_weight" << YAML::Value << true;  // when set
 }
 

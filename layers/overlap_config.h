@@ -10,11 +10,8 @@
 //     chunks: 1
 //     comm: {min_ctas: 0, max_ctas: 0, cta_policy: default, cga_cluster_size: 0}
 //     copy_engine: false
-//     gemm_sm_count: 0
 //     fast_accum: false
 //     in_place: false              # gemm_rs ring on copy engines: read the peer's running sum
-//     gemm_lanes: 1                # 1 | 2: GEMM steps that do not depend on each other on 2
-//     streams
 //     full_weight: false           # gemm_rs on copy engines (any mode): each rank holds
 //                                  # the whole weight and pulls the peers' input columns of
 //                                  # its rows (no partial sums; tp x the weight memory)
@@ -39,7 +36,9 @@
 // their range, overlapping M ranges of one rule, two tuned entries for one
 // (op, n, k, m), more than one YAML document and an unsupported version are
 // errors (INVALID_ARGUMENT) that name the file, the line, the key and the
-// allowed values.
+// allowed values. The knobs gemm_sm_count and gemm_lanes were removed (every
+// GEMM runs on the caller's stream over all SMs, which no tuned or shipped
+// config ever changed); a file that still names one is refused, saying so.
 #pragma once
 
 #include <cstdint>

@@ -155,10 +155,6 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                          "move data with copy engines (peers pull from CUDA-IPC-mapped buffers; "
                          "no SMs): any op and mode; all ranks on one node"),
            cuda_only.get());
-  CudaOnly(cmd->add_option("--gemm-sms", f->gemm_sm_count, "GEMM SM budget (0 = all SMs)")
-               ->check(NonNegative())
-               ->capture_default_str(),
-           cuda_only.get());
   CudaOnly(cmd->add_flag("--split-output", f->split_output,
                          "gemm_rs: run the layer as the engine runs o and down (RunSplit): a "
                          "plan that ends in a sum step of its own (ring, --chunks 1, "
@@ -170,14 +166,6 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
                          "gemm_rs, mode ring, --copy-engine: each accumulating GEMM reads the "
                          "running sum in the peer's memory over NVLink instead of a copy-engine "
                          "pull (no copy; with --chunks 1 no separate sum either)"),
-           cuda_only.get());
-  CudaOnly(cmd->add_option("--gemm-lanes", f->gemm_lanes,
-                           "GEMM streams: 1, or 2 to run each GEMM step that does not depend on "
-                           "the one before on a second stream, where its CTAs take the SMs the "
-                           "earlier GEMM's last wave leaves idle (pipeline and ring split the "
-                           "GEMM; 32 MiB more cuBLASLt workspace)")
-               ->check(CLI::Range(1, 2))
-               ->capture_default_str(),
            cuda_only.get());
   CudaOnly(cmd->add_flag("--full-weight", f->full_weight,
                          "gemm_rs, --copy-engine: every rank holds the whole weight and pulls "

@@ -21,10 +21,8 @@ struct LayerFlags {
   int max_ctas = 0;
   std::string cta_policy = "default";
   bool copy_engine = false;
-  int gemm_sm_count = 0;
   bool split_output = false;  // gemm_rs: CudaLinear::RunSplit, the addends summed on the host
   bool in_place = false;      // gemm_rs ring with --copy-engine: LinearKnobs::in_place
-  int gemm_lanes = 1;         // LinearKnobs::gemm_lanes
   bool full_weight = false;   // gemm_rs with --copy-engine: LinearKnobs::full_weight
   uint32_t seed = 1;
   int iters = 3;

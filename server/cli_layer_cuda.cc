@@ -44,9 +44,7 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   knobs.comm.max_ctas = f.max_ctas;
   TP_ASSIGN_OR_RETURN(knobs.comm.cta_policy, ParseCtaPolicy(f.cta_policy));
   knobs.copy_engine = f.copy_engine;
-  knobs.gemm_sm_count = f.gemm_sm_count;
   knobs.in_place = f.in_place;
-  knobs.gemm_lanes = f.gemm_lanes;
   knobs.full_weight = f.full_weight;
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
 

@@ -155,7 +155,6 @@ class CommandLineChecks(unittest.TestCase):
     def test_range_messages_say_the_range(self):
         p = self.refused(["layer", "--m", "0"], "--m: '0' is not positive")
         self.assertNotIn("1797693", p.stderr)  # not the largest double's 309 digits
-        self.refused(["layer", "--gemm-sms", "-1"], "--gemm-sms: '-1' is negative")
         self.refused(["layer", "--tolerance", "-0.5"], "--tolerance: '-0.5' is negative")
 
     def test_plan_rank_must_be_one_of_the_ranks(self):
@@ -201,14 +200,13 @@ class CommandLineChecks(unittest.TestCase):
 
     # layer's flags that only the cuda backend reads, with a value to give each.
     LAYER_CUDA_ONLY = (["--copy-engine"], ["--max-ctas", "2"], ["--cta-policy", "zero"],
-                       ["--gemm-sms", "8"], ["--split-output"], ["--in-place"],
-                       ["--gemm-lanes", "2"], ["--full-weight"], ["--gemm-algo", "heuristic"])
+                       ["--split-output"], ["--in-place"], ["--full-weight"],
+                       ["--gemm-algo", "heuristic"])
 
     def test_layer_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # --gemm-algo was accepted and ignored. The cpu backend, given or layer's default,
         # refuses each flag, with its default value too, before preparing the operands.
-        for knob in (*self.LAYER_CUDA_ONLY, ["--max-ctas", "0"], ["--gemm-lanes", "1"],
-                     ["--gemm-algo", "timed"]):
+        for knob in (*self.LAYER_CUDA_ONLY, ["--max-ctas", "0"], ["--gemm-algo", "timed"]):
             for backend in (["--backend", "cpu"], []):
                 p = self.refused(["layer", *backend, "--m", "8", *knob],
                                  f"error: --backend cpu: {knob[0]} needs --backend cuda; the "
@@ -219,10 +217,8 @@ class CommandLineChecks(unittest.TestCase):
         p = self.refused(["layer", "--backend", "cpu", "--mode", "none", "--chunks", "3",
                           *[a for knob in self.LAYER_CUDA_ONLY for a in knob]],
                          "error: --backend cpu: --max-ctas, --cta-policy, --copy-engine, "
-                         "--gemm-sms, --split-output, --in-place, --gemm-lanes, --full-weight and "
-                         "--gemm-algo need --backend "
-                         "cuda; the cpu "
-                         "backend does not read them", 2)
+                         "--split-output, --in-place, --full-weight and --gemm-algo need "
+                         "--backend cuda; the cpu backend does not read them", 2)
         self.assertNotIn("--chunks 3", p.stderr)
         self.assertNotIn("--backend auto", p.stderr)  # layer has none
         # Without them the cpu backend runs.

@@ -15,10 +15,10 @@
 //   case <op> <mode> chunks=<c> [copy_engine] [full_weight] [in_place] tp=<tp> rank=<r> m=<m>
 //     (n=<local n> k=<local k>)
 //   [  fork_second_stream] [split_sum_step=<i>] [wait_done_from=<flags>]   (what Run does around
-//     the steps: fork and join the layer's second stream; the step RunSplit skips; the `done`
-//     flags awaited, at the end of Run or, in_place, at the start of the next)
+//     the steps: fork and join the layer's second stream, its copy stream; the step RunSplit
+//     skips; the `done` flags awaited, at the end of Run or, in_place, at the start of the next)
 //   then one line per operation, in enqueue order, each "<step>[.<gemm>] <stream>" (main: the
-//   caller's stream, second: the layer's second stream, comm: its comm stream), then
+//   caller's stream, second: the layer's copy stream, comm: its comm stream), then
 //     gemm m=.. [n=.. k=.. where not the layer's] [other GemmParams where not the defaults]
 //          a=<ref> [b_offset=<bytes into w>] [c=<ref>] d=<ref>
 //     nccl <kind> send=<ref>/<bytes; ReduceScatter: elements per rank> [to=<peer>] recv=<ref>
@@ -308,9 +308,9 @@ void RecordCase(const Mode& md, int tp, int rank, int64_t m, std::ostringstream&
     out << "  steps error: " << prep.status().ToString() << "\n";
     return;
   }
-  if (prep->uses_lane || prep->split_sum_step >= 0 || !prep->done_from.empty()) {
+  if (prep->uses_copy_stream || prep->split_sum_step >= 0 || !prep->done_from.empty()) {
     out << " ";
-    if (prep->uses_lane) out << " fork_second_stream";
+    if (prep->uses_copy_stream) out << " fork_second_stream";
     if (prep->split_sum_step >= 0) out << " split_sum_step=" << prep->split_sum_step;
     if (!prep->done_from.empty()) out << " wait_done_from=" << Flags(prep->done_from);
     out << "\n";
@@ -334,9 +334,9 @@ void RecordCase(const Mode& md, int tp, int rank, int64_t m, std::ostringstream&
       out << "  " << i << " " << stream << " " << DescribeComm(ps.comm) << tail << "\n";
     }
   }
-  // Run forks the second stream from the caller's (and joins it back) exactly when some step
+  // Run forks the copy stream from the caller's (and joins it back) exactly when some step
   // runs there.
-  EXPECT_EQ(prep->uses_lane, on_second);
+  EXPECT_EQ(prep->uses_copy_stream, on_second);
 }
 
 // The recording of every case.

@@ -286,20 +286,6 @@ TEST_F(GpuTest, Fp8GemmFastAccumOnAndOffBothMatchReference) {
   EXPECT_EQ(gemm.num_plans(), 2u) << "fast_accum must be part of the plan key";
 }
 
-TEST_F(GpuTest, Fp8GemmWithSmCountTargetMatchesReference) {
-  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("fp8_sm_count"));
-  for (int sms : {8, 66, 132}) {
-    SCOPED_TRACE("sm_count_target " + std::to_string(sms));
-    GemmParams p;
-    p.m = 4099;
-    p.n = 1040;
-    p.k = 256;
-    p.sm_count_target = sms;
-    CheckFp8Bf16Gemm(gemm, p, 31, stream());
-  }
-  EXPECT_EQ(gemm.num_plans(), 3u) << "sm_count_target must be part of the plan key";
-}
-
 TEST_F(GpuTest, GemmPrepareRunsHeuristicOncePerShape) {
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("plan_cache"));
   GemmParams p;
@@ -871,9 +857,6 @@ TEST_F(GpuTest, GemmRejectsParamsCublasLtFp8CannotRun) {
   p.a_type = p.b_type = DataType::kBFloat16;
   p.a_scale = reinterpret_cast<const float*>(uintptr_t{256});
   ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "a_scale");
-  p = good;
-  p.sm_count_target = -1;
-  ExpectRejected(ValidateGemmParams(p), StatusCode::kInvalidArgument, "sm_count_target");
 }
 
 TEST_F(GpuTest, Bf16GemmWritesFp32OutputUnroundedAndAccumulatesFp32C) {

@@ -22,7 +22,7 @@ layers:
     m_ranges:
       - {m_min: 1, m_max: 1024, mode: none}
       - {m_min: 1025, m_max: 8192, mode: ring, chunks: 4}
-      - {m_min: 8193, mode: ring, chunks: 8, gemm_sm_count: 120}
+      - {m_min: 8193, mode: ring, chunks: 8, fast_accum: true}
   - match: "layers.?.self_attn.o_proj"
     mode: auto
   - match: "layers.*.mlp.gate_up"
@@ -75,7 +75,8 @@ TEST(OverlapConfig, ResolvesRulesByNameAndMRangeWithInheritance) {
   EXPECT_EQ(down(1025).chunks, 4);
   EXPECT_EQ(down(1025).comm.max_ctas, 8);  // inherited from the rule
   EXPECT_EQ(down(100000).chunks, 8);
-  EXPECT_EQ(down(100000).gemm_sm_count, 120);
+  EXPECT_TRUE(down(100000).fast_accum);
+  EXPECT_FALSE(down(1025).fast_accum);  // a range's own knob
   // No rule: the defaults.
   auto qkv =
       cfg.Resolve("layers.3.self_attn.qkv_proj", OverlapOp::kAllGatherGemm, 10240, 8192, 4096, 2);
@@ -178,37 +179,41 @@ TEST(OverlapConfig, InPlaceResolvesForRowParallelRingsOverPeerMemoryOnly) {
               HasSubstr("bad.yaml:3: defaults.in_place: must be true or false"));
 }
 
-// gemm_lanes: inherited like the other knobs, written back only where not 1, and limited to
-// 1 or 2 (the error names the file, line, key and the allowed range).
-TEST(OverlapConfig, GemmLanesInheritRoundTripAndRange) {
-  const OverlapConfig cfg = MustParse(
-      "version: 1\n"
-      "defaults: {mode: ring, chunks: 1, copy_engine: true, gemm_lanes: 2}\n"
-      "layers:\n"
-      "  - {match: \"layers.*.attn.o\", gemm_lanes: 1}\n");
-  auto up = cfg.Resolve("layers.3.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
-  ASSERT_TRUE(up.ok()) << up.status().ToString();
-  EXPECT_EQ(up->gemm_lanes, 2);
-  EXPECT_THAT(up->ToString(), HasSubstr("gemm_lanes=2"));
-  EXPECT_THAT(LinearKnobs{}.ToString(), ::testing::Not(HasSubstr("gemm_lanes")));
-  auto o = cfg.Resolve("layers.3.attn.o", OverlapOp::kGemmReduceScatter, 8, 8, 64, 2);
-  ASSERT_TRUE(o.ok()) << o.status().ToString();
-  EXPECT_EQ(o->gemm_lanes, 1);
-  const std::string text = cfg.ToYaml();
-  EXPECT_THAT(text, HasSubstr("gemm_lanes: 2"));
-  EXPECT_THAT(text, ::testing::Not(HasSubstr("gemm_lanes: 1")));
-  auto again =
-      MustParse(text).Resolve("layers.3.mlp.gate_up", OverlapOp::kAllGatherGemm, 8, 8, 64, 2);
-  ASSERT_TRUE(again.ok()) << again.status().ToString();
-  EXPECT_EQ(again->ToString(), up->ToString());
-  EXPECT_THAT(ParseError("version: 1\ndefaults:\n  gemm_lanes: 3\n").message(),
-              HasSubstr("bad.yaml:3: defaults.gemm_lanes"));
-  EXPECT_THAT(ParseError("version: 1\ndefaults:\n  gemm_lanes: 3\n").message(),
-              HasSubstr("[1, 2]"));
-  LinearKnobs knobs;
-  knobs.gemm_lanes = 0;
-  EXPECT_THAT(ValidateLinearKnobs(knobs, OverlapOp::kAllGatherGemm).message(),
-              HasSubstr("gemm_lanes must be 1 or 2, got 0"));
+// The removed knobs gemm_sm_count and gemm_lanes: a file that still names one, at any level, is
+// refused naming the file, line and key and saying that it was removed, even at the value every
+// run now has; nothing writes them.
+TEST(OverlapConfig, RemovedKnobsAreRefusedByName) {
+  const struct {
+    const char* yaml;
+    const char* expect;
+  } cases[] = {
+      {"version: 1\ndefaults:\n  gemm_lanes: 2\n", "bad.yaml:3: defaults.gemm_lanes: was removed"},
+      {"version: 1\ndefaults: {mode: none, gemm_sm_count: 0}\n",
+       "bad.yaml:2: defaults.gemm_sm_count: was removed"},
+      {"version: 1\nlayers:\n  - {match: \"*\", gemm_lanes: 1}\n",
+       "bad.yaml:3: layers[0].gemm_lanes: was removed"},
+      {"version: 1\nlayers:\n  - match: \"*\"\n    m_ranges:\n"
+       "      - {m_min: 1, gemm_sm_count: 120}\n",
+       "bad.yaml:5: layers[0].m_ranges[0].gemm_sm_count: was removed"},
+      {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: ring, gemm_sm_count: 0}\n",
+       "bad.yaml:3: tuned[0].gemm_sm_count: was removed"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.yaml);
+    const Status s = ParseError(c.yaml);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr(c.expect));
+    EXPECT_THAT(s.message(), HasSubstr("delete the key"));
+  }
+  // Elsewhere they are unknown keys like any other.
+  EXPECT_THAT(ParseError("version: 1\ngemm_lanes: 1\n").message(),
+              HasSubstr("(top).gemm_lanes: unknown key"));
+  const std::string text = MustParse(kExample).ToYaml();
+  const std::string knobs = LinearKnobs{}.ToString();
+  for (const char* key : {"gemm_sm_count", "gemm_lanes"}) {
+    EXPECT_THAT(text, ::testing::Not(HasSubstr(key)));
+    EXPECT_THAT(knobs, ::testing::Not(HasSubstr(key)));
+  }
 }
 
 // full_weight: gemm_rs on copy engines only, in any mode (the error names the rule and what was

@@ -146,7 +146,7 @@ layers:
     m_ranges:
       - {m_min: 1, m_max: 1024, mode: none}
       - {m_min: 1025, m_max: 8192, mode: ring, chunks: 4}
-      - {m_min: 8193, mode: ring, chunks: 8, gemm_sm_count: 120}
+      - {m_min: 8193, mode: ring, chunks: 8, fast_accum: true}
   - match: "layers.?.self_attn.o_proj"
     mode: auto
   - match: "layers.*.mlp.gate_up"
