@@ -19,6 +19,7 @@
 #include "engine/cuda_ops.h"
 #include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
+#include "engine/mma.cuh"
 #include "engine/paged_kv_ops.h"
 #include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
@@ -42,13 +43,8 @@ std::string Str(int64_t v) { return std::to_string(v); }
 // kAttnMTiles products. Q, K and V tiles are staged through shared memory (K and V double
 // buffered, kAttnBc keys each).
 //
-// Fragment layouts (PTX ISA, "mma.m16n8k16" for .bf16), g = lane / 4, t = lane % 4:
-//   A (16x16, row-major) regs 0..3: (row g, cols 2t..2t+1), (row g+8, cols 2t..), (row g,
-//     cols 2t+8..), (row g+8, cols 2t+8..)
-//   B (16x8, "col"): regs 0..1: (k rows 2t..2t+1, col g), (k rows 2t+8..2t+9, col g)
-//   C (16x8 FP32): c0, c1: (row g, cols 2t, 2t+1); c2, c3: (row g+8, same cols)
-// so the C fragments of two adjacent n8 tiles of S are exactly the A fragment of P for the
-// next product, without a trip through shared memory.
+// Fragment layouts: engine/mma.cuh. The C fragments of two adjacent n8 tiles of S are exactly
+// the A fragment of P for the next product, without a trip through shared memory.
 
 constexpr int kAttnWarps = 4;
 constexpr int kAttnThreads = 32 * kAttnWarps;
@@ -56,82 +52,11 @@ constexpr int kAttnMTiles = 2;                          // m16 tiles per warp
 constexpr int kAttnBr = 16 * kAttnMTiles * kAttnWarps;  // query rows per tile
 constexpr int kAttnBc = 64;                             // keys per tile
 
-__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();  // the launcher documents sm_80+; the default build is sm_90a only
-#endif
-}
-
-// Four 8x8 BF16 matrices from shared memory (ldmatrix .x4): lanes 8i..8i+7 give the
-// addresses of matrix i's eight 16-byte rows; r[i] receives this lane's pair of matrix i,
-// row lane/4, columns 2(lane%4) and +1 (kTrans: column lane/4, rows 2(lane%4) and +1), the
-// lower index in the low half.
-template <bool kTrans>
-__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const uint16_t* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  if constexpr (kTrans) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-  }
-#else
-  (void)row;
-  r[0] = r[1] = r[2] = r[3] = 0;
-  __trap();
-#endif
-}
-
-// 16 bytes global -> shared without a trip through registers (cp.async, L2 only); `zero`
-// fills the 16 bytes with zeros instead (src is then not read).
-__device__ __forceinline__ void CopyAsync16(uint16_t* dst, const uint16_t* src, bool zero) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  const int src_bytes = zero ? 0 : 16;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
-               "r"(src_bytes));
-#else
-  (void)dst, (void)src, (void)zero;
-  __trap();
-#endif
-}
-__device__ __forceinline__ void CopyAsyncCommit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-// Waits until at most kPending of this thread's committed groups are in flight.
-template <int kPending>
-__device__ __forceinline__ void CopyAsyncWait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-#endif
-}
-
 // Shared memory of the attention kernel (dynamic): K and V tiles, two of each (the next
 // tile loads while this one is used), and the Q tile.
 template <int kHeadDim>
 constexpr size_t AttentionSmemBytes() {
   return (4 * static_cast<size_t>(kAttnBc) + kAttnBr) * (kHeadDim + 8) * sizeof(uint16_t);
-}
-
-// 2^x on the multi-function unit; results below 2^-126 flush to zero (softmax weights
-// that small vanish next to the row's largest, which is 1).
-__device__ __forceinline__ float Exp2Approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Blocks of the attention kernel resident per SM (its __launch_bounds__); the launcher
@@ -161,20 +86,6 @@ struct PagedKeys {
   int64_t max_blocks = 0;
 };
 
-// Eight E4M3 codes as eight BF16 values (exact: E4M3 has fewer mantissa and exponent bits).
-__device__ __forceinline__ uint4 Fp8x8ToBf16x8(const uint2& raw) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t word = i < 2 ? raw.x : raw.y;
-    const __nv_fp8x2_storage_t pair =
-        static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i & 1))) & 0xFFFFu);
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
-    const float2 f = __half22float2(__half2(h));
-    w[i] = PackBf16x2(f.x, f.y);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
 
 template <int kHeadDim, int kSource>
 __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)

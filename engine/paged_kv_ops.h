@@ -55,13 +55,15 @@ Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream);
 // sits at position context_lens[s] - n_s + j and attends to positions 0 .. itself, whose keys
 // and values are read through block table row s (block_tables[s * max_blocks + pos /
 // block_size]). Query head h reads KV head h / (q_heads / kv_heads); scores are scaled by
-// 1/sqrt(head_dim). FP32 math with an online softmax (the reference is double).
+// 1/sqrt(head_dim). FP32 math with an online softmax (the reference is double); decode rows
+// (one query row per sequence) go through BF16 tensor-core products with FP32 accumulation
+// whose P keeps about 16 bits (a BF16 high part and remainder), within FP32-math error.
 //   q:   [tokens, q_heads, head_dim] BF16, row stride q_row_stride (a slice of the QKV output)
 //   out: [tokens, q_heads, head_dim] BF16, row stride out_row_stride; must not overlap q
 // Rows outside every sequence are not written.
 //
-// Work split: a CTA takes up to 16 (query row, head) pairs of one (sequence, KV head) and a
-// range of the context. Long contexts are split over several CTAs (flash-decoding) whose
+// Work split: a CTA takes up to 16 (query row, head) pairs of one (sequence, KV head), or in
+// pure decode all query heads of one (sequence, KV head), and a range of the context. Long contexts are split over several CTAs (flash-decoding) whose
 // partial results go to `workspace` and are merged by a second kernel. The split count is
 // chosen on the host from the sizes given here (never from device data), so a captured graph
 // stays valid: `splits` if set, else enough splits that the launch covers the GPU, at most

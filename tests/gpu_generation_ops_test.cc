@@ -330,8 +330,9 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
   TP_ASSERT_OK(LaunchPagedAttention(p, stream));
   TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
   TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), out_elems));
-  // The tensor-core kernel's P is BF16: up to 2^-8 of max |v| = 1 per output (the packed
-  // kernel's bound in gpu_ops_test.cc); the split kernels stay in FP32.
+  // The tensor-core prefill kernel's P is BF16: up to 2^-8 of max |v| = 1 per output (the
+  // packed kernel's bound in gpu_ops_test.cc); the split kernels stay in FP32, and the decode
+  // kernel's P keeps about 16 bits (a BF16 high part and remainder), within the FP32 bound.
   const double abs_tol = c.multi_row_list ? std::ldexp(1.0, -8) : 2e-5;
   ExpectAttentionNear(out, ref, st.tokens, st.q_width, abs_tol,
                       what + " (" + std::to_string(splits) + " splits)");
@@ -362,6 +363,13 @@ TEST_F(GpuGenerationOpsTest, DecodeMatchesReferenceWithSplitContexts) {
   PagedCase d{ctx, one, 8, 2, 64, 16, KvCacheDtype::kBFloat16};
   d.q_range = 6.0f;
   CheckPagedAttention(stream(), d, 404);
+  // Eight query heads per KV head (every query column of the decode kernel's MMAs) and two;
+  // a block size that is not a power of two (the kernel's division path).
+  PagedCase e{ctx, one, 16, 2, 128, 16, KvCacheDtype::kBFloat16};
+  e.q_range = 6.0f;
+  CheckPagedAttention(stream(), e, 405);
+  PagedCase f{ctx, one, 4, 2, 128, 24, KvCacheDtype::kFloat8E4M3};
+  CheckPagedAttention(stream(), f, 406);
 }
 
 TEST_F(GpuGenerationOpsTest, PrefillChunksStartingMidBlockMatchReference) {
