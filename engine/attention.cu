@@ -86,7 +86,6 @@ struct PagedKeys {
   int64_t max_blocks = 0;
 };
 
-
 template <int kHeadDim, int kSource>
 __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
     CausalAttentionKernel(AttentionParams p, PagedKeys pk, float scale_log2) {

@@ -76,7 +76,7 @@ struct AttnArgs {
   int splits;
   int chunk;  // keys per split (a multiple of kKeyTile); the last split takes the rest
   float scale_log2;
-  int max_rows;  // sequences of more query rows are another kernel's (multi_row_seqs)
+  int max_rows;     // sequences of more query rows are another kernel's (multi_row_seqs)
   int block_shift;  // log2(block_size) when it is a power of two, else -1
 };
 
@@ -296,7 +296,7 @@ struct DecodeSmem {
   // BF16 rows padded by 16 bytes: rows stay 16-byte aligned for cp.async, and the ldmatrix
   // row addresses of 8 consecutive rows fall on distinct banks.
   static constexpr int kPitch = kHeadDim + 8;
-  static constexpr int kRowBytes = kFp8 ? kHeadDim + 16 : 2 * kPitch;  // a cache row staged
+  static constexpr int kRowBytes = kFp8 ? kHeadDim + 16 : 2 * kPitch;    // a cache row staged
   static constexpr int kPieces = (kFp8 ? kHeadDim : 2 * kHeadDim) / 16;  // 16 B copies a row
   static constexpr int kTileBytes = kDecodeKeys * kRowBytes;
   static constexpr int kStagesBytes = kStages * 2 * kTileBytes;
@@ -373,9 +373,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
         const int b = blocks[c];
         const bool zero = b < 0 || b >= a.num_blocks;  // also past key_end (b = -1)
         const int slot = a.block_shift >= 0 ? pos & (a.block_size - 1) : pos % a.block_size;
-        const int64_t off = zero ? 0
-                                 : b * block_stride + kvh * head_stride +
-                                       static_cast<int64_t>(slot) * kHeadDim;
+        const int64_t off =
+            zero ? 0 : b * block_stride + kvh * head_stride + static_cast<int64_t>(slot) * kHeadDim;
         const uint8_t* k_src = a.cache + (zero ? 0 : (a.k_offset + off) * kElemBytes) + piece * 16;
         const uint8_t* v_src = a.cache + (zero ? 0 : (a.v_offset + off) * kElemBytes) + piece * 16;
         uint8_t* k_dst = st + r * L::kRowBytes + piece * 16;
@@ -403,9 +402,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
       const int r = i / kQVecs, c = i % kQVecs;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (r < kGroup) {
-        v = *reinterpret_cast<const uint4*>(a.q + tok * a.q_row_stride +
-                                            static_cast<int64_t>(kvh * kGroup + r) * kHeadDim +
-                                            c * 8);
+        v = *reinterpret_cast<const uint4*>(
+            a.q + tok * a.q_row_stride + static_cast<int64_t>(kvh * kGroup + r) * kHeadDim + c * 8);
       }
       *reinterpret_cast<uint4*>(q_tile + r * kPitch + c * 8) = v;
     }
@@ -453,8 +451,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
 #pragma unroll
         for (int e = lane; e < 16 * kQVecs; e += 32) {
           const int r = e / kQVecs, c = e % kQVecs;
-          const uint2 raw = *reinterpret_cast<const uint2*>(
-              st + kv * L::kTileBytes + (16 * warp + r) * L::kRowBytes + c * 8);
+          const uint2 raw = *reinterpret_cast<const uint2*>(st + kv * L::kTileBytes +
+                                                            (16 * warp + r) * L::kRowBytes + c * 8);
           *reinterpret_cast<uint4*>(w + r * kPitch + c * 8) = Fp8x8ToBf16x8(raw);
         }
         __syncwarp();
@@ -475,8 +473,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         uint32_t ka[4];
-        LoadMatrixX4<false>(ka, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 +
-                                    (mat >> 1) * 8);
+        LoadMatrixX4<false>(
+            ka, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat >> 1) * 8);
         MmaBf16((ks & 1) ? sc_odd : sc, ka, qb[ks][0], qb[ks][1]);
       }
 #pragma unroll
@@ -535,8 +533,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         uint32_t va[4];
-        LoadMatrixX4<true>(va, v_rows + ((mat >> 1) * 8 + (lane & 7)) * kPitch + mt * 16 +
-                                   (mat & 1) * 8);
+        LoadMatrixX4<true>(
+            va, v_rows + ((mat >> 1) * 8 + (lane & 7)) * kPitch + mt * 16 + (mat & 1) * 8);
         MmaBf16(o[mt], va, ph[0], ph[1]);
         MmaBf16(o[mt], va, pl[0], pl[1]);
       }
@@ -551,8 +549,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
       l_run[q] += __shfl_xor_sync(0xffffffffu, l_run[q], 8);
       l_run[q] += __shfl_xor_sync(0xffffffffu, l_run[q], 16);
     }
-    float* acc_s = reinterpret_cast<float*>(stages);        // [warps][kGroup][kHeadDim]
-    float* ml_s = acc_s + kAttnWarps * kGroup * kHeadDim;   // [warps][kGroup][2]
+    float* acc_s = reinterpret_cast<float*>(stages);       // [warps][kGroup][kHeadDim]
+    float* ml_s = acc_s + kAttnWarps * kGroup * kHeadDim;  // [warps][kGroup][2]
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int qi = 2 * t + q;
