@@ -1,5 +1,5 @@
 // Device helpers shared by the engine's kernels (engine/cuda_ops.cu, engine/attention.cu,
-// engine/paged_kv_ops.cu, engine/paged_kv_write.cu):
+// engine/paged_kv_ops.cu, engine/paged_decode_attention.cu, engine/paged_kv_write.cu):
 // BF16 as raw bits, warp and block reductions, grid-stride indexing. CUDA C++17, device code
 // only; include from .cu files.
 #pragma once

@@ -1,5 +1,5 @@
 // Tensor-core and asynchronous-copy helpers shared by the engine's attention kernels
-// (engine/attention.cu, engine/paged_kv_ops.cu): mma.sync m16n8k16 on BF16, ldmatrix,
+// (engine/attention.cu, engine/paged_decode_attention.cu): mma.sync m16n8k16 on BF16, ldmatrix,
 // cp.async, exp2 on the multi-function unit, E4M3 widened to BF16. CUDA C++17, device code
 // only; include from .cu files. Every helper needs sm_80+ and traps below it (the default
 // build is sm_90a only).

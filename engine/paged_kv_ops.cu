@@ -20,7 +20,7 @@
 #include "comm/cuda_check.h"
 #include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
-#include "engine/mma.cuh"
+#include "engine/paged_attention_args.cuh"
 #include "layers/kernel_grid.h"
 
 namespace tpserve {
@@ -28,6 +28,7 @@ namespace {
 
 using namespace launch_checks;
 using namespace device;
+using namespace paged_attn;
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
@@ -43,8 +44,6 @@ std::string Str(int64_t v) { return std::to_string(v); }
 // warp's pairs, then the warp's pairs accumulate P.V with lane = output dims. Scores are in log2
 // units (q is scaled by log2(e) / sqrt(head_dim) when staged).
 
-constexpr int kAttnWarps = 4;
-constexpr int kAttnThreads = kAttnWarps * 32;
 // Pairs per warp: 4 when a CTA's tile has query rows enough (prefill), fewer when it has
 // only one row's group of heads (decode), so that no warp computes scores for pairs that do
 // not exist; the kernel is instantiated for 1, 2 and 4.
@@ -52,46 +51,6 @@ constexpr int kMaxPairsPerWarp = 4;
 constexpr int kKeyTile = 32;
 constexpr int64_t kMinSplitKeys = 256;
 constexpr int64_t kMaxSplits = 32;
-
-struct AttnArgs {
-  const BFloat16* q;
-  int64_t q_row_stride;
-  const uint8_t* cache;  // bytes
-  int64_t k_offset;      // elements: (layer, K, block 0, head 0, slot 0)
-  int64_t v_offset;
-  int num_blocks;
-  int block_size;
-  int kv_heads;
-  int q_heads;
-  int group;
-  const int32_t* cu_seqlens;
-  const int32_t* context_lens;
-  const int32_t* block_tables;
-  int64_t max_blocks;
-  int tokens;
-  BFloat16* out;
-  int64_t out_row_stride;
-  float* ws_acc;  // [splits][tokens][q_heads][head_dim]
-  float* ws_ml;   // [splits][tokens][q_heads][2]: running max (log2 units), sum
-  int splits;
-  int chunk;  // keys per split (a multiple of kKeyTile); the last split takes the rest
-  float scale_log2;
-  int max_rows;     // sequences of more query rows are another kernel's (multi_row_seqs)
-  int block_shift;  // log2(block_size) when it is a power of two, else -1
-};
-
-// The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.
-__device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begin, int* n,
-                                             int* ctx) {
-  int b = a.cu_seqlens[s], e = a.cu_seqlens[s + 1];
-  b = min(max(b, 0), a.tokens);
-  e = min(max(e, b), a.tokens);
-  *begin = b;
-  *n = e - b;
-  const int64_t cap = a.max_blocks * a.block_size;
-  const int64_t c = a.context_lens[s];
-  *ctx = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
-}
 
 template <int kHeadDim, bool kFp8, int kPpw>
 __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a) {
@@ -267,340 +226,6 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
   }
 }
 
-// Decode attention (one query row per sequence) on tensor cores. A CTA per (sequence, KV
-// head, split) multiplies the split's keys with the KV head's kGroup query heads, which are
-// the n8 columns of S^T = K.Q^T (keys are the m16 rows, so no MMA row is padding), and
-// O^T += V^T.P^T. Keys and values stream through shared memory in tiles of kDecodeKeys keys,
-// several tiles in flight (cp.async): a decode step is bound by the bytes it keeps in flight.
-// Warp w takes keys [16w, 16w + 16) of every tile and keeps its own online softmax (m, l)
-// and O^T accumulators in registers, without block barriers beyond the pipeline's; at the end
-// the CTA merges its warps'. The MMAs are BF16 with FP32 accumulation (Q and K are BF16
-// already: exact products); for P.V, P is split into its BF16 rounding and the BF16 rounding
-// of the remainder, two MMAs, so P keeps about 16 bits and the result stays within FP32-math
-// error of the reference. An E4M3 cache is copied as codes and each warp widens its own keys
-// to BF16 (exactly) before its MMAs.
-// A sequence's context is cut into splits on the device, from its own length (at most
-// a.splits of at least kDecodeMinSplitKeys keys each), so one graph serves every context; a
-// split past the context writes an empty partial (m = -inf, l = 0) for the combine pass.
-constexpr int kDecodeKeys = 16 * kAttnWarps;  // keys per tile
-constexpr int kDecodeMinSplitKeys = kDecodeKeys;
-
-// Dynamic shared memory of the decode kernel:
-// [stages x (K tile | V tile)] [FP8: per-warp BF16 rows] [Q tile] [key flags].
-// A step's loads wait on a loaded HBM's latency, so the bytes in flight per SM set its speed:
-// as many stages as let two CTAs share an SM (head_dim 128: 3 BF16 stages of 34 KiB, 5 E4M3
-// stages of 18 KiB; each CTA has up to stages - 1 tiles in flight while it computes).
-template <int kHeadDim, bool kFp8>
-struct DecodeSmem {
-  static constexpr int kStages = kFp8 ? 5 : 3;
-  // BF16 rows padded by 16 bytes: rows stay 16-byte aligned for cp.async, and the ldmatrix
-  // row addresses of 8 consecutive rows fall on distinct banks.
-  static constexpr int kPitch = kHeadDim + 8;
-  static constexpr int kRowBytes = kFp8 ? kHeadDim + 16 : 2 * kPitch;    // a cache row staged
-  static constexpr int kPieces = (kFp8 ? kHeadDim : 2 * kHeadDim) / 16;  // 16 B copies a row
-  static constexpr int kTileBytes = kDecodeKeys * kRowBytes;
-  static constexpr int kStagesBytes = kStages * 2 * kTileBytes;
-  static constexpr int kWidenBytes = kFp8 ? kAttnWarps * 16 * kPitch * 2 : 0;
-  static constexpr int kQBytes = 8 * kPitch * 2;
-  static constexpr int kFlagBytes = kStages * kDecodeKeys * 4;
-  static constexpr int kBytes = kStagesBytes + kWidenBytes + kQBytes + kFlagBytes;
-  // Two CTAs per SM: 228 KiB of shared memory, 1 KiB of it reserved per CTA.
-  static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two CTAs per SM");
-  // The warps' merge reuses the stages once the pipeline has drained.
-  static_assert(kAttnWarps * 8 * (kHeadDim + 2) * 4 <= kStagesBytes, "merge area");
-};
-
-template <int kHeadDim, bool kFp8, int kGroup>
-__global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(AttnArgs a) {
-  using L = DecodeSmem<kHeadDim, kFp8>;
-  constexpr int kPitch = L::kPitch;
-  constexpr int kKSteps = kHeadDim / 16;  // k-steps of K.Q^T
-  constexpr int kMTiles = kHeadDim / 16;  // m16 tiles (of dims) of O^T
-  constexpr int kElemBytes = kFp8 ? 1 : 2;
-  // Each thread copies the same 16-byte piece of every kRowStep-th row of a tile.
-  constexpr int kRowStep = kAttnThreads / L::kPieces;
-  constexpr int kCopies = kDecodeKeys / kRowStep;
-  static_assert(kAttnThreads % L::kPieces == 0 && kDecodeKeys % kRowStep == 0, "tile copies");
-  static_assert(kGroup <= 8, "the query heads of a KV head are the n8 columns of S^T");
-  extern __shared__ __align__(16) uint8_t decode_smem[];
-  uint8_t* stages = decode_smem;
-  uint16_t* widen = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes);
-  uint16_t* q_tile = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes + L::kWidenBytes);
-  int* key_ok = reinterpret_cast<int*>(decode_smem + L::kStagesBytes + L::kWidenBytes + L::kQBytes);
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3, mat = lane >> 3;
-  const int s = blockIdx.x / a.kv_heads, kvh = blockIdx.x % a.kv_heads;
-  const int split = blockIdx.z;
-  int row_begin, n, ctx;
-  SequenceRows(a, s, &row_begin, &n, &ctx);
-  if (n > a.max_rows) return;
-  const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks;
-  const int64_t head_stride = static_cast<int64_t>(a.block_size) * kHeadDim;
-  const int64_t block_stride = a.kv_heads * head_stride;
-  // This sequence's splits: as many as have kDecodeMinSplitKeys keys, at most a.splits.
-  const int used = max(1, min(a.splits, (ctx + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys));
-  const int chunk = ((ctx + used - 1) / used + kDecodeKeys - 1) / kDecodeKeys * kDecodeKeys;
-  const int key_lo = split < used ? split * chunk : ctx;
-  const int key_hi = split < used ? min(ctx, key_lo + chunk) : ctx;
-  const int piece = threadIdx.x % L::kPieces, copy_row = threadIdx.x / L::kPieces;
-
-  for (int j = 0; j < n; ++j) {  // one row per sequence in decode; more are taken in turn
-    const int64_t tok = row_begin + j;
-    const int key_end = min(ctx - n + j + 1, key_hi);  // causal: keys up to the row's position
-    const int tiles = key_end > key_lo ? (key_end - key_lo + kDecodeKeys - 1) / kDecodeKeys : 0;
-
-    // Tile i's keys key_lo + i * kDecodeKeys + r: first their block ids (a global load whose
-    // latency the next tile's compute hides: fetched one tile before they are used), then
-    // their K and V rows into stage i % kStages (zeros for a key past key_end or behind a bad
-    // table entry, flagged in key_ok).
-    int blocks[kCopies];
-    auto fetch_blocks = [&](int i) {
-#pragma unroll
-      for (int c = 0; c < kCopies; ++c) {
-        const int pos = key_lo + i * kDecodeKeys + copy_row + c * kRowStep;
-        const int bi = a.block_shift >= 0 ? pos >> a.block_shift : pos / a.block_size;
-        blocks[c] = pos < key_end ? table[bi] : -1;
-      }
-    };
-    auto load_tile = [&](int i) {
-      uint8_t* st = stages + (i % L::kStages) * 2 * L::kTileBytes;
-      int* ok = key_ok + (i % L::kStages) * kDecodeKeys;
-#pragma unroll
-      for (int c = 0; c < kCopies; ++c) {
-        const int r = copy_row + c * kRowStep;
-        const int pos = key_lo + i * kDecodeKeys + r;
-        const int b = blocks[c];
-        const bool zero = b < 0 || b >= a.num_blocks;  // also past key_end (b = -1)
-        const int slot = a.block_shift >= 0 ? pos & (a.block_size - 1) : pos % a.block_size;
-        const int64_t off =
-            zero ? 0 : b * block_stride + kvh * head_stride + static_cast<int64_t>(slot) * kHeadDim;
-        const uint8_t* k_src = a.cache + (zero ? 0 : (a.k_offset + off) * kElemBytes) + piece * 16;
-        const uint8_t* v_src = a.cache + (zero ? 0 : (a.v_offset + off) * kElemBytes) + piece * 16;
-        uint8_t* k_dst = st + r * L::kRowBytes + piece * 16;
-        CopyAsync16(reinterpret_cast<uint16_t*>(k_dst), reinterpret_cast<const uint16_t*>(k_src),
-                    zero);
-        CopyAsync16(reinterpret_cast<uint16_t*>(k_dst + L::kTileBytes),
-                    reinterpret_cast<const uint16_t*>(v_src), zero);
-        if (piece == 0) ok[r] = zero ? 0 : 1;
-      }
-    };
-#pragma unroll
-    for (int i = 0; i < L::kStages - 1; ++i) {
-      if (i < tiles) {
-        fetch_blocks(i);
-        load_tile(i);
-      }
-      CopyAsyncCommit();  // empty groups too: the wait below counts groups
-    }
-    if (L::kStages - 1 < tiles) fetch_blocks(L::kStages - 1);
-
-    // Q: this KV head's kGroup query heads as rows 0 .. kGroup - 1 of an 8-row tile (the
-    // others zero), the n8 columns of S^T = K.Q^T.
-    constexpr int kQVecs = kHeadDim / 8;
-    for (int i = threadIdx.x; i < 8 * kQVecs; i += kAttnThreads) {
-      const int r = i / kQVecs, c = i % kQVecs;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < kGroup) {
-        v = *reinterpret_cast<const uint4*>(
-            a.q + tok * a.q_row_stride + static_cast<int64_t>(kvh * kGroup + r) * kHeadDim + c * 8);
-      }
-      *reinterpret_cast<uint4*>(q_tile + r * kPitch + c * 8) = v;
-    }
-    __syncthreads();  // q_tile
-    // B fragments of Q^T (k = dims, n = queries), two k-steps per ldmatrix.
-    uint32_t qb[kKSteps][2];
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ks += 2) {
-      uint32_t r[4];
-      LoadMatrixX4<false>(r, q_tile + (lane & 7) * kPitch + ks * 16 + mat * 8);
-      qb[ks][0] = r[0];
-      qb[ks][1] = r[1];
-      qb[ks + 1][0] = r[2];
-      qb[ks + 1][1] = r[3];
-    }
-
-    // Queries 2t and 2t + 1 (the columns this lane holds): running max (log2 units) and this
-    // lane's share of the sum; O^T's m16 tiles of dims (rows g, g + 8) x those queries.
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-    float o[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
-    // The P^T fragment of lane (g, t) holds keys 2t, 2t + 1 (+ 8) of query g: those keys'
-    // scores sit in lanes 8t + g / 2 (keys 2t, 2t + 8) and 8t + 4 + g / 2 (keys 2t + 1, 2t + 9),
-    // in their query half g % 2.
-    const int src_even = 8 * t + (g >> 1), src_odd = src_even + 4;
-    const unsigned half_sel = (g & 1) ? 0x7632u : 0x5410u;  // __byte_perm: high or low halves
-
-    for (int i = 0; i < tiles; ++i) {
-      CopyAsyncWait<L::kStages - 2>();
-      __syncthreads();  // tile i has landed for every thread; tile i - 1's stage is free
-      if (i + L::kStages - 1 < tiles) {
-        load_tile(i + L::kStages - 1);
-        if (i + L::kStages < tiles) fetch_blocks(i + L::kStages);
-      }
-      CopyAsyncCommit();
-      const int stage = i % L::kStages;
-      if (key_lo + i * kDecodeKeys + 16 * warp >= key_end) continue;  // warp-uniform
-      const uint8_t* st = stages + stage * 2 * L::kTileBytes;
-      const int* ok = key_ok + stage * kDecodeKeys + 16 * warp;
-      // An E4M3 tile's rows are widened into the warp's BF16 rows, K first, then V (after
-      // the S product has read K).
-      uint16_t* w = kFp8 ? widen + warp * 16 * kPitch : nullptr;
-      auto widen_rows = [&](int kv) {
-#pragma unroll
-        for (int e = lane; e < 16 * kQVecs; e += 32) {
-          const int r = e / kQVecs, c = e % kQVecs;
-          const uint2 raw = *reinterpret_cast<const uint2*>(st + kv * L::kTileBytes +
-                                                            (16 * warp + r) * L::kRowBytes + c * 8);
-          *reinterpret_cast<uint4*>(w + r * kPitch + c * 8) = Fp8x8ToBf16x8(raw);
-        }
-        __syncwarp();
-      };
-      const uint16_t* k_rows;
-      const uint16_t* v_rows;
-      if constexpr (kFp8) {
-        widen_rows(0);
-        k_rows = w;
-        v_rows = w;
-      } else {
-        k_rows = reinterpret_cast<const uint16_t*>(st) + 16 * warp * kPitch;
-        v_rows = reinterpret_cast<const uint16_t*>(st + L::kTileBytes) + 16 * warp * kPitch;
-      }
-      // S^T = K.Q^T: the warp's 16 keys (rows) by the 8 query columns.
-      // Two accumulators (even and odd k-steps) halve the chain of dependent MMAs.
-      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t ka[4];
-        LoadMatrixX4<false>(
-            ka, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat >> 1) * 8);
-        MmaBf16((ks & 1) ? sc_odd : sc, ka, qb[ks][0], qb[ks][1]);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[e] += sc_odd[e];
-      // sc: (key g, queries 2t, 2t + 1), (key g + 8, same queries); log2 units, masked -inf.
-      const bool ok_lo = ok[g] != 0, ok_hi = ok[g + 8] != 0;
-      float v[4];
-      v[0] = ok_lo ? sc[0] * a.scale_log2 : -INFINITY;
-      v[1] = ok_lo ? sc[1] * a.scale_log2 : -INFINITY;
-      v[2] = ok_hi ? sc[2] * a.scale_log2 : -INFINITY;
-      v[3] = ok_hi ? sc[3] * a.scale_log2 : -INFINITY;
-      float pr[4], alpha[2];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        float mx = fmaxf(v[q], v[q + 2]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        const float m_new = fmaxf(m_run[q], mx);
-        const float base = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[q] = Exp2Approx(m_run[q] - base);  // 0 while m_run is -inf
-        pr[q] = Exp2Approx(v[q] - base);
-        pr[q + 2] = Exp2Approx(v[q + 2] - base);
-        l_run[q] = l_run[q] * alpha[q] + pr[q] + pr[q + 2];
-        m_run[q] = m_new;
-      }
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        o[mt][0] *= alpha[0];
-        o[mt][1] *= alpha[1];
-        o[mt][2] *= alpha[0];
-        o[mt][3] *= alpha[1];
-      }
-      // P as BF16 pairs (queries 2t, 2t + 1) of keys g and g + 8: its rounding and the
-      // rounding of the remainder; then moved to the P^T fragment layout.
-      uint32_t hi[2], lo[2];
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        hi[k] = PackBf16x2(pr[2 * k], pr[2 * k + 1]);
-        lo[k] = PackBf16x2(pr[2 * k] - Bf16ToFloat(hi[k] & 0xFFFFu),
-                           pr[2 * k + 1] - Bf16ToFloat(hi[k] >> 16));
-      }
-      uint32_t ph[2], pl[2];
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {  // k = 0: keys 2t, 2t + 1; k = 1: keys 2t + 8, 2t + 9
-        ph[k] = __byte_perm(__shfl_sync(0xffffffffu, hi[k], src_even),
-                            __shfl_sync(0xffffffffu, hi[k], src_odd), half_sel);
-        pl[k] = __byte_perm(__shfl_sync(0xffffffffu, lo[k], src_even),
-                            __shfl_sync(0xffffffffu, lo[k], src_odd), half_sel);
-      }
-      if constexpr (kFp8) {
-        __syncwarp();  // every lane's K fragments are read
-        widen_rows(1);
-      }
-      // O^T += V^T.P^T: A fragments of V^T (dims x keys) by ldmatrix.trans of the V rows.
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        uint32_t va[4];
-        LoadMatrixX4<true>(
-            va, v_rows + ((mat >> 1) * 8 + (lane & 7)) * kPitch + mt * 16 + (mat & 1) * 8);
-        MmaBf16(o[mt], va, ph[0], ph[1]);
-        MmaBf16(o[mt], va, pl[0], pl[1]);
-      }
-      if constexpr (kFp8) __syncwarp();  // the widened rows are rewritten for the next tile
-    }
-    CopyAsyncWait<0>();
-    __syncthreads();  // the pipeline has drained: its stages become the merge area
-
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      l_run[q] += __shfl_xor_sync(0xffffffffu, l_run[q], 4);
-      l_run[q] += __shfl_xor_sync(0xffffffffu, l_run[q], 8);
-      l_run[q] += __shfl_xor_sync(0xffffffffu, l_run[q], 16);
-    }
-    float* acc_s = reinterpret_cast<float*>(stages);       // [warps][kGroup][kHeadDim]
-    float* ml_s = acc_s + kAttnWarps * kGroup * kHeadDim;  // [warps][kGroup][2]
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int qi = 2 * t + q;
-      if (qi < kGroup) {
-        float* row = acc_s + (warp * kGroup + qi) * kHeadDim;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          row[mt * 16 + g] = o[mt][q];
-          row[mt * 16 + g + 8] = o[mt][q + 2];
-        }
-        if (g == 0) {
-          ml_s[(warp * kGroup + qi) * 2] = m_run[q];
-          ml_s[(warp * kGroup + qi) * 2 + 1] = l_run[q];
-        }
-      }
-    }
-    __syncthreads();  // acc_s, ml_s
-    for (int i = threadIdx.x; i < kGroup * kHeadDim; i += kAttnThreads) {
-      const int gi = i / kHeadDim, d = i % kHeadDim;
-      float big = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) big = fmaxf(big, ml_s[(w * kGroup + gi) * 2]);
-      float num = 0.0f, den = 0.0f;
-      if (big != -INFINITY) {
-#pragma unroll
-        for (int w = 0; w < kAttnWarps; ++w) {
-          const float wt = exp2f(ml_s[(w * kGroup + gi) * 2] - big);  // 0 for a warp without keys
-          num = fmaf(wt, acc_s[(w * kGroup + gi) * kHeadDim + d], num);
-          den = fmaf(wt, ml_s[(w * kGroup + gi) * 2 + 1], den);
-        }
-      }
-      const int head = kvh * kGroup + gi;
-      if (a.splits == 1) {
-        const float y = den > 0.0f ? num / den : 0.0f;
-        reinterpret_cast<uint16_t*>(
-            a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d] =
-            static_cast<uint16_t>(FloatToBf16(y));
-      } else {
-        const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
-        a.ws_acc[slot * kHeadDim + d] = num;
-        if (d == 0) {
-          a.ws_ml[2 * slot] = big;
-          a.ws_ml[2 * slot + 1] = den;
-        }
-      }
-    }
-    __syncthreads();  // the merge area, q_tile and key_ok are rewritten for the next row
-  }
-}
-
 // Merges the splits' partial results: out = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i.
 // Grid (sequence, row slots, query head), one thread per output dimension; a CTA loops over
 // its sequence's rows. The first warp turns the splits' (m, l) into weights (one split per
@@ -647,52 +272,12 @@ void LaunchAttentionKernel(dim3 grid, bool fp8, const AttnArgs& a, cudaStream_t 
   }
 }
 
-// The decode kernel's tiles take more than the 48 KiB of shared memory a launch gets by
-// default; the opt-in holds per device (context) and ranks may be threads of one process on
-// several devices: set before every launch (a host-side call, allowed while a stream is
-// captured; a graph replay does not repeat it).
-template <int kHeadDim, bool kFp8, int kGroup>
-cudaError_t LaunchDecodeKernelAs(dim3 grid, const AttnArgs& a, cudaStream_t stream) {
-  constexpr int kSmem = DecodeSmem<kHeadDim, kFp8>::kBytes;
-  const auto kernel = PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  // All of the SM's unified memory as shared memory, so that two CTAs fit (the kernel reads
-  // nothing twice: L1 has nothing to keep).
-  if (e == cudaSuccess) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
-  }
-  if (e != cudaSuccess) return e;
-  PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup><<<grid, kAttnThreads, kSmem, stream>>>(a);
-  return cudaGetLastError();
-}
-
-template <int kHeadDim, int kGroup>
-cudaError_t LaunchDecodeKernel(dim3 grid, bool fp8, const AttnArgs& a, cudaStream_t stream) {
-  return fp8 ? LaunchDecodeKernelAs<kHeadDim, true, kGroup>(grid, a, stream)
-             : LaunchDecodeKernelAs<kHeadDim, false, kGroup>(grid, a, stream);
-}
-
 // pairs_per_warp 0: the decode kernel (one query row per sequence, a.group in 1, 2, 4, 8).
 template <int kHeadDim>
 cudaError_t LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, int pairs_per_warp,
                                    const AttnArgs& a, cudaStream_t stream) {
   if (pairs_per_warp == 0) {
-    cudaError_t e = cudaSuccess;
-    switch (a.group) {
-      case 1:
-        e = LaunchDecodeKernel<kHeadDim, 1>(grid, fp8, a, stream);
-        break;
-      case 2:
-        e = LaunchDecodeKernel<kHeadDim, 2>(grid, fp8, a, stream);
-        break;
-      case 4:
-        e = LaunchDecodeKernel<kHeadDim, 4>(grid, fp8, a, stream);
-        break;
-      default:
-        e = LaunchDecodeKernel<kHeadDim, 8>(grid, fp8, a, stream);
-        break;
-    }
+    const cudaError_t e = LaunchPagedDecodeKernel(kHeadDim, grid, fp8, a, stream);
     if (e != cudaSuccess) return e;
   } else if (pairs_per_warp == 1) {
     LaunchAttentionKernel<kHeadDim, 1>(grid, fp8, a, stream);

@@ -3,14 +3,14 @@
 // are engine/kv_cache.h (layout, CpuKvCache::Write, PagedAttention). The step's token sampling
 // is in engine/sampling_kernels.h.
 //
-// Launchers only; the kernels live in paged_kv_ops.cu, so .cc files can include this. As in
-// engine/cuda_ops.h, each launcher checks its host-side arguments (INVALID_ARGUMENT naming the
-// field), enqueues onto `stream` and returns; none allocates, synchronises or reads device
-// memory on the host, so all can be captured in a CUDA graph. Values that live on the device
-// (slot mappings, block tables, lengths) are therefore not validated by the launchers; the
-// kernels clamp or skip bad entries so that they never access memory out of bounds (each op
-// says how), which gives wrong numbers for corrupt inputs, never a fault.
-// Pointers are device pointers; row strides are in elements.
+// Launchers only; the kernels live in paged_kv_ops.cu and paged_decode_attention.cu, so .cc
+// files can include this. As in engine/cuda_ops.h, each launcher checks its host-side arguments
+// (INVALID_ARGUMENT naming the field), enqueues onto `stream` and returns; none allocates,
+// synchronises or reads device memory on the host, so all can be captured in a CUDA graph. Values
+// that live on the device (slot mappings, block tables, lengths) are therefore not validated by the
+// launchers; the kernels clamp or skip bad entries so that they never access memory out of bounds
+// (each op says how), which gives wrong numbers for corrupt inputs, never a fault. Pointers are
+// device pointers; row strides are in elements.
 //
 // Only compiled when TPSERVE_WITH_CUDA is on.
 #pragma once

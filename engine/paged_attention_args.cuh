@@ -1,0 +1,66 @@
+// Shared by the paged attention kernels (paged_kv_ops.cu: prefill rows, split combine, launch
+// logic; paged_decode_attention.cu: the decode kernel): their argument block and the launch
+// entry of the decode kernel. Internal to engine/; include only from .cu files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "comm/dtype.h"
+
+namespace tpserve::paged_attn {
+
+// Warps of every paged attention CTA.
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * 32;
+
+struct AttnArgs {
+  const BFloat16* q;
+  int64_t q_row_stride;
+  const uint8_t* cache;  // bytes
+  int64_t k_offset;      // elements: (layer, K, block 0, head 0, slot 0)
+  int64_t v_offset;
+  int num_blocks;
+  int block_size;
+  int kv_heads;
+  int q_heads;
+  int group;
+  const int32_t* cu_seqlens;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  int tokens;
+  BFloat16* out;
+  int64_t out_row_stride;
+  float* ws_acc;  // [splits][tokens][q_heads][head_dim]
+  float* ws_ml;   // [splits][tokens][q_heads][2]: running max (log2 units), sum
+  int splits;
+  int chunk;  // keys per split (a multiple of kKeyTile); the last split takes the rest
+  float scale_log2;
+  int max_rows;     // sequences of more query rows are another kernel's (multi_row_seqs)
+  int block_shift;  // log2(block_size) when it is a power of two, else -1
+};
+
+// The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.
+__device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begin, int* n,
+                                             int* ctx) {
+  int b = a.cu_seqlens[s], e = a.cu_seqlens[s + 1];
+  b = min(max(b, 0), a.tokens);
+  e = min(max(e, b), a.tokens);
+  *begin = b;
+  *n = e - b;
+  const int64_t cap = a.max_blocks * a.block_size;
+  const int64_t c = a.context_lens[s];
+  *ctx = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
+}
+
+// Keys per split at least, for the decode kernel's device-side split of a context.
+constexpr int kDecodeMinSplitKeys = 16 * kAttnWarps;
+
+// Launches the decode kernel (one query row per sequence; a.group in 1, 2, 4, 8; head_dim 64
+// or 128) on grid (num_seqs * kv_heads, splits). Returns the launch's error.
+cudaError_t LaunchPagedDecodeKernel(int head_dim, dim3 grid, bool fp8, const AttnArgs& a,
+                                    cudaStream_t stream);
+
+}  // namespace tpserve::paged_attn
