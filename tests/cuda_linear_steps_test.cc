@@ -43,6 +43,7 @@
 #include "layers/cuda_linear_steps.h"
 #include "layers/linear_knobs.h"
 #include "layers/overlap_plan.h"
+#include "tests/cuda_linear_test_modes.h"
 
 namespace tpserve {
 namespace {
@@ -214,39 +215,7 @@ std::string DescribeComm(const CommCall& c) {
   return out.str();
 }
 
-struct Mode {
-  OverlapOp op;
-  OverlapMode mode;
-  bool copy_engine;
-  int chunks;
-  bool full_weight = false;
-  bool in_place = false;
-};
-
-// Every mode the tuner (benchmarks/bench_layers.cc, MakeMethods) can emit, at chunks 1, 2, 4
-// (mode none: 1).
-std::vector<Mode> TunerModes() {
-  std::vector<Mode> out;
-  for (OverlapOp op : {OverlapOp::kAllGatherGemm, OverlapOp::kGemmReduceScatter}) {
-    for (OverlapMode mode : {OverlapMode::kNone, OverlapMode::kPipeline, OverlapMode::kRing}) {
-      for (bool ce : {false, true}) {
-        for (int chunks : {1, 2, 4}) {
-          if (mode == OverlapMode::kNone && chunks != 1) continue;
-          out.push_back({op, mode, ce, chunks});
-        }
-      }
-    }
-  }
-  const OverlapOp rs = OverlapOp::kGemmReduceScatter;
-  out.push_back({rs, OverlapMode::kNone, true, 1, /*full_weight=*/true});
-  for (OverlapMode mode : {OverlapMode::kPipeline, OverlapMode::kRing}) {
-    for (int chunks : {1, 2, 4}) out.push_back({rs, mode, true, chunks, /*full_weight=*/true});
-  }
-  for (int chunks : {1, 2, 4}) {
-    out.push_back({rs, OverlapMode::kRing, true, chunks, false, /*in_place=*/true});
-  }
-  return out;
-}
+using Mode = TunerMode;
 
 // The TP sizes and, per size, the M values recorded (every rank of each). The M values are
 // chosen to reach the plans' edge cases within a golden file of a few hundred KB (a tp 8 case
