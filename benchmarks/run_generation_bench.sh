@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Generation serving throughput on one GPU: `tpserve serve` (CUDA backend, TP=1, a preset with
-# random FP8 weights made on the device) driven by `tpserve-loadtest --mode generate` (closed loop,
+# Generation serving throughput: `tpserve serve` (CUDA backend, TP=1 unless TP says otherwise, a
+# preset with random FP8 weights made on the device) driven by `tpserve-loadtest --mode generate` (closed loop,
 # random prompts, ignore EOS), one loadtest JSON per case.
 #
 #   run_generation_bench.sh OUTDIR ISL:OSL:CONCURRENCY[:unary] [...]
@@ -12,7 +12,9 @@
 #
 # Environment: BIN_DIR (default .gpu/bin: tpserve, tpserve-loadtest), MODEL (llama3-8b),
 # KV_GIB (40: KV cache per GPU), KV_DTYPE (bf16, or fp8: E4M3 KV cache; its JSON names end in
-# -kvfp8), STEP_TOKENS (8192), RUNNING (256), CASE_TIMEOUT_S (240).
+# -kvfp8), STEP_TOKENS (8192), RUNNING (256), CASE_TIMEOUT_S (240), TP (1: one process per GPU
+# beyond; JSON names end in -tpN), OVERLAP (an overlap config for TP > 1, e.g.
+# deploy/overlap-llama3-70b-tp2.yaml; none: every layer in mode none).
 # Each step is bounded in time; the server is stopped with SIGTERM at the end (or on error).
 set -euo pipefail
 [ $# -ge 2 ] || { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -27,8 +29,12 @@ case_timeout=${CASE_TIMEOUT_S:-240}
 kv_dtype=${KV_DTYPE:-bf16}
 kv_suffix=""
 [ "$kv_dtype" = bf16 ] || kv_suffix="-kv$kv_dtype"
+tp=${TP:-1}
+[ "$tp" = 1 ] || kv_suffix="$kv_suffix-tp$tp"
+overlap=()
+[ -z "${OVERLAP:-}" ] || overlap=(--overlap-config "$OVERLAP")
 
-"$bin/tpserve" serve --backend cuda --tp 1 --model "$model" --device-random-weights \
+"$bin/tpserve" serve --backend cuda --tp "$tp" ${overlap[@]+"${overlap[@]}"} --model "$model" --device-random-weights \
   --kv-cache-gib "${KV_GIB:-40}" --kv-cache-dtype "$kv_dtype" --max-batch-tokens "$step_tokens" --max-step-tokens "$step_tokens" \
   --max-batch-sequences "$running" --max-running-sequences "$running" --max-output-len 4096 \
   --host 127.0.0.1 --grpc-port 0 --metrics-port 0 >"$out/serve.stdout" 2>"$out/serve.log" &
