@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "benchmarks/batch_shape.h"
 #include "comm/rank_group.h"
 #include "engine/cuda_model.h"
 #include "engine/model_config.h"
@@ -68,20 +69,6 @@ struct Flags {
   bool eager = false;                       // time eager passes, no CUDA graphs
   int graph_blocks = 0;                     // > 0: one graph per this many blocks
 };
-
-struct BatchShape {
-  int64_t seqs = 0, len = 0;
-};
-
-StatusOr<BatchShape> ParseBatch(const std::string& text) {
-  BatchShape b;
-  char x = 0;
-  std::istringstream in(text);
-  if (!(in >> b.seqs >> x >> b.len) || x != 'x' || !in.eof() || b.seqs < 1 || b.len < 1) {
-    return InvalidArgumentError("--batches: '" + text + "' is not SEQSxLEN (e.g. 8x1024)");
-  }
-  return b;
-}
 
 TokenBatch MakeBatch(const BatchShape& b, int64_t vocab, uint64_t seed) {
   TokenBatch t;

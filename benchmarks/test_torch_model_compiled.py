@@ -38,6 +38,11 @@ class ArgsTest(unittest.TestCase):
         self.assertIn("--rounds", self.refused(["--rounds", "0"]))
         self.refused(["--sdpa", "math"])  # not one of the timed backends
 
+    def test_skip_model_needs_attention_only(self):
+        self.assertIn("--skip-model", self.refused(["--skip-model"]))
+        args = tmc.parse_args(["--attention-only", "--skip-model"])
+        self.assertTrue(args.skip_model)
+
     def test_presets_match_the_engine_shapes(self):
         # hidden, intermediate, heads, kv heads, layers, vocab: engine/model_config.cc's presets.
         self.assertEqual(tmc.PRESETS["llama3-8b"][:6], (4096, 14336, 32, 8, 32, 128256))

@@ -54,10 +54,15 @@ def parse_args(argv):
                          "over the whole pass either way)")
     ap.add_argument("--attention-only", action="store_true",
                     help="also time SDPA alone per backend and batch shape")
+    ap.add_argument("--skip-model", action="store_true",
+                    help="with --attention-only: time SDPA alone and stop (no model is built "
+                         "or compiled)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", default="torch-compiled.json")
     args = ap.parse_args(argv)
+    if args.skip_model and not args.attention_only:
+        ap.error("--skip-model needs --attention-only")
     args.shapes = parse_shapes(ap, args.batches)
     if args.layers < 0:
         ap.error("--layers: %d is negative" % args.layers)
@@ -324,6 +329,8 @@ def main(argv=None):
             json.dump({"meta": meta, "records": records,
                        "attention": attention if args.attention_only else []}, f, indent=1)
     write()
+    if args.skip_model:
+        return 0
     # Fast accumulation first: it is the setting tpserve is compared with when it uses it.
     settings = {"on": [True], "off": [False], "both": [True, False]}[args.fast_accum]
     if args.dtype == "bf16":

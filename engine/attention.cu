@@ -16,6 +16,8 @@
 #include <type_traits>
 
 #include "comm/cuda_check.h"
+#include "engine/attention_store.cuh"
+#include "engine/attention_wgmma.h"
 #include "engine/cuda_ops.h"
 #include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
@@ -441,25 +443,11 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
           const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
           const int row = warp_row0 + mt * 16 + g + 8 * half;
           if (row >= len) continue;
-          uint32_t* dst = out_base != nullptr
-                              ? reinterpret_cast<uint32_t*>(out_base + row * p.out_row_stride)
-                              : nullptr;
-          uint16_t* dst_fp8 =
-              fp8_base != nullptr
-                  ? reinterpret_cast<uint16_t*>(fp8_base + row * p.out_fp8_row_stride)
-                  : nullptr;
-#pragma unroll
-          for (int dt = 0; dt < kDimTiles; ++dt) {
-            const uint32_t pair =
-                PackBf16x2(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum);
-            if (dst != nullptr) dst[dt * 4 + t] = pair;
-            const float lo = Bf16ToFloat(pair & 0xFFFFu), hi = Bf16ToFloat(pair >> 16);
-            if (dst_fp8 != nullptr) {
-              dst_fp8[dt * 4 + t] = static_cast<uint16_t>(QuantizeToE4M3<kFast>(lo, fp8) |
-                                                          (QuantizeToE4M3<kFast>(hi, fp8) << 8));
-            }
-            if (p.out_amax != nullptr) amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
-          }
+          StoreAttentionRow<kFast, kDimTiles>(
+              out_base != nullptr ? out_base + row * p.out_row_stride : nullptr,
+              fp8_base != nullptr ? fp8_base + row * p.out_fp8_row_stride : nullptr, t, inv_sum,
+              fp8, p.out_amax != nullptr, amax,
+              [&](int dt) { return make_float2(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]); });
         }
       }
     };
@@ -556,17 +544,27 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   // many short sequences most of those blocks would find no tile, and each still costs a
   // launch and a read of cu_seqlens. So: the tiles of the average sequence, and at least
   // enough blocks that one long sequence alone occupies every SM.
+  const bool wgmma = p.kernel != AttentionKernel::kMmaSync && WgmmaAttentionSupports(p.head_dim);
+  if (p.kernel == AttentionKernel::kWgmma && !wgmma) {
+    return UnimplementedError(std::string(kP) +
+                              ".kernel = kWgmma needs an sm_90a build, a compute capability 9.0 "
+                              "device and head_dim 128 (head_dim = " +
+                              Str(p.head_dim) + ")");
+  }
+  const int64_t rows_per_block = wgmma ? kWgmmaAttentionRows : kAttnBr;
+  const int64_t blocks_per_sm = wgmma ? 1 : kAttnBlocksPerSm;
   const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
-  const int64_t most_tiles = (longest + kAttnBr - 1) / kAttnBr;
+  const int64_t most_tiles = (longest + rows_per_block - 1) / rows_per_block;
   const int64_t average = (p.tokens + p.num_seqs - 1) / p.num_seqs;
   int device = 0, sms = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
   TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t fill = (int64_t{sms} * kAttnBlocksPerSm + p.q_heads - 1) / p.q_heads;
-  int64_t tiles = std::max((average + kAttnBr - 1) / kAttnBr, fill);
+  const int64_t fill = (int64_t{sms} * blocks_per_sm + p.q_heads - 1) / p.q_heads;
+  int64_t tiles = std::max((average + rows_per_block - 1) / rows_per_block, fill);
   tiles = std::min({tiles, most_tiles, kMaxGridY});
-  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
   const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
+  if (wgmma) return LaunchCausalAttentionWgmma(p, tiles, scale_log2, stream);
+  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
   if (p.head_dim == 64) {
     TP_RETURN_IF_ERROR(
         (LaunchAttention<64, kPackedRows>(grid, p, PagedKeys{}, scale_log2, stream)));

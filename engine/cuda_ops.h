@@ -118,6 +118,13 @@ Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 // cu_seqlens gives wrong numbers, never an out-of-bounds access.
 // head_dim 64 or 128 (UNIMPLEMENTED otherwise). Needs sm_80 or newer; tokens < 2^31 (the
 // cu_seqlens are int32).
+// Which kernel LaunchCausalAttention runs: kAuto takes the Hopper kernel (warpgroup MMA,
+// engine/attention_wgmma.h) where it applies (an sm_90a build on a compute capability 9.0
+// device, head_dim 128) and the mma.sync kernel otherwise; the others force one (kWgmma is
+// UNIMPLEMENTED where it does not apply). Both give the same results up to the order of
+// FP32 sums (benchmarks and tests compare them).
+enum class AttentionKernel { kAuto, kMmaSync, kWgmma };
+
 struct AttentionParams {
   const BFloat16* q = nullptr;
   int64_t q_row_stride = 0;  // >= q_heads * head_dim
@@ -141,6 +148,7 @@ struct AttentionParams {
   int64_t q_heads = 0;                   // multiple of kv_heads
   int64_t kv_heads = 0;                  // >= 1
   int64_t head_dim = 0;                  // 64 or 128
+  AttentionKernel kernel = AttentionKernel::kAuto;
 };
 Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream);
 

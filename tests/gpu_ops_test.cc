@@ -34,6 +34,7 @@
 #include "comm/cuda_resources.h"
 #include "comm/dtype.h"
 #include "comm/status.h"
+#include "engine/attention_wgmma.h"
 #include "engine/cpu_ops.h"
 #include "engine/cuda_ops.h"
 #include "engine/model_config.h"
@@ -392,6 +393,7 @@ struct AttentionCase {
   int64_t q_heads, kv_heads, head_dim;
   float q_range;           // q uniform in [-q_range, q_range]; k, v in [-1, 1]
   int64_t max_seqlen = 0;  // 0: the true maximum
+  AttentionKernel kernel = AttentionKernel::kAuto;
 };
 
 void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) {
@@ -410,6 +412,9 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
   std::string what = "attention heads=" + std::to_string(c.q_heads) + "/" +
                      std::to_string(c.kv_heads) + " head_dim=" + std::to_string(hd) + " seqlens=";
   for (int32_t len : c.seqlens) what += std::to_string(len) + ",";
+  what += c.kernel == AttentionKernel::kWgmma     ? " kernel=wgmma"
+          : c.kernel == AttentionKernel::kMmaSync ? " kernel=mma.sync"
+                                                  : " kernel=auto";
 
   std::vector<BFloat16> qkv(tokens * stride);
   {
@@ -467,6 +472,7 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
   p.q_heads = c.q_heads;
   p.kv_heads = c.kv_heads;
   p.head_dim = hd;
+  p.kernel = c.kernel;
   TP_ASSERT_OK(LaunchCausalAttention(p, stream));
   AttentionParams fp8_only = p;
   fp8_only.out = nullptr;
@@ -537,6 +543,26 @@ TEST_F(GpuOpsTest, CausalAttentionWithUnderestimatedMaxSeqlenIsStillCorrect) {
   // max_seqlen only sizes the grid: one query tile per block here, looping over 17.
   CheckAttention(stream(), {{1030, 7}, 2, 1, 128, 3.0f, /*max_seqlen=*/64}, 320);
   CheckAttention(stream(), {{1030, 7}, 2, 2, 64, 3.0f, /*max_seqlen=*/1}, 321);
+}
+
+TEST_F(GpuOpsTest, CausalAttentionHopperKernelMatchesReference) {
+  TP_SKIP_WITHOUT_GPU();
+  if (!WgmmaAttentionSupports(128)) {
+    GTEST_SKIP() << "the warpgroup-MMA kernel needs an sm_90a build on a compute capability 9.0 "
+                    "device";
+  }
+  constexpr AttentionKernel kWg = AttentionKernel::kWgmma;
+  // Lengths around its 128-row query and key tiles, an empty sequence and a single token;
+  // GQA groups of 8 and 1.
+  CheckAttention(stream(), {{1, 37, 0, 500, 129, 128, 127, 256, 255}, 64, 8, 128, 2.0f, 0, kWg},
+                 330);
+  CheckAttention(stream(), {{1, 37, 0, 500, 129}, 4, 4, 128, 6.0f, 0, kWg}, 331);
+  // Sixteen key tiles (both buffers reused many times), and blocks that loop over query tiles
+  // (max_seqlen underestimated).
+  CheckAttention(stream(), {{2000, 3}, 2, 1, 128, 3.0f, /*max_seqlen=*/64, kWg}, 332);
+  // kAuto takes this kernel at head_dim 128 here: the mma.sync kernel stays tested by name.
+  CheckAttention(stream(), {{1, 37, 0, 500, 129}, 8, 2, 128, 3.0f, 0, AttentionKernel::kMmaSync},
+                 333);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -828,6 +854,15 @@ TEST_F(GpuOpsTest, InvalidArgumentsAreRejectedBeforeLaunch) {
     AttentionParams p = attn;
     p.head_dim = 96;
     ExpectRejected(LaunchCausalAttention(p, nullptr), StatusCode::kUnimplemented, "head_dim");
+  }
+  {
+    AttentionParams p = attn;
+    p.head_dim = 64;
+    p.q_row_stride = p.out_row_stride = 8 * 64;
+    p.k_row_stride = p.v_row_stride = 64;
+    p.kernel = AttentionKernel::kWgmma;
+    ExpectRejected(LaunchCausalAttention(p, nullptr), StatusCode::kUnimplemented,
+                   "kernel = kWgmma");
   }
   {
     AttentionParams p = attn;

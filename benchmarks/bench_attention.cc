@@ -1,0 +1,222 @@
+// tpserve-bench-attention: the prefill attention kernels alone (LaunchCausalAttention), the
+// Hopper warpgroup-MMA kernel and the mma.sync kernel interleaved round by round on the same
+// inputs, as the model calls them (Q, K and V slices of one fused QKV buffer, BF16 output).
+// TFLOP/s count the causal half, 4 * len^2 / 2 * head_dim * heads per sequence, as
+// torch_model_compiled.py --attention-only counts SDPA's. The two kernels' outputs are
+// compared (relative Frobenius difference): a run whose kernels disagree fails.
+#include <cuda_runtime_api.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "benchmarks/batch_shape.h"
+#include "benchmarks/write_replacing.h"
+#include "comm/cuda_check.h"
+#include "comm/cuda_resources.h"
+#include "comm/dtype.h"
+#include "engine/attention_wgmma.h"
+#include "engine/cuda_ops.h"
+#include "layers/random_fill.h"
+#include "server/cli_numbers.h"
+
+namespace tpserve {
+namespace {
+
+using json = nlohmann::json;
+
+struct Flags {
+  std::vector<std::string> shapes = {"1x8192", "8x1024", "64x128"};
+  int64_t heads = 32, kv_heads = 8, head_dim = 128;
+  int warmup = 3, rounds = 20;
+  double max_rel_diff = 1e-2;
+  std::string out = "attention.json";
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Relative Frobenius difference of two BF16 tensors.
+double RelDiff(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = BFloat16ToFloat(BFloat16{a[i]}), y = BFloat16ToFloat(BFloat16{b[i]});
+    err += (x - y) * (x - y);
+    ref += y * y;
+  }
+  return ref > 0 ? std::sqrt(err / ref) : std::sqrt(err);
+}
+
+struct KernelRun {
+  const char* name;
+  AttentionKernel kernel;
+  std::vector<double> ms;
+};
+
+Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& records,
+                bool& agree) {
+  const int64_t tokens = b.seqs * b.len;
+  const int64_t q_width = f.heads * f.head_dim, kv_width = f.kv_heads * f.head_dim;
+  const int64_t stride = q_width + 2 * kv_width;
+  TP_ASSIGN_OR_RETURN(DeviceBuffer qkv,
+                      DeviceBuffer::Allocate(tokens * stride * 2, "attention qkv"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Allocate(tokens * q_width * 2, "out"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer cu, DeviceBuffer::Allocate((b.seqs + 1) * 4, "cu_seqlens"));
+  TP_RETURN_IF_ERROR(LaunchRandomUniform(qkv.data(), DataType::kBFloat16,
+                                         static_cast<size_t>(tokens * stride), 17, 2.0f, stream));
+  std::vector<int32_t> cu_host(b.seqs + 1);
+  for (int64_t s = 0; s <= b.seqs; ++s) cu_host[s] = static_cast<int32_t>(s * b.len);
+  TP_CUDA_CHECK(cudaMemcpyAsync(cu.data(), cu_host.data(), cu_host.size() * 4,
+                                cudaMemcpyHostToDevice, stream));
+
+  AttentionParams p;
+  p.q = qkv.as<BFloat16>();
+  p.k = qkv.as<BFloat16>() + q_width;
+  p.v = qkv.as<BFloat16>() + q_width + kv_width;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = stride;
+  p.out = out.as<BFloat16>();
+  p.out_row_stride = q_width;
+  p.cu_seqlens = cu.as<int32_t>();
+  p.num_seqs = b.seqs;
+  p.tokens = tokens;
+  p.max_seqlen = b.len;
+  p.q_heads = f.heads;
+  p.kv_heads = f.kv_heads;
+  p.head_dim = f.head_dim;
+
+  std::vector<KernelRun> runs = {{"mma_sync", AttentionKernel::kMmaSync, {}}};
+  if (WgmmaAttentionSupports(f.head_dim)) runs.push_back({"wgmma", AttentionKernel::kWgmma, {}});
+  std::vector<std::vector<uint16_t>> outputs;
+  for (KernelRun& r : runs) {
+    p.kernel = r.kernel;
+    for (int i = 0; i < f.warmup; ++i) TP_RETURN_IF_ERROR(LaunchCausalAttention(p, stream));
+    std::vector<uint16_t> host(tokens * q_width);
+    TP_CUDA_CHECK(
+        cudaMemcpyAsync(host.data(), out.data(), host.size() * 2, cudaMemcpyDeviceToHost, stream));
+    TP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    outputs.push_back(std::move(host));
+  }
+  TP_ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(true));
+  TP_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create(true));
+  for (int round = 0; round < f.rounds; ++round) {
+    for (KernelRun& r : runs) {  // interleaved: clocks and temperature drift hit both alike
+      p.kernel = r.kernel;
+      TP_CUDA_CHECK(cudaEventRecord(start.get(), stream));
+      TP_RETURN_IF_ERROR(LaunchCausalAttention(p, stream));
+      TP_CUDA_CHECK(cudaEventRecord(end.get(), stream));
+      TP_CUDA_CHECK(cudaEventSynchronize(end.get()));
+      TP_ASSIGN_OR_RETURN(float ms, CudaEvent::ElapsedMs(start, end));
+      r.ms.push_back(ms);
+    }
+  }
+  const double flops = static_cast<double>(b.seqs) * 4.0 * static_cast<double>(b.len) *
+                       static_cast<double>(b.len) / 2 * static_cast<double>(f.head_dim * f.heads);
+  const double diff = outputs.size() > 1 ? RelDiff(outputs[1], outputs[0]) : 0.0;
+  if (diff > f.max_rel_diff) agree = false;
+  for (const KernelRun& r : runs) {
+    const double med = Median(r.ms);
+    std::printf("%-8s %4ldx%-5ld %8.3f ms  %6.1f TFLOP/s (causal half)\n", r.name,
+                static_cast<long>(b.seqs), static_cast<long>(b.len), med,
+                flops / (med / 1e3) / 1e12);
+    records.push_back({{"kernel", r.name},
+                       {"seqs", b.seqs},
+                       {"seq_len", b.len},
+                       {"median_ms", med},
+                       {"times_ms", r.ms},
+                       {"tflops", flops / (med / 1e3) / 1e12},
+                       {"rel_diff_vs_mma_sync", diff}});
+  }
+  if (outputs.size() > 1) {
+    std::printf("         wgmma vs mma_sync: rel. Frobenius difference %.2e%s\n", diff,
+                diff > f.max_rel_diff ? "  ** over --max-rel-diff **" : "");
+  }
+  std::fflush(stdout);
+  return Status::Ok();
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{
+      "tpserve-bench-attention: times the prefill attention kernels (the Hopper warpgroup-MMA "
+      "kernel where it applies, and the mma.sync kernel) on causal batches, interleaved round "
+      "by round, and checks that their outputs agree"};
+  StrictNumbers(app);
+  app.add_option("--shapes", f.shapes, "batch shapes SEQSxLEN: SEQS sequences of LEN tokens")
+      ->capture_default_str();
+  app.add_option("--heads", f.heads, "query heads")->check(Positive())->capture_default_str();
+  app.add_option("--kv-heads", f.kv_heads, "key/value heads (divides --heads)")
+      ->check(Positive())
+      ->capture_default_str();
+  app.add_option("--head-dim", f.head_dim, "64 or 128 (the Hopper kernel: 128)")
+      ->capture_default_str();
+  app.add_option("--warmup", f.warmup, "untimed launches per kernel and shape")
+      ->check(NonNegative())
+      ->capture_default_str();
+  app.add_option("--rounds", f.rounds, "timed launches per kernel and shape (median reported)")
+      ->check(Positive())
+      ->capture_default_str();
+  app.add_option("--max-rel-diff", f.max_rel_diff,
+                 "fail when the kernels' outputs differ by more (relative Frobenius)")
+      ->capture_default_str();
+  app.add_option("--out", f.out, "JSON results, rewritten after every shape")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  if (f.heads % f.kv_heads != 0) {
+    spdlog::error("--heads {} is not a multiple of --kv-heads {}", f.heads, f.kv_heads);
+    return 2;
+  }
+  std::vector<BatchShape> shapes;
+  for (const std::string& s : f.shapes) {
+    auto b = ParseBatch(s, "--shapes");
+    if (!b.ok()) {
+      spdlog::error("{}", b.status().ToString());
+      return 2;
+    }
+    shapes.push_back(*b);
+  }
+  auto stream = CudaStream::Create();
+  if (!stream.ok()) {
+    spdlog::error("{}", stream.status().ToString());
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) prop.name[0] = '\0';
+  json doc = {{"meta",
+               {{"gpu", prop.name},
+                {"heads", f.heads},
+                {"kv_heads", f.kv_heads},
+                {"head_dim", f.head_dim},
+                {"rounds", f.rounds},
+                {"flops", "4 * len^2 / 2 * head_dim * heads per sequence (causal half)"}}},
+              {"records", json::array()}};
+  bool agree = true;
+  for (const BatchShape& b : shapes) {
+    Status st = RunShape(f, b, stream->get(), doc["records"], agree);
+    if (!st.ok()) {
+      spdlog::error("{}x{}: {}", b.seqs, b.len, st.ToString());
+      return 1;
+    }
+    if (std::string err = WriteReplacing(f.out, doc.dump(1)); !err.empty()) {
+      spdlog::error("{}", err);
+      return 1;
+    }
+  }
+  if (!agree) {
+    spdlog::error("the kernels' outputs differ by more than --max-rel-diff {}", f.max_rel_diff);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main(int argc, char** argv) { return tpserve::Main(argc, argv); }
