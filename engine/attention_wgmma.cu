@@ -2,19 +2,29 @@
 // Plain CUDA C++17; the kernel body needs sm_90a and traps elsewhere (the launcher is only
 // called where TPSERVE_HAS_SM90A is defined and the device is compute capability 9.0).
 //
-// A block of two warpgroups owns one (sequence, query head) and a tile of 128 query rows,
-// 64 per warpgroup. Q (128 x 128) and three stages each of K and V tiles of 128 keys sit in
-// shared memory as 128-byte swizzled panels (engine/wgmma.cuh), filled by cp.async from all
-// 256 threads. Per key tile, each warpgroup computes S = Q K^T (eight m64n128k16 products,
-// both operands from shared memory), the online softmax on S in registers, and O += P V with
-// P from registers (the S accumulator's layout is the A fragment's) and V read MN-major.
-// P_j V_j and S_{j+1} = Q K_{j+1} are issued together, so the tensor cores run them back to
-// back; tiles are copied two or three steps ahead of their use (one barrier per step).
+// A block of two consumer warpgroups owns one (sequence, query head) and a tile of 128 query
+// rows, 64 per warpgroup. Q (128 x 128) and three stages each of K and V tiles of 128 keys sit
+// in shared memory as 128-byte swizzled panels (engine/wgmma.cuh), brought by TMA (one
+// thread issues the copies; transaction barriers say when a stage is full, and both
+// warpgroups release it when their products have read it). Per key tile j, a warpgroup issues
+// S_j = Q K_j^T (eight m64n128k16 products, both operands from shared memory) together with
+// O += P_{j-1} V_{j-1} (P from registers: the S accumulator's layout is the A fragment's; V
+// read MN-major), then computes the online softmax of S_j in registers. The two warpgroups
+// take turns to issue (two named barriers), so one's softmax runs while the other's products
+// occupy the tensor cores.
+//
+// Rows of the packed buffer past the sequence are read too (TMA stops only at the buffer's
+// end, filling zeros there): their keys are masked, and the value rows past the sequence in
+// its last key tile are zeroed in shared memory before use, so that a non-finite value of
+// another sequence cannot reach this one through 0 * V.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <string>
 #include <type_traits>
 
 #include "comm/cuda_check.h"
@@ -35,7 +45,7 @@ constexpr int kHeadDim = 128;
 constexpr int kBr = 128;  // query rows per block, 64 per warpgroup
 constexpr int kBc = 128;  // keys per tile
 constexpr int kWgThreads = 256;
-constexpr int kPanelBytes = 128 * 128;       // 128 rows x 64 BF16 (one swizzle width)
+constexpr int kPanelBytes = 128 * 128;       // 128 rows x 64 BF16 (one swizzle width, one TMA box)
 constexpr int kTileBytes = 2 * kPanelBytes;  // 128 rows x 128 BF16: two panels
 constexpr int kStages = 3;                   // K and V tiles in flight or in use
 constexpr int kQOffset = 0;                  // shared layout: [Q | K 0..2 | V 0..2]
@@ -43,42 +53,27 @@ constexpr int kKOffset = kTileBytes;
 constexpr int kVOffset = (1 + kStages) * kTileBytes;
 // + slack to align the base to 1024 bytes: 230,400 bytes of the 232,448 a block may have.
 constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes + 1024;
-
-// Byte offset of the 16-byte chunk `c` (0..15: dims 8c..8c+7) of row `r` in a swizzled tile.
-__device__ __forceinline__ uint32_t SwizzledChunk(int r, int c) {
-  return static_cast<uint32_t>((c >> 3) * kPanelBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
-// Copies rows [row0, row0 + 128) of a [rows, stride] BF16 matrix (this head's 128 columns
-// at `base`) into a swizzled tile; rows at or past `limit` are zeros (not read). Each thread
-// copies column chunk threadIdx % 16 of every 16th row.
-__device__ __forceinline__ void LoadTile(uint32_t tile, const uint16_t* base, int64_t stride,
-                                         int row0, int limit) {
-  const int c = static_cast<int>(threadIdx.x) & 15;
-  const int r0 = static_cast<int>(threadIdx.x) >> 4;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = r0 + 16 * i;
-    const bool past = row0 + r >= limit;
-    const uint16_t* src = past ? base : base + static_cast<int64_t>(row0 + r) * stride + c * 8;
-    const uint32_t dst = tile + SwizzledChunk(r, c);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(past ? 0 : 16));
-#else
-    (void)dst, (void)src;
-#endif
-  }
-}
+// Transaction barriers: Q full / empty, then per stage K full, V full, K empty, V empty.
+constexpr int kFullQ = 0, kEmptyQ = 1, kFullK = 2, kFullV = 2 + kStages, kEmptyK = 2 + 2 * kStages,
+              kEmptyV = 2 + 3 * kStages, kBarriers = 2 + 4 * kStages;
+// Named barriers: warpgroup w may issue its products once barrier kTurn + w completes (the
+// other warpgroup arrives on it after issuing its own); kWgLocal + w is warpgroup-local.
+constexpr int kTurn = 1, kWgLocal = 3;
 
 __global__ void __launch_bounds__(kWgThreads, 1)
-    CausalAttentionWgmmaKernel(AttentionParams p, float scale_log2) {
+    CausalAttentionWgmmaKernel(const __grid_constant__ CUtensorMap q_map,
+                               const __grid_constant__ CUtensorMap k_map,
+                               const __grid_constant__ CUtensorMap v_map, AttentionParams p,
+                               float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t wg_smem_raw[];
+  __shared__ __align__(8) uint64_t barriers[kBarriers];
   // 1024-byte aligned base: the swizzle pattern repeats every 1024 bytes of address.
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   const uint32_t smem = (raw + 1023u) & ~1023u;
   const uint32_t q_tile = smem + kQOffset;
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
+  auto bar = [&](int i) { return bar0 + 8u * static_cast<uint32_t>(i); };
 
   const int q_heads = static_cast<int>(p.q_heads);
   const int seq = static_cast<int>(blockIdx.x) / q_heads;
@@ -94,19 +89,72 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int kv_head = head / (q_heads / static_cast<int>(p.kv_heads));
 
   const int wg = static_cast<int>(threadIdx.x) >> 7;          // warpgroup: rows 64 wg ..
-  const int warp = (static_cast<int>(threadIdx.x) >> 5) & 3;  // warp in the warpgroup
+  const int wg_thread = static_cast<int>(threadIdx.x) & 127;  // thread in the warpgroup
+  const int warp = wg_thread >> 5;                            // warp in the warpgroup
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
+  // The copies are issued by the first thread of warpgroup 1, which issues its products
+  // after warpgroup 0: by then warpgroup 0 has released what the copies overwrite.
+  const bool issuer = threadIdx.x == 128;
 
-  const uint16_t* q_base = reinterpret_cast<const uint16_t*>(p.q) +
-                           static_cast<int64_t>(begin) * p.q_row_stride + int64_t{head} * kHeadDim;
-  const uint16_t* k_base = reinterpret_cast<const uint16_t*>(p.k) +
-                           static_cast<int64_t>(begin) * p.k_row_stride +
-                           int64_t{kv_head} * kHeadDim;
-  const uint16_t* v_base = reinterpret_cast<const uint16_t*>(p.v) +
-                           static_cast<int64_t>(begin) * p.v_row_stride +
-                           int64_t{kv_head} * kHeadDim;
+  if (threadIdx.x == 0) {
+    MbarInit(bar(kFullQ), 1);
+    MbarInit(bar(kEmptyQ), 2);
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(bar(kFullK + s), 1);
+      MbarInit(bar(kFullV + s), 1);
+      MbarInit(bar(kEmptyK + s), 2);
+      MbarInit(bar(kEmptyV + s), 2);
+    }
+    MbarInitFence();
+  }
+  __syncthreads();
+
+  // Key tiles and Q tiles this block has used before the current Q tile: a tile's stage
+  // and the parity of its barriers' phase follow from its running index.
+  uint32_t kv_used = 0, q_used = 0;
+  auto issue_kv = [&](int key_tile, bool values) {
+    const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
+    const int stage = static_cast<int>(n % kStages);
+    const uint32_t use = n / kStages;
+    if (use > 0) MbarWait(bar((values ? kEmptyV : kEmptyK) + stage), (use - 1) & 1);
+    const uint32_t full = bar((values ? kFullV : kFullK) + stage);
+    const uint32_t dst = smem + (values ? kVOffset : kKOffset) + stage * kTileBytes;
+    MbarArriveExpectTx(full, kTileBytes);
+    const int row = begin + key_tile * kBc;
+    TmaLoad2d(dst, values ? &v_map : &k_map, kv_head * kHeadDim, row, full);
+    TmaLoad2d(dst + kPanelBytes, values ? &v_map : &k_map, kv_head * kHeadDim + 64, row, full);
+  };
+  auto wait_kv = [&](int key_tile, bool values) {
+    const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
+    MbarWait(bar((values ? kFullV : kFullK) + static_cast<int>(n % kStages)), (n / kStages) & 1);
+  };
+  auto release_kv = [&](int key_tile, bool values) {
+    const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
+    if (wg_thread == 0)
+      MbarArrive(bar((values ? kEmptyV : kEmptyK) + static_cast<int>(n % kStages)));
+  };
+  auto stage_of = [&](int key_tile) {
+    return static_cast<int>((kv_used + static_cast<uint32_t>(key_tile)) % kStages);
+  };
+
+  // This warpgroup's Q rows: k-step s reads panel s / 4, 32 bytes in per step.
+  auto q_desc = [&](int s) {
+    return SmemDescSw128(q_tile + (s >> 2) * kPanelBytes + wg * 64 * 128 + (s & 3) * 32, 0, 1024);
+  };
+  auto k_desc = [&](int stage, int s) {
+    return SmemDescSw128(
+        smem + kKOffset + stage * kTileBytes + (s >> 2) * kPanelBytes + (s & 3) * 32, 0, 1024);
+  };
+  // V as B of P V: K = keys on the rows (16 per step: 2048 bytes), N = dims across the two
+  // panels (LBO), 8-key groups 1024 bytes apart (SBO).
+  auto v_desc = [&](int stage, int s) {
+    return SmemDescSw128(smem + kVOffset + stage * kTileBytes + s * 2048, kPanelBytes, 1024);
+  };
+
+  const int my_turn = kTurn + wg, other_turn = kTurn + (wg ^ 1);
+  if (wg == 1) NamedBarrierArrive(kTurn, kWgThreads);  // warpgroup 0 issues first
   float amax = 0.0f;
 
   // Tiles from the last (the most keys) down, so the heaviest are scheduled first.
@@ -116,47 +164,27 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int kv_end = min(q0 + kBr, len);  // causal: no key past the tile's last row
     const int n_kv = (kv_end + kBc - 1) / kBc;
     const int row_lo = q0 + wg * 64 + warp * 16 + g;  // this thread's rows: row_lo, row_lo + 8
+    // Warpgroup 1 does not hand the turn back after its last products of the block (it
+    // would leave an arrival pending on warpgroup 0's barrier).
+    const bool last_tile = tile - static_cast<int>(gridDim.y) < 0;
+    auto pass_turn = [&](bool final_issue) {
+      if (!(wg == 1 && last_tile && final_issue)) NamedBarrierArrive(other_turn, kWgThreads);
+    };
 
-    __syncthreads();  // the previous tile's readers are done with every buffer
-    // Copy groups, committed by every thread in this order: {Q, K0}, {K1, V0}, {K2, V1}, then
-    // one per key step i: {K(i+3), V(i+2)} (empty past the last tile), so that step i finds
-    // {K(i+1), V(i)} complete by waiting for all but the newest group.
-    auto load_kv = [&](int key_tile, bool k, bool v) {
-      if (key_tile >= n_kv) return;
-      if (k) {
-        LoadTile(smem + kKOffset + (key_tile % kStages) * kTileBytes, k_base, p.k_row_stride,
-                 key_tile * kBc, kv_end);
-      }
-      if (v) {
-        LoadTile(smem + kVOffset + (key_tile % kStages) * kTileBytes, v_base, p.v_row_stride,
-                 key_tile * kBc, kv_end);
-      }
-    };
-    LoadTile(q_tile, q_base, p.q_row_stride, q0, len);
-    load_kv(0, true, false);
-    CopyAsyncCommit();
-    load_kv(1, true, false);
-    load_kv(0, false, true);
-    CopyAsyncCommit();
-    load_kv(2, true, false);
-    load_kv(1, false, true);
-    CopyAsyncCommit();
-    CopyAsyncWait<2>();
-    FenceProxyAsyncShared();
-    __syncthreads();
-
-    // This warpgroup's Q rows: k-step s reads panel s / 4, 32 bytes in per step.
-    auto q_desc = [&](int s) {
-      return SmemDescSw128(q_tile + (s >> 2) * kPanelBytes + wg * 64 * 128 + (s & 3) * 32, 0, 1024);
-    };
-    auto k_desc = [&](int stage, int s) {
-      return SmemDescSw128(
-          smem + kKOffset + stage * kTileBytes + (s >> 2) * kPanelBytes + (s & 3) * 32, 0, 1024);
-    };
-    // V as B of P V: K = keys on the rows (16 per step: 2048 bytes), N = dims across the two
-    // panels (LBO), 8-key groups 1024 bytes apart (SBO).
-    auto v_desc = [&](int stage, int s) {
-      return SmemDescSw128(smem + kVOffset + stage * kTileBytes + s * 2048, kPanelBytes, 1024);
+    if (issuer) {
+      if (q_used > 0) MbarWait(bar(kEmptyQ), (q_used - 1) & 1);
+      MbarArriveExpectTx(bar(kFullQ), kTileBytes);
+      TmaLoad2d(q_tile, &q_map, head * kHeadDim, begin + q0, bar(kFullQ));
+      TmaLoad2d(q_tile + kPanelBytes, &q_map, head * kHeadDim + 64, begin + q0, bar(kFullQ));
+      issue_kv(0, false);
+      issue_kv(0, true);
+      if (n_kv > 1) issue_kv(1, false);
+    }
+    // After step j's products: K(j + 2) and V(j + 1), two steps ahead of their use.
+    auto issue_ahead = [&](int j) {
+      if (!issuer) return;
+      if (j + 2 < n_kv) issue_kv(j + 2, false);
+      if (j + 1 < n_kv) issue_kv(j + 1, true);
     };
 
     float s_acc[64];
@@ -167,14 +195,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.0f, 0.0f};
 
-    WgmmaFence();
-#pragma unroll
-    for (int s = 0; s < 8; ++s) WgmmaSS64x128x16(s_acc, q_desc(s), k_desc(0, s), s > 0 ? 1 : 0);
-    WgmmaCommit();
-    WgmmaWait<0>();
-    PinRegisters(s_acc);
-
-    for (int j = 0; j < n_kv; ++j) {
+    // The online softmax of S_j (s_acc): P_j into p_frag, O and the row sums rescaled.
+    auto softmax = [&](int j) {
       const int kv0 = j * kBc;
       // Masks: keys after the row (causal) or past the sequence; only the tiles that reach
       // this warp's diagonal or the sequence's end have any (warp-uniform).
@@ -222,36 +244,78 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
 #pragma unroll
       for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
-
-      // {K(j+1), V(j)} have landed (all but the newest group); after the barrier every
-      // thread is past step j - 1, so the stages of K(j) and V(j - 1) are free for
-      // K(j + 3) and V(j + 2).
-      CopyAsyncWait<1>();
-      FenceProxyAsyncShared();
-      __syncthreads();
-      WgmmaFence();
+    };
+    auto issue_s = [&](int j) {
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        WgmmaRS64x128x16TransB(o, p_frag[kk], v_desc(j % kStages, kk));
+      for (int s = 0; s < 8; ++s) {
+        WgmmaSS64x128x16(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
       }
-      if (j + 1 < n_kv) {
+    };
+    auto issue_pv = [&](int j) {
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          WgmmaSS64x128x16(s_acc, q_desc(s), k_desc((j + 1) % kStages, s), s > 0 ? 1 : 0);
-        }
-      }
-      WgmmaCommit();
-      load_kv(j + 3, true, false);
-      load_kv(j + 2, false, true);
-      CopyAsyncCommit();
+      for (int kk = 0; kk < 8; ++kk) WgmmaRS64x128x16TransB(o, p_frag[kk], v_desc(stage_of(j), kk));
+    };
+    auto wait_products = [&]() {
       WgmmaWait<0>();
       PinRegisters(o);
       PinRegisters(s_acc);
-      // P's registers were read by the product in flight: live until it is done.
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) PinRegisters(p_frag[kk]);
+    };
+
+    // Step 0: S_0 alone.
+    MbarWait(bar(kFullQ), q_used & 1);
+    wait_kv(0, false);
+    NamedBarrierSync(my_turn, kWgThreads);
+    WgmmaFence();
+    issue_s(0);
+    WgmmaCommit();
+    pass_turn(false);
+    wait_products();
+    release_kv(0, false);
+    issue_ahead(0);
+    softmax(0);
+    // Step j: S_j with P_{j-1} V_{j-1}.
+    for (int j = 1; j < n_kv; ++j) {
+      wait_kv(j, false);
+      wait_kv(j - 1, true);
+      NamedBarrierSync(my_turn, kWgThreads);
+      WgmmaFence();
+      issue_s(j);
+      issue_pv(j - 1);
+      WgmmaCommit();
+      pass_turn(false);
+      wait_products();
+      release_kv(j, false);
+      release_kv(j - 1, true);
+      issue_ahead(j);
+      softmax(j);
     }
-    CopyAsyncWait<0>();  // nothing of this tile is in flight when the next one starts
+    // Last: P_{n-1} V_{n-1}, its value rows past the sequence zeroed first.
+    wait_kv(n_kv - 1, true);
+    {
+      const int valid = len - (n_kv - 1) * kBc;
+      if (valid < kBc) {
+        uint8_t* v_tile = wg_smem_raw + (smem - raw) + kVOffset + stage_of(n_kv - 1) * kTileBytes;
+        for (int i = wg_thread; i < (kBc - valid) * 16; i += 128) {
+          const int r = valid + (i >> 4), c = i & 15;
+          *reinterpret_cast<uint4*>(v_tile + (c >> 3) * kPanelBytes + r * 128 + (c & 7) * 16) =
+              make_uint4(0, 0, 0, 0);
+        }
+        FenceProxyAsyncShared();
+        NamedBarrierSync(kWgLocal + wg, 128);
+      }
+    }
+    NamedBarrierSync(my_turn, kWgThreads);
+    WgmmaFence();
+    issue_pv(n_kv - 1);
+    WgmmaCommit();
+    pass_turn(true);
+    wait_products();
+    release_kv(n_kv - 1, true);
+    if (wg_thread == 0) MbarArrive(bar(kEmptyQ));
+    kv_used += static_cast<uint32_t>(n_kv);
+    ++q_used;
 
     uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
                                                 static_cast<int64_t>(begin) * p.out_row_stride +
@@ -287,9 +351,55 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 #else
-  (void)p, (void)scale_log2;
+  (void)q_map, (void)k_map, (void)v_map, (void)p, (void)scale_log2;
   __trap();
 #endif
+}
+
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link to libcuda).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+StatusOr<EncodeTiledFn> EncodeTiled() {
+  static std::once_flag once;
+  static EncodeTiledFn fn = nullptr;
+  static std::string error;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult query{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                           cudaEnableDefault, &query);
+    if (e != cudaSuccess || query != cudaDriverEntryPointSuccess || ptr == nullptr) {
+      error = std::string("cuTensorMapEncodeTiled is not available from the driver: ") +
+              cudaGetErrorString(e);
+      return;
+    }
+    fn = reinterpret_cast<EncodeTiledFn>(ptr);
+  });
+  if (fn == nullptr) return InternalError(error);
+  return fn;
+}
+
+// A [tokens, columns] BF16 matrix with row stride `stride` elements, read in boxes of 128
+// rows x 64 columns (128 bytes: one 128-byte swizzled panel); rows past `tokens` read as 0.
+StatusOr<CUtensorMap> PanelMap(EncodeTiledFn encode, const void* base, int64_t columns,
+                               int64_t tokens, int64_t stride, const char* name) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(tokens)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  const cuuint32_t box[2] = {64, 128};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r =
+      encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return InternalError(std::string("AttentionParams.") + name +
+                         ": cuTensorMapEncodeTiled failed (CUresult " + std::to_string(r) + ")");
+  }
+  return map;
 }
 
 }  // namespace
@@ -312,10 +422,18 @@ bool WgmmaAttentionSupports(int64_t head_dim) {
 
 Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float scale_log2,
                                   cudaStream_t stream) {
+  TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
+  TP_ASSIGN_OR_RETURN(CUtensorMap q_map,
+                      PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens, p.q_row_stride, "q"));
+  TP_ASSIGN_OR_RETURN(CUtensorMap k_map,
+                      PanelMap(encode, p.k, p.kv_heads * kHeadDim, p.tokens, p.k_row_stride, "k"));
+  TP_ASSIGN_OR_RETURN(CUtensorMap v_map,
+                      PanelMap(encode, p.v, p.kv_heads * kHeadDim, p.tokens, p.v_row_stride, "v"));
   TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
-  CausalAttentionWgmmaKernel<<<grid, kWgThreads, kSmemBytes, stream>>>(p, scale_log2);
+  CausalAttentionWgmmaKernel<<<grid, kWgThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, p,
+                                                                       scale_log2);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

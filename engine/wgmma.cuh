@@ -127,4 +127,68 @@ __device__ __forceinline__ void WgmmaRS64x128x16TransB(float (&d)[64], const uin
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Transaction barriers (mbarrier), tensor-memory-access (TMA) copies and named barriers.
+// `bar` and `dst` are shared addresses (__cvta_generic_to_shared).
+
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Makes initialised barriers visible to the other threads and to the TMA unit (a block
+// barrier must follow before they are used).
+__device__ __forceinline__ void MbarInitFence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival that also expects `bytes` more of TMA traffic in the current phase.
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// Waits until the phase of parity `parity` has completed (a barrier starts in phase 0).
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+#endif
+}
+// One box of a 2-D tensor map (a __grid_constant__ CUtensorMap kernel parameter) at
+// coordinates (c0 innermost, c1) into shared memory; its bytes complete on `bar`.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const void* tensor_map, int c0, int c1,
+                                          uint32_t bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#else
+  (void)dst, (void)tensor_map, (void)c0, (void)c1, (void)bar;
+#endif
+}
+// Named barriers 1..15: `threads` (a multiple of 32) arrive in all, those calling Sync wait.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace tpserve::device

@@ -565,6 +565,58 @@ TEST_F(GpuOpsTest, CausalAttentionHopperKernelMatchesReference) {
                  333);
 }
 
+// A non-finite value in one sequence's keys or values must not reach another sequence of the
+// batch (the Hopper kernel reads rows past a sequence and masks them).
+TEST_F(GpuOpsTest, CausalAttentionKeepsSequencesApart) {
+  TP_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> cu_seqlens = {0, 100, 160};  // the second sequence's rows are NaN
+  const int64_t tokens = 160, heads = 4, kv_heads = 2, hd = 128;
+  const int64_t stride = (heads + 2 * kv_heads) * hd;
+  std::vector<AttentionKernel> kernels = {AttentionKernel::kMmaSync};
+  if (WgmmaAttentionSupports(hd)) kernels.push_back(AttentionKernel::kWgmma);
+  std::vector<BFloat16> clean = RandomBf16(tokens * stride, -1.0f, 1.0f, 340);
+  std::vector<BFloat16> poisoned = clean;
+  for (int64_t r = 100; r < tokens; ++r) {
+    for (int64_t j = 0; j < stride; ++j) poisoned[r * stride + j].bits = 0x7FC0;  // NaN
+  }
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu_seqlens, "cu_seqlens"));
+  for (AttentionKernel kernel : kernels) {
+    std::vector<std::vector<BFloat16>> outs;
+    for (const auto* qkv : {&clean, &poisoned}) {
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(*qkv, "qkv"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
+                              DeviceBuffer::Allocate(tokens * heads * hd * 2, "out"));
+      AttentionParams p;
+      p.q = d_qkv.as<BFloat16>();
+      p.k = p.q + heads * hd;
+      p.v = p.k + kv_heads * hd;
+      p.q_row_stride = p.k_row_stride = p.v_row_stride = stride;
+      p.out = d_out.as<BFloat16>();
+      p.out_row_stride = heads * hd;
+      p.cu_seqlens = d_cu.as<int32_t>();
+      p.num_seqs = 2;
+      p.tokens = tokens;
+      p.max_seqlen = 100;
+      p.q_heads = heads;
+      p.kv_heads = kv_heads;
+      p.head_dim = hd;
+      p.kernel = kernel;
+      TP_ASSERT_OK(LaunchCausalAttention(p, stream()));
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), 100 * heads * hd));
+      outs.push_back(std::move(out));
+    }
+    size_t differ = 0, non_finite = 0;
+    for (size_t i = 0; i < outs[0].size(); ++i) {
+      differ += outs[0][i].bits != outs[1][i].bits;
+      non_finite += !std::isfinite(BFloat16ToFloat(outs[1][i]));
+    }
+    const char* name = kernel == AttentionKernel::kWgmma ? "wgmma" : "mma.sync";
+    EXPECT_EQ(non_finite, 0u) << name << ": NaN rows of the next sequence reached the first";
+    EXPECT_EQ(differ, 0u) << name << ": the first sequence's output depends on the next one's";
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // SwiGLU
 
