@@ -35,6 +35,7 @@ struct Flags {
   int64_t heads = 32, kv_heads = 8, head_dim = 128;
   int warmup = 3, rounds = 20;
   double max_rel_diff = 1e-2;
+  bool fp8_out = false;
   std::string out = "attention.json";
 };
 
@@ -70,6 +71,10 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
                       DeviceBuffer::Allocate(tokens * stride * 2, "attention qkv"));
   TP_ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Allocate(tokens * q_width * 2, "out"));
   TP_ASSIGN_OR_RETURN(DeviceBuffer cu, DeviceBuffer::Allocate((b.seqs + 1) * 4, "cu_seqlens"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer codes, DeviceBuffer::Allocate(tokens * q_width, "out_fp8"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scale, DeviceBuffer::Allocate(4, "out_fp8_scale"));
+  const float scale_value = 1.0f / 448;  // |out| <= max |v| = 2
+  TP_CUDA_CHECK(cudaMemcpyAsync(scale.data(), &scale_value, 4, cudaMemcpyHostToDevice, stream));
   TP_RETURN_IF_ERROR(LaunchRandomUniform(qkv.data(), DataType::kBFloat16,
                                          static_cast<size_t>(tokens * stride), 17, 2.0f, stream));
   std::vector<int32_t> cu_host(b.seqs + 1);
@@ -104,6 +109,14 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
     TP_CUDA_CHECK(cudaStreamSynchronize(stream));
     outputs.push_back(std::move(host));
   }
+  // Timed: BF16 out, or (--fp8-out) only the E4M3 codes, as the FP8 model's o input.
+  if (f.fp8_out) {
+    p.out = nullptr;
+    p.out_row_stride = 0;
+    p.out_fp8 = codes.as<uint8_t>();
+    p.out_fp8_row_stride = q_width;
+    p.out_fp8_scale = scale.as<float>();
+  }
   TP_ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(true));
   TP_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create(true));
   for (int round = 0; round < f.rounds; ++round) {
@@ -132,7 +145,8 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
                        {"median_ms", med},
                        {"times_ms", r.ms},
                        {"tflops", flops / (med / 1e3) / 1e12},
-                       {"rel_diff_vs_mma_sync", diff}});
+                       {"rel_diff_vs_mma_sync", diff},
+                       {"output", f.fp8_out ? "fp8" : "bf16"}});
   }
   if (outputs.size() > 1) {
     std::printf("         wgmma vs mma_sync: rel. Frobenius difference %.2e%s\n", diff,
@@ -166,6 +180,9 @@ int Main(int argc, char** argv) {
   app.add_option("--max-rel-diff", f.max_rel_diff,
                  "fail when the kernels' outputs differ by more (relative Frobenius)")
       ->capture_default_str();
+  app.add_flag("--fp8-out", f.fp8_out,
+               "time with the output as E4M3 codes only (out_fp8, as the FP8 model calls it) "
+               "instead of BF16; the kernels are compared on BF16 either way");
   app.add_option("--out", f.out, "JSON results, rewritten after every shape")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);

@@ -9,7 +9,8 @@
 // warpgroups release it when their products have read it). Per key tile j, a warpgroup issues
 // S_j = Q K_j^T (eight m64n128k16 products, both operands from shared memory) together with
 // O += P_{j-1} V_{j-1} (P from registers: the S accumulator's layout is the A fragment's; V
-// read MN-major), then computes the online softmax of S_j in registers. The two warpgroups
+// read MN-major), then computes the online softmax of S_j in registers, its exponentials
+// while P_{j-1} V_{j-1} is still in flight. The two warpgroups
 // take turns to issue (two named barriers), so one's softmax runs while the other's products
 // occupy the tensor cores.
 //
@@ -195,8 +196,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.0f, 0.0f};
 
-    // The online softmax of S_j (s_acc): P_j into p_frag, O and the row sums rescaled.
-    auto softmax = [&](int j) {
+    // The online softmax of S_j, in two parts so that the first runs while P_{j-1} V_{j-1}
+    // is still in flight (it reads p_frag and writes o): the scores become exp2 weights in
+    // place and the row sums are updated; then P_j is packed into p_frag and O rescaled.
+    float alpha[2];
+    auto softmax_weights = [&](int j) {
       const int kv0 = j * kBc;
       // Masks: keys after the row (causal) or past the sequence; only the tiles that reach
       // this warp's diagonal or the sequence's end have any (warp-uniform).
@@ -216,7 +220,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int i = 0; i < 64; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s_acc[i]);
-      float alpha[2], base[2];
+      float base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
@@ -229,19 +233,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
       float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
-        float pr[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pr[e] = Exp2Approx(fmaf(s_acc[4 * nt + e], scale_log2, -base[e >> 1]));
-          tile_sum[e >> 1] += pr[e];
-        }
-        // n8 tiles 2kk and 2kk + 1 of S are the A fragment kk of P V.
-        p_frag[nt >> 1][(nt & 1) * 2] = PackBf16x2(pr[0], pr[1]);
-        p_frag[nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(pr[2], pr[3]);
+      for (int i = 0; i < 64; ++i) {
+        s_acc[i] = Exp2Approx(fmaf(s_acc[i], scale_log2, -base[(i >> 1) & 1]));
+        tile_sum[(i >> 1) & 1] += s_acc[i];
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
+    };
+    auto softmax_finish = [&]() {
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        // n8 tiles 2kk and 2kk + 1 of S are the A fragment kk of P V.
+        p_frag[nt >> 1][(nt & 1) * 2] = PackBf16x2(s_acc[4 * nt], s_acc[4 * nt + 1]);
+        p_frag[nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(s_acc[4 * nt + 2], s_acc[4 * nt + 3]);
+      }
 #pragma unroll
       for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
     };
@@ -274,22 +279,28 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wait_products();
     release_kv(0, false);
     issue_ahead(0);
-    softmax(0);
-    // Step j: S_j with P_{j-1} V_{j-1}.
+    softmax_weights(0);
+    softmax_finish();
+    // Step j: S_j, then P_{j-1} V_{j-1} (two groups: S_j's weights are computed while the
+    // second is in flight).
     for (int j = 1; j < n_kv; ++j) {
       wait_kv(j, false);
       wait_kv(j - 1, true);
       NamedBarrierSync(my_turn, kWgThreads);
       WgmmaFence();
       issue_s(j);
+      WgmmaCommit();
       issue_pv(j - 1);
       WgmmaCommit();
       pass_turn(false);
-      wait_products();
+      WgmmaWait<1>();
+      PinRegisters(s_acc);
       release_kv(j, false);
+      softmax_weights(j);
+      wait_products();
       release_kv(j - 1, true);
       issue_ahead(j);
-      softmax(j);
+      softmax_finish();
     }
     // Last: P_{n-1} V_{n-1}, its value rows past the sequence zeroed first.
     wait_kv(n_kv - 1, true);
