@@ -613,16 +613,33 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
   // sequence's tiles leave at once.
   const int64_t rows = p.max_query_rows > 0 ? std::min(p.max_query_rows, p.tokens) : p.tokens;
   const int64_t tiles = std::min((rows + kAttnBr - 1) / kAttnBr, kMaxGridY);
+  const float scale = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
+  const bool fp8_cache = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
+  if (!fp8_cache &&
+      WgmmaPagedAttentionSupports(hd, p.layout.block_size, p.layout.Elements() / hd)) {
+    static_assert(kWgmmaAttentionRows == kAttnBr, "one tile count for both kernels");
+    WgmmaPagedKeys wk;
+    wk.cache = p.cache;
+    wk.cache_rows = p.layout.Elements() / hd;
+    wk.k_row0 = pk.k_offset / hd;
+    wk.v_row0 = pk.v_offset / hd;
+    wk.block_rows = p.layout.kv_heads * p.layout.block_size;
+    wk.block_size = pk.block_size;
+    wk.num_blocks = pk.num_blocks;
+    wk.seqs = pk.seqs;
+    wk.context_lens = pk.context_lens;
+    wk.block_tables = pk.block_tables;
+    wk.max_blocks = pk.max_blocks;
+    return LaunchPagedPrefillAttentionWgmma(a, wk, std::max<int64_t>(1, tiles), scale, stream);
+  }
   const dim3 grid(static_cast<unsigned>(p.multi_row_count * p.q_heads),
                   static_cast<unsigned>(std::max<int64_t>(1, tiles)));
-  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
-  const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
   if (hd == 64) {
-    TP_RETURN_IF_ERROR((fp8 ? LaunchAttention<64, kPagedFp8>(grid, a, pk, scale_log2, stream)
-                            : LaunchAttention<64, kPagedBf16>(grid, a, pk, scale_log2, stream)));
+    TP_RETURN_IF_ERROR((fp8_cache ? LaunchAttention<64, kPagedFp8>(grid, a, pk, scale, stream)
+                                  : LaunchAttention<64, kPagedBf16>(grid, a, pk, scale, stream)));
   } else {
-    TP_RETURN_IF_ERROR((fp8 ? LaunchAttention<128, kPagedFp8>(grid, a, pk, scale_log2, stream)
-                            : LaunchAttention<128, kPagedBf16>(grid, a, pk, scale_log2, stream)));
+    TP_RETURN_IF_ERROR((fp8_cache ? LaunchAttention<128, kPagedFp8>(grid, a, pk, scale, stream)
+                                  : LaunchAttention<128, kPagedBf16>(grid, a, pk, scale, stream)));
   }
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -61,11 +62,15 @@ constexpr int kFullQ = 0, kEmptyQ = 1, kFullK = 2, kFullV = 2 + kStages, kEmptyK
 // other warpgroup arrives on it after issuing its own); kWgLocal + w is warpgroup-local.
 constexpr int kTurn = 1, kWgLocal = 3;
 
+// kPaged: keys and values from the paged cache (k_map = v_map = the cache as 128-element
+// rows, boxes of one block), the sequences pk.seqs[blockIdx.x / q_heads]; a sequence's n query
+// rows are the last n of its context. Otherwise from packed rows (k_map, v_map).
+template <bool kPaged>
 __global__ void __launch_bounds__(kWgThreads, 1)
     CausalAttentionWgmmaKernel(const __grid_constant__ CUtensorMap q_map,
                                const __grid_constant__ CUtensorMap k_map,
                                const __grid_constant__ CUtensorMap v_map, AttentionParams p,
-                               float scale_log2) {
+                               WgmmaPagedKeys pk, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t wg_smem_raw[];
   __shared__ __align__(8) uint64_t barriers[kBarriers];
@@ -77,8 +82,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   auto bar = [&](int i) { return bar0 + 8u * static_cast<uint32_t>(i); };
 
   const int q_heads = static_cast<int>(p.q_heads);
-  const int seq = static_cast<int>(blockIdx.x) / q_heads;
-  const int head = static_cast<int>(blockIdx.x) - seq * q_heads;
+  const int item = static_cast<int>(blockIdx.x) / q_heads;
+  const int head = static_cast<int>(blockIdx.x) - item * q_heads;
+  const int seq = kPaged ? pk.seqs[item] : item;
   const int tokens = static_cast<int>(p.tokens);
   int begin = p.cu_seqlens[seq];
   int end = p.cu_seqlens[seq + 1];
@@ -88,6 +94,29 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int num_tiles = (len + kBr - 1) / kBr;
   if (static_cast<int>(blockIdx.y) >= num_tiles) return;  // uniform over the block
   const int kv_head = head / (q_heads / static_cast<int>(p.kv_heads));
+  // Keys 0 .. key_len - 1 exist; query row r (from `begin`) is at position q_off + r.
+  int key_len = len, q_off = 0;
+  const int32_t* table = nullptr;
+  if constexpr (kPaged) {
+    if (len < 2) return;  // the split kernels take it
+    const int64_t cap = pk.max_blocks * pk.block_size;
+    const int64_t c = pk.context_lens[seq];
+    key_len = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
+    q_off = key_len > len ? key_len - len : 0;
+    table = pk.block_tables + static_cast<int64_t>(seq) * pk.max_blocks;
+    if (key_len < 1) {  // a corrupt context length: nothing to attend, the rows are zeros
+      uint16_t* out = reinterpret_cast<uint16_t*>(p.out);
+      for (int tile = num_tiles - 1 - static_cast<int>(blockIdx.y); tile >= 0;
+           tile -= static_cast<int>(gridDim.y)) {
+        const int rows = min(kBr, len - tile * kBr);
+        for (int i = static_cast<int>(threadIdx.x); i < rows * kHeadDim; i += kWgThreads) {
+          out[static_cast<int64_t>(begin + tile * kBr + i / kHeadDim) * p.out_row_stride +
+              int64_t{head} * kHeadDim + i % kHeadDim] = 0;
+        }
+      }
+      return;
+    }
+  }
 
   const int wg = static_cast<int>(threadIdx.x) >> 7;          // warpgroup: rows 64 wg ..
   const int wg_thread = static_cast<int>(threadIdx.x) & 127;  // thread in the warpgroup
@@ -122,10 +151,28 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (use > 0) MbarWait(bar((values ? kEmptyV : kEmptyK) + stage), (use - 1) & 1);
     const uint32_t full = bar((values ? kFullV : kFullK) + stage);
     const uint32_t dst = smem + (values ? kVOffset : kKOffset) + stage * kTileBytes;
-    MbarArriveExpectTx(full, kTileBytes);
-    const int row = begin + key_tile * kBc;
-    TmaLoad2d(dst, values ? &v_map : &k_map, kv_head * kHeadDim, row, full);
-    TmaLoad2d(dst + kPanelBytes, values ? &v_map : &k_map, kv_head * kHeadDim + 64, row, full);
+    if constexpr (kPaged) {
+      // One box per cache block up to the context's end (key_tile * kBc < key_len); rows past
+      // it are masked (keys) or zeroed before use (values).
+      const int bs = pk.block_size;
+      const int kv0 = key_tile * kBc;
+      const int count = (min(kv0 + kBc, key_len) - kv0 + bs - 1) / bs;
+      MbarArriveExpectTx(full, static_cast<uint32_t>(count * bs * 256));
+      for (int i = 0; i < count; ++i) {
+        int b = table[kv0 / bs + i];
+        if (b < 0 || b >= pk.num_blocks) b = 0;  // a corrupt table: never outside the cache
+        const int row = static_cast<int>((values ? pk.v_row0 : pk.k_row0) +
+                                         static_cast<int64_t>(b) * pk.block_rows +
+                                         static_cast<int64_t>(kv_head) * bs);
+        TmaLoad2d(dst + i * bs * 128, &k_map, 0, row, full);
+        TmaLoad2d(dst + kPanelBytes + i * bs * 128, &k_map, 64, row, full);
+      }
+    } else {
+      MbarArriveExpectTx(full, kTileBytes);
+      const int row = begin + key_tile * kBc;
+      TmaLoad2d(dst, values ? &v_map : &k_map, kv_head * kHeadDim, row, full);
+      TmaLoad2d(dst + kPanelBytes, values ? &v_map : &k_map, kv_head * kHeadDim + 64, row, full);
+    }
   };
   auto wait_kv = [&](int key_tile, bool values) {
     const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
@@ -162,7 +209,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int tile = num_tiles - 1 - static_cast<int>(blockIdx.y); tile >= 0;
        tile -= static_cast<int>(gridDim.y)) {
     const int q0 = tile * kBr;
-    const int kv_end = min(q0 + kBr, len);  // causal: no key past the tile's last row
+    const int kv_end = min(q_off + q0 + kBr, key_len);  // causal: none past the last row
     const int n_kv = (kv_end + kBc - 1) / kBc;
     const int row_lo = q0 + wg * 64 + warp * 16 + g;  // this thread's rows: row_lo, row_lo + 8
     // Warpgroup 1 does not hand the turn back after its last products of the block (it
@@ -204,11 +251,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const int kv0 = j * kBc;
       // Masks: keys after the row (causal) or past the sequence; only the tiles that reach
       // this warp's diagonal or the sequence's end have any (warp-uniform).
-      if (kv0 + kBc - 1 > q0 + wg * 64 + warp * 16 || len - kv0 < kBc) {
-        // Element (nt, e) is key kv0 + 8 nt + 2t + (e & 1) of row row_lo + 8 (e >> 1).
-        const int last_key = len - 1 - kv0 - 2 * t;
-        const int limit[2] = {min(row_lo - kv0 - 2 * t, last_key),
-                              min(row_lo + 8 - kv0 - 2 * t, last_key)};
+      if (kv0 + kBc - 1 > q_off + q0 + wg * 64 + warp * 16 || key_len - kv0 < kBc) {
+        // Element (nt, e) is key kv0 + 8 nt + 2t + (e & 1) of row row_lo + 8 (e >> 1), at
+        // position q_off + that row.
+        const int last_key = key_len - 1 - kv0 - 2 * t;
+        const int limit[2] = {min(q_off + row_lo - kv0 - 2 * t, last_key),
+                              min(q_off + row_lo + 8 - kv0 - 2 * t, last_key)};
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {
 #pragma unroll
@@ -305,7 +353,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // Last: P_{n-1} V_{n-1}, its value rows past the sequence zeroed first.
     wait_kv(n_kv - 1, true);
     {
-      const int valid = len - (n_kv - 1) * kBc;
+      const int valid = key_len - (n_kv - 1) * kBc;
       if (valid < kBc) {
         uint8_t* v_tile = wg_smem_raw + (smem - raw) + kVOffset + stage_of(n_kv - 1) * kTileBytes;
         for (int i = wg_thread; i < (kBc - valid) * 16; i += 128) {
@@ -362,7 +410,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 #else
-  (void)q_map, (void)k_map, (void)v_map, (void)p, (void)scale_log2;
+  (void)q_map, (void)k_map, (void)v_map, (void)p, (void)pk, (void)scale_log2;
   __trap();
 #endif
 }
@@ -393,22 +441,23 @@ StatusOr<EncodeTiledFn> EncodeTiled() {
   return fn;
 }
 
-// A [tokens, columns] BF16 matrix with row stride `stride` elements, read in boxes of 128
-// rows x 64 columns (128 bytes: one 128-byte swizzled panel); rows past `tokens` read as 0.
+// A [rows, columns] BF16 matrix with row stride `stride` elements, read in boxes of
+// `box_rows` rows x 64 columns (128 bytes: one 128-byte swizzled panel); rows past `rows`
+// read as 0.
 StatusOr<CUtensorMap> PanelMap(EncodeTiledFn encode, const void* base, int64_t columns,
-                               int64_t tokens, int64_t stride, const char* name) {
+                               int64_t rows, int64_t stride, int box_rows, const char* name) {
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(tokens)};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  const cuuint32_t box[2] = {64, 128};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r =
       encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    return InternalError(std::string("AttentionParams.") + name +
-                         ": cuTensorMapEncodeTiled failed (CUresult " + std::to_string(r) + ")");
+    return InternalError(std::string(name) + ": cuTensorMapEncodeTiled failed (CUresult " +
+                         std::to_string(r) + ")");
   }
   return map;
 }
@@ -434,17 +483,39 @@ bool WgmmaAttentionSupports(int64_t head_dim) {
 Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float scale_log2,
                                   cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
-  TP_ASSIGN_OR_RETURN(CUtensorMap q_map,
-                      PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens, p.q_row_stride, "q"));
-  TP_ASSIGN_OR_RETURN(CUtensorMap k_map,
-                      PanelMap(encode, p.k, p.kv_heads * kHeadDim, p.tokens, p.k_row_stride, "k"));
-  TP_ASSIGN_OR_RETURN(CUtensorMap v_map,
-                      PanelMap(encode, p.v, p.kv_heads * kHeadDim, p.tokens, p.v_row_stride, "v"));
-  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel,
+  TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens,
+                                                  p.q_row_stride, kBr, "AttentionParams.q"));
+  TP_ASSIGN_OR_RETURN(CUtensorMap k_map, PanelMap(encode, p.k, p.kv_heads * kHeadDim, p.tokens,
+                                                  p.k_row_stride, kBc, "AttentionParams.k"));
+  TP_ASSIGN_OR_RETURN(CUtensorMap v_map, PanelMap(encode, p.v, p.kv_heads * kHeadDim, p.tokens,
+                                                  p.v_row_stride, kBc, "AttentionParams.v"));
+  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
-  CausalAttentionWgmmaKernel<<<grid, kWgThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, p,
-                                                                       scale_log2);
+  CausalAttentionWgmmaKernel<false><<<grid, kWgThreads, kSmemBytes, stream>>>(
+      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t cache_rows) {
+  return WgmmaAttentionSupports(head_dim) && block_size >= 8 && block_size % 8 == 0 &&
+         kBc % block_size == 0 && cache_rows <= std::numeric_limits<int32_t>::max();
+}
+
+Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPagedKeys& pk,
+                                        int64_t tiles, float scale_log2, cudaStream_t stream) {
+  TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
+  TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens,
+                                                  p.q_row_stride, kBr, "PagedAttentionParams.q"));
+  TP_ASSIGN_OR_RETURN(CUtensorMap cache_map,
+                      PanelMap(encode, pk.cache, kHeadDim, pk.cache_rows, kHeadDim, pk.block_size,
+                               "PagedAttentionParams.cache"));
+  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<true>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
+  CausalAttentionWgmmaKernel<true>
+      <<<grid, kWgThreads, kSmemBytes, stream>>>(q_map, cache_map, cache_map, p, pk, scale_log2);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

@@ -23,6 +23,34 @@ bool WgmmaAttentionSupports(int64_t head_dim);
 Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float scale_log2,
                                   cudaStream_t stream);
 
+// Where the paged variant finds keys and values (LaunchPagedPrefillAttention's sequences of
+// two or more query rows, BF16 cache): the cache viewed as rows of 128 BF16 in KvCacheLayout
+// order, and the sequences it takes (as PagedAttentionParams).
+struct WgmmaPagedKeys {
+  const void* cache = nullptr;
+  int64_t cache_rows = 0;  // layout.Elements() / 128
+  int64_t k_row0 = 0;      // row of (layer, K, block 0, KV head 0, slot 0)
+  int64_t v_row0 = 0;      // row of (layer, V, block 0, KV head 0, slot 0)
+  int64_t block_rows = 0;  // rows from one block to the next: kv_heads * block_size
+  int block_size = 0;
+  int num_blocks = 0;
+  const int32_t* seqs = nullptr;          // [num_seqs of the AttentionParams]: sequence indexes
+  const int32_t* context_lens = nullptr;  // per sequence index
+  const int32_t* block_tables = nullptr;  // [sequence index * max_blocks + i]
+  int64_t max_blocks = 0;
+};
+
+// True iff WgmmaAttentionSupports(head_dim), block_size is a multiple of 8 dividing 128 (a
+// block's rows are whole 1024-byte swizzle atoms of a tile), and the cache's rows fit the
+// copies' 32-bit coordinates.
+bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t cache_rows);
+
+// The paged variant: p holds q, q_row_stride, out (BF16), out_row_stride, cu_seqlens,
+// num_seqs (the listed sequences), tokens, q_heads, kv_heads and head_dim; checked by
+// LaunchPagedAttention, and WgmmaPagedAttentionSupports holds.
+Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPagedKeys& pk,
+                                        int64_t tiles, float scale_log2, cudaStream_t stream);
+
 // Query rows per block of that kernel (the launcher's grid arithmetic).
 inline constexpr int64_t kWgmmaAttentionRows = 128;
 

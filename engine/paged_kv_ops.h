@@ -103,9 +103,11 @@ struct PagedAttentionParams {
   int64_t splits = 0;  // 0: chosen by the launcher; > 0: this many (clamped as above)
   // Optional: the sequences of two or more query rows in this step (prefill chunks),
   // multi_row_count indexes in [0, num_seqs) on the device, 4-byte aligned. Those are attended
-  // by a tensor-core kernel (flash-attention-2 style on BF16 MMAs: K and V read from the cache
-  // block by block, E4M3 widened to BF16 exactly; the probabilities are rounded to BF16 for
-  // P.V), every other sequence by the kernels above, which then size their launch for one
+  // by a tensor-core kernel (a BF16 cache at head_dim 128 with blocks of a multiple of 8 that
+  // divides 128, on sm_90a: the Hopper kernel of engine/attention_wgmma.h, blocks copied by
+  // TMA; otherwise flash-attention-2 style on BF16 MMAs, K and V read block by block, E4M3
+  // widened to BF16 exactly; both round the probabilities to BF16 for P.V), every other
+  // sequence by the kernels above, which then size their launch for one
   // row per sequence. The list must name every sequence of two or more rows: one left out is
   // not written. Null or a count of 0: the kernels above take everything.
   const int32_t* multi_row_seqs = nullptr;
