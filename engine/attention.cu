@@ -559,11 +559,16 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   int device = 0, sms = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
   TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
+  if (wgmma) {
+    const int64_t average_tiles = (average + rows_per_block - 1) / rows_per_block;
+    return LaunchCausalAttentionWgmma(
+        p, WgmmaAttentionTileSlots(most_tiles, average_tiles, p.num_seqs * p.q_heads, sms),
+        scale_log2, stream);
+  }
   const int64_t fill = (int64_t{sms} * blocks_per_sm + p.q_heads - 1) / p.q_heads;
   int64_t tiles = std::max((average + rows_per_block - 1) / rows_per_block, fill);
   tiles = std::min({tiles, most_tiles, kMaxGridY});
-  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
-  if (wgmma) return LaunchCausalAttentionWgmma(p, tiles, scale_log2, stream);
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
   if (p.head_dim == 64) {
     TP_RETURN_IF_ERROR(
@@ -630,7 +635,13 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
     wk.context_lens = pk.context_lens;
     wk.block_tables = pk.block_tables;
     wk.max_blocks = pk.max_blocks;
-    return LaunchPagedPrefillAttentionWgmma(a, wk, std::max<int64_t>(1, tiles), scale, stream);
+    int device = 0, sms = 0;
+    TP_CUDA_CHECK(cudaGetDevice(&device));
+    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int64_t most = std::max<int64_t>(1, tiles);
+    return LaunchPagedPrefillAttentionWgmma(
+        a, wk, WgmmaAttentionTileSlots(most, most, p.multi_row_count * p.q_heads, sms), scale,
+        stream);
   }
   const dim3 grid(static_cast<unsigned>(p.multi_row_count * p.q_heads),
                   static_cast<unsigned>(std::max<int64_t>(1, tiles)));

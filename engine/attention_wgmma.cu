@@ -33,6 +33,7 @@
 #include "engine/attention_store.cuh"
 #include "engine/attention_wgmma.h"
 #include "engine/device_math.cuh"
+#include "engine/launch_checks.h"
 #include "engine/mma.cuh"
 #include "engine/wgmma.cuh"
 #include "layers/fp8_divide.cuh"
@@ -205,12 +206,29 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   if (wg == 1) NamedBarrierArrive(kTurn, kWgThreads);  // warpgroup 0 issues first
   float amax = 0.0f;
 
+  // Key tiles of Q tile `tile` (causal: none past its last row).
+  auto key_tiles = [&](int tile) {
+    return (min(q_off + tile * kBr + kBr, key_len) + kBc - 1) / kBc;
+  };
+  // The copies that start Q tile `tile`: Q, K0, V0 and K1 (kv_used and q_used count the tiles
+  // before it). For every tile after the block's first, the issuer starts them as soon as both
+  // warpgroups are done with the previous Q, so that they land during its output stage.
+  auto issue_start = [&](int tile) {
+    if (q_used > 0) MbarWait(bar(kEmptyQ), (q_used - 1) & 1);
+    MbarArriveExpectTx(bar(kFullQ), kTileBytes);
+    TmaLoad2d(q_tile, &q_map, head * kHeadDim, begin + tile * kBr, bar(kFullQ));
+    TmaLoad2d(q_tile + kPanelBytes, &q_map, head * kHeadDim + 64, begin + tile * kBr, bar(kFullQ));
+    issue_kv(0, false);
+    issue_kv(0, true);
+    if (key_tiles(tile) > 1) issue_kv(1, false);
+  };
+  const int first_tile = num_tiles - 1 - static_cast<int>(blockIdx.y);
+  if (issuer) issue_start(first_tile);
+
   // Tiles from the last (the most keys) down, so the heaviest are scheduled first.
-  for (int tile = num_tiles - 1 - static_cast<int>(blockIdx.y); tile >= 0;
-       tile -= static_cast<int>(gridDim.y)) {
+  for (int tile = first_tile; tile >= 0; tile -= static_cast<int>(gridDim.y)) {
     const int q0 = tile * kBr;
-    const int kv_end = min(q_off + q0 + kBr, key_len);  // causal: none past the last row
-    const int n_kv = (kv_end + kBc - 1) / kBc;
+    const int n_kv = key_tiles(tile);
     const int row_lo = q0 + wg * 64 + warp * 16 + g;  // this thread's rows: row_lo, row_lo + 8
     // Warpgroup 1 does not hand the turn back after its last products of the block (it
     // would leave an arrival pending on warpgroup 0's barrier).
@@ -219,15 +237,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if (!(wg == 1 && last_tile && final_issue)) NamedBarrierArrive(other_turn, kWgThreads);
     };
 
-    if (issuer) {
-      if (q_used > 0) MbarWait(bar(kEmptyQ), (q_used - 1) & 1);
-      MbarArriveExpectTx(bar(kFullQ), kTileBytes);
-      TmaLoad2d(q_tile, &q_map, head * kHeadDim, begin + q0, bar(kFullQ));
-      TmaLoad2d(q_tile + kPanelBytes, &q_map, head * kHeadDim + 64, begin + q0, bar(kFullQ));
-      issue_kv(0, false);
-      issue_kv(0, true);
-      if (n_kv > 1) issue_kv(1, false);
-    }
     // After step j's products: K(j + 2) and V(j + 1), two steps ahead of their use.
     auto issue_ahead = [&](int j) {
       if (!issuer) return;
@@ -375,6 +384,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (wg_thread == 0) MbarArrive(bar(kEmptyQ));
     kv_used += static_cast<uint32_t>(n_kv);
     ++q_used;
+    if (issuer && !last_tile) issue_start(tile - static_cast<int>(gridDim.y));
 
     uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
                                                 static_cast<int64_t>(begin) * p.out_row_stride +
@@ -496,6 +506,16 @@ Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float
       q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
+}
+
+int64_t WgmmaAttentionTileSlots(int64_t most_tiles, int64_t average_tiles, int64_t items, int sms) {
+  // Short sequences: four tiles a block, whose copies overlap the previous tile's output.
+  // Long ones: a tile a block; fewer, longer blocks then balance worse than the overlap gains.
+  const int64_t per_block = average_tiles > 16 ? 1 : 4;
+  const int64_t wanted = (average_tiles + per_block - 1) / per_block;
+  const int64_t fill = items > 0 ? (2 * int64_t{sms} + items - 1) / items : 1;
+  return std::max<int64_t>(
+      1, std::min({std::max(wanted, fill), most_tiles, launch_checks::kMaxGridY}));
 }
 
 bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t cache_rows) {

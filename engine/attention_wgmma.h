@@ -51,6 +51,12 @@ bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t c
 Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPagedKeys& pk,
                                         int64_t tiles, float scale_log2, cudaStream_t stream);
 
+// grid.y of those kernels: each block takes query tiles num_tiles - 1 - y, then grid.y fewer
+// each time, and starts copying a tile while it writes the one before: for sequences of up to
+// 16 tiles (on average) a quarter of them a block, for longer ones one a block; at least two
+// blocks per SM over `items` (sequences x heads); within [1, most_tiles] (and CUDA's limit).
+int64_t WgmmaAttentionTileSlots(int64_t most_tiles, int64_t average_tiles, int64_t items, int sms);
+
 // Query rows per block of that kernel (the launcher's grid arithmetic).
 inline constexpr int64_t kWgmmaAttentionRows = 128;
 
