@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "benchmarks/batch_shape.h"
+#include "benchmarks/median.h"
 #include "benchmarks/write_replacing.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
@@ -38,12 +39,6 @@ struct Flags {
   bool fp8_out = false;
   std::string out = "attention.json";
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Relative Frobenius difference of two BF16 tensors.
 double RelDiff(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {

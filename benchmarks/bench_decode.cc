@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/median.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/rank_group.h"
@@ -59,12 +60,6 @@ struct Flags {
   std::string commit = "unknown";
   std::string gemm_algo = "timed";
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? std::nan("") : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
-}
 
 // Device-to-device copy bandwidth (bytes read + written per second) over `bytes`, the best
 // of `rounds`.

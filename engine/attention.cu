@@ -359,14 +359,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
           float base[2];  // the new max, in log2 units
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-            const float new_max = fmaxf(row_max[mt][i], tile_max[i]);
-            // A row with no visible key yet keeps max -inf; subtracting 0 instead keeps
-            // exp2(-inf - -inf) = NaN out (every p and alpha is then 0).
-            base[i] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
-            alpha[i] = Exp2Approx(fmaf(row_max[mt][i], scale_log2, -base[i]));
-            row_max[mt][i] = new_max;
+            alpha[i] = SoftmaxRowStep(tile_max[i], row_max[mt][i], scale_log2, base[i]);
           }
           // P, packed to BF16 at once (the A fragments of P V; it frees S's registers):
           // n8 tiles 2kk and 2kk+1 of S are the A fragment kk.
@@ -416,42 +409,23 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
     }
 
     // This thread's two adjacent values per n8 tile of each of its rows: BF16, and/or the
-    // E4M3 codes of those BF16 values (what a quantize pass over `out` would give). The
-    // output pointers are formed here, not held through the key loop (registers).
-    uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
-                                                static_cast<int64_t>(begin) * p.out_row_stride +
-                                                int64_t{head} * kHeadDim
-                                          : nullptr;
-    uint8_t* fp8_base = p.out_fp8 != nullptr
-                            ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride +
-                                  int64_t{head} * kHeadDim
-                            : nullptr;
-    const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
-    // Instantiated twice: with the branch-free division (fp8.inv != 0, checked once here)
-    // and with the IEEE fallback; a per-value branch made this epilogue a third of the
-    // kernel's stalls under a profiler.
+    // E4M3 codes of those BF16 values (what a quantize pass over `out` would give).
+    const AttentionOut out = MakeAttentionOut(p, begin, head, kHeadDim);
+    // Instantiated twice: with the branch-free division (checked once here) and with the
+    // IEEE fallback; a per-value branch made this epilogue a third of the kernel's stalls
+    // under a profiler.
     auto store = [&](auto fast_divide) {
-      constexpr bool kFast = decltype(fast_divide)::value;
 #pragma unroll
       for (int mt = 0; mt < kAttnMTiles; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          float sum = row_sum[mt][half];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          // Every real row sees its own key, so its sum is >= 1; rows past len are not stored.
-          const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-          const int row = warp_row0 + mt * 16 + g + 8 * half;
-          if (row >= len) continue;
-          StoreAttentionRow<kFast, kDimTiles>(
-              out_base != nullptr ? out_base + row * p.out_row_stride : nullptr,
-              fp8_base != nullptr ? fp8_base + row * p.out_fp8_row_stride : nullptr, t, inv_sum,
-              fp8, p.out_amax != nullptr, amax,
+          StoreAttentionRow<decltype(fast_divide)::value, kDimTiles>(
+              out, warp_row0 + mt * 16 + g + 8 * half, len, t, row_sum[mt][half], amax,
               [&](int dt) { return make_float2(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]); });
         }
       }
     };
-    if (fp8.inv != 0.0f) {
+    if (out.divisor.inv != 0.0f) {
       store(std::true_type{});
     } else {
       store(std::false_type{});
@@ -551,23 +525,19 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
                               "device and head_dim 128 (head_dim = " +
                               Str(p.head_dim) + ")");
   }
-  const int64_t rows_per_block = wgmma ? kWgmmaAttentionRows : kAttnBr;
-  const int64_t blocks_per_sm = wgmma ? 1 : kAttnBlocksPerSm;
+  static_assert(kWgmmaAttentionRows == kAttnBr, "one tile count for both kernels");
   const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
-  const int64_t most_tiles = (longest + rows_per_block - 1) / rows_per_block;
-  const int64_t average = (p.tokens + p.num_seqs - 1) / p.num_seqs;
-  int device = 0, sms = 0;
-  TP_CUDA_CHECK(cudaGetDevice(&device));
-  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t most_tiles = (longest + kAttnBr - 1) / kAttnBr;
+  const int64_t average_tiles = ((p.tokens + p.num_seqs - 1) / p.num_seqs + kAttnBr - 1) / kAttnBr;
+  TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
   const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
   if (wgmma) {
-    const int64_t average_tiles = (average + rows_per_block - 1) / rows_per_block;
     return LaunchCausalAttentionWgmma(
         p, WgmmaAttentionTileSlots(most_tiles, average_tiles, p.num_seqs * p.q_heads, sms),
         scale_log2, stream);
   }
-  const int64_t fill = (int64_t{sms} * blocks_per_sm + p.q_heads - 1) / p.q_heads;
-  int64_t tiles = std::max((average + rows_per_block - 1) / rows_per_block, fill);
+  const int64_t fill = (int64_t{sms} * kAttnBlocksPerSm + p.q_heads - 1) / p.q_heads;
+  int64_t tiles = std::max(average_tiles, fill);
   tiles = std::min({tiles, most_tiles, kMaxGridY});
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
   if (p.head_dim == 64) {
@@ -622,7 +592,6 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
   const bool fp8_cache = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
   if (!fp8_cache &&
       WgmmaPagedAttentionSupports(hd, p.layout.block_size, p.layout.Elements() / hd)) {
-    static_assert(kWgmmaAttentionRows == kAttnBr, "one tile count for both kernels");
     WgmmaPagedKeys wk;
     wk.cache = p.cache;
     wk.cache_rows = p.layout.Elements() / hd;
@@ -635,9 +604,7 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
     wk.context_lens = pk.context_lens;
     wk.block_tables = pk.block_tables;
     wk.max_blocks = pk.max_blocks;
-    int device = 0, sms = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
     const int64_t most = std::max<int64_t>(1, tiles);
     return LaunchPagedPrefillAttentionWgmma(
         a, wk, WgmmaAttentionTileSlots(most, most, p.multi_row_count * p.q_heads, sms), scale,

@@ -37,7 +37,6 @@
 #include "engine/mma.cuh"
 #include "engine/wgmma.cuh"
 #include "layers/fp8_divide.cuh"
-#include "layers/kernel_grid.h"
 
 namespace tpserve {
 namespace {
@@ -51,7 +50,7 @@ constexpr int kWgThreads = 256;
 constexpr int kPanelBytes = 128 * 128;       // 128 rows x 64 BF16 (one swizzle width, one TMA box)
 constexpr int kTileBytes = 2 * kPanelBytes;  // 128 rows x 128 BF16: two panels
 constexpr int kStages = 3;                   // K and V tiles in flight or in use
-constexpr int kQOffset = 0;                  // shared layout: [Q | K 0..2 | V 0..2]
+// Shared layout: [Q | K 0..2 | V 0..2].
 constexpr int kKOffset = kTileBytes;
 constexpr int kVOffset = (1 + kStages) * kTileBytes;
 // + slack to align the base to 1024 bytes: 230,400 bytes of the 232,448 a block may have.
@@ -78,7 +77,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // 1024-byte aligned base: the swizzle pattern repeats every 1024 bytes of address.
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   const uint32_t smem = (raw + 1023u) & ~1023u;
-  const uint32_t q_tile = smem + kQOffset;
+  const uint32_t q_tile = smem;
   const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
   auto bar = [&](int i) { return bar0 + 8u * static_cast<uint32_t>(i); };
 
@@ -279,15 +278,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int i = 0; i < 64; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s_acc[i]);
       float base[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        const float new_max = fmaxf(row_max[h], tile_max[h]);
-        // A row with no visible key yet keeps max -inf; subtracting 0 keeps NaN out.
-        base[h] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
-        alpha[h] = Exp2Approx(fmaf(row_max[h], scale_log2, -base[h]));
-        row_max[h] = new_max;
-      }
+      for (int h = 0; h < 2; ++h)
+        alpha[h] = SoftmaxRowStep(tile_max[h], row_max[h], scale_log2, base[h]);
       float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < 64; ++i) {
@@ -386,33 +378,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     ++q_used;
     if (issuer && !last_tile) issue_start(tile - static_cast<int>(gridDim.y));
 
-    uint16_t* out_base = p.out != nullptr ? reinterpret_cast<uint16_t*>(p.out) +
-                                                static_cast<int64_t>(begin) * p.out_row_stride +
-                                                int64_t{head} * kHeadDim
-                                          : nullptr;
-    uint8_t* fp8_base = p.out_fp8 != nullptr
-                            ? p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride +
-                                  int64_t{head} * kHeadDim
-                            : nullptr;
-    const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
+    const AttentionOut out = MakeAttentionOut(p, begin, head, kHeadDim);
     auto store = [&](auto fast_divide) {
-      constexpr bool kFast = decltype(fast_divide)::value;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float sum = row_sum[h];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int row = row_lo + 8 * h;
-        if (row >= len) continue;
-        StoreAttentionRow<kFast, 16>(
-            out_base != nullptr ? out_base + row * p.out_row_stride : nullptr,
-            fp8_base != nullptr ? fp8_base + row * p.out_fp8_row_stride : nullptr, t, inv_sum, fp8,
-            p.out_amax != nullptr, amax,
+        StoreAttentionRow<decltype(fast_divide)::value, 16>(
+            out, row_lo + 8 * h, len, t, row_sum[h], amax,
             [&](int dt) { return make_float2(o[4 * dt + 2 * h], o[4 * dt + 2 * h + 1]); });
       }
     };
-    if (fp8.inv != 0.0f) {
+    if (out.divisor.inv != 0.0f) {
       store(std::true_type{});
     } else {
       store(std::false_type{});

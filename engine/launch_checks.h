@@ -21,6 +21,14 @@ namespace tpserve::launch_checks {
 inline constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1
 inline constexpr int64_t kMaxGridY = 65535;
 
+// Streaming multiprocessors of the current device (launchers size their grids with it).
+inline StatusOr<int> CurrentDeviceSms() {
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // "RmsNormParams.dim (12) must be a multiple of 8".
 inline Status BadField(const char* params, const char* field, int64_t value,
                        const std::string& what) {

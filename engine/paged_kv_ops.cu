@@ -442,9 +442,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
     if (p.multi_row_count == p.num_seqs) return Status::Ok();  // nothing left for the others
   }
 
-  int device = 0, sms = 0;
-  TP_CUDA_CHECK(cudaGetDevice(&device));
-  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
   const int64_t splits = PagedAttentionSplitsFor(p, sms);
   const int64_t max_context = ResolvedMaxContext(p);
   int64_t chunk = (max_context + splits - 1) / splits;
