@@ -63,6 +63,7 @@ struct Flags {
   std::string graph_priority = "node";      // CudaGraphExec::Priority of every graph
   bool dynamic_input_scales = false;        // FP8 inputs scaled per batch (CudaModelOptions)
   std::string scale_scheme = "per_tensor";  // FP8 scale scheme (CudaModelOptions, tp 1)
+  bool residual_in_norm = false;            // CudaModelOptions::residual_in_gemm off
   bool stages = false;                      // also where an eager pass spends its time
   double check_logits = -1;                 // >= 0: fail above this rel. difference from none
   int idle_ms = 0;                          // the GPUs idle this long before every timed pass
@@ -194,6 +195,11 @@ int Main(int argc, char** argv) {
                  "server that is not saturated does (recorded in the meta)")
       ->check(CLI::Range(0, 60000))
       ->capture_default_str();
+  app.add_flag("--residual-in-norm", f.residual_in_norm,
+               "At tp 1, o and down write a buffer of their own and the add & norm after each "
+               "adds it to the residual stream (CudaModelOptions::residual_in_gemm off, as at "
+               "tp > 1), instead of adding into the residual stream in the GEMM's epilogue "
+               "(recorded in the meta)");
   app.add_flag("--eager", f.eager,
                "Run every pass eagerly (CudaModelOptions::cuda_graphs off) instead of replaying "
                "the bucket's CUDA graph: what the graph saves, or costs, per setting (recorded "
@@ -274,6 +280,7 @@ int Main(int argc, char** argv) {
   options.cuda_graphs = !f.eager;
   options.time_passes = true;
   options.graph_blocks = f.graph_blocks;
+  options.residual_in_gemm = !f.residual_in_norm;
 
   // gpu_times[batch][setting]: rank 0's CudaModel::last_pass_ms of each round
   std::vector<std::vector<std::vector<double>>> gpu_times(
@@ -375,7 +382,8 @@ int Main(int argc, char** argv) {
              {"scale_scheme", f.scale_scheme},
              {"idle_ms", f.idle_ms},
              {"cuda_graphs", !f.eager},
-             {"graph_blocks", f.graph_blocks}}},
+             {"graph_blocks", f.graph_blocks},
+             {"residual", f.residual_in_norm || f.tp > 1 ? "in_norm" : "in_gemm"}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {
     for (size_t c = 0; c < configs.size(); ++c) {

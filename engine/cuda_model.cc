@@ -39,9 +39,12 @@ StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, 
   std::string key = std::string(OverlapOpName(s.op)) + " " + std::to_string(n_local) + "x" +
                     std::to_string(k_local) + " " + knobs.ToString();
   if (scheme != GemmScaleScheme::kPerTensor) key += " " + std::string(GemmScaleSchemeName(scheme));
+  const bool accumulate = s.op == OverlapOp::kGemmReduceScatter && ResidualInGemm();
+  if (accumulate) key += " accumulate";
   auto it = linears_.find(key);
   if (it == linears_.end()) {
     CudaLinearShape shape{s.op, dtype_, max_m_, n_local, k_local, scheme};
+    shape.accumulate = accumulate;
     CudaLinearOptions lo;
     lo.gemm_algo = options_.gemm_algo;
     TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("model." + key, shape, knobs, *pool_, lo));
@@ -258,7 +261,10 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   }
   TP_RETURN_IF_ERROR(Mark("attention"));
   Split o_out;
-  TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, o_out_.data(), &o_out));
+  // With the residual in the GEMM x already holds the sum: nothing is left for the norm to add.
+  const bool into_x = ResidualInGemm();
+  TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, into_x ? x_.data() : o_out_.data(), &o_out));
+  if (into_x) o_out = Split{};
   TP_RETURN_IF_ERROR(Mark("o"));
 
   TP_RETURN_IF_ERROR(AddNorm(o_out, lw.post_norm, *gate_up, lw.gate_up, m, rows));
@@ -287,7 +293,8 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     TP_RETURN_IF_ERROR(QuantizeInput(act_.as<BFloat16>(), m, inter_l, lw.down, down->input(m)));
   }
   TP_RETURN_IF_ERROR(Mark("swiglu"));
-  TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, down_out_.data(), &pending));
+  TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, into_x ? x_.data() : down_out_.data(), &pending));
+  if (into_x) pending = Split{};
   TP_RETURN_IF_ERROR(Mark("down"));
   return Status::Ok();
 }

@@ -96,6 +96,13 @@ struct CudaModelOptions {
   // layers' comm streams ahead of their GEMMs, as eagerly.
   GemmAlgoSelection gemm_algo = GemmAlgoSelection::kTimed;
   CudaGraphExec::Priority graph_priority = CudaGraphExec::Priority::kPerNode;
+  // At tp 1 with per-tensor FP8 scales (or BF16 weights), o and down add their products into
+  // the residual stream in their GEMMs' epilogue
+  // (CudaLinearShape::accumulate: x = bf16(x + product), the sum in FP32), so that the add &
+  // norm after each reads x alone instead of x and a separate product. false: they write a
+  // buffer of their own and the norm adds it (x = bf16(x + bf16(product)), the CPU
+  // reference's rounding), as at tp > 1, where a ReduceScatter's output cannot add into x.
+  bool residual_in_gemm = true;
 };
 
 class CudaModel {
@@ -290,6 +297,9 @@ class CudaModel {
   // becomes this block's. EnqueueHead: the final add & norm, then the LM head on each
   // sequence's last row (and sampling while stepping_).
   Status Mark(const char* stage);
+  // Whether o and down add into x themselves (CudaModelOptions::residual_in_gemm): at tp 1
+  // with per-tensor scales (cuBLASLt adds into C only with those), known once the weights are.
+  bool ResidualInGemm() const { return tp_ == 1 && options_.residual_in_gemm && !fine_inputs_; }
   Status QuantizeInput(const BFloat16* src, int64_t rows, int64_t cols, const Linear& w, void* out);
   Status AddNorm(const CudaLinear::SplitOutput& residual, const DeviceBuffer& weight,
                  CudaLinear& next, const Linear& next_w, int64_t m, int64_t rows);

@@ -118,8 +118,10 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(cu_seqlens_, Alloc((seqs + 1) * 4, "cu_seqlens"));
   TP_ASSIGN_OR_RETURN(error_flag_, Alloc(4, "error_flag"));
   TP_ASSIGN_OR_RETURN(x_, Alloc(rows * h * 2, "residual"));
-  TP_ASSIGN_OR_RETURN(o_out_, Alloc(rows * h * 2, "o_out"));
-  TP_ASSIGN_OR_RETURN(down_out_, Alloc(rows * h * 2, "down_out"));
+  if (!ResidualInGemm()) {  // else o and down write into x_
+    TP_ASSIGN_OR_RETURN(o_out_, Alloc(rows * h * 2, "o_out"));
+    TP_ASSIGN_OR_RETURN(down_out_, Alloc(rows * h * 2, "down_out"));
+  }
   TP_ASSIGN_OR_RETURN(normed_, Alloc(rows * h * 2, "normed"));
   TP_ASSIGN_OR_RETURN(qkv_out_, Alloc(m * qkv_n * 2, "qkv_out"));
   TP_ASSIGN_OR_RETURN(gate_up_out_, Alloc(m * 2 * inter_l * 2, "gate_up_out"));

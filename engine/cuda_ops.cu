@@ -29,25 +29,30 @@ using namespace launch_checks;
 using namespace device;
 
 // ---------------------------------------------------------------------------------------------
-// RMSNorm: one block per row, each thread holding up to kRmsVecsPerThread vectors of 8 in
-// registers between the sum of squares and the output.
+// RMSNorm: one block per row, each thread holding RmsNormParams::vecs_per_thread vectors of 8
+// in registers as BF16 between the sum of squares and the output. A row's loads (its weight
+// and output scale too) are all issued before the first is used: the pass is bound by the
+// latency of each row's load, reduction and store chain, not by bandwidth, unless many rows
+// are in flight on each SM (benchmarks/bench_elementwise.cc against the copy's floor).
 
-// Stores a row's values, already rounded to BF16, as E4M3 codes with scales of their own (see
-// RmsNormParams::out_fp8_scales): thread t holds vectors v = t + k * blockDim.x (k < kVecs) of
-// 8 values in y; vectors from `vecs` on are not read. Per row, the block's amax; per 1x128
-// group, 16 consecutive vectors, which 16 consecutive lanes of one warp hold (blockDim.x a
-// multiple of 32, vecs of 16). Every thread of the block calls it.
+// Stores a row's values, already rounded to BF16 (8 a vector, packed), as E4M3 codes with
+// scales of their own (see RmsNormParams::out_fp8_scales): thread t holds vectors
+// v = t + k * blockDim.x (k < kVecs) in y; vectors from `vecs` on are not read. Per row, the
+// block's amax; per 1x128 group, 16 consecutive vectors, which 16 consecutive lanes of one warp
+// hold (blockDim.x a multiple of 32, vecs of 16). Every thread of the block calls it.
 template <int kVecs>
-__device__ __forceinline__ void StoreFp8OwnScales(const float (&y)[kVecs][8], int vecs,
-                                                  uint8_t* out, float* scales, int64_t row,
-                                                  int64_t rows, bool per_group) {
+__device__ __forceinline__ void StoreFp8OwnScales(const uint4 (&y)[kVecs], int vecs, uint8_t* out,
+                                                  float* scales, int64_t row, int64_t rows,
+                                                  bool per_group) {
   if (!per_group) {
     float m = 0.0f;
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       if (threadIdx.x + k * blockDim.x >= vecs) continue;
+      float f[8];
+      UnpackBf16x8(y[k], f);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(y[k][i]));
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(f[i]));
     }
     const float scale = ScaleFromAmaxE4M3(BlockMax(m));
     if (threadIdx.x == 0) scales[row] = scale;
@@ -55,17 +60,22 @@ __device__ __forceinline__ void StoreFp8OwnScales(const float (&y)[kVecs][8], in
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = threadIdx.x + k * blockDim.x;
-      if (v < vecs) StoreFp8x8(out + 8 * v, y[k], d);
+      if (v >= vecs) continue;
+      float f[8];
+      UnpackBf16x8(y[k], f);
+      StoreFp8x8(out + 8 * v, f, d);
     }
     return;
   }
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int v = threadIdx.x + k * blockDim.x;
+    float f[8];
     float m = 0.0f;
     if (v < vecs) {
+      UnpackBf16x8(y[k], f);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(y[k][i]));
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(f[i]));
     }
 #pragma unroll
     for (int offset = 8; offset > 0; offset >>= 1) {
@@ -74,64 +84,86 @@ __device__ __forceinline__ void StoreFp8OwnScales(const float (&y)[kVecs][8], in
     if (v >= vecs) continue;
     const float scale = ScaleFromAmaxE4M3(m);
     if (v % 16 == 0) scales[(v / 16) * rows + row] = scale;
-    StoreFp8x8(out + 8 * v, y[k], MakeFp8Divisor(scale));
+    StoreFp8x8(out + 8 * v, f, MakeFp8Divisor(scale));
   }
 }
 
-constexpr int kRmsVecsPerThread = 2;
 constexpr int kRmsMaxThreads = 1024;
-constexpr int64_t kRmsMaxDim = 8 * kRmsVecsPerThread * kRmsMaxThreads;  // 16384
+// A block's most threads with kVecs vectors each: a 16384-wide row (2048 vectors) at most.
+constexpr int RmsThreadsFor(int vecs) { return vecs >= 2 ? 2048 / vecs : kRmsMaxThreads; }
 
-__global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p) {
+__device__ __forceinline__ uint4 AddBf16x8(const uint4& a, const uint4& b) {
+  float x[8], y[8];
+  UnpackBf16x8(a, x);
+  UnpackBf16x8(b, y);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] += y[i];
+  return PackBf16x8(x);
+}
+
+// kVecs: vectors of 8 per thread (RmsNormParams::vecs_per_thread).
+template <int kVecs>
+__global__ void __launch_bounds__(RmsThreadsFor(kVecs)) RmsNormKernel(RmsNormParams p) {
   const int64_t row = blockIdx.x;
   const int vecs = static_cast<int>(p.dim / 8);
   const int64_t offset = row * p.dim;
   const uint4* in = reinterpret_cast<const uint4*>(p.input + offset);
+  const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
+  const bool own_scales = p.out_fp8_scales != nullptr;
 
-  float h[kRmsVecsPerThread][8];
+  // Everything the row needs is loaded up front, the weight and the output scale too, so that
+  // no load waits on the reduction. h = the row as BF16: x, or bf16(x + residual) (the
+  // residual stream is BF16, and the norm sees what is stored), with residual =
+  // bf16(residual + residual2) when split in two.
+  uint4 h[kVecs], w[kVecs];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    if (v < vecs) {
+      h[k] = in[v];
+      w[k] = __ldg(weight + v);
+    }
+  }
+  const float out_scale = p.out_fp8 != nullptr && !own_scales ? *p.out_fp8_scale : 1.0f;
+  if (p.residual != nullptr) {
+    const uint4* res = reinterpret_cast<const uint4*>(p.residual + offset);
+    const uint4* res2 = reinterpret_cast<const uint4*>(p.residual2 + offset);
+    uint4* res_out = reinterpret_cast<uint4*>(p.residual_out + offset);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = threadIdx.x + k * blockDim.x;
+      if (v >= vecs) continue;
+      uint4 r = res[v];
+      if (p.residual2 != nullptr) r = AddBf16x8(r, res2[v]);
+      h[k] = AddBf16x8(h[k], r);
+      res_out[v] = h[k];
+    }
+  }
   float sum_sq = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kRmsVecsPerThread; ++k) {
-    const int v = threadIdx.x + k * blockDim.x;
-    if (v >= vecs) continue;
-    UnpackBf16x8(in[v], h[k]);
-    if (p.residual != nullptr) {
-      float r[8];
-      UnpackBf16x8(reinterpret_cast<const uint4*>(p.residual + offset)[v], r);
-      if (p.residual2 != nullptr) {
-        float r2[8];
-        UnpackBf16x8(reinterpret_cast<const uint4*>(p.residual2 + offset)[v], r2);
+  for (int k = 0; k < kVecs; ++k) {
+    if (threadIdx.x + k * blockDim.x >= vecs) continue;
+    float f[8];
+    UnpackBf16x8(h[k], f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) r[i] = Bf16ToFloat(FloatToBf16(r[i] + r2[i]));
-      }
-      // h = bf16(x + residual): the residual stream is BF16, and the norm sees what is stored.
-#pragma unroll
-      for (int i = 0; i < 8; ++i) h[k][i] = Bf16ToFloat(FloatToBf16(h[k][i] + r[i]));
-      reinterpret_cast<uint4*>(p.residual_out + offset)[v] = PackBf16x8(h[k]);
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum_sq += h[k][i] * h[k][i];
+    for (int i = 0; i < 8; ++i) sum_sq += f[i] * f[i];
   }
   sum_sq = BlockSum(sum_sq);
   const float inv_rms = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
-  const bool own_scales = p.out_fp8_scales != nullptr;
-  const Fp8Divisor fp8 =
-      MakeFp8Divisor(p.out_fp8 != nullptr && !own_scales ? *p.out_fp8_scale : 1.0f);
-  const uint4* weight = reinterpret_cast<const uint4*>(p.weight);
+  const Fp8Divisor fp8 = MakeFp8Divisor(out_scale);
   float amax = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kRmsVecsPerThread; ++k) {
+  for (int k = 0; k < kVecs; ++k) {
     const int v = threadIdx.x + k * blockDim.x;
     if (v >= vecs) continue;
-    float w[8];
-    UnpackBf16x8(weight[v], w);
-    float y[8];
+    float wf[8], y[8];
+    UnpackBf16x8(w[k], wf);
+    UnpackBf16x8(h[k], y);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) y[i] = h[k][i] * inv_rms * w[i];
+    for (int i = 0; i < 8; ++i) y[i] = y[i] * inv_rms * wf[i];
     if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + offset)[v] = PackBf16x8(y);
     if (own_scales) {  // kept, as BF16 stores them, for StoreFp8OwnScales below
-#pragma unroll
-      for (int i = 0; i < 8; ++i) h[k][i] = Bf16ToFloat(FloatToBf16(y[i]));
+      h[k] = PackBf16x8(y);
     } else if (p.out_fp8 != nullptr) {
       StoreFp8x8(p.out_fp8 + offset + 8 * v, y, fp8);
     }
@@ -145,6 +177,13 @@ __global__ void __launch_bounds__(kRmsMaxThreads) RmsNormKernel(RmsNormParams p)
     StoreFp8OwnScales(h, vecs, p.out_fp8 + offset, p.out_fp8_scales, row, p.rows,
                       p.out_fp8_granularity == Fp8ScaleGranularity::kPerGroup128);
   }
+}
+
+template <int kVecs>
+Status LaunchRmsNormKernel(const RmsNormParams& p, int threads, cudaStream_t stream) {
+  RmsNormKernel<kVecs><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,25 +256,28 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p) {
 // __fdividef gives -0, as the quotient should be.
 __device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
+// Rows over blockIdx.y (grid-stride), each row's vectors over blockIdx.x and the block's
+// threads: no 64-bit division per vector, which cost the kernel more than its arithmetic.
 __global__ void SwiGluVecKernel(SwiGluParams p) {
   const int64_t vecs_per_row = p.inter / 8;
-  const int64_t total = p.rows * vecs_per_row;
   const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
-  const uint4* in = reinterpret_cast<const uint4*>(p.gate_up);
   float amax = 0.0f;
-  for (int64_t v = GlobalThread(); v < total; v += GridThreads()) {
-    const int64_t r = v / vecs_per_row;
-    const int64_t c = v % vecs_per_row;
-    float gate[8], up[8], y[8];
-    UnpackBf16x8(in[r * 2 * vecs_per_row + c], gate);
-    UnpackBf16x8(in[r * 2 * vecs_per_row + vecs_per_row + c], up);
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c < vecs_per_row) {
+    for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+      const uint4* gate = reinterpret_cast<const uint4*>(p.gate_up) + r * 2 * vecs_per_row;
+      const int64_t v = r * vecs_per_row + c;
+      float g[8], u[8], y[8];
+      UnpackBf16x8(gate[c], g);
+      UnpackBf16x8(gate[vecs_per_row + c], u);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) y[i] = Silu(gate[i]) * up[i];
-    if (p.out != nullptr) reinterpret_cast<uint4*>(p.out)[v] = PackBf16x8(y);
-    if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + 8 * v, y, fp8);
-    if (p.out_amax != nullptr) {
+      for (int i = 0; i < 8; ++i) y[i] = Silu(g[i]) * u[i];
+      if (p.out != nullptr) reinterpret_cast<uint4*>(p.out)[v] = PackBf16x8(y);
+      if (p.out_fp8 != nullptr) StoreFp8x8(p.out_fp8 + 8 * v, y, fp8);
+      if (p.out_amax != nullptr) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, AbsBf16(y[i]));
+      }
     }
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
@@ -252,7 +294,7 @@ __global__ void __launch_bounds__(1024) SwiGluOwnScalesKernel(SwiGluParams p) {
   const int vecs = static_cast<int>(p.inter / 8);
   const uint4* gate = reinterpret_cast<const uint4*>(p.gate_up + row * 2 * p.inter);
   const uint4* up = gate + vecs;
-  float y[kSwiGluRowVecs][8];
+  uint4 y[kSwiGluRowVecs];  // BF16-rounded, as the BF16 output stores them
 #pragma unroll
   for (int k = 0; k < kSwiGluRowVecs; ++k) {
     const int v = threadIdx.x + k * blockDim.x;
@@ -261,8 +303,9 @@ __global__ void __launch_bounds__(1024) SwiGluOwnScalesKernel(SwiGluParams p) {
     UnpackBf16x8(gate[v], g);
     UnpackBf16x8(up[v], u);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) y[k][i] = Bf16ToFloat(FloatToBf16(Silu(g[i]) * u[i]));
-    if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + row * p.inter)[v] = PackBf16x8(y[k]);
+    for (int i = 0; i < 8; ++i) g[i] = Silu(g[i]) * u[i];
+    y[k] = PackBf16x8(g);
+    if (p.out != nullptr) reinterpret_cast<uint4*>(p.out + row * p.inter)[v] = y[k];
   }
   StoreFp8OwnScales(y, vecs, p.out_fp8 + row * p.inter, p.out_fp8_scales, row, p.rows,
                     p.out_fp8_granularity == Fp8ScaleGranularity::kPerGroup128);
@@ -369,8 +412,12 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   constexpr const char* kP = "RmsNormParams";
   if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
   if (p.rows > kMaxGridX) return BadField(kP, "rows", p.rows, "exceeds 2^31 - 1");
-  if (p.dim < 8 || p.dim > kRmsMaxDim || p.dim % 8 != 0) {
+  if (p.dim < 8 || p.dim > 16384 || p.dim % 8 != 0) {
     return BadField(kP, "dim", p.dim, "must be a multiple of 8 in [8, 16384]");
+  }
+  if (p.vecs_per_thread != 1 && p.vecs_per_thread != 2 && p.vecs_per_thread != 4 &&
+      p.vecs_per_thread != 8) {
+    return BadField(kP, "vecs_per_thread", p.vecs_per_thread, "must be 1, 2, 4 or 8");
   }
   if (!(p.eps >= 0.0f) || !std::isfinite(p.eps)) {
     return InvalidArgumentError(std::string(kP) + ".eps (" + std::to_string(p.eps) +
@@ -406,11 +453,21 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   }
 
   const int64_t vecs = p.dim / 8;
-  const int64_t per_thread = (vecs + kRmsVecsPerThread - 1) / kRmsVecsPerThread;
-  const int threads = static_cast<int>((per_thread + 31) / 32 * 32);
-  RmsNormKernel<<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-  TP_CUDA_CHECK(cudaGetLastError());
-  return Status::Ok();
+  // The fewest vectors per thread from vecs_per_thread up that keep a block within 1024
+  // threads (16384 wide rows: 2 a thread).
+  int per_thread = p.vecs_per_thread;
+  while (per_thread < 8 && (vecs + per_thread - 1) / per_thread > kRmsMaxThreads) per_thread *= 2;
+  const int threads = static_cast<int>(((vecs + per_thread - 1) / per_thread + 31) / 32 * 32);
+  switch (per_thread) {
+    case 1:
+      return LaunchRmsNormKernel<1>(p, threads, stream);
+    case 2:
+      return LaunchRmsNormKernel<2>(p, threads, stream);
+    case 4:
+      return LaunchRmsNormKernel<4>(p, threads, stream);
+    default:
+      return LaunchRmsNormKernel<8>(p, threads, stream);
+  }
 }
 
 Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
@@ -486,7 +543,11 @@ Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream) {
 
   const int64_t total = p.rows * p.inter;
   if (p.inter % 8 == 0 && IsAligned(p.gate_up, 16) && IsAligned(p.out, 16)) {
-    SwiGluVecKernel<<<GridFor(total / 8), kThreads, 0, stream>>>(p);
+    const int64_t across = (p.inter / 8 + kThreads - 1) / kThreads;
+    // Enough blocks to fill the GPU several times over; rows beyond loop.
+    const int64_t down = std::min<int64_t>(p.rows, std::max<int64_t>(1, 16 * kMaxBlocks / across));
+    SwiGluVecKernel<<<dim3(static_cast<unsigned>(across), static_cast<unsigned>(down)), kThreads, 0,
+                      stream>>>(p);
   } else {
     SwiGluScalarKernel<<<GridFor(total), kThreads, 0, stream>>>(p);
   }

@@ -65,6 +65,11 @@ struct RmsNormParams {
   int64_t rows = 0;   // >= 0; 0 launches nothing
   int64_t dim = 0;    // multiple of 8, 8..16384
   float eps = 1e-5f;  // >= 0
+  // Vectors of 8 values each thread of a row's block holds: 1, 2, 4 or 8 (raised where a row
+  // would need more than 1024 threads). The results do not depend on it beyond the order of
+  // the sum of squares; it trades rows in flight per SM against work per thread
+  // (benchmarks/bench_elementwise.cc times the choices).
+  int vecs_per_thread = 2;
 };
 Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
 

@@ -58,6 +58,13 @@ struct CudaLinearShape {
   // scale would have to travel with it), and Prepare refuses a blockwise m that is not a
   // multiple of 4 (cuBLASLt's condition).
   GemmScaleScheme scale_scheme = GemmScaleScheme::kPerTensor;
+  // GEMM+RS at tp 1 only (the layer is then its GEMMs alone, in any mode), per-tensor scales
+  // (cuBLASLt adds into C with those only): Run adds the product into y, y = bf16(y + X W^T)
+  // with the sum in FP32 (cuBLASLt's C and D both y, beta 1), instead of overwriting it. A
+  // model's residual add lands in the GEMM's epilogue that way, and the add & norm after it
+  // reads the residual stream alone. Create refuses it at tp > 1 and for an AllGather layer
+  // (UNIMPLEMENTED: the output is then a collective's, which cannot add into y).
+  bool accumulate = false;
 };
 
 // What a layer takes from its owner beyond the tuned knobs: the process's choices (a server's or

@@ -40,6 +40,7 @@ class StepBuilder {
   Status PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d);
   void PrepareDeferredSumGemm(size_t i, RowRange r, BufRef a);
   void AppendDeferredSums();
+  Status AccumulateIntoY();
 
   const std::string& name_;
   const CudaLinearShape& shape_;
@@ -134,7 +135,32 @@ StatusOr<Prepared> StepBuilder::Build() {
     }
   }
   AppendDeferredSums();
+  if (shape_.accumulate) TP_RETURN_IF_ERROR(AccumulateIntoY());
   return std::move(prep_);
+}
+
+// CudaLinearShape::accumulate: each GEMM that writes a part of y reads it as its C too; one
+// that already adds into its own D there (full_weight's ring at tp 1, after its lead) stays.
+Status StepBuilder::AccumulateIntoY() {
+  for (size_t i = 0; i < prep_.steps.size(); ++i) {
+    PreparedStep& ps = prep_.steps[i];
+    if (!ps.is_gemm) {
+      return InternalError("layer " + name_ + ": accumulate with a communication step (" +
+                           std::to_string(i) + ")");
+    }
+    for (GemmCall& call : ps.gemms) {
+      const bool into_y = call.d.base == BufRef::kY && call.d.peer < 0;
+      const bool adds_to_d = call.params.beta != 0.0f && call.c.base == call.d.base &&
+                             call.c.offset == call.d.offset && call.c.peer == call.d.peer;
+      if (!into_y || (call.params.beta != 0.0f && !adds_to_d)) {
+        return InternalError("layer " + name_ + ": accumulate with a GEMM (step " +
+                             std::to_string(i) + ") that does not write y alone");
+      }
+      call.c = call.d;
+      call.params.beta = 1.0f;
+    }
+  }
+  return Status::Ok();
 }
 
 GemmCall StepBuilder::Single(int64_t rows, BufRef a, BufRef d) const {
@@ -629,7 +655,25 @@ void StepBuilder::AppendDeferredSums() {
 
 }  // namespace
 
+Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape,
+                       const LinearKnobs& knobs, int tp) {
+  if (!shape.accumulate) return Status::Ok();
+  (void)knobs;  // every mode of a tp 1 gemm_rs layer is its GEMMs alone, full_weight too
+  if (shape.op != OverlapOp::kGemmReduceScatter || tp != 1) {
+    return UnimplementedError(ctx + ": accumulate (y += X W^T) runs for gemm_rs at tp 1 (got " +
+                              std::string(OverlapOpName(shape.op)) + " at tp " +
+                              std::to_string(tp) + "): a ReduceScatter's output cannot add into y");
+  }
+  if (shape.dtype == DataType::kFloat8E4M3 && shape.scale_scheme != GemmScaleScheme::kPerTensor) {
+    return UnimplementedError(ctx + ": accumulate (y += X W^T) with scale_scheme " +
+                              std::string(GemmScaleSchemeName(shape.scale_scheme)) +
+                              ": cuBLASLt adds into C with per-tensor scales only");
+  }
+  return Status::Ok();
+}
+
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan) {
+  TP_RETURN_IF_ERROR(CheckAccumulate("layer " + in.name, in.shape, in.knobs, in.tp));
   return StepBuilder(in, plan).Build();
 }
 

@@ -113,10 +113,17 @@ struct StepsInput {
   int signal_slots = 0;  // PeerSignals slots per pair of ranks
 };
 
+// CudaLinearShape::accumulate's conditions (gemm_rs at tp 1, any knobs): UNIMPLEMENTED
+// naming the layer (`ctx`) and what stands in the way; OK when the shape does not accumulate.
+Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape,
+                       const LinearKnobs& knobs, int tp);
+
 // The steps of `plan` (the layer's plan for in.m), with split_sum_step set; `plan` itself is
-// left to the caller to store. Neither prepares GEMMs nor creates events. INTERNAL when a
-// copy-engine plan needs more than in.signal_slots messages between two ranks, or an in_place
-// GEMM step has no receive step.
+// left to the caller to store. Neither prepares GEMMs nor creates events. With
+// in.shape.accumulate every GEMM reads C at its own D in y with beta 1. INTERNAL when a
+// copy-engine plan needs more than in.signal_slots messages between two ranks, an in_place
+// GEMM step has no receive step, or an accumulating plan has a step other than a GEMM into y;
+// CheckAccumulate's answer for a shape that cannot accumulate.
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan);
 
 }  // namespace tpserve::cuda_linear_detail

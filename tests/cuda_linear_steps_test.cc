@@ -404,6 +404,72 @@ TEST(CudaLinearSteps, EveryTunerModeEnqueuesWhatTheGoldenRecordingSays) {
                                "and review the golden file's diff.";
 }
 
+// CudaLinearShape::accumulate at tp 1: every GEMM (one per chunk) reads C where it writes D, a
+// part of y, with beta 1, and nothing else runs; where the output is a ReduceScatter's (tp 2),
+// for an AllGather layer or with full_weight the layer refuses it, naming the layer.
+TEST(CudaLinearSteps, AccumulateAddsEveryGemmIntoYAtTpOne) {
+  alignas(16) static const float kUnitScales[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  for (int chunks : {1, 2, 4}) {
+    for (OverlapMode mode : {OverlapMode::kNone, OverlapMode::kPipeline, OverlapMode::kRing}) {
+      for (bool full_weight : {false, true}) {
+        if (mode == OverlapMode::kNone && chunks > 1) continue;
+        SCOPED_TRACE("chunks " + std::to_string(chunks) + " " + std::string(OverlapModeName(mode)) +
+                     (full_weight ? " full_weight" : ""));
+        StepsInput in;
+        in.name = "acc";
+        in.shape.op = OverlapOp::kGemmReduceScatter;
+        in.shape.max_m = 1000;
+        in.shape.n = 128;
+        in.shape.k = 64;
+        in.shape.accumulate = true;
+        in.knobs.mode = mode;
+        in.knobs.chunks = chunks;
+        in.knobs.full_weight = full_weight;
+        in.m = 1000;
+        in.unit_scales = kUnitScales;
+        auto plan = MakeOverlapPlan({in.shape.op, mode, 1, 0, in.m, chunks});
+        ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+        StatusOr<Prepared> prep = cuda_linear_detail::BuildPreparedSteps(in, *plan);
+        ASSERT_TRUE(prep.ok()) << prep.status().ToString();
+        int64_t rows = 0;
+        for (const PreparedStep& ps : prep->steps) {
+          ASSERT_TRUE(ps.is_gemm);
+          for (const GemmCall& call : ps.gemms) {
+            EXPECT_EQ(call.d.base, BufRef::kY);
+            EXPECT_EQ(call.c.base, BufRef::kY);
+            EXPECT_EQ(call.c.offset, call.d.offset);
+            EXPECT_EQ(call.params.beta, 1.0f);
+            rows += call.params.m;
+          }
+        }
+        EXPECT_EQ(rows, in.m);  // the GEMMs cover y once
+        // The same plan without accumulate overwrites y first.
+        in.shape.accumulate = false;
+        StatusOr<Prepared> plain = cuda_linear_detail::BuildPreparedSteps(in, *plan);
+        ASSERT_TRUE(plain.ok());
+        EXPECT_EQ(plain->steps.at(0).gemms.at(0).params.beta, 0.0f);
+      }
+    }
+  }
+  CudaLinearShape shape;
+  shape.op = OverlapOp::kGemmReduceScatter;
+  shape.accumulate = true;
+  LinearKnobs knobs;
+  EXPECT_TRUE(cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 1).ok());
+  const Status tp2 = cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 2);
+  EXPECT_EQ(tp2.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(tp2.message().find("layer x"), std::string::npos) << tp2.ToString();
+  EXPECT_NE(tp2.message().find("tp 2"), std::string::npos) << tp2.ToString();
+  shape.scale_scheme = GemmScaleScheme::kPerTokenChannel;
+  const Status fine = cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 1);
+  EXPECT_EQ(fine.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(fine.message().find("per_token_channel"), std::string::npos) << fine.ToString();
+  shape.scale_scheme = GemmScaleScheme::kPerTensor;
+  shape.op = OverlapOp::kAllGatherGemm;
+  EXPECT_EQ(cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 1).code(),
+            StatusCode::kUnimplemented);
+}
+
 // The comparison itself: a changed line is reported with its case, a missing case by name.
 TEST(CudaLinearSteps, DiffNamesTheCaseAndTheFirstDifferingLine) {
   const std::string golden = "case a\n  0 main x\n  1 comm y\ncase b\n  0 main z\n";

@@ -105,11 +105,12 @@ struct GpuLogits {
   std::vector<float> eager, replay;
 };
 StatusOr<GpuLogits> RunOnGpu(const ModelConfig& c, const RankWeights& w, const TokenBatch& batch,
-                             const TokenBatch& other) {
+                             const TokenBatch& other, bool residual_in_gemm = true) {
   TP_ASSIGN_OR_RETURN(auto group, NcclThreadGroup::Create(1));
   GpuLogits out;
   TP_RETURN_IF_ERROR(group->Run([&](int r) -> Status {
     CudaModelOptions o;
+    o.residual_in_gemm = residual_in_gemm;
     o.max_tokens = batch.tokens();
     o.max_seqs = batch.sequences();
     TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group->pool(r), o));
@@ -186,6 +187,43 @@ TEST_P(GpuFp8SchemesTest, CheckpointRunsItsSchemeAtTp1) {
 INSTANTIATE_TEST_SUITE_P(Schemes, GpuFp8SchemesTest,
                          ::testing::Values(Fp8Scheme::kPerChannel, Fp8Scheme::kBlock),
                          [](const auto& p) { return std::string(Fp8SchemeName(p.param)); });
+
+// CudaModelOptions::residual_in_gemm (the default at tp 1: o and down add into the residual
+// stream in their GEMMs' epilogue) against the norm adding a separate product: both within the
+// model bound of the CPU reference, FP8 and BF16, eagerly and replayed alike, and within a few
+// BF16 roundings of each other (the product rounded before the add, or not). A residual added
+// twice or lost moves the logits by far more than either bound.
+TEST(GpuResidualTest, ResidualInTheGemmMatchesTheNormsAddAndTheCpu) {
+  if (!HasCudaDevice()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig c = *ModelPreset("tiny");
+  const TokenBatch batch = AwkwardBatch(
+      c, {std::vector<int32_t>(37, 3), {1, 2, 3, 4, 5}, std::vector<int32_t>(100, 0), {1023}});
+  const TokenBatch other = AwkwardBatch(c, {std::vector<int32_t>(60, 9), {5, 6, 7}});
+  for (DataType dtype : {DataType::kFloat8E4M3, DataType::kBFloat16}) {
+    SCOPED_TRACE(DataTypeName(dtype));
+    TP_ASSERT_OK_AND_ASSIGN(const RankWeights w, MakeRandomRankWeights(c, dtype, 1, 0, 5));
+    TP_ASSERT_OK_AND_ASSIGN(const std::vector<float> ref, CpuLogits(c, w, batch));
+    TP_ASSERT_OK_AND_ASSIGN(const GpuLogits in_gemm, RunOnGpu(c, w, batch, other, true));
+    TP_ASSERT_OK_AND_ASSIGN(const GpuLogits in_norm, RunOnGpu(c, w, batch, other, false));
+    EXPECT_EQ(in_gemm.eager, in_gemm.replay) << "graph replay differs from the eager run";
+    ASSERT_EQ(in_gemm.eager.size(), ref.size());
+    ASSERT_EQ(in_norm.eager.size(), ref.size());
+    const Comparison gemm_cpu = Compare(in_gemm.eager, ref, batch.sequences(), c.vocab_size);
+    const Comparison norm_cpu = Compare(in_norm.eager, ref, batch.sequences(), c.vocab_size);
+    const Comparison between =
+        Compare(in_gemm.eager, in_norm.eager, batch.sequences(), c.vocab_size);
+    std::printf(
+        "[ residual ] %s: in the GEMM vs CPU %.3g, in the norm vs CPU %.3g, between them %.3g "
+        "(rel_frobenius)\n",
+        DataTypeName(dtype).data(), gemm_cpu.rel_frobenius, norm_cpu.rel_frobenius,
+        between.rel_frobenius);
+    EXPECT_LE(gemm_cpu.rel_frobenius, kBound);
+    EXPECT_EQ(gemm_cpu.top1_mismatches, 0);
+    EXPECT_LE(norm_cpu.rel_frobenius, kBound);
+    EXPECT_LE(between.rel_frobenius, 2e-2);
+    EXPECT_EQ(between.top1_mismatches, 0);
+  }
+}
 
 // A model of random weights in every scheme (CudaModelOptions::scale_scheme, what the model
 // benchmark measures): the pass runs, eagerly and replayed alike, and its logits are finite.

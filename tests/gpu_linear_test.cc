@@ -6,6 +6,8 @@
 // BF16 rounding: relative Frobenius error <= kRelTol, every element written.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -498,5 +500,91 @@ TEST(GpuLinearOneGpuTest, FullWeightAtTpOneMatchesTheCpuReference) {
     }
   }
 }
+
+// CudaLinearShape::accumulate at TP = 1 (the model's residual add in the GEMM's epilogue): a
+// gemm_rs layer run into a y holding y0 leaves bf16(y0 + X W^T), the sum in FP32 rounded once:
+// within two BF16 roundings of y0 plus the plain layer's output, element by element, in FP8 and
+// BF16, mode none and four chunks, eagerly and from a graph replay (the same bits). An AllGather
+// layer that asks for it is refused.
+TEST(GpuLinearOneGpuTest, AccumulateAddsTheProductIntoY) {
+  if (CudaDeviceCount() < 1) GTEST_SKIP() << "needs a GPU";
+  auto group = NcclThreadGroup::Create(1);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  NcclCommPool& pool = (*group)->pool(0);
+  for (DataType dtype : {DataType::kFloat8E4M3, DataType::kBFloat16}) {
+    for (auto [mode, chunks] : {std::pair{OverlapMode::kNone, 1}, {OverlapMode::kPipeline, 4}}) {
+      const int64_t m = 4099;
+      auto p = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, dtype, 1, m, 96, 128, 7);
+      ASSERT_TRUE(p.ok()) << p.status().ToString();
+      SCOPED_TRACE(std::string(DataTypeName(dtype)) + " chunks " + std::to_string(chunks));
+      LinearKnobs knobs;
+      knobs.mode = mode;
+      knobs.chunks = chunks;
+      auto ops = RankOperands::Upload(*p, 0);
+      ASSERT_TRUE(ops.ok()) << ops.status().ToString();
+      auto plain = PreparedLayer("test.plain", *p, knobs, pool);
+      ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+      CudaLinearShape shape{p->op, p->dtype, p->m, p->n_local(), p->k_local()};
+      shape.accumulate = true;
+      auto acc = CudaLinear::Create("test.accumulate", shape, knobs, pool);
+      ASSERT_TRUE(acc.ok()) << acc.status().ToString();
+      ASSERT_TRUE((*acc)->Prepare(m).ok());
+      auto stream = CudaStream::Create();
+      ASSERT_TRUE(stream.ok());
+      const int64_t out = m * p->n;
+      std::vector<BFloat16> y0(out);
+      for (int64_t i = 0; i < out; ++i) {
+        y0[i] = FloatToBFloat16(static_cast<float>((i * 7919) % 2001 - 1000) / 250.0f);
+      }
+      auto dy = DeviceBuffer::Allocate(out * 2, "test.y");
+      auto dy0 = DeviceBuffer::Allocate(out * 2, "test.y0");
+      auto dplain = DeviceBuffer::Allocate(out * 2, "test.plain_y");
+      ASSERT_TRUE(dy.ok() && dy0.ok() && dplain.ok());
+      ASSERT_EQ(cudaMemcpy(dy0->data(), y0.data(), out * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      for (CudaLinear* layer : {plain->get(), acc->get()}) {
+        ASSERT_EQ(cudaMemcpy(layer->input(m), p->x_local[0].data(), p->x_local[0].size(),
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      }
+      auto run_both = [&]() -> Status {
+        TP_CUDA_CHECK(cudaMemcpyAsync(dy->data(), dy0->data(), out * 2, cudaMemcpyDeviceToDevice,
+                                      stream->get()));
+        TP_RETURN_IF_ERROR((*plain)->Run(m, ops->w.data(), ops->x_scale(), ops->w_scale(),
+                                         dplain->data(), stream->get()));
+        return (*acc)->Run(m, ops->w.data(), ops->x_scale(), ops->w_scale(), dy->data(),
+                           stream->get());
+      };
+      ASSERT_TRUE(run_both().ok());
+      std::vector<BFloat16> got(out), product(out), replayed(out);
+      ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(got.data(), dy->data(), out * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(product.data(), dplain->data(), out * 2, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      int64_t off = 0;
+      for (int64_t i = 0; i < out; ++i) {
+        const double a = BFloat16ToFloat(y0[i]), b = BFloat16ToFloat(product[i]);
+        const double bound = (std::abs(a) + 2 * std::abs(b)) * std::ldexp(1.0, -8) + 1e-30;
+        off += !(std::abs(BFloat16ToFloat(got[i]) - (a + b)) <= bound);
+      }
+      EXPECT_EQ(off, 0) << "of " << out << " elements";
+      // A graph of the same runs gives the same bits.
+      auto graph =
+          CudaGraphExec::Capture(stream->get(), cudaStreamCaptureModeThreadLocal, run_both);
+      ASSERT_TRUE(graph.ok()) << graph.status().ToString();
+      ASSERT_TRUE(graph->Launch(stream->get()).ok());
+      ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(replayed.data(), dy->data(), out * 2, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(std::memcmp(replayed.data(), got.data(), out * 2), 0);
+    }
+  }
+  CudaLinearShape ag{OverlapOp::kAllGatherGemm, DataType::kFloat8E4M3, 64, 96, 128};
+  ag.accumulate = true;
+  auto refused = CudaLinear::Create("test.ag", ag, LinearKnobs{}, pool);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(refused.status().message().find("test.ag"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace tpserve
