@@ -88,8 +88,7 @@ __device__ __forceinline__ void StoreAttentionRow(const AttentionOut& out, int r
     if (dst != nullptr) dst[dt * 4 + t] = pair;
     const float lo = Bf16ToFloat(pair & 0xFFFFu), hi = Bf16ToFloat(pair >> 16);
     if (dst_fp8 != nullptr) {
-      dst_fp8[dt * 4 + t] = static_cast<uint16_t>(QuantizeToE4M3<kFast>(lo, out.divisor) |
-                                                  (QuantizeToE4M3<kFast>(hi, out.divisor) << 8));
+      dst_fp8[dt * 4 + t] = QuantizeToE4M3x2<kFast>(lo, hi, out.divisor);
     }
     if (out.track_amax) amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
   }

@@ -68,4 +68,14 @@ __device__ __forceinline__ uint8_t QuantizeToE4M3(float x, const Fp8Divisor& d) 
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
 }
 
+// The E4M3 codes of lo / scale and hi / scale, lo's in the low byte, as QuantizeToE4M3 gives
+// them, from one conversion instruction for the pair.
+template <bool kFast = false>
+__device__ __forceinline__ uint16_t QuantizeToE4M3x2(float lo, float hi, const Fp8Divisor& d) {
+  const float a = kFast ? DivideForFp8Fast(lo, d) : DivideForFp8(lo, d);
+  const float b = kFast ? DivideForFp8Fast(hi, d) : DivideForFp8(hi, d);
+  return static_cast<uint16_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+}
+
 }  // namespace tpserve
