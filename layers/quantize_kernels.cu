@@ -56,9 +56,11 @@ __global__ void QuantizeKernel(const In* __restrict__ in, uint8_t* __restrict__ 
     const uint4 raw = reinterpret_cast<const uint4*>(in)[v];
     In vals[kVec];
     memcpy(vals, &raw, sizeof raw);
-    uint8_t q[kVec];
+    uint16_t q[kVec / 2];  // codes in pairs, the lower element in the low byte
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) q[i] = QuantizeToE4M3(ToFloat(vals[i]), d);
+    for (int i = 0; i < kVec; i += 2) {
+      q[i / 2] = QuantizeToE4M3x2(ToFloat(vals[i]), ToFloat(vals[i + 1]), d);
+    }
     OutVec o;
     memcpy(&o, q, sizeof o);
     reinterpret_cast<OutVec*>(out)[v] = o;
@@ -184,9 +186,11 @@ __global__ void QuantizePerRowKernel(const uint16_t* __restrict__ in, uint8_t* _
       const uint4 raw = src[v];
       uint16_t vals[kVec];
       memcpy(vals, &raw, sizeof raw);
-      uint8_t q[kVec];
+      uint16_t q[kVec / 2];  // codes in pairs, the lower element in the low byte
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) q[i] = QuantizeToE4M3(ToFloat(vals[i]), d);
+      for (int i = 0; i < kVec; i += 2) {
+        q[i / 2] = QuantizeToE4M3x2(ToFloat(vals[i]), ToFloat(vals[i + 1]), d);
+      }
       uint2 o;
       memcpy(&o, q, sizeof o);
       dst[v] = o;
@@ -218,9 +222,8 @@ __global__ void QuantizePerGroup128Kernel(const uint16_t* __restrict__ in,
     const float scale = ScaleFromAmaxE4M3(m);
     if (lane == 0) scales[g * rows + row] = scale;
     const Fp8Divisor d = MakeFp8Divisor(scale);
-    uint8_t q[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q[i] = QuantizeToE4M3(ToFloat(vals[i]), d);
+    const uint16_t q[2] = {QuantizeToE4M3x2(ToFloat(vals[0]), ToFloat(vals[1]), d),
+                           QuantizeToE4M3x2(ToFloat(vals[2]), ToFloat(vals[3]), d)};
     uint32_t o;
     memcpy(&o, q, sizeof o);
     reinterpret_cast<uint32_t*>(out + row * out_ld + g * 128)[lane] = o;
