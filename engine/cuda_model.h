@@ -97,11 +97,11 @@ struct CudaModelOptions {
   GemmAlgoSelection gemm_algo = GemmAlgoSelection::kTimed;
   CudaGraphExec::Priority graph_priority = CudaGraphExec::Priority::kPerNode;
   // At tp 1 with per-tensor FP8 scales (or BF16 weights), o and down add their products into
-  // the residual stream in their GEMMs' epilogue
-  // (CudaLinearShape::accumulate: x = bf16(x + product), the sum in FP32), so that the add &
-  // norm after each reads x alone instead of x and a separate product. false: they write a
-  // buffer of their own and the norm adds it (x = bf16(x + bf16(product)), the CPU
-  // reference's rounding), as at tp > 1, where a ReduceScatter's output cannot add into x.
+  // the residual stream in their GEMMs' epilogue (CudaLinearShape::accumulate: x = bf16(x +
+  // product), the sum in FP32), so that the add & norm after each reads x alone instead of x
+  // and a separate product. false: they write a buffer of their own and the norm adds it
+  // (x = bf16(x + bf16(product)), the CPU reference's rounding), as at tp > 1, where a
+  // ReduceScatter's output cannot add into x.
   bool residual_in_gemm = true;
 };
 
