@@ -183,6 +183,8 @@ Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLi
         break;
       case StepKind::kReduceScatter:
         return InternalError("cpu linear: reducescatter step in an ag_gemm plan");
+      case StepKind::kSum:
+        return InternalError("cpu linear: sum step in an ag_gemm plan");
     }
   }
   return Status::Ok();
@@ -236,6 +238,19 @@ Status RunGemmReduceScatter(const OverlapPlan& plan, Communicator& comm, const C
                                          s.send_peer, received.data() + s.recv_rows.begin * out_row,
                                          s.recv_rows.size() * out_row * sizeof(BFloat16),
                                          s.recv_peer, nullptr));
+        break;
+      case StepKind::kSum:
+        // The deferred last sum: the own partial (already BF16) plus the received running sum,
+        // added in FP32 and rounded once, as the GPU's sum kernel adds them.
+        for (RowRange r : s.rows) {
+          const size_t count = static_cast<size_t>(r.size()) * out_row;
+          const BFloat16* p = partial.data() + r.begin * out_row;
+          const BFloat16* q2 = received.data() + r.begin * out_row;
+          BFloat16* dst = a.y + (r.begin - own.begin) * out_row;
+          for (size_t i = 0; i < count; ++i) {
+            dst[i] = FloatToBFloat16(BFloat16ToFloat(p[i]) + BFloat16ToFloat(q2[i]));
+          }
+        }
         break;
       case StepKind::kAllGather:
         return InternalError("cpu linear: allgather step in a gemm_rs plan");

@@ -370,8 +370,6 @@ Status CudaLinear::Prepare(int64_t m) {
   if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
   Impl& im = *impl_;
   if (im.prepared.count(m)) return Status::Ok();
-  TP_ASSIGN_OR_RETURN(OverlapPlan plan,
-                      MakeOverlapPlan({shape_.op, knobs_.mode, tp_, rank_, m, knobs_.chunks}));
   cuda_linear_detail::StepsInput in;
   in.name = name_;
   in.shape = shape_;
@@ -382,6 +380,7 @@ Status CudaLinear::Prepare(int64_t m) {
   in.in_place = in_place_;
   in.unit_scales = im.unit_scales.as<float>();
   in.signal_slots = im.signals.slots();
+  TP_ASSIGN_OR_RETURN(OverlapPlan plan, MakeOverlapPlan(cuda_linear_detail::LayerPlanRequest(in)));
   TP_ASSIGN_OR_RETURN(Prepared prep, cuda_linear_detail::BuildPreparedSteps(in, plan));
   for (const PreparedStep& ps : prep.steps) {
     for (const GemmCall& call : ps.gemms) {
@@ -531,6 +530,7 @@ Status EnqueueNcclStep(const CudaLinear::Impl& im, const CommCall& c, const Reso
                                            resolve(c.recv), c.recv_bytes, c.recv_peer, s));
       break;
     case StepKind::kGemm:
+    case StepKind::kSum:  // copy-engine steps (their sum kernel), never NCCL's
       break;
   }
   return Status::Ok();

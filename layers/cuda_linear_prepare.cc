@@ -38,8 +38,7 @@ class StepBuilder {
   void PrepareSlotGemmsReduceScatter(size_t i);
   Status PrepareRangeGemm(size_t i, RowRange r);
   Status PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d);
-  void PrepareDeferredSumGemm(size_t i, RowRange r, BufRef a);
-  void AppendDeferredSums();
+  void PrepareSum(size_t i);
   Status AccumulateIntoY();
 
   const std::string& name_;
@@ -65,9 +64,6 @@ class StepBuilder {
   // a to b uses flag slot k on both sides (plans issue matching sends and
   // receives in the same order: ValidatePlanGroup).
   std::vector<int> sent_, received_;
-  // Ring gemm_rs with copy engines: the sum steps of the last step's
-  // additions (see PrepareDeferredSumGemm), appended after the plan's own steps.
-  std::vector<PreparedStep> deferred_sums_;
 };
 
 StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
@@ -131,10 +127,12 @@ StatusOr<Prepared> StepBuilder::Build() {
         case StepKind::kGemm:
           TP_RETURN_IF_ERROR(PrepareGemm(i));
           break;
+        case StepKind::kSum:
+          PrepareSum(i);
+          break;
       }
     }
   }
-  AppendDeferredSums();
   if (shape_.accumulate) TP_RETURN_IF_ERROR(AccumulateIntoY());
   return std::move(prep_);
 }
@@ -574,10 +572,6 @@ Status StepBuilder::PrepareRangeGemm(size_t i, RowRange r) {
     d = {BufRef::kPartial, r.begin * row_y_};
   }
   if (in_place_ && s.accumulate) return PrepareInPlaceGemm(i, r, a, d);
-  if (!ag_ && ce_ && knobs_.chunks == 1 && s.final_output && s.accumulate) {
-    PrepareDeferredSumGemm(i, r, a);
-    return Status::Ok();
-  }
   GemmCall call = Single(r.size(), a, d);
   if (s.accumulate) {
     call.c = {BufRef::kReceived, r.begin * row_y_};
@@ -610,47 +604,23 @@ Status StepBuilder::PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d)
   return Status::Ok();
 }
 
-// The ring's last step with copy engines and one chunk: rather
-// than wait for the running sum to arrive and add it in the
-// GEMM's epilogue, compute this rank's own partial at once
-// (into its rows of `partial`, which no peer reads), while the
-// copy engine brings the running sum in, and add the two
-// afterwards with the sum kernel (deferred_sums_). The last
-// transfer then hides under the last GEMM instead of sitting
-// between two GEMMs. With more chunks the accumulating GEMMs
-// already overlap each chunk's transfer with the next chunk's
-// GEMM, and the extra passes of the sums cost more than they
-// hide.
-void StepBuilder::PrepareDeferredSumGemm(size_t i, RowRange r, BufRef a) {
-  const PlanStep& s = plan_.steps[i];
-  PreparedStep& ps = prep_.steps[i];
-  const BufRef d = {BufRef::kPartial, r.begin * row_y_};
-  // The GEMM waits for earlier GEMMs only; the sum, on the comm
-  // stream, for the GEMM and the running sum's arrival.
-  PreparedStep sum;
-  sum.stream = StepStream::kComm;
-  ps.deps.clear();
-  for (int dep : s.deps) {
-    (plan_.steps[dep].kind == StepKind::kGemm ? ps.deps : sum.deps).push_back(dep);
-  }
-  sum.deps.push_back(static_cast<int>(i));
-  sum.comm.copy_engine = true;  // no transfer of its own: the sum kernel alone
-  sum.comm.sum = true;
-  sum.comm.sum_args.slots = {d, {BufRef::kReceived, r.begin * row_y_}};
-  sum.comm.sum_args.dst = {BufRef::kY, (r.begin - own_.begin) * row_y_};
-  sum.comm.sum_args.count = r.size() * n_;
-  deferred_sums_.push_back(std::move(sum));
-  ps.gemms.push_back(Single(r.size(), a, d));
-}
-
-void StepBuilder::AppendDeferredSums() {
-  if (deferred_sums_.size() == 1) {
-    const CommCall::Sum& sum = deferred_sums_[0].comm.sum_args;
-    if (sum.slots.size() == 2 && sum.dst.offset == 0 && sum.count == own_.size() * n_) {
-      prep_.split_sum_step = static_cast<int>(prep_.steps.size());
-    }
-  }
-  for (PreparedStep& sum : deferred_sums_) prep_.steps.push_back(std::move(sum));
+// The plan's deferred last sum (PlanRequest::defer_last_sum, which LayerPlanRequest asks for
+// on copy engines at one chunk): the GEMM before it computed this rank's own partial at once
+// (into its rows of `partial`, which no peer reads) while the copy engine brought the running
+// sum in; the layer's sum kernel adds the two into y. The last transfer then hides under the
+// last GEMM instead of sitting between two GEMMs. With more chunks the accumulating GEMMs
+// already overlap each chunk's transfer with the next chunk's GEMM, and the extra passes of
+// the sums cost more than they hide. A sum of the whole own shard is the one RunSplit skips.
+void StepBuilder::PrepareSum(size_t i) {
+  const RowRange r = plan_.steps[i].rows.at(0);
+  CommCall& c = prep_.steps[i].comm;
+  c.kind = StepKind::kSum;
+  c.copy_engine = true;  // no transfer of its own: the sum kernel alone
+  c.sum = true;
+  c.sum_args.slots = {{BufRef::kPartial, r.begin * row_y_}, {BufRef::kReceived, r.begin * row_y_}};
+  c.sum_args.dst = {BufRef::kY, (r.begin - own_.begin) * row_y_};
+  c.sum_args.count = r.size() * n_;
+  if (r == own_) prep_.split_sum_step = static_cast<int>(i);
 }
 
 }  // namespace
@@ -672,8 +642,20 @@ Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape,
   return Status::Ok();
 }
 
+PlanRequest LayerPlanRequest(const StepsInput& in) {
+  PlanRequest q{in.shape.op, in.knobs.mode, in.tp, in.rank, in.m, in.knobs.chunks};
+  q.defer_last_sum = in.shape.op == OverlapOp::kGemmReduceScatter &&
+                     in.knobs.mode == OverlapMode::kRing && in.knobs.copy_engine && in.tp > 1 &&
+                     in.knobs.chunks == 1 && !in.in_place;
+  return q;
+}
+
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan) {
   TP_RETURN_IF_ERROR(CheckAccumulate("layer " + in.name, in.shape, in.knobs, in.tp));
+  if (!in.knobs.full_weight && plan.request.defer_last_sum != LayerPlanRequest(in).defer_last_sum) {
+    return InternalError("layer " + in.name + ": its plan was not made by LayerPlanRequest (" +
+                         "defer_last_sum " + (plan.request.defer_last_sum ? "on" : "off") + ")");
+  }
   return StepBuilder(in, plan).Build();
 }
 

@@ -118,12 +118,16 @@ struct StepsInput {
 Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape,
                        const LinearKnobs& knobs, int tp);
 
-// The steps of `plan` (the layer's plan for in.m), with split_sum_step set; `plan` itself is
-// left to the caller to store. Neither prepares GEMMs nor creates events. With
-// in.shape.accumulate every GEMM reads C at its own D in y with beta 1. INTERNAL when a
-// copy-engine plan needs more than in.signal_slots messages between two ranks, an in_place
-// GEMM step has no receive step, or an accumulating plan has a step other than a GEMM into y;
-// CheckAccumulate's answer for a shape that cannot accumulate.
+// The plan request of a layer's M: PlanRequest::defer_last_sum for a gemm_rs ring on copy
+// engines (tp > 1) at one chunk, not in_place; the rest as the shape and knobs say.
+PlanRequest LayerPlanRequest(const StepsInput& in);
+
+// The steps of `plan` (the layer's plan for in.m, made from LayerPlanRequest(in)), with
+// split_sum_step set; `plan` itself is left to the caller to store. Neither prepares GEMMs nor
+// creates events. With in.shape.accumulate every GEMM reads C at its own D in y with beta 1.
+// INTERNAL when a copy-engine plan needs more than in.signal_slots messages between two ranks, an
+// in_place GEMM step has no receive step, or an accumulating plan has a step other than a GEMM into
+// y; CheckAccumulate's answer for a shape that cannot accumulate.
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan);
 
 }  // namespace tpserve::cuda_linear_detail

@@ -110,12 +110,14 @@ StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, in
 }
 
 StatusOr<std::vector<std::vector<BFloat16>>> RunCpuLinearGroup(const LinearProblem& p,
-                                                               OverlapMode mode, int chunks) {
+                                                               OverlapMode mode, int chunks,
+                                                               bool defer_last_sum) {
   std::vector<std::vector<BFloat16>> y(p.tp);
   for (int r = 0; r < p.tp; ++r) y[r].assign(p.OutputElements(r), BFloat16{kPoisonBf16});
   TP_RETURN_IF_ERROR(RunOnLocalRanks(p.tp, [&](Communicator& c) -> Status {
-    TP_ASSIGN_OR_RETURN(OverlapPlan plan,
-                        MakeOverlapPlan({p.op, mode, p.tp, c.rank(), p.m, chunks}));
+    PlanRequest q{p.op, mode, p.tp, c.rank(), p.m, chunks};
+    q.defer_last_sum = defer_last_sum;
+    TP_ASSIGN_OR_RETURN(OverlapPlan plan, MakeOverlapPlan(q));
     return RunCpuLinear(plan, c, p.ArgsFor(c.rank(), y[c.rank()].data()));
   }));
   return y;

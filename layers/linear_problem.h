@@ -43,9 +43,11 @@ StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, in
 inline constexpr uint16_t kPoisonBf16 = 0x7FC1;
 
 // Runs the problem on the CPU executor (ranks as threads) with poisoned
-// outputs; returns each rank's output.
+// outputs; returns each rank's output. `defer_last_sum`: PlanRequest's (gemm_rs ring, one
+// chunk), the plan a layer on copy engines runs.
 StatusOr<std::vector<std::vector<BFloat16>>> RunCpuLinearGroup(const LinearProblem& p,
-                                                               OverlapMode mode, int chunks);
+                                                               OverlapMode mode, int chunks,
+                                                               bool defer_last_sum = false);
 
 struct LinearError {
   int64_t unwritten = 0;     // elements still holding the poison

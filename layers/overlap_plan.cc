@@ -60,6 +60,18 @@ class PlanBuilder {
     return Add(std::move(s));
   }
 
+  // The deferred last sum of `rows` (this rank's own), on the comm stream.
+  int AddSum(int chunk, RowRange rows, std::vector<int> deps) {
+    PlanStep s;
+    s.kind = StepKind::kSum;
+    s.stream = StepStream::kComm;
+    s.chunk = chunk;
+    s.rows = {rows};
+    s.final_output = true;
+    s.deps = std::move(deps);
+    return Add(std::move(s));
+  }
+
   int AddSendRecv(int chunk, int send_peer, RowRange send_rows, int recv_peer, RowRange recv_rows,
                   std::vector<int> deps) {
     if (send_rows.empty() && recv_rows.empty()) return -1;
@@ -80,7 +92,9 @@ class PlanBuilder {
     plan.request = req_;
     for (const PlanStep& s : steps_) {
       for (RowRange r : s.rows) {
-        if (s.kind != StepKind::kGemm) plan.max_step_rows = std::max(plan.max_step_rows, r.size());
+        if (s.kind != StepKind::kGemm && s.kind != StepKind::kSum) {
+          plan.max_step_rows = std::max(plan.max_step_rows, r.size());
+        }
       }
       plan.max_step_rows = std::max({plan.max_step_rows, s.send_rows.size(), s.recv_rows.size()});
     }
@@ -166,10 +180,18 @@ void BuildGemmReduceScatter(PlanBuilder& b, const PlanRequest& req) {
         const int incoming = (r + k + 2) % tp;
         for (int j = 0; j < req.chunks; ++j) {
           const int idx = k * req.chunks + j;
-          const int g = b.AddGemm(idx, {b.Chunk(dest, j)}, DepsOf(arrived[j]));
+          // Deferred: the GEMM waits for nothing it does not read; the sum for both addends.
+          const bool defer = req.defer_last_sum && k == tp - 1 && k > 0;
+          const int g =
+              b.AddGemm(idx, {b.Chunk(dest, j)}, defer ? std::vector<int>{} : DepsOf(arrived[j]));
           if (g >= 0) {
-            b.step(g).accumulate = k > 0;
-            b.step(g).final_output = k == tp - 1;
+            b.step(g).accumulate = k > 0 && !defer;
+            b.step(g).final_output = k == tp - 1 && !defer;
+          }
+          if (defer && g >= 0) {
+            std::vector<int> deps = DepsOf(arrived[j]);
+            deps.push_back(g);
+            b.AddSum(idx, b.Chunk(dest, j), std::move(deps));
           }
           arrived[j] = -1;
           if (k < tp - 1) {
@@ -204,6 +226,13 @@ Status CheckRequest(const PlanRequest& req) {
   if (req.mode == OverlapMode::kNone && req.chunks != 1) {
     return InvalidArgumentError("overlap plan: mode none takes chunks = 1, got " +
                                 std::to_string(req.chunks) + " (use mode pipeline to chunk)");
+  }
+  if (req.defer_last_sum && (req.op != OverlapOp::kGemmReduceScatter ||
+                             req.mode != OverlapMode::kRing || req.chunks != 1)) {
+    return InvalidArgumentError(
+        "overlap plan: defer_last_sum is for gemm_rs ring with chunks = 1, got " +
+        std::string(OverlapOpName(req.op)) + " " + std::string(OverlapModeName(req.mode)) +
+        " chunks=" + std::to_string(req.chunks));
   }
   return Status::Ok();
 }
@@ -283,6 +312,8 @@ std::string_view StepKindName(StepKind kind) {
       return "sendrecv";
     case StepKind::kGemm:
       return "gemm";
+    case StepKind::kSum:
+      return "sum";
   }
   return "unknown";
 }
@@ -377,6 +408,23 @@ Status ValidatePlan(const OverlapPlan& plan) {
         }
         break;
       }
+      case StepKind::kSum: {
+        if (ag) return PlanError(plan, si, "sum in an ag_gemm plan");
+        for (RowRange r : s.rows) {
+          if (!HasRows(have, r) || !HasRows(recv, r)) {
+            return PlanError(plan, si,
+                             "sums rows " + RangeString(r) +
+                                 " before both their partial and the received sum are there");
+          }
+          if (r.begin < own.begin || r.end > own.end) {
+            return PlanError(
+                plan, si,
+                "sums rows " + RangeString(r) + " outside this rank's shard " + RangeString(own));
+          }
+          for (int64_t row = r.begin; row < r.end; ++row) ++final_rows[row];
+        }
+        break;
+      }
       case StepKind::kGemm: {
         for (RowRange r : s.rows) {
           if (ag && !HasRows(have, r)) {
@@ -438,7 +486,8 @@ Status ValidatePlanGroup(const std::vector<OverlapPlan>& plans) {
     const OverlapPlan& p = plans[r];
     if (p.request.rank != r || p.request.tp != tp || p.request.m != plans[0].request.m ||
         p.request.op != plans[0].request.op || p.request.mode != plans[0].request.mode ||
-        p.request.chunks != plans[0].request.chunks) {
+        p.request.chunks != plans[0].request.chunks ||
+        p.request.defer_last_sum != plans[0].request.defer_last_sum) {
       return InternalError("plan group: plan " + std::to_string(r) +
                            " was made for another request");
     }
@@ -483,7 +532,8 @@ std::string DescribePlan(const OverlapPlan& plan) {
   std::ostringstream os;
   os << OverlapOpName(q.op) << " mode=" << OverlapModeName(q.mode) << " tp=" << q.tp
      << " rank=" << q.rank << " m=" << q.m << " chunks=" << q.chunks
-     << " steps=" << plan.steps.size() << " max_step_rows=" << plan.max_step_rows << "\n";
+     << (q.defer_last_sum ? " defer_last_sum" : "") << " steps=" << plan.steps.size()
+     << " max_step_rows=" << plan.max_step_rows << "\n";
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const PlanStep& s = plan.steps[i];
     os << "  " << i << "\t" << (s.stream == StepStream::kComm ? "comm   " : "compute") << "\t"
@@ -495,7 +545,7 @@ std::string DescribePlan(const OverlapPlan& plan) {
         os << "recv " << RangeString(s.recv_rows) << " <- " << s.recv_peer << " ";
     } else {
       for (size_t k = 0; k < s.rows.size(); ++k) {
-        if (s.kind != StepKind::kGemm) os << "r" << k << ":";
+        if (s.kind != StepKind::kGemm && s.kind != StepKind::kSum) os << "r" << k << ":";
         os << RangeString(s.rows[k]) << " ";
       }
     }

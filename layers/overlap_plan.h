@@ -63,6 +63,9 @@ enum class StepKind {
   kGemm,           // rows: global rows computed (AG+GEMM: output rows;
                    //       GEMM+RS: partial rows; with accumulate, added to
                    //       the partial received for those rows)
+  kSum,            // GEMM+RS, PlanRequest::defer_last_sum: rows (this rank's own) =
+                   // the partial an earlier GEMM computed for them + the running
+                   // sum received for them, written to Y
 };
 enum class StepStream { kCompute, kComm };
 
@@ -90,6 +93,11 @@ struct PlanRequest {
   int rank = 0;
   int64_t m = 0;   // global rows (tokens)
   int chunks = 1;  // per-rank chunks (mode none: must be 1)
+  // GEMM+RS ring with one chunk only: the last ring step's GEMM computes the own rows' partial
+  // without waiting for the running sum, and a kSum step on the comm stream adds the two into
+  // Y once both are there, instead of a GEMM that adds the received sum in its epilogue. The
+  // last transfer then runs under the last GEMM (what a layer on copy engines runs).
+  bool defer_last_sum = false;
 };
 
 struct OverlapPlan {
@@ -101,8 +109,8 @@ struct OverlapPlan {
 };
 
 // Builds the plan, or INVALID_ARGUMENT naming the bad field. Limits:
-// 1 <= tp <= 1024, 0 <= rank < tp, m >= 1, 1 <= chunks <= 64, and
-// mode none with chunks == 1.
+// 1 <= tp <= 1024, 0 <= rank < tp, m >= 1, 1 <= chunks <= 64, mode none with
+// chunks == 1, and defer_last_sum with gemm_rs, ring and chunks == 1.
 StatusOr<OverlapPlan> MakeOverlapPlan(const PlanRequest& request);
 
 // Checks one rank's plan symbolically: deps point backwards; every step's

@@ -18,6 +18,7 @@ struct PlanFlags {
   int chunks = 4;
   bool chunks_given = false;  // --chunks on the command line (mode none defaults to 1)
   int rank = -1;              // -1: every rank
+  bool defer_last_sum = false;
 };
 
 int RunPlan(PlanFlags f) {
@@ -39,7 +40,9 @@ int RunPlan(PlanFlags f) {
   }
   std::vector<OverlapPlan> plans;
   for (int r = 0; r < f.tp; ++r) {
-    auto plan = MakeOverlapPlan({*op, *mode, f.tp, r, f.m, f.chunks});
+    PlanRequest q{*op, *mode, f.tp, r, f.m, f.chunks};
+    q.defer_last_sum = f.defer_last_sum;
+    auto plan = MakeOverlapPlan(q);
     if (!plan.ok()) {
       std::cerr << "error: " << plan.status().message() << "\n";
       return 2;
@@ -110,6 +113,10 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--rank", flags->rank,
                   "Print only this rank's plan, 0 to --tp - 1 (default: all ranks; all are "
                   "checked either way)");
+  cmd->add_flag("--defer-last-sum", flags->defer_last_sum,
+                "gemm_rs ring with --chunks 1: the last GEMM computes the own rows' partial alone "
+                "and a sum step adds the received running sum (the plan a layer on copy engines "
+                "runs)");
   cmd->callback([flags, exit_code, chunks] {
     flags->chunks_given = chunks->count() > 0;
     *exit_code = RunPlan(*flags);

@@ -4,12 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
 #include "comm/local_communicator.h"
 #include "layers/fp8.h"
 #include "layers/linear_problem.h"
+#include "layers/overlap_plan.h"
 
 namespace tpserve {
 namespace {
@@ -69,6 +71,63 @@ INSTANTIATE_TEST_SUITE_P(
              std::string(OverlapModeName(std::get<1>(param_info.param))) + "_" +
              (std::get<2>(param_info.param) == DataType::kBFloat16 ? "bf16" : "fp8");
     });
+
+// The ring a gemm_rs layer on copy engines runs at one chunk (PlanRequest::defer_last_sum: the
+// last GEMM computes the own partial alone, a sum step adds the arrived running sum): every
+// rank's plan passes ValidatePlan, the group ValidatePlanGroup, and the CPU executor's output
+// matches the unsharded reference at tp 2, 3, 4 and 8 (empty shards too), every element
+// written. A plan whose sum is dropped leaves the output unwritten, and one that waits for
+// nothing fails validation.
+TEST(CpuLinear, DeferredLastSumMatchesTheReference) {
+  for (DataType dtype : {DataType::kFloat8E4M3, DataType::kBFloat16}) {
+    for (int tp : {2, 3, 4, 8}) {
+      for (int64_t m : {1, 7, 37, 1002}) {
+        SCOPED_TRACE(::testing::Message() << "tp=" << tp << " m=" << m);
+        std::vector<OverlapPlan> plans;
+        for (int r = 0; r < tp; ++r) {
+          PlanRequest q{OverlapOp::kGemmReduceScatter, OverlapMode::kRing, tp, r, m, 1};
+          q.defer_last_sum = true;
+          auto plan = MakeOverlapPlan(q);
+          ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+          ASSERT_TRUE(ValidatePlan(*plan).ok()) << ValidatePlan(*plan).ToString();
+          const bool own_rows = !ShardRows(m, tp, r).empty();
+          const int sums = static_cast<int>(
+              std::count_if(plan->steps.begin(), plan->steps.end(),
+                            [](const PlanStep& s) { return s.kind == StepKind::kSum; }));
+          EXPECT_EQ(sums, own_rows ? 1 : 0);
+          plans.push_back(*std::move(plan));
+        }
+        EXPECT_TRUE(ValidatePlanGroup(plans).ok());
+        auto p = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, dtype, tp, m, 24, 16 * tp,
+                                         77 + tp);
+        ASSERT_TRUE(p.ok());
+        auto y = RunCpuLinearGroup(*p, OverlapMode::kRing, 1, /*defer_last_sum=*/true);
+        ASSERT_TRUE(y.ok()) << y.status().ToString();
+        auto err = CompareWithReference(*p, *y);
+        ASSERT_TRUE(err.ok());
+        EXPECT_EQ(err->unwritten, 0);
+        EXPECT_LE(err->rel_frobenius, kRsRelTol);
+      }
+    }
+  }
+  // Broken plans: the sum before its received addend, and no sum at all.
+  PlanRequest q{OverlapOp::kGemmReduceScatter, OverlapMode::kRing, 3, 1, 30, 1};
+  q.defer_last_sum = true;
+  auto plan = MakeOverlapPlan(q);
+  ASSERT_TRUE(plan.ok());
+  OverlapPlan early = *plan;
+  early.steps.back().deps = {static_cast<int>(early.steps.size()) - 2};  // the GEMM only
+  EXPECT_THAT(ValidatePlan(early).message(), ::testing::HasSubstr("before both"));
+  OverlapPlan dropped = *plan;
+  dropped.steps.pop_back();
+  EXPECT_THAT(ValidatePlan(dropped).message(), ::testing::HasSubstr("written 0 times"));
+  // Only for gemm_rs ring at one chunk.
+  q.chunks = 2;
+  EXPECT_EQ(MakeOverlapPlan(q).status().code(), StatusCode::kInvalidArgument);
+  q.chunks = 1;
+  q.mode = OverlapMode::kPipeline;
+  EXPECT_EQ(MakeOverlapPlan(q).status().code(), StatusCode::kInvalidArgument);
+}
 
 TEST(CpuLinear, PerRankComparisonAddsUpToTheGroupComparison) {
   auto p =

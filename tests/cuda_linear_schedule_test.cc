@@ -224,7 +224,7 @@ bool Sim::Build() {
     in.in_place = ce() && md_.in_place;
     in.unit_scales = kUnitScales;
     in.signal_slots = ce() ? md_.chunks * std::max(1, tp_ - 1) : 0;
-    auto plan = MakeOverlapPlan({md_.op, md_.mode, tp_, r, m_, md_.chunks});
+    auto plan = MakeOverlapPlan(cuda_linear_detail::LayerPlanRequest(in));
     if (!plan.ok()) {
       Error("rank " + std::to_string(r) + ": " + plan.status().ToString(), true);
       return false;
@@ -536,6 +536,7 @@ void Sim::Collective(int seq) {
     }
     case StepKind::kSendRecv:
     case StepKind::kGemm:
+    case StepKind::kSum:
       return Error("not a collective at NCCL collective " + std::to_string(seq), true);
   }
 }

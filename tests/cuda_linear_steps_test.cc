@@ -265,7 +265,7 @@ void RecordCase(const Mode& md, int tp, int rank, int64_t m, std::ostringstream&
       << " rank=" << rank << " m=" << m << " (n=" << in.shape.n << " k=" << in.shape.k << ")\n";
   const Status valid = ValidateLinearKnobs(in.knobs, md.op);
   EXPECT_TRUE(valid.ok()) << valid.ToString();
-  auto plan = MakeOverlapPlan({md.op, md.mode, tp, rank, m, md.chunks});
+  auto plan = MakeOverlapPlan(cuda_linear_detail::LayerPlanRequest(in));
   EXPECT_TRUE(plan.ok()) << plan.status().ToString();
   if (!plan.ok()) {
     out << "  plan error: " << plan.status().ToString() << "\n";
@@ -427,7 +427,7 @@ TEST(CudaLinearSteps, AccumulateAddsEveryGemmIntoYAtTpOne) {
         in.knobs.full_weight = full_weight;
         in.m = 1000;
         in.unit_scales = kUnitScales;
-        auto plan = MakeOverlapPlan({in.shape.op, mode, 1, 0, in.m, chunks});
+        auto plan = MakeOverlapPlan(cuda_linear_detail::LayerPlanRequest(in));
         ASSERT_TRUE(plan.ok()) << plan.status().ToString();
         StatusOr<Prepared> prep = cuda_linear_detail::BuildPreparedSteps(in, *plan);
         ASSERT_TRUE(prep.ok()) << prep.status().ToString();
