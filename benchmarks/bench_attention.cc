@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "benchmarks/batch_shape.h"
+#include "benchmarks/kernel_timing.h"
 #include "benchmarks/median.h"
 #include "benchmarks/write_replacing.h"
 #include "comm/cuda_check.h"
@@ -117,11 +118,9 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   for (int round = 0; round < f.rounds; ++round) {
     for (KernelRun& r : runs) {  // interleaved: clocks and temperature drift hit both alike
       p.kernel = r.kernel;
-      TP_CUDA_CHECK(cudaEventRecord(start.get(), stream));
-      TP_RETURN_IF_ERROR(LaunchCausalAttention(p, stream));
-      TP_CUDA_CHECK(cudaEventRecord(end.get(), stream));
-      TP_CUDA_CHECK(cudaEventSynchronize(end.get()));
-      TP_ASSIGN_OR_RETURN(float ms, CudaEvent::ElapsedMs(start, end));
+      TP_ASSIGN_OR_RETURN(const double ms, TimeLaunchMs(stream, start, end, [&] {
+                            return LaunchCausalAttention(p, stream);
+                          }));
       r.ms.push_back(ms);
     }
   }
@@ -199,10 +198,8 @@ int Main(int argc, char** argv) {
     spdlog::error("{}", stream.status().ToString());
     return 1;
   }
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) prop.name[0] = '\0';
   json doc = {{"meta",
-               {{"gpu", prop.name},
+               {{"gpu", DeviceName()},
                 {"heads", f.heads},
                 {"kv_heads", f.kv_heads},
                 {"head_dim", f.head_dim},

@@ -15,11 +15,13 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "benchmarks/kernel_timing.h"
 #include "benchmarks/median.h"
 #include "benchmarks/write_replacing.h"
 #include "comm/cuda_check.h"
@@ -130,19 +132,17 @@ Status RunRows(const Flags& f, int64_t rows, cudaStream_t stream, json& records)
       {"rope", static_cast<double>(rows * (f.heads + f.kv_heads) * f.head_dim) * 2 * 2 + 4.0 * rows,
        [&](cudaStream_t s) { return LaunchRope(rope, s); }},
   };
-  // The other thread shapes of the norms (RmsNormParams::vecs_per_thread), labelled.
-  std::vector<RmsNormParams> shaped;
-  shaped.reserve(2 * f.norm_vecs.size());
+  // The other thread shapes of the norms (RmsNormParams::vecs_per_thread), labelled, with
+  // their base pass's bytes (passes 1 and 2; a deque keeps each copy where its pass points).
+  std::deque<RmsNormParams> shaped;
   for (int vecs : f.norm_vecs) {
     if (vecs == add_norm.vecs_per_thread) continue;
-    for (const RmsNormParams* base : {&add_norm, &norm}) {
-      shaped.push_back(*base);
-      shaped.back().vecs_per_thread = vecs;
-      const RmsNormParams* q = &shaped.back();
-      passes.push_back({std::string(base == &add_norm ? "add_norm_fp8" : "norm_fp8") + "/v" +
-                            std::to_string(vecs),
-                        base == &add_norm ? act * 7 : act * 3,
-                        [q](cudaStream_t s) { return LaunchRmsNorm(*q, s); }});
+    for (const auto& [base, at] : {std::pair{&add_norm, 1}, std::pair{&norm, 2}}) {
+      RmsNormParams& q = shaped.emplace_back(*base);
+      q.vecs_per_thread = vecs;
+      Pass variant{passes[at].name + "/v" + std::to_string(vecs), passes[at].bytes,
+                   [&q](cudaStream_t s) { return LaunchRmsNorm(q, s); }};
+      passes.push_back(std::move(variant));
     }
   }
   for (Pass& p : passes) {
@@ -152,11 +152,8 @@ Status RunRows(const Flags& f, int64_t rows, cudaStream_t stream, json& records)
   TP_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create(true));
   for (int round = 0; round < f.rounds; ++round) {
     for (Pass& p : passes) {
-      TP_CUDA_CHECK(cudaEventRecord(start.get(), stream));
-      TP_RETURN_IF_ERROR(p.launch(stream));
-      TP_CUDA_CHECK(cudaEventRecord(end.get(), stream));
-      TP_CUDA_CHECK(cudaEventSynchronize(end.get()));
-      TP_ASSIGN_OR_RETURN(float ms, CudaEvent::ElapsedMs(start, end));
+      TP_ASSIGN_OR_RETURN(const double ms,
+                          TimeLaunchMs(stream, start, end, [&] { return p.launch(stream); }));
       p.ms.push_back(ms);
     }
   }
@@ -226,10 +223,8 @@ int Main(int argc, char** argv) {
     spdlog::error("{}", stream.status().ToString());
     return 1;
   }
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) prop.name[0] = '\0';
   json doc = {{"meta",
-               {{"gpu", prop.name},
+               {{"gpu", DeviceName()},
                 {"hidden", f.hidden},
                 {"inter", f.inter},
                 {"heads", f.heads},

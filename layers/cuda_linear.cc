@@ -154,7 +154,7 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
   }
   TP_RETURN_IF_ERROR(ValidateLinearKnobs(knobs, shape.op).WithContext(ctx));
   TP_RETURN_IF_ERROR(CheckScaleScheme(ctx, shape, knobs, pool.base().size()));
-  TP_RETURN_IF_ERROR(cuda_linear_detail::CheckAccumulate(ctx, shape, knobs, pool.base().size()));
+  TP_RETURN_IF_ERROR(cuda_linear_detail::CheckAccumulate(ctx, shape, pool.base().size()));
 
   auto layer = std::unique_ptr<CudaLinear>(new CudaLinear());
   layer->name_ = std::move(name);

@@ -148,8 +148,8 @@ Status StepBuilder::AccumulateIntoY() {
     }
     for (GemmCall& call : ps.gemms) {
       const bool into_y = call.d.base == BufRef::kY && call.d.peer < 0;
-      const bool adds_to_d = call.params.beta != 0.0f && call.c.base == call.d.base &&
-                             call.c.offset == call.d.offset && call.c.peer == call.d.peer;
+      const bool adds_to_d = call.c.base == call.d.base && call.c.offset == call.d.offset &&
+                             call.c.peer == call.d.peer;
       if (!into_y || (call.params.beta != 0.0f && !adds_to_d)) {
         return InternalError("layer " + name_ + ": accumulate with a GEMM (step " +
                              std::to_string(i) + ") that does not write y alone");
@@ -625,10 +625,8 @@ void StepBuilder::PrepareSum(size_t i) {
 
 }  // namespace
 
-Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape,
-                       const LinearKnobs& knobs, int tp) {
+Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape, int tp) {
   if (!shape.accumulate) return Status::Ok();
-  (void)knobs;  // every mode of a tp 1 gemm_rs layer is its GEMMs alone, full_weight too
   if (shape.op != OverlapOp::kGemmReduceScatter || tp != 1) {
     return UnimplementedError(ctx + ": accumulate (y += X W^T) runs for gemm_rs at tp 1 (got " +
                               std::string(OverlapOpName(shape.op)) + " at tp " +
@@ -651,7 +649,7 @@ PlanRequest LayerPlanRequest(const StepsInput& in) {
 }
 
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan) {
-  TP_RETURN_IF_ERROR(CheckAccumulate("layer " + in.name, in.shape, in.knobs, in.tp));
+  TP_RETURN_IF_ERROR(CheckAccumulate("layer " + in.name, in.shape, in.tp));
   if (!in.knobs.full_weight && plan.request.defer_last_sum != LayerPlanRequest(in).defer_last_sum) {
     return InternalError("layer " + in.name + ": its plan was not made by LayerPlanRequest (" +
                          "defer_last_sum " + (plan.request.defer_last_sum ? "on" : "off") + ")");

@@ -113,10 +113,10 @@ struct StepsInput {
   int signal_slots = 0;  // PeerSignals slots per pair of ranks
 };
 
-// CudaLinearShape::accumulate's conditions (gemm_rs at tp 1, any knobs): UNIMPLEMENTED
-// naming the layer (`ctx`) and what stands in the way; OK when the shape does not accumulate.
-Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape,
-                       const LinearKnobs& knobs, int tp);
+// CudaLinearShape::accumulate's conditions (gemm_rs at tp 1 with per-tensor scales; every
+// mode of such a layer is its GEMMs alone): UNIMPLEMENTED naming the layer (`ctx`) and what
+// stands in the way; OK when the shape does not accumulate.
+Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape, int tp);
 
 // The plan request of a layer's M: PlanRequest::defer_last_sum for a gemm_rs ring on copy
 // engines (tp > 1) at one chunk, not in_place; the rest as the shape and knobs say.

@@ -187,11 +187,11 @@ void BuildGemmReduceScatter(PlanBuilder& b, const PlanRequest& req) {
           if (g >= 0) {
             b.step(g).accumulate = k > 0 && !defer;
             b.step(g).final_output = k == tp - 1 && !defer;
-          }
-          if (defer && g >= 0) {
-            std::vector<int> deps = DepsOf(arrived[j]);
-            deps.push_back(g);
-            b.AddSum(idx, b.Chunk(dest, j), std::move(deps));
+            if (defer) {
+              std::vector<int> deps = DepsOf(arrived[j]);
+              deps.push_back(g);
+              b.AddSum(idx, b.Chunk(dest, j), std::move(deps));
+            }
           }
           arrived[j] = -1;
           if (k < tp - 1) {

@@ -454,19 +454,18 @@ TEST(CudaLinearSteps, AccumulateAddsEveryGemmIntoYAtTpOne) {
   CudaLinearShape shape;
   shape.op = OverlapOp::kGemmReduceScatter;
   shape.accumulate = true;
-  LinearKnobs knobs;
-  EXPECT_TRUE(cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 1).ok());
-  const Status tp2 = cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 2);
+  EXPECT_TRUE(cuda_linear_detail::CheckAccumulate("layer x", shape, 1).ok());
+  const Status tp2 = cuda_linear_detail::CheckAccumulate("layer x", shape, 2);
   EXPECT_EQ(tp2.code(), StatusCode::kUnimplemented);
   EXPECT_NE(tp2.message().find("layer x"), std::string::npos) << tp2.ToString();
   EXPECT_NE(tp2.message().find("tp 2"), std::string::npos) << tp2.ToString();
   shape.scale_scheme = GemmScaleScheme::kPerTokenChannel;
-  const Status fine = cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 1);
+  const Status fine = cuda_linear_detail::CheckAccumulate("layer x", shape, 1);
   EXPECT_EQ(fine.code(), StatusCode::kUnimplemented);
   EXPECT_NE(fine.message().find("per_token_channel"), std::string::npos) << fine.ToString();
   shape.scale_scheme = GemmScaleScheme::kPerTensor;
   shape.op = OverlapOp::kAllGatherGemm;
-  EXPECT_EQ(cuda_linear_detail::CheckAccumulate("layer x", shape, knobs, 1).code(),
+  EXPECT_EQ(cuda_linear_detail::CheckAccumulate("layer x", shape, 1).code(),
             StatusCode::kUnimplemented);
 }
 
