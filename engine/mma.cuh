@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "engine/device_math.cuh"
 
@@ -94,19 +95,34 @@ __device__ __forceinline__ float Exp2Approx(float x) {
   return y;
 }
 
-// Eight E4M3 codes as eight BF16 values (exact: E4M3 has fewer mantissa and exponent bits).
+// Two E4M3 codes (bytes 0 and 1 of `pair`) as a bf16x2 word, exact, on the integer and
+// half-precision pipes only (the format conversions run at a quarter of their rate, and a
+// decode step over an E4M3 cache widens every code it reads). Each code's sign goes to bit 15
+// of its 16-bit lane and its seven exponent and mantissa bits to bits 4..10: read as BF16 that
+// is the code's value times 2^-120 (a normal code's exponent field e is BF16's e too, whose
+// bias is 120 more; a subnormal code becomes the BF16 subnormal of the same mantissa), and
+// one BF16 multiply by 2^120 restores it exactly. The two NaN codes (0x7F, 0xFF) read as
+// +-480; the cache writers saturate, so they never store one.
+__device__ __forceinline__ uint32_t Fp8x2ToBf16x2(uint32_t pair) {
+  const uint32_t lanes = __byte_perm(pair, 0u, 0x4140u);  // [0 | code1][0 | code0]
+  const uint32_t sign = lanes & 0x00800080u;
+  // lanes * 16 puts the magnitude at bits 4..10 and the sign at bit 11; sign * 240 moves it
+  // to bit 15 (+2^15 - 2^11 in each lane; no lane carries into the next).
+  const uint32_t bits = lanes * 16u + sign * 240u;
+  __nv_bfloat162 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  const __nv_bfloat162 kTwoTo120 =
+      __halves2bfloat162(__ushort_as_bfloat16(0x7B80u), __ushort_as_bfloat16(0x7B80u));
+  v = __hmul2(v, kTwoTo120);
+  uint32_t out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+// Eight E4M3 codes as eight BF16 values (exact; see Fp8x2ToBf16x2).
 __device__ __forceinline__ uint4 Fp8x8ToBf16x8(const uint2& raw) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t word = i < 2 ? raw.x : raw.y;
-    const __nv_fp8x2_storage_t pair =
-        static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i & 1))) & 0xFFFFu);
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
-    const float2 f = __half22float2(__half2(h));
-    w[i] = PackBf16x2(f.x, f.y);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint4(Fp8x2ToBf16x2(raw.x), Fp8x2ToBf16x2(raw.x >> 16), Fp8x2ToBf16x2(raw.y),
+                    Fp8x2ToBf16x2(raw.y >> 16));
 }
 
 }  // namespace tpserve::device

@@ -71,7 +71,8 @@ struct PagedCase {
   std::vector<int32_t> query;    // query rows per sequence in the step (<= context)
   int64_t q_heads = 8, kv_heads = 2, head_dim = 128, block_size = 16;
   KvCacheDtype dtype = KvCacheDtype::kBFloat16;
-  float q_range = 2.0f;        // q uniform in [-q_range, q_range]; k, v in [-1, 1]
+  float q_range = 2.0f;        // q uniform in [-q_range, q_range]
+  float kv_range = 1.0f;       // k, v uniform in [-kv_range, kv_range]
   int64_t splits = 0;          // PagedAttentionParams::splits
   int64_t max_query_rows = 0;  // 0: the true maximum
   bool with_workspace = true;  // false: no workspace (one split)
@@ -147,7 +148,7 @@ void BuildStep(cudaStream_t stream, const PagedCase& c, uint32_t seed, PagedStep
   st->qkv_stride = st->q_width + 2 * kv_width;
   std::vector<int32_t> slots;
   std::vector<BFloat16> kv_qkv;
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::uniform_real_distribution<float> dist(-c.kv_range, c.kv_range);
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t ctx = c.context[s];
     std::vector<float> k(ctx * kv_width), v(ctx * kv_width);
@@ -333,7 +334,8 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
   // The tensor-core prefill kernel's P is BF16: up to 2^-8 of max |v| = 1 per output (the
   // packed kernel's bound in gpu_ops_test.cc); the split kernels stay in FP32, and the decode
   // kernel's P keeps about 16 bits (a BF16 high part and remainder), within the FP32 bound.
-  const double abs_tol = c.multi_row_list ? std::ldexp(1.0, -8) : 2e-5;
+  // Both scale with the values' range.
+  const double abs_tol = (c.multi_row_list ? std::ldexp(1.0, -8) : 2e-5) * c.kv_range;
   ExpectAttentionNear(out, ref, st.tokens, st.q_width, abs_tol,
                       what + " (" + std::to_string(splits) + " splits)");
 }
@@ -370,6 +372,12 @@ TEST_F(GpuGenerationOpsTest, DecodeMatchesReferenceWithSplitContexts) {
   CheckPagedAttention(stream(), e, 405);
   PagedCase f{ctx, one, 4, 2, 128, 24, KvCacheDtype::kFloat8E4M3};
   CheckPagedAttention(stream(), f, 406);
+  // Keys and values up to E4M3's largest finite value: with the cases above ([-1, 1], whose
+  // codes include every subnormal) every code the cache writer can store is widened.
+  PagedCase wide{ctx, one, 8, 2, 128, 16, KvCacheDtype::kFloat8E4M3};
+  wide.kv_range = 448.0f;
+  wide.q_range = 0.002f;
+  CheckPagedAttention(stream(), wide, 407);
 }
 
 TEST_F(GpuGenerationOpsTest, PrefillChunksStartingMidBlockMatchReference) {
