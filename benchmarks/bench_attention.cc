@@ -4,6 +4,10 @@
 // TFLOP/s count the causal half, 4 * len^2 / 2 * head_dim * heads per sequence, as
 // torch_model_compiled.py --attention-only counts SDPA's. The two kernels' outputs are
 // compared (relative Frobenius difference): a run whose kernels disagree fails.
+// With --decode it times the decode attention kernel instead (LaunchPagedAttention, one query
+// row per sequence, as a generation step calls it) over a paged cache of each --kv-dtypes, each
+// batch against its bytes floor: the cache bytes it must read (K and V of every context token)
+// plus Q and the output, over the bandwidth of a device-to-device copy timed in the same run.
 #include <cuda_runtime_api.h>
 #include <spdlog/spdlog.h>
 
@@ -12,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +29,8 @@
 #include "comm/dtype.h"
 #include "engine/attention_wgmma.h"
 #include "engine/cuda_ops.h"
+#include "engine/kv_cache.h"
+#include "engine/paged_kv_ops.h"
 #include "layers/random_fill.h"
 #include "server/cli_numbers.h"
 
@@ -39,6 +46,10 @@ struct Flags {
   double max_rel_diff = 1e-2;
   bool fp8_out = false;
   std::string out = "attention.json";
+  bool decode = false;
+  std::vector<int64_t> batches = {1, 8, 64, 256};
+  int64_t context = 1024, block_size = 16, max_context = 8192;
+  std::vector<std::string> kv_dtypes = {"bf16", "fp8"};
 };
 
 // Relative Frobenius difference of two BF16 tensors.
@@ -150,12 +161,140 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   return Status::Ok();
 }
 
+// Device-to-device copy bandwidth in GB/s (each byte read and written once), median of
+// `rounds`: the decode floors' bandwidth.
+StatusOr<double> CopyGbs(const Flags& f, cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 32;
+  TP_ASSIGN_OR_RETURN(DeviceBuffer src, DeviceBuffer::Allocate(bytes, "copy source"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer dst, DeviceBuffer::Allocate(bytes, "copy destination"));
+  TP_ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(true));
+  TP_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create(true));
+  std::vector<double> ms;
+  for (int i = 0; i < f.warmup + f.rounds; ++i) {
+    TP_ASSIGN_OR_RETURN(const double t, TimeLaunchMs(stream, start, end, [&]() -> Status {
+                          TP_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), bytes,
+                                                        cudaMemcpyDeviceToDevice, stream));
+                          return Status::Ok();
+                        }));
+    if (i >= f.warmup) ms.push_back(t);
+  }
+  return 2.0 * static_cast<double>(bytes) / (Median(ms) / 1e3) / 1e9;
+}
+
+// One decode launch: `batch` sequences of `context` cached tokens (this step's token
+// included), their blocks scattered over the pool in a shuffled order as a running server's
+// are, the split count the launcher picks for a table as wide as --max-context.
+Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, double copy_gbs,
+                 cudaStream_t stream, json& records) {
+  const int64_t per_seq = (f.context + f.block_size - 1) / f.block_size;
+  const int64_t width = std::max(per_seq, (f.max_context + f.block_size - 1) / f.block_size);
+  KvCacheLayout layout;
+  layout.layers = 1;
+  layout.num_blocks = batch * per_seq;
+  layout.block_size = f.block_size;
+  layout.kv_heads = f.kv_heads;
+  layout.head_dim = f.head_dim;
+  layout.dtype = dtype;
+  const int64_t q_width = f.heads * f.head_dim, kv_width = f.kv_heads * f.head_dim;
+  const int64_t stride = q_width + 2 * kv_width;
+  const size_t elem = static_cast<size_t>(KvCacheElementBytes(dtype));
+  TP_ASSIGN_OR_RETURN(
+      DeviceBuffer cache,
+      DeviceBuffer::Allocate(static_cast<size_t>(layout.Elements()) * elem, "cache"));
+  TP_RETURN_IF_ERROR(LaunchRandomUniform(
+      cache.data(), dtype == KvCacheDtype::kBFloat16 ? DataType::kBFloat16 : DataType::kFloat8E4M3,
+      static_cast<size_t>(layout.Elements()), 23, 1.0f, stream));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer qkv, DeviceBuffer::Allocate(batch * stride * 2, "qkv"));
+  TP_RETURN_IF_ERROR(LaunchRandomUniform(qkv.data(), DataType::kBFloat16,
+                                         static_cast<size_t>(batch * stride), 29, 2.0f, stream));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Allocate(batch * q_width * 2, "out"));
+  std::vector<int32_t> ids(static_cast<size_t>(layout.num_blocks));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+  std::mt19937 rng(31);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> tables(static_cast<size_t>(batch * width), -1), cu(batch + 1),
+      ctx(batch, static_cast<int32_t>(f.context));
+  for (int64_t s = 0; s < batch; ++s) {
+    for (int64_t b = 0; b < per_seq; ++b) tables[s * width + b] = ids[s * per_seq + b];
+  }
+  for (int64_t s = 0; s <= batch; ++s) cu[s] = static_cast<int32_t>(s);
+  auto upload = [&](const std::vector<int32_t>& v, const char* what) -> StatusOr<DeviceBuffer> {
+    TP_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::Allocate(v.size() * 4, what));
+    TP_CUDA_CHECK(
+        cudaMemcpyAsync(d.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice, stream));
+    return d;
+  };
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_tables, upload(tables, "block_tables"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_cu, upload(cu, "cu_seqlens"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_ctx, upload(ctx, "context_lens"));
+  const size_t ws_bytes =
+      PagedAttentionWorkspaceBytes(batch, f.heads, f.head_dim, width * f.block_size);
+  TP_ASSIGN_OR_RETURN(DeviceBuffer ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
+
+  PagedAttentionParams p;
+  p.q = qkv.as<BFloat16>();
+  p.q_row_stride = stride;
+  p.q_heads = f.heads;
+  p.cache = cache.data();
+  p.layout = layout;
+  p.cu_seqlens = d_cu.as<int32_t>();
+  p.context_lens = d_ctx.as<int32_t>();
+  p.block_tables = d_tables.as<int32_t>();
+  p.num_seqs = batch;
+  p.tokens = batch;
+  p.max_blocks = width;
+  p.max_query_rows = 1;
+  p.max_context = width * f.block_size;
+  p.out = out.as<BFloat16>();
+  p.out_row_stride = q_width;
+  p.workspace = ws.data();
+  p.workspace_bytes = ws_bytes;
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t splits = PagedAttentionSplitsFor(p, sms);
+  TP_ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(true));
+  TP_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create(true));
+  std::vector<double> ms;
+  for (int i = 0; i < f.warmup + f.rounds; ++i) {
+    TP_ASSIGN_OR_RETURN(const double t, TimeLaunchMs(stream, start, end, [&] {
+                          return LaunchPagedAttention(p, stream);
+                        }));
+    if (i >= f.warmup) ms.push_back(t);
+  }
+  const double med = Median(ms);
+  const double bytes = static_cast<double>(batch) * static_cast<double>(f.context) *
+                           static_cast<double>(2 * kv_width) * static_cast<double>(elem) +
+                       static_cast<double>(batch) * static_cast<double>(2 * q_width) * 2.0;
+  const double floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
+  std::printf(
+      "decode %-4s batch %4ld ctx %5ld: %8.3f ms (%ld splits)  %7.0f GB/s  floor %.3f ms  "
+      "%.2fx\n",
+      KvCacheDtypeName(dtype), static_cast<long>(batch), static_cast<long>(f.context), med,
+      static_cast<long>(splits), bytes / (med / 1e3) / 1e9, floor_ms, med / floor_ms);
+  std::fflush(stdout);
+  records.push_back({{"kernel", "paged_decode"},
+                     {"kv_dtype", KvCacheDtypeName(dtype)},
+                     {"batch", batch},
+                     {"context", f.context},
+                     {"block_size", f.block_size},
+                     {"splits", splits},
+                     {"median_ms", med},
+                     {"times_ms", ms},
+                     {"bytes", bytes},
+                     {"gb_per_s", bytes / (med / 1e3) / 1e9},
+                     {"floor_ms", floor_ms},
+                     {"x_floor", med / floor_ms}});
+  return Status::Ok();
+}
+
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{
       "tpserve-bench-attention: times the prefill attention kernels (the Hopper warpgroup-MMA "
       "kernel where it applies, and the mma.sync kernel) on causal batches, interleaved round "
-      "by round, and checks that their outputs agree"};
+      "by round, and checks that their outputs agree; with --decode, the decode attention "
+      "kernel over a paged cache against its bytes floor"};
   StrictNumbers(app);
   app.add_option("--shapes", f.shapes, "batch shapes SEQSxLEN: SEQS sequences of LEN tokens")
       ->capture_default_str();
@@ -178,6 +317,25 @@ int Main(int argc, char** argv) {
                "time with the output as E4M3 codes only (out_fp8, as the FP8 model calls it) "
                "instead of BF16; the kernels are compared on BF16 either way");
   app.add_option("--out", f.out, "JSON results, rewritten after every shape")
+      ->capture_default_str();
+  app.add_flag("--decode", f.decode,
+               "time the decode attention kernel (one query row per sequence over a paged "
+               "cache) instead of the prefill kernels; --shapes is then not used");
+  app.add_option("--batches", f.batches, "--decode: sequences per launch (a case each)")
+      ->check(Positive())
+      ->capture_default_str();
+  app.add_option("--context", f.context, "--decode: cached tokens per sequence")
+      ->check(Positive())
+      ->capture_default_str();
+  app.add_option("--kv-dtypes", f.kv_dtypes, "--decode: cache element types (bf16, fp8)")
+      ->capture_default_str();
+  app.add_option("--kv-block-size", f.block_size, "--decode: tokens per cache block")
+      ->check(Positive())
+      ->capture_default_str();
+  app.add_option("--max-context", f.max_context,
+                 "--decode: block-table width in tokens, which sizes the split count as a "
+                 "server's longest context does (llama3-8b: 8192)")
+      ->check(Positive())
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (f.heads % f.kv_heads != 0) {
@@ -206,6 +364,39 @@ int Main(int argc, char** argv) {
                 {"rounds", f.rounds},
                 {"flops", "4 * len^2 / 2 * head_dim * heads per sequence (causal half)"}}},
               {"records", json::array()}};
+  if (f.decode) {
+    std::vector<KvCacheDtype> dtypes;
+    for (const std::string& name : f.kv_dtypes) {
+      auto d = ParseKvCacheDtype(name);
+      if (!d.ok()) {
+        spdlog::error("--kv-dtypes: {}", d.status().ToString());
+        return 2;
+      }
+      dtypes.push_back(*d);
+    }
+    auto gbs = CopyGbs(f, stream->get());
+    if (!gbs.ok()) {
+      spdlog::error("copy bandwidth: {}", gbs.status().ToString());
+      return 1;
+    }
+    std::printf("device-to-device copy %.0f GB/s (the floors' bandwidth)\n", *gbs);
+    doc["meta"]["copy_gb_per_s"] = *gbs;
+    doc["meta"]["floor"] = "(K and V bytes of every context token + Q and output) / copy GB/s";
+    for (KvCacheDtype d : dtypes) {
+      for (int64_t batch : f.batches) {
+        Status st = RunDecode(f, d, batch, *gbs, stream->get(), doc["records"]);
+        if (!st.ok()) {
+          spdlog::error("decode {} batch {}: {}", KvCacheDtypeName(d), batch, st.ToString());
+          return 1;
+        }
+        if (std::string err = WriteReplacing(f.out, doc.dump(1)); !err.empty()) {
+          spdlog::error("{}", err);
+          return 1;
+        }
+      }
+    }
+    return 0;
+  }
   bool agree = true;
   for (const BatchShape& b : shapes) {
     Status st = RunShape(f, b, stream->get(), doc["records"], agree);
