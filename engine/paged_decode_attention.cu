@@ -25,8 +25,11 @@ using namespace device;
 // the CTA merges its warps'. The MMAs are BF16 with FP32 accumulation (Q and K are BF16
 // already: exact products); for P.V, P is split into its BF16 rounding and the BF16 rounding
 // of the remainder, two MMAs, so P keeps about 16 bits and the result stays within FP32-math
-// error of the reference. An E4M3 cache is copied as codes and each warp widens its own keys
-// to BF16 (exactly) before its MMAs.
+// error of the reference. An E4M3 cache is copied as codes: each lane widens its own key
+// fragments to BF16 (exactly) in registers, reading the dims of a 32-dim slice in an order of
+// its own (Q's fragments follow the same order, so the dot products are the same sums), and
+// each warp widens its value rows into shared memory for ldmatrix's transpose, first thing in
+// the tile so that those loads and stores overlap the S product and the softmax.
 // A sequence's context is cut into splits on the device, from its own length (at most
 // a.splits of at least kDecodeMinSplitKeys keys each), so one graph serves every context; a
 // split past the context writes an empty partial (m = -inf, l = 0) for the combine pass.
@@ -34,13 +37,17 @@ constexpr int kDecodeKeys = 16 * kAttnWarps;  // keys per tile
 
 // Dynamic shared memory of the decode kernel:
 // [stages x (K tile | V tile)] [FP8: per-warp BF16 rows] [Q tile] [key flags].
-// A step's loads wait on a loaded HBM's latency, so the bytes in flight per SM set its speed:
-// as many stages as let two CTAs share an SM (head_dim 128: 3 BF16 stages of 34 KiB, 5 E4M3
-// stages of 18 KiB; each CTA has up to stages - 1 tiles in flight while it computes).
+// A step's loads wait on a loaded HBM's latency, so the bytes in flight per SM bound its speed
+// (each CTA has up to stages - 1 tiles in flight while it computes). A BF16 step moves
+// bytes near the HBM's rate with two CTAs an SM (3 stages of 34 KiB at head_dim 128); an
+// E4M3 step moves half as many for the same MMAs and softmax, so it is bound by the latency
+// of each warp's chain instead, and takes three CTAs an SM (3 stages of 18 KiB): more warps
+// to issue from, as many tiles in flight.
 template <int kHeadDim, bool kFp8>
 struct DecodeSmem {
-  static constexpr int kStages = kFp8 ? 5 : 3;
-  // BF16 rows padded by 16 bytes: rows stay 16-byte aligned for cp.async, and the ldmatrix
+  static constexpr int kStages = 3;
+  static constexpr int kCtasPerSm = kFp8 ? 3 : 2;
+  // Rows padded by 16 bytes: they stay 16-byte aligned for cp.async, and (BF16) the ldmatrix
   // row addresses of 8 consecutive rows fall on distinct banks.
   static constexpr int kPitch = kHeadDim + 8;
   static constexpr int kRowBytes = kFp8 ? kHeadDim + 16 : 2 * kPitch;    // a cache row staged
@@ -51,14 +58,15 @@ struct DecodeSmem {
   static constexpr int kQBytes = 8 * kPitch * 2;
   static constexpr int kFlagBytes = kStages * kDecodeKeys * 4;
   static constexpr int kBytes = kStagesBytes + kWidenBytes + kQBytes + kFlagBytes;
-  // Two CTAs per SM: 228 KiB of shared memory, 1 KiB of it reserved per CTA.
-  static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two CTAs per SM");
+  // 228 KiB of shared memory an SM, 1 KiB of it reserved per CTA.
+  static_assert(kCtasPerSm * (kBytes + 1024) <= 228 * 1024, "CTAs per SM");
   // The warps' merge reuses the stages once the pipeline has drained.
   static_assert(kAttnWarps * 8 * (kHeadDim + 2) * 4 <= kStagesBytes, "merge area");
 };
 
 template <int kHeadDim, bool kFp8, int kGroup>
-__global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(AttnArgs a) {
+__global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCtasPerSm)
+    PagedDecodeAttentionKernel(AttnArgs a) {
   using L = DecodeSmem<kHeadDim, kFp8>;
   constexpr int kPitch = L::kPitch;
   constexpr int kKSteps = kHeadDim / 16;  // k-steps of K.Q^T
@@ -155,12 +163,20 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
       *reinterpret_cast<uint4*>(q_tile + r * kPitch + c * 8) = v;
     }
     __syncthreads();  // q_tile
-    // B fragments of Q^T (k = dims, n = queries), two k-steps per ldmatrix.
+    // B fragments of Q^T (k = dims, n = queries), two k-steps at a time. BF16 cache: in dim
+    // order, by ldmatrix. E4M3 cache: k-steps 2c and 2c + 1 of lane (g, t) take dims
+    // 32c + 8t .. 32c + 8t + 7 of query g, in the order the lane widens its keys' codes
+    // (k-step 2c: dims +0..3, 2c + 1: +4..7; low k-rows 2t, 2t + 1 first).
     uint32_t qb[kKSteps][2];
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ks += 2) {
       uint32_t r[4];
-      LoadMatrixX4<false>(r, q_tile + (lane & 7) * kPitch + ks * 16 + mat * 8);
+      if constexpr (kFp8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q_tile + g * kPitch + ks * 16 + 8 * t);
+        r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+      } else {
+        LoadMatrixX4<false>(r, q_tile + (lane & 7) * kPitch + ks * 16 + mat * 8);
+      }
       qb[ks][0] = r[0];
       qb[ks][1] = r[1];
       qb[ks + 1][0] = r[2];
@@ -191,38 +207,43 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
       if (key_lo + i * kDecodeKeys + 16 * warp >= key_end) continue;  // warp-uniform
       const uint8_t* st = stages + stage * 2 * L::kTileBytes;
       const int* ok = key_ok + stage * kDecodeKeys + 16 * warp;
-      // An E4M3 tile's rows are widened into the warp's BF16 rows, K first, then V (after
-      // the S product has read K).
-      uint16_t* w = kFp8 ? widen + warp * 16 * kPitch : nullptr;
-      auto widen_rows = [&](int kv) {
+      const uint16_t* v_rows;
+      if constexpr (kFp8) {
+        // The warp's 16 value rows widened into its BF16 rows (read back after the softmax).
+        uint16_t* w = widen + warp * 16 * kPitch;
 #pragma unroll
         for (int e = lane; e < 16 * kQVecs; e += 32) {
           const int r = e / kQVecs, c = e % kQVecs;
-          const uint2 raw = *reinterpret_cast<const uint2*>(st + kv * L::kTileBytes +
+          const uint2 raw = *reinterpret_cast<const uint2*>(st + L::kTileBytes +
                                                             (16 * warp + r) * L::kRowBytes + c * 8);
           *reinterpret_cast<uint4*>(w + r * kPitch + c * 8) = Fp8x8ToBf16x8(raw);
         }
-        __syncwarp();
-      };
-      const uint16_t* k_rows;
-      const uint16_t* v_rows;
-      if constexpr (kFp8) {
-        widen_rows(0);
-        k_rows = w;
         v_rows = w;
       } else {
-        k_rows = reinterpret_cast<const uint16_t*>(st) + 16 * warp * kPitch;
         v_rows = reinterpret_cast<const uint16_t*>(st + L::kTileBytes) + 16 * warp * kPitch;
       }
       // S^T = K.Q^T: the warp's 16 keys (rows) by the 8 query columns.
       // Two accumulators (even and odd k-steps) halve the chain of dependent MMAs.
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t ka[4];
-        LoadMatrixX4<false>(
-            ka, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat >> 1) * 8);
-        MmaBf16((ks & 1) ? sc_odd : sc, ka, qb[ks][0], qb[ks][1]);
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        uint32_t ka[4], kb[4];
+        if constexpr (kFp8) {
+          // Keys g and g + 8, dims 16 ks + 8t .. + 7, widened in registers (see qb).
+          const uint8_t* row = st + (16 * warp + g) * L::kRowBytes + ks * 16 + 8 * t;
+          const uint4 lo = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(row));
+          const uint4 hi = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(row + 8 * L::kRowBytes));
+          ka[0] = lo.x, ka[1] = hi.x, ka[2] = lo.y, ka[3] = hi.y;
+          kb[0] = lo.z, kb[1] = hi.z, kb[2] = lo.w, kb[3] = hi.w;
+        } else {
+          const uint16_t* k_rows = reinterpret_cast<const uint16_t*>(st) + 16 * warp * kPitch;
+          LoadMatrixX4<false>(
+              ka, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat >> 1) * 8);
+          LoadMatrixX4<false>(
+              kb, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + 16 + (mat >> 1) * 8);
+        }
+        MmaBf16(sc, ka, qb[ks][0], qb[ks][1]);
+        MmaBf16(sc_odd, kb, qb[ks + 1][0], qb[ks + 1][1]);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[e] += sc_odd[e];
@@ -272,11 +293,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) PagedDecodeAttentionKernel(At
         pl[k] = __byte_perm(__shfl_sync(0xffffffffu, lo[k], src_even),
                             __shfl_sync(0xffffffffu, lo[k], src_odd), half_sel);
       }
-      if constexpr (kFp8) {
-        __syncwarp();  // every lane's K fragments are read
-        widen_rows(1);
-      }
-      // O^T += V^T.P^T: A fragments of V^T (dims x keys) by ldmatrix.trans of the V rows.
+      if constexpr (kFp8) __syncwarp();  // every lane's value rows are widened
+        // O^T += V^T.P^T: A fragments of V^T (dims x keys) by ldmatrix.trans of the V rows.
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         uint32_t va[4];
