@@ -645,7 +645,8 @@ const std::vector<std::string>& GenerateFields() {
                                                    "itl_p50_ms",
                                                    "itl_p90_ms",
                                                    "itl_p99_ms",
-                                                   "e2e_mean_ms"};
+                                                   "e2e_mean_ms",
+                                                   "closed_loop_output_tokens_per_sec"};
   return kFields;
 }
 
@@ -674,6 +675,11 @@ void AddGenerateFields(const std::vector<Window>& windows, const GenerateOptions
     j[n + "_p99_ms"] = NumberOrNull(d.p99);
   }
   j["e2e_mean_ms"] = NumberOrNull(g.e2e_ms.mean);
+  // Closed loops only (open loops have no fixed number of requests in flight).
+  const bool closed = j.contains("concurrency") && j["concurrency"].is_number_integer();
+  j["closed_loop_output_tokens_per_sec"] =
+      closed ? NumberOrNull(ClosedLoopOutputTokensPerSec(g, j["concurrency"].get<int64_t>()))
+             : Json(nullptr);
 }
 
 Json GenerateMeta(const GenerateOptions& o) {
@@ -695,7 +701,11 @@ std::string GenerateStepLine(const Json& r) {
     return Fmt(r[n + "_p50_ms"], 2) + "/" + Fmt(r[n + "_p90_ms"], 2) + "/" +
            Fmt(r[n + "_p99_ms"], 2);
   };
-  return "  generation: " + Fmt(r["output_tokens_per_sec"], 1) + " output tok/s, " +
+  const std::string steady =
+      r["closed_loop_output_tokens_per_sec"].is_number()
+          ? " (clients x tokens / e2e: " + Fmt(r["closed_loop_output_tokens_per_sec"], 1) + ")"
+          : "";
+  return "  generation: " + Fmt(r["output_tokens_per_sec"], 1) + " output tok/s" + steady + ", " +
          Fmt(r["total_tokens_per_sec"], 1) + " total tok/s, goodput " +
          Fmt(r["goodput_per_sec"], 2) + " req/s; p50/p90/p99 ms: TTFT " + three("ttft") +
          ", TPOT " + three("tpot") + ", ITL " + three("itl") + ", e2e " + Fmt(r["p50_ms"], 2) +

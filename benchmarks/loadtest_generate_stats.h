@@ -122,6 +122,19 @@ inline GenSummary Summarize(const std::vector<GenSample>& samples, double second
   return g;
 }
 
+// A closed loop's steady output tokens/s by Little's law: `clients` requests always in flight,
+// each yielding the mean output tokens over the mean end-to-end latency. The windowed rate
+// counts the tokens of requests completing inside the windows, so when generations last
+// longer than a window and the clients, started together, complete in waves, it reads the
+// waves' phase rather than the server's speed; this figure does not. NaN without requests
+// or clients.
+inline double ClosedLoopOutputTokensPerSec(const GenSummary& g, int64_t clients) {
+  if (g.requests <= 0 || clients <= 0 || !(g.e2e_ms.mean > 0)) return std::nan("");
+  const double tokens_per_request =
+      static_cast<double>(g.output_tokens) / static_cast<double>(g.requests);
+  return static_cast<double>(clients) * tokens_per_request / (g.e2e_ms.mean / 1e3);
+}
+
 // Output tokens per request: "N" or "MIN:MAX" (drawn uniformly per request), whole numbers
 // with 1 <= MIN <= MAX <= kMaxOutputLen; nullopt when malformed.
 struct OutputLen {

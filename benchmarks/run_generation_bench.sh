@@ -14,7 +14,9 @@
 # KV_GIB (40: KV cache per GPU), KV_DTYPE (bf16, or fp8: E4M3 KV cache; its JSON names end in
 # -kvfp8), STEP_TOKENS (8192), RUNNING (256), CASE_TIMEOUT_S (240), TP (1: one process per GPU
 # beyond; JSON names end in -tpN), OVERLAP (an overlap config for TP > 1, e.g.
-# deploy/overlap-llama3-70b-tp2.yaml; none: every layer in mode none).
+# deploy/overlap-llama3-70b-tp2.yaml; none: every layer in mode none), WARMUP_S (3), DURATION_S
+# (10: seconds per window), MAX_TRIALS (3: windows per case; long generations need long windows,
+# since a closed loop's clients start together and finish in waves).
 # Each step is bounded in time; the server is stopped with SIGTERM at the end (or on error).
 set -euo pipefail
 [ $# -ge 2 ] || { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -63,7 +65,7 @@ for c in "$@"; do
   echo "== ISL $isl OSL $osl concurrency $conc ${kind:-streaming}, $kv_dtype KV cache"
   timeout "$case_timeout" "$bin/tpserve-loadtest" --url "127.0.0.1:$port" --model-name "$model" \
     --mode generate --prompt-len "$isl" --output-len "$osl" --ignore-eos --vocab 128256 "${mode[@]}" \
-    "${load[@]}" --warmup 3 --duration 10 --max-trials 3 --timeout-ms 600000 \
+    "${load[@]}" --warmup "${WARMUP_S:-3}" --duration "${DURATION_S:-10}" --max-trials "${MAX_TRIALS:-3}" --timeout-ms 600000 \
     --json "$out/generation-$model-isl$isl-osl$osl-c$conc$suffix$kv_suffix.json" || echo "case $c failed ($?)"
 done
 kill -TERM $server

@@ -36,7 +36,7 @@ GENERATE_FIELDS = ["output_tokens_per_sec", "total_tokens_per_sec", "goodput_per
                    "good_requests", "output_tokens", "prompt_tokens", "ttft_mean_ms",
                    "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms",
                    "tpot_p90_ms", "tpot_p99_ms", "itl_mean_ms", "itl_p50_ms", "itl_p90_ms",
-                   "itl_p99_ms", "e2e_mean_ms"]
+                   "itl_p99_ms", "e2e_mean_ms", "closed_loop_output_tokens_per_sec"]
 NO_GENERATION = "has no input named request_output_len"
 
 
@@ -493,6 +493,11 @@ class GenerateAgainstTpserve(GenerateChecks, unittest.TestCase):
             # Objectives a minute long: every request meets them.
             self.assertEqual(step["good_requests"], step["requests"], step)
             self.assertAlmostEqual(step["goodput_per_sec"], step["requests_per_sec"])
+            # Little's law over the same requests: clients x tokens per request / mean e2e.
+            want = (step["concurrency"] * step["output_tokens"] / step["requests"] /
+                    (step["e2e_mean_ms"] / 1e3))
+            self.assertAlmostEqual(step["closed_loop_output_tokens_per_sec"], want,
+                                   delta=1e-6 * want)
         with open(out_csv) as f:
             rows = list(csv.DictReader(f))
         self.assertEqual(len(rows), 2)
@@ -518,6 +523,7 @@ class GenerateAgainstTpserve(GenerateChecks, unittest.TestCase):
         step = doc["steps"][0]
         self.check_generate_step(step, (4, 8), streaming=False)
         self.assertIsNone(step["goodput_per_sec"], step)  # no objectives given
+        self.assertIsNone(step["closed_loop_output_tokens_per_sec"], step)  # an open loop
 
     def test_streaming_poisson(self):
         out_json = self.path("stream_rate.json")

@@ -75,6 +75,18 @@ TEST(LoadtestGenerateTest, TpotAndItlDifferWhenResponsesCarrySeveralTokens) {
   EXPECT_DOUBLE_EQ(g.itl_ms.p50, 100);
 }
 
+TEST(LoadtestGenerateTest, ClosedLoopThroughputIsClientsTimesTokensOverLatency) {
+  // e2e 140 and 360 ms (mean 250), 8 tokens over 2 requests: 4 clients give 4 * 4 / 0.25 s.
+  const std::vector<GenSample> v = {Streamed(100, 10, 5, 7), Streamed(300, 30, 3, 9)};
+  const GenSummary g = Summarize(v, 2.0, Slo{});
+  EXPECT_DOUBLE_EQ(ClosedLoopOutputTokensPerSec(g, 4), 64.0);
+  EXPECT_DOUBLE_EQ(ClosedLoopOutputTokensPerSec(g, 1), 16.0);
+  // The windowed rate does not depend on the clients; this one does, linearly.
+  EXPECT_DOUBLE_EQ(g.output_tokens_per_sec, 4.0);
+  EXPECT_TRUE(std::isnan(ClosedLoopOutputTokensPerSec(g, 0)));
+  EXPECT_TRUE(std::isnan(ClosedLoopOutputTokensPerSec(Summarize({}, 2.0, Slo{}), 4)));
+}
+
 TEST(LoadtestGenerateTest, UnaryRequestsHaveNoTtftTpotOrItl) {
   GenSample s;
   s.e2e_ms = 500;
