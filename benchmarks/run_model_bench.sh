@@ -7,6 +7,8 @@
 # TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s),
 # PEER: eager (torch_model.py, any TP) or compiled (torch_model_compiled.py, TP 1: torch.compile,
 # CUDA graphs, fastest SDPA; FAST_ACCUM on|off|both, ATTENTION=1 adds SDPA alone per backend).
+# The compiled peer autotunes each GEMM shape once (llama3-70b's four take about 42 s each on
+# an H200): give it PEER_TIMEOUT of 300 s or more there.
 # The file of record at TP 1 (results/model-llama3-8b-tp1.json):
 #   MODEL=llama3-8b TP=1 BATCHES="8x1024 1x8192 64x128" OVERLAP=deploy/overlap-tp1-fast-accum.yaml \
 #   PEER=compiled ATTENTION=1 COMMIT=<sha> bash benchmarks/run_model_bench.sh
