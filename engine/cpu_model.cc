@@ -9,6 +9,7 @@
 #include "engine/kv_cache.h"
 #include "layers/cpu_linear.h"
 #include "layers/fp8.h"
+#include "layers/linear_knobs.h"
 
 namespace tpserve {
 
@@ -26,8 +27,9 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
   if (overlap_ != nullptr) {
     TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(name, op, global_n, global_k, m, comm_.size()));
   }
-  TP_ASSIGN_OR_RETURN(OverlapPlan plan, MakeOverlapPlan({op, knobs.mode, comm_.size(), comm_.rank(),
-                                                         m, knobs.chunks}));
+  // The schedule the GPU layer runs for these knobs (its deferred last sum included).
+  TP_ASSIGN_OR_RETURN(OverlapPlan plan,
+                      MakeOverlapPlan(LinearPlanRequest(op, knobs, comm_.size(), comm_.rank(), m)));
   // Activations in the layer's operand type.
   std::vector<uint8_t> xq;
   std::vector<float> x_scales;  // per token / per 1x128 group (CpuLinearArgs)

@@ -641,11 +641,8 @@ Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape, int
 }
 
 PlanRequest LayerPlanRequest(const StepsInput& in) {
-  PlanRequest q{in.shape.op, in.knobs.mode, in.tp, in.rank, in.m, in.knobs.chunks};
-  q.defer_last_sum = in.shape.op == OverlapOp::kGemmReduceScatter &&
-                     in.knobs.mode == OverlapMode::kRing && in.knobs.copy_engine && in.tp > 1 &&
-                     in.knobs.chunks == 1 && !in.in_place;
-  return q;
+  // in.in_place is knobs.in_place on copy engines at tp > 1, which defer_last_sum needs anyway.
+  return LinearPlanRequest(in.shape.op, in.knobs, in.tp, in.rank, in.m);
 }
 
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan) {

@@ -118,8 +118,9 @@ struct StepsInput {
 // stands in the way; OK when the shape does not accumulate.
 Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape, int tp);
 
-// The plan request of a layer's M: PlanRequest::defer_last_sum for a gemm_rs ring on copy
-// engines (tp > 1) at one chunk, not in_place; the rest as the shape and knobs say.
+// The plan request of a layer's M: LinearPlanRequest (layers/linear_knobs.h) of its op and
+// knobs, so defer_last_sum for a gemm_rs ring on copy engines (tp > 1) at one chunk, not
+// in_place.
 PlanRequest LayerPlanRequest(const StepsInput& in);
 
 // The steps of `plan` (the layer's plan for in.m, made from LayerPlanRequest(in)), with

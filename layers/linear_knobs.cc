@@ -43,4 +43,11 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
   return knobs.comm.Validate().WithContext("comm");
 }
 
+PlanRequest LinearPlanRequest(OverlapOp op, const LinearKnobs& knobs, int tp, int rank, int64_t m) {
+  PlanRequest q{op, knobs.mode, tp, rank, m, knobs.chunks};
+  q.defer_last_sum = op == OverlapOp::kGemmReduceScatter && knobs.mode == OverlapMode::kRing &&
+                     knobs.copy_engine && tp > 1 && knobs.chunks == 1 && !knobs.in_place;
+  return q;
+}
+
 }  // namespace tpserve

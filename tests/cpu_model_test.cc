@@ -21,6 +21,8 @@
 #include "engine/engine.h"
 #include "engine/safetensors.h"
 #include "layers/fp8.h"
+#include "layers/linear_knobs.h"
+#include "layers/overlap_plan.h"
 #include "tests/checkpoint_test_util.h"
 
 #include <thread>
@@ -110,6 +112,30 @@ layers:
                                   "test-overlap.yaml");
   ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
   EXPECT_LE(RelDiff(Logits(2, b, &*cfg), none), 1e-2);
+}
+
+// Rings on copy engines at one chunk: the row-parallel layers' plans end in the deferred
+// sum (a kSum step, as on the GPU), which must give the logits mode none gives.
+TEST(CpuModel, CopyEngineRingsWithTheDeferredSumGiveTheSameLogits) {
+  const TokenBatch b = Batch(kSeqs);
+  auto cfg = OverlapConfig::Parse(R"(version: 1
+defaults:
+  mode: ring
+  chunks: 1
+  copy_engine: true
+)",
+                                  "ring-ce.yaml");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  for (int tp : {2, 4}) {
+    SCOPED_TRACE("tp=" + std::to_string(tp));
+    auto knobs = cfg->Resolve("layers.0.attn.o", OverlapOp::kGemmReduceScatter, 64, 64, 16, tp);
+    ASSERT_TRUE(knobs.ok()) << knobs.status().ToString();
+    auto plan =
+        MakeOverlapPlan(LinearPlanRequest(OverlapOp::kGemmReduceScatter, *knobs, tp, 0, 16));
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    EXPECT_EQ(plan->steps.back().kind, StepKind::kSum) << DescribePlan(*plan);
+    EXPECT_LE(RelDiff(Logits(tp, b, &*cfg), Logits(tp, b)), 1e-2);
+  }
 }
 
 TEST(CpuModel, CheckpointOnDiskGivesTheSameLogitsAsRandomWeights) {

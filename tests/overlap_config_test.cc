@@ -270,6 +270,38 @@ TEST(OverlapConfig, FullWeightOnlyForCopyEngineGemmRs) {
 // A level in mode none does not reset what inner levels inherit: its own
 // resolved knobs have one chunk, an M range below it that picks ring gets the
 // defaults' four.
+// The one rule for the deferred last sum, shared by CudaLinear and the CPU model.
+TEST(LinearPlanRequest, DefersTheLastSumOnlyWhereTheGpuRingDoes) {
+  LinearKnobs ce;
+  ce.mode = OverlapMode::kRing;
+  ce.copy_engine = true;
+  const PlanRequest q = LinearPlanRequest(OverlapOp::kGemmReduceScatter, ce, 4, 3, 100);
+  EXPECT_TRUE(q.defer_last_sum);
+  EXPECT_EQ(q.op, OverlapOp::kGemmReduceScatter);
+  EXPECT_EQ(q.mode, OverlapMode::kRing);
+  EXPECT_EQ(q.tp, 4);
+  EXPECT_EQ(q.rank, 3);
+  EXPECT_EQ(q.m, 100);
+  EXPECT_EQ(q.chunks, 1);
+  EXPECT_TRUE(MakeOverlapPlan(q).ok());
+  EXPECT_FALSE(LinearPlanRequest(OverlapOp::kAllGatherGemm, ce, 4, 0, 100).defer_last_sum);
+  EXPECT_FALSE(LinearPlanRequest(OverlapOp::kGemmReduceScatter, ce, 1, 0, 100).defer_last_sum);
+  LinearKnobs two = ce;
+  two.chunks = 2;
+  EXPECT_FALSE(LinearPlanRequest(OverlapOp::kGemmReduceScatter, two, 4, 0, 100).defer_last_sum);
+  LinearKnobs in_place = ce;
+  in_place.in_place = true;
+  EXPECT_FALSE(
+      LinearPlanRequest(OverlapOp::kGemmReduceScatter, in_place, 4, 0, 100).defer_last_sum);
+  LinearKnobs nccl = ce;
+  nccl.copy_engine = false;
+  EXPECT_FALSE(LinearPlanRequest(OverlapOp::kGemmReduceScatter, nccl, 4, 0, 100).defer_last_sum);
+  LinearKnobs pipeline = ce;
+  pipeline.mode = OverlapMode::kPipeline;
+  EXPECT_FALSE(
+      LinearPlanRequest(OverlapOp::kGemmReduceScatter, pipeline, 4, 0, 100).defer_last_sum);
+}
+
 TEST(OverlapConfig, ModeNoneDoesNotResetTheChunksInnerLevelsInherit) {
   const OverlapConfig cfg = MustParse(R"(version: 1
 defaults: {mode: ring, chunks: 4}
