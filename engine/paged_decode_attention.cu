@@ -293,8 +293,10 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
         pl[k] = __byte_perm(__shfl_sync(0xffffffffu, lo[k], src_even),
                             __shfl_sync(0xffffffffu, lo[k], src_odd), half_sel);
       }
-      if constexpr (kFp8) __syncwarp();  // every lane's value rows are widened
-        // O^T += V^T.P^T: A fragments of V^T (dims x keys) by ldmatrix.trans of the V rows.
+      if constexpr (kFp8) {
+        __syncwarp();  // every lane's value rows are widened before any lane reads them
+      }
+      // O^T += V^T.P^T: A fragments of V^T (dims x keys) by ldmatrix.trans of the V rows.
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         uint32_t va[4];
