@@ -7,7 +7,8 @@
 // With --decode it times the decode attention kernel instead (LaunchPagedAttention, one query
 // row per sequence, as a generation step calls it) over a paged cache of each --kv-dtypes, each
 // batch against its bytes floor: the cache bytes it must read (K and V of every context token)
-// plus Q and the output, over the bandwidth of a device-to-device copy timed in the same run.
+// plus Q and the output, over the bandwidth of a device-to-device copy timed in the same run (the
+// best of five 4 GiB copies, as tpserve-bench-decode's floor).
 #include <cuda_runtime_api.h>
 #include <spdlog/spdlog.h>
 
@@ -159,26 +160,6 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   }
   std::fflush(stdout);
   return Status::Ok();
-}
-
-// Device-to-device copy bandwidth in GB/s (each byte read and written once), median of
-// `rounds`: the decode floors' bandwidth.
-StatusOr<double> CopyGbs(const Flags& f, cudaStream_t stream) {
-  const size_t bytes = size_t{1} << 32;
-  TP_ASSIGN_OR_RETURN(DeviceBuffer src, DeviceBuffer::Allocate(bytes, "copy source"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer dst, DeviceBuffer::Allocate(bytes, "copy destination"));
-  TP_ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(true));
-  TP_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create(true));
-  std::vector<double> ms;
-  for (int i = 0; i < f.warmup + f.rounds; ++i) {
-    TP_ASSIGN_OR_RETURN(const double t, TimeLaunchMs(stream, start, end, [&]() -> Status {
-                          TP_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), bytes,
-                                                        cudaMemcpyDeviceToDevice, stream));
-                          return Status::Ok();
-                        }));
-    if (i >= f.warmup) ms.push_back(t);
-  }
-  return 2.0 * static_cast<double>(bytes) / (Median(ms) / 1e3) / 1e9;
 }
 
 // One decode launch: `batch` sequences of `context` cached tokens (this step's token
@@ -374,17 +355,18 @@ int Main(int argc, char** argv) {
       }
       dtypes.push_back(*d);
     }
-    auto gbs = CopyGbs(f, stream->get());
-    if (!gbs.ok()) {
-      spdlog::error("copy bandwidth: {}", gbs.status().ToString());
+    auto bw = MeasureHbmBandwidth(size_t{1} << 32, 5);
+    if (!bw.ok()) {
+      spdlog::error("copy bandwidth: {}", bw.status().ToString());
       return 1;
     }
-    std::printf("device-to-device copy %.0f GB/s (the floors' bandwidth)\n", *gbs);
-    doc["meta"]["copy_gb_per_s"] = *gbs;
+    const double gbs = *bw / 1e9;
+    std::printf("device-to-device copy %.0f GB/s (the floors' bandwidth)\n", gbs);
+    doc["meta"]["copy_gb_per_s"] = gbs;
     doc["meta"]["floor"] = "(K and V bytes of every context token + Q and output) / copy GB/s";
     for (KvCacheDtype d : dtypes) {
       for (int64_t batch : f.batches) {
-        Status st = RunDecode(f, d, batch, *gbs, stream->get(), doc["records"]);
+        Status st = RunDecode(f, d, batch, gbs, stream->get(), doc["records"]);
         if (!st.ok()) {
           spdlog::error("decode {} batch {}: {}", KvCacheDtypeName(d), batch, st.ToString());
           return 1;

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/kernel_timing.h"
 #include "benchmarks/median.h"
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
@@ -60,27 +61,6 @@ struct Flags {
   std::string commit = "unknown";
   std::string gemm_algo = "timed";
 };
-
-// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`, the best
-// of `rounds`.
-StatusOr<double> MeasureHbmBandwidth(size_t bytes, int rounds) {
-  TP_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::Allocate(bytes, "bandwidth_src"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(bytes, "bandwidth_dst"));
-  TP_ASSIGN_OR_RETURN(CudaStream st, CudaStream::Create());
-  TP_ASSIGN_OR_RETURN(CudaEvent e0, CudaEvent::Create(true));
-  TP_ASSIGN_OR_RETURN(CudaEvent e1, CudaEvent::Create(true));
-  TP_CUDA_CHECK(cudaMemsetAsync(a.data(), 1, bytes, st.get()));
-  double best = 0;
-  for (int r = 0; r < rounds + 1; ++r) {
-    TP_RETURN_IF_ERROR(e0.Record(st.get()));
-    TP_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, st.get()));
-    TP_RETURN_IF_ERROR(e1.Record(st.get()));
-    TP_CUDA_CHECK(cudaStreamSynchronize(st.get()));
-    TP_ASSIGN_OR_RETURN(const float ms, CudaEvent::ElapsedMs(e0, e1));
-    if (r > 0) best = std::max(best, 2.0 * static_cast<double>(bytes) / (ms * 1e-3));
-  }
-  return best;
-}
 
 struct Floor {
   double weight_bytes = 0, kv_bytes = 0, flops = 0;
