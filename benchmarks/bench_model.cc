@@ -62,7 +62,7 @@ struct Flags {
   std::string gemm_algo = "timed";          // GemmAlgoSelection of every GEMM
   std::string graph_priority = "node";      // CudaGraphExec::Priority of every graph
   bool dynamic_input_scales = false;        // FP8 inputs scaled per batch (CudaModelOptions)
-  std::string scale_scheme = "per_tensor";  // FP8 scale scheme (CudaModelOptions, tp 1)
+  std::string scale_scheme = "per_tensor";  // FP8 scale scheme (CudaModelOptions)
   bool residual_in_norm = false;            // CudaModelOptions::residual_in_gemm off
   bool stages = false;                      // also where an eager pass spends its time
   double check_logits = -1;                 // >= 0: fail above this rel. difference from none
@@ -171,7 +171,7 @@ int Main(int argc, char** argv) {
                "Scale every FP8 layer's input per batch from its amax, as for a checkpoint "
                "without input scales (default: the static scales of the random weights)");
   app.add_option("--scale-scheme", f.scale_scheme,
-                 "FP8 scale scheme of every TP layer (tp 1 only besides per_tensor): per_tensor; "
+                 "FP8 scale scheme of every TP layer: per_tensor; "
                  "per_token_channel (a scale per weight row, the input quantized per token for "
                  "every batch); blockwise (128x128 weight blocks, 1x128 input groups)")
       ->check(CLI::IsMember({"per_tensor", "per_token_channel", "blockwise"}))

@@ -168,10 +168,10 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
   const int tp = pool.base().size();
   // Sizes and types against the config, before anything is uploaded.
   TP_RETURN_IF_ERROR(ValidateRankWeights(config, weights, tp, pool.base().rank()));
-  // Per-channel and block-wise weights run as they are at tp 1 (CudaLinearShape::scale_scheme);
-  // with more ranks they are folded to one scale per tensor, or refused (block-wise).
+  // Per-channel and block-wise weights run as they are (CudaLinearShape::scale_scheme), their
+  // inputs quantized per token or per 1x128 group.
   auto native = [&](const LinearWeight& w) {
-    return tp == 1 && w.dtype == DataType::kFloat8E4M3 && w.scheme != Fp8Scheme::kPerTensor;
+    return w.dtype == DataType::kFloat8E4M3 && w.scheme != Fp8Scheme::kPerTensor;
   };
   bool any_block = false;
   for (const LayerWeights& lw : weights.layers) {
@@ -179,17 +179,11 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
       any_block = any_block || (native(*w) && w->scheme == Fp8Scheme::kBlock);
     }
   }
-  TP_ASSIGN_OR_RETURN(auto model,
-                      NewShell(config, weights.dtype, overlap, pool, options, any_block ? 4 : 1));
+  // Block-wise: cuBLASLt's m % 4 for every rank's shard of a bucket.
+  TP_ASSIGN_OR_RETURN(
+      auto model, NewShell(config, weights.dtype, overlap, pool, options, any_block ? 4 * tp : 1));
   CudaModel& md = *model;
-  auto upload_linear = [&](const LinearWeight& given, const std::string& name,
-                           Linear* out) -> Status {
-    LinearWeight folded;
-    const LinearWeight* gemm_weight = &given;
-    if (!native(given)) {
-      TP_ASSIGN_OR_RETURN(gemm_weight, FoldScalesForPerTensorGemm(given, name, &folded));
-    }
-    const LinearWeight& lw = *gemm_weight;
+  auto upload_linear = [&](const LinearWeight& lw, const std::string& name, Linear* out) -> Status {
     if (lw.dtype != weights.dtype) {
       return InvalidArgumentError(name + ": mixed weight types are not supported");
     }
@@ -325,13 +319,9 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
                                                              const CudaModelOptions& options) {
   const GemmScaleScheme scheme =
       dtype == DataType::kFloat8E4M3 ? options.scale_scheme : GemmScaleScheme::kPerTensor;
-  if (scheme != GemmScaleScheme::kPerTensor && pool.base().size() > 1) {
-    return UnimplementedError("CudaModelOptions.scale_scheme " +
-                              std::string(GemmScaleSchemeName(scheme)) +
-                              " runs at tp 1 only, got tp " + std::to_string(pool.base().size()));
-  }
-  TP_ASSIGN_OR_RETURN(auto model, NewShell(config, dtype, overlap, pool, options,
-                                           scheme == GemmScaleScheme::kBlockwise ? 4 : 1));
+  TP_ASSIGN_OR_RETURN(auto model,
+                      NewShell(config, dtype, overlap, pool, options,
+                               scheme == GemmScaleScheme::kBlockwise ? 4 * pool.base().size() : 1));
   CudaModel& md = *model;
   const ModelConfig& c = config;
   const int tp = md.tp_;

@@ -1,9 +1,6 @@
 #include "engine/fp8_checkpoint_scales.h"
 
-#include <spdlog/spdlog.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -309,35 +306,6 @@ StatusOr<LinearWeight> FuseParts(const std::vector<LinearPart>& parts, DataType 
   }
   lw.data = QuantizeWithScales(scheme, all, lw.n, lw.k, lw.weight_scales);
   return lw;
-}
-
-StatusOr<const LinearWeight*> FoldScalesForPerTensorGemm(const LinearWeight& w,
-                                                         const std::string& name,
-                                                         LinearWeight* storage) {
-  if (w.dtype != DataType::kFloat8E4M3 || w.scheme == Fp8Scheme::kPerTensor) return &w;
-  if (w.scheme == Fp8Scheme::kBlock) {
-    return UnimplementedError(name +
-                              ": block-wise FP8 weight scales (128x128 blocks) are run by the "
-                              "CUDA engine at tp 1 only; use --tp 1, the CPU backend or --dtype "
-                              "bf16");
-  }
-  static std::atomic<bool> warned{false};
-  if (!warned.exchange(true)) {
-    spdlog::warn(
-        "{}: {} FP8 weight scales (per output channel, per-token activations) are "
-        "folded to one scale per tensor for the CUDA engine's GEMM at tp > 1, with dynamic "
-        "per-tensor activation scales: less accurate than the checkpoint's scheme",
-        name, Fp8SchemeName(w.scheme));
-  }
-  *storage = w;
-  storage->scheme = Fp8Scheme::kPerTensor;
-  storage->weight_scales.clear();
-  storage->weight_scale = *std::max_element(w.weight_scales.begin(), w.weight_scales.end());
-  storage->dynamic_input = true;
-  std::vector<float> values(w.data.size());
-  DequantizeWeightsFp8(w.scheme, w.data, w.weight_scales, w.n, w.k, values);
-  QuantizeFp8(values, storage->weight_scale, Fp8Format::kE4M3, storage->data);
-  return storage;
 }
 
 }  // namespace tpserve

@@ -105,14 +105,4 @@ Status TakeScales(const WeightScales& ws, int tp, LinearPart* part);
 // 1x128 group): dynamic_input is set and input_scale unused.
 StatusOr<LinearWeight> FuseParts(const std::vector<LinearPart>& parts, DataType dtype, int tp);
 
-// The CUDA engine's layers at tp > 1 take one scale per tensor (at tp 1 they run every scheme:
-// layers/cuda_linear.h, CudaLinearShape::scale_scheme). Returns the weight such a layer is to
-// use: `w` itself when it is per-tensor (or BF16); for per-channel, a copy in *storage
-// requantized to one scale per tensor (the largest row scale) with dynamic per-tensor input
-// scaling, after a warning (once per process) naming the scheme; UNIMPLEMENTED naming `name`
-// for block-wise.
-StatusOr<const LinearWeight*> FoldScalesForPerTensorGemm(const LinearWeight& w,
-                                                         const std::string& name,
-                                                         LinearWeight* storage);
-
 }  // namespace tpserve

@@ -9,6 +9,7 @@
 #include "comm/cuda_check.h"
 #include "comm/peer_memory.h"
 #include "layers/cuda_linear_steps.h"
+#include "layers/scale_slots.h"
 #include "layers/sum_kernels.h"
 
 namespace tpserve {
@@ -38,8 +39,8 @@ struct CudaLinear::Impl {
   std::vector<CudaEvent> step_events;
   // Plain buffers; with copy engines, the buffers that peers pull from are
   // PeerBuffers instead (mapped on every rank).
-  DeviceBuffer input, gather, partial, received, scratch, unit_scales;
-  PeerBuffer peer_input, peer_gather, peer_partial;
+  DeviceBuffer input, gather, partial, received, scratch, unit_scales, scales;
+  PeerBuffer peer_input, peer_gather, peer_partial, peer_scales;
   PeerSignals signals;
   std::map<int64_t, Prepared> prepared;
   // in_place: the (peer, slot) `done` flags set at Create, which every plan's waits must use.
@@ -48,11 +49,13 @@ struct CudaLinear::Impl {
   void* InputBase() const { return peer_input.data() ? peer_input.data() : input.data(); }
   void* GatherBase() const { return peer_gather.data() ? peer_gather.data() : gather.data(); }
   void* PartialBase() const { return peer_partial.data() ? peer_partial.data() : partial.data(); }
+  void* ScalesBase() const { return peer_scales.data() ? peer_scales.data() : scales.data(); }
   // The peer-mapped buffer behind `base` (copy engine only), or null.
   const PeerBuffer* PeerOf(BufRef::Base base) const {
     const PeerBuffer* b = base == BufRef::kInput     ? &peer_input
                           : base == BufRef::kGather  ? &peer_gather
                           : base == BufRef::kPartial ? &peer_partial
+                          : base == BufRef::kScales  ? &peer_scales
                                                      : nullptr;
     return b != nullptr && b->data() != nullptr ? b : nullptr;
   }
@@ -73,7 +76,8 @@ struct CudaLinear::Impl {
 
   size_t Bytes() const {
     return input.size() + gather.size() + partial.size() + received.size() + scratch.size() +
-           peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() + gemm.workspace_bytes();
+           scales.size() + peer_input.bytes() + peer_gather.bytes() + peer_partial.bytes() +
+           peer_scales.bytes() + gemm.workspace_bytes();
   }
 };
 
@@ -100,42 +104,6 @@ Status CudaLinear::Close() {
   return all_unmapped.WithContext("closing layer " + name_);
 }
 
-namespace {
-
-// The scale schemes beyond one scale per tensor run where the layer is one GEMM over X as the
-// caller wrote it (see CudaLinearShape::scale_scheme).
-Status CheckScaleScheme(const std::string& ctx, const CudaLinearShape& shape,
-                        const LinearKnobs& knobs, int tp) {
-  const GemmScaleScheme scheme = shape.scale_scheme;
-  if (scheme == GemmScaleScheme::kPerTensor) return Status::Ok();
-  const std::string name(GemmScaleSchemeName(scheme));
-  if (shape.dtype != DataType::kFloat8E4M3) {
-    return InvalidArgumentError(ctx + ": scale_scheme " + name + " needs fp8_e4m3, got " +
-                                std::string(DataTypeName(shape.dtype)));
-  }
-  if (tp > 1 || knobs.chunks > 1 || knobs.full_weight) {
-    return UnimplementedError(
-        ctx + ": scale_scheme " + name + " runs at tp 1 with one chunk (got tp " +
-        std::to_string(tp) + ", chunks " + std::to_string(knobs.chunks) +
-        (knobs.full_weight ? ", full_weight" : "") +
-        "): gathered or chunked rows would need their scales carried with them");
-  }
-  if (scheme == GemmScaleScheme::kBlockwise) {
-    if (shape.n % kGemmScaleBlock != 0 || shape.k % kGemmScaleBlock != 0) {
-      return InvalidArgumentError(
-          ctx + ": scale_scheme blockwise needs n and k multiples of 128, " +
-          "got n=" + std::to_string(shape.n) + " k=" + std::to_string(shape.k));
-    }
-    if (knobs.fast_accum) {
-      return InvalidArgumentError(ctx + ": scale_scheme blockwise runs without fast_accum " +
-                                  "(cuBLASLt's blockwise FP8 GEMM has no fast accumulation)");
-    }
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
                                                          const CudaLinearShape& shape,
                                                          const LinearKnobs& knobs,
@@ -153,7 +121,7 @@ StatusOr<std::unique_ptr<CudaLinear>> CudaLinear::Create(std::string name,
         " n=" + std::to_string(shape.n) + " k=" + std::to_string(shape.k));
   }
   TP_RETURN_IF_ERROR(ValidateLinearKnobs(knobs, shape.op).WithContext(ctx));
-  TP_RETURN_IF_ERROR(CheckScaleScheme(ctx, shape, knobs, pool.base().size()));
+  TP_RETURN_IF_ERROR(cuda_linear_detail::CheckScaleScheme(ctx, shape, knobs));
   TP_RETURN_IF_ERROR(cuda_linear_detail::CheckAccumulate(ctx, shape, pool.base().size()));
 
   auto layer = std::unique_ptr<CudaLinear>(new CudaLinear());
@@ -291,11 +259,18 @@ Status CudaLinear::Impl::AllocateBuffers(const std::string& name, const CudaLine
       }
     }
   }
+  // Scale slots; an AllGather layer's peers pull theirs on copy engines.
+  const int64_t scale_floats = cuda_linear_detail::ScaleSlotsFloats(shape, knobs, tp);
+  if (scale_floats > 0 && ce && shape.op == OverlapOp::kAllGatherGemm) {
+    TP_RETURN_IF_ERROR(alloc_peer(peer_scales, scale_floats * sizeof(float), "scales"));
+  } else if (scale_floats > 0) {
+    TP_RETURN_IF_ERROR(alloc(scales, scale_floats * sizeof(float), "scales"));
+  }
   return Status::Ok();
 }
 
 Status CudaLinear::Impl::CheckPeersAreProcesses(const std::string& ctx, int tp) const {
-  for (const PeerBuffer* b : {&peer_input, &peer_gather, &peer_partial}) {
+  for (const PeerBuffer* b : {&peer_input, &peer_gather, &peer_partial, &peer_scales}) {
     if (b->data() == nullptr) continue;
     for (int r = 0; r < tp; ++r) {
       if (!b->same_process(r)) continue;
@@ -475,6 +450,9 @@ char* ResolveRef(const CudaLinear::Impl& im, void* y, BufRef r) {
     case BufRef::kY:
       base = static_cast<char*>(y);
       break;
+    case BufRef::kScales:
+      base = static_cast<char*>(im.ScalesBase());
+      break;
   }
   return base + r.offset;
 }
@@ -516,6 +494,10 @@ Status EnqueueNcclStep(const CudaLinear::Impl& im, const CommCall& c, const Reso
   switch (c.kind) {
     case StepKind::kAllGather:
       TP_RETURN_IF_ERROR(im.comm->AllGather(resolve(c.send), resolve(c.recv), c.send_bytes, s));
+      if (c.scales) {
+        TP_RETURN_IF_ERROR(im.comm->AllGather(resolve(c.scale_send), resolve(c.scale_recv),
+                                              c.scale_send_bytes, s));
+      }
       break;
     case StepKind::kReduceScatter:
       TP_RETURN_IF_ERROR(im.comm->ReduceScatter(resolve(c.send), resolve(c.recv), c.send_bytes,
@@ -528,6 +510,11 @@ Status EnqueueNcclStep(const CudaLinear::Impl& im, const CommCall& c, const Reso
     case StepKind::kSendRecv:
       TP_RETURN_IF_ERROR(im.comm->SendRecv(resolve(c.send), c.send_bytes, c.send_peer,
                                            resolve(c.recv), c.recv_bytes, c.recv_peer, s));
+      if (c.scales) {
+        TP_RETURN_IF_ERROR(im.comm->SendRecv(resolve(c.scale_send), c.scale_send_bytes, c.send_peer,
+                                             resolve(c.scale_recv), c.scale_recv_bytes, c.recv_peer,
+                                             s));
+      }
       break;
     case StepKind::kGemm:
     case StepKind::kSum:  // copy-engine steps (their sum kernel), never NCCL's
@@ -596,7 +583,9 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   auto params_of = [&](const GemmCall& call) {
     GemmParams p = call.params;
     if (fp8) {
-      p.a_scale = x_scale;
+      p.a_scale = call.a_scale.base != BufRef::kNone
+                      ? reinterpret_cast<const float*>(resolve(call.a_scale))
+                      : x_scale;
       p.b_scale = w_scale;
     }
     return p;
@@ -624,6 +613,18 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   if (with_comm && in_place_ && !prep.done_from.empty()) {
     // The peers have read what the last Run left in `partial`: it may be written again.
     TP_RETURN_IF_ERROR(im.signals.Wait(PeerSignals::kDone, prep.done_from, stream));
+  }
+  if (prep.scatter_scales && with_gemm) {  // before the first transfer reads a slot
+    ScatterScaleSlotsParams sp;
+    sp.src = x_scale;
+    sp.dst = static_cast<float*>(im.ScalesBase());
+    sp.m = m;
+    sp.tp = tp_;
+    sp.chunks = knobs_.chunks;
+    sp.groups = prep.scale_groups;
+    sp.pitch = prep.scale_pitch;
+    sp.only_shard = prep.scale_only_shard;
+    TP_RETURN_IF_ERROR(LaunchScatterScaleSlots(sp, stream).WithContext("layer " + name_));
   }
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));

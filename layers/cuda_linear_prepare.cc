@@ -4,8 +4,15 @@
 #include <algorithm>
 #include <utility>
 
+#include "layers/scale_slots.h"
+
 namespace tpserve::cuda_linear_detail {
 namespace {
+
+// Scale columns per row of X: k / 128 for blockwise, else 1.
+int64_t ScaleGroups(const CudaLinearShape& shape) {
+  return shape.scale_scheme == GemmScaleScheme::kBlockwise ? shape.k / kGemmScaleBlock : 1;
+}
 
 // One BuildPreparedSteps call: the layer's facts, the plan, and the steps built so far.
 class StepBuilder {
@@ -40,6 +47,9 @@ class StepBuilder {
   Status PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d);
   void PrepareSum(size_t i);
   Status AccumulateIntoY();
+  // Scale slots (UsesScaleSlots): the slot of `rows` (kNone for rows that are no slot's).
+  BufRef ScaleSlot(RowRange rows) const;
+  Status CheckScaleSlots() const;
 
   const std::string& name_;
   const CudaLinearShape& shape_;
@@ -53,7 +63,9 @@ class StepBuilder {
   const int64_t n_, k_;
   const size_t row_x_, row_y_;
   const RowRange own_;
-  const bool ce_;  // copy-engine transfers
+  const bool ce_;            // copy-engine transfers
+  const bool slots_;         // UsesScaleSlots
+  const size_t slot_bytes_;  // bytes per scale slot
   GemmParams base_;
   Prepared prep_;
   // AG slot layout: where each AllGather step's slots start, and their rows.
@@ -84,6 +96,10 @@ StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
       row_y_(in.shape.n * sizeof(uint16_t)),
       own_(ShardRows(in.m, in.tp, in.rank)),
       ce_(in.knobs.copy_engine && in.tp > 1),
+      slots_(UsesScaleSlots(in.shape, in.knobs, in.tp)),
+      slot_bytes_(slots_ ? ScaleSlotPitch(in.m, in.tp, in.knobs.chunks, ScaleGroups(in.shape)) *
+                               sizeof(float)
+                         : 0),
       region_(plan.steps.size(), 0),
       slot_rows_of_(plan.steps.size(), 0),
       sent_(in.tp, 0),
@@ -134,7 +150,52 @@ StatusOr<Prepared> StepBuilder::Build() {
     }
   }
   if (shape_.accumulate) TP_RETURN_IF_ERROR(AccumulateIntoY());
+  if (slots_) {
+    TP_RETURN_IF_ERROR(CheckScaleSlots());
+    prep_.scatter_scales = true;
+    prep_.scale_groups = ScaleGroups(shape_);
+    prep_.scale_pitch = static_cast<int64_t>(slot_bytes_ / sizeof(float));
+    prep_.scale_only_shard = ag_ ? rank_ : -1;
+  }
   return std::move(prep_);
+}
+
+BufRef StepBuilder::ScaleSlot(RowRange rows) const {
+  if (rows.empty()) return {};
+  for (int p = 0; p < tp_; ++p) {
+    const RowRange shard = ShardRows(m_, tp_, p);
+    if (rows.begin < shard.begin || rows.end > shard.end) continue;
+    for (int c = 0; c < knobs_.chunks; ++c) {
+      if (ChunkRows(shard, knobs_.chunks, c) == rows) {
+        const int64_t pitch = static_cast<int64_t>(slot_bytes_ / sizeof(float));
+        return {BufRef::kScales, static_cast<size_t>(ScaleSlotOffset(tp_, p, c, pitch)) * 4};
+      }
+    }
+  }
+  return {};
+}
+
+// Every GEMM reads its scales from a slot, and none adds into C: cuBLASLt takes per-row and
+// per-group scales with beta 0 only.
+Status StepBuilder::CheckScaleSlots() const {
+  for (size_t i = 0; i < prep_.steps.size(); ++i) {
+    for (const GemmCall& g : prep_.steps[i].gemms) {
+      if (g.params.beta != 0.0f || g.c.base != BufRef::kNone) {
+        return UnimplementedError(
+            "layer " + name_ + ": scale_scheme " +
+            std::string(GemmScaleSchemeName(shape_.scale_scheme)) + " with " + knobs_.ToString() +
+            " at tp " + std::to_string(tp_) + ": step " + std::to_string(i) +
+            "'s GEMM adds into C, which cuBLASLt does with per-tensor scales only (modes "
+            "without accumulating GEMMs: none, pipeline, and on copy engines a one-chunk ring "
+            "at tp 2, not in_place)");
+      }
+      if (g.a_scale.base != BufRef::kScales) {
+        return InternalError("layer " + name_ + ": step " + std::to_string(i) +
+                             "'s GEMM has no scale slot");
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 // CudaLinearShape::accumulate: each GEMM that writes a part of y reads it as its C too; one
@@ -177,6 +238,8 @@ std::vector<GemmCall> StepBuilder::SlotGemms(const std::vector<RowRange>& rows, 
                                              const AOf& a_of, const DOf& d_of) const {
   std::vector<GemmCall> calls;
   bool uniform = static_cast<int>(rows.size()) == tp_;
+  // Scale slots: one GEMM per slot, each reading its own.
+  uniform = uniform && !slots_;
   for (size_t s = 1; uniform && s < rows.size(); ++s) {
     uniform = rows[s].begin - rows[s - 1].begin == rows[1].begin - rows[0].begin;
   }
@@ -198,7 +261,9 @@ std::vector<GemmCall> StepBuilder::SlotGemms(const std::vector<RowRange>& rows, 
     return calls;
   }
   for (size_t s = 0; s < rows.size(); ++s) {
-    if (!rows[s].empty()) calls.push_back(Single(rows[s].size(), a_of(s), d_of(s)));
+    if (rows[s].empty()) continue;
+    calls.push_back(Single(rows[s].size(), a_of(s), d_of(s)));
+    if (slots_) calls.back().a_scale = ScaleSlot(rows[s]);
   }
   return calls;
 }
@@ -384,6 +449,17 @@ Status StepBuilder::PrepareAllGather(size_t i, int64_t slot_rows) {
   ps.comm.send = {BufRef::kInput, (s.rows[rank_].begin - own_.begin) * row_x_};
   ps.comm.recv = {BufRef::kGather, region_[i]};
   ps.comm.send_bytes = slot_rows * row_x_;
+  // Scale slots of chunk s.chunk: rank p's at slot (p, chunk), consecutive over p.
+  auto scale_slot = [&](int p) {
+    return BufRef{BufRef::kScales,
+                  static_cast<size_t>(ScaleSlotOffset(tp_, p, s.chunk, slot_bytes_ / 4)) * 4};
+  };
+  if (slots_ && !ce_) {
+    ps.comm.scales = true;
+    ps.comm.scale_send = scale_slot(rank_);
+    ps.comm.scale_recv = scale_slot(0);
+    ps.comm.scale_send_bytes = slot_bytes_;
+  }
   if (!ce_) return Status::Ok();
   CommCall& c = ps.comm;
   c.copy_engine = true;
@@ -403,6 +479,10 @@ Status StepBuilder::PrepareAllGather(size_t i, int64_t slot_rows) {
                          {BufRef::kInput, src},
                          {BufRef::kGather, slot_offset},
                          static_cast<size_t>(s.rows[p].size()) * row_x_});
+      if (slots_) {
+        c.pulls.push_back({p, scale_slot(p), scale_slot(p),
+                           static_cast<size_t>(s.rows[p].size() * ScaleGroups(shape_)) * 4});
+      }
     }
   }
   return Status::Ok();
@@ -486,6 +566,16 @@ Status StepBuilder::PrepareSendRecv(size_t i) {
   ps.comm.recv = {dst, s.recv_rows.begin * row};
   ps.comm.recv_bytes = s.recv_rows.size() * row;
   ps.comm.recv_peer = s.recv_peer;
+  // An AllGather ring's rows bring their scale slots (a GEMM+RS ring sends partials only).
+  const bool scales = slots_ && ag_;
+  const size_t row_scales = static_cast<size_t>(ScaleGroups(shape_)) * 4;
+  if (scales && !ce_) {
+    ps.comm.scales = true;
+    ps.comm.scale_send = ScaleSlot(s.send_rows);
+    ps.comm.scale_send_bytes = s.send_rows.size() * row_scales;
+    ps.comm.scale_recv = ScaleSlot(s.recv_rows);
+    ps.comm.scale_recv_bytes = s.recv_rows.size() * row_scales;
+  }
   if (ce_) {
     CommCall& c = ps.comm;
     c.copy_engine = true;
@@ -498,6 +588,10 @@ Status StepBuilder::PrepareSendRecv(size_t i) {
       // same offset (ring buffers are indexed by global row).
       if (c.recv_bytes > 0 && !in_place_) {  // in_place_: read there, not pulled
         c.pulls.push_back({c.recv_peer, {src, c.recv.offset}, c.recv, c.recv_bytes});
+        if (scales) {
+          const BufRef slot = ScaleSlot(s.recv_rows);
+          c.pulls.push_back({c.recv_peer, slot, slot, s.recv_rows.size() * row_scales});
+        }
       }
     }
   }
@@ -573,6 +667,7 @@ Status StepBuilder::PrepareRangeGemm(size_t i, RowRange r) {
   }
   if (in_place_ && s.accumulate) return PrepareInPlaceGemm(i, r, a, d);
   GemmCall call = Single(r.size(), a, d);
+  if (slots_) call.a_scale = ScaleSlot(r);
   if (s.accumulate) {
     call.c = {BufRef::kReceived, r.begin * row_y_};
     call.params.beta = 1.0f;
@@ -624,6 +719,45 @@ void StepBuilder::PrepareSum(size_t i) {
 }
 
 }  // namespace
+
+bool UsesScaleSlots(const CudaLinearShape& shape, const LinearKnobs& knobs, int tp) {
+  return shape.dtype == DataType::kFloat8E4M3 &&
+         shape.scale_scheme != GemmScaleScheme::kPerTensor && (tp > 1 || knobs.chunks > 1);
+}
+
+int64_t ScaleSlotsFloats(const CudaLinearShape& shape, const LinearKnobs& knobs, int tp) {
+  if (!UsesScaleSlots(shape, knobs, tp)) return 0;
+  return static_cast<int64_t>(tp) * knobs.chunks *
+         ScaleSlotPitch(shape.max_m, tp, knobs.chunks, ScaleGroups(shape));
+}
+
+Status CheckScaleScheme(const std::string& ctx, const CudaLinearShape& shape,
+                        const LinearKnobs& knobs) {
+  const GemmScaleScheme scheme = shape.scale_scheme;
+  if (scheme == GemmScaleScheme::kPerTensor) return Status::Ok();
+  const std::string name(GemmScaleSchemeName(scheme));
+  if (shape.dtype != DataType::kFloat8E4M3) {
+    return InvalidArgumentError(ctx + ": scale_scheme " + name + " needs fp8_e4m3, got " +
+                                std::string(DataTypeName(shape.dtype)));
+  }
+  if (knobs.full_weight) {
+    return UnimplementedError(ctx + ": scale_scheme " + name +
+                              " does not run with full_weight (its whole-K GEMMs would need " +
+                              "every rank's column scales of each row)");
+  }
+  if (scheme == GemmScaleScheme::kBlockwise) {
+    if (shape.n % kGemmScaleBlock != 0 || shape.k % kGemmScaleBlock != 0) {
+      return InvalidArgumentError(
+          ctx + ": scale_scheme blockwise needs n and k multiples of 128, " +
+          "got n=" + std::to_string(shape.n) + " k=" + std::to_string(shape.k));
+    }
+    if (knobs.fast_accum) {
+      return InvalidArgumentError(ctx + ": scale_scheme blockwise runs without fast_accum " +
+                                  "(cuBLASLt's blockwise FP8 GEMM has no fast accumulation)");
+    }
+  }
+  return Status::Ok();
+}
 
 Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape, int tp) {
   if (!shape.accumulate) return Status::Ok();

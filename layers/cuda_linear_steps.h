@@ -19,7 +19,16 @@ namespace tpserve::cuda_linear_detail {
 
 // A place in one of the layer's buffers (or the caller's w / y).
 struct BufRef {
-  enum Base : uint8_t { kNone, kInput, kGather, kPartial, kReceived, kScratch, kY } base = kNone;
+  enum Base : uint8_t {
+    kNone,
+    kInput,
+    kGather,
+    kPartial,
+    kReceived,
+    kScratch,
+    kY,
+    kScales,  // the scale slots (layers/scale_slots.h); an AllGather layer's peers map them
+  } base = kNone;
   size_t offset = 0;  // bytes
   int peer = -1;      // >= 0: in that rank's copy of `base` (a PeerBuffer mapped here)
 };
@@ -28,6 +37,9 @@ struct GemmCall {
   GemmParams params;  // scale pointers filled in at Run
   BufRef a, c, d;
   size_t b_offset = 0;  // bytes into the weight (full_weight's ring lead: a column block)
+  // A fine scale scheme's A scales, a slot of kScales (Prepared::scatter_scales); kNone: the
+  // caller's x_scale as it is.
+  BufRef a_scale;
 };
 
 struct CommCall {
@@ -41,6 +53,12 @@ struct CommCall {
   // copy_height > 0: the copy is 2D, copy_height rows of copy_bytes bytes at these pitches
   // (full_weight: the own input columns into the gather buffer's column block).
   size_t copy_height = 0, copy_src_pitch = 0, copy_dst_pitch = 0;
+  // Over NCCL, with a fine scale scheme's AllGather layer: the rows' scale slots, moved by a
+  // second call of the same kind (AllGather: in place, scale_send_bytes per rank; SendRecv:
+  // to and from the same peers). 0 bytes: none. Copy engines pull them instead (`pulls`).
+  bool scales = false;
+  BufRef scale_send, scale_recv;
+  size_t scale_send_bytes = 0, scale_recv_bytes = 0;
 
   // Copy-engine transfers (knobs.copy_engine): this rank pulls each message
   // from the sender's PeerBuffer. The sender signals `ready` when the data is
@@ -92,7 +110,27 @@ struct Prepared {
   // ring's last addition), which RunSplit skips; -1 if the plan has none.
   int split_sum_step = -1;
   bool uses_copy_stream = false;  // some step runs on the layer's copy stream
+  // A fine scale scheme over more than one GEMM: before anything else, the caller's x_scale is
+  // copied into the slots at kScales (LaunchScatterScaleSlots with these fields; the own
+  // shard's rows only for an AllGather layer, whose peers' rows arrive with their slots).
+  bool scatter_scales = false;
+  int64_t scale_groups = 1;
+  int64_t scale_pitch = 0;  // floats per slot
+  int scale_only_shard = -1;
 };
+
+// Whether a layer's GEMMs read their A scales from scale slots: a fine FP8 scale scheme where
+// the layer is more than one GEMM over X as the caller wrote it (tp > 1 or chunks > 1).
+bool UsesScaleSlots(const CudaLinearShape& shape, const LinearKnobs& knobs, int tp);
+// Floats of the kScales buffer for up to shape.max_m rows (0 without scale slots).
+int64_t ScaleSlotsFloats(const CudaLinearShape& shape, const LinearKnobs& knobs, int tp);
+
+// The scale schemes beyond one per tensor (CudaLinearShape::scale_scheme): fp8 only, not with
+// full_weight (INVALID_ARGUMENT / UNIMPLEMENTED naming the layer `ctx`), blockwise with n and
+// k multiples of 128 and without fast_accum. Modes whose GEMMs add into C (a ring's
+// accumulating steps, in_place) are refused by BuildPreparedSteps, per M.
+Status CheckScaleScheme(const std::string& ctx, const CudaLinearShape& shape,
+                        const LinearKnobs& knobs);
 
 // The stream a step runs on: 0 the caller's, 1 the copy stream, 2 the comm stream.
 inline int StreamKey(const PreparedStep& ps) {
@@ -128,7 +166,9 @@ PlanRequest LayerPlanRequest(const StepsInput& in);
 // creates events. With in.shape.accumulate every GEMM reads C at its own D in y with beta 1.
 // INTERNAL when a copy-engine plan needs more than in.signal_slots messages between two ranks, an
 // in_place GEMM step has no receive step, or an accumulating plan has a step other than a GEMM into
-// y; CheckAccumulate's answer for a shape that cannot accumulate.
+// y; CheckAccumulate's answer for a shape that cannot accumulate; UNIMPLEMENTED naming the scheme
+// when a fine scale scheme meets a GEMM that adds into C (cuBLASLt takes those scales with beta 0
+// only: a ring's accumulating steps, in_place).
 StatusOr<Prepared> BuildPreparedSteps(const StepsInput& in, const OverlapPlan& plan);
 
 }  // namespace tpserve::cuda_linear_detail

@@ -75,6 +75,8 @@ const char* BaseName(BufRef::Base b) {
       return "scratch";
     case BufRef::kY:
       return "y";
+    case BufRef::kScales:
+      return "scales";
   }
   return "?";
 }
@@ -158,6 +160,7 @@ std::string DescribeGemm(const GemmCall& g, const CudaLinearShape& shape, const 
   EXPECT_EQ(p.d_quant_scale, nullptr);
   EXPECT_EQ(p.d_amax, nullptr);
   out << " a=" << Ref(g.a);
+  if (g.a_scale.base != BufRef::kNone) out << " a_scale=" << Ref(g.a_scale);
   Opt(out, "b_offset", g.b_offset, size_t{0});
   if (g.c.base != BufRef::kNone) out << " c=" << Ref(g.c);
   out << " d=" << Ref(g.d);
@@ -190,6 +193,10 @@ std::string DescribeComm(const CommCall& c) {
     Opt(out, "recv_bytes", c.recv_bytes, size_t{0});
     Opt(out, "from", c.recv_peer, -1);
     if (c.copy_bytes > 0) out << " copy=" << Copy(c.copy_src, c.copy_dst, c.copy_bytes);
+    if (c.scales) {
+      out << " scales=" << Ref(c.scale_send) << "/" << c.scale_send_bytes << ">"
+          << Ref(c.scale_recv) << "/" << c.scale_recv_bytes;
+    }
     return out.str();
   }
   out << "ce";

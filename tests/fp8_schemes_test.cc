@@ -573,35 +573,6 @@ TEST(Fp8SchemesLoading, QuantizationConfigsOfEachWriterAreRead) {
   std::filesystem::remove_all(dir);
 }
 
-// The CUDA engine's stand-in until its GEMM takes the finer schemes: per-channel folds to the
-// largest scale, block is refused naming the layer.
-TEST(Fp8SchemesLoading, CudaFoldKeepsPerTensorFoldsChannelRefusesBlock) {
-  LinearWeight w;
-  w.n = 2;
-  w.k = 2;
-  w.data = {FloatToFp8E4M3(1.0f), FloatToFp8E4M3(-2.0f), FloatToFp8E4M3(4.0f),
-            FloatToFp8E4M3(0.5f)};
-  LinearWeight storage;
-  auto same = FoldScalesForPerTensorGemm(w, "layers.0.attn.o", &storage);
-  ASSERT_TRUE(same.ok());
-  EXPECT_EQ(*same, &w);
-  w.scheme = Fp8Scheme::kPerChannel;
-  w.weight_scales = {0.5f, 2.0f};
-  auto folded = FoldScalesForPerTensorGemm(w, "layers.0.attn.o", &storage);
-  ASSERT_TRUE(folded.ok()) << folded.status().ToString();
-  EXPECT_EQ((*folded)->scheme, Fp8Scheme::kPerTensor);
-  EXPECT_EQ((*folded)->weight_scale, 2.0f);
-  EXPECT_TRUE((*folded)->dynamic_input);
-  std::vector<float> values(4);
-  DequantizeFp8((*folded)->data, 2.0f, Fp8Format::kE4M3, values);
-  EXPECT_EQ(values, (std::vector<float>{0.5f, -1.0f, 8.0f, 1.0f}));
-  w.scheme = Fp8Scheme::kBlock;
-  w.weight_scales = {1.0f};
-  auto block = FoldScalesForPerTensorGemm(w, "layers.0.attn.o", &storage);
-  EXPECT_EQ(block.status().code(), StatusCode::kUnimplemented);
-  EXPECT_THAT(block.status().message(), HasSubstr("layers.0.attn.o: block-wise FP8"));
-}
-
 // ---- The CPU engine on make-checkpoint's output ----
 
 int64_t Argmax(const std::vector<float>& v, int64_t begin, int64_t end) {
