@@ -50,13 +50,16 @@ struct CudaLinearShape {
   int64_t n = 0;  // local output features (AG: N / tp; RS: N); multiple of 16
   int64_t k = 0;  // local input features (AG: K; RS: K / tp); multiple of 16
   // FP8 only: how x_scale and w_scale are laid out (layers/cublaslt_gemm.h). Besides
-  // kPerTensor, the layer runs kPerTokenChannel (x_scale: m floats, one per row of X; w_scale:
-  // n floats) and kBlockwise (x_scale: the 1x128 groups' scales of X as the dynamic quantize
-  // kernel writes them for m rows; w_scale: the weight's 128x128 blocks at
-  // BlockwiseWeightScalePitch(k)) at tp 1 with one chunk: their one GEMM reads X as the caller
-  // wrote it. Create refuses them with more ranks or chunks (UNIMPLEMENTED: a gathered row's
-  // scale would have to travel with it), and Prepare refuses a blockwise m that is not a
-  // multiple of 4 (cuBLASLt's condition).
+  // kPerTensor, the layer runs kPerTokenChannel (x_scale: one float per row of X as the caller
+  // wrote it, the own shard's rows for AG and all m rows for RS; w_scale: n floats) and
+  // kBlockwise (x_scale: the 1x128 groups' scales of those rows as the dynamic quantize kernel
+  // writes them; w_scale: the weight's 128x128 blocks at BlockwiseWeightScalePitch(k)). At tp 1
+  // with one chunk the GEMM reads x_scale as it is; otherwise Run first copies it into scale
+  // slots, one per (shard, chunk) of the rows (layers/scale_slots.h), and an AG layer's
+  // transfers bring the peers' slots with their rows. Create refuses them with full_weight,
+  // Prepare for an M whose plan has a GEMM that adds into C (UNIMPLEMENTED: cuBLASLt takes these
+  // scales with beta 0 only) and, blockwise, a GEMM m that is not a multiple of 4 (cuBLASLt's
+  // condition).
   GemmScaleScheme scale_scheme = GemmScaleScheme::kPerTensor;
   // GEMM+RS at tp 1 only (the layer is then its GEMMs alone, in any mode), per-tensor scales
   // (cuBLASLt adds into C with those only): Run adds the product into y, y = bf16(y + X W^T)
