@@ -25,7 +25,10 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
                         std::vector<float>* y) {
   LinearKnobs knobs;
   if (overlap_ != nullptr) {
-    TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(name, op, global_n, global_k, m, comm_.size()));
+    const GemmScaleScheme scheme = w.dtype == DataType::kFloat8E4M3 ? GemmScaleSchemeOf(w.scheme)
+                                                                    : GemmScaleScheme::kPerTensor;
+    TP_ASSIGN_OR_RETURN(knobs,
+                        overlap_->Resolve(name, op, global_n, global_k, m, comm_.size(), scheme));
   }
   // The schedule the GPU layer runs for these knobs (its deferred last sum included).
   TP_ASSIGN_OR_RETURN(OverlapPlan plan,

@@ -30,12 +30,12 @@ StatusOr<std::array<CudaLinear*, 4>> CudaModel::BlockLayers(int64_t block, int64
 }
 
 StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, int64_t m) {
+  const GemmScaleScheme scheme = layers_[block].at(s.index).scheme;
   LinearKnobs knobs;
   if (overlap_ != nullptr) {
-    TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(s.Name(block), s.op, s.n, s.k, m, tp_));
+    TP_ASSIGN_OR_RETURN(knobs, overlap_->Resolve(s.Name(block), s.op, s.n, s.k, m, tp_, scheme));
   }
   const int64_t n_local = s.local_n(tp_), k_local = s.local_k(tp_);
-  const GemmScaleScheme scheme = layers_[block].at(s.index).scheme;
   std::string key = std::string(OverlapOpName(s.op)) + " " + std::to_string(n_local) + "x" +
                     std::to_string(k_local) + " " + knobs.ToString();
   if (scheme != GemmScaleScheme::kPerTensor) key += " " + std::string(GemmScaleSchemeName(scheme));

@@ -21,7 +21,7 @@ struct CudaModel::Linear {
   // the forward pass writes x_scale before the layer reads it.
   bool dynamic = false;
   // FP8 scale scheme (CudaLinearShape::scale_scheme). kPerTensor: `scales` above. The finer
-  // schemes (tp 1): w_scales holds the weight's scales as the GEMM reads them (n floats, or
+  // schemes: w_scales holds the weight's scales as the GEMM reads them (n floats, or
   // the 128x128 blocks at BlockwiseWeightScalePitch(k)), and the input is quantized for every
   // batch per row / 1x128 group, its scales in the model's a_scales_.
   GemmScaleScheme scheme = GemmScaleScheme::kPerTensor;

@@ -21,6 +21,8 @@
 #include <span>
 #include <string_view>
 
+#include "layers/scale_scheme.h"
+
 namespace tpserve {
 
 enum class Fp8Format { kE4M3, kE5M2 };
@@ -80,6 +82,14 @@ void DequantizeFp8(std::span<const uint8_t> in, float scale, Fp8Format f, std::s
 // Per-channel and block scales keep outliers (a large channel, a large token, a large block)
 // from flattening everything else into E4M3's subnormals, as one scale per tensor does.
 enum class Fp8Scheme { kPerTensor, kPerChannel, kBlock };
+
+// The GEMM's scheme for an FP8 weight of checkpoint scheme `scheme` (per channel: per token and
+// channel; block: blockwise).
+inline GemmScaleScheme GemmScaleSchemeOf(Fp8Scheme scheme) {
+  return scheme == Fp8Scheme::kPerChannel ? GemmScaleScheme::kPerTokenChannel
+         : scheme == Fp8Scheme::kBlock    ? GemmScaleScheme::kBlockwise
+                                          : GemmScaleScheme::kPerTensor;
+}
 
 // Edge of a weight block and length of an activation group.
 inline constexpr int64_t kFp8BlockSize = 128;

@@ -1,5 +1,5 @@
-// GemmScaleScheme's names, scale-tensor sizes and the conditions cuBLASLt sets on the
-// non-per-tensor schemes.
+// GemmScaleScheme's scale-tensor sizes and the conditions cuBLASLt sets on the non-per-tensor
+// schemes (its names: layers/scale_scheme.cc).
 #include "layers/gemm_scale_scheme.h"
 
 #include <string>
@@ -11,25 +11,6 @@ std::string Str(int64_t v) { return std::to_string(v); }
 std::string Str(DataType t) { return std::string(DataTypeName(t)); }
 
 }  // namespace
-
-std::string_view GemmScaleSchemeName(GemmScaleScheme scheme) {
-  switch (scheme) {
-    case GemmScaleScheme::kPerTokenChannel:
-      return "per_token_channel";
-    case GemmScaleScheme::kBlockwise:
-      return "blockwise";
-    default:
-      return "per_tensor";
-  }
-}
-
-StatusOr<GemmScaleScheme> ParseGemmScaleScheme(std::string_view name) {
-  if (name == "per_tensor") return GemmScaleScheme::kPerTensor;
-  if (name == "per_token_channel") return GemmScaleScheme::kPerTokenChannel;
-  if (name == "blockwise") return GemmScaleScheme::kBlockwise;
-  return InvalidArgumentError("GEMM scale scheme '" + std::string(name) +
-                              "': allowed values are per_tensor, per_token_channel, blockwise");
-}
 
 int64_t GemmAScaleCount(const GemmParams& p) {
   switch (p.scale_scheme) {

@@ -1,6 +1,6 @@
 // The checks that ValidateGemmParams (layers/cublaslt_gemm.h) applies to a GemmParams whose
-// scale_scheme is not kPerTensor; private to layers/. The scheme's names and scale counts are
-// declared with GemmScaleScheme in layers/cublaslt_gemm.h and defined beside this check.
+// scale_scheme is not kPerTensor; private to layers/. The scheme's scale counts are declared
+// in layers/cublaslt_gemm.h and defined beside this check (its names: layers/scale_scheme.h).
 #pragma once
 
 #include "layers/cublaslt_gemm.h"

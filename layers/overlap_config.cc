@@ -258,13 +258,14 @@ class Parser {
     }
     if (const YAML::Node tuned = root["tuned"]) {
       if (!tuned.IsSequence()) return Error(tuned, "tuned", "must be a list");
-      // (op, n, k, m) -> the index of the entry that gave it: a second entry
+      // (op, n, k, scheme, m) -> the index of the entry that gave it: a second entry
       // for the same key is an error, not a silent override.
-      std::map<std::tuple<int, int64_t, int64_t, int64_t>, size_t> seen;
+      std::map<std::tuple<int, int64_t, int64_t, int, int64_t>, size_t> seen;
       for (size_t i = 0; i < tuned.size(); ++i) {
         const YAML::Node t = tuned[i];
         const std::string path = "tuned[" + std::to_string(i) + "]";
-        TP_RETURN_IF_ERROR(CheckKnobKeys(t, path, {"op", "n", "k", "m", "median_ms", "none_ms"}));
+        TP_RETURN_IF_ERROR(
+            CheckKnobKeys(t, path, {"op", "n", "k", "m", "scale_scheme", "median_ms", "none_ms"}));
         OverlapConfig::Tuned e;
         std::string op;
         if (!t["op"] || !t["n"] || !t["k"] || !t["m"]) {
@@ -278,6 +279,16 @@ class Parser {
         TP_RETURN_IF_ERROR(ReadInt(t["n"], path + ".n", 1, INT64_MAX, &e.n));
         TP_RETURN_IF_ERROR(ReadInt(t["k"], path + ".k", 1, INT64_MAX, &e.k));
         TP_RETURN_IF_ERROR(ReadInt(t["m"], path + ".m", 1, INT64_MAX, &e.m));
+        if (const YAML::Node v = t["scale_scheme"]) {
+          std::string scheme;
+          TP_RETURN_IF_ERROR(Read(v, path + ".scale_scheme", "a string", &scheme));
+          auto parsed_scheme = ParseGemmScaleScheme(scheme);
+          if (!parsed_scheme.ok()) {
+            return Error(v, path + ".scale_scheme",
+                         "'" + scheme + "' (allowed: per_tensor, per_token_channel, blockwise)");
+          }
+          e.scale_scheme = *parsed_scheme;
+        }
         if (const YAML::Node v = t["median_ms"]) {
           TP_RETURN_IF_ERROR(Read(v, path + ".median_ms", "a number", &e.median_ms));
         }
@@ -292,12 +303,14 @@ class Parser {
           return Error(t, path, st.message());
         }
         e.knobs = s.knobs;
-        const auto key = std::make_tuple(static_cast<int>(e.op), e.n, e.k, e.m);
+        const auto key = std::make_tuple(static_cast<int>(e.op), e.n, e.k,
+                                         static_cast<int>(e.scale_scheme), e.m);
         if (auto [it, inserted] = seen.emplace(key, i); !inserted) {
           return Error(t, path,
-                       "repeats the op, n, k and m of tuned[" + std::to_string(it->second) +
-                           "] (line " + std::to_string(tuned[it->second].Mark().line + 1) +
-                           "); keep one entry per shape and m");
+                       "repeats the op, n, k, scale_scheme and m of tuned[" +
+                           std::to_string(it->second) + "] (line " +
+                           std::to_string(tuned[it->second].Mark().line + 1) +
+                           "); keep one entry per shape, scheme and m");
         }
         cfg.AddTuned(e);
       }
@@ -417,7 +430,8 @@ StatusOr<OverlapConfig> OverlapConfig::Parse(std::string_view yaml, const std::s
 
 void OverlapConfig::AddTuned(const Tuned& t) {
   for (Tuned& e : tuned_) {
-    if (e.op == t.op && e.n == t.n && e.k == t.k && e.m == t.m) {
+    if (e.op == t.op && e.n == t.n && e.k == t.k && e.m == t.m &&
+        e.scale_scheme == t.scale_scheme) {
       e = t;
       return;
     }
@@ -426,7 +440,8 @@ void OverlapConfig::AddTuned(const Tuned& t) {
 }
 
 StatusOr<LinearKnobs> OverlapConfig::Resolve(std::string_view layer_name, OverlapOp op, int64_t n,
-                                             int64_t k, int64_t m, int tp) const {
+                                             int64_t k, int64_t m, int tp,
+                                             GemmScaleScheme scheme) const {
   if (tp_ > 0 && tp != tp_) {
     return InvalidArgumentError("overlap config " + source_ +
                                 " was made for tp=" + std::to_string(tp_) +
@@ -450,7 +465,7 @@ StatusOr<LinearKnobs> OverlapConfig::Resolve(std::string_view layer_name, Overla
     const Tuned* below = nullptr;
     const Tuned* above = nullptr;
     for (const Tuned& t : tuned_) {
-      if (t.op != op || t.n != n || t.k != k) continue;
+      if (t.op != op || t.n != n || t.k != k || t.scale_scheme != scheme) continue;
       if (t.m <= m) {
         if (below == nullptr || t.m > below->m) below = &t;
       } else if (above == nullptr || t.m < above->m) {
@@ -502,6 +517,10 @@ std::string OverlapConfig::ToYaml() const {
       out << YAML::Key << "op" << YAML::Value << std::string(OverlapOpName(t.op));
       out << YAML::Key << "n" << YAML::Value << t.n << YAML::Key << "k" << YAML::Value << t.k;
       out << YAML::Key << "m" << YAML::Value << t.m;
+      if (t.scale_scheme != GemmScaleScheme::kPerTensor) {
+        out << YAML::Key << "scale_scheme" << YAML::Value
+            << std::string(GemmScaleSchemeName(t.scale_scheme));
+      }
       EmitKnobs(out, t.knobs, false);
       out << YAML::Key << "median_ms" << YAML::Value << t.median_ms;
       out << YAML::Key << "none_ms" << YAML::Value << t.none_ms;

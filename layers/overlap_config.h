@@ -25,16 +25,20 @@
 //   tuned:                         # measured best knobs per layer shape and M (autotuner)
 //     - {op: gemm_rs, n: 8192, k: 28672, m: 8192, mode: ring, chunks: 4,
 //        median_ms: 1.68, none_ms: 1.75}
+//     - {op: gemm_rs, n: 8192, k: 28672, m: 8192, scale_scheme: per_token_channel,
+//        mode: pipeline, chunks: 2}  # FP8 scale scheme (omitted: per_tensor)
 //
 // Knobs given at an outer level are inherited by inner levels (defaults ->
 // rule -> m range). A rule whose m ranges leave gaps does not apply to an M in
 // a gap: the next rule that matches the layer applies, else the defaults. `mode: auto` resolves to
-// the `tuned` entry of the layer's shape (op, global n, global k) whose m is the largest one <= M
-// (else the smallest), and to `none` when the table has no entry for the shape.
+// the `tuned` entry of the layer's shape (op, global n, global k, FP8 scale scheme) whose m is the
+// largest one <= M (else the smallest), and to `none` when the table has no entry for the shape:
+// a layer with per-token or block-wise scales is not given knobs tuned for per-tensor ones,
+// which may not run with its scheme (layers/cuda_linear.h, CudaLinearShape::scale_scheme).
 //
 // The loader is strict: unknown keys, values of the wrong type or outside
 // their range, overlapping M ranges of one rule, two tuned entries for one
-// (op, n, k, m), more than one YAML document and an unsupported version are
+// (op, n, k, scale_scheme, m), more than one YAML document and an unsupported version are
 // errors (INVALID_ARGUMENT) that name the file, the line, the key and the
 // allowed values. The knobs gemm_sm_count and gemm_lanes were removed (every
 // GEMM runs on the caller's stream over all SMs, which no tuned or shipped
@@ -50,6 +54,7 @@
 #include "comm/status.h"
 #include "layers/linear_knobs.h"
 #include "layers/overlap_plan.h"
+#include "layers/scale_scheme.h"
 
 namespace tpserve {
 
@@ -71,7 +76,8 @@ class OverlapConfig {
   };
   struct Tuned {
     OverlapOp op = OverlapOp::kAllGatherGemm;
-    int64_t n = 0, k = 0, m = 0;  // global problem
+    int64_t n = 0, k = 0, m = 0;                                 // global problem
+    GemmScaleScheme scale_scheme = GemmScaleScheme::kPerTensor;  // FP8 only
     LinearKnobs knobs;
     double median_ms = 0, none_ms = 0;  // as measured by the autotuner (0 = unknown)
   };
@@ -83,13 +89,14 @@ class OverlapConfig {
   // `source` names the text in errors (a file name).
   static StatusOr<OverlapConfig> Parse(std::string_view yaml, const std::string& source);
 
-  // The knobs of `layer_name` (shape: op, global n and k) at `m` rows, with
-  // `auto` resolved. INVALID_ARGUMENT if the config was made for another TP
-  // size (`tp` > 0 and != the given tp).
+  // The knobs of `layer_name` (shape: op, global n and k, its FP8 scale scheme) at `m` rows,
+  // with `auto` resolved. INVALID_ARGUMENT if the config was made for another TP size (`tp` > 0
+  // and != the given tp).
   StatusOr<LinearKnobs> Resolve(std::string_view layer_name, OverlapOp op, int64_t n, int64_t k,
-                                int64_t m, int tp) const;
+                                int64_t m, int tp,
+                                GemmScaleScheme scheme = GemmScaleScheme::kPerTensor) const;
 
-  // Adds (or replaces) the tuned entry for (op, n, k, m).
+  // Adds (or replaces) the tuned entry for (op, n, k, scale_scheme, m).
   void AddTuned(const Tuned& t);
 
   // YAML text that Parse() reads back to an equal config.

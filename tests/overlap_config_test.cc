@@ -145,6 +145,68 @@ TEST(OverlapConfig, CopyEngineOnARowParallelLayerResolvesInEveryMode) {
   EXPECT_TRUE(t->copy_engine);
 }
 
+// The FP8 scale scheme is part of a tuned entry's shape key: mode auto gives a layer the entry of
+// its own scheme and none where only another scheme's entry exists (knobs tuned for per-tensor
+// scales may not run with per-token ones); entries of two schemes for one shape and m coexist,
+// round-trip through ToYaml, and a repeated (shape, scheme, m) or an unknown scheme is refused.
+TEST(OverlapConfig, TunedEntriesAreKeyedByScaleScheme) {
+  const std::string text =
+      "version: 1\ndefaults: {mode: auto}\ntuned:\n"
+      "  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: ring, chunks: 2, copy_engine: true}\n"
+      "  - {op: gemm_rs, n: 8, k: 8, m: 8, scale_scheme: per_token_channel, mode: pipeline, "
+      "chunks: 4}\n"
+      "  - {op: ag_gemm, n: 8, k: 8, m: 8, scale_scheme: blockwise, mode: ring, chunks: 1}\n";
+  const OverlapConfig cfg = MustParse(text);
+  auto at = [&](OverlapOp op, GemmScaleScheme scheme) {
+    auto k = cfg.Resolve("layers.0.x", op, 8, 8, 16, 2, scheme);
+    EXPECT_TRUE(k.ok()) << k.status().ToString();
+    return k.ok() ? *k : LinearKnobs{};
+  };
+  const OverlapOp rs = OverlapOp::kGemmReduceScatter, ag = OverlapOp::kAllGatherGemm;
+  EXPECT_EQ(at(rs, GemmScaleScheme::kPerTensor).mode, OverlapMode::kRing);
+  EXPECT_EQ(at(rs, GemmScaleScheme::kPerTokenChannel).mode, OverlapMode::kPipeline);
+  EXPECT_EQ(at(rs, GemmScaleScheme::kPerTokenChannel).chunks, 4);
+  EXPECT_EQ(at(rs, GemmScaleScheme::kBlockwise).mode, OverlapMode::kNone);
+  EXPECT_EQ(at(ag, GemmScaleScheme::kBlockwise).mode, OverlapMode::kRing);
+  EXPECT_EQ(at(ag, GemmScaleScheme::kPerTensor).mode, OverlapMode::kNone);
+  // The default argument is per tensor.
+  auto plain = cfg.Resolve("layers.0.x", rs, 8, 8, 16, 2);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->mode, OverlapMode::kRing);
+
+  const std::string yaml = cfg.ToYaml();
+  EXPECT_NE(yaml.find("scale_scheme: per_token_channel"), std::string::npos) << yaml;
+  EXPECT_EQ(yaml.find("scale_scheme: per_tensor"), std::string::npos) << "per_tensor is implied";
+  const OverlapConfig back = MustParse(yaml);
+  ASSERT_EQ(back.tuned().size(), 3u);
+  EXPECT_EQ(back.tuned()[1].scale_scheme, GemmScaleScheme::kPerTokenChannel);
+  EXPECT_EQ(back.tuned()[2].scale_scheme, GemmScaleScheme::kBlockwise);
+
+  OverlapConfig added = cfg;
+  OverlapConfig::Tuned t = cfg.tuned()[1];
+  t.knobs.chunks = 2;
+  added.AddTuned(t);  // replaces the per-token entry, not the per-tensor one
+  ASSERT_EQ(added.tuned().size(), 3u);
+  EXPECT_EQ(added.tuned()[0].knobs.mode, OverlapMode::kRing);
+  EXPECT_EQ(added.tuned()[1].knobs.chunks, 2);
+
+  auto repeated = OverlapConfig::Parse(
+      text + "  - {op: gemm_rs, n: 8, k: 8, m: 8, scale_scheme: per_token_channel, mode: none}\n",
+      "r.yaml");
+  ASSERT_FALSE(repeated.ok());
+  EXPECT_NE(
+      repeated.status().message().find("repeats the op, n, k, scale_scheme and m of tuned[1]"),
+      std::string::npos)
+      << repeated.status().ToString();
+  auto bad = OverlapConfig::Parse(
+      "version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, scale_scheme: channel}\n", "b.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("tuned[0].scale_scheme"), std::string::npos)
+      << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("per_token_channel"), std::string::npos)
+      << bad.status().ToString();
+}
+
 // in_place: read, written back only where set, and refused (naming the file, the rule and the
 // layer) where there is no running sum to read in place.
 TEST(OverlapConfig, InPlaceResolvesForRowParallelRingsOverPeerMemoryOnly) {
@@ -458,7 +520,7 @@ TEST(OverlapConfig, StrictLoaderNamesFileLineKeyAndAllowedValues) {
        "bad.yaml:2: a second YAML document ('---'); an overlap config is one document"},
       {"version: 1\ntuned:\n  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: ring, chunks: 2}\n"
        "  - {op: gemm_rs, n: 8, k: 8, m: 8, mode: none}\n",
-       "bad.yaml:4: tuned[1]: repeats the op, n, k and m of tuned[0] (line 3)"},
+       "bad.yaml:4: tuned[1]: repeats the op, n, k, scale_scheme and m of tuned[0] (line 3)"},
   };
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.yaml);
