@@ -73,6 +73,9 @@ struct Flags {
   int rounds = 30;
   bool check = true;
   bool fast_accum = false;
+  // FP8 scale scheme of every layer (layers/scale_scheme.h): per_tensor, per_token_channel or
+  // blockwise; the scales are all 1/16, as per tensor. The tuned entries are keyed by it.
+  std::string scale_scheme = "per_tensor";
   bool split_output = false;  // gemm_rs layer methods as the engine runs them (RunSplit + reader)
   std::string gemm_algo = "timed";      // GemmAlgoSelection of every GEMM
   std::string graph_priority = "node";  // CudaGraphExec::Priority of every graph
@@ -106,12 +109,32 @@ std::vector<ShapeCase> MakeShapes(const Flags& f) {
 }
 
 // `overlap`: the config that method "auto" resolves (null: no auto).
-std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const OverlapConfig* overlap) {
+// The scale scheme of a case's layers: --scale-scheme for fp8, per tensor for bf16.
+GemmScaleScheme SchemeOf(const Flags& f, DataType dtype) {
+  if (dtype != DataType::kFloat8E4M3) return GemmScaleScheme::kPerTensor;
+  auto scheme = ParseGemmScaleScheme(f.scale_scheme);  // the flag's check admits only names
+  return scheme.ok() ? *scheme : GemmScaleScheme::kPerTensor;
+}
+
+// Whether a layer with a fine scale scheme runs these knobs: not full_weight, and no GEMM of
+// the plan adds into C (cuBLASLt takes per-row and per-group scales with beta 0 only).
+bool FineSchemeRuns(const LinearKnobs& knobs, OverlapOp op, int tp, int64_t m) {
+  if (knobs.full_weight) return false;
+  auto plan = MakeOverlapPlan(LinearPlanRequest(op, knobs, tp, 0, m));
+  if (!plan.ok()) return false;
+  return std::none_of(plan->steps.begin(), plan->steps.end(),
+                      [](const PlanStep& s) { return s.accumulate; });
+}
+
+std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const OverlapConfig* overlap,
+                                GemmScaleScheme scheme) {
   const OverlapOp op = sc.op;
   std::vector<Method> out;
+  const bool fine = scheme != GemmScaleScheme::kPerTensor;
   // A method, and with --breakdown its GEMM steps alone and its communication
-  // steps alone under the same knobs.
+  // steps alone under the same knobs. A fine scale scheme leaves out what it cannot run.
   auto add = [&](const Method& m) {
+    if (fine && !FineSchemeRuns(m.knobs, op, f.tp, sc.m)) return;
     out.push_back(m);
     if (!f.breakdown) return;
     for (const char* part : {"layer_gemm", "layer_comm"}) {
@@ -127,7 +150,7 @@ std::vector<Method> MakeMethods(const Flags& f, const ShapeCase& sc, const Overl
       if (overlap == nullptr) continue;
       // The layer's knobs as a served model would get them: by name, then
       // the tuned table at this M (falling back to none).
-      auto knobs = overlap->Resolve(sc.layer, op, sc.n, sc.k, sc.m, f.tp);
+      auto knobs = overlap->Resolve(sc.layer, op, sc.n, sc.k, sc.m, f.tp, scheme);
       if (!knobs.ok()) {
         spdlog::error("{} m={}: method auto: {}", sc.layer, sc.m, knobs.status().ToString());
         continue;
@@ -252,7 +275,8 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
   const int tp = group.size();
   const bool ag = sc.op == OverlapOp::kAllGatherGemm;
   const int64_t n_local = ag ? sc.n / tp : sc.n, k_local = ag ? sc.k : sc.k / tp;
-  const std::vector<Method> methods = MakeMethods(f, sc, overlap);
+  const GemmScaleScheme scheme = SchemeOf(f, dtype);
+  const std::vector<Method> methods = MakeMethods(f, sc, overlap, scheme);
   CudaLinearOptions layer_options;  // every layer's and gemm_only's GEMM alike
   layer_options.gemm_algo = GemmAlgoFromFlag(f.gemm_algo);
   std::vector<std::vector<json>> rank_records(tp);
@@ -277,6 +301,19 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         cudaMemcpyAsync(scales.data(), sc_host, sizeof sc_host, cudaMemcpyHostToDevice, st));
     const float* xs = scales.as<float>();
     const float* ws = scales.as<float>() + 4;
+    // A fine scheme's scales, all 1/16 (x's per row or 1x128 group of all m rows, w's per row
+    // or 128x128 block): one buffer serves both.
+    DeviceBuffer fine_scales;
+    if (scheme != GemmScaleScheme::kPerTensor) {
+      const int64_t groups = scheme == GemmScaleScheme::kBlockwise ? k_local / kGemmScaleBlock : 1;
+      const int64_t w_count = scheme == GemmScaleScheme::kBlockwise
+                                  ? n_local / kGemmScaleBlock * BlockwiseWeightScalePitch(k_local)
+                                  : n_local;
+      const int64_t count = std::max(sc.m * groups, w_count);
+      TP_ASSIGN_OR_RETURN(fine_scales, DeviceBuffer::Allocate(count * 4, "bench.fine_scales"));
+      TP_RETURN_IF_ERROR(LaunchFillPattern(fine_scales.data(), count, 4, 0x3D800000u, st));
+      xs = ws = fine_scales.as<float>();
+    }
     const bool fp8 = dtype == DataType::kFloat8E4M3;
     const float amp = fp8 ? 16.0f : 1.0f;
     TP_RETURN_IF_ERROR(LaunchRandomUniform(w.data(), dtype, n_local * k_local, 1000 + r, amp, st));
@@ -326,7 +363,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
     };
     const bool check = f.check && std::any_of(methods.begin(), methods.end(), checked);
     if (check) {
-      CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
+      CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local, scheme};
       TP_ASSIGN_OR_RETURN(auto ref, CudaLinear::Create("bench." + sc.layer + ".reference", shape,
                                                        LinearKnobs{}, pool, layer_options));
       TP_RETURN_IF_ERROR(ref->Prepare(sc.m));
@@ -355,6 +392,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
         gp.a_type = gp.b_type = dtype;
         gp.d_type = DataType::kBFloat16;
         gp.fast_accum = fp8 && f.fast_accum;
+        gp.scale_scheme = scheme;
         if (fp8) {
           gp.a_scale = xs;
           gp.b_scale = ws;
@@ -387,7 +425,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
           };
         }
       } else {
-        CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local};
+        CudaLinearShape shape{sc.op, dtype, sc.m, n_local, k_local, scheme};
         const void* wm = m.knobs.full_weight ? w_full.data() : w.data();
         TP_ASSIGN_OR_RETURN(
             p.layer, CudaLinear::Create("bench." + sc.layer, shape, m.knobs, pool, layer_options));
@@ -598,6 +636,7 @@ Status RunCase(RankGroup& group, const Flags& f, const ShapeCase& sc, const Over
                {"op", OverlapOpName(sc.op)},
                {"method", m.method},
                {"dtype", fp8 ? "fp8" : "bf16"},
+               {"scale_scheme", GemmScaleSchemeName(scheme)},
                {"tp", tp},
                {"m", sc.m},
                {"n", sc.n},
@@ -739,6 +778,15 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
   app.add_flag("!--no-check", f.check,
                "Skip comparing each overlap method's output with mode none");
   app.add_flag("--fast-accum", f.fast_accum, "FP8 fast accumulation in every GEMM");
+  app.add_option("--scale-scheme", f.scale_scheme,
+                 "FP8 scale scheme of every layer and of gemm_only: per_tensor; "
+                 "per_token_channel (a scale per row of X and per row of W); blockwise (1x128 "
+                 "groups of X, 128x128 blocks of W; needs n and k multiples of 128 and no "
+                 "--fast-accum). Every scale is 1/16. Methods the scheme cannot run (full_weight, "
+                 "in_place, rings whose GEMMs add the running sum) are left out; --tune-out keys "
+                 "its entries by the scheme")
+      ->check(CLI::IsMember({"per_tensor", "per_token_channel", "blockwise"}))
+      ->capture_default_str();
   app.add_flag("--split-output", f.split_output,
                "Time (and tune) gemm_rs layer methods as the engine runs o and down: "
                "CudaLinear::RunSplit, whose plans that end in a sum step of their own (ring, "
@@ -787,6 +835,12 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
                     sc.layer, ag ? "n" : "k", ag ? sc.n : sc.k, f.tp);
       return 2;
     }
+  }
+  if (f.scale_scheme == "blockwise" && f.fast_accum) {
+    spdlog::error(
+        "--scale-scheme blockwise runs without --fast-accum (cuBLASLt's blockwise FP8 "
+        "GEMM has no fast accumulation)");
+    return 2;
   }
   if (!f.tune_out.empty() && f.dtypes.size() != 1) {
     spdlog::error("--tune-out tunes one operand type: give exactly one --dtype");
@@ -910,7 +964,9 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
       if (!write_results(records)) ++failures;
       // The tuned choice (benchmarks/tune_choice.h): the finalists' second
       // round when there was one, else the sweep.
-      const std::vector<Method> methods = MakeMethods(f, sc, overlap_ptr);
+      const std::vector<Method> methods =
+          MakeMethods(f, sc, overlap_ptr,
+                      SchemeOf(f, d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3));
       std::vector<TuneCandidate> candidates;
       for (size_t i = 0; i < methods.size() && first + i < records.size(); ++i) {
         const json& rec = records[first + i];
@@ -927,6 +983,7 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
         t.n = sc.n;
         t.k = sc.k;
         t.m = sc.m;
+        t.scale_scheme = SchemeOf(f, d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3);
         t.knobs = choice->knobs;
         t.median_ms = choice->best_ms;
         t.none_ms = choice->none_ms;

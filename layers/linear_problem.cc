@@ -26,11 +26,86 @@ CpuLinearArgs LinearProblem::ArgsFor(int rank, BFloat16* y) const {
   a.w = w_local[rank].data();
   a.w_scale = w_scale;
   a.y = y;
+  if (scheme != Fp8Scheme::kPerTensor) {
+    a.scheme = scheme;
+    a.x_scales = x_scales_local[rank];
+    a.w_scales = w_scales_local[rank];
+  }
   return a;
 }
 
+namespace {
+
+// Fine scales: for each row of X and of W (per channel) or each 1x128 group of X and 128x128
+// block of W (block), 4 sigma / 448 times 2^e, e drawn from -2 .. 2; X and W quantized with
+// them; and each rank's share of codes and scales.
+Status FillFineScaled(LinearProblem& p, std::mt19937& rng) {
+  const bool block = p.scheme == Fp8Scheme::kBlock;
+  const int64_t m = p.m, n = p.n, k = p.k, tp = p.tp;
+  const int64_t nl = p.n_local(), kl = p.k_local();
+  const bool ag = p.op == OverlapOp::kAllGatherGemm;
+  if (block && (nl % kFp8BlockSize != 0 || kl % kFp8BlockSize != 0)) {
+    return InvalidArgumentError(
+        "linear problem: scheme block needs each rank's n and k to be "
+        "multiples of 128, got n=" +
+        std::to_string(nl) + " k=" + std::to_string(kl));
+  }
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-2, 2);
+  const float base = 4.0f / kFp8E4M3Max;
+  auto draw = [&](std::vector<float>& s, int64_t count) {
+    s.resize(count);
+    for (float& v : s) v = std::ldexp(base, exponent(rng));
+  };
+  const int64_t gk = block ? k / kFp8BlockSize : 1;  // X scales per row
+  draw(p.x_scales, m * gk);
+  draw(p.w_scales, Fp8WeightScaleCount(p.scheme, n, k));
+  p.x.resize(m * k);
+  p.w.resize(n * k);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < k; ++c) {
+      p.x[i * k + c] = FloatToFp8E4M3(dist(rng) / p.x_scales[i * gk + (block ? c / 128 : 0)]);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t c = 0; c < k; ++c) {
+      const float s = block ? p.w_scales[(j / 128) * gk + c / 128] : p.w_scales[j];
+      p.w[j * k + c] = FloatToFp8E4M3(dist(rng) / s);
+    }
+  }
+  p.x_scales_local.resize(tp);
+  p.w_scales_local.resize(tp);
+  const int64_t gl = block ? kl / kFp8BlockSize : 1;  // a rank's X scales per row
+  for (int r = 0; r < tp; ++r) {
+    std::vector<float>& xs = p.x_scales_local[r];
+    std::vector<float>& ws = p.w_scales_local[r];
+    if (ag) {  // the shard's rows; W's rows [r * nl, (r + 1) * nl)
+      const RowRange s = ShardRows(m, static_cast<int>(tp), r);
+      xs.assign(p.x_scales.begin() + s.begin * gk, p.x_scales.begin() + s.end * gk);
+      const int64_t w_rows = block ? nl / kFp8BlockSize : nl;
+      ws.assign(p.w_scales.begin() + r * w_rows * gk, p.w_scales.begin() + (r + 1) * w_rows * gk);
+    } else if (!block) {  // every row, each K slice with its row's scale; W's rows all
+      xs = p.x_scales;
+      ws = p.w_scales;
+    } else {  // the groups and blocks of columns [r * kl, (r + 1) * kl)
+      for (int64_t i = 0; i < m; ++i) {
+        xs.insert(xs.end(), p.x_scales.begin() + i * gk + r * gl,
+                  p.x_scales.begin() + i * gk + (r + 1) * gl);
+      }
+      for (int64_t b = 0; b < n / kFp8BlockSize; ++b) {
+        ws.insert(ws.end(), p.w_scales.begin() + b * gk + r * gl,
+                  p.w_scales.begin() + b * gk + (r + 1) * gl);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, int tp, int64_t m,
-                                                int64_t n, int64_t k, uint32_t seed) {
+                                                int64_t n, int64_t k, uint32_t seed,
+                                                Fp8Scheme scheme) {
   if (dtype != DataType::kFloat8E4M3 && dtype != DataType::kBFloat16) {
     return InvalidArgumentError("linear problem: dtype must be fp8_e4m3 or bf16");
   }
@@ -69,6 +144,10 @@ StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, in
     p.x_scale = 4.0f / kFp8E4M3Max;
     p.w_scale = 4.0f / kFp8E4M3Max;
   }
+  if (scheme != Fp8Scheme::kPerTensor && dtype != DataType::kFloat8E4M3) {
+    return InvalidArgumentError("linear problem: a scale scheme other than per tensor needs fp8");
+  }
+  p.scheme = scheme;
   auto fill = [&](std::vector<uint8_t>& buf, int64_t count, float scale) {
     buf.resize(count * e);
     for (int64_t i = 0; i < count; ++i) {
@@ -81,8 +160,12 @@ StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, in
       }
     }
   };
-  fill(p.x, m * k, p.x_scale);
-  fill(p.w, n * k, p.w_scale);
+  if (scheme == Fp8Scheme::kPerTensor) {
+    fill(p.x, m * k, p.x_scale);
+    fill(p.w, n * k, p.w_scale);
+  } else {
+    TP_RETURN_IF_ERROR(FillFineScaled(p, rng));
+  }
 
   const int64_t nl = p.n_local(), kl = p.k_local();
   p.x_local.resize(tp);
@@ -104,6 +187,11 @@ StatusOr<LinearProblem> MakeRandomLinearProblem(OverlapOp op, DataType dtype, in
     }
   }
   p.reference.resize(m * n);
+  if (scheme != Fp8Scheme::kPerTensor) {
+    TP_RETURN_IF_ERROR(
+        ReferenceLinearFp8(scheme, m, n, k, p.x, p.x_scales, p.w, p.w_scales, p.reference));
+    return p;
+  }
   TP_RETURN_IF_ERROR(
       ReferenceLinear(dtype, m, n, k, p.x.data(), p.x_scale, p.w.data(), p.w_scale, p.reference));
   return p;

@@ -60,7 +60,8 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
   spdlog::info("layer {} mode={} dtype={} tp={} m={} n={} k={} chunks={}: preparing operands", f.op,
                f.mode, f.dtype, f.tp, f.m, f.n, f.k, f.chunks);
-  auto problem = MakeRandomLinearProblem(*op, dtype, f.tp, f.m, f.n, f.k, f.seed);
+  const Fp8Scheme scheme = ParseFp8Scheme(f.fp8_scheme).value_or(Fp8Scheme::kPerTensor);
+  auto problem = MakeRandomLinearProblem(*op, dtype, f.tp, f.m, f.n, f.k, f.seed, scheme);
   if (!problem.ok()) {
     std::fprintf(stderr, "error: %s\n", problem.status().message().c_str());
     return 2;
@@ -88,10 +89,12 @@ int RunLayer(LayerFlags f, const std::vector<std::string>& argv,
   std::printf(
       "%s %s %s tp=%d m=%lld n=%lld k=%lld chunks=%d backend=%s: best %.3f ms; vs reference: "
       "rel_frobenius=%.3g max_abs=%.3g differing=%lld unwritten=%lld -> %s (tolerance %g)\n",
-      f.op.c_str(), f.mode.c_str(), f.dtype.c_str(), f.tp, static_cast<long long>(f.m),
-      static_cast<long long>(f.n), static_cast<long long>(f.k), f.chunks, f.backend.c_str(),
-      best_ms, err->rel_frobenius, err->max_abs, static_cast<long long>(err->differing),
-      static_cast<long long>(err->unwritten), pass ? "PASS" : "FAIL", f.tolerance);
+      f.op.c_str(), f.mode.c_str(),
+      (f.dtype + (scheme == Fp8Scheme::kPerTensor ? "" : "/" + f.fp8_scheme)).c_str(), f.tp,
+      static_cast<long long>(f.m), static_cast<long long>(f.n), static_cast<long long>(f.k),
+      f.chunks, f.backend.c_str(), best_ms, err->rel_frobenius, err->max_abs,
+      static_cast<long long>(err->differing), static_cast<long long>(err->unwritten),
+      pass ? "PASS" : "FAIL", f.tolerance);
   return pass ? 0 : 1;
 }
 
@@ -114,8 +117,15 @@ void AddLayerCommand(CLI::App& app, int* exit_code, const std::vector<std::strin
   cmd->add_option("--mode", f->mode, "Overlap mode: none, pipeline or ring")
       ->check(CLI::IsMember({"none", "pipeline", "ring"}))
       ->capture_default_str();
-  cmd->add_option("--dtype", f->dtype, "Operand type: fp8 (E4M3, per-tensor scales) or bf16")
+  cmd->add_option("--dtype", f->dtype, "Operand type: fp8 (E4M3) or bf16")
       ->check(CLI::IsMember({"fp8", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--fp8-scheme", f->fp8_scheme,
+                  "FP8 scale layout: tensor (one scale per tensor), channel (a scale per row of "
+                  "X and of W: per token and per output channel) or block (per 1x128 group of X "
+                  "and 128x128 block of W; each rank's n and k whole 128s). Every row, group or "
+                  "block draws its own scale, so a row read with another's scale fails the check")
+      ->check(CLI::IsMember({"tensor", "channel", "block"}))
       ->capture_default_str();
   cmd->add_option("--tp", f->tp, "Tensor-parallel size")
       ->check(CLI::Range(1, 64))

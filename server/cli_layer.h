@@ -12,6 +12,7 @@ struct LayerFlags {
   std::string op = "ag_gemm";
   std::string mode = "pipeline";
   std::string dtype = "fp8";
+  std::string fp8_scheme = "tensor";  // tensor | channel | block (layers/fp8.h, Fp8Scheme)
   int tp = 2;
   int64_t m = 1002;
   int64_t n = 256;

@@ -47,10 +47,11 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   knobs.in_place = f.in_place;
   knobs.full_weight = f.full_weight;
   const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  const Fp8Scheme scheme = ParseFp8Scheme(f.fp8_scheme).value_or(Fp8Scheme::kPerTensor);
 
   spdlog::info("rank {}/{}: preparing operands and the CPU reference", who.rank, f.tp);
   TP_ASSIGN_OR_RETURN(LinearProblem p,
-                      MakeRandomLinearProblem(op, dtype, f.tp, f.m, f.n, f.k, f.seed));
+                      MakeRandomLinearProblem(op, dtype, f.tp, f.m, f.n, f.k, f.seed, scheme));
   TP_ASSIGN_OR_RETURN(auto base,
                       NcclCommunicator::Create(id, f.tp, who.rank, who.local_rank, NcclCommConfig{},
                                                std::chrono::seconds(120)));
@@ -58,7 +59,7 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   TP_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   cudaStream_t st = stream.get();
   const int r = who.rank;
-  CudaLinearShape shape{op, dtype, f.m, p.n_local(), p.k_local()};
+  CudaLinearShape shape{op, dtype, f.m, p.n_local(), p.k_local(), GemmScaleSchemeOf(scheme)};
   CudaLinearOptions lo;
   lo.gemm_algo = GemmAlgoFromFlag(f.gemm_algo);
   TP_ASSIGN_OR_RETURN(auto layer, CudaLinear::Create("cli.layer", shape, knobs, pool, lo));
@@ -72,6 +73,37 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(8 * sizeof(float), "scales"));
   const float sc[8] = {p.x_scale, 0, 0, 0, p.w_scale, 0, 0, 0};
   TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), sc, sizeof sc, cudaMemcpyHostToDevice, st));
+  // A finer scheme's scales as the layer takes them (CudaLinearShape::scale_scheme).
+  DeviceBuffer fine_x, fine_w;
+  std::vector<float> fine_x_host, fine_w_host;  // alive until the copies below have run
+  if (scheme != Fp8Scheme::kPerTensor) {
+    fine_x_host = p.x_scales_local[r];
+    fine_w_host = p.w_scales_local[r];
+    if (scheme == Fp8Scheme::kBlock) {  // x [rows][groups] -> [groups][rows]; w rows padded
+      const int64_t groups = p.k_local() / kFp8BlockSize;
+      const int64_t rows = static_cast<int64_t>(fine_x_host.size()) / groups;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t g = 0; g < groups; ++g) {
+          fine_x_host[g * rows + i] = p.x_scales_local[r][i * groups + g];
+        }
+      }
+      const int64_t pitch = BlockwiseWeightScalePitch(p.k_local());
+      const int64_t block_rows = p.n_local() / kFp8BlockSize;
+      fine_w_host.assign(block_rows * pitch, 1.0f);
+      for (int64_t b = 0; b < block_rows; ++b) {
+        for (int64_t g = 0; g < groups; ++g) {
+          fine_w_host[b * pitch + g] = p.w_scales_local[r][b * groups + g];
+        }
+      }
+    }
+    TP_ASSIGN_OR_RETURN(fine_x, DeviceBuffer::Allocate(std::max<size_t>(fine_x_host.size(), 4) * 4,
+                                                       "cli.x_scales"));
+    TP_ASSIGN_OR_RETURN(fine_w, DeviceBuffer::Allocate(fine_w_host.size() * 4, "cli.w_scales"));
+    TP_CUDA_CHECK(cudaMemcpyAsync(fine_x.data(), fine_x_host.data(), fine_x_host.size() * 4,
+                                  cudaMemcpyHostToDevice, st));
+    TP_CUDA_CHECK(cudaMemcpyAsync(fine_w.data(), fine_w_host.data(), fine_w_host.size() * 4,
+                                  cudaMemcpyHostToDevice, st));
+  }
   // Host-to-device copies on `st`, the stream the layer runs on: a cudaMemcpy
   // from pageable memory may return before its DMA lands, and `st` is
   // non-blocking.
@@ -82,11 +114,13 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
   TP_RETURN_IF_ERROR(LaunchPoisonFill(y.data(), DataType::kBFloat16, out, st));
   CudaLinear::SplitOutput split;
   auto run = [&] {
-    const float* x_scale = scales.as<float>();
+    const bool fine = scheme != Fp8Scheme::kPerTensor;
+    const float* x_scale = fine ? fine_x.as<float>() : scales.as<float>();
+    const float* w_scale = fine ? fine_w.as<float>() : scales.as<float>() + 4;
     if (f.split_output) {
-      return layer->RunSplit(f.m, w.data(), x_scale, x_scale + 4, y.data(), st, &split);
+      return layer->RunSplit(f.m, w.data(), x_scale, w_scale, y.data(), st, &split);
     }
-    return layer->Run(f.m, w.data(), x_scale, x_scale + 4, y.data(), st);
+    return layer->Run(f.m, w.data(), x_scale, w_scale, y.data(), st);
   };
   // This rank's output after a run: y, or with --split-output the sum of the
   // two addends that RunSplit left, as a consumer adds them.

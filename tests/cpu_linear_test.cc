@@ -129,6 +129,55 @@ TEST(CpuLinear, DeferredLastSumMatchesTheReference) {
   EXPECT_EQ(MakeOverlapPlan(q).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A problem with a scale per row (per channel: per-token X, per-channel W) or per 1x128 group
+// and 128x128 block: every rank's share of the scales follows its share of X and W, so the CPU
+// executor in every mode matches the unsharded reference of that scheme; with two rows' scales
+// swapped in a rank's share the output is far off (the check can fail).
+TEST(CpuLinear, FineScaleSchemesShardWithTheirRowsAndColumns) {
+  for (Fp8Scheme scheme : {Fp8Scheme::kPerChannel, Fp8Scheme::kBlock}) {
+    for (OverlapOp op : {OverlapOp::kAllGatherGemm, OverlapOp::kGemmReduceScatter}) {
+      for (int tp : {1, 2, 3}) {
+        const bool ag = op == OverlapOp::kAllGatherGemm;
+        // Block: each rank's split dimension whole 128s.
+        const int64_t n = ag ? 128 * tp : 128, k = ag ? 256 : 128 * tp;
+        for (int64_t m : {1, 37, 300}) {
+          SCOPED_TRACE(::testing::Message() << Fp8SchemeName(scheme) << " " << OverlapOpName(op)
+                                            << " tp=" << tp << " m=" << m);
+          auto p = MakeRandomLinearProblem(op, DataType::kFloat8E4M3, tp, m, n, k, 11, scheme);
+          ASSERT_TRUE(p.ok()) << p.status().ToString();
+          for (OverlapMode mode :
+               {OverlapMode::kNone, OverlapMode::kPipeline, OverlapMode::kRing}) {
+            auto y = RunCpuLinearGroup(*p, mode, mode == OverlapMode::kNone ? 1 : 2);
+            ASSERT_TRUE(y.ok()) << y.status().ToString();
+            auto err = CompareWithReference(*p, *y);
+            ASSERT_TRUE(err.ok());
+            EXPECT_EQ(err->unwritten, 0);
+            EXPECT_LE(err->rel_frobenius, ag ? 1e-6 : kRsRelTol) << OverlapModeName(mode);
+          }
+          if (m < 37) continue;
+          LinearProblem swapped = *p;
+          std::vector<float>& xs = swapped.x_scales_local[0];
+          const size_t per_row = xs.size() / (ag ? ShardRows(m, tp, 0).size() : m);
+          for (size_t g = 0; g < per_row; ++g) std::swap(xs[g], xs[per_row + g]);
+          auto y = RunCpuLinearGroup(swapped, OverlapMode::kNone, 1);
+          ASSERT_TRUE(y.ok());
+          auto err = CompareWithReference(swapped, *y);
+          ASSERT_TRUE(err.ok());
+          if (xs[0] != xs[per_row]) {
+            EXPECT_GT(err->rel_frobenius, 1e-2);
+          }
+        }
+      }
+    }
+  }
+  auto bf16 = MakeRandomLinearProblem(OverlapOp::kAllGatherGemm, DataType::kBFloat16, 2, 8, 256,
+                                      256, 1, Fp8Scheme::kPerChannel);
+  EXPECT_EQ(bf16.status().code(), StatusCode::kInvalidArgument);
+  auto ragged = MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, DataType::kFloat8E4M3, 2, 8,
+                                        128, 192, 1, Fp8Scheme::kBlock);
+  EXPECT_EQ(ragged.status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(CpuLinear, PerRankComparisonAddsUpToTheGroupComparison) {
   auto p =
       MakeRandomLinearProblem(OverlapOp::kGemmReduceScatter, DataType::kBFloat16, 3, 37, 32, 48, 5);

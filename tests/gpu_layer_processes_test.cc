@@ -109,7 +109,44 @@ constexpr LayerCase kCases[] = {
     {1, "--op gemm_rs --mode ring --chunks 2 --copy-engine --full-weight"},
     {4099, "--op gemm_rs --mode ring --chunks 2 --copy-engine --full-weight"},
     {4099, "--op gemm_rs --mode ring --chunks 4 --copy-engine --full-weight --split-output", 0},
+    // Fine FP8 scales (--fp8-scheme: a scale per row or 1x128 group of X and per row or 128x128
+    // block of W, each drawn on its own): every GEMM reads its rows' scales from a scale slot
+    // (layers/scale_slots.h), AllGather layers move the peers' slots with their rows. Block
+    // cases keep every GEMM's m a multiple of 4 (m 4096).
+    {4099, "--op ag_gemm --mode none --chunks 1 --fp8-scheme channel"},
+    {4099, "--op ag_gemm --mode pipeline --chunks 2 --copy-engine --fp8-scheme channel"},
+    {37, "--op ag_gemm --mode ring --chunks 2 --fp8-scheme channel"},
+    {4099, "--op ag_gemm --mode ring --chunks 1 --copy-engine --fp8-scheme channel"},
+    {4096, "--op ag_gemm --mode ring --chunks 2 --fp8-scheme block"},
+    {4096, "--op ag_gemm --mode pipeline --chunks 4 --copy-engine --fp8-scheme block"},
+    {4099, "--op gemm_rs --mode none --chunks 1 --copy-engine --fp8-scheme channel"},
+    {1002, "--op gemm_rs --mode pipeline --chunks 4 --fp8-scheme channel"},
+    {4099, "--op gemm_rs --mode ring --chunks 1 --copy-engine --fp8-scheme channel"},
+    {4096, "--op gemm_rs --mode ring --chunks 1 --copy-engine --fp8-scheme block --split-output",
+     2},
+    {4096, "--op gemm_rs --mode pipeline --chunks 2 --copy-engine --fp8-scheme block"},
 };
+
+// Overlap modes whose GEMMs add the received running sum into C cannot take per-row scales
+// (cuBLASLt does that with per-tensor scales only): refused, naming the scheme, before any run.
+TEST(GpuLayerProcessesTest, FineScalesRefuseModesThatAddIntoC) {
+  if (CudaDeviceCount() < 2) {
+    GTEST_SKIP() << "needs two GPUs (NCCL takes one rank per GPU; this host has "
+                 << CudaDeviceCount() << ")";
+  }
+  const std::string bin = TpserveBinary();
+  for (const char* flags : {"--op gemm_rs --mode ring --chunks 2 --copy-engine",
+                            "--op gemm_rs --mode ring --chunks 1"}) {
+    const std::string command =
+        bin + " layer --backend cuda --tp 2 --n 1024 --k 1024 --iters 1 --m 512 " + flags +
+        " --fp8-scheme channel";
+    SCOPED_TRACE(command);
+    const RunResult r = RunCommand(command);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("scale_scheme per_token_channel"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("adds into C"), std::string::npos) << r.output;
+  }
+}
 
 TEST(GpuLayerProcessesTest, EveryShippedModeMatchesTheCpuReferenceAtTp2) {
   if (CudaDeviceCount() < 2) {
