@@ -263,11 +263,12 @@ int RunLayerCuda(const LayerFlags& f, const std::vector<std::string>& argv) {
         "rank %d/%d %s %s %s m=%lld n=%lld k=%lld chunks=%d backend=cuda: graph replay median "
         "%.4f ms over %d; vs CPU reference: rel_frobenius=%.3g max_abs=%.3g unwritten=%lld; "
         "%d graph replays, two inputs alternating, vs eager: %s -> %s (tolerance %.g)\n",
-        who.rank, f.tp, f.op.c_str(), f.mode.c_str(), f.dtype.c_str(), static_cast<long long>(f.m),
-        static_cast<long long>(f.n), static_cast<long long>(f.k), f.chunks, res->median_ms, f.iters,
-        res->err.rel_frobenius, res->err.max_abs, static_cast<long long>(res->err.unwritten),
-        kCheckedReplays, res->replay_identical ? "bit-identical" : "DIFFERS",
-        pass ? "PASS" : "FAIL", f.tolerance);
+        who.rank, f.tp, f.op.c_str(), f.mode.c_str(),
+        (f.dtype + (f.fp8_scheme == "tensor" ? "" : "/" + f.fp8_scheme)).c_str(),
+        static_cast<long long>(f.m), static_cast<long long>(f.n), static_cast<long long>(f.k),
+        f.chunks, res->median_ms, f.iters, res->err.rel_frobenius, res->err.max_abs,
+        static_cast<long long>(res->err.unwritten), kCheckedReplays,
+        res->replay_identical ? "bit-identical" : "DIFFERS", pass ? "PASS" : "FAIL", f.tolerance);
     std::fflush(stdout);
   }
   if (!res.ok()) {
