@@ -21,6 +21,7 @@
 #include "engine/launch_checks.h"
 #include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
+#include "layers/pdl.cuh"
 
 namespace tpserve {
 namespace {
@@ -104,6 +105,7 @@ __device__ __forceinline__ uint4 AddBf16x8(const uint4& a, const uint4& b) {
 // kVecs: vectors of 8 per thread (RmsNormParams::vecs_per_thread).
 template <int kVecs>
 __global__ void __launch_bounds__(RmsThreadsFor(kVecs)) RmsNormKernel(RmsNormParams p) {
+  PdlEnter();
   const int64_t row = blockIdx.x;
   const int vecs = static_cast<int>(p.dim / 8);
   const int64_t offset = row * p.dim;
@@ -181,8 +183,8 @@ __global__ void __launch_bounds__(RmsThreadsFor(kVecs)) RmsNormKernel(RmsNormPar
 
 template <int kVecs>
 Status LaunchRmsNormKernel(const RmsNormParams& p, int threads, cudaStream_t stream) {
-  RmsNormKernel<kVecs><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-  TP_CUDA_CHECK(cudaGetLastError());
+  TP_CUDA_CHECK(LaunchPdl(RmsNormKernel<kVecs>, dim3(static_cast<unsigned>(p.rows)), dim3(threads),
+                          0, stream, p));
   return Status::Ok();
 }
 
@@ -197,6 +199,7 @@ constexpr int64_t kRopeMaxHeadDim = 512;
 template <int kVec>
 __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p) {
   __shared__ float2 cos_sin[kRopeMaxHeadDim / 2];
+  PdlEnter();
   const int64_t row = blockIdx.x;
   const int head_dim = static_cast<int>(p.head_dim);
   const int half = head_dim / 2;
@@ -259,6 +262,7 @@ __device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __e
 // Rows over blockIdx.y (grid-stride), each row's vectors over blockIdx.x and the block's
 // threads: no 64-bit division per vector, which cost the kernel more than its arithmetic.
 __global__ void SwiGluVecKernel(SwiGluParams p) {
+  PdlEnter();
   const int64_t vecs_per_row = p.inter / 8;
   const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
   float amax = 0.0f;
@@ -290,6 +294,7 @@ constexpr int kSwiGluRowVecs = 4;
 constexpr int64_t kSwiGluOwnScalesMaxInter = 8 * kSwiGluRowVecs * 1024;
 
 __global__ void __launch_bounds__(1024) SwiGluOwnScalesKernel(SwiGluParams p) {
+  PdlEnter();
   const int64_t row = blockIdx.x;
   const int vecs = static_cast<int>(p.inter / 8);
   const uint4* gate = reinterpret_cast<const uint4*>(p.gate_up + row * 2 * p.inter);
@@ -312,6 +317,7 @@ __global__ void __launch_bounds__(1024) SwiGluOwnScalesKernel(SwiGluParams p) {
 }
 
 __global__ void SwiGluScalarKernel(SwiGluParams p) {
+  PdlEnter();
   const int64_t total = p.rows * p.inter;
   const Fp8Divisor fp8 = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
   float amax = 0.0f;
@@ -503,11 +509,10 @@ Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
                    (p.k == nullptr || (IsAligned(p.k, 16) && p.k_row_stride % 8 == 0));
   const unsigned grid = static_cast<unsigned>(p.rows);
   if (vec) {
-    RopeKernel<8><<<grid, kRopeThreads, 0, stream>>>(p);
+    TP_CUDA_CHECK(LaunchPdl(RopeKernel<8>, dim3(grid), dim3(kRopeThreads), 0, stream, p));
   } else {
-    RopeKernel<1><<<grid, kRopeThreads, 0, stream>>>(p);
+    TP_CUDA_CHECK(LaunchPdl(RopeKernel<1>, dim3(grid), dim3(kRopeThreads), 0, stream, p));
   }
-  TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
 
@@ -535,8 +540,8 @@ Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream) {
     if (!IsAligned(p.out, 16)) return MisalignedField(kP, "out", 16);
     const int64_t per_thread = (p.inter / 8 + kSwiGluRowVecs - 1) / kSwiGluRowVecs;
     const int threads = static_cast<int>((per_thread + 31) / 32 * 32);
-    SwiGluOwnScalesKernel<<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-    TP_CUDA_CHECK(cudaGetLastError());
+    TP_CUDA_CHECK(LaunchPdl(SwiGluOwnScalesKernel, dim3(static_cast<unsigned>(p.rows)),
+                            dim3(threads), 0, stream, p));
     return Status::Ok();
   }
   if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
@@ -546,12 +551,13 @@ Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream) {
     const int64_t across = (p.inter / 8 + kThreads - 1) / kThreads;
     // Enough blocks to fill the GPU several times over; rows beyond loop.
     const int64_t down = std::min<int64_t>(p.rows, std::max<int64_t>(1, 16 * kMaxBlocks / across));
-    SwiGluVecKernel<<<dim3(static_cast<unsigned>(across), static_cast<unsigned>(down)), kThreads, 0,
-                      stream>>>(p);
+    TP_CUDA_CHECK(LaunchPdl(SwiGluVecKernel,
+                            dim3(static_cast<unsigned>(across), static_cast<unsigned>(down)),
+                            dim3(kThreads), 0, stream, p));
   } else {
-    SwiGluScalarKernel<<<GridFor(total), kThreads, 0, stream>>>(p);
+    TP_CUDA_CHECK(
+        LaunchPdl(SwiGluScalarKernel, dim3(GridFor(total)), dim3(kThreads), 0, stream, p));
   }
-  TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
 

@@ -9,6 +9,7 @@
 #include "engine/device_math.cuh"
 #include "engine/mma.cuh"
 #include "engine/paged_attention_args.cuh"
+#include "layers/pdl.cuh"
 
 namespace tpserve::paged_attn {
 namespace {
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
   uint16_t* widen = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes);
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes + L::kWidenBytes);
   int* key_ok = reinterpret_cast<int*>(decode_smem + L::kStagesBytes + L::kWidenBytes + L::kQBytes);
+  PdlEnter();
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3, mat = lane >> 3;
@@ -384,8 +386,8 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, const AttnArgs& a, cudaStream_t stre
                              cudaSharedmemCarveoutMaxShared);
   }
   if (e != cudaSuccess) return e;
-  PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup><<<grid, kAttnThreads, kSmem, stream>>>(a);
-  return cudaGetLastError();
+  return LaunchPdl(PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup>, grid, dim3(kAttnThreads),
+                   kSmem, stream, a);
 }
 
 template <int kHeadDim, int kGroup>

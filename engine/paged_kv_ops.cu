@@ -22,6 +22,7 @@
 #include "engine/launch_checks.h"
 #include "engine/paged_attention_args.cuh"
 #include "layers/kernel_grid.h"
+#include "layers/pdl.cuh"
 
 namespace tpserve {
 namespace {
@@ -234,6 +235,7 @@ static_assert(kMaxSplits <= 32, "the combine kernel's first warp holds one split
 template <int kHeadDim>
 __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs a) {
   __shared__ float w_s[32];
+  PdlEnter();
   const int s = blockIdx.x, head = blockIdx.z;
   int row_begin, n, ctx;
   SequenceRows(a, s, &row_begin, &n, &ctx);
@@ -289,7 +291,9 @@ cudaError_t LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, in
   if (a.splits > 1) {
     const dim3 cgrid(grid.x / static_cast<unsigned>(a.kv_heads),
                      static_cast<unsigned>(combine_rows), static_cast<unsigned>(a.q_heads));
-    PagedAttentionCombineKernel<kHeadDim><<<cgrid, kHeadDim, 0, stream>>>(a);
+    const cudaError_t e =
+        LaunchPdl(PagedAttentionCombineKernel<kHeadDim>, cgrid, dim3(kHeadDim), 0, stream, a);
+    if (e != cudaSuccess) return e;
   }
   return cudaGetLastError();
 }

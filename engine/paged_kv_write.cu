@@ -14,6 +14,7 @@
 #include "engine/launch_checks.h"
 #include "engine/paged_kv_ops.h"
 #include "layers/kernel_grid.h"
+#include "layers/pdl.cuh"
 
 namespace tpserve {
 namespace {
@@ -42,6 +43,7 @@ struct KvWriteArgs {
 
 template <bool kFp8>
 __global__ void PagedKvWriteKernel(KvWriteArgs a) {
+  PdlEnter();
   const int64_t vecs_per_head = a.head_dim / 8;
   const int64_t per_row = 2 * a.kv_heads * vecs_per_head;
   const int64_t total = a.rows * per_row;
@@ -118,11 +120,10 @@ Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
   a.head_dim = hd;
   const unsigned grid = GridFor(p.rows * 2 * width / 8);
   if (p.layout.dtype == KvCacheDtype::kFloat8E4M3) {
-    PagedKvWriteKernel<true><<<grid, kThreads, 0, stream>>>(a);
+    TP_CUDA_CHECK(LaunchPdl(PagedKvWriteKernel<true>, dim3(grid), dim3(kThreads), 0, stream, a));
   } else {
-    PagedKvWriteKernel<false><<<grid, kThreads, 0, stream>>>(a);
+    TP_CUDA_CHECK(LaunchPdl(PagedKvWriteKernel<false>, dim3(grid), dim3(kThreads), 0, stream, a));
   }
-  TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
 
