@@ -20,6 +20,7 @@
 #include "layers/gemm_scale_scheme.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
+#include "layers/small_m_gemm.h"
 
 namespace tpserve {
 namespace {
@@ -644,6 +645,7 @@ Status CublasLtGemm::Prepare(const GemmParams& p) {
   if (!impl_) return FailedPreconditionError("CublasLtGemm::Prepare on an empty object");
   if (Status s = ValidateGemmParams(p); !s.ok()) return s.WithContext("gemm '" + impl_->name + "'");
   const GemmParams r = Resolve(p);
+  if (SmallMGemmFits(r)) return Status::Ok();  // Run takes tpserve's own kernel: no plan
   TP_ASSIGN_OR_RETURN(Plan * plan, impl_->FindOrBuildPlan(r, nullptr));
   if (impl_->selection != GemmAlgoSelection::kTimed) return Status::Ok();
   return impl_->TimeCandidates(r, *plan);
@@ -707,6 +709,12 @@ Status CublasLtGemm::Run(const GemmParams& p, const void* a, const void* b, cons
   const GemmParams r = Resolve(p);
   if (Status s = CheckRunPointers(r, a, b, c, d); !s.ok()) {
     return s.WithContext("gemm '" + name + "'");
+  }
+  if (SmallMGemmFits(r)) {
+    if (Status s = LaunchSmallMGemm(r, a, b, c, d, stream); !s.ok()) {
+      return s.WithContext(Describe(name, r));
+    }
+    return Status::Ok();
   }
 
   TP_ASSIGN_OR_RETURN(Plan * plan, impl_->FindOrBuildPlan(r, &stream));

@@ -25,6 +25,10 @@
 // item), C + i*stride_c and writes D + i*stride_d (all strides in elements). The AG+GEMM
 // executor uses this to compute the tp row blocks of one chunk in one launch.
 //
+// Small M: a GEMM of at most 8 rows of FP8 activations with per-tensor scales (a decode step's;
+// SmallMGemmFits in layers/small_m_gemm.h says exactly which) runs on tpserve's own
+// weight-streaming tensor-core kernel instead of cuBLASLt, with neither a plan nor timing.
+//
 // Plans: the matmul descriptor, the four layouts and the algorithm (GemmAlgoSelection below)
 // are cached per GemmParams shape/config (everything but the pointer values, alpha, and beta
 // beyond whether it is 0), so the heuristic runs once per shape. Prepare() builds the

@@ -409,8 +409,9 @@ TEST_F(GpuTest, Fp8GemmAmaxIsOverwrittenNotAccumulated) {
 // Accumulation: D = A·B^T + beta * C.
 
 void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
-                          GemmAlgoSelection selection = GemmAlgoSelection::kTimed) {
-  const int64_t m = 1002, n = 1040;
+                          GemmAlgoSelection selection = GemmAlgoSelection::kTimed,
+                          int64_t m = 1002) {
+  const int64_t n = 1040;
   const int64_t ldc = n + 8;  // out of place: C's pitch differs from D's
   const float a_scale = 0.37f, b_scale = 0.011f;
   const std::vector<uint8_t> a = RandomFp8Matrix(m, k, k, -4.0f, 4.0f, 51);
@@ -463,6 +464,41 @@ void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
     EXPECT_EQ(cmp.nan_count, 0u);
     EXPECT_LE(cmp.rel_frobenius, kBf16OutputTolerance);
     EXPECT_EQ(CountTouchedPadding(out, 0, m, m, n, ldc), 0u);
+  }
+}
+
+// At most 8 rows of FP8 with per-tensor scales (layers/small_m_gemm.h): tpserve's own kernel,
+// no cuBLASLt plan, against the CPU reference at the shapes of a decode step (k up to 14336,
+// the 224 64-column blocks of llama3-8b's down split unevenly over the warps), padded pitches,
+// every row count from 1 to 8, and beta = 1 out of place and in place; 9 rows go to cuBLASLt.
+TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
+  TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("small_m"));
+  for (int64_t m : {1, 2, 3, 5, 8}) {
+    for (const Shape& s : {Shape{m, 16, 64}, Shape{m, 1040, 4096}, Shape{m, 4096, 14336},
+                           Shape{m, 96, 192}}) {
+      SCOPED_TRACE(::testing::Message() << "m=" << s.m << " n=" << s.n << " k=" << s.k);
+      GemmParams p;
+      p.m = s.m;
+      p.n = s.n;
+      p.k = s.k;
+      TP_ASSERT_OK(gemm.Prepare(p));
+      CheckFp8Bf16Gemm(gemm, p, static_cast<uint32_t>(s.m * 13 + s.n + s.k), stream());
+      p.lda = s.k + 32;
+      p.ldb = s.k + 16;
+      p.ldd = s.n + 8;
+      CheckFp8Bf16Gemm(gemm, p, static_cast<uint32_t>(s.m * 17 + s.n + s.k), stream());
+    }
+  }
+  EXPECT_EQ(gemm.num_plans(), 0u) << "a small-m GEMM built a cuBLASLt plan";
+  GemmParams nine;
+  nine.m = 9;
+  nine.n = 16;
+  nine.k = 64;
+  TP_ASSERT_OK(gemm.Prepare(nine));
+  EXPECT_EQ(gemm.num_plans(), 1u);
+  for (int64_t m : {1, 7}) {
+    SCOPED_TRACE(::testing::Message() << "beta = 1, m=" << m);
+    CheckFp8AccumulatesC(stream(), 4096, GemmAlgoSelection::kTimed, m);
   }
 }
 

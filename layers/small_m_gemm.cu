@@ -1,0 +1,155 @@
+// Kernel and launcher for layers/small_m_gemm.h. Plain CUDA C++17.
+#include "layers/small_m_gemm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "layers/pdl.cuh"
+
+namespace tpserve {
+namespace {
+
+// 16 warps of a CTA share k (more warps a row tile beat more unrolling or more row tiles a CTA
+// on llama3-8b's four shapes), each issuing the loads of kUnroll steps together.
+constexpr int kWarps = 16;
+constexpr int kUnroll = 2;
+constexpr int kRows = 16;    // weight rows (output columns) of a CTA: one m16 tile
+constexpr int kBlockK = 64;  // columns of one step: two m16n8k32 MMAs
+
+struct SmallMArgs {
+  const uint8_t* a;  // [m, lda] activations
+  const uint8_t* b;  // [n, ldb] weight
+  const __nv_bfloat16* c;
+  __nv_bfloat16* d;
+  const float* a_scale;
+  const float* b_scale;
+  int m;
+  int64_t k, lda, ldb, ldc, ldd;
+  float alpha, beta;
+};
+
+__device__ __forceinline__ uint4 LoadStream(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Lane (g, t) = (lane / 4, lane % 4) loads bytes 16t .. 16t + 15 of a 64-column block of
+// weight rows g and g + 8 and of token g. MMA 1 takes bytes 0-7 of each, MMA 2 bytes 8-15: in
+// the m16n8k32 fragments lane t holds k = 4t .. 4t + 3 (registers a0/a1, b0) and
+// 16 + 4t .. 16 + 4t + 3 (a2/a3, b1), so both operands see the block's columns in the same
+// order and each is multiplied with its own partner.
+__global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
+  __shared__ float partial[kWarps][32][4];
+  PdlEnter();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int64_t blocks = p.k / kBlockK;
+  const int64_t first = blocks * warp / kWarps, last = blocks * (warp + 1) / kWarps;
+  const uint8_t* w_lo = p.b + (row0 + g) * p.ldb + 16 * t;
+  const uint8_t* w_hi = w_lo + 8 * p.ldb;
+  const bool token = g < p.m;
+  const uint8_t* x = p.a + (token ? g : 0) * p.lda + 16 * t;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t kb = first;
+  for (; kb + kUnroll <= last; kb += kUnroll) {
+    uint4 lo[kUnroll], hi[kUnroll], xv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      lo[u] = LoadStream(w_lo + (kb + u) * kBlockK);
+      hi[u] = LoadStream(w_hi + (kb + u) * kBlockK);
+      xv[u] =
+          token ? *reinterpret_cast<const uint4*>(x + (kb + u) * kBlockK) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      MmaE4m3(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
+      MmaE4m3(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
+    }
+  }
+  for (; kb < last; ++kb) {
+    const uint4 lo = LoadStream(w_lo + kb * kBlockK);
+    const uint4 hi = LoadStream(w_hi + kb * kBlockK);
+    const uint4 xv =
+        token ? *reinterpret_cast<const uint4*>(x + kb * kBlockK) : make_uint4(0, 0, 0, 0);
+    MmaE4m3(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+    MmaE4m3(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
+  __syncthreads();
+  if (warp != 0) return;
+  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum[i] += partial[w][lane][i];
+  }
+  float alpha = p.alpha;
+  if (p.a_scale != nullptr) alpha *= *p.a_scale;
+  if (p.b_scale != nullptr) alpha *= *p.b_scale;
+    // The accumulator fragment: acc[0], acc[1] are weight row g, tokens 2t and 2t + 1; acc[2],
+    // acc[3] weight row g + 8, the same tokens.
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tok = 2 * t + (i & 1);
+    if (tok >= p.m) continue;
+    const int64_t col = row0 + g + (i >> 1) * 8;
+    float v = alpha * sum[i];
+    if (p.c != nullptr) v += p.beta * __bfloat162float(p.c[tok * p.ldc + col]);
+    p.d[tok * p.ldd + col] = __float2bfloat16_rn(v);
+  }
+}
+
+}  // namespace
+
+bool SmallMGemmFits(const GemmParams& p) {
+  return p.a_type == DataType::kFloat8E4M3 && p.b_type == DataType::kFloat8E4M3 &&
+         p.d_type == DataType::kBFloat16 && p.scale_scheme == GemmScaleScheme::kPerTensor &&
+         p.m >= 1 && p.m <= kSmallMGemmMaxM && p.batch <= 1 && p.k % kBlockK == 0 &&
+         p.n % kRows == 0 && p.lda % 16 == 0 && p.ldb % 16 == 0 && p.ldc % 2 == 0 &&
+         p.ldd % 2 == 0 && p.d_quant_scale == nullptr && p.d_amax == nullptr;
+}
+
+Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
+                        cudaStream_t stream) {
+  if (!SmallMGemmFits(p)) return InvalidArgumentError("small-m GEMM: the params do not fit");
+  SmallMArgs args;
+  args.a = static_cast<const uint8_t*>(a);
+  args.b = static_cast<const uint8_t*>(b);
+  args.c = p.beta != 0.0f ? static_cast<const __nv_bfloat16*>(c) : nullptr;
+  args.d = static_cast<__nv_bfloat16*>(d);
+  args.a_scale = p.a_scale;
+  args.b_scale = p.b_scale;
+  args.m = static_cast<int>(p.m);
+  args.k = p.k;
+  args.lda = p.lda;
+  args.ldb = p.ldb;
+  args.ldc = p.ldc;
+  args.ldd = p.ldd;
+  args.alpha = p.alpha;
+  args.beta = p.beta;
+  const cudaError_t e = LaunchPdl(SmallMGemmKernel, dim3(static_cast<unsigned>(p.n / kRows)),
+                                  dim3(kWarps * 32), 0, stream, args);
+  if (e != cudaSuccess) {
+    return InternalError(std::string("small-m GEMM launch failed: ") + cudaGetErrorString(e));
+  }
+  return Status::Ok();
+}
+
+}  // namespace tpserve
