@@ -474,8 +474,8 @@ void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
 TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("small_m"));
   for (int64_t m : {1, 2, 3, 5, 8}) {
-    for (const Shape& s : {Shape{m, 16, 64}, Shape{m, 1040, 4096}, Shape{m, 4096, 14336},
-                           Shape{m, 96, 192}}) {
+    for (const Shape& s :
+         {Shape{m, 16, 64}, Shape{m, 1040, 4096}, Shape{m, 4096, 14336}, Shape{m, 96, 192}}) {
       SCOPED_TRACE(::testing::Message() << "m=" << s.m << " n=" << s.n << " k=" << s.k);
       GemmParams p;
       p.m = s.m;
