@@ -38,6 +38,9 @@ class ScopedDevice {
 
 // Polling pause: yields first (an enqueue usually completes within
 // microseconds), then sleeps with growing intervals up to 1 ms.
+// How long WaitStream polls before it waits for a signal instead.
+constexpr std::chrono::milliseconds kStreamPollWindow{20};
+
 class Backoff {
  public:
   // Still in the yielding phase: the next Pause() does not sleep.
@@ -612,7 +615,6 @@ Status NcclCommunicator::WaitStream(cudaStream_t stream, Clock::time_point deadl
         "after the graph's launch instead");
   }
   const Clock::time_point start = Clock::now();
-  Backoff backoff;
   std::shared_ptr<StreamSignal> signal;
   for (;;) {
     const cudaError_t q = cudaStreamQuery(stream);
@@ -648,13 +650,17 @@ Status NcclCommunicator::WaitStream(cudaStream_t stream, Clock::time_point deadl
         return s;
       }
     }
-    // Short work is caught by yielding polls; longer work (a whole pass) signals its end,
-    // and the errors, cancellation and deadline above are checked between waits.
-    if (signal == nullptr && !backoff.spinning()) signal = StreamSignal::Enqueue(stream);
+    // Work up to kStreamPollWindow long (a decode step) is polled, yielding the core between
+    // polls, so that its end is seen within a poll; longer work (a prefill pass) signals its
+    // end through a host function, whose wake-up is later by tens to hundreds of microseconds
+    // but holds no core. The errors, cancellation and deadline above are checked between waits.
+    if (signal == nullptr && Clock::now() - start >= kStreamPollWindow) {
+      signal = StreamSignal::Enqueue(stream);
+    }
     if (signal != nullptr) {
       signal->WaitFor(std::chrono::milliseconds(2));
     } else {
-      backoff.Pause();
+      std::this_thread::yield();
     }
   }
 }

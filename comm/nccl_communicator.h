@@ -164,8 +164,9 @@ class NcclCommunicator final : public Communicator {
   Status SendRecv(const void* send_buf, size_t send_bytes, int send_peer, void* recv_buf,
                   size_t recv_bytes, int recv_peer, StreamHandle stream) override;
 
-  // Waits until all work on `stream` has completed: polls cudaStreamQuery for
-  // short work, then enqueues a host function behind the work and sleeps until
+  // Waits until all work on `stream` has completed: polls cudaStreamQuery (yielding
+  // between polls) for the first 20 ms, so that a decode step's end is seen at once,
+  // then enqueues a host function behind the work and sleeps until
   // it fires, checking ncclCommGetAsyncError and cancellation every 2 ms
   // meanwhile (the host function runs on the stream: a caller's later work on
   // it queues behind that call). On an asynchronous NCCL error, a CUDA error or
