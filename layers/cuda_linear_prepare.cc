@@ -570,10 +570,15 @@ Status StepBuilder::PrepareSendRecv(size_t i) {
   const bool scales = slots_ && ag_;
   const size_t row_scales = static_cast<size_t>(ScaleGroups(shape_)) * 4;
   if (scales && !ce_) {
+    // An empty side still names a buffer (its 0-byte message is posted, as the codes' is).
+    auto slot_or_base = [&](RowRange r) {
+      const BufRef slot = ScaleSlot(r);
+      return slot.base == BufRef::kNone ? BufRef{BufRef::kScales, 0} : slot;
+    };
     ps.comm.scales = true;
-    ps.comm.scale_send = ScaleSlot(s.send_rows);
+    ps.comm.scale_send = slot_or_base(s.send_rows);
     ps.comm.scale_send_bytes = s.send_rows.size() * row_scales;
-    ps.comm.scale_recv = ScaleSlot(s.recv_rows);
+    ps.comm.scale_recv = slot_or_base(s.recv_rows);
     ps.comm.scale_recv_bytes = s.recv_rows.size() * row_scales;
   }
   if (ce_) {
