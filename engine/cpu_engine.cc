@@ -48,6 +48,11 @@ CpuEngine::~CpuEngine() {
   for (auto& t : threads_) t.join();
 }
 
+GemmScaleScheme CpuEngine::scale_scheme() const {
+  std::lock_guard lock(mu_);
+  return scale_scheme_;
+}
+
 bool CpuEngine::healthy() const {
   std::lock_guard lock(mu_);
   return !broken_;
@@ -69,6 +74,10 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
                : LoadRankWeights(o.checkpoint_dir, o.config, o.tp, rank, o.dtype);
   });
   if (!w.ok()) return fail(w.status());
+  if (rank == 0 && !w->layers.empty() && w->layers[0].qkv.dtype == DataType::kFloat8E4M3) {
+    std::lock_guard lock(mu_);
+    scale_scheme_ = GemmScaleSchemeOf(w->layers[0].qkv.scheme);
+  }
   auto model = CallCatching("building the model", [&] {
     return CpuModel::Create(o.config, std::move(w).value(), o.overlap.get(), *comm);
   });

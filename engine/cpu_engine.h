@@ -49,6 +49,7 @@ class CpuEngine final : public Engine {
   const ModelConfig& config() const override { return options_.config; }
   int tp() const override { return options_.tp; }
   const OverlapConfig* overlap() const override { return options_.overlap.get(); }
+  GemmScaleScheme scale_scheme() const override;
   bool healthy() const override;
 
  private:
@@ -73,6 +74,7 @@ class CpuEngine final : public Engine {
   bool stop_ = false;
   bool broken_ = false;
   Status first_error_;
+  GemmScaleScheme scale_scheme_ = GemmScaleScheme::kPerTensor;  // rank 0's weights', under mu_
   const Job* job_ = nullptr;
   std::vector<float> logits_;
 };

@@ -259,6 +259,7 @@ StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Start(CudaEngineOptions option
       engine->pool_ = std::move(rank0->pool);
     }
     engine->model_ = std::move(rank0->model);
+    engine->scale_scheme_ = engine->model_->scale_scheme();
     engine->header_ = std::move(rank0->header);
     engine->payload_ = std::move(rank0->payload);
     engine->stream_ = std::move(rank0->stream);

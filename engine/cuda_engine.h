@@ -90,6 +90,7 @@ class CudaEngine final : public Engine {
   bool healthy() const override;
   int tp() const override { return options_.tp; }
   const OverlapConfig* overlap() const override { return options_.overlap.get(); }
+  GemmScaleScheme scale_scheme() const override { return scale_scheme_; }
   // As of the last Forward (or the start): layers are made on first use.
   size_t device_memory_bytes() const override { return device_bytes_.load(); }
 
@@ -122,6 +123,7 @@ class CudaEngine final : public Engine {
   std::shared_ptr<CancelFlag> cancel_ = std::make_shared<CancelFlag>();
   std::unique_ptr<WorkerWatch> watch_;  // the workers, from the moment they start
   std::atomic<size_t> device_bytes_{0};
+  GemmScaleScheme scale_scheme_ = GemmScaleScheme::kPerTensor;  // rank 0's model's, set at Start
 };
 
 // A worker rank's whole life: its rank from options.launch (else from the

@@ -209,6 +209,8 @@ class CudaModel {
   const ModelConfig& config() const { return config_; }
   // Device memory held (weights, activations, TP layers).
   size_t device_bytes() const;
+  // The FP8 scale scheme of the first block's layers (a checkpoint's, or the random weights').
+  GemmScaleScheme scale_scheme() const;
 
   struct Linear;  // one TP layer's weights on the device
   struct Layer;   // one block's weights on the device

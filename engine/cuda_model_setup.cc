@@ -386,6 +386,10 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
   return model;
 }
 
+GemmScaleScheme CudaModel::scale_scheme() const {
+  return layers_.empty() ? GemmScaleScheme::kPerTensor : layers_[0].qkv.scheme;
+}
+
 size_t CudaModel::device_bytes() const {
   size_t total = weight_bytes_ + GenerationBytes();
   for (const DeviceBuffer* b :

@@ -12,8 +12,8 @@ StatusOr<StepResult> Engine::Step(const StepBatch&) {
 }
 
 std::vector<OverlapSettingCount> OverlapSettingsAt(const ModelConfig& c,
-                                                   const OverlapConfig* overlap, int tp,
-                                                   int64_t m) {
+                                                   const OverlapConfig* overlap, int tp, int64_t m,
+                                                   GemmScaleScheme scheme) {
   std::map<std::tuple<std::string, std::string>, OverlapSettingCount> counts;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     for (const TpLayerShape& kind : TpLayerShapes(c)) {
@@ -22,7 +22,7 @@ std::vector<OverlapSettingCount> OverlapSettingsAt(const ModelConfig& c,
       e.op = std::string(OverlapOpName(kind.op));
       LinearKnobs knobs;
       if (overlap != nullptr) {
-        auto resolved = overlap->Resolve(kind.Name(l), kind.op, kind.n, kind.k, m, tp);
+        auto resolved = overlap->Resolve(kind.Name(l), kind.op, kind.n, kind.k, m, tp, scheme);
         if (!resolved.ok()) {
           e.knobs = "error: " + resolved.status().message();
           e.mode = "error";

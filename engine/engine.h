@@ -40,6 +40,9 @@ class Engine {
   // gets (OverlapSettingsAt).
   virtual const OverlapConfig* overlap() const { return nullptr; }
   virtual int tp() const { return 1; }
+  // The FP8 scale scheme of the TP layers' weights (per tensor for BF16), which keys the
+  // overlap config's tuned entries (OverlapConfig::Resolve).
+  virtual GemmScaleScheme scale_scheme() const { return GemmScaleScheme::kPerTensor; }
   // Device memory the engine holds on rank 0's GPU (0 on the CPU backend).
   virtual size_t device_memory_bytes() const { return 0; }
 };
@@ -55,7 +58,8 @@ struct OverlapSettingCount {
   std::string mode;   // "none" | "pipeline" | "ring" | "error"
   int layers = 0;
 };
-std::vector<OverlapSettingCount> OverlapSettingsAt(const ModelConfig& config,
-                                                   const OverlapConfig* overlap, int tp, int64_t m);
+std::vector<OverlapSettingCount> OverlapSettingsAt(
+    const ModelConfig& config, const OverlapConfig* overlap, int tp, int64_t m,
+    GemmScaleScheme scheme = GemmScaleScheme::kPerTensor);
 
 }  // namespace tpserve

@@ -289,8 +289,8 @@ class InferenceService final
     o << "# HELP " << name
       << " TP layers per overlap setting at the most recent batch's size (by layer kind)\n"
       << "# TYPE " << name << " gauge\n";
-    for (const OverlapSettingCount& e :
-         OverlapSettingsAt(engine_.config(), engine_.overlap(), engine_.tp(), m)) {
+    for (const OverlapSettingCount& e : OverlapSettingsAt(
+             engine_.config(), engine_.overlap(), engine_.tp(), m, engine_.scale_scheme())) {
       o << name << "{model=\"" << model << "\",kind=\"" << PrometheusLabelValue(e.kind)
         << "\",op=\"" << PrometheusLabelValue(e.op) << "\",mode=\"" << PrometheusLabelValue(e.mode)
         << "\",knobs=\"" << PrometheusLabelValue(e.knobs) << "\",m=\"" << m << "\"} " << e.layers

@@ -772,6 +772,27 @@ TEST(CpuEngine, StartFailsCleanlyOnABadCheckpoint) {
   EXPECT_THAT(engine.status().message(), HasSubstr("/nonexistent/model"));
 }
 
+// The engine reports its weights' FP8 scale scheme, which keys the overlap config's tuned
+// entries in its metrics: per tensor for random weights, per token and channel for a
+// per-channel checkpoint.
+TEST(CpuEngine, ReportsItsWeightsScaleScheme) {
+  CpuEngineOptions o;
+  o.config = Tiny();
+  o.tp = 2;
+  auto random = CpuEngine::Start(o);
+  ASSERT_TRUE(random.ok()) << random.status().ToString();
+  EXPECT_EQ((*random)->scale_scheme(), GemmScaleScheme::kPerTensor);
+  const std::string dir = ::testing::TempDir() + "/tpserve_engine_scheme";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(
+      WriteRandomCheckpoint(o.config, DataType::kFloat8E4M3, 7, dir, Fp8Scheme::kPerChannel).ok());
+  o.checkpoint_dir = dir;
+  auto channel = CpuEngine::Start(o);
+  ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+  EXPECT_EQ((*channel)->scale_scheme(), GemmScaleScheme::kPerTokenChannel);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PackSequences, RejectsBadInputNamingWhatIsWrong) {
   EXPECT_THAT(PackSequences({}, 10, 10).status().message(), HasSubstr("no sequences"));
   EXPECT_THAT(PackSequences({{1}, {}}, 10, 10).status().message(),
@@ -819,6 +840,29 @@ TEST(OverlapSettingsAt, CountsTheLayersOfEachKindPerSetting) {
   for (const OverlapSettingCount& e : errors) {
     EXPECT_EQ(e.mode, "error");
     EXPECT_NE(e.knobs.find("tp"), std::string::npos) << e.knobs;
+  }
+}
+
+// Mode auto takes the tuned entry of the weights' FP8 scale scheme: a per-channel model's o and
+// down (gemm_rs 512 x 512 in `tiny`) get the per_token_channel entry, a per-tensor model none.
+TEST(OverlapSettingsAt, AutoFollowsTheWeightsScaleScheme) {
+  const ModelConfig c = Tiny();
+  auto cfg = OverlapConfig::Parse(
+      "version: 1\ndefaults: {mode: auto}\ntuned:\n"
+      "  - {op: gemm_rs, n: 512, k: 512, m: 512, scale_scheme: per_token_channel, "
+      "mode: pipeline, chunks: 2}\n",
+      "tuned.yaml");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  for (GemmScaleScheme scheme : {GemmScaleScheme::kPerTensor, GemmScaleScheme::kPerTokenChannel}) {
+    SCOPED_TRACE(std::string(GemmScaleSchemeName(scheme)));
+    int pipelined = 0;
+    for (const OverlapSettingCount& e : OverlapSettingsAt(c, &*cfg, 2, 512, scheme)) {
+      if (e.mode == "pipeline") pipelined += e.layers;
+      if (e.op == "ag_gemm") {
+        EXPECT_EQ(e.mode, "none") << e.kind;
+      }
+    }
+    EXPECT_EQ(pipelined, scheme == GemmScaleScheme::kPerTensor ? 0 : 4);  // o and down, 2 layers
   }
 }
 
