@@ -38,13 +38,8 @@ class ScopedDevice {
 
 // Polling pause: yields first (an enqueue usually completes within
 // microseconds), then sleeps with growing intervals up to 1 ms.
-// How long WaitStream polls before it waits for a signal instead.
-constexpr std::chrono::milliseconds kStreamPollWindow{20};
-
 class Backoff {
  public:
-  // Still in the yielding phase: the next Pause() does not sleep.
-  bool spinning() const { return n_ < 64; }
   void Pause() {
     if (n_ < 64) {
       ++n_;
@@ -650,11 +645,10 @@ Status NcclCommunicator::WaitStream(cudaStream_t stream, Clock::time_point deadl
         return s;
       }
     }
-    // Work up to kStreamPollWindow long (a decode step) is polled, yielding the core between
-    // polls, so that its end is seen within a poll; longer work (a prefill pass) signals its
-    // end through a host function, whose wake-up is later by tens to hundreds of microseconds
-    // but holds no core. The errors, cancellation and deadline above are checked between waits.
-    if (signal == nullptr && Clock::now() - start >= kStreamPollWindow) {
+    // Work of up to 20 ms (a decode step) is polled, its end seen within a poll; longer work
+    // signals its end through a host function (a later wake-up, but no core held). Errors,
+    // cancellation and the deadline above are checked between waits.
+    if (signal == nullptr && Clock::now() - start >= std::chrono::milliseconds(20)) {
       signal = StreamSignal::Enqueue(stream);
     }
     if (signal != nullptr) {
