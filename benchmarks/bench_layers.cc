@@ -964,9 +964,8 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
       if (!write_results(records)) ++failures;
       // The tuned choice (benchmarks/tune_choice.h): the finalists' second
       // round when there was one, else the sweep.
-      const std::vector<Method> methods =
-          MakeMethods(f, sc, overlap_ptr,
-                      SchemeOf(f, d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3));
+      const GemmScaleScheme scheme = SchemeOf(f, dtype);
+      const std::vector<Method> methods = MakeMethods(f, sc, overlap_ptr, scheme);
       std::vector<TuneCandidate> candidates;
       for (size_t i = 0; i < methods.size() && first + i < records.size(); ++i) {
         const json& rec = records[first + i];
@@ -983,7 +982,7 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
         t.n = sc.n;
         t.k = sc.k;
         t.m = sc.m;
-        t.scale_scheme = SchemeOf(f, d == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3);
+        t.scale_scheme = scheme;
         t.knobs = choice->knobs;
         t.median_ms = choice->best_ms;
         t.none_ms = choice->none_ms;

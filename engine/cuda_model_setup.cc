@@ -13,7 +13,6 @@
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_model_internal.h"
 #include "engine/cuda_ops.h"
-#include "engine/fp8_checkpoint_scales.h"
 #include "engine/gather_rows.h"
 #include "engine/token_buckets.h"
 #include "engine/tp_layers.h"
@@ -257,18 +256,13 @@ Status CudaModel::SetFineScales(Linear* out, const LinearWeight& lw, const std::
           name + ": block-wise FP8 on the GPU needs this rank's weight to be whole 128x128 " +
           "blocks, got [" + std::to_string(lw.n) + ", " + std::to_string(lw.k) + "]");
     }
-    // The checkpoint's grid [n/128, k/128] row-major, each row padded to the GEMM's pitch.
     const int64_t rows = lw.n / kGemmScaleBlock, cols = lw.k / kGemmScaleBlock;
-    const int64_t pitch = BlockwiseWeightScalePitch(lw.k);
     if (static_cast<int64_t>(lw.weight_scales.size()) != rows * cols) {
       return InvalidArgumentError(name + ": " + std::to_string(lw.weight_scales.size()) +
                                   " block scales for a grid of " + std::to_string(rows) + "x" +
                                   std::to_string(cols));
     }
-    s.assign(rows * pitch, 1.0f);
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy_n(lw.weight_scales.begin() + r * cols, cols, s.begin() + r * pitch);
-    }
+    s = BlockwiseWeightScalesForGemm(lw.weight_scales, lw.n, lw.k);
   }
   TP_ASSIGN_OR_RETURN(out->w_scales, Alloc(static_cast<int64_t>(s.size() * 4), name + ".w_scales"));
   TP_CUDA_CHECK(cudaMemcpy(out->w_scales.data(), s.data(), s.size() * 4, cudaMemcpyHostToDevice));

@@ -47,7 +47,9 @@ class StepBuilder {
   Status PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d);
   void PrepareSum(size_t i);
   Status AccumulateIntoY();
-  // Scale slots (UsesScaleSlots): the slot of `rows` (kNone for rows that are no slot's).
+  // Scale slots (UsesScaleSlots): slot (shard, chunk), and the slot of `rows` (kNone for rows
+  // that are no slot's).
+  BufRef SlotRef(int shard, int chunk) const;
   BufRef ScaleSlot(RowRange rows) const;
   Status CheckScaleSlots() const;
 
@@ -63,9 +65,9 @@ class StepBuilder {
   const int64_t n_, k_;
   const size_t row_x_, row_y_;
   const RowRange own_;
-  const bool ce_;            // copy-engine transfers
-  const bool slots_;         // UsesScaleSlots
-  const size_t slot_bytes_;  // bytes per scale slot
+  const bool ce_;             // copy-engine transfers
+  const bool slots_;          // UsesScaleSlots
+  const int64_t slot_pitch_;  // floats per scale slot
   GemmParams base_;
   Prepared prep_;
   // AG slot layout: where each AllGather step's slots start, and their rows.
@@ -97,9 +99,7 @@ StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
       own_(ShardRows(in.m, in.tp, in.rank)),
       ce_(in.knobs.copy_engine && in.tp > 1),
       slots_(UsesScaleSlots(in.shape, in.knobs, in.tp)),
-      slot_bytes_(slots_ ? ScaleSlotPitch(in.m, in.tp, in.knobs.chunks, ScaleGroups(in.shape)) *
-                               sizeof(float)
-                         : 0),
+      slot_pitch_(slots_ ? ScaleSlotPitch(in.m, in.tp, in.knobs.chunks, ScaleGroups(in.shape)) : 0),
       region_(plan.steps.size(), 0),
       slot_rows_of_(plan.steps.size(), 0),
       sent_(in.tp, 0),
@@ -154,10 +154,15 @@ StatusOr<Prepared> StepBuilder::Build() {
     TP_RETURN_IF_ERROR(CheckScaleSlots());
     prep_.scatter_scales = true;
     prep_.scale_groups = ScaleGroups(shape_);
-    prep_.scale_pitch = static_cast<int64_t>(slot_bytes_ / sizeof(float));
+    prep_.scale_pitch = slot_pitch_;
     prep_.scale_only_shard = ag_ ? rank_ : -1;
   }
   return std::move(prep_);
+}
+
+BufRef StepBuilder::SlotRef(int shard, int chunk) const {
+  return {BufRef::kScales,
+          static_cast<size_t>(ScaleSlotOffset(tp_, shard, chunk, slot_pitch_)) * sizeof(float)};
 }
 
 BufRef StepBuilder::ScaleSlot(RowRange rows) const {
@@ -166,10 +171,7 @@ BufRef StepBuilder::ScaleSlot(RowRange rows) const {
     const RowRange shard = ShardRows(m_, tp_, p);
     if (rows.begin < shard.begin || rows.end > shard.end) continue;
     for (int c = 0; c < knobs_.chunks; ++c) {
-      if (ChunkRows(shard, knobs_.chunks, c) == rows) {
-        const int64_t pitch = static_cast<int64_t>(slot_bytes_ / sizeof(float));
-        return {BufRef::kScales, static_cast<size_t>(ScaleSlotOffset(tp_, p, c, pitch)) * 4};
-      }
+      if (ChunkRows(shard, knobs_.chunks, c) == rows) return SlotRef(p, c);
     }
   }
   return {};
@@ -450,15 +452,11 @@ Status StepBuilder::PrepareAllGather(size_t i, int64_t slot_rows) {
   ps.comm.recv = {BufRef::kGather, region_[i]};
   ps.comm.send_bytes = slot_rows * row_x_;
   // Scale slots of chunk s.chunk: rank p's at slot (p, chunk), consecutive over p.
-  auto scale_slot = [&](int p) {
-    return BufRef{BufRef::kScales,
-                  static_cast<size_t>(ScaleSlotOffset(tp_, p, s.chunk, slot_bytes_ / 4)) * 4};
-  };
   if (slots_ && !ce_) {
     ps.comm.scales = true;
-    ps.comm.scale_send = scale_slot(rank_);
-    ps.comm.scale_recv = scale_slot(0);
-    ps.comm.scale_send_bytes = slot_bytes_;
+    ps.comm.scale_send = SlotRef(rank_, s.chunk);
+    ps.comm.scale_recv = SlotRef(0, s.chunk);
+    ps.comm.scale_send_bytes = slot_pitch_ * sizeof(float);
   }
   if (!ce_) return Status::Ok();
   CommCall& c = ps.comm;
@@ -480,7 +478,7 @@ Status StepBuilder::PrepareAllGather(size_t i, int64_t slot_rows) {
                          {BufRef::kGather, slot_offset},
                          static_cast<size_t>(s.rows[p].size()) * row_x_});
       if (slots_) {
-        c.pulls.push_back({p, scale_slot(p), scale_slot(p),
+        c.pulls.push_back({p, SlotRef(p, s.chunk), SlotRef(p, s.chunk),
                            static_cast<size_t>(s.rows[p].size() * ScaleGroups(shape_)) * 4});
       }
     }

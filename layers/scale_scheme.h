@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "comm/status.h"
 
@@ -39,5 +40,12 @@ inline constexpr int64_t kGemmScaleBlock = 128;
 inline constexpr int64_t BlockwiseWeightScalePitch(int64_t k) {
   return ((k + kGemmScaleBlock - 1) / kGemmScaleBlock + 3) / 4 * 4;
 }
+
+// A [n, k] weight's 128x128 block scales as a kBlockwise GEMM reads them: `grid` holds the
+// blocks row-major ([n/128][k/128], a checkpoint's weight_scale_inv layout, n and k multiples of
+// 128, grid.size() checked by the caller); each block row is padded with 1s to
+// BlockwiseWeightScalePitch(k).
+std::vector<float> BlockwiseWeightScalesForGemm(const std::vector<float>& grid, int64_t n,
+                                                int64_t k);
 
 }  // namespace tpserve

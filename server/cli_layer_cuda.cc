@@ -87,14 +87,7 @@ StatusOr<RankResult> RunRank(const LayerFlags& f, const RankInfo& who, const ncc
           fine_x_host[g * rows + i] = p.x_scales_local[r][i * groups + g];
         }
       }
-      const int64_t pitch = BlockwiseWeightScalePitch(p.k_local());
-      const int64_t block_rows = p.n_local() / kFp8BlockSize;
-      fine_w_host.assign(block_rows * pitch, 1.0f);
-      for (int64_t b = 0; b < block_rows; ++b) {
-        for (int64_t g = 0; g < groups; ++g) {
-          fine_w_host[b * pitch + g] = p.w_scales_local[r][b * groups + g];
-        }
-      }
+      fine_w_host = BlockwiseWeightScalesForGemm(p.w_scales_local[r], p.n_local(), p.k_local());
     }
     TP_ASSIGN_OR_RETURN(fine_x, DeviceBuffer::Allocate(std::max<size_t>(fine_x_host.size(), 4) * 4,
                                                        "cli.x_scales"));
