@@ -20,6 +20,29 @@ StatusOr<std::unique_ptr<CpuModel>> CpuModel::Create(const ModelConfig& config, 
   return std::unique_ptr<CpuModel>(new CpuModel(config, std::move(weights), overlap, comm));
 }
 
+StatusOr<std::vector<uint8_t>> CpuModel::GatherWholeWeight(const std::string& name,
+                                                           const LinearWeight& w) {
+  const int tp = comm_.size();
+  const size_t row = static_cast<size_t>(w.k) * DataTypeSize(w.dtype);
+  std::vector<uint8_t> shards(tp * w.data.size()), whole(w.data.size() * tp);
+  TP_RETURN_IF_ERROR(comm_.AllGather(w.data.data(), shards.data(), w.data.size(), nullptr)
+                         .WithContext("layer " + name + ": full_weight's whole weight"));
+  std::vector<float> scales(tp);
+  TP_RETURN_IF_ERROR(comm_.AllGather(&w.weight_scale, scales.data(), sizeof(float), nullptr)
+                         .WithContext("layer " + name + ": full_weight's weight scale"));
+  if (std::any_of(scales.begin(), scales.end(), [&](float v) { return v != scales[0]; })) {
+    return FailedPreconditionError("layer " + name +
+                                   ": full_weight needs one weight scale on every rank");
+  }
+  for (int64_t j = 0; j < w.n; ++j) {
+    for (int r = 0; r < tp; ++r) {
+      std::memcpy(whole.data() + (j * tp + r) * row, shards.data() + r * w.data.size() + j * row,
+                  row);
+    }
+  }
+  return whole;
+}
+
 Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeight& w,
                         int64_t global_n, int64_t global_k, int64_t m, const std::vector<float>& x,
                         std::vector<float>* y) {
@@ -73,6 +96,11 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
   a.scheme = w.scheme;
   a.x_scales = x_scales;
   a.w_scales = w.weight_scales;
+  std::vector<uint8_t> w_full;
+  if (plan.request.full_weight) {
+    TP_ASSIGN_OR_RETURN(w_full, GatherWholeWeight(name, w));
+    a.w_full = w_full.data();
+  }
   TP_RETURN_IF_ERROR(RunCpuLinear(plan, comm_, a).WithContext("layer " + name));
   y->resize(out.size());
   for (size_t i = 0; i < out.size(); ++i) (*y)[i] = BFloat16ToFloat(out[i]);

@@ -76,6 +76,9 @@ class CpuModel {
   // y = x · W^T through the TP layer `name` (AG+GEMM or GEMM+RS).
   Status Linear(const std::string& name, OverlapOp op, const LinearWeight& w, int64_t global_n,
                 int64_t global_k, int64_t m, const std::vector<float>& x, std::vector<float>* y);
+  // A gemm_rs layer with full_weight: every rank's W_r gathered into the whole [n, tp * k]
+  // weight the plan multiplies by (FAILED_PRECONDITION if the ranks' scales differ).
+  StatusOr<std::vector<uint8_t>> GatherWholeWeight(const std::string& name, const LinearWeight& w);
 
   ModelConfig config_;
   RankWeights w_;

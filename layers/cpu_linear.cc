@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "layers/fp8.h"
@@ -137,6 +139,59 @@ Status CheckScales(const CpuLinearArgs& a, int64_t rows) {
   return Status::Ok();
 }
 
+// Copy-engine messages (PlanRequest::copy_engine) between ranks as threads. The sender keeps
+// a message's rows unchanged until the peer's `done`, so what the peer pulls is what was there
+// when it was offered: an offer sends the rows at once (the communicator's Send does not wait),
+// an await receives them, and a pull copies from what arrived. `done`s order nothing here.
+class Mailbox {
+ public:
+  Mailbox(Communicator& comm, size_t row_bytes) : comm_(comm), row_bytes_(row_bytes) {}
+
+  // Offers `mm.rows` of `rows_base` (the buffer's global row 0) to mm.peer.
+  Status Offer(const PlanMessage& mm, const std::byte* rows_base) {
+    if (mm.rows.empty()) return Status::Ok();
+    return comm_.Send(rows_base + mm.rows.begin * row_bytes_, mm.rows.size() * row_bytes_, mm.peer,
+                      nullptr);
+  }
+  Status Await(const PlanMessage& mm) {
+    std::vector<std::byte>& box = inbox_[{mm.peer, mm.msg}];
+    box.resize(mm.rows.size() * row_bytes_);
+    rows_[{mm.peer, mm.msg}] = mm.rows;
+    if (mm.rows.empty()) return Status::Ok();
+    return comm_.Recv(box.data(), box.size(), mm.peer, nullptr);
+  }
+  // The pulled rows as they arrived (a plan ValidatePlan accepts awaited them first).
+  StatusOr<const std::byte*> Pulled(const PlanMessage& pull) const {
+    auto it = inbox_.find({pull.peer, pull.msg});
+    if (it == inbox_.end()) {
+      return InternalError("cpu linear: a pull of message " + std::to_string(pull.msg) +
+                           " of rank " + std::to_string(pull.peer) + " before it was awaited");
+    }
+    const RowRange rows = rows_.at({pull.peer, pull.msg});
+    return it->second.data() + (pull.rows.begin - rows.begin) * row_bytes_;
+  }
+  // Offers and awaits of `s`, in that order.
+  Status Exchange(const PlanStep& s, const std::byte* rows_base) {
+    for (const PlanMessage& mm : s.ready_to) TP_RETURN_IF_ERROR(Offer(mm, rows_base));
+    for (const PlanMessage& mm : s.ready_from) TP_RETURN_IF_ERROR(Await(mm));
+    return Status::Ok();
+  }
+  // Copies every pull of `s` to its rows of `dst_base` (global row 0).
+  Status PullInto(const PlanStep& s, std::byte* dst_base) const {
+    for (const PlanMessage& mm : s.pulls) {
+      TP_ASSIGN_OR_RETURN(const std::byte* src, Pulled(mm));
+      std::memcpy(dst_base + mm.rows.begin * row_bytes_, src, mm.rows.size() * row_bytes_);
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Communicator& comm_;
+  size_t row_bytes_;
+  std::map<std::pair<int, int>, std::vector<std::byte>> inbox_;
+  std::map<std::pair<int, int>, RowRange> rows_;
+};
+
 Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLinearArgs& a) {
   const PlanRequest& q = plan.request;
   const Gemm gemm(a);
@@ -149,8 +204,14 @@ Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLi
     std::memcpy(gathered.data() + own.begin * row_bytes, mine.data(), mine.size());
   }
 
+  Mailbox mail(comm, row_bytes);
   for (const PlanStep& s : plan.steps) {
     switch (s.kind) {
+      case StepKind::kPullGather:
+      case StepKind::kPullRing:
+        TP_RETURN_IF_ERROR(mail.Exchange(s, gathered.data()));
+        TP_RETURN_IF_ERROR(mail.PullInto(s, gathered.data()));
+        break;
       case StepKind::kAllGather: {
         // Equal-size contributions, as NCCL needs: pad to the largest.
         int64_t max_rows = 0;
@@ -182,9 +243,11 @@ Status RunAllGatherGemm(const OverlapPlan& plan, Communicator& comm, const CpuLi
         }
         break;
       case StepKind::kReduceScatter:
-        return InternalError("cpu linear: reducescatter step in an ag_gemm plan");
+      case StepKind::kPullReduce:
       case StepKind::kSum:
-        return InternalError("cpu linear: sum step in an ag_gemm plan");
+      case StepKind::kPullColumns:
+        return InternalError("cpu linear: " + std::string(StepKindName(s.kind)) +
+                             " step in an ag_gemm plan");
     }
   }
   return Status::Ok();
@@ -202,9 +265,35 @@ Status RunGemmReduceScatter(const OverlapPlan& plan, Communicator& comm, const C
   // neighbour, both in global row order.
   std::vector<BFloat16> partial(static_cast<size_t>(q.m) * out_row);
   std::vector<BFloat16> received(static_cast<size_t>(q.m) * out_row);
+  const size_t partial_row_bytes = out_row * sizeof(BFloat16);
+  Mailbox mail(comm, partial_row_bytes);
+  auto* partial_bytes = reinterpret_cast<std::byte*>(partial.data());
 
   for (const PlanStep& s : plan.steps) {
     switch (s.kind) {
+      case StepKind::kPullRing:
+        TP_RETURN_IF_ERROR(mail.Exchange(s, partial_bytes));
+        TP_RETURN_IF_ERROR(mail.PullInto(s, reinterpret_cast<std::byte*>(received.data())));
+        break;
+      case StepKind::kPullReduce: {
+        // This rank's own partial and the peers' of its rows, in rank order, summed in FP32
+        // and rounded once (as the ReduceScatter sums them).
+        TP_RETURN_IF_ERROR(mail.Exchange(s, partial_bytes));
+        const RowRange mine = s.rows[q.rank];
+        if (mine.empty()) break;
+        std::vector<const BFloat16*> addends(q.tp, partial.data() + mine.begin * out_row);
+        for (const PlanMessage& mm : s.pulls) {
+          TP_ASSIGN_OR_RETURN(const std::byte* src, mail.Pulled(mm));
+          addends[mm.peer] = reinterpret_cast<const BFloat16*>(src);
+        }
+        BFloat16* dst = a.y + (mine.begin - own.begin) * out_row;
+        for (size_t i = 0; i < static_cast<size_t>(mine.size()) * out_row; ++i) {
+          float v = 0.0f;
+          for (int r = 0; r < q.tp; ++r) v += BFloat16ToFloat(addends[r][i]);
+          dst[i] = FloatToBFloat16(v);
+        }
+        break;
+      }
       case StepKind::kGemm:
         for (RowRange r : s.rows) {
           BFloat16* dst = s.final_output ? a.y + (r.begin - own.begin) * out_row
@@ -253,7 +342,101 @@ Status RunGemmReduceScatter(const OverlapPlan& plan, Communicator& comm, const C
         }
         break;
       case StepKind::kAllGather:
-        return InternalError("cpu linear: allgather step in a gemm_rs plan");
+      case StepKind::kPullGather:
+      case StepKind::kPullColumns:
+        return InternalError("cpu linear: " + std::string(StepKindName(s.kind)) +
+                             " step in a gemm_rs plan without full_weight");
+    }
+  }
+  return Status::Ok();
+}
+
+// PlanRequest::full_weight: this rank's rows over the whole K. Row records of X here are a
+// row's k codes of one K block: the own block from x, the peers' pulled (kPullColumns).
+Status RunFullWeight(const OverlapPlan& plan, Communicator& comm, const CpuLinearArgs& a) {
+  const PlanRequest& q = plan.request;
+  if (a.dtype == DataType::kFloat8E4M3 && a.scheme != Fp8Scheme::kPerTensor) {
+    return InvalidArgumentError(std::string("cpu linear: full_weight takes per-tensor scales, "
+                                            "got fp8 scheme ") +
+                                Fp8SchemeName(a.scheme));
+  }
+  if (a.w_full == nullptr) {
+    return InvalidArgumentError("cpu linear: a full_weight plan needs w_full (the whole weight)");
+  }
+  const RowRange own = ShardRows(q.m, q.tp, q.rank);
+  const size_t elt = DataTypeSize(a.dtype);
+  const size_t block_bytes = static_cast<size_t>(a.k) * elt;
+  // Block b of W ([n, k]) and the whole W ([n, tp * k]), each as one GEMM's operand.
+  std::vector<std::vector<std::byte>> w_blocks(q.tp, std::vector<std::byte>(a.n * block_bytes));
+  for (int b = 0; b < q.tp; ++b) {
+    for (int64_t j = 0; j < a.n; ++j) {
+      std::memcpy(w_blocks[b].data() + j * block_bytes,
+                  static_cast<const std::byte*>(a.w_full) + (j * q.tp + b) * block_bytes,
+                  block_bytes);
+    }
+  }
+  std::vector<Gemm> block_gemms;
+  for (int b = 0; b < q.tp; ++b) {
+    CpuLinearArgs ab = a;
+    ab.w = w_blocks[b].data();
+    block_gemms.emplace_back(ab);
+  }
+  CpuLinearArgs aw = a;
+  aw.k = a.k * q.tp;
+  aw.w = a.w_full;
+  const Gemm whole(aw);
+  // cols[b]: rank b's input columns, by global row (the own block is x itself).
+  std::vector<std::vector<std::byte>> cols(q.tp);
+  for (int b = 0; b < q.tp; ++b) {
+    if (b != q.rank) cols[b].resize(static_cast<size_t>(q.m) * block_bytes);
+  }
+  auto block_rows = [&](int b, int64_t row) {
+    return b == q.rank ? static_cast<const std::byte*>(a.x) + row * block_bytes
+                       : cols[b].data() + row * block_bytes;
+  };
+  Mailbox mail(comm, block_bytes);
+  for (const PlanStep& s : plan.steps) {
+    if (s.kind == StepKind::kPullColumns) {
+      TP_RETURN_IF_ERROR(mail.Exchange(s, static_cast<const std::byte*>(a.x)));
+      for (const PlanMessage& mm : s.pulls) {
+        TP_ASSIGN_OR_RETURN(const std::byte* src, mail.Pulled(mm));
+        std::memcpy(cols[mm.peer].data() + mm.rows.begin * block_bytes, src,
+                    mm.rows.size() * block_bytes);
+      }
+      continue;
+    }
+    if (s.kind != StepKind::kGemm) {
+      return InternalError("cpu linear: " + std::string(StepKindName(s.kind)) +
+                           " step in a full_weight plan");
+    }
+    bool in_order = static_cast<int>(s.k_blocks.size()) == q.tp;
+    for (size_t i = 0; in_order && i < s.k_blocks.size(); ++i) {
+      in_order = s.k_blocks[i] == static_cast<int>(i);
+    }
+    for (RowRange r : s.rows) {
+      BFloat16* y = a.y + (r.begin - own.begin) * a.n;
+      if (!s.add_to_output && s.k_blocks.size() > 1) {
+        if (!in_order) {
+          return InternalError("cpu linear: a full_weight GEMM writes K blocks out of order");
+        }
+        std::vector<std::byte> rec(static_cast<size_t>(r.size()) * q.tp * block_bytes);
+        for (int64_t row = r.begin; row < r.end; ++row) {
+          for (int b = 0; b < q.tp; ++b) {
+            std::memcpy(rec.data() + ((row - r.begin) * q.tp + b) * block_bytes, block_rows(b, row),
+                        block_bytes);
+          }
+        }
+        whole.Rows(rec.data(), r.size(), nullptr, y);
+        continue;
+      }
+      for (int b : s.k_blocks) {
+        std::vector<std::byte> rec(static_cast<size_t>(r.size()) * block_bytes);
+        for (int64_t row = r.begin; row < r.end; ++row) {
+          std::memcpy(rec.data() + (row - r.begin) * block_bytes, block_rows(b, row), block_bytes);
+        }
+        const std::vector<BFloat16> acc(y, y + r.size() * a.n);
+        block_gemms[b].Rows(rec.data(), r.size(), s.add_to_output ? acc.data() : nullptr, y);
+      }
     }
   }
   return Status::Ok();
@@ -282,6 +465,7 @@ Status RunCpuLinear(const OverlapPlan& plan, Communicator& comm, const CpuLinear
     return InvalidArgumentError("cpu linear: x, w and y must be non-null");
   }
   TP_RETURN_IF_ERROR(CheckScales(args, ag ? ShardRows(q.m, q.tp, q.rank).size() : q.m));
+  if (q.full_weight) return RunFullWeight(plan, comm, args);
   if (ag) return RunAllGatherGemm(plan, comm, args);
   return RunGemmReduceScatter(plan, comm, args);
 }

@@ -52,10 +52,18 @@ struct CpuLinearArgs {
   Fp8Scheme scheme = Fp8Scheme::kPerTensor;
   std::span<const float> x_scales;
   std::span<const float> w_scales;
+  // Plans with PlanRequest::full_weight (gemm_rs, per-tensor scales or BF16): the whole weight,
+  // [n, tp * k], rank r's W_r being columns [r * k, (r + 1) * k), with w_scale its scale and
+  // x_scale every rank's (one GEMM over the whole K takes one). w is not read.
+  const void* w_full = nullptr;
 };
 
 // Runs `plan` (made for comm.rank() of comm.size()) on this rank. Blocks
-// until this rank's part is done. Errors: INVALID_ARGUMENT for a plan that
+// until this rank's part is done. Copy-engine steps exchange their messages as
+// point-to-point messages (what a peer pulls is what was offered). full_weight
+// GEMMs: a writing GEMM is one dot product over its K blocks' columns in order;
+// an adding GEMM adds each block's product in turn, rounding each time (as the
+// GPU's GEMMs with beta 1 do). Errors: INVALID_ARGUMENT for a plan that
 // does not match the communicator or bad args; the communicator's errors.
 Status RunCpuLinear(const OverlapPlan& plan, Communicator& comm, const CpuLinearArgs& args);
 

@@ -518,6 +518,10 @@ Status EnqueueNcclStep(const CudaLinear::Impl& im, const CommCall& c, const Reso
       break;
     case StepKind::kGemm:
     case StepKind::kSum:  // copy-engine steps (their sum kernel), never NCCL's
+    case StepKind::kPullGather:
+    case StepKind::kPullRing:
+    case StepKind::kPullReduce:
+    case StepKind::kPullColumns:
       break;
   }
   return Status::Ok();

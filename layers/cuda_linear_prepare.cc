@@ -26,16 +26,15 @@ class StepBuilder {
   std::vector<GemmCall> SlotGemms(const std::vector<RowRange>& rows, int64_t slot_rows,
                                   const AOf& a_of, const DOf& d_of) const;
 
-  // full_weight (no plan steps).
-  void AddFullWeightSteps();
-  int AddFullWeightPulls(bool first, bool last, RowRange rows, int64_t at_row);
+  // full_weight: the plan's steps, each whole-K GEMM after a copy of the own columns.
+  Status BuildFullWeight();
+  Status AddColumnPulls(const PlanStep& s, bool packed);
   void AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step);
-  void AddFullWeightRing();
+  void AddLeadGemm(const PlanStep& s, std::vector<int> deps);
 
-  // The plan's steps.
-  StatusOr<int> NextSlot(std::vector<int>& seq, int peer);
-  Status AddSend(CommCall& c, int peer);
-  Status AddReceive(CommCall& c, int peer);
+  // The plan's steps. Copy engine: message k between two ranks uses signal slot k.
+  StatusOr<std::vector<PeerSignals::Flag>> Flags(const std::vector<PlanMessage>& msgs) const;
+  Status Signals(CommCall& c, const PlanStep& s);
   Status PrepareAllGather(size_t i, int64_t slot_rows);
   Status PrepareReduceScatter(size_t i, int64_t slot_rows);
   Status PreparePeerReduceScatter(size_t i, int64_t slot_rows, BufRef dst);
@@ -74,10 +73,6 @@ class StepBuilder {
   std::vector<size_t> region_;
   std::vector<int64_t> slot_rows_of_;
   size_t next_region_ = 0;
-  // Copy engine: messages so far to / from each peer. The k-th message from
-  // a to b uses flag slot k on both sides (plans issue matching sends and
-  // receives in the same order: ValidatePlanGroup).
-  std::vector<int> sent_, received_;
 };
 
 StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
@@ -97,13 +92,11 @@ StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
       row_x_(in.shape.k * DataTypeSize(in.shape.dtype)),
       row_y_(in.shape.n * sizeof(uint16_t)),
       own_(ShardRows(in.m, in.tp, in.rank)),
-      ce_(in.knobs.copy_engine && in.tp > 1),
+      ce_(plan.request.copy_engine),
       slots_(UsesScaleSlots(in.shape, in.knobs, in.tp)),
       slot_pitch_(slots_ ? ScaleSlotPitch(in.m, in.tp, in.knobs.chunks, ScaleGroups(in.shape)) : 0),
       region_(plan.steps.size(), 0),
-      slot_rows_of_(plan.steps.size(), 0),
-      sent_(in.tp, 0),
-      received_(in.tp, 0) {
+      slot_rows_of_(plan.steps.size(), 0) {
   const bool fp8 = shape_.dtype == DataType::kFloat8E4M3;
   base_.n = n_;
   base_.k = k_;
@@ -118,8 +111,8 @@ StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
 }
 
 StatusOr<Prepared> StepBuilder::Build() {
-  if (knobs_.full_weight) {
-    AddFullWeightSteps();
+  if (plan_.request.full_weight) {
+    TP_RETURN_IF_ERROR(BuildFullWeight());
   } else {
     prep_.steps.resize(plan_.steps.size());
     for (size_t i = 0; i < plan_.steps.size(); ++i) {
@@ -132,14 +125,19 @@ StatusOr<Prepared> StepBuilder::Build() {
       for (RowRange r : s.rows) slot_rows = std::max(slot_rows, r.size());
       switch (s.kind) {
         case StepKind::kAllGather:
+        case StepKind::kPullGather:
           TP_RETURN_IF_ERROR(PrepareAllGather(i, slot_rows));
           break;
         case StepKind::kReduceScatter:
+        case StepKind::kPullReduce:
           TP_RETURN_IF_ERROR(PrepareReduceScatter(i, slot_rows));
           break;
         case StepKind::kSendRecv:
+        case StepKind::kPullRing:
           TP_RETURN_IF_ERROR(PrepareSendRecv(i));
           break;
+        case StepKind::kPullColumns:
+          return InternalError("layer " + name_ + ": pull_columns in a plan without full_weight");
         case StepKind::kGemm:
           TP_RETURN_IF_ERROR(PrepareGemm(i));
           break;
@@ -270,66 +268,70 @@ std::vector<GemmCall> StepBuilder::SlotGemms(const std::vector<RowRange>& rows, 
   return calls;
 }
 
-// No partial sums (LinearKnobs::full_weight): this rank's rows over the whole K, their
+// No partial sums (PlanRequest::full_weight): this rank's rows over the whole K, their
 // peers' input columns pulled into the gather buffer's column blocks ([shard rows, tp * k];
-// the own columns copied into block `rank` on the copy stream, beside the pulls).
-// Mode none / pipeline: per chunk of the rows, a comm step of pulls, then one whole-K GEMM
-// after that step and the own copy. Mode ring: see AddFullWeightRing. The first comm step
-// signals this rank's input ready and waits for the peers'; the last tells the peers that their
-// input has been read. Every rank has every comm step (the same chunk count), even where its
-// rows are few or none, so the flags always pair up.
-void StepBuilder::AddFullWeightSteps() {
-  if (ring_) {
-    AddFullWeightRing();
-  } else {
-    for (int j = 0; j < knobs_.chunks; ++j) {
-      const RowRange rows = ChunkRows(own_, knobs_.chunks, j);
-      const int64_t at_row = rows.begin - own_.begin;
-      const int comm_step =
-          ce_ ? AddFullWeightPulls(j == 0, j == knobs_.chunks - 1, rows, at_row) : -1;
-      AddWholeKGemm(rows, at_row, comm_step);
+// the own columns copied into block `rank` on the copy stream, beside the pulls), except the
+// ring's lead (its chunk-0 steps): pulled, 1D, into a packed staging area at the start of the
+// gather buffer, one [lead, k] block per peer, and multiplied block by block.
+Status StepBuilder::BuildFullWeight() {
+  std::vector<int> at(plan_.steps.size(), -1);  // each plan step's prepared step
+  auto mapped = [&](const std::vector<int>& deps) {
+    std::vector<int> out;
+    for (int d : deps) out.push_back(at.at(d));
+    return out;
+  };
+  for (size_t i = 0; i < plan_.steps.size(); ++i) {
+    const PlanStep& s = plan_.steps[i];
+    const bool lead = ring_ && s.chunk == 0;
+    if (s.kind == StepKind::kPullColumns) {
+      TP_RETURN_IF_ERROR(AddColumnPulls(s, lead));
+    } else if (s.kind != StepKind::kGemm || s.rows.size() != 1) {
+      return InternalError("layer " + name_ + ": full_weight plan step " + std::to_string(i) +
+                           " is a " + std::string(StepKindName(s.kind)));
+    } else if (lead) {
+      AddLeadGemm(s, mapped(s.deps));
+    } else {
+      const RowRange rows = s.rows[0];
+      AddWholeKGemm(rows, rows.begin - own_.begin, s.deps.empty() ? -1 : at.at(s.deps[0]));
     }
+    at[i] = static_cast<int>(prep_.steps.size()) - 1;
   }
-  if (ce_) {
-    std::vector<PeerSignals::Flag> peers;
-    for (int p = 0; p < tp_; ++p) {
-      if (p != rank_) peers.push_back({p, 0});
-    }
-    prep_.done_from = peers;
-  }
+  return Status::Ok();
 }
 
-// full_weight: a comm step that signals as AddFullWeightSteps says, and pulls (2D) each peer's
-// columns of `rows` into gather row `at_row`'s column blocks (none for empty rows).
-int StepBuilder::AddFullWeightPulls(bool first, bool last, RowRange rows, int64_t at_row) {
+// full_weight: a comm step with the plan step's signals and its pulls of each peer's columns
+// of this rank's rows: 2D into the gather buffer's column blocks, or `packed` (the lead).
+Status StepBuilder::AddColumnPulls(const PlanStep& s, bool packed) {
   const size_t row_g = tp_ * k_ * DataTypeSize(shape_.dtype);
-  std::vector<PeerSignals::Flag> peers;
-  for (int p = 0; p < tp_; ++p) {
-    if (p != rank_) peers.push_back({p, 0});
-  }
   PreparedStep cs;
   cs.stream = StepStream::kComm;
   CommCall& c = cs.comm;
   c.copy_engine = true;
-  if (first) c.ready_to = c.ready_from = peers;
-  if (last) c.done_to = peers;
-  for (const PeerSignals::Flag& f : rows.empty() ? std::vector<PeerSignals::Flag>{} : peers) {
-    c.pulls.push_back({f.peer,
-                       {BufRef::kInput, rows.begin * row_x_},
-                       {BufRef::kGather, at_row * row_g + f.peer * row_x_},
-                       row_x_,
-                       static_cast<size_t>(rows.size()),
-                       row_x_,
-                       row_g});
+  TP_RETURN_IF_ERROR(Signals(c, s));
+  for (size_t i = 0; i < s.pulls.size(); ++i) {
+    const PlanMessage& mm = s.pulls[i];
+    const BufRef src{BufRef::kInput, mm.rows.begin * row_x_};
+    if (packed) {
+      c.pulls.push_back(
+          {mm.peer, src, {BufRef::kGather, i * mm.rows.size() * row_x_}, mm.rows.size() * row_x_});
+    } else {
+      const size_t at_row = mm.rows.begin - own_.begin;
+      c.pulls.push_back({mm.peer,
+                         src,
+                         {BufRef::kGather, at_row * row_g + mm.peer * row_x_},
+                         row_x_,
+                         static_cast<size_t>(mm.rows.size()),
+                         row_x_,
+                         row_g});
+    }
   }
   prep_.steps.push_back(std::move(cs));
-  return static_cast<int>(prep_.steps.size()) - 1;
+  return Status::Ok();
 }
 
 // full_weight: the whole-K GEMM of `rows` (gather row `at_row` on), after `comm_step` (if any)
 // and a copy of the own columns on the copy stream.
 void StepBuilder::AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step) {
-  if (rows.empty()) return;
   const int64_t kk = tp_ * k_;
   const size_t row_g = kk * DataTypeSize(shape_.dtype);
   PreparedStep gs;
@@ -358,86 +360,53 @@ void StepBuilder::AddWholeKGemm(RowRange rows, int64_t at_row, int comm_step) {
   prep_.steps.push_back(std::move(gs));
 }
 
-// full_weight, mode ring: a lead of rows / (2 * chunks) rows that waits for nothing (a GEMM
-// over the own columns, where the caller wrote them, then one accumulating GEMM per peer block
-// once it is pulled, 1D, into a packed staging area at the start of the gather buffer), then
-// the rest of the rows in one whole-K GEMM, whose pulls run under the lead's GEMMs.
-void StepBuilder::AddFullWeightRing() {
-  const int64_t kk = tp_ * k_;
-  std::vector<PeerSignals::Flag> peers;
-  for (int p = 0; p < tp_; ++p) {
-    if (p != rank_) peers.push_back({p, 0});
-  }
-  int64_t lead = own_.size() / (2 * knobs_.chunks);
-  if (lead >= 128) lead = lead / 128 * 128;  // whole 128-row tiles
-  const RowRange head{own_.begin, own_.begin + lead}, rest{own_.begin + lead, own_.end};
-  int head_comm = -1, rest_comm = -1;
-  if (ce_) {
-    PreparedStep cs;
-    cs.stream = StepStream::kComm;
-    CommCall& c = cs.comm;
-    c.copy_engine = true;
-    c.ready_to = c.ready_from = peers;
-    for (size_t i = 0; i < peers.size() && lead > 0; ++i) {  // packed: [lead, k] per peer
-      c.pulls.push_back({peers[i].peer,
-                         {BufRef::kInput, head.begin * row_x_},
-                         {BufRef::kGather, i * lead * row_x_},
-                         lead * row_x_});
+// full_weight, the ring's lead: a GEMM of the own K block (its columns where the caller wrote
+// them; no deps), or one that adds each peer's block from the packed staging area.
+void StepBuilder::AddLeadGemm(const PlanStep& s, std::vector<int> deps) {
+  const RowRange rows = s.rows[0];
+  const BufRef y{BufRef::kY, (rows.begin - own_.begin) * row_y_};
+  PreparedStep gs;
+  gs.is_gemm = true;
+  gs.deps = std::move(deps);
+  for (size_t i = 0; i < s.k_blocks.size(); ++i) {
+    const int b = s.k_blocks[i];
+    GemmCall call = Single(rows.size(),
+                           s.add_to_output ? BufRef{BufRef::kGather, i * rows.size() * row_x_}
+                                           : BufRef{BufRef::kInput, rows.begin * row_x_},
+                           y);
+    if (s.add_to_output) {
+      call.c = call.d;
+      call.params.beta = 1.0f;
     }
-    prep_.steps.push_back(std::move(cs));
-    head_comm = static_cast<int>(prep_.steps.size()) - 1;
-    rest_comm = AddFullWeightPulls(false, true, rest, lead);
+    call.params.ldb = tp_ * k_;
+    call.b_offset = b * row_x_;
+    gs.gemms.push_back(call);
   }
-  if (lead > 0) {
-    PreparedStep own_gemm;  // no deps: the own columns are where the caller wrote them
-    own_gemm.is_gemm = true;
-    GemmCall call = Single(lead, {BufRef::kInput, head.begin * row_x_}, {BufRef::kY, 0});
-    call.params.ldb = kk;
-    call.b_offset = rank_ * row_x_;
-    own_gemm.gemms.push_back(call);
-    prep_.steps.push_back(std::move(own_gemm));
-    if (ce_) {
-      // After the pulls, and after the own GEMM, whose output it adds to.
-      PreparedStep add;
-      add.is_gemm = true;
-      add.deps = {head_comm, static_cast<int>(prep_.steps.size()) - 1};
-      for (size_t i = 0; i < peers.size(); ++i) {
-        GemmCall acc = Single(lead, {BufRef::kGather, i * lead * row_x_}, {BufRef::kY, 0});
-        acc.c = acc.d;
-        acc.params.beta = 1.0f;
-        acc.params.ldb = kk;
-        acc.b_offset = peers[i].peer * row_x_;
-        add.gemms.push_back(acc);
-      }
-      prep_.steps.push_back(std::move(add));
+  prep_.steps.push_back(std::move(gs));
+}
+
+StatusOr<std::vector<PeerSignals::Flag>> StepBuilder::Flags(
+    const std::vector<PlanMessage>& msgs) const {
+  std::vector<PeerSignals::Flag> out;
+  for (const PlanMessage& mm : msgs) {
+    if (mm.msg >= signal_slots_) {
+      return InternalError("layer " + name_ + ": copy-engine plan for m=" + std::to_string(m_) +
+                           " needs more than " + std::to_string(signal_slots_) +
+                           " messages to/from rank " + std::to_string(mm.peer));
     }
+    out.push_back({mm.peer, mm.msg});
   }
-  AddWholeKGemm(rest, lead, rest_comm);
+  return out;
 }
 
-StatusOr<int> StepBuilder::NextSlot(std::vector<int>& seq, int peer) {
-  if (seq[peer] >= signal_slots_) {
-    return InternalError("layer " + name_ + ": copy-engine plan for m=" + std::to_string(m_) +
-                         " needs more than " + std::to_string(signal_slots_) +
-                         " messages to/from rank " + std::to_string(peer));
-  }
-  return seq[peer]++;
-}
-
-// This rank's next message to `peer` in `c`: it signals `ready` there and
-// waits for the peer's `done` at the end of Run.
-Status StepBuilder::AddSend(CommCall& c, int peer) {
-  TP_ASSIGN_OR_RETURN(int slot, NextSlot(sent_, peer));
-  c.ready_to.push_back({peer, slot});
-  prep_.done_from.push_back({peer, slot});
-  return Status::Ok();
-}
-
-// The next message from `peer` in `c`: wait for its `ready`, signal `done`.
-Status StepBuilder::AddReceive(CommCall& c, int peer) {
-  TP_ASSIGN_OR_RETURN(int slot, NextSlot(received_, peer));
-  c.ready_from.push_back({peer, slot});
-  c.done_to.push_back({peer, slot});
+// The plan step's signals: `ready` to the peers it offers messages to (whose `done` Run awaits
+// at its end, in_place at the start of the next), `ready` awaited and `done` sent for the
+// messages it takes.
+Status StepBuilder::Signals(CommCall& c, const PlanStep& s) {
+  TP_ASSIGN_OR_RETURN(c.ready_to, Flags(s.ready_to));
+  TP_ASSIGN_OR_RETURN(c.ready_from, Flags(s.ready_from));
+  TP_ASSIGN_OR_RETURN(c.done_to, Flags(s.done_to));
+  prep_.done_from.insert(prep_.done_from.end(), c.ready_to.begin(), c.ready_to.end());
   return Status::Ok();
 }
 
@@ -447,7 +416,7 @@ Status StepBuilder::PrepareAllGather(size_t i, int64_t slot_rows) {
   region_[i] = next_region_;
   slot_rows_of_[i] = slot_rows;
   next_region_ += tp_ * slot_rows * row_x_;
-  ps.comm.kind = s.kind;
+  ps.comm.kind = StepKind::kAllGather;  // the copy-engine step of that shape too
   ps.comm.send = {BufRef::kInput, (s.rows[rank_].begin - own_.begin) * row_x_};
   ps.comm.recv = {BufRef::kGather, region_[i]};
   ps.comm.send_bytes = slot_rows * row_x_;
@@ -458,29 +427,24 @@ Status StepBuilder::PrepareAllGather(size_t i, int64_t slot_rows) {
     ps.comm.scale_recv = SlotRef(0, s.chunk);
     ps.comm.scale_send_bytes = slot_pitch_ * sizeof(float);
   }
-  if (!ce_) return Status::Ok();
+  if (s.kind != StepKind::kPullGather) return Status::Ok();
+  // Copy engine: the own rows copied into their slot; each peer's pulled from its input.
   CommCall& c = ps.comm;
   c.copy_engine = true;
-  for (int p = 0; p < tp_; ++p) {
-    const size_t slot_offset = region_[i] + p * slot_rows * row_x_;
-    if (p == rank_) {
-      c.copy_src = c.send;
-      c.copy_dst = {BufRef::kGather, slot_offset};
-      c.copy_bytes = s.rows[p].size() * row_x_;
-      continue;
-    }
-    TP_RETURN_IF_ERROR(AddSend(c, p));
-    TP_RETURN_IF_ERROR(AddReceive(c, p));
-    if (!s.rows[p].empty()) {
-      const size_t src = (s.rows[p].begin - ShardRows(m_, tp_, p).begin) * row_x_;
-      c.pulls.push_back({p,
-                         {BufRef::kInput, src},
-                         {BufRef::kGather, slot_offset},
-                         static_cast<size_t>(s.rows[p].size()) * row_x_});
-      if (slots_) {
-        c.pulls.push_back({p, SlotRef(p, s.chunk), SlotRef(p, s.chunk),
-                           static_cast<size_t>(s.rows[p].size() * ScaleGroups(shape_)) * 4});
-      }
+  c.copy_src = c.send;
+  c.copy_dst = {BufRef::kGather, region_[i] + rank_ * slot_rows * row_x_};
+  c.copy_bytes = s.rows[rank_].size() * row_x_;
+  TP_RETURN_IF_ERROR(Signals(c, s));
+  for (const PlanMessage& mm : s.pulls) {
+    const int p = mm.peer;
+    const size_t src = (mm.rows.begin - ShardRows(m_, tp_, p).begin) * row_x_;
+    c.pulls.push_back({p,
+                       {BufRef::kInput, src},
+                       {BufRef::kGather, region_[i] + p * slot_rows * row_x_},
+                       static_cast<size_t>(mm.rows.size()) * row_x_});
+    if (slots_) {
+      c.pulls.push_back({p, SlotRef(p, s.chunk), SlotRef(p, s.chunk),
+                         static_cast<size_t>(mm.rows.size() * ScaleGroups(shape_)) * 4});
     }
   }
   return Status::Ok();
@@ -490,12 +454,12 @@ Status StepBuilder::PrepareReduceScatter(size_t i, int64_t slot_rows) {
   const PlanStep& s = plan_.steps[i];
   PreparedStep& ps = prep_.steps[i];
   const int g = s.deps.at(0);
-  ps.comm.kind = s.kind;
+  ps.comm.kind = StepKind::kReduceScatter;  // the copy-engine step of that shape too
   ps.comm.send = {BufRef::kPartial, region_[g]};
   ps.comm.send_bytes = slot_rows * n_;  // elements
   const RowRange mine = s.rows[rank_];
   const BufRef dst{BufRef::kY, (mine.begin - own_.begin) * row_y_};
-  if (ce_) return PreparePeerReduceScatter(i, slot_rows, dst);
+  if (s.kind == StepKind::kPullReduce) return PreparePeerReduceScatter(i, slot_rows, dst);
   if (mine.size() == slot_rows) {
     ps.comm.recv = dst;
   } else {
@@ -520,18 +484,14 @@ Status StepBuilder::PreparePeerReduceScatter(size_t i, int64_t slot_rows, BufRef
   const RowRange mine = s.rows[rank_];
   CommCall& c = prep_.steps[i].comm;
   c.copy_engine = true;
-  const bool direct = knobs_.mode == OverlapMode::kNone;
+  const bool direct = s.by_reference;
   const size_t slot_bytes = slot_rows * row_y_;
-  for (int p = 0; p < tp_; ++p) {
-    if (p == rank_) continue;
-    TP_RETURN_IF_ERROR(AddSend(c, p));
-    TP_RETURN_IF_ERROR(AddReceive(c, p));
-    if (!mine.empty() && !direct) {
-      c.pulls.push_back({p,
-                         {BufRef::kPartial, region_[g] + rank_ * slot_bytes},
-                         {BufRef::kReceived, region_[g] + p * slot_bytes},
-                         static_cast<size_t>(mine.size()) * row_y_});
-    }
+  TP_RETURN_IF_ERROR(Signals(c, s));
+  for (const PlanMessage& mm : direct ? std::vector<PlanMessage>{} : s.pulls) {
+    c.pulls.push_back({mm.peer,
+                       {BufRef::kPartial, region_[g] + rank_ * slot_bytes},
+                       {BufRef::kReceived, region_[g] + mm.peer * slot_bytes},
+                       static_cast<size_t>(mm.rows.size()) * row_y_});
   }
   if (!mine.empty()) {
     c.sum = true;
@@ -557,7 +517,7 @@ Status StepBuilder::PrepareSendRecv(size_t i) {
   const size_t row = ag_ ? row_x_ : row_y_;
   const auto src = ag_ ? BufRef::kGather : BufRef::kPartial;
   const auto dst = ag_ ? BufRef::kGather : BufRef::kReceived;
-  ps.comm.kind = s.kind;
+  ps.comm.kind = StepKind::kSendRecv;  // the copy-engine step of that shape too
   ps.comm.send = {src, s.send_rows.begin * row};
   ps.comm.send_bytes = s.send_rows.size() * row;
   ps.comm.send_peer = s.send_peer;
@@ -579,22 +539,18 @@ Status StepBuilder::PrepareSendRecv(size_t i) {
     ps.comm.scale_recv = slot_or_base(s.recv_rows);
     ps.comm.scale_recv_bytes = s.recv_rows.size() * row_scales;
   }
-  if (ce_) {
+  if (s.kind == StepKind::kPullRing) {
     CommCall& c = ps.comm;
     c.copy_engine = true;
-    if (c.send_peer >= 0) {
-      TP_RETURN_IF_ERROR(AddSend(c, c.send_peer));
-    }
-    if (c.recv_peer >= 0) {
-      TP_RETURN_IF_ERROR(AddReceive(c, c.recv_peer));
-      // The sender's copy of the same buffer holds the rows at the
-      // same offset (ring buffers are indexed by global row).
-      if (c.recv_bytes > 0 && !in_place_) {  // in_place_: read there, not pulled
-        c.pulls.push_back({c.recv_peer, {src, c.recv.offset}, c.recv, c.recv_bytes});
-        if (scales) {
-          const BufRef slot = ScaleSlot(s.recv_rows);
-          c.pulls.push_back({c.recv_peer, slot, slot, s.recv_rows.size() * row_scales});
-        }
+    TP_RETURN_IF_ERROR(Signals(c, s));
+    // The sender's copy of the same buffer holds the rows at the same offset (ring buffers are
+    // indexed by global row). by_reference (in_place): read there by the GEMM, not pulled.
+    for (const PlanMessage& mm : s.by_reference ? std::vector<PlanMessage>{} : s.pulls) {
+      const BufRef at{dst, mm.rows.begin * row};
+      c.pulls.push_back({mm.peer, {src, at.offset}, at, mm.rows.size() * row});
+      if (scales) {
+        const BufRef slot = ScaleSlot(mm.rows);
+        c.pulls.push_back({mm.peer, slot, slot, mm.rows.size() * row_scales});
       }
     }
   }
@@ -686,19 +642,17 @@ Status StepBuilder::PrepareInPlaceGemm(size_t i, RowRange r, BufRef a, BufRef d)
   PreparedStep& ps = prep_.steps[i];
   int recv_step = -1;
   for (int dep : s.deps) {
-    if (plan_.steps[dep].kind == StepKind::kSendRecv) recv_step = dep;
+    if (plan_.steps[dep].kind == StepKind::kPullRing) recv_step = dep;
   }
-  if (recv_step < 0 || prep_.steps[recv_step].comm.recv_peer < 0) {
+  if (recv_step < 0 || plan_.steps[recv_step].recv_peer < 0 || s.done_to.empty()) {
     return InternalError("layer " + name_ + ": in_place GEMM step " + std::to_string(i) +
-                         " has no receive step to read from");
+                         " has no receive step to read from, or owes its peer no `done`");
   }
-  CommCall& recv = prep_.steps[recv_step].comm;
   GemmCall call = Single(r.size(), a, d);
-  call.c = {BufRef::kPartial, r.begin * row_y_, recv.recv_peer};
+  call.c = {BufRef::kPartial, r.begin * row_y_, plan_.steps[recv_step].recv_peer};
   call.params.beta = 1.0f;
   ps.gemms.push_back(call);
-  ps.done_to.insert(ps.done_to.end(), recv.done_to.begin(), recv.done_to.end());
-  recv.done_to.clear();
+  TP_ASSIGN_OR_RETURN(ps.done_to, Flags(s.done_to));  // the plan moved it here
   return Status::Ok();
 }
 

@@ -45,8 +45,11 @@ Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op) {
 
 PlanRequest LinearPlanRequest(OverlapOp op, const LinearKnobs& knobs, int tp, int rank, int64_t m) {
   PlanRequest q{op, knobs.mode, tp, rank, m, knobs.chunks};
+  q.copy_engine = knobs.copy_engine && tp > 1;
+  q.in_place = knobs.in_place && q.copy_engine;
+  q.full_weight = knobs.full_weight;
   q.defer_last_sum = op == OverlapOp::kGemmReduceScatter && knobs.mode == OverlapMode::kRing &&
-                     knobs.copy_engine && tp > 1 && knobs.chunks == 1 && !knobs.in_place;
+                     q.copy_engine && knobs.chunks == 1 && !knobs.in_place && !knobs.full_weight;
   return q;
 }
 

@@ -67,10 +67,11 @@ struct LinearKnobs {
 // with copy_engine. Every other knob goes with every op and mode.
 Status ValidateLinearKnobs(const LinearKnobs& knobs, OverlapOp op);
 
-// The plan request of one layer run over m rows: the knobs' mode and chunks, and
-// PlanRequest::defer_last_sum exactly where CudaLinear runs its ring that way (gemm_rs, ring,
-// copy_engine, tp > 1, one chunk, not in_place), so that the CPU executor and the GPU layer run
-// the same schedule for the same knobs.
+// The plan request of one layer run over m rows: the knobs' mode, chunks, copy_engine (at
+// tp > 1), in_place and full_weight, and PlanRequest::defer_last_sum exactly where CudaLinear
+// runs its ring that way (gemm_rs, ring, copy_engine, tp > 1, one chunk, neither in_place nor
+// full_weight), so that the CPU executor and the GPU layer run the same schedule for the same
+// knobs.
 PlanRequest LinearPlanRequest(OverlapOp op, const LinearKnobs& knobs, int tp, int rank, int64_t m);
 
 }  // namespace tpserve

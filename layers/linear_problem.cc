@@ -26,6 +26,7 @@ CpuLinearArgs LinearProblem::ArgsFor(int rank, BFloat16* y) const {
   a.w = w_local[rank].data();
   a.w_scale = w_scale;
   a.y = y;
+  if (op == OverlapOp::kGemmReduceScatter) a.w_full = w.data();  // [n, tp * k_local]
   if (scheme != Fp8Scheme::kPerTensor) {
     a.scheme = scheme;
     a.x_scales = x_scales_local[rank];

@@ -11,16 +11,17 @@ namespace {
 constexpr int kMaxTp = 1024;
 constexpr int kMaxChunks = 64;
 
-std::string RangeString(RowRange r) {
-  return "[" + std::to_string(r.begin) + "," + std::to_string(r.end) + ")";
-}
-
 // Builds one rank's steps; `Add` returns the new step's index.
 class PlanBuilder {
  public:
-  explicit PlanBuilder(const PlanRequest& req) : req_(req) {
+  explicit PlanBuilder(const PlanRequest& req)
+      : req_(req), next_to_(req.tp, 0), next_from_(req.tp, 0) {
     for (int s = 0; s < req.tp; ++s) shards_.push_back(ShardRows(req.m, req.tp, s));
   }
+
+  // The next message this rank offers to `peer` / awaits from `peer` (copy engine).
+  PlanMessage Offer(int peer, RowRange rows) { return {peer, next_to_[peer]++, rows}; }
+  PlanMessage Await(int peer, RowRange rows) { return {peer, next_from_[peer]++, rows}; }
 
   RowRange Chunk(int shard, int chunk) const {
     return ChunkRows(shards_[shard], req_.chunks, chunk);
@@ -87,16 +88,106 @@ class PlanBuilder {
     return Add(std::move(s));
   }
 
+  // Copy engine, AG+GEMM none/pipeline: this rank's rows offered to every peer, theirs pulled.
+  int AddPullGather(int chunk, std::vector<RowRange> rows) {
+    const int i = AddCollective(StepKind::kPullGather, chunk, std::move(rows), {});
+    if (i < 0) return i;
+    PlanStep& s = steps_[i];
+    for (int p = 0; p < req_.tp; ++p) {
+      if (p == req_.rank) continue;
+      s.ready_to.push_back(Offer(p, s.rows[req_.rank]));
+      const PlanMessage in = Await(p, s.rows[p]);
+      s.ready_from.push_back(in);
+      if (!in.rows.empty()) s.pulls.push_back(in);
+      s.done_to.push_back(in);
+    }
+    return i;
+  }
+
+  // Copy engine, GEMM+RS none/pipeline: the partial of each peer's rows offered to it, the
+  // peers' partials of this rank's rows pulled (mode none: read where they are) and summed.
+  int AddPullReduce(int chunk, std::vector<RowRange> rows, std::vector<int> deps) {
+    const int i = AddCollective(StepKind::kPullReduce, chunk, std::move(rows), std::move(deps));
+    if (i < 0) return i;
+    PlanStep& s = steps_[i];
+    s.by_reference = req_.mode == OverlapMode::kNone;
+    const RowRange mine = s.rows[req_.rank];
+    for (int p = 0; p < req_.tp; ++p) {
+      if (p == req_.rank) continue;
+      s.ready_to.push_back(Offer(p, s.rows[p]));
+      const PlanMessage in = Await(p, mine);
+      s.ready_from.push_back(in);
+      if (!mine.empty()) s.pulls.push_back(in);
+      s.done_to.push_back(in);
+    }
+    return i;
+  }
+
+  // A ring exchange: kSendRecv, or on copy engines kPullRing (the received rows pulled, or
+  // with in_place left where they are for the GEMM that adds them, which sends the `done`).
+  int AddExchange(int chunk, int send_peer, RowRange send_rows, int recv_peer, RowRange recv_rows,
+                  std::vector<int> deps) {
+    const int i = AddSendRecv(chunk, send_peer, send_rows, recv_peer, recv_rows, std::move(deps));
+    if (i < 0 || !req_.copy_engine) return i;
+    PlanStep& s = steps_[i];
+    s.kind = StepKind::kPullRing;
+    s.by_reference = req_.in_place;
+    if (s.send_peer >= 0) s.ready_to.push_back(Offer(s.send_peer, s.send_rows));
+    if (s.recv_peer >= 0) {
+      const PlanMessage in = Await(s.recv_peer, s.recv_rows);
+      s.ready_from.push_back(in);
+      s.pulls.push_back(in);
+      if (!req_.in_place) s.done_to.push_back(in);
+    }
+    return i;
+  }
+
+  // full_weight: pulls of every peer's input columns of `rows` (this rank's); the first such
+  // step offers this rank's whole input to every peer (the peer's shard of rows) and awaits
+  // theirs, the last sends the `done`s. Kept when `rows` is empty, so the signals pair up.
+  int AddPullColumns(int chunk, RowRange rows, bool first, bool last) {
+    PlanStep s;
+    s.kind = StepKind::kPullColumns;
+    s.stream = StepStream::kComm;
+    s.chunk = chunk;
+    s.rows = {rows};
+    for (int p = 0; p < req_.tp; ++p) {
+      if (p == req_.rank) continue;
+      const PlanMessage in{p, 0, shards_[req_.rank]};
+      if (first) s.ready_to.push_back({p, 0, shards_[p]});
+      if (first) s.ready_from.push_back(in);
+      if (!rows.empty()) s.pulls.push_back({p, 0, rows});
+      if (last) s.done_to.push_back(in);
+    }
+    return Add(std::move(s));
+  }
+
+  // full_weight: a GEMM of `rows` over the K blocks `blocks`; -1 for empty rows.
+  int AddBlockGemm(int chunk, RowRange rows, std::vector<int> blocks, bool add,
+                   std::vector<int> deps) {
+    const int i = AddGemm(chunk, {rows}, std::move(deps));
+    if (i >= 0) {
+      steps_[i].k_blocks = std::move(blocks);
+      steps_[i].add_to_output = add;
+      steps_[i].final_output = true;
+    }
+    return i;
+  }
+
   OverlapPlan Finish() && {
     OverlapPlan plan;
     plan.request = req_;
     for (const PlanStep& s : steps_) {
       for (RowRange r : s.rows) {
-        if (s.kind != StepKind::kGemm && s.kind != StepKind::kSum) {
+        if (s.kind != StepKind::kGemm && s.kind != StepKind::kSum &&
+            s.kind != StepKind::kPullColumns) {
           plan.max_step_rows = std::max(plan.max_step_rows, r.size());
         }
       }
       plan.max_step_rows = std::max({plan.max_step_rows, s.send_rows.size(), s.recv_rows.size()});
+      for (const PlanMessage& mm : s.pulls) {
+        plan.max_step_rows = std::max(plan.max_step_rows, mm.rows.size());
+      }
     }
     plan.steps = std::move(steps_);
     return plan;
@@ -106,6 +197,7 @@ class PlanBuilder {
   const PlanRequest& req_;
   std::vector<RowRange> shards_;
   std::vector<PlanStep> steps_;
+  std::vector<int> next_to_, next_from_;  // messages so far to / from each peer
 };
 
 std::vector<int> DepsOf(int step) { return step < 0 ? std::vector<int>{} : std::vector<int>{step}; }
@@ -122,7 +214,8 @@ void BuildAllGatherGemm(PlanBuilder& b, const PlanRequest& req) {
       for (int c = 0; c < req.chunks; ++c) {
         std::vector<RowRange> rows;
         for (int s = 0; s < tp; ++s) rows.push_back(b.Chunk(s, c));
-        const int ag = b.AddCollective(StepKind::kAllGather, c, rows, {});
+        const int ag = req.copy_engine ? b.AddPullGather(c, rows)
+                                       : b.AddCollective(StepKind::kAllGather, c, rows, {});
         b.AddGemm(c, rows, DepsOf(ag));
       }
       break;
@@ -139,7 +232,7 @@ void BuildAllGatherGemm(PlanBuilder& b, const PlanRequest& req) {
           const std::vector<int> have = DepsOf(arrived[j]);
           int exchange = -1;
           if (k < tp - 1) {
-            exchange = b.AddSendRecv(idx, next, b.Chunk(held, j), prev, b.Chunk(incoming, j), have);
+            exchange = b.AddExchange(idx, next, b.Chunk(held, j), prev, b.Chunk(incoming, j), have);
           }
           b.AddGemm(idx, {b.Chunk(held, j)}, have);
           arrived[j] = exchange;
@@ -166,7 +259,11 @@ void BuildGemmReduceScatter(PlanBuilder& b, const PlanRequest& req) {
         std::vector<RowRange> rows;
         for (int s = 0; s < tp; ++s) rows.push_back(b.Chunk(s, c));
         const int g = b.AddGemm(c, rows, {});
-        b.AddCollective(StepKind::kReduceScatter, c, rows, DepsOf(g));
+        if (req.copy_engine) {
+          b.AddPullReduce(c, rows, DepsOf(g));
+        } else {
+          b.AddCollective(StepKind::kReduceScatter, c, rows, DepsOf(g));
+        }
       }
       break;
     case OverlapMode::kRing: {
@@ -186,6 +283,9 @@ void BuildGemmReduceScatter(PlanBuilder& b, const PlanRequest& req) {
               b.AddGemm(idx, {b.Chunk(dest, j)}, defer ? std::vector<int>{} : DepsOf(arrived[j]));
           if (g >= 0) {
             b.step(g).accumulate = k > 0 && !defer;
+            if (req.in_place && b.step(g).accumulate && arrived[j] >= 0) {
+              b.step(g).done_to = b.step(arrived[j]).ready_from;  // it reads the peer's sum
+            }
             b.step(g).final_output = k == tp - 1 && !defer;
             if (defer) {
               std::vector<int> deps = DepsOf(arrived[j]);
@@ -196,13 +296,44 @@ void BuildGemmReduceScatter(PlanBuilder& b, const PlanRequest& req) {
           arrived[j] = -1;
           if (k < tp - 1) {
             arrived[j] =
-                b.AddSendRecv(idx, prev, b.Chunk(dest, j), next, b.Chunk(incoming, j), DepsOf(g));
+                b.AddExchange(idx, prev, b.Chunk(dest, j), next, b.Chunk(incoming, j), DepsOf(g));
           }
         }
       }
       break;
     }
   }
+}
+
+// PlanRequest::full_weight (see there).
+void BuildFullWeight(PlanBuilder& b, const PlanRequest& req) {
+  const int tp = req.tp, r = req.rank;
+  const RowRange own = b.shards()[r];
+  std::vector<int> all(tp), peers;
+  for (int p = 0; p < tp; ++p) {
+    all[p] = p;
+    if (p != r) peers.push_back(p);
+  }
+  const bool pulls = req.copy_engine;
+  if (req.mode != OverlapMode::kRing) {
+    for (int c = 0; c < req.chunks; ++c) {
+      const RowRange rows = ChunkRows(own, req.chunks, c);
+      const int pull = pulls ? b.AddPullColumns(c, rows, c == 0, c == req.chunks - 1) : -1;
+      b.AddBlockGemm(c, rows, all, false, DepsOf(pull));
+    }
+    return;
+  }
+  int64_t lead = own.size() / (2 * req.chunks);
+  if (lead >= 128) lead = lead / 128 * 128;  // whole 128-row tiles
+  const RowRange head{own.begin, own.begin + lead}, rest{own.begin + lead, own.end};
+  int head_pull = -1, rest_pull = -1;
+  if (pulls) {
+    head_pull = b.AddPullColumns(0, head, true, false);
+    rest_pull = b.AddPullColumns(1, rest, false, true);
+  }
+  const int own_gemm = b.AddBlockGemm(0, head, {r}, false, {});
+  if (own_gemm >= 0 && pulls) b.AddBlockGemm(0, head, peers, true, {head_pull, own_gemm});
+  b.AddBlockGemm(1, rest, all, false, DepsOf(rest_pull));
 }
 
 Status CheckRequest(const PlanRequest& req) {
@@ -234,35 +365,24 @@ Status CheckRequest(const PlanRequest& req) {
         std::string(OverlapOpName(req.op)) + " " + std::string(OverlapModeName(req.mode)) +
         " chunks=" + std::to_string(req.chunks));
   }
+  const bool rs_ring = req.op == OverlapOp::kGemmReduceScatter && req.mode == OverlapMode::kRing;
+  if (req.copy_engine && req.tp < 2) {
+    return InvalidArgumentError("overlap plan: copy_engine needs tp > 1 (nothing to transfer)");
+  }
+  if (req.in_place && !(rs_ring && req.copy_engine)) {
+    return InvalidArgumentError(
+        "overlap plan: in_place is for gemm_rs ring with copy_engine, got " +
+        std::string(OverlapOpName(req.op)) + " " + std::string(OverlapModeName(req.mode)) +
+        (req.copy_engine ? " with" : " without") + " copy_engine");
+  }
+  if (req.full_weight && (req.op != OverlapOp::kGemmReduceScatter ||
+                          req.copy_engine != (req.tp > 1) || req.in_place || req.defer_last_sum)) {
+    return InvalidArgumentError(
+        "overlap plan: full_weight is for gemm_rs, with copy_engine exactly when tp > 1, and "
+        "without in_place or defer_last_sum");
+  }
   return Status::Ok();
 }
-
-// Rows as a bitmap over [0, m), for the symbolic checks.
-using RowSet = std::vector<bool>;
-
-void AddRows(RowSet& set, RowRange r) {
-  for (int64_t i = r.begin; i < r.end; ++i) set[i] = true;
-}
-bool HasRows(const RowSet& set, RowRange r) {
-  for (int64_t i = r.begin; i < r.end; ++i) {
-    if (!set[i]) return false;
-  }
-  return true;
-}
-void Union(RowSet& into, const RowSet& from) {
-  for (size_t i = 0; i < into.size(); ++i) into[i] = into[i] || from[i];
-}
-
-Status PlanError(const OverlapPlan& plan, int step, const std::string& what) {
-  const PlanRequest& q = plan.request;
-  return InternalError("overlap plan " + std::string(OverlapOpName(q.op)) + "/" +
-                       std::string(OverlapModeName(q.mode)) + " tp=" + std::to_string(q.tp) +
-                       " rank=" + std::to_string(q.rank) + " m=" + std::to_string(q.m) +
-                       " chunks=" + std::to_string(q.chunks) +
-                       (step >= 0 ? " step " + std::to_string(step) : std::string()) + ": " + what);
-}
-
-bool SameRows(const PlanStep& a, const PlanStep& b) { return a.kind == b.kind && a.rows == b.rows; }
 
 }  // namespace
 
@@ -314,6 +434,14 @@ std::string_view StepKindName(StepKind kind) {
       return "gemm";
     case StepKind::kSum:
       return "sum";
+    case StepKind::kPullGather:
+      return "pull_gather";
+    case StepKind::kPullRing:
+      return "pull_ring";
+    case StepKind::kPullReduce:
+      return "pull_reduce";
+    case StepKind::kPullColumns:
+      return "pull_columns";
   }
   return "unknown";
 }
@@ -331,233 +459,14 @@ RowRange ChunkRows(RowRange rows, int chunks, int chunk) {
 StatusOr<OverlapPlan> MakeOverlapPlan(const PlanRequest& request) {
   TP_RETURN_IF_ERROR(CheckRequest(request));
   PlanBuilder b(request);
-  if (request.op == OverlapOp::kAllGatherGemm) {
+  if (request.full_weight) {
+    BuildFullWeight(b, request);
+  } else if (request.op == OverlapOp::kAllGatherGemm) {
     BuildAllGatherGemm(b, request);
   } else {
     BuildGemmReduceScatter(b, request);
   }
   return std::move(b).Finish();
-}
-
-Status ValidatePlan(const OverlapPlan& plan) {
-  const PlanRequest& q = plan.request;
-  const size_t m = static_cast<size_t>(q.m);
-  const RowRange own = ShardRows(q.m, q.tp, q.rank);
-  const bool ag = q.op == OverlapOp::kAllGatherGemm;
-
-  // AG+GEMM tracks input rows present; GEMM+RS tracks partial rows computed
-  // (`have`) and received sums (`recv`). Availability flows along deps.
-  std::vector<RowSet> have_after(plan.steps.size(), RowSet(m, false));
-  std::vector<RowSet> recv_after(plan.steps.size(), RowSet(m, false));
-  std::vector<int> produced(m, 0);  // AG: output rows; RS: partial rows
-  std::vector<int> final_rows(m, 0);
-
-  for (size_t i = 0; i < plan.steps.size(); ++i) {
-    const PlanStep& s = plan.steps[i];
-    const int si = static_cast<int>(i);
-    RowSet have(m, false), recv(m, false);
-    if (ag) AddRows(have, own);
-    for (int d : s.deps) {
-      if (d < 0 || d >= si)
-        return PlanError(plan, si,
-                         "dependency " + std::to_string(d) + " does not point to an earlier step");
-      Union(have, have_after[d]);
-      Union(recv, recv_after[d]);
-    }
-    have_after[i] = have;
-    recv_after[i] = recv;
-    switch (s.kind) {
-      case StepKind::kAllGather:
-      case StepKind::kReduceScatter: {
-        if (s.rows.size() != static_cast<size_t>(q.tp)) {
-          return PlanError(
-              plan, si,
-              "collective lists rows for " + std::to_string(s.rows.size()) + " ranks, not tp");
-        }
-        if (s.kind == StepKind::kAllGather) {
-          if (!ag) return PlanError(plan, si, "allgather in a gemm_rs plan");
-          for (RowRange r : s.rows) AddRows(have_after[i], r);
-        } else {
-          if (ag) return PlanError(plan, si, "reducescatter in an ag_gemm plan");
-          for (RowRange r : s.rows) {
-            if (!HasRows(have, r)) {
-              return PlanError(
-                  plan, si,
-                  "reduces rows " + RangeString(r) + " whose partial is not computed before it");
-            }
-          }
-          const RowRange mine = s.rows[q.rank];
-          if (mine.begin < own.begin || mine.end > own.end) {
-            return PlanError(plan, si,
-                             "reduces rows " + RangeString(mine) + " outside this rank's shard " +
-                                 RangeString(own));
-          }
-          for (int64_t row = mine.begin; row < mine.end; ++row) ++final_rows[row];
-        }
-        break;
-      }
-      case StepKind::kSendRecv: {
-        if (s.send_peer >= 0 && !HasRows(have, s.send_rows)) {
-          return PlanError(plan, si,
-                           "sends rows " + RangeString(s.send_rows) + " before they are available");
-        }
-        if (ag) {
-          AddRows(have_after[i], s.recv_rows);
-        } else {
-          AddRows(recv_after[i], s.recv_rows);
-        }
-        break;
-      }
-      case StepKind::kSum: {
-        if (ag) return PlanError(plan, si, "sum in an ag_gemm plan");
-        for (RowRange r : s.rows) {
-          if (!HasRows(have, r) || !HasRows(recv, r)) {
-            return PlanError(plan, si,
-                             "sums rows " + RangeString(r) +
-                                 " before both their partial and the received sum are there");
-          }
-          if (r.begin < own.begin || r.end > own.end) {
-            return PlanError(
-                plan, si,
-                "sums rows " + RangeString(r) + " outside this rank's shard " + RangeString(own));
-          }
-          for (int64_t row = r.begin; row < r.end; ++row) ++final_rows[row];
-        }
-        break;
-      }
-      case StepKind::kGemm: {
-        for (RowRange r : s.rows) {
-          if (ag && !HasRows(have, r)) {
-            return PlanError(plan, si,
-                             "multiplies rows " + RangeString(r) + " before they are gathered");
-          }
-          if (!ag && s.accumulate && !HasRows(recv, r)) {
-            return PlanError(
-                plan, si,
-                "accumulates into rows " + RangeString(r) + " whose partial sum has not arrived");
-          }
-          for (int64_t row = r.begin; row < r.end; ++row) ++produced[row];
-          if (!ag) {
-            AddRows(have_after[i], r);
-            if (s.final_output) {
-              if (r.begin < own.begin || r.end > own.end) {
-                return PlanError(plan, si,
-                                 "writes final rows " + RangeString(r) +
-                                     " outside this rank's shard " + RangeString(own));
-              }
-              for (int64_t row = r.begin; row < r.end; ++row) ++final_rows[row];
-            }
-          }
-        }
-        break;
-      }
-    }
-  }
-  for (size_t row = 0; row < m; ++row) {
-    if (produced[row] != 1) {
-      return PlanError(plan, -1,
-                       std::string(ag ? "output" : "partial") + " row " + std::to_string(row) +
-                           " is computed " + std::to_string(produced[row]) + " times, not once");
-    }
-  }
-  if (!ag) {
-    for (int64_t row = own.begin; row < own.end; ++row) {
-      if (final_rows[row] != 1) {
-        return PlanError(plan, -1,
-                         "output row " + std::to_string(row) + " is written " +
-                             std::to_string(final_rows[row]) + " times, not once");
-      }
-    }
-  }
-  return Status::Ok();
-}
-
-Status ValidatePlanGroup(const std::vector<OverlapPlan>& plans) {
-  if (plans.empty()) return InvalidArgumentError("plan group: no plans");
-  const int tp = plans[0].request.tp;
-  if (static_cast<int>(plans.size()) != tp) {
-    return InternalError("plan group: " + std::to_string(plans.size()) +
-                         " plans for tp=" + std::to_string(tp));
-  }
-  std::vector<std::vector<const PlanStep*>> collectives(tp);
-  // (src, dst) -> rows sent in order; and rows received in order.
-  std::map<std::pair<int, int>, std::vector<RowRange>> sent, received;
-  for (int r = 0; r < tp; ++r) {
-    const OverlapPlan& p = plans[r];
-    if (p.request.rank != r || p.request.tp != tp || p.request.m != plans[0].request.m ||
-        p.request.op != plans[0].request.op || p.request.mode != plans[0].request.mode ||
-        p.request.chunks != plans[0].request.chunks ||
-        p.request.defer_last_sum != plans[0].request.defer_last_sum) {
-      return InternalError("plan group: plan " + std::to_string(r) +
-                           " was made for another request");
-    }
-    for (const PlanStep& s : p.steps) {
-      if (s.kind == StepKind::kAllGather || s.kind == StepKind::kReduceScatter) {
-        collectives[r].push_back(&s);
-      } else if (s.kind == StepKind::kSendRecv) {
-        if (s.send_peer >= 0) sent[{r, s.send_peer}].push_back(s.send_rows);
-        if (s.recv_peer >= 0) received[{s.recv_peer, r}].push_back(s.recv_rows);
-      }
-    }
-  }
-  for (int r = 1; r < tp; ++r) {
-    if (collectives[r].size() != collectives[0].size()) {
-      return InternalError("plan group: rank " + std::to_string(r) + " issues " +
-                           std::to_string(collectives[r].size()) + " collectives, rank 0 " +
-                           std::to_string(collectives[0].size()));
-    }
-    for (size_t i = 0; i < collectives[0].size(); ++i) {
-      if (!SameRows(*collectives[r][i], *collectives[0][i])) {
-        return InternalError("plan group: collective " + std::to_string(i) + " of rank " +
-                             std::to_string(r) + " differs from rank 0's");
-      }
-    }
-  }
-  if (sent != received) {
-    for (const auto& [pair, rows] : sent) {
-      auto it = received.find(pair);
-      if (it == received.end() || it->second != rows) {
-        return InternalError("plan group: sends from rank " + std::to_string(pair.first) +
-                             " to rank " + std::to_string(pair.second) +
-                             " do not match that rank's receives");
-      }
-    }
-    return InternalError("plan group: a rank receives a message that nobody sends");
-  }
-  return Status::Ok();
-}
-
-std::string DescribePlan(const OverlapPlan& plan) {
-  const PlanRequest& q = plan.request;
-  std::ostringstream os;
-  os << OverlapOpName(q.op) << " mode=" << OverlapModeName(q.mode) << " tp=" << q.tp
-     << " rank=" << q.rank << " m=" << q.m << " chunks=" << q.chunks
-     << (q.defer_last_sum ? " defer_last_sum" : "") << " steps=" << plan.steps.size()
-     << " max_step_rows=" << plan.max_step_rows << "\n";
-  for (size_t i = 0; i < plan.steps.size(); ++i) {
-    const PlanStep& s = plan.steps[i];
-    os << "  " << i << "\t" << (s.stream == StepStream::kComm ? "comm   " : "compute") << "\t"
-       << StepKindName(s.kind) << "\tchunk " << s.chunk << "\t";
-    if (s.kind == StepKind::kSendRecv) {
-      if (s.send_peer >= 0)
-        os << "send " << RangeString(s.send_rows) << " -> " << s.send_peer << " ";
-      if (s.recv_peer >= 0)
-        os << "recv " << RangeString(s.recv_rows) << " <- " << s.recv_peer << " ";
-    } else {
-      for (size_t k = 0; k < s.rows.size(); ++k) {
-        if (s.kind != StepKind::kGemm && s.kind != StepKind::kSum) os << "r" << k << ":";
-        os << RangeString(s.rows[k]) << " ";
-      }
-    }
-    if (s.accumulate) os << "+recv ";
-    if (s.final_output) os << "final ";
-    if (!s.deps.empty()) {
-      os << "deps";
-      for (int d : s.deps) os << " " << d;
-    }
-    os << "\n";
-  }
-  return os.str();
 }
 
 }  // namespace tpserve

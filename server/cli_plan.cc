@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/linear_knobs.h"
 #include "layers/overlap_plan.h"
 #include "server/cli.h"
 #include "server/cli_numbers.h"
@@ -19,6 +20,9 @@ struct PlanFlags {
   bool chunks_given = false;  // --chunks on the command line (mode none defaults to 1)
   int rank = -1;              // -1: every rank
   bool defer_last_sum = false;
+  bool copy_engine = false;
+  bool in_place = false;
+  bool full_weight = false;
 };
 
 int RunPlan(PlanFlags f) {
@@ -38,10 +42,21 @@ int RunPlan(PlanFlags f) {
               << f.tp << ")\n";
     return 2;
   }
+  LinearKnobs knobs;
+  knobs.mode = *mode;
+  knobs.chunks = f.chunks;
+  knobs.copy_engine = f.copy_engine;
+  knobs.in_place = f.in_place;
+  knobs.full_weight = f.full_weight;
+  if (Status s = ValidateLinearKnobs(knobs, *op); !s.ok()) {
+    std::cerr << "error: " << s.message() << "\n";
+    return 2;
+  }
   std::vector<OverlapPlan> plans;
   for (int r = 0; r < f.tp; ++r) {
-    PlanRequest q{*op, *mode, f.tp, r, f.m, f.chunks};
-    q.defer_last_sum = f.defer_last_sum;
+    // The plan a layer with these knobs runs (LinearPlanRequest), plus --defer-last-sum.
+    PlanRequest q = LinearPlanRequest(*op, knobs, f.tp, r, f.m);
+    q.defer_last_sum = q.defer_last_sum || f.defer_last_sum;
     auto plan = MakeOverlapPlan(q);
     if (!plan.ok()) {
       std::cerr << "error: " << plan.status().message() << "\n";
@@ -116,7 +131,16 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--defer-last-sum", flags->defer_last_sum,
                 "gemm_rs ring with --chunks 1: the last GEMM computes the own rows' partial alone "
                 "and a sum step adds the received running sum (the plan a layer on copy engines "
-                "runs)");
+                "runs over NCCL; on copy engines it is the default there)");
+  cmd->add_flag("--copy-engine", flags->copy_engine,
+                "Transfers on copy engines (tp > 1): each rank pulls its peers' rows, with ready "
+                "and done signals (pull_* steps), instead of NCCL collectives");
+  cmd->add_flag("--in-place", flags->in_place,
+                "gemm_rs ring with --copy-engine: each accumulating GEMM reads the running sum "
+                "in the peer's memory and sends the peer its done");
+  cmd->add_flag("--full-weight", flags->full_weight,
+                "gemm_rs with --copy-engine (at --tp > 1): every rank holds the whole weight and "
+                "pulls its peers' input columns of its own rows instead of summing partials");
   cmd->callback([flags, exit_code, chunks] {
     flags->chunks_given = chunks->count() > 0;
     *exit_code = RunPlan(*flags);

@@ -163,6 +163,19 @@ class CommandLineChecks(unittest.TestCase):
         out = run("plan", "--tp", "2", "--rank", "1", "--chunks", "1").stdout
         self.assertIn("plans of all 2 ranks checked", out)
 
+    def test_plan_shows_the_copy_engine_schedules(self):
+        out = run("plan", "--op", "gemm_rs", "--mode", "ring", "--tp", "3", "--chunks", "1",
+                  "--copy-engine", "--in-place", "--rank", "0").stdout
+        self.assertIn("pull_ring", out)
+        self.assertIn("reads 1#0", out)  # the running sum read where the peer left it
+        self.assertIn("plans of all 3 ranks checked", out)
+        out = run("plan", "--op", "gemm_rs", "--mode", "pipeline", "--tp", "2", "--chunks", "2",
+                  "--copy-engine", "--full-weight", "--m", "40", "--rank", "1").stdout
+        self.assertIn("pull_columns", out)
+        self.assertIn("k_blocks 0 1", out)
+        self.refused(["plan", "--op", "ag_gemm", "--copy-engine", "--full-weight"],
+                     "full_weight applies to gemm_rs layers", 2)
+
     def test_mode_none_runs_one_chunk_by_default(self):
         # The default --chunks 4 made `plan --mode none` and `layer --mode none` fail.
         run("plan", "--mode", "none")

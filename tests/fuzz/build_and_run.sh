@@ -26,7 +26,8 @@ targets=(infer_request safetensors overlap_config)
 # Sources the targets need (the archive pulls in only what each one uses).
 tpserve_sources=(
   comm/status.cc comm/dtype.cc comm/nccl_config.cc
-  layers/overlap_config.cc layers/overlap_plan.cc layers/linear_knobs.cc layers/scale_scheme.cc
+  layers/overlap_config.cc layers/overlap_plan.cc layers/overlap_plan_check.cc
+  layers/linear_knobs.cc layers/scale_scheme.cc
   engine/safetensors.cc
   server/request_validation.cc
 )
