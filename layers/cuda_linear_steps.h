@@ -1,8 +1,10 @@
 // The steps CudaLinear enqueues for one M (private to layers/cuda_linear*.cc): where each GEMM
 // reads and writes, what each communication step sends, pulls and sums, on which stream, after
-// which steps. BuildPreparedSteps derives them, on the host only, from the OverlapPlan (or, for
-// a gemm_rs layer with knobs.full_weight, from the knobs alone); CudaLinear::Run maps each step
-// to its launches in step order.
+// which steps. BuildPreparedSteps derives them, on the host only, from the OverlapPlan: one
+// prepared step per plan step (its copy-engine messages become the signal flags, message k on
+// slot k), except that a full_weight whole-K GEMM is preceded by the copy of the own input
+// columns on the copy stream, a layout step the plan does not need. CudaLinear::Run maps each
+// step to its launches in step order.
 #pragma once
 
 #include <cstddef>
@@ -157,8 +159,8 @@ struct StepsInput {
 Status CheckAccumulate(const std::string& ctx, const CudaLinearShape& shape, int tp);
 
 // The plan request of a layer's M: LinearPlanRequest (layers/linear_knobs.h) of its op and
-// knobs, so defer_last_sum for a gemm_rs ring on copy engines (tp > 1) at one chunk, not
-// in_place.
+// knobs: copy_engine at tp > 1, in_place, full_weight, and defer_last_sum for a gemm_rs ring on
+// copy engines at one chunk, neither in_place nor full_weight.
 PlanRequest LayerPlanRequest(const StepsInput& in);
 
 // The steps of `plan` (the layer's plan for in.m, made from LayerPlanRequest(in)), with
