@@ -51,6 +51,7 @@ struct Flags {
   std::vector<int64_t> batches = {1, 8, 64, 256};
   int64_t context = 1024, block_size = 16, max_context = 8192;
   std::vector<std::string> kv_dtypes = {"bf16", "fp8"};
+  std::vector<int64_t> splits = {0};
 };
 
 // Relative Frobenius difference of two BF16 tensors.
@@ -165,8 +166,8 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
 // One decode launch: `batch` sequences of `context` cached tokens (this step's token
 // included), their blocks scattered over the pool in a shuffled order as a running server's
 // are, the split count the launcher picks for a table as wide as --max-context.
-Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, double copy_gbs,
-                 cudaStream_t stream, json& records) {
+Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want_splits,
+                 double copy_gbs, cudaStream_t stream, json& records) {
   const int64_t per_seq = (f.context + f.block_size - 1) / f.block_size;
   const int64_t width = std::max(per_seq, (f.max_context + f.block_size - 1) / f.block_size);
   KvCacheLayout layout;
@@ -230,6 +231,7 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, double copy_
   p.out_row_stride = q_width;
   p.workspace = ws.data();
   p.workspace_bytes = ws_bytes;
+  p.splits = want_splits;
   int device = 0, sms = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
   TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -260,6 +262,7 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, double copy_
                      {"context", f.context},
                      {"block_size", f.block_size},
                      {"splits", splits},
+                     {"splits_asked", want_splits},
                      {"median_ms", med},
                      {"times_ms", ms},
                      {"bytes", bytes},
@@ -309,6 +312,11 @@ int Main(int argc, char** argv) {
       ->check(Positive())
       ->capture_default_str();
   app.add_option("--kv-dtypes", f.kv_dtypes, "--decode: cache element types (bf16, fp8)")
+      ->capture_default_str();
+  app.add_option("--splits", f.splits,
+                 "--decode: context splits to ask the kernel for (a case each; 0: the "
+                 "launcher's own choice, PagedAttentionSplitsFor; others are capped as it caps)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--kv-block-size", f.block_size, "--decode: tokens per cache block")
       ->check(Positive())
@@ -366,14 +374,16 @@ int Main(int argc, char** argv) {
     doc["meta"]["floor"] = "(K and V bytes of every context token + Q and output) / copy GB/s";
     for (KvCacheDtype d : dtypes) {
       for (int64_t batch : f.batches) {
-        Status st = RunDecode(f, d, batch, gbs, stream->get(), doc["records"]);
-        if (!st.ok()) {
-          spdlog::error("decode {} batch {}: {}", KvCacheDtypeName(d), batch, st.ToString());
-          return 1;
-        }
-        if (std::string err = WriteReplacing(f.out, doc.dump(1)); !err.empty()) {
-          spdlog::error("{}", err);
-          return 1;
+        for (int64_t splits : f.splits) {
+          Status st = RunDecode(f, d, batch, splits, gbs, stream->get(), doc["records"]);
+          if (!st.ok()) {
+            spdlog::error("decode {} batch {}: {}", KvCacheDtypeName(d), batch, st.ToString());
+            return 1;
+          }
+          if (std::string err = WriteReplacing(f.out, doc.dump(1)); !err.empty()) {
+            spdlog::error("{}", err);
+            return 1;
+          }
         }
       }
     }

@@ -57,6 +57,10 @@ __device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begi
 
 // Keys per split at least, for the decode kernel's device-side split of a context.
 constexpr int kDecodeMinSplitKeys = 16 * kAttnWarps;
+// The decode kernel's CTAs an SM (its shared memory: three stages of K and V tiles), which
+// sizes its split count: one CTA per slot, no second wave.
+constexpr int kDecodeCtasPerSmBf16 = 2;
+constexpr int kDecodeCtasPerSmFp8 = 3;
 
 // Launches the decode kernel (one query row per sequence; a.group in 1, 2, 4, 8; head_dim 64
 // or 128) on grid (num_seqs * kv_heads, splits). Returns the launch's error.

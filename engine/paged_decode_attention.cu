@@ -47,7 +47,7 @@ constexpr int kDecodeKeys = 16 * kAttnWarps;  // keys per tile
 template <int kHeadDim, bool kFp8>
 struct DecodeSmem {
   static constexpr int kStages = 3;
-  static constexpr int kCtasPerSm = kFp8 ? 3 : 2;
+  static constexpr int kCtasPerSm = kFp8 ? kDecodeCtasPerSmFp8 : kDecodeCtasPerSmBf16;
   // Rows padded by 16 bytes: they stay 16-byte aligned for cp.async, and (BF16) the ldmatrix
   // row addresses of 8 consecutive rows fall on distinct banks.
   static constexpr int kPitch = kHeadDim + 8;

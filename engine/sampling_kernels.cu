@@ -220,12 +220,13 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   const int argmax = KeyId(best);
   const float lmax = row[argmax];
 
-  // log_softmax's denominator, as LogProb in sampling.cc (double).
+  // log_softmax's denominator: each term exp(logit - max) in FP32 (in [0, 1], a few ulp),
+  // summed in double. A double exp per vocabulary entry was most of a greedy step's sampling.
   double sum = 0.0;
-  for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
-    sum += exp(static_cast<double>(row[i]) - static_cast<double>(lmax));
+  if (a.log_prob != nullptr) {
+    for (int i = threadIdx.x; i < vocab; i += kSampleThreads) sum += expf(row[i] - lmax);
+    sum = BlockSumF64(sum, sm);
   }
-  sum = BlockSumF64(sum, sm);
 
   const float temperature = a.temperature[s];
   const int32_t top_k = a.top_k[s];
