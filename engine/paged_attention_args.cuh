@@ -57,8 +57,7 @@ __device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begi
 
 // Keys per split at least, for the decode kernel's device-side split of a context.
 constexpr int kDecodeMinSplitKeys = 16 * kAttnWarps;
-// The decode kernel's CTAs an SM (its shared memory: three stages of K and V tiles), which
-// sizes its split count: one CTA per slot, no second wave.
+// The decode kernel's CTAs an SM (its shared memory: three stages of K and V tiles).
 constexpr int kDecodeCtasPerSmBf16 = 2;
 constexpr int kDecodeCtasPerSmFp8 = 3;
 

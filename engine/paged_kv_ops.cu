@@ -366,18 +366,11 @@ int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
   const int64_t cap = PagedAttentionMaxSplits(ResolvedMaxContext(p));
   int64_t splits = p.splits;
   if (splits <= 0) {
+    // Enough CTAs for two per SM (four for the decode kernel, whose CTAs are lighter); the
+    // combine pass costs little next to an idle GPU.
     const int64_t ctas = p.num_seqs * p.layout.kv_heads * std::max<int64_t>(1, PairTiles(p));
-    if (UsesDecodeKernel(p)) {
-      // As many splits as fill the SMs' CTA slots once, rounded down: a second, partial wave
-      // costs more than longer splits (a sweep of batch 1 to 64 at context 1024 picked these
-      // counts, or within a microsecond of the best).
-      const int64_t per_sm = p.layout.dtype == KvCacheDtype::kFloat8E4M3 ? kDecodeCtasPerSmFp8
-                                                                         : kDecodeCtasPerSmBf16;
-      splits = per_sm * int64_t{sm_count} / ctas;
-    } else {
-      // Enough CTAs for two per SM; the combine pass costs little next to an idle GPU.
-      splits = (2 * int64_t{sm_count} + ctas - 1) / ctas;
-    }
+    const int64_t per_sm = UsesDecodeKernel(p) ? 4 : 2;
+    splits = (per_sm * int64_t{sm_count} + ctas - 1) / ctas;
   }
   splits = std::max<int64_t>(1, std::min(splits, cap));
   if (splits > 1) {
