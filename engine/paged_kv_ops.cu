@@ -369,8 +369,7 @@ int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
     // Enough CTAs for two per SM (four for the decode kernel, whose CTAs are lighter); the
     // combine pass costs little next to an idle GPU. But a decode grid that fills every CTA
     // slot of the SMs already (two an SM with a BF16 cache, three with E4M3) is not split:
-    // its second wave would only add a combine pass (at batch 64, context 1024: one split
-    // 81 us against two 88).
+    // splitting it only adds waves and a combine pass.
     const int64_t ctas = p.num_seqs * p.layout.kv_heads * std::max<int64_t>(1, PairTiles(p));
     const bool decode = UsesDecodeKernel(p);
     const int64_t slots =
