@@ -96,10 +96,14 @@ Status CpuModel::Linear(const std::string& name, OverlapOp op, const LinearWeigh
   a.scheme = w.scheme;
   a.x_scales = x_scales;
   a.w_scales = w.weight_scales;
-  std::vector<uint8_t> w_full;
   if (plan.request.full_weight) {
-    TP_ASSIGN_OR_RETURN(w_full, GatherWholeWeight(name, w));
-    a.w_full = w_full.data();
+    // Gathered once a layer, by every rank at the same call (the knobs resolve alike on all).
+    auto it = whole_weights_.find(name);
+    if (it == whole_weights_.end()) {
+      TP_ASSIGN_OR_RETURN(std::vector<uint8_t> whole, GatherWholeWeight(name, w));
+      it = whole_weights_.emplace(name, std::move(whole)).first;
+    }
+    a.w_full = it->second.data();
   }
   TP_RETURN_IF_ERROR(RunCpuLinear(plan, comm_, a).WithContext("layer " + name));
   y->resize(out.size());

@@ -15,12 +15,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
-#include <functional>
 #include "comm/communicator.h"
-
 #include "engine/kv_cache.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
@@ -84,6 +85,8 @@ class CpuModel {
   RankWeights w_;
   const OverlapConfig* overlap_;
   Communicator& comm_;
+  // full_weight layers' whole weights, by layer name (this rank's thread only, as Linear).
+  std::map<std::string, std::vector<uint8_t>> whole_weights_;
 };
 
 // Runs Forward on `tp` threads (LocalCommunicator) with random weights from

@@ -138,6 +138,38 @@ defaults:
   }
 }
 
+// full_weight on the row-parallel layers (copy engines; the whole weight gathered once a layer):
+// each rank multiplies its own rows over the whole K, which must give the logits mode none gives
+// (a rank that missed a peer's columns would be far off).
+TEST(CpuModel, FullWeightRowParallelLayersGiveTheSameLogits) {
+  const TokenBatch b = Batch(kSeqs);
+  for (const char* mode : {"none", "pipeline", "ring"}) {
+    const std::string yaml = std::string(R"(version: 1
+layers:
+  - match: "layers.*.attn.o"
+    mode: )") + mode + R"(
+    chunks: 1
+    copy_engine: true
+    full_weight: true
+  - match: "layers.*.mlp.down"
+    mode: )" + mode + R"(
+    chunks: 1
+    copy_engine: true
+    full_weight: true
+)";
+    auto cfg = OverlapConfig::Parse(yaml, "full-weight.yaml");
+    ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+    for (int tp : {2, 4}) {
+      SCOPED_TRACE(std::string(mode) + " tp=" + std::to_string(tp));
+      auto knobs =
+          cfg->Resolve("layers.0.mlp.down", OverlapOp::kGemmReduceScatter, 64, 128, 16, tp);
+      ASSERT_TRUE(knobs.ok()) << knobs.status().ToString();
+      EXPECT_TRUE(knobs->full_weight);
+      EXPECT_LE(RelDiff(Logits(tp, b, &*cfg), Logits(tp, b)), 1e-2);
+    }
+  }
+}
+
 TEST(CpuModel, CheckpointOnDiskGivesTheSameLogitsAsRandomWeights) {
   const std::string dir = ::testing::TempDir() + "/tpserve_tiny_ckpt";
   ASSERT_TRUE(WriteRandomCheckpoint(Tiny(), DataType::kFloat8E4M3, 7, dir).ok());
