@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -366,21 +367,24 @@ Status RunFullWeight(const OverlapPlan& plan, Communicator& comm, const CpuLinea
   const RowRange own = ShardRows(q.m, q.tp, q.rank);
   const size_t elt = DataTypeSize(a.dtype);
   const size_t block_bytes = static_cast<size_t>(a.k) * elt;
-  // Block b of W ([n, k]) and the whole W ([n, tp * k]), each as one GEMM's operand.
-  std::vector<std::vector<std::byte>> w_blocks(q.tp, std::vector<std::byte>(a.n * block_bytes));
-  for (int b = 0; b < q.tp; ++b) {
-    for (int64_t j = 0; j < a.n; ++j) {
-      std::memcpy(w_blocks[b].data() + j * block_bytes,
-                  static_cast<const std::byte*>(a.w_full) + (j * q.tp + b) * block_bytes,
-                  block_bytes);
+  // Block b of W ([n, k]) as one GEMM's operand, decoded when a step first multiplies by that
+  // block alone (the ring's lead); whole-K steps take the whole W ([n, tp * k]) below.
+  std::vector<std::vector<std::byte>> w_blocks(q.tp);
+  std::vector<std::optional<Gemm>> block_gemms(q.tp);
+  auto block_gemm = [&](int b) -> const Gemm& {
+    if (!block_gemms[b]) {
+      w_blocks[b].resize(a.n * block_bytes);
+      for (int64_t j = 0; j < a.n; ++j) {
+        std::memcpy(w_blocks[b].data() + j * block_bytes,
+                    static_cast<const std::byte*>(a.w_full) + (j * q.tp + b) * block_bytes,
+                    block_bytes);
+      }
+      CpuLinearArgs ab = a;
+      ab.w = w_blocks[b].data();
+      block_gemms[b].emplace(ab);
     }
-  }
-  std::vector<Gemm> block_gemms;
-  for (int b = 0; b < q.tp; ++b) {
-    CpuLinearArgs ab = a;
-    ab.w = w_blocks[b].data();
-    block_gemms.emplace_back(ab);
-  }
+    return *block_gemms[b];
+  };
   CpuLinearArgs aw = a;
   aw.k = a.k * q.tp;
   aw.w = a.w_full;
@@ -435,7 +439,7 @@ Status RunFullWeight(const OverlapPlan& plan, Communicator& comm, const CpuLinea
           std::memcpy(rec.data() + (row - r.begin) * block_bytes, block_rows(b, row), block_bytes);
         }
         const std::vector<BFloat16> acc(y, y + r.size() * a.n);
-        block_gemms[b].Rows(rec.data(), r.size(), s.add_to_output ? acc.data() : nullptr, y);
+        block_gemm(b).Rows(rec.data(), r.size(), s.add_to_output ? acc.data() : nullptr, y);
       }
     }
   }

@@ -487,7 +487,8 @@ Status StepBuilder::PreparePeerReduceScatter(size_t i, int64_t slot_rows, BufRef
   const bool direct = s.by_reference;
   const size_t slot_bytes = slot_rows * row_y_;
   TP_RETURN_IF_ERROR(Signals(c, s));
-  for (const PlanMessage& mm : direct ? std::vector<PlanMessage>{} : s.pulls) {
+  for (const PlanMessage& mm : s.pulls) {
+    if (direct) break;  // the sum kernel reads them where they are
     c.pulls.push_back({mm.peer,
                        {BufRef::kPartial, region_[g] + rank_ * slot_bytes},
                        {BufRef::kReceived, region_[g] + mm.peer * slot_bytes},
@@ -545,7 +546,8 @@ Status StepBuilder::PrepareSendRecv(size_t i) {
     TP_RETURN_IF_ERROR(Signals(c, s));
     // The sender's copy of the same buffer holds the rows at the same offset (ring buffers are
     // indexed by global row). by_reference (in_place): read there by the GEMM, not pulled.
-    for (const PlanMessage& mm : s.by_reference ? std::vector<PlanMessage>{} : s.pulls) {
+    for (const PlanMessage& mm : s.pulls) {
+      if (s.by_reference) break;
       const BufRef at{dst, mm.rows.begin * row};
       c.pulls.push_back({mm.peer, {src, at.offset}, at, mm.rows.size() * row});
       if (scales) {
