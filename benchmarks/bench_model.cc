@@ -64,6 +64,7 @@ struct Flags {
   bool dynamic_input_scales = false;        // FP8 inputs scaled per batch (CudaModelOptions)
   std::string scale_scheme = "per_tensor";  // FP8 scale scheme (CudaModelOptions)
   bool residual_in_norm = false;            // CudaModelOptions::residual_in_gemm off
+  float residual_gain = 1.0f;               // CudaModelOptions::residual_gain
   bool stages = false;                      // also where an eager pass spends its time
   double check_logits = -1;                 // >= 0: fail above this rel. difference from none
   int idle_ms = 0;                          // the GPUs idle this long before every timed pass
@@ -189,6 +190,15 @@ int Main(int argc, char** argv) {
                  "Frobenius norm, or pick another top-1 token for any sequence; checked on the "
                  "eager first run and on the last round's graph replay (negative: report only)")
       ->capture_default_str();
+  app.add_option("--residual-gain", f.residual_gain,
+                 "Scale the random o and down weights (the layers that write the residual "
+                 "stream) by this gain. At 1 (Llama's init) an 80-block random model is "
+                 "chaotic: two correct schedules round differently and end with unrelated "
+                 "logits, so --check-logits cannot tell a wrong one; a small gain (e.g. 0.02) "
+                 "keeps each block a small step, rounding differences small, and a wrong sum "
+                 "still visible (recorded in the meta)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--idle-ms", f.idle_ms,
                  "Leave the GPUs idle this many milliseconds before every pass (not timed): "
                  "a duty cycle below 100 % keeps their average power under the limit, as a "
@@ -281,6 +291,7 @@ int Main(int argc, char** argv) {
   options.time_passes = true;
   options.graph_blocks = f.graph_blocks;
   options.residual_in_gemm = !f.residual_in_norm;
+  options.residual_gain = f.residual_gain;
 
   // gpu_times[batch][setting]: rank 0's CudaModel::last_pass_ms of each round
   std::vector<std::vector<std::vector<double>>> gpu_times(
@@ -383,6 +394,7 @@ int Main(int argc, char** argv) {
              {"idle_ms", f.idle_ms},
              {"cuda_graphs", !f.eager},
              {"graph_blocks", f.graph_blocks},
+             {"residual_gain", f.residual_gain},
              {"residual", f.residual_in_norm || f.tp > 1 ? "in_norm" : "in_gemm"}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {

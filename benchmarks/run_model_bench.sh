@@ -5,8 +5,15 @@
 #   COMMIT=<sha> bash benchmarks/run_model_bench.sh
 # Knobs: MODEL (llama3-70b), LAYERS (0), BATCHES ("8x1024 16x1024"), ROUNDS (10),
 # TP (2), OVERLAP (deploy/overlap-llama3-70b-tp$TP.yaml), BENCH_TIMEOUT / PEER_TIMEOUT (s),
-# PEER: eager (torch_model.py, any TP) or compiled (torch_model_compiled.py, TP 1: torch.compile,
-# CUDA graphs, fastest SDPA; FAST_ACCUM on|off|both, ATTENTION=1 adds SDPA alone per backend).
+# PEER: eager (torch_model.py, any TP) or compiled (torch_model_compiled.py: torch.compile,
+# CUDA graphs, fastest SDPA; FAST_ACCUM on|off|both, ATTENTION=1 adds SDPA alone per backend at
+# TP 1; at TP > 1 inductor's micro-pipeline async TP with symmetric memory, ASYNC_TP=off for
+# plain NCCL collectives, and COMPILE_MODE (default there: default, since the fused async-TP
+# ops are not autotuned anyway)).
+# CHECK_LOGITS=<bound> fails the run when an overlap setting's logits differ from none's by
+# more than the bound or pick another top-1 token; RESIDUAL_GAIN scales the random o and down
+# weights so that such a check can tell a wrong schedule from rounding (tpserve-bench-model
+# --residual-gain: at 1, 80 random blocks are chaotic).
 # The compiled peer autotunes each GEMM shape once (llama3-70b's four take about 42 s each on
 # an H200): give it PEER_TIMEOUT of 300 s or more there.
 # The file of record at TP 1 (results/model-llama3-8b-tp1.json):
@@ -29,11 +36,13 @@ overlap=${OVERLAP:-deploy/overlap-llama3-70b-tp$tp.yaml}
 date=$(date -u +%Y-%m-%d)
 rc=0
 ours=".gpu/bin/tpserve-bench-model --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds --overlap $overlap --commit $commit"
+[ -z "${CHECK_LOGITS:-}" ] || ours="$ours --check-logits $CHECK_LOGITS"
+[ -z "${RESIDUAL_GAIN:-}" ] || ours="$ours --residual-gain $RESIDUAL_GAIN"
 case ${PEER:-eager} in
   eager) peer="python3 benchmarks/torch_model.py --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds" ;;
   # torch is run without env.sh's LD_LIBRARY_PATH: the host's system cuDNN would shadow its own.
   compiled) peer="env -u LD_LIBRARY_PATH python3 benchmarks/torch_model_compiled.py --model $model --layers $layers --batches $batches --rounds $rounds --fast-accum ${FAST_ACCUM:-both}${ATTENTION:+ --attention-only}"
-            [ "$tp" = 1 ] || { echo "PEER=compiled runs at TP 1 only" >&2; exit 2; } ;;
+            [ "$tp" = 1 ] || peer="$peer --tp $tp --async-tp ${ASYNC_TP:-on} --compile-mode ${COMPILE_MODE:-default}" ;;
   *) echo "PEER: eager or compiled, not '$PEER'" >&2; exit 2 ;;
 esac
 # Never merge an earlier run's file under this commit.
@@ -51,7 +60,7 @@ smi=$!
 mark() { echo "# $(date '+%Y/%m/%d %H:%M:%S.%3N') $1" >> "$clocks"; }
 mark "start ours"
 echo "== $ours"
-timeout ${BENCH_TIMEOUT:-300} $ours --out /tmp/model-ours.json 2>&1 | tee "$out/model-bench.log" | grep -E "tokens/s|error" || rc=1
+timeout ${BENCH_TIMEOUT:-300} $ours --out /tmp/model-ours.json 2>&1 | tee "$out/model-bench.log" | grep -E "tokens/s|error|logits vs none" || rc=1
 mark "end ours"
 echo "== $peer"
 mark "start peer"
@@ -111,7 +120,8 @@ rounds = {(r["seqs"], r["seq_len"]): {} for r in records}
 for r in records:
     if r.get("impl") == "tpserve" and r.get("times_ms"):
         rounds[(r["seqs"], r["seq_len"])][r.get("overlap_config") or r["method"]] = r["times_ms"]
-peers = ("torch_eager", "torch_compiled", "torch_compiled_fast_accum")
+peers = ("torch_eager", "torch_compiled", "torch_compiled_fast_accum", "torch_compiled_async_tp",
+         "torch_compiled_async_tp_fast_accum", "torch_compiled_tp", "torch_compiled_tp_fast_accum")
 for (seqs, length), v in sorted(by.items()):
     none = v.get("none")
     tuned = max((x for k, x in v.items() if k != "none" and k not in peers), default=None)

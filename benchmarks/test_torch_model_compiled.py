@@ -43,6 +43,14 @@ class ArgsTest(unittest.TestCase):
         args = tmc.parse_args(["--attention-only", "--skip-model"])
         self.assertTrue(args.skip_model)
 
+    def test_tp_runs_need_divisible_heads_and_rows(self):
+        args = tmc.parse_args(["--tp", "2", "--model", "llama3-70b", "--batches", "8x1024"])
+        self.assertEqual((args.tp, args.async_tp), (2, "on"))
+        self.assertIn("--tp 3", self.refused(["--tp", "3", "--model", "llama3-70b"]))
+        self.assertIn("multiple", self.refused(["--tp", "2", "--batches", "1x7"]))
+        self.assertIn("--tp", self.refused(["--tp", "0"]))
+        self.assertIn("--attention-only", self.refused(["--tp", "2", "--attention-only"]))
+
     def test_presets_match_the_engine_shapes(self):
         # hidden, intermediate, heads, kv heads, layers, vocab: engine/model_config.cc's presets.
         self.assertEqual(tmc.PRESETS["llama3-8b"][:6], (4096, 14336, 32, 8, 32, 128256))

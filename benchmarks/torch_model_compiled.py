@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compiled PyTorch peer of tpserve-bench-model at TP 1: PyTorch as its users run it for speed.
+"""Compiled PyTorch peer of tpserve-bench-model: PyTorch as its users run it for speed.
 
 The same Llama prefill as benchmarks/torch_model.py (random weights of the preset's shapes;
 speed only, the numbers are not compared with tpserve's), written the way a PyTorch user tunes
@@ -16,6 +16,15 @@ it:
 - the whole pass (embedding, blocks, final norm, each sequence's last row, LM head) is captured
   as one CUDA graph per batch shape and replayed.
 
+At --tp above 1 (one process per GPU), the layout is torch_model.py's (sequence parallel
+between blocks, tensor parallel inside them) and the collectives are functional collectives
+inside the compiled pieces, so that inductor's micro-pipeline async TP (`--async-tp on`,
+torch._inductor.config._micro_pipeline_tp, symmetric memory) can replace each AllGather + GEMM
+and GEMM + ReduceScatter by PyTorch's fused symm_mem ops; `--async-tp off` leaves them NCCL
+collectives. How many fused ops a pass ran is counted with the profiler and recorded
+(`async_tp_fused_ops`), so a pass the pattern matcher did not rewrite is visible. If the
+whole pass cannot be captured as a CUDA graph, it is replayed eagerly and `cuda_graph` says so.
+
 Host-timed like tpserve-bench-model's Forward(): token ids copied from the host into the
 graph's input, replay, logits downloaded, synchronised; median of --rounds.
 
@@ -26,12 +35,20 @@ time and TFLOP/s counting 4 * L^2 / 2 * head_dim * heads per sequence (the causa
       --fast-accum both --attention-only --out torch-compiled.json
 """
 
+import os
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_name] = _value
+
 import argparse
+import datetime
 import json
 import sys
 import time
 
 from torch_model import FP8_MAX, PRESETS, parse_shapes  # the eager peer's shapes and parsing
+from torch_peer import free_port, run_and_exit
 
 BACKENDS = ("cudnn", "flash", "efficient")
 
@@ -57,6 +74,12 @@ def parse_args(argv):
     ap.add_argument("--skip-model", action="store_true",
                     help="with --attention-only: time SDPA alone and stop (no model is built "
                          "or compiled)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="GPUs, one process each (above 1: sequence + tensor parallel)")
+    ap.add_argument("--async-tp", default="on", choices=("on", "off"),
+                    help="tp > 1: inductor's micro-pipeline async TP on the compiled pieces' "
+                         "AllGather + GEMM and GEMM + ReduceScatter (on), or plain NCCL "
+                         "collectives (off)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", default="torch-compiled.json")
@@ -68,6 +91,18 @@ def parse_args(argv):
         ap.error("--layers: %d is negative" % args.layers)
     if args.warmup < 1 or args.rounds < 1:
         ap.error("--warmup and --rounds must be at least 1")
+    if args.tp < 1:
+        ap.error("--tp: %d is not a GPU count" % args.tp)
+    if args.tp > 1:
+        h, inter, nh, nkv = PRESETS[args.model][:4]
+        if nkv % args.tp or inter % args.tp or PRESETS[args.model][5] % args.tp:
+            ap.error("--tp %d does not divide %s's KV heads, intermediate size and vocabulary"
+                     % (args.tp, args.model))
+        if any(seqs * length % args.tp for seqs, length in args.shapes):
+            ap.error("--tp %d: every batch's tokens must be a multiple of it (rows are "
+                     "sharded between blocks)" % args.tp)
+        if args.attention_only:
+            ap.error("--attention-only runs at --tp 1")
     return args
 
 
@@ -287,8 +322,249 @@ def run_setting(torch, args, fast_accum, records, attention_choice):
     torch.cuda.empty_cache()
 
 
+class TpModel(Model):
+    """One rank's shard at --tp > 1: x holds the rank's rows between blocks (sequence parallel);
+    each block gathers them before qkv and gate_up and reduce-scatters after o and down, all
+    inside the compiled pieces as functional collectives (what the async-TP pass rewrites)."""
+
+    def __init__(self, torch, args, fast_accum, rank, group):
+        import torch.distributed._functional_collectives as funcol
+        self.torch, self.args, self.rank, self.group, self.funcol = torch, args, rank, group, funcol
+        tp = self.tp = args.tp
+        h, inter, nh, nkv, layers, vocab, theta = PRESETS[args.model]
+        if args.layers > 0:
+            layers = min(layers, args.layers)
+        self.h, self.nh, self.nkv, self.vocab = h, nh // tp, nkv // tp, vocab
+        self.inter = inter // tp
+        self.hd = h // nh
+        self.fp8 = args.dtype == "fp8"
+        self.fast_accum = fast_accum
+        dev = self.dev = torch.device("cuda", rank)
+        g = torch.Generator(device=dev)
+        g.manual_seed(1234 + rank)
+        a = 0.02 * 3 ** 0.5
+
+        def weight(n, k):
+            w = torch.rand(n, k, device=dev, generator=g) * 2 - 1
+            if self.fp8:
+                return (w * FP8_MAX).to(torch.float8_e4m3fn), torch.tensor(a / FP8_MAX,
+                                                                           device=dev)
+            return (w * a).to(torch.bfloat16), None
+
+        qkv_n = (self.nh + 2 * self.nkv) * self.hd
+        self.layers = []
+        for _ in range(layers):
+            self.layers.append({
+                "qkv": weight(qkv_n, h), "o": weight(h, self.nh * self.hd),
+                "gate_up": weight(2 * self.inter, h), "down": weight(h, self.inter),
+                "n1": torch.ones(h, device=dev, dtype=torch.bfloat16),
+                "n2": torch.ones(h, device=dev, dtype=torch.bfloat16)})
+        self.embed = (torch.rand(vocab, h, device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
+        self.final_norm = torch.ones(h, device=dev, dtype=torch.bfloat16)
+        self.lm_head = ((torch.rand(vocab // tp, h, device=dev, generator=g) * 2 - 1) * a).to(
+            torch.bfloat16)
+        self.x_scale = torch.tensor(8.0 / FP8_MAX, device=dev)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.hd, 2, device=dev,
+                                                      dtype=torch.float64) / self.hd))
+        mode = args.compile_mode
+        self.pre = torch.compile(self._pre, mode=mode, fullgraph=True, dynamic=False)
+        self.post = torch.compile(self._post, mode=mode, fullgraph=True, dynamic=False)
+        self.attention = None
+
+    def _gather_linear(self, x, wt):
+        """AllGather of the rank's rows (FP8 after quantizing, or BF16), then the GEMM."""
+        t = self.torch
+        w, w_scale = wt
+        if self.fp8:
+            xq = (x.float() / self.x_scale).clamp(-FP8_MAX, FP8_MAX).to(t.float8_e4m3fn)
+            full = self.funcol.all_gather_tensor(xq, 0, self.group)
+            return t._scaled_mm(full, w.t(), scale_a=self.x_scale, scale_b=w_scale,
+                                out_dtype=t.bfloat16, use_fast_accum=self.fast_accum)
+        return self.funcol.all_gather_tensor(x.to(t.bfloat16), 0, self.group) @ w.t()
+
+    def _linear_scatter(self, x, wt):
+        return self.funcol.reduce_scatter_tensor(self._linear(x, wt), "sum", 0, self.group)
+
+    def _pre(self, x, n1, qkv_w, cos, sin, seqs):
+        qkv = self._gather_linear(self._norm(x, n1), qkv_w)
+        m = qkv.shape[0]
+        length = m // seqs
+        qn, kn = self.nh * self.hd, self.nkv * self.hd
+        q = self._rope(qkv[:, :qn].view(m, self.nh, self.hd), cos, sin)
+        k = self._rope(qkv[:, qn:qn + kn].view(m, self.nkv, self.hd), cos, sin)
+        v = qkv[:, qn + kn:].view(m, self.nkv, self.hd)
+
+        def heads_first(y):
+            return y.view(seqs, length, y.shape[1], self.hd).transpose(1, 2).contiguous()
+        return heads_first(q), heads_first(k), heads_first(v)
+
+    def _post(self, attn, x, o_w, n2, gu_w, down_w):
+        t = self.torch
+        F = t.nn.functional
+        m = attn.shape[0] * attn.shape[2]
+        a = attn.transpose(1, 2).reshape(m, self.nh * self.hd)
+        x = (x.float() + self._linear_scatter(a, o_w).float()).to(t.bfloat16)
+        gu = self._gather_linear(self._norm(x, n2), gu_w)
+        act = F.silu(gu[:, :self.inter].float()) * gu[:, self.inter:].float()
+        return (x.float() + self._linear_scatter(act, down_w).float()).to(t.bfloat16)
+
+    def forward(self, ids, cos, sin, seqs):
+        t, funcol = self.torch, self.funcol
+        rows = ids.shape[0] // self.tp
+        x = self.embed[ids[self.rank * rows:(self.rank + 1) * rows]]
+        for L in self.layers:
+            q, k, v = self.pre(x, L["n1"], L["qkv"], cos, sin, seqs)
+            x = self.post(self.attention(q, k, v), x, L["o"], L["n2"], L["gate_up"], L["down"])
+        normed = self._norm(x, self.final_norm).to(t.bfloat16)
+        full = funcol.all_gather_tensor(normed, 0, self.group)
+        last = full.view(seqs, -1, self.h)[:, -1]
+        logits = last @ self.lm_head.t()  # [seqs, vocab / tp]
+        return funcol.all_gather_tensor(logits.contiguous(), 0, self.group)
+
+
+FUSED_OP_NAMES = ("fused_all_gather_matmul", "fused_all_gather_scaled_matmul",
+                  "fused_matmul_reduce_scatter", "fused_scaled_matmul_reduce_scatter")
+
+
+def count_fused_ops(torch, fn):
+    """PyTorch's async-TP ops one call of fn ran (profiler, CPU side)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages()
+               if any(n in e.key for n in FUSED_OP_NAMES))
+
+
+def tp_worker(rank, args, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.tp), LOCAL_RANK=str(rank))
+    import torch
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.distributed as dist
+    import torch.nn.attention  # noqa: F401
+    torch._dynamo.config.cache_size_limit = 64
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=args.tp,
+                            timeout=datetime.timedelta(seconds=600))
+    group = dist.group.WORLD
+    if args.async_tp == "on":
+        import torch.distributed._symmetric_memory as symm_mem
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # required up to torch 2.9, a no-op later
+            enable(group.group_name)
+        torch._inductor.config._micro_pipeline_tp = True
+    settings = {"on": [True], "off": [False], "both": [True, False]}[args.fast_accum]
+    if args.dtype == "bf16":
+        settings = [False]
+    records = []
+    meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(rank),
+            "model": args.model, "dtype": args.dtype, "compile_mode": args.compile_mode,
+            "tp": args.tp, "async_tp": args.async_tp, "command": " ".join(sys.argv)}
+    for fast in settings:
+        model = TpModel(torch, args, fast, rank, group)
+        label = "torch_compiled" + ("_async_tp" if args.async_tp == "on" else "_tp") + (
+            "_fast_accum" if fast and model.fp8 else "")
+        for seqs, length in args.shapes:
+            tokens = seqs * length
+            timed = {}
+            for b in BACKENDS if args.sdpa == "auto" else (args.sdpa,):
+                ms, _ = time_attention(torch, model, b, seqs, length, 10)
+                if ms is not None:
+                    timed[b] = ms
+            # Every rank uses rank 0's choice: one graph shape on all of them.
+            backend = [min(timed, key=timed.get) if timed else None]
+            dist.broadcast_object_list(backend, src=0)
+            model.attention = Attention(torch, backend[0], model.nh // model.nkv)
+            ids_host = (torch.arange(tokens) * 7919 % model.vocab).to(torch.int64).pin_memory()
+            ids = torch.empty(tokens, dtype=torch.int64, device=model.dev)
+            ids.copy_(ids_host)
+            cos, sin = model.rope_tables(seqs, length)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(2):
+                    model.forward(ids, cos, sin, seqs)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+                fused = count_fused_ops(torch, lambda: model.forward(ids, cos, sin, seqs))
+                graph, logits, graph_error = None, None, None
+                try:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        model.forward(ids, cos, sin, seqs)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        logits = model.forward(ids, cos, sin, seqs)
+                except Exception as e:  # replay eagerly, and say so in the record
+                    graph_error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                    graph = None
+                    torch.cuda.synchronize()
+                dist.barrier()
+                times = []
+                for r in range(args.warmup + args.rounds):
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    t1 = time.perf_counter()
+                    ids.copy_(ids_host, non_blocking=True)
+                    if graph is not None:
+                        graph.replay()
+                        out = logits.cpu()
+                    else:
+                        out = model.forward(ids, cos, sin, seqs).cpu()
+                    if r >= args.warmup:
+                        times.append((time.perf_counter() - t1) * 1000)
+                if not bool(torch.isfinite(out.float()).all()):
+                    raise RuntimeError("non-finite logits at %dx%d" % (seqs, length))
+            med = median(times)
+            records.append({
+                "impl": "torch", "method": label, "model": args.model,
+                "layers": len(model.layers), "tp": args.tp, "dtype": args.dtype, "seqs": seqs,
+                "seq_len": length, "tokens": tokens, "median_ms": med, "min_ms": min(times),
+                "max_ms": max(times), "rounds": len(times),
+                "tokens_per_sec": tokens / (med / 1000), "sdpa_backend": backend[0],
+                "fast_accum": bool(fast and model.fp8), "compile_mode": args.compile_mode,
+                "async_tp": args.async_tp, "async_tp_fused_ops": fused,
+                "cuda_graph": graph is not None, "graph_error": graph_error,
+                "compile_and_first_pass_s": compile_s})
+            if rank == 0:
+                print("%s %dx%d (sdpa %s, %d fused async-TP ops a pass, %s): median %.3f ms, "
+                      "%.0f tokens/s" % (label, seqs, length, backend[0], fused,
+                                         "CUDA graph" if graph is not None else
+                                         "eager: " + str(graph_error), med,
+                                         tokens / (med / 1000)), flush=True)
+                with open(args.out, "w") as f:  # after every shape: a cut run keeps its rows
+                    json.dump({"meta": meta, "records": records}, f, indent=1)
+            del graph, logits
+        del model
+        torch.cuda.empty_cache()
+    dist.barrier()
+    return 0
+
+
+def main_tp(args):
+    import torch.multiprocessing as mp
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run_and_exit, args=(tp_worker, r, args, port))
+             for r in range(args.tp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        sys.stderr.write("torch_model_compiled: rank exit codes %s\n"
+                         % [p.exitcode for p in procs])
+        return 1
+    return 0
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.tp > 1:
+        return main_tp(args)
     import torch
     import torch._dynamo
     import torch.nn.attention  # noqa: F401 (sdpa_kernel, SDPBackend)

@@ -85,6 +85,12 @@ struct CudaModelOptions {
   // scales equal) and its input quantized per row / 1x128 group for every batch, as the layers
   // of a per-channel or block-wise checkpoint are (to measure what the scheme costs).
   GemmScaleScheme scale_scheme = GemmScaleScheme::kPerTensor;
+  // CreateRandom only: o's and down's weights (the layers that write into the residual stream)
+  // scaled by this gain. With gain 1 (Llama's init everywhere) an 80-block random model is
+  // chaotic: two correct schedules, rounding differently, give unrelated logits. A small gain
+  // keeps every block a small step on the residual stream, so rounding differences stay small
+  // while a wrong sum in any layer still moves the logits (for logits checks between schedules).
+  float residual_gain = 1.0f;
   // Generation (Step): a paged KV cache of kv_blocks blocks of kv_block_size tokens, this
   // rank's KV heads, allocated at Create. 0 blocks: no cache, Step answers
   // FAILED_PRECONDITION.

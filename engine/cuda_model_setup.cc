@@ -337,11 +337,17 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
     TP_ASSIGN_OR_RETURN(*buf, Alloc(h * 2, name));
     return LaunchFillPattern(buf->data(), static_cast<size_t>(h), 2, 0x3F80u, st);  // BF16 1.0
   };
-  auto linear = [&](Linear* out, int64_t n, int64_t k, const std::string& name) -> Status {
+  if (!(options.residual_gain > 0.0f) || !std::isfinite(options.residual_gain)) {
+    return InvalidArgumentError("residual_gain (" + std::to_string(options.residual_gain) +
+                                ") must be positive and finite");
+  }
+  auto linear = [&](Linear* out, int64_t n, int64_t k, const std::string& name,
+                    float gain) -> Status {
     out->n = n;
     out->k = k;
     const bool fp8 = dtype == DataType::kFloat8E4M3;
-    TP_RETURN_IF_ERROR(random(&out->w, dtype, n * k, fp8 ? 448.0f : a, name + ".weight"));
+    const float amp = a * gain;
+    TP_RETURN_IF_ERROR(random(&out->w, dtype, n * k, fp8 ? 448.0f : amp, name + ".weight"));
     out->dynamic = fp8 && options.dynamic_input_scales && scheme == GemmScaleScheme::kPerTensor;
     md.dynamic_inputs_ = md.dynamic_inputs_ || out->dynamic;
     if (scheme != GemmScaleScheme::kPerTensor) {  // every weight scale a / 448, as per tensor
@@ -354,12 +360,12 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
                                 ? n
                                 : n / kGemmScaleBlock * BlockwiseWeightScalePitch(k);
       TP_ASSIGN_OR_RETURN(out->w_scales, Alloc(count * 4, name + ".w_scales"));
-      const float s = a / 448.0f;
+      const float s = amp / 448.0f;
       uint32_t bits;
       std::memcpy(&bits, &s, 4);
       TP_RETURN_IF_ERROR(LaunchFillPattern(out->w_scales.data(), count, 4, bits, st));
     }
-    return md.SetScales(out, 8.0f / 448.0f, fp8 ? a / 448.0f : 1.0f, name);
+    return md.SetScales(out, 8.0f / 448.0f, fp8 ? amp / 448.0f : 1.0f, name);
   };
   TP_RETURN_IF_ERROR(random(&md.embed_, DataType::kBFloat16, c.vocab_size * h, 1.0f, "embed"));
   TP_RETURN_IF_ERROR(ones(&md.final_norm_, "final_norm"));
@@ -371,7 +377,9 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
     TP_RETURN_IF_ERROR(ones(&dl.input_norm, p + ".input_norm"));
     TP_RETURN_IF_ERROR(ones(&dl.post_norm, p + ".post_norm"));
     for (const TpLayerShape& s : TpLayerShapes(c)) {
-      TP_RETURN_IF_ERROR(linear(&dl.at(s.index), s.local_n(tp), s.local_k(tp), s.Name(l)));
+      const bool writes_residual = s.op == OverlapOp::kGemmReduceScatter;  // o and down
+      TP_RETURN_IF_ERROR(linear(&dl.at(s.index), s.local_n(tp), s.local_k(tp), s.Name(l),
+                                writes_residual ? options.residual_gain : 1.0f));
     }
   }
   TP_RETURN_IF_ERROR(md.stream_.Synchronize());
