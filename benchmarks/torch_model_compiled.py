@@ -408,18 +408,25 @@ class TpModel(Model):
         act = F.silu(gu[:, :self.inter].float()) * gu[:, self.inter:].float()
         return (x.float() + self._linear_scatter(act, down_w).float()).to(t.bfloat16)
 
+    def _all_gather(self, x):
+        """Eager AllGather (outside the compiled pieces): a stream-ordered NCCL call, which a
+        CUDA graph captures (a functional collective's handle would be waited on at replay)."""
+        t = self.torch
+        out = t.empty((x.shape[0] * self.tp,) + tuple(x.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+        t.distributed.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
+
     def forward(self, ids, cos, sin, seqs):
-        t, funcol = self.torch, self.funcol
+        t = self.torch
         rows = ids.shape[0] // self.tp
         x = self.embed[ids[self.rank * rows:(self.rank + 1) * rows]]
         for L in self.layers:
             q, k, v = self.pre(x, L["n1"], L["qkv"], cos, sin, seqs)
             x = self.post(self.attention(q, k, v), x, L["o"], L["n2"], L["gate_up"], L["down"])
         normed = self._norm(x, self.final_norm).to(t.bfloat16)
-        full = funcol.all_gather_tensor(normed, 0, self.group)
-        last = full.view(seqs, -1, self.h)[:, -1]
-        logits = last @ self.lm_head.t()  # [seqs, vocab / tp]
-        return funcol.all_gather_tensor(logits.contiguous(), 0, self.group)
+        last = self._all_gather(normed).view(seqs, -1, self.h)[:, -1]
+        return self._all_gather(last @ self.lm_head.t())  # [seqs * tp, vocab / tp]
 
 
 FUSED_OP_NAMES = ("fused_all_gather_matmul", "fused_all_gather_scaled_matmul",
@@ -498,6 +505,8 @@ def tp_worker(rank, args, port):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         logits = model.forward(ids, cos, sin, seqs)
+                    graph.replay()  # a graph that cannot replay is caught here
+                    logits.cpu()
                 except Exception as e:  # replay eagerly, and say so in the record
                     graph_error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
                     graph = None
