@@ -34,7 +34,8 @@ kv_suffix=""
 tp=${TP:-1}
 [ "$tp" = 1 ] || kv_suffix="$kv_suffix-tp$tp"
 overlap=()
-[ -z "${OVERLAP:-}" ] || overlap=(--overlap-config "$OVERLAP")
+# OVERLAP=none: no config, so every layer runs in mode none.
+[ -z "${OVERLAP:-}" ] || [ "$OVERLAP" = none ] || overlap=(--overlap-config "$OVERLAP")
 
 "$bin/tpserve" serve --backend cuda --tp "$tp" ${overlap[@]+"${overlap[@]}"} --model "$model" --device-random-weights \
   --kv-cache-gib "${KV_GIB:-40}" --kv-cache-dtype "$kv_dtype" --max-batch-tokens "$step_tokens" --max-step-tokens "$step_tokens" \

@@ -557,6 +557,10 @@ TEST(OverlapConfig, DeployExamplesLoadAndResolveEveryLayer) {
           EXPECT_TRUE(k->fast_accum) << l.name << " m=" << m;
           EXPECT_EQ(k->mode, OverlapMode::kNone) << l.name << " m=" << m;
         }
+        if (tp == 2 && m == 1) {  // a decode step: the sweep's m-2 entries, not m 512's rings
+          EXPECT_NE(k->mode, OverlapMode::kRing) << l.name;
+          EXPECT_FALSE(k->copy_engine) << l.name;
+        }
       }
     }
   }
