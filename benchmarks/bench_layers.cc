@@ -692,6 +692,9 @@ int BenchLayersMain(int argc, char** argv, bool tune) {
   if (tune) {
     f.methods = {"none", "pipeline", "ring"};
     f.tune_out = "overlap.yaml";
+    // Mode auto gives an M below every tuned entry the smallest entry's knobs, and a decode
+    // step's M is its running sequences: the tuner's config covers decode sizes as well.
+    f.ms = {16, 64, 256, 512, 2048, 8192, 16384};
   }
   CLI::App app{
       tune ? "tpserve-tune: sweep every overlap method and knob (chunks, NCCL CTAs, GEMM SMs, "
