@@ -311,6 +311,10 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
                                                              const OverlapConfig* overlap,
                                                              NcclCommPool& pool,
                                                              const CudaModelOptions& options) {
+  if (!(options.residual_gain > 0.0f) || !std::isfinite(options.residual_gain)) {
+    return InvalidArgumentError("residual_gain (" + std::to_string(options.residual_gain) +
+                                ") must be positive and finite");
+  }
   const GemmScaleScheme scheme =
       dtype == DataType::kFloat8E4M3 ? options.scale_scheme : GemmScaleScheme::kPerTensor;
   TP_ASSIGN_OR_RETURN(auto model,
@@ -337,10 +341,6 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& 
     TP_ASSIGN_OR_RETURN(*buf, Alloc(h * 2, name));
     return LaunchFillPattern(buf->data(), static_cast<size_t>(h), 2, 0x3F80u, st);  // BF16 1.0
   };
-  if (!(options.residual_gain > 0.0f) || !std::isfinite(options.residual_gain)) {
-    return InvalidArgumentError("residual_gain (" + std::to_string(options.residual_gain) +
-                                ") must be positive and finite");
-  }
   auto linear = [&](Linear* out, int64_t n, int64_t k, const std::string& name,
                     float gain) -> Status {
     out->n = n;

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -278,6 +279,55 @@ TEST(GpuFp8SchemesRandomTest, RandomModelRunsEveryScheme) {
     EXPECT_EQ(first, again);
     EXPECT_TRUE(std::all_of(first.begin(), first.end(), [](float v) { return std::isfinite(v); }));
     EXPECT_GT(*std::max_element(first.begin(), first.end()), 0.0f) << "all logits zero or less";
+  }
+}
+
+// CudaModelOptions::residual_gain (tpserve-bench-model --residual-gain) scales what o and down
+// add to the residual stream, and nothing else: at a vanishing gain two sequences that end in
+// the same token get the same logits (the blocks add almost nothing to that token's embedding),
+// at gain 1 they do not (the blocks carry the different prompts); a gain that is not positive
+// is refused before anything is allocated.
+TEST(GpuFp8SchemesRandomTest, ResidualGainScalesWhatTheBlocksAdd) {
+  if (!HasCudaDevice()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig c = *ModelPreset("tiny");
+  auto packed = PackSequences({{5, 9, 11, 300, 42}, {700, 3, 8, 1, 42}}, c.vocab_size,
+                              c.max_position_embeddings);
+  ASSERT_TRUE(packed.ok()) << packed.status().ToString();
+  TP_ASSERT_OK_AND_ASSIGN(auto group, NcclThreadGroup::Create(1));
+  auto logits_at = [&](float gain, std::vector<float>* out) -> Status {
+    return group->Run([&](int r) -> Status {
+      CudaModelOptions o;
+      o.max_tokens = 64;
+      o.max_seqs = 4;
+      o.residual_gain = gain;
+      TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(c, DataType::kFloat8E4M3, 3, nullptr,
+                                                              group->pool(r), o));
+      TP_ASSIGN_OR_RETURN(*out, model->Forward(*packed));
+      return model->Close();
+    });
+  };
+  // ||row 1 - row 0|| / ||row 0|| of one Forward's logits.
+  auto apart = [&](const std::vector<float>& l) {
+    const size_t v = static_cast<size_t>(c.vocab_size);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < v; ++i) {
+      num += (l[v + i] - l[i]) * static_cast<double>(l[v + i] - l[i]);
+      den += static_cast<double>(l[i]) * l[i];
+    }
+    return std::sqrt(num / den);
+  };
+  std::vector<float> vanishing, one;
+  TP_ASSERT_OK(logits_at(1e-4f, &vanishing));
+  TP_ASSERT_OK(logits_at(1.0f, &one));
+  ASSERT_EQ(vanishing.size(), 2u * c.vocab_size);
+  ASSERT_EQ(one.size(), 2u * c.vocab_size);
+  EXPECT_LT(apart(vanishing), 1e-2);
+  EXPECT_GT(apart(one), 1e-1);
+  for (const float bad : {0.0f, -1.0f}) {
+    std::vector<float> unused;
+    const Status s = logits_at(bad, &unused);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("residual_gain"), std::string::npos) << s.ToString();
   }
 }
 
