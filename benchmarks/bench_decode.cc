@@ -1,5 +1,6 @@
 // tpserve-bench-decode: decode step time of the CUDA model (engine/cuda_model.h: Step) on one
-// GPU against its floor, measured in the same run.
+// GPU, or on --tp GPUs (one process per GPU, as served, with --overlap's knobs or mode none),
+// against its floor, measured in the same run.
 //
 // For every --batches entry B: B sequences are prefilled to --context tokens (eager prefill
 // steps of at most --step-tokens tokens, through the paged KV cache), then the model runs pure
@@ -14,7 +15,9 @@
 // negligible) plus the KV cache it attends over (B x context x layers x 2 x kv_heads x
 // head_dim elements); the bandwidth is a device-to-device copy measured in this run (read +
 // write bytes over time); FLOPs are 2 x B x (linear + LM head parameters) + attention's
-// 4 x B x context x heads x head_dim per layer, over --gemm-ceiling-tflops.
+// 4 x B x context x heads x head_dim per layer, over --gemm-ceiling-tflops. At --tp N each GPU
+// reads 1/N of the linear layers, the LM head and the KV cache (norms whole) and does 1/N of
+// the FLOPs: the floor is one GPU's.
 #include <cuda_runtime_api.h>
 #include <spdlog/spdlog.h>
 
@@ -37,6 +40,7 @@
 #include "engine/cuda_model.h"
 #include "engine/kv_cache.h"
 #include "engine/model_config.h"
+#include "layers/overlap_config.h"
 #include "server/cli_gemm_algo.h"
 #include "server/cli_numbers.h"
 
@@ -60,6 +64,9 @@ struct Flags {
   std::string out = "decode.json";
   std::string commit = "unknown";
   std::string gemm_algo = "timed";
+  int tp = 1;
+  std::string ranks = "processes";  // processes (one per GPU, as served) | threads
+  std::string overlap;              // overlap config (YAML); empty: every layer in mode none
 };
 
 struct Floor {
@@ -67,7 +74,7 @@ struct Floor {
 };
 
 Floor StepFloor(const ModelConfig& c, DataType dtype, KvCacheDtype kv, int64_t batch,
-                int64_t context) {
+                int64_t context, int tp) {
   const double h = static_cast<double>(c.hidden_size), hd = static_cast<double>(c.head_dim());
   const double heads = static_cast<double>(c.num_attention_heads);
   const double kvh = static_cast<double>(c.num_key_value_heads);
@@ -78,11 +85,14 @@ Floor StepFloor(const ModelConfig& c, DataType dtype, KvCacheDtype kv, int64_t b
   const double wbytes = dtype == DataType::kFloat8E4M3 ? 1.0 : 2.0;
   Floor f;
   // Linear weights in the model's dtype; norms and the LM head in BF16.
-  f.weight_bytes = layers * (linear * wbytes + 2 * h * 2) + h * 2 + head * 2;
+  const double n = static_cast<double>(tp);
+  f.weight_bytes = layers * (linear * wbytes / n + 2 * h * 2) + h * 2 + head * 2 / n;
   f.kv_bytes = static_cast<double>(batch) * static_cast<double>(context) * layers * 2 * kvh * hd *
-               static_cast<double>(KvCacheElementBytes(kv));
-  f.flops = 2.0 * static_cast<double>(batch) * (layers * linear + head) +
-            4.0 * static_cast<double>(batch) * static_cast<double>(context) * heads * hd * layers;
+               static_cast<double>(KvCacheElementBytes(kv)) / n;
+  f.flops =
+      (2.0 * static_cast<double>(batch) * (layers * linear + head) +
+       4.0 * static_cast<double>(batch) * static_cast<double>(context) * heads * hd * layers) /
+      n;
   return f;
 }
 
@@ -115,10 +125,12 @@ StepBatch MakeStep(int64_t first_seq, int64_t seqs, int64_t begin, int64_t len, 
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{
-      "tpserve-bench-decode: decode step time of the CUDA model on one GPU (random FP8 or BF16 "
-      "weights generated on the device) at each batch size, each sequence at a fixed context, "
-      "against the step's floor measured in the same run; writes a JSON record per batch"};
-  app.add_option("--model", f.model, "Preset: tiny, llama3-8b, llama3-70b (must fit one GPU)")
+      "tpserve-bench-decode: decode step time of the CUDA model on one GPU or --tp GPUs (random "
+      "FP8 or BF16 weights generated on the devices) at each batch size, each sequence at a "
+      "fixed context, against the step's floor measured in the same run; writes a JSON record "
+      "per batch"};
+  app.add_option("--model", f.model,
+                 "Preset: tiny, llama3-8b, llama3-70b (a rank's share must fit its GPU)")
       ->check(CLI::IsMember({"tiny", "llama3-8b", "llama3-70b"}))
       ->capture_default_str();
   app.add_option("--dtype", f.dtype, "Weights and activations of the linear layers: fp8 or bf16")
@@ -150,6 +162,21 @@ int Main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--seed", f.seed, "Seed of the random weights")->capture_default_str();
+  app.add_option("--tp", f.tp,
+                 "Tensor-parallel size (GPUs): must divide the preset's attention and KV heads, "
+                 "intermediate size and vocabulary")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--ranks", f.ranks,
+                 "How ranks run at --tp > 1: processes (one per GPU, as tpserve serves; this "
+                 "process is rank 0 and starts the others with the same arguments) or threads")
+      ->check(CLI::IsMember({"processes", "threads"}))
+      ->capture_default_str();
+  app.add_option("--overlap", f.overlap,
+                 "Overlap config (YAML, e.g. deploy/overlap-llama3-70b-tp2.yaml) whose knobs the "
+                 "TP layers take at each step's M, as the server would (default: every layer in "
+                 "mode none)")
+      ->check(CLI::ExistingFile);
   AddGemmAlgoFlag(&app, &f.gemm_algo);
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
@@ -161,6 +188,24 @@ int Main(int argc, char** argv) {
   if (!config.ok()) {
     spdlog::error("{}", config.status().ToString());
     return 2;
+  }
+  if (config->num_attention_heads % f.tp != 0 || config->num_key_value_heads % f.tp != 0 ||
+      config->intermediate_size % f.tp != 0 || config->vocab_size % f.tp != 0) {
+    spdlog::error(
+        "--tp {}: {} has {} attention heads, {} KV heads, intermediate size {} and vocabulary {}; "
+        "the tp must divide each",
+        f.tp, f.model, config->num_attention_heads, config->num_key_value_heads,
+        config->intermediate_size, config->vocab_size);
+    return 2;
+  }
+  std::unique_ptr<OverlapConfig> overlap;
+  if (!f.overlap.empty()) {
+    auto cfg = OverlapConfig::LoadFile(f.overlap);
+    if (!cfg.ok()) {
+      spdlog::error("{}", cfg.status().ToString());
+      return 2;
+    }
+    overlap = std::make_unique<OverlapConfig>(std::move(cfg).value());
   }
   const int64_t max_batch = *std::max_element(f.batches.begin(), f.batches.end());
   const int64_t total_steps = 1 + f.warmup + f.steps + 1;  // capture, warm-up, timed, profile
@@ -181,7 +226,7 @@ int Main(int argc, char** argv) {
   options.kv_block_size = f.block_size;
   options.kv_dtype = kv;
 
-  auto group = CreateRankGroup("threads", std::vector<std::string>(argv, argv + argc), 1,
+  auto group = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
                                std::chrono::seconds(120));
   if (!group.ok()) {
     spdlog::error("{}", group.status().ToString());
@@ -192,11 +237,13 @@ int Main(int argc, char** argv) {
     spdlog::error("bandwidth: {}", bw.status().ToString());
     return 1;
   }
-  spdlog::info("HBM: {:.0f} GB/s (device-to-device copy, read + write)", *bw / 1e9);
+  if ((*group)->leader()) {
+    spdlog::info("HBM: {:.0f} GB/s (device-to-device copy, read + write)", *bw / 1e9);
+  }
 
   json records = json::array();
   Status s = (*group)->Run([&](int r) -> Status {
-    TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(*config, dtype, f.seed, nullptr,
+    TP_ASSIGN_OR_RETURN(auto model, CudaModel::CreateRandom(*config, dtype, f.seed, overlap.get(),
                                                             (*group)->pool(r), options));
     for (const int64_t batch : f.batches) {
       // Prefill: whole sequences per step while they fit, else chunks of one sequence.
@@ -240,8 +287,9 @@ int Main(int argc, char** argv) {
       gpu_ms.clear();
       for (int i = 0; i < f.steps; ++i) TP_RETURN_IF_ERROR(decode(false).status());
       TP_ASSIGN_OR_RETURN(const auto stages, decode(true));
+      if (r != 0) continue;  // every rank decodes the same tokens (greedy on the same logits)
 
-      const Floor fl = StepFloor(*config, dtype, kv, batch, f.context);
+      const Floor fl = StepFloor(*config, dtype, kv, batch, f.context, f.tp);
       const double bytes_ms = (fl.weight_bytes + fl.kv_bytes) / *bw * 1e3;
       const double flops_ms = fl.flops / (f.gemm_ceiling_tflops * 1e12) * 1e3;
       const double floor_ms = std::max(bytes_ms, flops_ms);
@@ -285,6 +333,7 @@ int Main(int argc, char** argv) {
     spdlog::error("{}", s.ToString());
     return 1;
   }
+  if (!(*group)->leader()) return 0;  // a worker process: rank 0 reports
   int dev = 0;
   cudaDeviceProp prop{};
   if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaGetDeviceProperties(&prop, dev);
@@ -294,7 +343,9 @@ int Main(int argc, char** argv) {
              {"dtype", f.dtype},
              {"kv_dtype", f.kv_dtype},
              {"kv_block_size", f.block_size},
-             {"tp", 1},
+             {"tp", f.tp},
+             {"ranks", f.ranks},
+             {"overlap", f.overlap.empty() ? "none" : f.overlap},
              {"gpu", prop.name},
              {"hbm_copy_gbps", *bw / 1e9},
              {"gemm_ceiling_tflops", f.gemm_ceiling_tflops},

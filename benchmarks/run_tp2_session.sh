@@ -2,8 +2,8 @@
 # The TP = 2 runs (two H200s of one host), prepared so that a lent machine is used for measuring:
 # one PART per device call (each bounded under the device tool's 10 minutes), each printing the
 # decision it serves before it runs, then its numbers. Run from the repo root on the GPU host
-# after staging (.gpu/: tpserve, tpserve-bench, tpserve-bench-model, tpserve-loadtest,
-# tpserve_gpu_tests; see benchmarks/README.md), with `source .gpu/env.sh` done by this script.
+# after staging (.gpu/: tpserve, tpserve-bench, tpserve-bench-model, tpserve-bench-decode,
+# tpserve-loadtest, tpserve_gpu_tests; see benchmarks/README.md), with `source .gpu/env.sh` done by this script.
 #
 #   bash benchmarks/run_tp2_session.sh PART        PART: tests | overlap | model | serve | decode
 #
@@ -21,8 +21,8 @@
 #   serve    llama3-70b FP8 serving (run_generation_bench.sh, TP=2, deploy config): output
 #            tokens/s >= 0.7 x TensorRT-LLM's published Llama-3.1-70B FP8 H200 TP=2 figures:
 #            128/128 6,477, 1000/1000 5,097, 2048/128 773.
-#   decode   decode TPOT at 1, 8 and 64 streams (128/128) with the deploy config and in mode none,
-#            each a server of its own: the deploy config's decode sizes no slower than none.
+#   decode   decode steps at batch 1 to 256 (tpserve-bench-decode --tp 2, 1024-token contexts,
+#            E4M3 KV) with the deploy config and in mode none: its decode sizes no slower than none.
 set -euo pipefail
 part=${1:-}
 case "$part" in
@@ -75,12 +75,13 @@ case "$part" in
       echo "run_generation_bench.sh: exit $?"
     ;;
   decode)
-    decide "TPOT with the deploy config's decode sizes <= mode none's at 1, 8 and 64 streams"
+    decide "decode step time with the deploy config's decode sizes <= mode none's at batch 1 to 256"
     for cfg in deploy/overlap-llama3-70b-tp2.yaml none; do
-      MODEL=llama3-70b TP=2 OVERLAP=$cfg KV_DTYPE=fp8 KV_GIB=${KV_GIB:-70} WARMUP_S=3 DURATION_S=8 \
-        MAX_TRIALS=1 CASE_TIMEOUT_S=30 BIN_DIR=.gpu/bin timeout 120 \
-        bash benchmarks/run_generation_bench.sh "$out/decode-$(basename "$cfg" .yaml)" \
-        128:128:1 128:128:8 128:128:64 || echo "run_generation_bench.sh ($cfg): exit $?"
+      over=(); [ "$cfg" = none ] || over=(--overlap "$cfg")
+      timeout 270 .gpu/bin/tpserve-bench-decode --tp 2 --model llama3-70b --kv-dtype fp8 \
+        --batches 1 8 64 128 256 --context 1024 --steps 30 ${over[@]+"${over[@]}"} --commit "$COMMIT" \
+        --out "$out/decode-llama3-70b-tp2-$(basename "$cfg" .yaml).json" ||
+        echo "tpserve-bench-decode ($cfg): exit $?"
     done
     ;;
 esac

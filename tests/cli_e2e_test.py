@@ -413,9 +413,11 @@ class CommandLineChecks(unittest.TestCase):
 
 BENCH = os.environ.get("BENCH_BIN")
 BENCH_MODEL = os.environ.get("BENCH_MODEL_BIN")
+BENCH_DECODE = os.environ.get("BENCH_DECODE_BIN")
 
 
-@unittest.skipUnless(BENCH and BENCH_MODEL, "the benchmarks are built with CUDA only")
+@unittest.skipUnless(BENCH and BENCH_MODEL and BENCH_DECODE,
+                     "the benchmarks are built with CUDA only")
 class BenchmarkUsageErrors(unittest.TestCase):
     """Checked before any GPU work, so visible here without GPUs (they fail with 1 there)."""
 
@@ -452,8 +454,20 @@ class BenchmarkUsageErrors(unittest.TestCase):
                 (["--tp", "0"], "--tp"),
                 (["--seed", "-1"], "--seed: '-1'"),
                 (["--model", "tiny", "--batches", "1x3000"], "LEN must be at most 2048"),
-                (["--batches", "300000x8192"], "SEQS x LEN at most 2147483647")):
+                (["--batches", "300000x8192"], "SEQS x LEN at most 2147483647"),
+                (["--residual-gain", "0"], "--residual-gain"),
+                (["--residual-gain", "-0.5"], "--residual-gain")):
             self.refused(BENCH_MODEL, args, says)
+
+    def test_bench_decode(self):
+        for args, says in (
+                # A tp that does not divide the heads would shard them unevenly.
+                (["--model", "llama3-8b", "--tp", "3"], "--tp 3: llama3-8b has 32 attention heads"),
+                (["--tp", "0"], "--tp"),
+                (["--overlap", "/nonexistent/overlap.yaml"], "--overlap: File does not exist"),
+                (["--batches", "0"], "--batches"),
+                (["--kv-dtype", "fp16"], "--kv-dtype: fp16 not in {bf16,fp8}")):
+            self.refused(BENCH_DECODE, args, says)
 
 
 if __name__ == "__main__":
