@@ -142,18 +142,23 @@ class Attention:
 
 
 class Model:
-    def __init__(self, torch, args, fast_accum):
-        self.torch, self.args = torch, args
+    """The whole model at TP 1; with `rank` and `tp`, that rank's shard of it (heads, the
+    intermediate size and the LM head's vocabulary split over tp; its own seed)."""
+
+    def __init__(self, torch, args, fast_accum, rank=0, tp=1):
+        self.torch, self.args, self.rank, self.tp = torch, args, rank, tp
         h, inter, nh, nkv, layers, vocab, theta = PRESETS[args.model]
         if args.layers > 0:
             layers = min(layers, args.layers)
-        self.h, self.inter, self.nh, self.nkv, self.vocab = h, inter, nh, nkv, vocab
         self.hd = h // nh
+        self.h, self.vocab = h, vocab
+        self.inter, self.nh, self.nkv = inter // tp, nh // tp, nkv // tp
+        inter, nh, nkv = self.inter, self.nh, self.nkv
         self.fp8 = args.dtype == "fp8"
         self.fast_accum = fast_accum
-        dev = self.dev = torch.device("cuda", 0)
+        dev = self.dev = torch.device("cuda", rank)
         g = torch.Generator(device=dev)
-        g.manual_seed(1234)
+        g.manual_seed(1234 + rank)
         a = 0.02 * 3 ** 0.5
 
         def weight(n, k):
@@ -173,7 +178,7 @@ class Model:
                 "n2": torch.ones(h, device=dev, dtype=torch.bfloat16)})
         self.embed = (torch.rand(vocab, h, device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
         self.final_norm = torch.ones(h, device=dev, dtype=torch.bfloat16)
-        self.lm_head = ((torch.rand(vocab, h, device=dev, generator=g) * 2 - 1) * a).to(
+        self.lm_head = ((torch.rand(vocab // tp, h, device=dev, generator=g) * 2 - 1) * a).to(
             torch.bfloat16)
         self.x_scale = torch.tensor(8.0 / FP8_MAX, device=dev)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.hd, 2, device=dev,
@@ -329,47 +334,8 @@ class TpModel(Model):
 
     def __init__(self, torch, args, fast_accum, rank, group):
         import torch.distributed._functional_collectives as funcol
-        self.torch, self.args, self.rank, self.group, self.funcol = torch, args, rank, group, funcol
-        tp = self.tp = args.tp
-        h, inter, nh, nkv, layers, vocab, theta = PRESETS[args.model]
-        if args.layers > 0:
-            layers = min(layers, args.layers)
-        self.h, self.nh, self.nkv, self.vocab = h, nh // tp, nkv // tp, vocab
-        self.inter = inter // tp
-        self.hd = h // nh
-        self.fp8 = args.dtype == "fp8"
-        self.fast_accum = fast_accum
-        dev = self.dev = torch.device("cuda", rank)
-        g = torch.Generator(device=dev)
-        g.manual_seed(1234 + rank)
-        a = 0.02 * 3 ** 0.5
-
-        def weight(n, k):
-            w = torch.rand(n, k, device=dev, generator=g) * 2 - 1
-            if self.fp8:
-                return (w * FP8_MAX).to(torch.float8_e4m3fn), torch.tensor(a / FP8_MAX,
-                                                                           device=dev)
-            return (w * a).to(torch.bfloat16), None
-
-        qkv_n = (self.nh + 2 * self.nkv) * self.hd
-        self.layers = []
-        for _ in range(layers):
-            self.layers.append({
-                "qkv": weight(qkv_n, h), "o": weight(h, self.nh * self.hd),
-                "gate_up": weight(2 * self.inter, h), "down": weight(h, self.inter),
-                "n1": torch.ones(h, device=dev, dtype=torch.bfloat16),
-                "n2": torch.ones(h, device=dev, dtype=torch.bfloat16)})
-        self.embed = (torch.rand(vocab, h, device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
-        self.final_norm = torch.ones(h, device=dev, dtype=torch.bfloat16)
-        self.lm_head = ((torch.rand(vocab // tp, h, device=dev, generator=g) * 2 - 1) * a).to(
-            torch.bfloat16)
-        self.x_scale = torch.tensor(8.0 / FP8_MAX, device=dev)
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.hd, 2, device=dev,
-                                                      dtype=torch.float64) / self.hd))
-        mode = args.compile_mode
-        self.pre = torch.compile(self._pre, mode=mode, fullgraph=True, dynamic=False)
-        self.post = torch.compile(self._post, mode=mode, fullgraph=True, dynamic=False)
-        self.attention = None
+        self.group, self.funcol = group, funcol
+        super().__init__(torch, args, fast_accum, rank, args.tp)
 
     def _gather_linear(self, x, wt):
         """AllGather of the rank's rows (FP8 after quantizing, or BF16), then the GEMM."""
