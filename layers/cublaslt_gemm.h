@@ -115,6 +115,12 @@ struct GemmParams {
   // CUBLASLT_MATMUL_DESC_FAST_ACCUM: faster FP8 accumulation without periodic promotion to
   // full FP32. Ignored for BF16 inputs.
   bool fast_accum = false;
+
+  // The caller's promise that B (and b_scale) hold their values before any kernel enqueued
+  // ahead of this GEMM on its stream starts, as a layer's weight does from load time. Lets
+  // the small-M kernel (layers/small_m_gemm.h) stream B while the kernel ahead of it still
+  // runs (programmatic dependent launch). Not part of the plan key; cuBLASLt ignores it.
+  bool b_constant = false;
 };
 
 // Floats that a_scale / b_scale must hold for p.scale_scheme (1, m or k/128*m for A; 1, n or

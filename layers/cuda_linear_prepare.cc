@@ -103,6 +103,7 @@ StepBuilder::StepBuilder(const StepsInput& in, const OverlapPlan& plan)
   base_.a_type = base_.b_type = shape_.dtype;
   base_.d_type = DataType::kBFloat16;
   base_.fast_accum = fp8 && knobs_.fast_accum;
+  base_.b_constant = true;  // B is the layer's weight (or its whole gathered copy), set at load
   if (fp8) base_.scale_scheme = shape_.scale_scheme;
   if (fp8) {
     base_.a_scale = in.unit_scales;

@@ -29,6 +29,7 @@ struct SmallMArgs {
   int m;
   int64_t k, lda, ldb, ldc, ldd;
   float alpha, beta;
+  bool b_constant;  // GemmParams::b_constant: B may be read before the PDL wait
 };
 
 __device__ __forceinline__ uint4 LoadStream(const uint8_t* p) {
@@ -53,9 +54,12 @@ __device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a
 // the m16n8k32 fragments lane t holds k = 4t .. 4t + 3 (registers a0/a1, b0) and
 // 16 + 4t .. 16 + 4t + 3 (a2/a3, b1), so both operands see the block's columns in the same
 // order and each is multiplied with its own partner.
+//
+// With a constant B each warp loads its first kUnroll weight blocks before the PDL wait, so a
+// GEMM whose CTAs are resident while the kernel ahead of it runs (a norm, attention, SwiGLU:
+// short, latency-bound kernels at decode sizes) has them in registers when that kernel ends.
 __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
   __shared__ float partial[kWarps][32][4];
-  PdlEnter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -66,13 +70,11 @@ __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
   const bool token = g < p.m;
   const uint8_t* x = p.a + (token ? g : 0) * p.lda + 16 * t;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  int64_t kb = first;
-  for (; kb + kUnroll <= last; kb += kUnroll) {
-    uint4 lo[kUnroll], hi[kUnroll], xv[kUnroll];
+  // kUnroll blocks from kb: the weight's (loaded by the caller) against the activations'.
+  auto multiply = [&](const uint4(&lo)[kUnroll], const uint4(&hi)[kUnroll], int64_t kb) {
+    uint4 xv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      lo[u] = LoadStream(w_lo + (kb + u) * kBlockK);
-      hi[u] = LoadStream(w_hi + (kb + u) * kBlockK);
       xv[u] =
           token ? *reinterpret_cast<const uint4*>(x + (kb + u) * kBlockK) : make_uint4(0, 0, 0, 0);
     }
@@ -81,6 +83,28 @@ __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
       MmaE4m3(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
       MmaE4m3(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
     }
+  };
+  auto load = [&](uint4(&lo)[kUnroll], uint4(&hi)[kUnroll], int64_t kb) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      lo[u] = LoadStream(w_lo + (kb + u) * kBlockK);
+      hi[u] = LoadStream(w_hi + (kb + u) * kBlockK);
+    }
+  };
+  int64_t kb = first;
+  if (p.b_constant && first + kUnroll <= last) {
+    uint4 lo[kUnroll], hi[kUnroll];
+    load(lo, hi, kb);
+    PdlEnter();
+    multiply(lo, hi, kb);
+    kb += kUnroll;
+  } else {
+    PdlEnter();
+  }
+  for (; kb + kUnroll <= last; kb += kUnroll) {
+    uint4 lo[kUnroll], hi[kUnroll];
+    load(lo, hi, kb);
+    multiply(lo, hi, kb);
   }
   for (; kb < last; ++kb) {
     const uint4 lo = LoadStream(w_lo + kb * kBlockK);
@@ -144,6 +168,7 @@ Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const
   args.ldd = p.ldd;
   args.alpha = p.alpha;
   args.beta = p.beta;
+  args.b_constant = p.b_constant;
   const cudaError_t e = LaunchPdl(SmallMGemmKernel, dim3(static_cast<unsigned>(p.n / kRows)),
                                   dim3(kWarps * 32), 0, stream, args);
   if (e != cudaSuccess) {

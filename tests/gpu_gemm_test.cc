@@ -471,22 +471,29 @@ void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
 // no cuBLASLt plan, against the CPU reference at the shapes of a decode step (k up to 14336,
 // the 224 64-column blocks of llama3-8b's down split unevenly over the warps), padded pitches,
 // every row count from 1 to 8, and beta = 1 out of place and in place; 9 rows go to cuBLASLt.
+// Both with B read after the launch dependency resolves and with B declared constant (read
+// before it), k from one block (some warps with none, none with a first group to load early)
+// to 224 blocks (14 a warp: an early group, then the loop).
 TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("small_m"));
   for (int64_t m : {1, 2, 3, 5, 8}) {
     for (const Shape& s :
          {Shape{m, 16, 64}, Shape{m, 1040, 4096}, Shape{m, 4096, 14336}, Shape{m, 96, 192}}) {
-      SCOPED_TRACE(::testing::Message() << "m=" << s.m << " n=" << s.n << " k=" << s.k);
-      GemmParams p;
-      p.m = s.m;
-      p.n = s.n;
-      p.k = s.k;
-      TP_ASSERT_OK(gemm.Prepare(p));
-      CheckFp8Bf16Gemm(gemm, p, static_cast<uint32_t>(s.m * 13 + s.n + s.k), stream());
-      p.lda = s.k + 32;
-      p.ldb = s.k + 16;
-      p.ldd = s.n + 8;
-      CheckFp8Bf16Gemm(gemm, p, static_cast<uint32_t>(s.m * 17 + s.n + s.k), stream());
+      for (const bool constant : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "m=" << s.m << " n=" << s.n << " k=" << s.k << " b_constant=" << constant);
+        GemmParams p;
+        p.m = s.m;
+        p.n = s.n;
+        p.k = s.k;
+        p.b_constant = constant;
+        TP_ASSERT_OK(gemm.Prepare(p));
+        CheckFp8Bf16Gemm(gemm, p, static_cast<uint32_t>(s.m * 13 + s.n + s.k), stream());
+        p.lda = s.k + 32;
+        p.ldb = s.k + 16;
+        p.ldd = s.n + 8;
+        CheckFp8Bf16Gemm(gemm, p, static_cast<uint32_t>(s.m * 17 + s.n + s.k), stream());
+      }
     }
   }
   EXPECT_EQ(gemm.num_plans(), 0u) << "a small-m GEMM built a cuBLASLt plan";
