@@ -142,14 +142,12 @@ Status CudaModel::AllocateGeneration() {
   return Status::Ok();
 }
 
-Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
-                                        BFloat16* out, float* amax) {
+PagedKvWriteParams CudaModel::KvStore(int64_t layer, int64_t m, BFloat16* qkv) const {
   const Generation& g = *gen_;
   const ModelConfig& c = config_;
   const int64_t hd = c.head_dim(), nh_l = c.num_attention_heads / tp_;
   const int64_t nkv_l = c.num_key_value_heads / tp_;
   const int64_t qkv_n_l = (nh_l + 2 * nkv_l) * hd;
-  cudaStream_t st = stream_.get();
   PagedKvWriteParams w;
   w.k = qkv + nh_l * hd;
   w.k_row_stride = qkv_n_l;
@@ -160,7 +158,17 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   w.cache = g.pool.data();
   w.layout = kv_layout_;
   w.layer = layer;
-  TP_RETURN_IF_ERROR(LaunchPagedKvWrite(w, st));
+  return w;
+}
+
+Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
+                                        BFloat16* out, float* amax) {
+  const Generation& g = *gen_;
+  const ModelConfig& c = config_;
+  const int64_t hd = c.head_dim(), nh_l = c.num_attention_heads / tp_;
+  const int64_t nkv_l = c.num_key_value_heads / tp_;
+  const int64_t qkv_n_l = (nh_l + 2 * nkv_l) * hd;
+  cudaStream_t st = stream_.get();
   PagedAttentionParams p;
   p.q = qkv;
   p.q_row_stride = qkv_n_l;

@@ -217,6 +217,12 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   rope.rows = m;
   rope.theta = c.rope_theta;
   rope.inv_freq = rope_inv_freq_.as<double>();
+  // Stepping, the same launch stores the step's keys and values in the paged cache.
+  PagedKvWriteParams kv_store;
+  if (stepping_) {
+    kv_store = KvStore(l, m, qkv_y);
+    rope.kv_store = &kv_store;
+  }
   TP_RETURN_IF_ERROR(LaunchRope(rope, st));
   TP_RETURN_IF_ERROR(Mark("rope"));
 

@@ -58,6 +58,7 @@
 #include "engine/kv_cache.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
+#include "engine/paged_kv_ops.h"
 #include "engine/step_batch.h"
 #include "engine/tp_layers.h"
 #include "layers/cublaslt_gemm.h"
@@ -245,7 +246,10 @@ class CudaModel {
   Status AllocateActivations();
   // Generation's buffers (KV pool, step upload, sampling), for options_.kv_blocks > 0.
   Status AllocateGeneration();
-  // Enqueue's attention while stepping_: the layer's keys and values into the cache, paged
+  // Where the layer's keys and values of a step go in the cache while stepping_ (qkv: the
+  // QKV output, K rotated by then): the RoPE launch stores them (RopeParams::kv_store).
+  PagedKvWriteParams KvStore(int64_t layer, int64_t m, BFloat16* qkv) const;
+  // Enqueue's attention while stepping_, after KvStore's rows are in the cache: paged
   // attention of its queries into `out` (BF16 [m, heads/tp x head_dim]), and with `amax`
   // the output's absolute maximum into *amax (dynamic FP8 input scales).
   Status EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,

@@ -29,6 +29,8 @@
 
 namespace tpserve {
 
+struct PagedKvWriteParams;  // engine/paged_kv_ops.h
+
 // Llama's "add & norm": with a residual, h = bf16(input + residual) is written to
 // residual_out and then normalised; without one, h = input. With residual2 as well, the
 // residual is itself the two-part sum bf16(residual + residual2) (FP32 sum rounded once, as
@@ -102,6 +104,13 @@ struct RopeParams {
   // Device [head_dim/2], 8-byte aligned, positive finite entries (not checked: device data);
   // nullptr: plain RoPE of base theta.
   const double* inv_freq = nullptr;
+  // Optional (host pointer, read at launch), with k set: the launch also stores each row's K
+  // heads as rotated (their BF16 rounding, the values written to k) and its V heads into a
+  // paged KV cache, as LaunchPagedKvWrite(*kv_store) after this launch would: one kernel
+  // instead of two (a decode step's). kv_store->k, k_row_stride and rows must be this
+  // launch's k, k_row_stride and rows, its layout's kv_heads and head_dim this launch's
+  // kv_heads and head_dim (INVALID_ARGUMENT naming the field otherwise).
+  const PagedKvWriteParams* kv_store = nullptr;
 };
 Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 

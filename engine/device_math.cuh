@@ -41,6 +41,20 @@ __device__ __forceinline__ uint4 PackBf16x8(const float (&f)[8]) {
                     PackBf16x2(f[6], f[7]));
 }
 
+// Eight BF16 values (raw bits) as E4M3 codes, saturating to +-448, the first in the low byte:
+// how a paged KV cache of E4M3 stores a row (no scale).
+__device__ __forceinline__ uint2 Bf16x8ToE4m3Sat(const uint4& raw) {
+  float f[8];
+  UnpackBf16x8(raw, f);
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t code = __nv_cvt_float_to_fp8(f[j], __NV_SATFINITE, __NV_E4M3);
+    w[j / 4] |= code << (8 * (j % 4));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
 // Eight codes, two to a conversion, the divisor's path chosen once for the eight.
 template <bool kFast>
 __device__ __forceinline__ uint2 Fp8Codes8(const float (&f)[8], const Fp8Divisor& d) {

@@ -48,6 +48,9 @@ struct PagedKvWriteParams {
   int64_t layer = 0;     // in [0, layout.layers)
 };
 Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream);
+// LaunchPagedKvWrite's checks of `p` alone (INVALID_ARGUMENT naming the field), for a launcher
+// that stores the rows in a kernel of its own (RopeParams::kv_store).
+Status CheckPagedKvWrite(const PagedKvWriteParams& p);
 
 // Causal grouped-query attention of a step's query rows over the paged cache, as
 // engine/kv_cache.h's PagedAttention: sequence s owns query rows cu_seqlens[s] ..

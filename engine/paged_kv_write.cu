@@ -20,7 +20,7 @@ namespace tpserve {
 namespace {
 
 using namespace launch_checks;
-using device::UnpackBf16x8;
+using device::Bf16x8ToE4m3Sat;
 
 // ---------------------------------------------------------------------------------------------
 // KV write: one thread per 8 elements of (row, K|V, head).
@@ -67,22 +67,14 @@ __global__ void PagedKvWriteKernel(KvWriteArgs a) {
     if (!kFp8) {
       reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.cache) + dst)[0] = raw;
     } else {
-      float f[8];
-      UnpackBf16x8(raw, f);
-      uint32_t w[2] = {0, 0};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t code = __nv_cvt_float_to_fp8(f[j], __NV_SATFINITE, __NV_E4M3);
-        w[j / 4] |= code << (8 * (j % 4));
-      }
-      reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.cache) + dst)[0] = make_uint2(w[0], w[1]);
+      reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.cache) + dst)[0] = Bf16x8ToE4m3Sat(raw);
     }
   }
 }
 
 }  // namespace
 
-Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
+Status CheckPagedKvWrite(const PagedKvWriteParams& p) {
   constexpr const char* kP = "PagedKvWriteParams";
   TP_RETURN_IF_ERROR(CheckKvLayout(kP, p.layout, p.layer));
   const int64_t hd = p.layout.head_dim, width = p.layout.kv_heads * hd;
@@ -100,10 +92,16 @@ Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
     }
   }
   if (p.rows == 0) return Status::Ok();
-  TP_RETURN_IF_ERROR(CheckPointers(kP, {{"k", p.k, 16},
-                                        {"v", p.v, 16},
-                                        {"cache", p.cache, 16},
-                                        {"slot_mapping", p.slot_mapping, 4}}));
+  return CheckPointers(kP, {{"k", p.k, 16},
+                            {"v", p.v, 16},
+                            {"cache", p.cache, 16},
+                            {"slot_mapping", p.slot_mapping, 4}});
+}
+
+Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
+  TP_RETURN_IF_ERROR(CheckPagedKvWrite(p));
+  if (p.rows == 0) return Status::Ok();
+  const int64_t hd = p.layout.head_dim, width = p.layout.kv_heads * hd;
   KvWriteArgs a;
   a.k = p.k;
   a.k_row_stride = p.k_row_stride;

@@ -36,6 +36,7 @@
 #include "comm/cuda_resources.h"
 #include "comm/dtype.h"
 #include "comm/status.h"
+#include "engine/cuda_ops.h"
 #include "engine/kv_cache.h"
 #include "engine/paged_kv_ops.h"
 #include "engine/sampling.h"
@@ -515,6 +516,87 @@ TEST_F(GpuGenerationOpsTest, KvWriteSaturatesFp8LikeTheReference) {
   EXPECT_EQ(mismatches, 0u);
 }
 
+// RoPE that also stores K and V in the paged cache (RopeParams::kv_store, one kernel) leaves
+// the QKV rows and the whole pool bit for bit as RoPE followed by LaunchPagedKvWrite: BF16 and
+// E4M3 caches, padding and corrupt slots skipped, and a head_dim the fused kernel does not
+// take (two kernels then).
+TEST_F(GpuGenerationOpsTest, RopeStoringTheCacheEqualsRopeThenKvWrite) {
+  TP_SKIP_WITHOUT_GPU();
+  struct Case {
+    int64_t head_dim;
+    KvCacheDtype dtype;
+  };
+  for (const Case& c : {Case{128, KvCacheDtype::kBFloat16}, Case{128, KvCacheDtype::kFloat8E4M3},
+                        Case{24, KvCacheDtype::kBFloat16}}) {
+    SCOPED_TRACE(::testing::Message() << "head_dim " << c.head_dim << ", "
+                                      << (c.dtype == KvCacheDtype::kBFloat16 ? "bf16" : "fp8"));
+    const KvCacheLayout layout{/*layers=*/2,      /*num_blocks=*/6,
+                               /*block_size=*/16, /*kv_heads=*/2,   c.head_dim, c.dtype};
+    const int64_t q_heads = 4, rows = 21, hd = c.head_dim;
+    const int64_t stride = (q_heads + 2 * layout.kv_heads) * hd + 8;
+    const std::vector<BFloat16> qkv = RandomBf16(rows * stride, -4.0f, 4.0f, 77);
+    std::vector<int32_t> positions(rows), slots(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      positions[r] = static_cast<int32_t>(37 * r + 3);
+      slots[r] = static_cast<int32_t>((r * 5) % (layout.num_blocks * 16));
+    }
+    slots[4] = -1;                                                // padding
+    slots[9] = static_cast<int32_t>(layout.num_blocks * 16 + 2);  // corrupt
+    const size_t bytes = static_cast<size_t>(layout.Elements()) * KvCacheElementBytes(c.dtype);
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_pos, Upload(positions, "positions"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_slots, Upload(slots, "slots"));
+    std::vector<uint8_t> got_cache[2];
+    std::vector<BFloat16> got_qkv[2];
+    for (int fused = 0; fused < 2; ++fused) {
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cache, DeviceBuffer::Allocate(bytes, "cache"));
+      TP_CUDA_CHECK_FOR_TEST(cudaMemsetAsync(d_cache.data(), 0, bytes, stream()));
+      RopeParams p;
+      p.q = d_qkv.as<BFloat16>();
+      p.q_row_stride = stride;
+      p.q_heads = q_heads;
+      p.k = p.q + q_heads * hd;
+      p.k_row_stride = stride;
+      p.kv_heads = layout.kv_heads;
+      p.head_dim = hd;
+      p.positions = d_pos.as<int32_t>();
+      p.rows = rows;
+      p.theta = 500000.0;
+      PagedKvWriteParams w;
+      w.k = p.k;
+      w.k_row_stride = stride;
+      w.v = p.k + layout.kv_heads * hd;
+      w.v_row_stride = stride;
+      w.slot_mapping = d_slots.as<int32_t>();
+      w.rows = rows;
+      w.cache = d_cache.data();
+      w.layout = layout;
+      w.layer = 1;
+      if (fused == 1) {
+        p.kv_store = &w;
+        TP_ASSERT_OK(LaunchRope(p, stream()));
+      } else {
+        TP_ASSERT_OK(LaunchRope(p, stream()));
+        TP_ASSERT_OK(LaunchPagedKvWrite(w, stream()));
+      }
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      TP_ASSERT_OK_AND_ASSIGN(got_cache[fused], Download<uint8_t>(d_cache.data(), bytes));
+      TP_ASSERT_OK_AND_ASSIGN(got_qkv[fused], Download<BFloat16>(d_qkv.data(), qkv.size()));
+    }
+    size_t stored = 0;
+    for (uint8_t b : got_cache[0]) stored += b != 0;
+    EXPECT_GT(stored, bytes / 8) << "the reference wrote (almost) nothing";
+    EXPECT_TRUE(got_cache[0] == got_cache[1]) << "the caches differ";
+    size_t qkv_diff = 0, rotated = 0;
+    for (size_t i = 0; i < qkv.size(); ++i) {
+      qkv_diff += got_qkv[0][i].bits != got_qkv[1][i].bits;
+      rotated += got_qkv[0][i].bits != qkv[i].bits;
+    }
+    EXPECT_EQ(qkv_diff, 0u);
+    EXPECT_GT(rotated, 0u);
+  }
+}
+
 TEST_F(GpuGenerationOpsTest, DecodeAttentionReplaysInACudaGraph) {
   TP_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> ctx{1, 33, 700, 4999, 2500};
@@ -608,6 +690,40 @@ TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
   w.layout = KvCacheLayout{1, 4, 16, 2, 60, KvCacheDtype::kFloat8E4M3};
   w.k_row_stride = w.v_row_stride = 120;
   EXPECT_EQ(LaunchPagedKvWrite(w, nullptr).code(), StatusCode::kInvalidArgument);
+
+  // RoPE storing the cache: its store's checks, and a store that is not this launch's rows.
+  alignas(16) static uint8_t dummy[4096];
+  RopeParams r;
+  r.q = reinterpret_cast<BFloat16*>(dummy);
+  r.q_row_stride = 8 * 64;
+  r.q_heads = 4;
+  r.head_dim = 64;
+  r.positions = reinterpret_cast<const int32_t*>(dummy);
+  r.rows = 3;
+  PagedKvWriteParams store;
+  store.k = r.q + 4 * 64;
+  store.k_row_stride = store.v_row_stride = 8 * 64;
+  store.v = store.k + 2 * 64;
+  store.slot_mapping = reinterpret_cast<const int32_t*>(dummy);
+  store.rows = 3;
+  store.cache = dummy;
+  store.layout = KvCacheLayout{1, 4, 16, 2, 64, KvCacheDtype::kBFloat16};
+  r.kv_store = &store;
+  const Status no_k = LaunchRope(r, nullptr);
+  EXPECT_EQ(no_k.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_k.message().find("kv_store needs k"), std::string::npos) << no_k.message();
+  r.k = const_cast<BFloat16*>(store.k);
+  r.k_row_stride = 8 * 64;
+  r.kv_heads = 2;
+  store.rows = 4;
+  const Status rows = LaunchRope(r, nullptr);
+  EXPECT_EQ(rows.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(rows.message().find("kv_store->rows"), std::string::npos) << rows.message();
+  store.rows = 3;
+  store.layer = 1;  // the layout has one layer
+  const Status layer = LaunchRope(r, nullptr);
+  EXPECT_EQ(layer.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(layer.message().find("kv_store"), std::string::npos) << layer.message();
 
   SamplingLaunchParams s;
   s.vocab = 0;
