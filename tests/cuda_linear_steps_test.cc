@@ -130,7 +130,7 @@ void Opt(std::ostringstream& out, const char* key, T value, T default_value) {
 
 // One GEMM launch: m (n and k only where they differ from the layer's), the other parameters
 // where they differ from GemmParams' defaults, and its operands. The scale pointers are checked
-// (the layer's unit scales, which Run replaces), not printed.
+// (the layer's unit scales, which Run replaces), not printed; so is b_constant (always set).
 std::string DescribeGemm(const GemmCall& g, const CudaLinearShape& shape, const float* unit) {
   const GemmParams& p = g.params;
   const GemmParams d;  // defaults
@@ -159,6 +159,8 @@ std::string DescribeGemm(const GemmCall& g, const CudaLinearShape& shape, const 
   EXPECT_EQ(p.b_scale, unit + 4);
   EXPECT_EQ(p.d_quant_scale, nullptr);
   EXPECT_EQ(p.d_amax, nullptr);
+  // B is always the layer's weight, set at load: the small-M kernel may read it early.
+  EXPECT_TRUE(p.b_constant);
   out << " a=" << Ref(g.a);
   if (g.a_scale.base != BufRef::kNone) out << " a_scale=" << Ref(g.a_scale);
   Opt(out, "b_offset", g.b_offset, size_t{0});
