@@ -156,11 +156,11 @@ class CudaModel {
   Status Run(const TokenBatch& batch);
 
   // One generation step (engine/step_batch.h), engine/cuda_generation.cc: the blocks as in
-  // Forward, but each layer writes the step's keys and values (after RoPE) into the paged KV
-  // cache (LaunchPagedKvWrite) and attends over it (LaunchPagedAttention); then the final
-  // norm, the LM head on the last row of each sequence marked `sample`, and sampling on the
-  // device (LaunchSampling). Returns the sampled tokens, in sequence order, on every rank.
-  // The step's inputs and sampling parameters go up in one copy from pinned memory; no
+  // Forward, but each layer's RoPE launch also writes the step's keys and values into the
+  // paged KV cache (RopeParams::kv_store) and the layer attends over it (LaunchPagedAttention);
+  // then the final norm, the LM head on the last row of each sequence marked `sample`, and
+  // sampling on the device (LaunchSampling). Returns the sampled tokens, in sequence order, on
+  // every rank. The step's inputs and sampling parameters go up in one copy from pinned memory; no
   // device memory is allocated. The token count is padded to a step bucket (powers of two up to
   // max_seqs, then the token buckets); a pure decode step (one token per sequence) replays a graph
   // captured per (bucket, sequence slots), other steps run eagerly.
