@@ -20,6 +20,7 @@
 #include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
 #include "engine/paged_kv_ops.h"
+#include "engine/paged_kv_store.cuh"
 #include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
 #include "layers/pdl.cuh"
@@ -197,33 +198,10 @@ Status LaunchRmsNormKernel(const RmsNormParams& p, int threads, cudaStream_t str
 constexpr int kRopeThreads = 128;
 constexpr int64_t kRopeMaxHeadDim = 512;
 
-// RopeParams::kv_store on the device: where K and V rows of a layer go in the paged cache.
-struct RopeKvStore {
-  void* cache = nullptr;
-  const BFloat16* v = nullptr;
-  int64_t v_row_stride = 0;
-  const int32_t* slot_mapping = nullptr;
-  int64_t k_offset = 0;  // element offsets of (layer, K | V, block 0, head 0, slot 0)
-  int64_t v_offset = 0;
-  int64_t num_slots = 0;  // num_blocks * block_size
-  int64_t block_size = 0;
-};
-
-// Eight elements of a K or V head at `offset` (element index within the layer's K or V part)
-// into the cache as the paged write kernel stores them: BF16 bits, or E4M3 codes (kFp8).
-template <bool kFp8>
-__device__ __forceinline__ void StoreKv8(void* cache, int64_t offset, const uint4& raw) {
-  if constexpr (kFp8) {
-    reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + offset)[0] = Bf16x8ToE4m3Sat(raw);
-  } else {
-    reinterpret_cast<uint4*>(static_cast<uint16_t*>(cache) + offset)[0] = raw;
-  }
-}
-
 // kStore: 0 rotates q and k only; 1 / 2 also stores K and V in a BF16 / E4M3 paged cache
 // (kVec 8 only): items past q's and k's are the V heads' halves, copied as they are.
 template <int kVec, int kStore>
-__global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, RopeKvStore st) {
+__global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, KvStoreArgs st) {
   static_assert(kStore == 0 || kVec == 8, "the cache store takes whole vectors");
   __shared__ float2 cos_sin[kRopeMaxHeadDim / 2];
   PdlEnter();
@@ -246,20 +224,10 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, RopeKvS
   const int64_t q_items = p.q_heads * groups;
   const int64_t k_end = q_items + (p.k != nullptr ? p.kv_heads * groups : 0);
   const int64_t items = k_end + (kStore != 0 ? p.kv_heads * groups : 0);
-  // The row's place in the cache: its block's, then within the block (none for a padding row
-  // or a corrupt slot, as the paged write kernel skips them).
+  // The row's place in the cache (none for a padding row or a corrupt slot).
   int64_t slot_base = -1;
-  if constexpr (kStore != 0) {
-    const int64_t slot = st.slot_mapping[row];
-    if (slot >= 0 && slot < st.num_slots) {
-      const int64_t block = slot / st.block_size;
-      slot_base = block * p.kv_heads * st.block_size + (slot - block * st.block_size);
-    }
-  }
-  // Element offset of (head, i) of the row within a layer's K or V part.
-  auto cache_at = [&](int64_t head, int i) {
-    return (slot_base + head * st.block_size) * p.head_dim + i;
-  };
+  if constexpr (kStore != 0) slot_base = KvRowBase(st, row);
+  auto cache_at = [&](int64_t head, int i) { return KvElement(st, slot_base, head, i); };
   for (int64_t item = threadIdx.x; item < items; item += blockDim.x) {
     if constexpr (kStore != 0) {
       if (item >= k_end) {  // a V head's two halves: stored as they are
@@ -592,16 +560,9 @@ Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
   const bool vec = (p.head_dim / 2) % 8 == 0 && IsAligned(p.q, 16) && p.q_row_stride % 8 == 0 &&
                    (p.k == nullptr || (IsAligned(p.k, 16) && p.k_row_stride % 8 == 0));
   const unsigned grid = static_cast<unsigned>(p.rows);
-  RopeKvStore st;
+  KvStoreArgs st;
   if (vec && kv != nullptr) {
-    st.cache = kv->cache;
-    st.v = kv->v;
-    st.v_row_stride = kv->v_row_stride;
-    st.slot_mapping = kv->slot_mapping;
-    st.k_offset = kv->layout.Offset(kv->layer, 0, 0, 0, 0);
-    st.v_offset = kv->layout.Offset(kv->layer, 1, 0, 0, 0);
-    st.num_slots = kv->layout.num_blocks * kv->layout.block_size;
-    st.block_size = kv->layout.block_size;
+    st = MakeKvStoreArgs(*kv);
     auto* kernel =
         kv->layout.dtype == KvCacheDtype::kFloat8E4M3 ? RopeKernel<8, 2> : RopeKernel<8, 1>;
     TP_CUDA_CHECK(LaunchPdl(kernel, dim3(grid), dim3(kRopeThreads), 0, stream, p, st));

@@ -13,6 +13,7 @@
 #include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
 #include "engine/paged_kv_ops.h"
+#include "engine/paged_kv_store.cuh"
 #include "layers/kernel_grid.h"
 #include "layers/pdl.cuh"
 
@@ -20,29 +21,12 @@ namespace tpserve {
 namespace {
 
 using namespace launch_checks;
-using device::Bf16x8ToE4m3Sat;
 
 // ---------------------------------------------------------------------------------------------
 // KV write: one thread per 8 elements of (row, K|V, head).
 
-struct KvWriteArgs {
-  const BFloat16* k;
-  int64_t k_row_stride;
-  const BFloat16* v;
-  int64_t v_row_stride;
-  const int32_t* slot_mapping;
-  int64_t rows;
-  void* cache;
-  int64_t k_offset;  // element offset of (layer, K, block 0, head 0, slot 0)
-  int64_t v_offset;
-  int64_t num_slots;  // num_blocks * block_size
-  int64_t block_size;
-  int64_t kv_heads;
-  int64_t head_dim;
-};
-
 template <bool kFp8>
-__global__ void PagedKvWriteKernel(KvWriteArgs a) {
+__global__ void PagedKvWriteKernel(KvStoreArgs a) {
   PdlEnter();
   const int64_t vecs_per_head = a.head_dim / 8;
   const int64_t per_row = 2 * a.kv_heads * vecs_per_head;
@@ -55,20 +39,12 @@ __global__ void PagedKvWriteKernel(KvWriteArgs a) {
     rest -= kv * a.kv_heads * vecs_per_head;
     const int64_t head = rest / vecs_per_head;
     const int64_t c = rest - head * vecs_per_head;
-    const int64_t slot = a.slot_mapping[row];
-    if (slot < 0 || slot >= a.num_slots) continue;  // padding, or corrupt
-    const int64_t block = slot / a.block_size, in_block = slot - block * a.block_size;
+    const int64_t base = KvRowBase(a, row);
+    if (base < 0) continue;  // padding, or corrupt
     const BFloat16* src = (kv == 0 ? a.k + row * a.k_row_stride : a.v + row * a.v_row_stride) +
                           head * a.head_dim + c * 8;
-    const int64_t dst = (kv == 0 ? a.k_offset : a.v_offset) +
-                        ((block * a.kv_heads + head) * a.block_size + in_block) * a.head_dim +
-                        c * 8;
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    if (!kFp8) {
-      reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.cache) + dst)[0] = raw;
-    } else {
-      reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.cache) + dst)[0] = Bf16x8ToE4m3Sat(raw);
-    }
+    StoreKv8<kFp8>(a.cache, (kv == 0 ? a.k_offset : a.v_offset) + KvElement(a, base, head, c * 8),
+                   *reinterpret_cast<const uint4*>(src));
   }
 }
 
@@ -101,22 +77,8 @@ Status CheckPagedKvWrite(const PagedKvWriteParams& p) {
 Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream) {
   TP_RETURN_IF_ERROR(CheckPagedKvWrite(p));
   if (p.rows == 0) return Status::Ok();
-  const int64_t hd = p.layout.head_dim, width = p.layout.kv_heads * hd;
-  KvWriteArgs a;
-  a.k = p.k;
-  a.k_row_stride = p.k_row_stride;
-  a.v = p.v;
-  a.v_row_stride = p.v_row_stride;
-  a.slot_mapping = p.slot_mapping;
-  a.rows = p.rows;
-  a.cache = p.cache;
-  a.k_offset = p.layout.Offset(p.layer, 0, 0, 0, 0);
-  a.v_offset = p.layout.Offset(p.layer, 1, 0, 0, 0);
-  a.num_slots = p.layout.num_blocks * p.layout.block_size;
-  a.block_size = p.layout.block_size;
-  a.kv_heads = p.layout.kv_heads;
-  a.head_dim = hd;
-  const unsigned grid = GridFor(p.rows * 2 * width / 8);
+  const KvStoreArgs a = MakeKvStoreArgs(p);
+  const unsigned grid = GridFor(p.rows * 2 * p.layout.kv_heads * p.layout.head_dim / 8);
   if (p.layout.dtype == KvCacheDtype::kFloat8E4M3) {
     TP_CUDA_CHECK(LaunchPdl(PagedKvWriteKernel<true>, dim3(grid), dim3(kThreads), 0, stream, a));
   } else {
