@@ -24,13 +24,16 @@ using namespace device;
 // Warp w takes keys [16w, 16w + 16) of every tile and keeps its own online softmax (m, l)
 // and O^T accumulators in registers, without block barriers beyond the pipeline's; at the end
 // the CTA merges its warps'. The MMAs are BF16 with FP32 accumulation (Q and K are BF16
-// already: exact products); for P.V, P is split into its BF16 rounding and the BF16 rounding
-// of the remainder, two MMAs, so P keeps about 16 bits and the result stays within FP32-math
-// error of the reference. An E4M3 cache is copied as codes: each lane widens its own key
-// fragments to BF16 (exactly) in registers, reading the dims of a 32-dim slice in an order of
-// its own (Q's fragments follow the same order, so the dot products are the same sums), and
-// each warp widens its value rows into shared memory for ldmatrix's transpose, first thing in
-// the tile so that those loads and stores overlap the S product and the softmax.
+// already: exact products); for P.V over a BF16 cache, P is split into its BF16 rounding and
+// the BF16 rounding of the remainder, two MMAs, so P keeps about 16 bits and the result stays
+// within FP32-math error of the reference; over an E4M3 cache P is rounded to BF16 once (an
+// output is then within 2^-9 of max |v| of the reference: an E4M3 step is bound by its warps'
+// chains, and the second MMA would only refine P past the values' own precision). An E4M3
+// cache is copied as codes: each lane widens its own key fragments to BF16 (exactly) in
+// registers, reading the dims of a 32-dim slice in an order of its own (Q's fragments follow
+// the same order, so the dot products are the same sums), and each warp widens its value rows
+// into shared memory for ldmatrix's transpose, first thing in the tile so that those loads and
+// stores overlap the S product and the softmax.
 // A sequence's context is cut into splits on the device, from its own length (at most
 // a.splits of at least kDecodeMinSplitKeys keys each), so one graph serves every context; a
 // split past the context writes an empty partial (m = -inf, l = 0) for the combine pass.
@@ -73,6 +76,9 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
   constexpr int kKSteps = kHeadDim / 16;  // k-steps of K.Q^T
   constexpr int kMTiles = kHeadDim / 16;  // m16 tiles (of dims) of O^T
   constexpr int kElemBytes = kFp8 ? 1 : 2;
+  // P.V with P in two BF16 parts over a BF16 cache; over E4M3 values (2^-4 apart relatively)
+  // P's own BF16 rounding (2^-9) is the smaller error, and one MMA a tile of dims is enough.
+  constexpr bool kSplitP = !kFp8;
   // Each thread copies the same 16-byte piece of every kRowStep-th row of a tile.
   constexpr int kRowStep = kAttnThreads / L::kPieces;
   constexpr int kCopies = kDecodeKeys / kRowStep;
@@ -278,22 +284,26 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
         o[mt][2] *= alpha[0];
         o[mt][3] *= alpha[1];
       }
-      // P as BF16 pairs (queries 2t, 2t + 1) of keys g and g + 8: its rounding and the
-      // rounding of the remainder; then moved to the P^T fragment layout.
-      uint32_t hi[2], lo[2];
+      // P as BF16 pairs (queries 2t, 2t + 1) of keys g and g + 8: its rounding and (kSplitP)
+      // the rounding of the remainder; then moved to the P^T fragment layout.
+      uint32_t hi[2], lo[2] = {0u, 0u};
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         hi[k] = PackBf16x2(pr[2 * k], pr[2 * k + 1]);
-        lo[k] = PackBf16x2(pr[2 * k] - Bf16ToFloat(hi[k] & 0xFFFFu),
-                           pr[2 * k + 1] - Bf16ToFloat(hi[k] >> 16));
+        if constexpr (kSplitP) {
+          lo[k] = PackBf16x2(pr[2 * k] - Bf16ToFloat(hi[k] & 0xFFFFu),
+                             pr[2 * k + 1] - Bf16ToFloat(hi[k] >> 16));
+        }
       }
-      uint32_t ph[2], pl[2];
+      uint32_t ph[2], pl[2] = {0u, 0u};
 #pragma unroll
       for (int k = 0; k < 2; ++k) {  // k = 0: keys 2t, 2t + 1; k = 1: keys 2t + 8, 2t + 9
         ph[k] = __byte_perm(__shfl_sync(0xffffffffu, hi[k], src_even),
                             __shfl_sync(0xffffffffu, hi[k], src_odd), half_sel);
-        pl[k] = __byte_perm(__shfl_sync(0xffffffffu, lo[k], src_even),
-                            __shfl_sync(0xffffffffu, lo[k], src_odd), half_sel);
+        if constexpr (kSplitP) {
+          pl[k] = __byte_perm(__shfl_sync(0xffffffffu, lo[k], src_even),
+                              __shfl_sync(0xffffffffu, lo[k], src_odd), half_sel);
+        }
       }
       if constexpr (kFp8) {
         __syncwarp();  // every lane's value rows are widened before any lane reads them
@@ -305,7 +315,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
         LoadMatrixX4<true>(
             va, v_rows + ((mat >> 1) * 8 + (lane & 7)) * kPitch + mt * 16 + (mat & 1) * 8);
         MmaBf16(o[mt], va, ph[0], ph[1]);
-        MmaBf16(o[mt], va, pl[0], pl[1]);
+        if constexpr (kSplitP) MmaBf16(o[mt], va, pl[0], pl[1]);
       }
       if constexpr (kFp8) __syncwarp();  // the widened rows are rewritten for the next tile
     }

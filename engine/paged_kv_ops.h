@@ -60,7 +60,8 @@ Status CheckPagedKvWrite(const PagedKvWriteParams& p);
 // block_size]). Query head h reads KV head h / (q_heads / kv_heads); scores are scaled by
 // 1/sqrt(head_dim). FP32 math with an online softmax (the reference is double); decode rows
 // (one query row per sequence) go through BF16 tensor-core products with FP32 accumulation
-// whose P keeps about 16 bits (a BF16 high part and remainder), within FP32-math error.
+// whose P keeps about 16 bits over a BF16 cache (a BF16 high part and remainder), within
+// FP32-math error, and is rounded to BF16 over an E4M3 cache (within 2^-9 of max |v|).
 //   q:   [tokens, q_heads, head_dim] BF16, row stride q_row_stride (a slice of the QKV output)
 //   out: [tokens, q_heads, head_dim] BF16, row stride out_row_stride; must not overlap q
 // Rows outside every sequence are not written.

@@ -75,7 +75,7 @@ struct PagedCase {
   float q_range = 2.0f;        // q uniform in [-q_range, q_range]
   float kv_range = 1.0f;       // k, v uniform in [-kv_range, kv_range]
   int64_t splits = 0;          // PagedAttentionParams::splits
-  int64_t max_query_rows = 0;  // 0: the true maximum
+  int64_t max_query_rows = 0;  // 0: the true maximum (1 in decode: the decode kernel)
   bool with_workspace = true;  // false: no workspace (one split)
   // Lists the sequences of two or more query rows (PagedAttentionParams::multi_row_seqs):
   // they take the tensor-core kernel, whose P.V product rounds P to BF16.
@@ -251,10 +251,21 @@ PagedAttentionParams AttentionParamsFor(const PagedCase& c, const PagedStep& st)
   p.num_seqs = static_cast<int64_t>(c.context.size());
   p.tokens = st.tokens;
   p.max_blocks = st.max_blocks;
-  p.max_query_rows = c.max_query_rows;
+  p.max_query_rows = c.max_query_rows > 0
+                         ? c.max_query_rows
+                         : std::max<int64_t>(1, *std::max_element(c.query.begin(), c.query.end()));
   p.out_row_stride = st.q_width + 8;  // padding that must stay poisoned
   p.splits = c.splits;
   return p;
+}
+
+// Whether the case's single-row sequences take the decode kernel (LaunchPagedAttention's
+// choice: one query row per sequence in the launch's sizing, or every multi-row sequence
+// listed, and a group of 1, 2, 4 or 8) rather than the split kernels of several rows.
+bool TakesDecodeKernel(const PagedCase& c, const PagedAttentionParams& p) {
+  const int64_t group = c.q_heads / c.kv_heads;
+  return (c.multi_row_list || p.max_query_rows == 1) &&
+         (group == 1 || group == 2 || group == 4 || group == 8);
 }
 
 // Compares BF16 attention output rows (row stride q_width + 8) with the reference.
@@ -333,12 +344,16 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
   TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
   TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), out_elems));
   // The tensor-core prefill kernel's P is BF16: up to 2^-8 of max |v| = 1 per output (the
-  // packed kernel's bound in gpu_ops_test.cc); the split kernels stay in FP32, and the decode
-  // kernel's P keeps about 16 bits (a BF16 high part and remainder), within the FP32 bound.
-  // Both scale with the values' range.
-  const double abs_tol = (c.multi_row_list ? std::ldexp(1.0, -8) : 2e-5) * c.kv_range;
+  // packed kernel's bound in gpu_ops_test.cc); so is the decode kernel's over an E4M3 cache
+  // (2^-9 of max |v|). The split kernels stay in FP32, and the decode kernel's P over a BF16
+  // cache keeps about 16 bits (a BF16 high part and remainder), within the FP32 bound. Both
+  // scale with the values' range.
+  const bool decode_kernel = TakesDecodeKernel(c, p);
+  const bool bf16_p = c.multi_row_list || (decode_kernel && c.dtype == KvCacheDtype::kFloat8E4M3);
+  const double abs_tol = (bf16_p ? std::ldexp(1.0, -8) : 2e-5) * c.kv_range;
   ExpectAttentionNear(out, ref, st.tokens, st.q_width, abs_tol,
-                      what + " (" + std::to_string(splits) + " splits)");
+                      what + " (" + std::to_string(splits) + " splits" +
+                          (decode_kernel ? ", decode kernel)" : ")"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -351,6 +366,11 @@ TEST_F(GpuGenerationOpsTest, DecodeMatchesReferenceWithSplitContexts) {
   // GQA 8:2, head_dim 128, BF16 cache, block 16, the launcher's own split choice.
   PagedCase a{ctx, one};
   CheckPagedAttention(stream(), a, 400);
+  // The same rows sized as if a sequence could have several (max_query_rows = tokens): the
+  // split kernels of several rows instead of the decode kernel.
+  PagedCase rows = a;
+  rows.max_query_rows = static_cast<int64_t>(ctx.size());
+  CheckPagedAttention(stream(), rows, 400);
   // GQA 4:4, head_dim 64, FP8 cache, block 32, a forced split count.
   PagedCase b{ctx, one, 4, 4, 64, 32, KvCacheDtype::kFloat8E4M3};
   b.splits = 7;
