@@ -192,6 +192,9 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   p.workspace_bytes = g.workspace.size();
   p.multi_row_seqs = g.d<int32_t>(g.at.multi_rows);
   p.multi_row_count = g.multi_row_count;
+  // The step's upload precedes its first kernel; its kernels write only the step's own rows'
+  // keys and values (RoPE, or the cache write, right before this launch).
+  p.context_constant = true;
   TP_RETURN_IF_ERROR(LaunchPagedAttention(p, st));
   if (amax == nullptr) return Status::Ok();
   AbsMaxParams am;

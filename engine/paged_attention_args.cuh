@@ -40,6 +40,11 @@ struct AttnArgs {
   float scale_log2;
   int max_rows;     // sequences of more query rows are another kernel's (multi_row_seqs)
   int block_shift;  // log2(block_size) when it is a power of two, else -1
+  // PagedAttentionParams::context_constant: the decode kernel reads cu_seqlens, context_lens,
+  // block_tables and its first tiles of keys below each sequence's first query row before its
+  // PDL wait (the exception layers/pdl.cuh's contract allows for memory that held its values
+  // before the kernel ahead started).
+  bool context_constant;
 };
 
 // The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.

@@ -89,7 +89,11 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
   uint16_t* widen = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes);
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes + L::kWidenBytes);
   int* key_ok = reinterpret_cast<int*>(decode_smem + L::kStagesBytes + L::kWidenBytes + L::kQBytes);
-  PdlEnter();
+  // With a.context_constant the sequence metadata, the block table and the first stages' tiles
+  // of keys written before this step are read before the PDL wait (see AttnArgs); otherwise
+  // nothing is read before it.
+  bool waited = !a.context_constant;
+  if (waited) PdlEnter();
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3, mat = lane >> 3;
@@ -148,8 +152,16 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
         if (piece == 0) ok[r] = zero ? 0 : 1;
       }
     };
+    // Keys below history_end were written before this step (its rows are the sequence's last
+    // n positions): a tile whose keys all lie there may load before the PDL wait, the first
+    // tile with a key of this step's rows waits for it. CTA-uniform, as PdlEnter needs.
+    const int history_end = ctx - n;
 #pragma unroll
     for (int i = 0; i < L::kStages - 1; ++i) {
+      if (!waited && i < tiles && min(key_lo + (i + 1) * kDecodeKeys, key_end) > history_end) {
+        PdlEnter();
+        waited = true;
+      }
       if (i < tiles) {
         fetch_blocks(i);
         load_tile(i);
@@ -157,6 +169,10 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
       CopyAsyncCommit();  // empty groups too: the wait below counts groups
     }
     if (L::kStages - 1 < tiles) fetch_blocks(L::kStages - 1);
+    if (!waited) {  // before Q (the kernel ahead writes it) and before any write
+      PdlEnter();
+      waited = true;
+    }
 
     // Q: this KV head's kGroup query heads as rows 0 .. kGroup - 1 of an 8-row tile (the
     // others zero), the n8 columns of S^T = K.Q^T.

@@ -483,6 +483,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   constexpr double kLog2E = 1.4426950408889634;
   a.scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
   a.max_rows = flash ? 1 : INT_MAX;
+  a.context_constant = p.context_constant;
   a.block_shift = -1;
   for (int sh = 0; sh < 31; ++sh) {
     if ((int64_t{1} << sh) == p.layout.block_size) a.block_shift = sh;

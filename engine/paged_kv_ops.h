@@ -116,6 +116,14 @@ struct PagedAttentionParams {
   // not written. Null or a count of 0: the kernels above take everything.
   const int32_t* multi_row_seqs = nullptr;
   int64_t multi_row_count = 0;
+  // A promise, for a launch that follows another PDL kernel in its stream (layers/pdl.cuh):
+  // cu_seqlens, context_lens, block_tables and every key and value at a position below its
+  // sequence's first query row of this launch held their values before the kernel ahead of
+  // this launch started. A generation step uploads the former before its first kernel and
+  // writes only its own rows' keys and values. The decode kernel then reads those before it
+  // waits for the kernel ahead (the keys of the query rows, q and everything it writes come
+  // after), so that its loads overlap that kernel. false: nothing is read before the wait.
+  bool context_constant = false;
 };
 Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream);
 

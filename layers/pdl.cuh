@@ -6,7 +6,8 @@
 //
 // Contract: a kernel launched with LaunchPdl calls PdlEnter() before its first global memory
 // access (read or write), on every thread, except reads of memory that held its values before
-// the kernel ahead of it started (a weight: see GemmParams::b_constant). A grid of at most
+// the kernel ahead of it started (a weight: see GemmParams::b_constant; a generation step's
+// metadata and earlier keys: PagedAttentionParams::context_constant). A grid of at most
 // kPdlEarlyTriggerCtas CTAs (one wave on any Hopper part) also lets the next PDL-launched kernel be
 // scheduled at once; a larger grid does so as its CTAs exit, so that waiting CTAs of the next
 // kernel never take the place of its own later waves. Before sm_90 both are no-ops and LaunchPdl

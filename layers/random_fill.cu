@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "layers/pdl.cuh"
+
 namespace tpserve {
 namespace {
 
@@ -79,7 +81,8 @@ Status LaunchRandomUniform(void* dst, DataType type, size_t count, uint64_t seed
 
 namespace {
 
-__global__ void DelayKernel(int64_t ns) {
+__global__ void DelayKernel(int64_t ns, bool let_next_start) {
+  if (let_next_start) PdlEnter();  // one CTA: lets the next PDL kernel start at once
   uint64_t start = 0, now = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   do {
@@ -90,10 +93,15 @@ __global__ void DelayKernel(int64_t ns) {
 
 }  // namespace
 
-Status LaunchGpuDelay(int64_t ns, cudaStream_t stream) {
+Status LaunchGpuDelay(int64_t ns, cudaStream_t stream, bool let_next_start) {
   if (ns <= 0) return Status::Ok();
-  DelayKernel<<<1, 1, 0, stream>>>(ns);
-  const cudaError_t e = cudaGetLastError();
+  cudaError_t e = cudaSuccess;
+  if (let_next_start) {
+    e = LaunchPdl(DelayKernel, dim3(1), dim3(1), 0, stream, ns, true);
+  } else {
+    DelayKernel<<<1, 1, 0, stream>>>(ns, false);
+  }
+  if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {
     return InternalError(std::string("delay kernel launch failed: ") + cudaGetErrorString(e));
   }

@@ -26,6 +26,10 @@ Status LaunchRandomUniform(void* dst, DataType type, size_t count, uint64_t seed
 // stream busy so that the host can queue what follows before the GPU reaches
 // it: benchmarks put it before a round of timed launches, so that no timed
 // interval includes host launch latency. ns <= 0 launches nothing.
-Status LaunchGpuDelay(int64_t ns, cudaStream_t stream);
+// let_next_start: launched with programmatic dependent launch (layers/pdl.cuh), it lets the
+// next PDL kernel in the stream be scheduled at once, so that kernel runs its part before
+// its PDL wait while this one spins: tests put it ahead of a kernel that reads memory before
+// its wait, to show which loads wait.
+Status LaunchGpuDelay(int64_t ns, cudaStream_t stream, bool let_next_start = false);
 
 }  // namespace tpserve

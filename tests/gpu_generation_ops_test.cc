@@ -43,6 +43,7 @@
 #include "engine/sampling_kernels.h"
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
+#include "layers/random_fill.h"
 #include "tests/gpu_test_util.h"
 
 namespace tpserve {
@@ -354,6 +355,20 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
   ExpectAttentionNear(out, ref, st.tokens, st.q_width, abs_tol,
                       what + " (" + std::to_string(splits) + " splits" +
                           (decode_kernel ? ", decode kernel)" : ")"));
+
+  // context_constant moves the decode kernel's loads of earlier keys before its PDL wait; what
+  // it computes stays the same, bit for bit (no kernel runs ahead here: the order is all).
+  PagedAttentionParams early = p;
+  early.context_constant = true;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_early,
+                          PoisonedBuffer(DataType::kBFloat16, out_elems, "early", stream));
+  early.out = d_early.as<BFloat16>();
+  TP_ASSERT_OK(LaunchPagedAttention(early, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(auto out_early, Download<BFloat16>(d_early.data(), out_elems));
+  size_t differ = 0;
+  for (size_t i = 0; i < out_elems; ++i) differ += out[i].bits != out_early[i].bits;
+  EXPECT_EQ(differ, 0u) << what << ": context_constant changed the output";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -691,6 +706,88 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionReplaysInACudaGraph) {
     size_t differ = 0;
     for (size_t i = 0; i < out_elems; ++i) differ += e[i].bits != g[i].bits;
     EXPECT_EQ(differ, 0u) << "round " << round << ": graph replay differs from the eager launch";
+  }
+}
+
+// With context_constant the decode kernel loads keys written before the step ahead of its PDL
+// wait. Here the kernel ahead (a PDL cache write of each sequence's newest row, new keys and
+// values over the old) is held back by a 200 us delay kernel that lets both start at once: the
+// attention kernel's CTAs run their part before the wait while the write has not happened yet.
+// Output computed with the old newest row instead of the new one shows a load that did not
+// wait: at context 1 the output is that row's value itself.
+TEST_F(GpuGenerationOpsTest, DecodeAttentionWaitsForTheWriteOfItsRows) {
+  TP_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> ctx{1, 2, 17, 64, 65, 100, 1023, 4097};
+  const std::vector<int32_t> one(ctx.size(), 1);
+  for (const KvCacheDtype dtype : {KvCacheDtype::kBFloat16, KvCacheDtype::kFloat8E4M3}) {
+    PagedCase c{ctx, one, 8, 2, 128, 16, dtype};
+    const std::string what = "write ahead of attention, " + Describe(c);
+    PagedStep st;
+    CpuKvCache* cpu = nullptr;
+    std::vector<std::unique_ptr<CpuKvCache>> owner;
+    BuildStep(stream(), c, 440, &st, &cpu, &owner);
+    if (HasFatalFailure()) return;
+
+    // New keys and values for position ctx - 1 of every sequence: into the CPU cache now, into
+    // the GPU's by the write queued ahead of attention.
+    const int64_t seqs = static_cast<int64_t>(ctx.size());
+    const int64_t kv_width = c.kv_heads * c.head_dim;
+    const std::vector<BFloat16> k_new =
+        RandomBf16(static_cast<size_t>(seqs * kv_width), -c.kv_range, c.kv_range, 441);
+    const std::vector<BFloat16> v_new =
+        RandomBf16(static_cast<size_t>(seqs * kv_width), -c.kv_range, c.kv_range, 442);
+    std::vector<int32_t> slots(ctx.size());
+    for (int64_t s = 0; s < seqs; ++s) {
+      const int32_t pos = ctx[s] - 1;
+      const int32_t* table = st.block_tables.data() + s * st.max_blocks;
+      slots[s] =
+          static_cast<int32_t>(table[pos / c.block_size] * c.block_size + pos % c.block_size);
+      std::vector<float> k(kv_width), v(kv_width);
+      for (int64_t j = 0; j < kv_width; ++j) {
+        k[j] = BFloat16ToFloat(k_new[s * kv_width + j]);
+        v[j] = BFloat16ToFloat(v_new[s * kv_width + j]);
+      }
+      cpu->Write(st.layer, k.data(), v.data(), 1, &pos, table);
+    }
+    std::vector<float> ref(static_cast<size_t>(st.tokens * st.q_width));
+    TP_ASSERT_OK(PagedAttention(*cpu, st.layer, st.q_f.data(), c.q_heads, st.cu_seqlens, c.context,
+                                st.block_tables, st.max_blocks, ref.data()));
+
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_k, Upload(k_new, "k_new"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_v, Upload(v_new, "v_new"));
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_slots, Upload(slots, "slots"));
+    PagedKvWriteParams w;
+    w.k = d_k.as<BFloat16>();
+    w.k_row_stride = kv_width;
+    w.v = d_v.as<BFloat16>();
+    w.v_row_stride = kv_width;
+    w.slot_mapping = d_slots.as<int32_t>();
+    w.rows = seqs;
+    w.cache = st.d_cache.data();
+    w.layout = st.layout;
+    w.layer = st.layer;
+
+    PagedAttentionParams p = AttentionParamsFor(c, st);
+    ASSERT_TRUE(TakesDecodeKernel(c, p)) << what;
+    p.context_constant = true;
+    const size_t ws_bytes = PagedAttentionWorkspaceBytes(st.tokens, c.q_heads, c.head_dim,
+                                                         st.max_blocks * c.block_size);
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
+    p.workspace = d_ws.data();
+    p.workspace_bytes = ws_bytes;
+    const size_t out_elems = static_cast<size_t>(st.tokens * p.out_row_stride);
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
+                            PoisonedBuffer(DataType::kBFloat16, out_elems, "out", stream()));
+    p.out = d_out.as<BFloat16>();
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK(LaunchGpuDelay(200 * 1000, stream(), /*let_next_start=*/true));
+    TP_ASSERT_OK(LaunchPagedKvWrite(w, stream()));
+    TP_ASSERT_OK(LaunchPagedAttention(p, stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), out_elems));
+    const double abs_tol =
+        (dtype == KvCacheDtype::kFloat8E4M3 ? std::ldexp(1.0, -8) : 2e-5) * c.kv_range;
+    ExpectAttentionNear(out, ref, st.tokens, st.q_width, abs_tol, what);
   }
 }
 
