@@ -45,6 +45,10 @@ struct AttnArgs {
   // PDL wait (the exception layers/pdl.cuh's contract allows for memory that held its values
   // before the kernel ahead started).
   bool context_constant;
+  // The decode kernel only, 1 < splits <= kDecodeMaxClusterSplits: the splits of a (sequence,
+  // KV head) are one cluster and merge their partials themselves (no combine pass, no
+  // workspace).
+  bool cluster_merge;
 };
 
 // The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.
@@ -62,6 +66,9 @@ __device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begi
 
 // Keys per split at least, for the decode kernel's device-side split of a context.
 constexpr int kDecodeMinSplitKeys = 16 * kAttnWarps;
+// The most splits the decode kernel merges within a thread-block cluster (Hopper's largest,
+// non-portable, cluster); the launcher's own split choice for it stays within this.
+constexpr int kDecodeMaxClusterSplits = 16;
 // The decode kernel's CTAs an SM (its shared memory: three stages of K and V tiles).
 constexpr int kDecodeCtasPerSmBf16 = 2;
 constexpr int kDecodeCtasPerSmFp8 = 3;

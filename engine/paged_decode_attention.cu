@@ -1,5 +1,6 @@
 // The decode attention kernel of engine/paged_kv_ops.h (one query row per sequence, on
 // tensor cores) and its launcher. Plain CUDA C++17 (see paged_kv_ops.cu).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -36,7 +37,12 @@ using namespace device;
 // stores overlap the S product and the softmax.
 // A sequence's context is cut into splits on the device, from its own length (at most
 // a.splits of at least kDecodeMinSplitKeys keys each), so one graph serves every context; a
-// split past the context writes an empty partial (m = -inf, l = 0) for the combine pass.
+// split past the context writes an empty partial (m = -inf, l = 0) for the merge.
+// The splits' partials are merged by the combine pass (through the workspace), or with
+// a.cluster_merge by the splits themselves: the a.splits CTAs of a (sequence, KV head) are one
+// thread-block cluster, each leaves its partial in its shared memory, and after a cluster
+// barrier split r reads every split's partial (distributed shared memory) for its share of the
+// outputs: no second kernel and no workspace round trip.
 constexpr int kDecodeKeys = 16 * kAttnWarps;  // keys per tile
 
 // Dynamic shared memory of the decode kernel:
@@ -64,8 +70,11 @@ struct DecodeSmem {
   static constexpr int kBytes = kStagesBytes + kWidenBytes + kQBytes + kFlagBytes;
   // 228 KiB of shared memory an SM, 1 KiB of it reserved per CTA.
   static_assert(kCtasPerSm * (kBytes + 1024) <= 228 * 1024, "CTAs per SM");
-  // The warps' merge reuses the stages once the pipeline has drained.
-  static_assert(kAttnWarps * 8 * (kHeadDim + 2) * 4 <= kStagesBytes, "merge area");
+  // The warps' merge reuses the stages once the pipeline has drained; the CTA's partial for
+  // a cluster merge ([8][kHeadDim] sums, [8][2] max and sum) follows it there.
+  static constexpr int kMergeBytes = kAttnWarps * 8 * (kHeadDim + 2) * 4;
+  static constexpr int kPartialBytes = 8 * (kHeadDim + 2) * 4;
+  static_assert(kMergeBytes + kPartialBytes <= kStagesBytes, "merge area");
 };
 
 template <int kHeadDim, bool kFp8, int kGroup>
@@ -346,6 +355,9 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
     }
     float* acc_s = reinterpret_cast<float*>(stages);       // [warps][kGroup][kHeadDim]
     float* ml_s = acc_s + kAttnWarps * kGroup * kHeadDim;  // [warps][kGroup][2]
+    // The CTA's partial for a cluster merge: [kGroup][kHeadDim] sums, [kGroup][2] max, sum.
+    float* part_acc = reinterpret_cast<float*>(stages + L::kMergeBytes);
+    float* part_ml = part_acc + kGroup * kHeadDim;
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int qi = 2 * t + q;
@@ -383,6 +395,12 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
         reinterpret_cast<uint16_t*>(
             a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d] =
             static_cast<uint16_t>(FloatToBf16(y));
+      } else if (a.cluster_merge) {
+        part_acc[i] = num;
+        if (d == 0) {
+          part_ml[2 * gi] = big;
+          part_ml[2 * gi + 1] = den;
+        }
       } else {
         const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
         a.ws_acc[slot * kHeadDim + d] = num;
@@ -391,6 +409,38 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
           a.ws_ml[2 * slot + 1] = den;
         }
       }
+    }
+    if (a.cluster_merge && a.splits > 1) {
+      // Every split's partial, for this CTA's share of the kGroup x kHeadDim outputs (cluster
+      // rank r takes outputs [128 r, 128 r + 128), then the same 128 x splits further on):
+      // out = sum_r 2^(m_r - M) acc_r / sum_r 2^(m_r - M) l_r, M the largest m_r.
+      namespace cg = cooperative_groups;
+      cg::cluster_group cluster = cg::this_cluster();
+      const int rank = static_cast<int>(cluster.block_rank());
+      cluster.sync();  // every split's partial is written (and visible to the cluster)
+      for (int i = rank * kAttnThreads + threadIdx.x; i < kGroup * kHeadDim;
+           i += a.splits * kAttnThreads) {
+        const int gi = i / kHeadDim, d = i % kHeadDim;
+        float big = -INFINITY;
+        for (int r = 0; r < a.splits; ++r) {
+          big = fmaxf(big, cluster.map_shared_rank(part_ml, r)[2 * gi]);
+        }
+        float num = 0.0f, den = 0.0f;
+        if (big != -INFINITY) {
+          for (int r = 0; r < a.splits; ++r) {
+            const float* ml = cluster.map_shared_rank(part_ml, r);
+            const float m = ml[2 * gi];
+            const float wt = m == -INFINITY ? 0.0f : exp2f(m - big);  // 0 for an empty split
+            num = fmaf(wt, cluster.map_shared_rank(part_acc, r)[i], num);
+            den = fmaf(wt, ml[2 * gi + 1], den);
+          }
+        }
+        const int head = kvh * kGroup + gi;
+        reinterpret_cast<uint16_t*>(
+            a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d] =
+            static_cast<uint16_t>(FloatToBf16(den > 0.0f ? num / den : 0.0f));
+      }
+      cluster.sync();  // no split's partial is overwritten (nor its CTA gone) while read
     }
     __syncthreads();  // the merge area, q_tile and key_ok are rewritten for the next row
   }
@@ -412,8 +462,31 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, const AttnArgs& a, cudaStream_t stre
                              cudaSharedmemCarveoutMaxShared);
   }
   if (e != cudaSuccess) return e;
-  return LaunchPdl(PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup>, grid, dim3(kAttnThreads),
-                   kSmem, stream, a);
+  if (!a.cluster_merge) {
+    return LaunchPdl(PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup>, grid, dim3(kAttnThreads),
+                     kSmem, stream, a);
+  }
+  // A cluster of the a.splits CTAs of a (sequence, KV head): grid.z is the splits. Beyond 8
+  // CTAs a cluster is non-portable (Hopper takes 16).
+  if (a.splits > 8) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kAttnThreads);
+  config.dynamicSmemBytes = kSmem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  attribute[1].id = cudaLaunchAttributeClusterDimension;
+  attribute[1].val.clusterDim.x = 1;
+  attribute[1].val.clusterDim.y = 1;
+  attribute[1].val.clusterDim.z = static_cast<unsigned>(a.splits);
+  config.attrs = attribute;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, kernel, a);
 }
 
 template <int kHeadDim, int kGroup>

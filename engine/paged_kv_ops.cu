@@ -288,7 +288,7 @@ cudaError_t LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, in
   } else {
     LaunchAttentionKernel<kHeadDim, kMaxPairsPerWarp>(grid, fp8, a, stream);
   }
-  if (a.splits > 1) {
+  if (a.splits > 1 && !a.cluster_merge) {
     const dim3 cgrid(grid.x / static_cast<unsigned>(a.kv_heads),
                      static_cast<unsigned>(combine_rows), static_cast<unsigned>(a.q_heads));
     const cudaError_t e =
@@ -377,6 +377,8 @@ int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
         int64_t{sm_count};
     const int64_t per_sm = decode ? 4 : 2;
     splits = decode && ctas >= slots ? 1 : (per_sm * int64_t{sm_count} + ctas - 1) / ctas;
+    // The decode kernel's splits merge in a cluster (no combine pass) up to a cluster's size.
+    if (decode) splits = std::min<int64_t>(splits, kDecodeMaxClusterSplits);
   }
   splits = std::max<int64_t>(1, std::min(splits, cap));
   if (splits > 1) {
@@ -484,6 +486,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   a.scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
   a.max_rows = flash ? 1 : INT_MAX;
   a.context_constant = p.context_constant;
+  a.cluster_merge = UsesDecodeKernel(p) && splits > 1 && splits <= kDecodeMaxClusterSplits;
   a.block_shift = -1;
   for (int sh = 0; sh < 31; ++sh) {
     if ((int64_t{1} << sh) == p.layout.block_size) a.block_shift = sh;

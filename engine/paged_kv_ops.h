@@ -67,13 +67,16 @@ Status CheckPagedKvWrite(const PagedKvWriteParams& p);
 // Rows outside every sequence are not written.
 //
 // Work split: a CTA takes up to 16 (query row, head) pairs of one (sequence, KV head), or in
-// pure decode all query heads of one (sequence, KV head), and a range of the context. Long contexts
-// are split over several CTAs (flash-decoding) whose partial results go to `workspace` and are
-// merged by a second kernel. The split count is chosen on the host from the sizes given here (never
-// from device data), so a captured graph stays valid: `splits` if set, else enough splits that the
-// launch covers the GPU, at most PagedAttentionMaxSplits(max_context), and never more than the
-// workspace holds (a null or small workspace gives fewer splits, down to 1, which needs none). Size
-// the workspace once with PagedAttentionWorkspaceBytes for the largest launch.
+// pure decode all query heads of one (sequence, KV head), and a range of the context. Long
+// contexts are split over several CTAs (flash-decoding) whose partial results go to `workspace`
+// and are merged by a second kernel; in pure decode, up to 16 splits are one thread-block
+// cluster and merge among themselves (the workspace then only bounds the split count, as
+// below). The split count is chosen on the host from the sizes given here (never from device
+// data), so a captured graph stays valid: `splits` if set, else enough splits that the launch
+// covers the GPU (at most 16 in pure decode), at most PagedAttentionMaxSplits(max_context), and
+// never more than the workspace holds (a null or small workspace gives fewer splits, down to 1,
+// which needs none). Size the workspace once with PagedAttentionWorkspaceBytes for the largest
+// launch.
 //
 // Device data is clamped, never trusted: cu_seqlens to [0, tokens] (non-decreasing),
 // context_lens to [0, max_blocks * block_size]; a block table entry outside [0, num_blocks)

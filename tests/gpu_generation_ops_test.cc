@@ -791,6 +791,42 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionWaitsForTheWriteOfItsRows) {
   }
 }
 
+TEST_F(GpuGenerationOpsTest, SplitChoiceFollowsTheLaunchShape) {
+  // Host arithmetic only: runs without a GPU too. llama3-8b's heads (32 / 8, head_dim 128),
+  // one H200 (132 SMs), a table of 8192 tokens, pure decode (one row per sequence).
+  PagedAttentionParams p;
+  p.layout = KvCacheLayout{32, 8192, 16, 8, 128, KvCacheDtype::kBFloat16};
+  p.q_heads = 32;
+  p.max_blocks = 512;
+  p.max_query_rows = 1;
+  alignas(16) static uint8_t ws[1];
+  p.workspace = ws;
+  p.workspace_bytes = PagedAttentionWorkspaceBytes(256, 32, 128, 8192);
+  auto splits_for = [&](int64_t seqs) {
+    p.num_seqs = p.tokens = seqs;
+    return PagedAttentionSplitsFor(p, 132);
+  };
+  // Batch 1 and 8: enough splits to cover the GPU, at most a cluster's 16 (merged in the
+  // cluster: no combine pass).
+  EXPECT_EQ(splits_for(1), 16);
+  EXPECT_EQ(splits_for(8), 9);  // 4 x 132 CTAs over 64 (sequence, KV head) pairs
+  // Batch 64: 512 CTAs fill the 264 slots of a BF16 cache's two an SM: not split.
+  EXPECT_EQ(splits_for(64), 1);
+  // Two rows a sequence (the split kernels, merged by the combine pass): not held to 16.
+  // 16 CTAs (2 sequences x 8 KV heads, 8 pairs each) and two an SM: 264 / 16, rounded up.
+  p.max_query_rows = 2;
+  EXPECT_EQ(splits_for(2), 17);
+  p.max_query_rows = 1;
+  // Asked for: as many as asked, past a cluster (then merged by the combine pass).
+  p.splits = 20;
+  EXPECT_EQ(splits_for(1), 20);
+  p.splits = 0;
+  // No workspace: one split.
+  p.workspace = nullptr;
+  p.workspace_bytes = 0;
+  EXPECT_EQ(splits_for(1), 1);
+}
+
 TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
   // Host-side checks return before touching CUDA: these run without a GPU too.
   PagedAttentionParams p;
