@@ -73,9 +73,11 @@ constexpr int kDecodeMaxClusterSplits = 16;
 constexpr int kDecodeCtasPerSmBf16 = 2;
 constexpr int kDecodeCtasPerSmFp8 = 3;
 
-// Launches the decode kernel (one query row per sequence; a.group in 1, 2, 4, 8; head_dim 64
-// or 128) on grid (num_seqs * kv_heads, splits). Returns the launch's error.
-cudaError_t LaunchPagedDecodeKernel(int head_dim, dim3 grid, bool fp8, const AttnArgs& a,
+// Launches the decode kernel (one query row per sequence; a->group in 1, 2, 4, 8; head_dim 64
+// or 128) on grid (num_seqs * kv_heads, 1, splits). Returns the launch's error. Clears
+// a->cluster_merge when the device cannot place a cluster of a->splits CTAs: the splits' partials
+// are then in the workspace, for the combine pass.
+cudaError_t LaunchPagedDecodeKernel(int head_dim, dim3 grid, bool fp8, AttnArgs* a,
                                     cudaStream_t stream);
 
 }  // namespace tpserve::paged_attn

@@ -450,8 +450,12 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
 // default; the opt-in holds per device (context) and ranks may be threads of one process on
 // several devices: set before every launch (a host-side call, allowed while a stream is
 // captured; a graph replay does not repeat it).
+// With a->cluster_merge the a->splits CTAs of a (sequence, KV head) are one cluster (grid.z is
+// the splits; beyond 8 CTAs a cluster is non-portable, Hopper takes 16). A cluster the device
+// cannot place (no GPC with room for it) falls back to the combine pass: a->cluster_merge is
+// cleared, and the caller launches that pass.
 template <int kHeadDim, bool kFp8, int kGroup>
-cudaError_t LaunchDecodeKernelAs(dim3 grid, const AttnArgs& a, cudaStream_t stream) {
+cudaError_t LaunchDecodeKernelAs(dim3 grid, AttnArgs* a, cudaStream_t stream) {
   constexpr int kSmem = DecodeSmem<kHeadDim, kFp8>::kBytes;
   const auto kernel = PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -462,16 +466,6 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, const AttnArgs& a, cudaStream_t stre
                              cudaSharedmemCarveoutMaxShared);
   }
   if (e != cudaSuccess) return e;
-  if (!a.cluster_merge) {
-    return LaunchPdl(PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup>, grid, dim3(kAttnThreads),
-                     kSmem, stream, a);
-  }
-  // A cluster of the a.splits CTAs of a (sequence, KV head): grid.z is the splits. Beyond 8
-  // CTAs a cluster is non-portable (Hopper takes 16).
-  if (a.splits > 8) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kAttnThreads);
@@ -483,24 +477,35 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, const AttnArgs& a, cudaStream_t stre
   attribute[1].id = cudaLaunchAttributeClusterDimension;
   attribute[1].val.clusterDim.x = 1;
   attribute[1].val.clusterDim.y = 1;
-  attribute[1].val.clusterDim.z = static_cast<unsigned>(a.splits);
+  attribute[1].val.clusterDim.z = static_cast<unsigned>(a->splits);
   config.attrs = attribute;
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, kernel, a);
+  if (a->cluster_merge) {
+    int clusters = 0;
+    if ((a->splits > 8 &&
+         cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+             cudaSuccess) ||
+        cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+      (void)cudaGetLastError();  // a refused query is not the launch's error
+      a->cluster_merge = false;
+    }
+  }
+  config.numAttrs = a->cluster_merge ? 2 : 1;
+  return cudaLaunchKernelEx(&config, kernel, *a);
 }
 
 template <int kHeadDim, int kGroup>
-cudaError_t LaunchDecodeKernel(dim3 grid, bool fp8, const AttnArgs& a, cudaStream_t stream) {
+cudaError_t LaunchDecodeKernel(dim3 grid, bool fp8, AttnArgs* a, cudaStream_t stream) {
   return fp8 ? LaunchDecodeKernelAs<kHeadDim, true, kGroup>(grid, a, stream)
              : LaunchDecodeKernelAs<kHeadDim, false, kGroup>(grid, a, stream);
 }
 
 }  // namespace
 
-cudaError_t LaunchPagedDecodeKernel(int head_dim, dim3 grid, bool fp8, const AttnArgs& a,
+cudaError_t LaunchPagedDecodeKernel(int head_dim, dim3 grid, bool fp8, AttnArgs* a,
                                     cudaStream_t stream) {
   const bool h64 = head_dim == 64;
-  switch (a.group) {
+  switch (a->group) {
     case 1:
       return h64 ? LaunchDecodeKernel<64, 1>(grid, fp8, a, stream)
                  : LaunchDecodeKernel<128, 1>(grid, fp8, a, stream);

@@ -277,9 +277,9 @@ void LaunchAttentionKernel(dim3 grid, bool fp8, const AttnArgs& a, cudaStream_t 
 // pairs_per_warp 0: the decode kernel (one query row per sequence, a.group in 1, 2, 4, 8).
 template <int kHeadDim>
 cudaError_t LaunchAttentionKernels(dim3 grid, int64_t combine_rows, bool fp8, int pairs_per_warp,
-                                   const AttnArgs& a, cudaStream_t stream) {
+                                   AttnArgs a, cudaStream_t stream) {
   if (pairs_per_warp == 0) {
-    const cudaError_t e = LaunchPagedDecodeKernel(kHeadDim, grid, fp8, a, stream);
+    const cudaError_t e = LaunchPagedDecodeKernel(kHeadDim, grid, fp8, &a, stream);
     if (e != cudaSuccess) return e;
   } else if (pairs_per_warp == 1) {
     LaunchAttentionKernel<kHeadDim, 1>(grid, fp8, a, stream);
