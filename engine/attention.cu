@@ -578,6 +578,9 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
   a.q_row_stride = p.q_row_stride;
   a.out = p.out;
   a.out_row_stride = p.out_row_stride;
+  a.out_fp8 = p.out_fp8;
+  a.out_fp8_row_stride = p.out_fp8_row_stride;
+  a.out_fp8_scale = p.out_fp8_scale;
   a.cu_seqlens = p.cu_seqlens;
   a.num_seqs = p.multi_row_count;
   a.tokens = p.tokens;

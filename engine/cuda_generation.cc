@@ -162,7 +162,8 @@ PagedKvWriteParams CudaModel::KvStore(int64_t layer, int64_t m, BFloat16* qkv) c
 }
 
 Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
-                                        BFloat16* out, float* amax) {
+                                        BFloat16* out, float* amax, uint8_t* out_fp8,
+                                        const float* out_fp8_scale) {
   const Generation& g = *gen_;
   const ModelConfig& c = config_;
   const int64_t hd = c.head_dim(), nh_l = c.num_attention_heads / tp_;
@@ -188,6 +189,9 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   p.max_context = g.width * kv_layout_.block_size;
   p.out = out;
   p.out_row_stride = nh_l * hd;
+  p.out_fp8 = out_fp8;
+  p.out_fp8_row_stride = nh_l * hd;
+  p.out_fp8_scale = out_fp8_scale;
   p.workspace = g.workspace.data();
   p.workspace_bytes = g.workspace.size();
   p.multi_row_seqs = g.d<int32_t>(g.at.multi_rows);

@@ -226,10 +226,16 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   TP_RETURN_IF_ERROR(LaunchRope(rope, st));
   TP_RETURN_IF_ERROR(Mark("rope"));
 
-  if (stepping_) {  // paged: BF16 out (staged in attn_ for FP8 layers, quantized below)
+  if (stepping_) {
+    // Into o's input, as the prefill pass below: BF16 layers read the output as is; FP8 layers
+    // with a static scale get its E4M3 codes from the kernel; the others stage BF16 in attn_
+    // (dynamic ones with its amax) for QuantizeInput.
+    const bool codes = fp8 && !lw.o.staged();
+    BFloat16* out =
+        !fp8 ? static_cast<BFloat16*>(o->input(m)) : (codes ? nullptr : attn_.as<BFloat16>());
     TP_RETURN_IF_ERROR(EnqueuePagedAttention(
-        l, m, seq_slots, qkv_y, fp8 ? attn_.as<BFloat16>() : static_cast<BFloat16*>(o->input(m)),
-        fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr));
+        l, m, seq_slots, qkv_y, out, fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr,
+        codes ? static_cast<uint8_t*>(o->input(m)) : nullptr, codes ? lw.o.x_scale() : nullptr));
   } else {
     AttentionParams at;
     at.q = qkv_y;
@@ -262,7 +268,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.head_dim = hd;
     TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
   }
-  if (fp8 && (lw.o.staged() || stepping_)) {
+  if (fp8 && lw.o.staged()) {
     TP_RETURN_IF_ERROR(QuantizeInput(attn_.as<BFloat16>(), m, nh_l * hd, lw.o, o->input(m)));
   }
   TP_RETURN_IF_ERROR(Mark("attention"));

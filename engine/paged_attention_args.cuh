@@ -8,6 +8,8 @@
 #include <cstdint>
 
 #include "comm/dtype.h"
+#include "engine/device_math.cuh"
+#include "layers/fp8_divide.cuh"
 
 namespace tpserve::paged_attn {
 
@@ -31,8 +33,11 @@ struct AttnArgs {
   const int32_t* block_tables;
   int64_t max_blocks;
   int tokens;
-  BFloat16* out;
+  BFloat16* out;  // or null
   int64_t out_row_stride;
+  uint8_t* out_fp8;  // or null: PagedAttentionParams::out_fp8
+  int64_t out_fp8_row_stride;
+  const float* out_fp8_scale;
   float* ws_acc;  // [splits][tokens][q_heads][head_dim]
   float* ws_ml;   // [splits][tokens][q_heads][2]: running max (log2 units), sum
   int splits;
@@ -62,6 +67,20 @@ __device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begi
   const int64_t cap = a.max_blocks * a.block_size;
   const int64_t c = a.context_lens[s];
   *ctx = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
+}
+
+// Stores output element (token, col) = y: its BF16 rounding into a.out, and the E4M3 code of
+// that BF16 value over *a.out_fp8_scale into a.out_fp8 (LaunchQuantizeToFp8E4M3's code), each
+// where set. After the kernel's PDL wait.
+__device__ __forceinline__ void StoreOutput(const AttnArgs& a, int64_t tok, int64_t col, float y) {
+  const uint32_t bits = device::FloatToBf16(y);
+  if (a.out != nullptr) {
+    reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride + col] = static_cast<uint16_t>(bits);
+  }
+  if (a.out_fp8 != nullptr) {
+    a.out_fp8[tok * a.out_fp8_row_stride + col] =
+        QuantizeToE4M3(device::Bf16ToFloat(bits), MakeFp8Divisor(*a.out_fp8_scale));
+  }
 }
 
 // Keys per split at least, for the decode kernel's device-side split of a context.

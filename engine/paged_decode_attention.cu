@@ -391,10 +391,8 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
       }
       const int head = kvh * kGroup + gi;
       if (a.splits == 1) {
-        const float y = den > 0.0f ? num / den : 0.0f;
-        reinterpret_cast<uint16_t*>(
-            a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d] =
-            static_cast<uint16_t>(FloatToBf16(y));
+        StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + d,
+                    den > 0.0f ? num / den : 0.0f);
       } else if (a.cluster_merge) {
         part_acc[i] = num;
         if (d == 0) {
@@ -436,9 +434,8 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
           }
         }
         const int head = kvh * kGroup + gi;
-        reinterpret_cast<uint16_t*>(
-            a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d] =
-            static_cast<uint16_t>(FloatToBf16(den > 0.0f ? num / den : 0.0f));
+        StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + d,
+                    den > 0.0f ? num / den : 0.0f);
       }
       cluster.sync();  // no split's partial is overwritten (nor its CTA gone) while read
     }

@@ -204,11 +204,10 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
       const int64_t tok = row_begin + j;
       if (a.splits == 1) {
         const float inv = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
-        uint16_t* dst = reinterpret_cast<uint16_t*>(a.out) + tok * a.out_row_stride +
-                        static_cast<int64_t>(head) * kHeadDim;
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
-          dst[lane + 32 * i] = static_cast<uint16_t>(FloatToBf16(acc[k][i] * inv));
+          StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + lane + 32 * i,
+                      acc[k][i] * inv);
         }
       } else {
         const int64_t slot = (static_cast<int64_t>(split) * a.tokens + tok) * a.q_heads + head;
@@ -258,9 +257,7 @@ __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs
       const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
       y = fmaf(w_s[sp], a.ws_acc[slot * kHeadDim + threadIdx.x], y);
     }
-    reinterpret_cast<uint16_t*>(
-        a.out)[tok * a.out_row_stride + static_cast<int64_t>(head) * kHeadDim + threadIdx.x] =
-        static_cast<uint16_t>(FloatToBf16(y));
+    StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + threadIdx.x, y);
     __syncthreads();  // w_s is rewritten for the next row
   }
 }
@@ -413,13 +410,22 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   if (p.max_query_rows < 0) return BadField(kP, "max_query_rows", p.max_query_rows, "must be >= 0");
   if (p.max_context < 0) return BadField(kP, "max_context", p.max_context, "must be >= 0");
   if (p.splits < 0) return BadField(kP, "splits", p.splits, "must be >= 0");
+  if (p.out == nullptr && p.out_fp8 == nullptr) {
+    return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
+  }
+  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
+    return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
+  }
   const int64_t width = p.q_heads * hd;
   const struct {
     const char* name;
     int64_t stride;
-  } strides[] = {{"q_row_stride", p.q_row_stride}, {"out_row_stride", p.out_row_stride}};
+    bool used;
+  } strides[] = {{"q_row_stride", p.q_row_stride, true},
+                 {"out_row_stride", p.out_row_stride, p.out != nullptr},
+                 {"out_fp8_row_stride", p.out_fp8_row_stride, p.out_fp8 != nullptr}};
   for (const auto& st : strides) {
-    if (st.stride < width || st.stride % 8 != 0) {
+    if (st.used && (st.stride < width || st.stride % 8 != 0)) {
       return BadField(kP, st.name, st.stride,
                       "must be a multiple of 8 and >= q_heads * head_dim (" + Str(width) + ")");
     }
@@ -438,12 +444,14 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   }
   TP_RETURN_IF_ERROR(CheckPointers(kP, {{"q", p.q, 16},
                                         {"cache", p.cache, 16},
-                                        {"out", p.out, 16},
+                                        {"out", p.out, 16, false},
+                                        {"out_fp8", p.out_fp8, 16, false},
                                         {"cu_seqlens", p.cu_seqlens, 4},
                                         {"context_lens", p.context_lens, 4},
                                         {"block_tables", p.block_tables, 4},
                                         {"workspace", p.workspace, 16, false},
                                         {"multi_row_seqs", p.multi_row_seqs, 4, false}}));
+  if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
   const bool flash = HasMultiRowList(p);
   if (p.multi_row_count < 0 || p.multi_row_count > p.num_seqs) {
     return BadField(kP, "multi_row_count", p.multi_row_count,
@@ -478,6 +486,9 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   a.tokens = static_cast<int>(p.tokens);
   a.out = p.out;
   a.out_row_stride = p.out_row_stride;
+  a.out_fp8 = p.out_fp8;
+  a.out_fp8_row_stride = p.out_fp8_row_stride;
+  a.out_fp8_scale = p.out_fp8_scale;
   a.splits = static_cast<int>(splits);
   a.chunk = static_cast<int>(chunk);
   a.ws_acc = splits > 1 ? static_cast<float*>(p.workspace) : nullptr;

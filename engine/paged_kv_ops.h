@@ -63,7 +63,8 @@ Status CheckPagedKvWrite(const PagedKvWriteParams& p);
 // whose P keeps about 16 bits over a BF16 cache (a BF16 high part and remainder), within
 // FP32-math error, and is rounded to BF16 over an E4M3 cache (within 2^-9 of max |v|).
 //   q:   [tokens, q_heads, head_dim] BF16, row stride q_row_stride (a slice of the QKV output)
-//   out: [tokens, q_heads, head_dim] BF16, row stride out_row_stride; must not overlap q
+//   out: [tokens, q_heads, head_dim] BF16, row stride out_row_stride, and/or its E4M3 codes
+//        in out_fp8; must not overlap q
 // Rows outside every sequence are not written.
 //
 // Work split: a CTA takes up to 16 (query row, head) pairs of one (sequence, KV head), or in
@@ -103,9 +104,16 @@ struct PagedAttentionParams {
   // The longest context the caller expects (0: max_blocks * block_size); sizes the split
   // chunks. A longer context is still attended in full (the last split takes the rest).
   int64_t max_context = 0;
-  BFloat16* out = nullptr;
-  int64_t out_row_stride = 0;  // >= q_heads * head_dim
-  void* workspace = nullptr;   // optional: 16-byte aligned, workspace_bytes long
+  BFloat16* out = nullptr;     // optional when out_fp8 is set
+  int64_t out_row_stride = 0;  // >= q_heads * head_dim (when out is set)
+  // Optional fused quantization for an FP8 consumer (o's input), as AttentionParams::out_fp8:
+  // E4M3 codes of the BF16-rounded output divided by *out_fp8_scale, bit-identical to
+  // LaunchQuantizeToFp8E4M3 run over `out`. Row stride out_fp8_row_stride (>= q_heads *
+  // head_dim, a multiple of 8), 16-byte aligned.
+  uint8_t* out_fp8 = nullptr;
+  int64_t out_fp8_row_stride = 0;
+  const float* out_fp8_scale = nullptr;  // required iff out_fp8 is set; finite and > 0
+  void* workspace = nullptr;             // optional: 16-byte aligned, workspace_bytes long
   size_t workspace_bytes = 0;
   int64_t splits = 0;  // 0: chosen by the launcher; > 0: this many (clamped as above)
   // Optional: the sequences of two or more query rows in this step (prefill chunks),

@@ -191,13 +191,18 @@ Status CudaLinear::Impl::AllocateBuffers(const std::string& name, const CudaLine
   const size_t row_y = shape.n * sizeof(uint16_t);
   const int64_t shard_max = CeilDiv(shape.max_m, tp);
   const bool ring = knobs.mode == OverlapMode::kRing;
+  // Every buffer starts as zeros: rows a pass leaves unwritten (the padding rows past a
+  // batch's tokens, which the engine's attention does not write into o's input) then hold
+  // zeros or values of earlier rows, never what the allocation held (E4M3 NaN codes among it).
   auto alloc = [&](DeviceBuffer& buf, size_t bytes, const char* what) -> Status {
     TP_ASSIGN_OR_RETURN(buf, DeviceBuffer::Allocate(bytes, name + "." + what));
+    if (bytes > 0) TP_CUDA_CHECK(cudaMemset(buf.data(), 0, bytes));
     return Status::Ok();
   };
   const bool ce = knobs.copy_engine && tp > 1;
   auto alloc_peer = [&](PeerBuffer& buf, size_t bytes, const char* what) -> Status {
     TP_ASSIGN_OR_RETURN(buf, PeerBuffer::Create(*comm, bytes, name + "." + what));
+    if (bytes > 0) TP_CUDA_CHECK(cudaMemset(buf.data(), 0, bytes));
     return Status::Ok();
   };
   if (shape.op == OverlapOp::kAllGatherGemm) {
@@ -266,6 +271,8 @@ Status CudaLinear::Impl::AllocateBuffers(const std::string& name, const CudaLine
   } else if (scale_floats > 0) {
     TP_RETURN_IF_ERROR(alloc(scales, scale_floats * sizeof(float), "scales"));
   }
+  // The memsets ran on the legacy stream; the layer's streams are non-blocking.
+  TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   return Status::Ok();
 }
 

@@ -369,6 +369,41 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
   size_t differ = 0;
   for (size_t i = 0; i < out_elems; ++i) differ += out[i].bits != out_early[i].bits;
   EXPECT_EQ(differ, 0u) << what << ": context_constant changed the output";
+
+  // E4M3 codes instead of BF16 (o's input): each the code of the BF16 output over the scale,
+  // as LaunchQuantizeToFp8E4M3 (and the CPU's FloatToFp8E4M3 of the float quotient) gives it;
+  // a scale that puts the largest outputs near E4M3's 448, and a row stride of its own.
+  PagedAttentionParams codes = p;
+  codes.out = nullptr;
+  codes.out_fp8_row_stride = st.q_width + 16;
+  const size_t fp8_elems = static_cast<size_t>(std::max<int64_t>(st.tokens, 1)) *
+                           static_cast<size_t>(codes.out_fp8_row_stride);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_codes,
+                          PoisonedBuffer(DataType::kFloat8E4M3, fp8_elems, "codes", stream));
+  const float scale = c.kv_range / 256.0f;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scale, Upload(std::vector<float>{scale}, "scale"));
+  codes.out_fp8 = d_codes.as<uint8_t>();
+  codes.out_fp8_scale = d_scale.as<float>();
+  TP_ASSERT_OK(LaunchPagedAttention(codes, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  TP_ASSERT_OK_AND_ASSIGN(auto got, Download<uint8_t>(d_codes.data(), fp8_elems));
+  size_t wrong = 0, padding = 0;
+  for (int64_t r = 0; r < st.tokens; ++r) {
+    for (int64_t j = 0; j < codes.out_fp8_row_stride; ++j) {
+      const uint8_t have = got[r * codes.out_fp8_row_stride + j];
+      if (j >= st.q_width) {
+        padding += have != kFp8E4M3PoisonBits;
+        continue;
+      }
+      const uint8_t want = FloatToFp8E4M3(BFloat16ToFloat(out[r * p.out_row_stride + j]) / scale);
+      if (have != want && ++wrong <= 5) {
+        ADD_FAILURE() << what << ": E4M3 out row " << r << " col " << j << " code " << int{have}
+                      << ", want " << int{want};
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0u) << what << ": E4M3 codes differ from the BF16 output's";
+  EXPECT_EQ(padding, 0u) << what << ": E4M3 out wrote past q_heads * head_dim";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -841,6 +876,17 @@ TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
   p.q_heads = 4;
   p.layer = 1;
   EXPECT_EQ(LaunchPagedAttention(p, nullptr).code(), StatusCode::kInvalidArgument);
+  p.layer = 0;
+  Status bad = LaunchPagedAttention(p, nullptr);  // neither out nor out_fp8
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+  EXPECT_NE(bad.message().find("out_fp8"), std::string::npos) << bad.ToString();
+  alignas(16) static uint8_t codes[64];
+  p.out_fp8 = codes;
+  p.out_fp8_row_stride = p.out_row_stride;
+  bad = LaunchPagedAttention(p, nullptr);  // codes without their scale
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+  EXPECT_NE(bad.message().find("out_fp8_scale"), std::string::npos) << bad.ToString();
+  p.out_fp8 = nullptr;
 
   PagedKvWriteParams w;
   w.layout = KvCacheLayout{1, 4, 16, 2, 60, KvCacheDtype::kFloat8E4M3};
