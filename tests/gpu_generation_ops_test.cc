@@ -260,6 +260,20 @@ PagedAttentionParams AttentionParamsFor(const PagedCase& c, const PagedStep& st)
   return p;
 }
 
+// A workspace for the case's largest split count (none without c.with_workspace), attached
+// to *p; the caller keeps the buffer alive through the launch.
+StatusOr<DeviceBuffer> AttachWorkspace(const PagedCase& c, const PagedStep& st,
+                                       PagedAttentionParams* p) {
+  const size_t bytes = c.with_workspace
+                           ? PagedAttentionWorkspaceBytes(st.tokens, c.q_heads, c.head_dim,
+                                                          st.max_blocks * c.block_size)
+                           : 0;
+  TP_ASSIGN_OR_RETURN(DeviceBuffer ws, DeviceBuffer::Allocate(bytes, "workspace"));
+  p->workspace = ws.data();
+  p->workspace_bytes = bytes;
+  return ws;
+}
+
 // Whether the case's single-row sequences take the decode kernel (LaunchPagedAttention's
 // choice: one query row per sequence in the launch's sizing, or every multi-row sequence
 // listed, and a group of 1, 2, 4 or 8) rather than the split kernels of several rows.
@@ -309,13 +323,7 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
                               st.block_tables, st.max_blocks, ref.data()));
 
   PagedAttentionParams p = AttentionParamsFor(c, st);
-  const size_t ws_bytes = c.with_workspace
-                              ? PagedAttentionWorkspaceBytes(st.tokens, c.q_heads, c.head_dim,
-                                                             st.max_blocks * c.block_size)
-                              : 0;
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
-  p.workspace = d_ws.data();
-  p.workspace_bytes = ws_bytes;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, AttachWorkspace(c, st, &p));
   std::vector<int32_t> multi;
   for (size_t s = 0; s < c.query.size(); ++s) {
     if (c.query[s] >= 2) multi.push_back(static_cast<int32_t>(s));
@@ -680,11 +688,7 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionReplaysInACudaGraph) {
   BuildStep(stream(), c, 430, &st, &cpu, &owner);
   if (HasFatalFailure()) return;
   PagedAttentionParams p = AttentionParamsFor(c, st);
-  const size_t ws_bytes =
-      PagedAttentionWorkspaceBytes(st.tokens, c.q_heads, c.head_dim, st.max_blocks * c.block_size);
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
-  p.workspace = d_ws.data();
-  p.workspace_bytes = ws_bytes;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, AttachWorkspace(c, st, &p));
   const size_t out_elems = static_cast<size_t>(st.tokens * p.out_row_stride);
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_eager,
                           PoisonedBuffer(DataType::kBFloat16, out_elems, "eager", stream()));
@@ -805,11 +809,7 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionWaitsForTheWriteOfItsRows) {
     PagedAttentionParams p = AttentionParamsFor(c, st);
     ASSERT_TRUE(TakesDecodeKernel(c, p)) << what;
     p.context_constant = true;
-    const size_t ws_bytes = PagedAttentionWorkspaceBytes(st.tokens, c.q_heads, c.head_dim,
-                                                         st.max_blocks * c.block_size);
-    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
-    p.workspace = d_ws.data();
-    p.workspace_bytes = ws_bytes;
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, AttachWorkspace(c, st, &p));
     const size_t out_elems = static_cast<size_t>(st.tokens * p.out_row_stride);
     TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
                             PoisonedBuffer(DataType::kBFloat16, out_elems, "out", stream()));
