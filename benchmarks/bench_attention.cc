@@ -190,6 +190,10 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
   TP_RETURN_IF_ERROR(LaunchRandomUniform(qkv.data(), DataType::kBFloat16,
                                          static_cast<size_t>(batch * stride), 29, 2.0f, stream));
   TP_ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Allocate(batch * q_width * 2, "out"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer codes, DeviceBuffer::Allocate(batch * q_width, "out_fp8"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scale, DeviceBuffer::Allocate(sizeof(float), "out_fp8_scale"));
+  const float unit = 1.0f;
+  TP_CUDA_CHECK(cudaMemcpyAsync(scale.data(), &unit, sizeof unit, cudaMemcpyHostToDevice, stream));
   std::vector<int32_t> ids(static_cast<size_t>(layout.num_blocks));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
   std::mt19937 rng(31);
@@ -227,8 +231,14 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
   p.max_blocks = width;
   p.max_query_rows = 1;
   p.max_context = width * f.block_size;
-  p.out = out.as<BFloat16>();
-  p.out_row_stride = q_width;
+  if (f.fp8_out) {  // E4M3 codes only, as the FP8 model's o input
+    p.out_fp8 = codes.as<uint8_t>();
+    p.out_fp8_row_stride = q_width;
+    p.out_fp8_scale = scale.as<float>();
+  } else {
+    p.out = out.as<BFloat16>();
+    p.out_row_stride = q_width;
+  }
   p.workspace = ws.data();
   p.workspace_bytes = ws_bytes;
   p.splits = want_splits;
@@ -258,6 +268,7 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
   std::fflush(stdout);
   records.push_back({{"kernel", "paged_decode"},
                      {"kv_dtype", KvCacheDtypeName(dtype)},
+                     {"output", f.fp8_out ? "fp8" : "bf16"},
                      {"batch", batch},
                      {"context", f.context},
                      {"block_size", f.block_size},
@@ -299,7 +310,8 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--fp8-out", f.fp8_out,
                "time with the output as E4M3 codes only (out_fp8, as the FP8 model calls it) "
-               "instead of BF16; the kernels are compared on BF16 either way");
+               "instead of BF16; the kernels are compared on BF16 either way (with --decode: "
+               "the decode kernel's out_fp8, scale 1)");
   app.add_option("--out", f.out, "JSON results, rewritten after every shape")
       ->capture_default_str();
   app.add_flag("--decode", f.decode,
