@@ -69,17 +69,24 @@ __device__ __forceinline__ void SequenceRows(const AttnArgs& a, int s, int* begi
   *ctx = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
 }
 
+// The divisor of a.out_fp8's codes (a placeholder without out_fp8): formed once per thread,
+// after the kernel's PDL wait (the scale is read from the device).
+__device__ __forceinline__ Fp8Divisor OutDivisor(const AttnArgs& a) {
+  return MakeFp8Divisor(a.out_fp8 != nullptr ? *a.out_fp8_scale : 1.0f);
+}
+
 // Stores output element (token, col) = y: its BF16 rounding into a.out, and the E4M3 code of
-// that BF16 value over *a.out_fp8_scale into a.out_fp8 (LaunchQuantizeToFp8E4M3's code), each
-// where set. After the kernel's PDL wait.
-__device__ __forceinline__ void StoreOutput(const AttnArgs& a, int64_t tok, int64_t col, float y) {
+// that BF16 value over the divisor (OutDivisor) into a.out_fp8 (LaunchQuantizeToFp8E4M3's
+// code), each where set.
+__device__ __forceinline__ void StoreOutput(const AttnArgs& a, const Fp8Divisor& divisor,
+                                            int64_t tok, int64_t col, float y) {
   const uint32_t bits = device::FloatToBf16(y);
   if (a.out != nullptr) {
     reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride + col] = static_cast<uint16_t>(bits);
   }
   if (a.out_fp8 != nullptr) {
     a.out_fp8[tok * a.out_fp8_row_stride + col] =
-        QuantizeToE4M3(device::Bf16ToFloat(bits), MakeFp8Divisor(*a.out_fp8_scale));
+        QuantizeToE4M3(device::Bf16ToFloat(bits), divisor);
   }
 }
 

@@ -375,6 +375,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
       }
     }
     __syncthreads();  // acc_s, ml_s
+    const Fp8Divisor divisor = OutDivisor(a);
     for (int i = threadIdx.x; i < kGroup * kHeadDim; i += kAttnThreads) {
       const int gi = i / kHeadDim, d = i % kHeadDim;
       float big = -INFINITY;
@@ -391,7 +392,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
       }
       const int head = kvh * kGroup + gi;
       if (a.splits == 1) {
-        StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + d,
+        StoreOutput(a, divisor, tok, static_cast<int64_t>(head) * kHeadDim + d,
                     den > 0.0f ? num / den : 0.0f);
       } else if (a.cluster_merge) {
         part_acc[i] = num;
@@ -408,7 +409,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
         }
       }
     }
-    if (a.cluster_merge && a.splits > 1) {
+    if (a.cluster_merge) {  // the launcher sets it with splits > 1 only
       // Every split's partial, for this CTA's share of the kGroup x kHeadDim outputs (cluster
       // rank r takes outputs [128 r, 128 r + 128), then the same 128 x splits further on):
       // out = sum_r 2^(m_r - M) acc_r / sum_r 2^(m_r - M) l_r, M the largest m_r.
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
           }
         }
         const int head = kvh * kGroup + gi;
-        StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + d,
+        StoreOutput(a, divisor, tok, static_cast<int64_t>(head) * kHeadDim + d,
                     den > 0.0f ? num / den : 0.0f);
       }
       cluster.sync();  // no split's partial is overwritten (nor its CTA gone) while read

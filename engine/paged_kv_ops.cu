@@ -204,9 +204,10 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
       const int64_t tok = row_begin + j;
       if (a.splits == 1) {
         const float inv = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
+        const Fp8Divisor divisor = OutDivisor(a);
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
-          StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + lane + 32 * i,
+          StoreOutput(a, divisor, tok, static_cast<int64_t>(head) * kHeadDim + lane + 32 * i,
                       acc[k][i] * inv);
         }
       } else {
@@ -239,6 +240,7 @@ __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs
   int row_begin, n, ctx;
   SequenceRows(a, s, &row_begin, &n, &ctx);
   if (n > a.max_rows) return;
+  const Fp8Divisor divisor = OutDivisor(a);
   for (int j = blockIdx.y; j < n; j += gridDim.y) {
     const int64_t tok = row_begin + j;
     if (threadIdx.x < 32) {
@@ -257,7 +259,7 @@ __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs
       const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
       y = fmaf(w_s[sp], a.ws_acc[slot * kHeadDim + threadIdx.x], y);
     }
-    StoreOutput(a, tok, static_cast<int64_t>(head) * kHeadDim + threadIdx.x, y);
+    StoreOutput(a, divisor, tok, static_cast<int64_t>(head) * kHeadDim + threadIdx.x, y);
     __syncthreads();  // w_s is rewritten for the next row
   }
 }
