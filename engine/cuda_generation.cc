@@ -161,15 +161,13 @@ PagedKvWriteParams CudaModel::KvStore(int64_t layer, int64_t m, BFloat16* qkv) c
   return w;
 }
 
-Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
-                                        BFloat16* out, float* amax, uint8_t* out_fp8,
-                                        const float* out_fp8_scale) {
+PagedAttentionParams CudaModel::PagedParams(int64_t layer, int64_t m, int64_t seq_slots,
+                                            BFloat16* qkv) const {
   const Generation& g = *gen_;
   const ModelConfig& c = config_;
   const int64_t hd = c.head_dim(), nh_l = c.num_attention_heads / tp_;
   const int64_t nkv_l = c.num_key_value_heads / tp_;
   const int64_t qkv_n_l = (nh_l + 2 * nkv_l) * hd;
-  cudaStream_t st = stream_.get();
   PagedAttentionParams p;
   p.q = qkv;
   p.q_row_stride = qkv_n_l;
@@ -187,18 +185,28 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   // Fixed, not the step's longest context: the split count is then the same for every step
   // of a (bucket, slots) graph.
   p.max_context = g.width * kv_layout_.block_size;
-  p.out = out;
-  p.out_row_stride = nh_l * hd;
-  p.out_fp8 = out_fp8;
-  p.out_fp8_row_stride = nh_l * hd;
-  p.out_fp8_scale = out_fp8_scale;
   p.workspace = g.workspace.data();
   p.workspace_bytes = g.workspace.size();
   p.multi_row_seqs = g.d<int32_t>(g.at.multi_rows);
   p.multi_row_count = g.multi_row_count;
   // The step's upload precedes its first kernel; its kernels write only the step's own rows'
-  // keys and values (RoPE, or the cache write, right before this launch).
+  // keys and values (RoPE right before this launch, or this launch itself).
   p.context_constant = true;
+  return p;
+}
+
+Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
+                                        BFloat16* out, float* amax, uint8_t* out_fp8,
+                                        const float* out_fp8_scale, const RopeParams* rope) {
+  const int64_t hd = config_.head_dim(), nh_l = config_.num_attention_heads / tp_;
+  PagedAttentionParams p = PagedParams(layer, m, seq_slots, qkv);
+  p.out = out;
+  p.out_row_stride = nh_l * hd;
+  p.out_fp8 = out_fp8;
+  p.out_fp8_row_stride = nh_l * hd;
+  p.out_fp8_scale = out_fp8_scale;
+  p.rope = rope;
+  cudaStream_t st = stream_.get();
   TP_RETURN_IF_ERROR(LaunchPagedAttention(p, st));
   if (amax == nullptr) return Status::Ok();
   AbsMaxParams am;

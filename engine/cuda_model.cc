@@ -217,13 +217,16 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   rope.rows = m;
   rope.theta = c.rope_theta;
   rope.inv_freq = rope_inv_freq_.as<double>();
-  // Stepping, the same launch stores the step's keys and values in the paged cache.
+  // Stepping, the same launch stores the step's keys and values in the paged cache; in a pure
+  // decode step the attention kernel does both (PagedAttentionParams::rope), one kernel fewer.
   PagedKvWriteParams kv_store;
+  bool rope_in_attention = false;
   if (stepping_) {
     kv_store = KvStore(l, m, qkv_y);
     rope.kv_store = &kv_store;
+    rope_in_attention = PagedAttentionTakesRope(PagedParams(l, m, seq_slots, qkv_y));
   }
-  TP_RETURN_IF_ERROR(LaunchRope(rope, st));
+  if (!rope_in_attention) TP_RETURN_IF_ERROR(LaunchRope(rope, st));
   TP_RETURN_IF_ERROR(Mark("rope"));
 
   if (stepping_) {
@@ -235,7 +238,8 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
         !fp8 ? static_cast<BFloat16*>(o->input(m)) : (codes ? nullptr : attn_.as<BFloat16>());
     TP_RETURN_IF_ERROR(EnqueuePagedAttention(
         l, m, seq_slots, qkv_y, out, fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr,
-        codes ? static_cast<uint8_t*>(o->input(m)) : nullptr, codes ? lw.o.x_scale() : nullptr));
+        codes ? static_cast<uint8_t*>(o->input(m)) : nullptr, codes ? lw.o.x_scale() : nullptr,
+        rope_in_attention ? &rope : nullptr));
   } else {
     AttentionParams at;
     at.q = qkv_y;

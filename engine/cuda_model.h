@@ -247,15 +247,21 @@ class CudaModel {
   // Generation's buffers (KV pool, step upload, sampling), for options_.kv_blocks > 0.
   Status AllocateGeneration();
   // Where the layer's keys and values of a step go in the cache while stepping_ (qkv: the
-  // QKV output, K rotated by then): the RoPE launch stores them (RopeParams::kv_store).
+  // QKV output, K rotated by then): the RoPE launch stores them (RopeParams::kv_store), or the
+  // attention launch that rotates (PagedAttentionParams::rope).
   PagedKvWriteParams KvStore(int64_t layer, int64_t m, BFloat16* qkv) const;
-  // Enqueue's attention while stepping_, after KvStore's rows are in the cache: paged
-  // attention of its queries into `out` (BF16 [m, heads/tp x head_dim]) and/or `out_fp8` (its
-  // E4M3 codes over *out_fp8_scale, PagedAttentionParams::out_fp8), and with `amax` (needs
-  // out) the output's absolute maximum into *amax (dynamic FP8 input scales).
+  // The paged attention launch of layer `layer` while stepping_ over the QKV output `qkv`,
+  // without its outputs, workspace aside.
+  PagedAttentionParams PagedParams(int64_t layer, int64_t m, int64_t seq_slots,
+                                   BFloat16* qkv) const;
+  // Enqueue's attention while stepping_, after KvStore's rows are in the cache (or with `rope`,
+  // which PagedAttentionTakesRope(PagedParams(...)) allows, rotating and storing them itself):
+  // paged attention of its queries into `out` (BF16 [m, heads/tp x head_dim]) and/or `out_fp8`
+  // (its E4M3 codes over *out_fp8_scale, PagedAttentionParams::out_fp8), and with `amax`
+  // (needs out) the output's absolute maximum into *amax (dynamic FP8 input scales).
   Status EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
                                BFloat16* out, float* amax, uint8_t* out_fp8,
-                               const float* out_fp8_scale);
+                               const float* out_fp8_scale, const RopeParams* rope);
   // Enqueue's head while stepping_, after the logits' AllGather: a token for each slot,
   // sampled from its FP32 logits (logits_all_ itself at tp 1; the ranks' vocabulary slices
   // interleaved into one row per slot first otherwise).

@@ -21,6 +21,7 @@
 #include "engine/launch_checks.h"
 #include "engine/paged_kv_ops.h"
 #include "engine/paged_kv_store.cuh"
+#include "engine/rope.cuh"
 #include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
 #include "layers/pdl.cuh"
@@ -208,15 +209,9 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, KvStore
   const int64_t row = blockIdx.x;
   const int head_dim = static_cast<int>(p.head_dim);
   const int half = head_dim / 2;
-  const double position = static_cast<double>(p.positions[row]);
+  const int32_t position = p.positions[row];
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const double inv_freq =
-        p.inv_freq != nullptr
-            ? p.inv_freq[i]
-            : pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-    double s, c;
-    sincos(position * inv_freq, &s, &c);
-    cos_sin[i] = make_float2(static_cast<float>(c), static_cast<float>(s));
+    cos_sin[i] = RopeCosSin(position, i, head_dim, p.inv_freq, p.theta);
   }
   __syncthreads();
 
@@ -260,11 +255,7 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, KvStore
     }
     float ra[kVec], rb[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float2 cs = cos_sin[i0 + j];
-      ra[j] = a[j] * cs.x - b[j] * cs.y;
-      rb[j] = b[j] * cs.x + a[j] * cs.y;
-    }
+    for (int j = 0; j < kVec; ++j) RotatePair(a[j], b[j], cos_sin[i0 + j], &ra[j], &rb[j]);
     if constexpr (kVec == 8) {
       const uint4 lo = PackBf16x8(ra), hi = PackBf16x8(rb);
       *reinterpret_cast<uint4*>(x + i0) = lo;
@@ -508,7 +499,7 @@ Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   }
 }
 
-Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
+Status CheckRope(const RopeParams& p) {
   constexpr const char* kP = "RopeParams";
   if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
   if (p.rows > kMaxGridX) return BadField(kP, "rows", p.rows, "exceeds 2^31 - 1");
@@ -556,7 +547,13 @@ Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
       }
     }
   }
+  return Status::Ok();
+}
 
+Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
+  TP_RETURN_IF_ERROR(CheckRope(p));
+  if (p.rows == 0) return Status::Ok();
+  const PagedKvWriteParams* kv = p.kv_store;
   const bool vec = (p.head_dim / 2) % 8 == 0 && IsAligned(p.q, 16) && p.q_row_stride % 8 == 0 &&
                    (p.k == nullptr || (IsAligned(p.k, 16) && p.k_row_stride % 8 == 0));
   const unsigned grid = static_cast<unsigned>(p.rows);

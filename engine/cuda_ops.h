@@ -113,6 +113,9 @@ struct RopeParams {
   const PagedKvWriteParams* kv_store = nullptr;
 };
 Status LaunchRope(const RopeParams& p, cudaStream_t stream);
+// LaunchRope's checks of `p` alone (INVALID_ARGUMENT naming the field), for a launcher that
+// rotates in a kernel of its own (PagedAttentionParams::rope).
+Status CheckRope(const RopeParams& p);
 
 // Causal grouped-query attention over packed variable-length sequences (flash-attn "varlen"
 // layout), as engine/cpu_ops.h's CausalAttentionVarlen: sequence s owns token rows

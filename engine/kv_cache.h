@@ -57,6 +57,12 @@ struct KvCacheLayout {
   }
   // INVALID_ARGUMENT naming the field for non-positive sizes.
   Status Validate() const;
+
+  // Spelled out: the header is also compiled as C++17 (CUDA sources).
+  friend bool operator==(const KvCacheLayout& a, const KvCacheLayout& b) {
+    return a.layers == b.layers && a.num_blocks == b.num_blocks && a.block_size == b.block_size &&
+           a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.dtype == b.dtype;
+  }
 };
 
 // Blocks a sequence of `tokens` tokens needs.

@@ -54,6 +54,18 @@ struct AttnArgs {
   // KV head) are one cluster and merge their partials themselves (no combine pass, no
   // workspace).
   bool cluster_merge;
+  // PagedAttentionParams::rope, the decode kernel only (rope_positions null: none). The step's
+  // rows' keys and values (unrotated keys) and their slots; the cache, writable.
+  const int32_t* rope_positions;
+  const double* rope_inv_freq;
+  double rope_theta;
+  const BFloat16* rope_k;
+  int64_t rope_k_row_stride;
+  const BFloat16* rope_v;
+  int64_t rope_v_row_stride;
+  const int32_t* rope_slots;
+  int64_t num_slots;  // num_blocks * block_size
+  void* rope_cache;
 };
 
 // The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.

@@ -10,6 +10,8 @@
 #include "engine/device_math.cuh"
 #include "engine/mma.cuh"
 #include "engine/paged_attention_args.cuh"
+#include "engine/paged_kv_store.cuh"
+#include "engine/rope.cuh"
 #include "layers/pdl.cuh"
 
 namespace tpserve::paged_attn {
@@ -43,6 +45,9 @@ using namespace device;
 // thread-block cluster, each leaves its partial in its shared memory, and after a cluster
 // barrier split r reads every split's partial (distributed shared memory) for its share of the
 // outputs: no second kernel and no workspace round trip.
+// With a.rope_positions (PagedAttentionParams::rope) the kernel also does the RoPE kernel's
+// work for a pure decode step: it rotates its query heads in shared memory, and stores the
+// step's keys (rotated) and values into the cache before it reads them (see below).
 constexpr int kDecodeKeys = 16 * kAttnWarps;  // keys per tile
 
 // Dynamic shared memory of the decode kernel:
@@ -121,8 +126,75 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
   const int key_hi = split < used ? min(ctx, key_lo + chunk) : ctx;
   const int piece = threadIdx.x % L::kPieces, copy_row = threadIdx.x / L::kPieces;
 
+  // With a.rope_positions (PagedAttentionParams::rope) q and the step's keys are unrotated:
+  // thread x rotates pair x % (kHeadDim / 2) of whatever heads it takes (one cos and sin a row),
+  // and before its first load of a key of the step's rows the CTA stores the rows whose
+  // positions fall in its share [key_lo, key_hi): keys rotated, values as they are (the
+  // unfused RoPE kernel's bits). Each step row's key position lies in exactly one split's share,
+  // and no other CTA reads it.
+  constexpr int kHalf = kHeadDim / 2;
+  const bool rope = a.rope_positions != nullptr;
+  const int pair = threadIdx.x % kHalf;
+  bool stored = !rope;
+  auto store_rows = [&](int j_now, float2 cs_now) {
+    uint16_t* k_row = q_tile;  // free until this row's Q is loaded
+    constexpr int kVecs = kHeadDim / 8;
+    for (int j = 0; j < n; ++j) {
+      const int key = ctx - n + j;
+      if (key < key_lo || key >= key_hi) continue;  // CTA-uniform, as below
+      const int64_t tk = row_begin + j;
+      const int32_t slot = a.rope_slots[tk];
+      if (slot < 0 || slot >= a.num_slots) continue;  // padding, or corrupt: not stored
+      const float2 cs = j == j_now ? cs_now
+                                   : RopeCosSin(a.rope_positions[tk], pair, kHeadDim,
+                                                a.rope_inv_freq, a.rope_theta);
+      if (threadIdx.x < kHalf) {
+        const uint16_t* k = reinterpret_cast<const uint16_t*>(a.rope_k + tk * a.rope_k_row_stride +
+                                                              static_cast<int64_t>(kvh) * kHeadDim);
+        float x, y;
+        RotatePair(Bf16ToFloat(k[pair]), Bf16ToFloat(k[pair + kHalf]), cs, &x, &y);
+        k_row[pair] = static_cast<uint16_t>(FloatToBf16(x));
+        k_row[pair + kHalf] = static_cast<uint16_t>(FloatToBf16(y));
+      }
+      __syncthreads();  // k_row
+      const int64_t block = slot / a.block_size;
+      const int64_t at =
+          ((block * a.kv_heads + kvh) * a.block_size + (slot - block * a.block_size)) * kHeadDim;
+      if (threadIdx.x < kVecs) {
+        StoreKv8<kFp8>(a.rope_cache, a.k_offset + at + 8 * threadIdx.x,
+                       *reinterpret_cast<const uint4*>(k_row + 8 * threadIdx.x));
+      } else if (threadIdx.x < 2 * kVecs) {
+        const int c = threadIdx.x - kVecs;
+        StoreKv8<kFp8>(
+            a.rope_cache, a.v_offset + at + 8 * c,
+            *reinterpret_cast<const uint4*>(a.rope_v + tk * a.rope_v_row_stride +
+                                            static_cast<int64_t>(kvh) * kHeadDim + 8 * c));
+      }
+      __syncthreads();  // k_row is rewritten for the next row
+    }
+    // The stores reach L2 (where cp.async.cg reads) before any thread of the CTA loads them.
+    __threadfence();
+    __syncthreads();
+  };
+
   for (int j = 0; j < n; ++j) {  // one row per sequence in decode; more are taken in turn
     const int64_t tok = row_begin + j;
+    // The row's angles (positions are metadata: read before the wait with context_constant).
+    const float2 cs =
+        rope ? RopeCosSin(a.rope_positions[tok], pair, kHeadDim, a.rope_inv_freq, a.rope_theta)
+             : make_float2(1.0f, 0.0f);
+    // The PDL wait, then (rope) the stores of the step's rows: before the first tile with a
+    // key of the step's rows, and before Q. CTA-uniform.
+    auto wait_for_step = [&]() {
+      if (!waited) {
+        PdlEnter();
+        waited = true;
+      }
+      if (!stored) {
+        store_rows(j, cs);
+        stored = true;
+      }
+    };
     const int key_end = min(ctx - n + j + 1, key_hi);  // causal: keys up to the row's position
     const int tiles = key_end > key_lo ? (key_end - key_lo + kDecodeKeys - 1) / kDecodeKeys : 0;
 
@@ -167,9 +239,9 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
     const int history_end = ctx - n;
 #pragma unroll
     for (int i = 0; i < L::kStages - 1; ++i) {
-      if (!waited && i < tiles && min(key_lo + (i + 1) * kDecodeKeys, key_end) > history_end) {
-        PdlEnter();
-        waited = true;
+      if (!(waited && stored) && i < tiles &&
+          min(key_lo + (i + 1) * kDecodeKeys, key_end) > history_end) {
+        wait_for_step();
       }
       if (i < tiles) {
         fetch_blocks(i);
@@ -178,10 +250,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
       CopyAsyncCommit();  // empty groups too: the wait below counts groups
     }
     if (L::kStages - 1 < tiles) fetch_blocks(L::kStages - 1);
-    if (!waited) {  // before Q (the kernel ahead writes it) and before any write
-      PdlEnter();
-      waited = true;
-    }
+    wait_for_step();  // before Q (the kernel ahead writes it) and before any write
 
     // Q: this KV head's kGroup query heads as rows 0 .. kGroup - 1 of an 8-row tile (the
     // others zero), the n8 columns of S^T = K.Q^T.
@@ -196,6 +265,16 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
       *reinterpret_cast<uint4*>(q_tile + r * kPitch + c * 8) = v;
     }
     __syncthreads();  // q_tile
+    if (rope) {       // rotated in place: thread x takes pair x % kHalf of rows x / kHalf + ...
+      for (int r = threadIdx.x / kHalf; r < kGroup; r += kAttnThreads / kHalf) {
+        uint16_t* row = q_tile + r * kPitch;
+        float x, y;
+        RotatePair(Bf16ToFloat(row[pair]), Bf16ToFloat(row[pair + kHalf]), cs, &x, &y);
+        row[pair] = static_cast<uint16_t>(FloatToBf16(x));
+        row[pair + kHalf] = static_cast<uint16_t>(FloatToBf16(y));
+      }
+      __syncthreads();  // q_tile, rotated
+    }
     // B fragments of Q^T (k = dims, n = queries), two k-steps at a time. BF16 cache: in dim
     // order, by ldmatrix. E4M3 cache: k-steps 2c and 2c + 1 of lane (g, t) take dims
     // 32c + 8t .. 32c + 8t + 7 of query g, in the order the lane widens its keys' codes

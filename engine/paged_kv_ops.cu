@@ -18,6 +18,7 @@
 #include <string>
 
 #include "comm/cuda_check.h"
+#include "engine/cuda_ops.h"
 #include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
 #include "engine/paged_attention_args.cuh"
@@ -346,10 +347,15 @@ int PairsPerWarp(const PagedAttentionParams& p) {
   return kMaxPairsPerWarp;
 }
 
+// A group size (query heads per KV head) the decode kernel has.
+bool UsesDecodeKernelGroup(const PagedAttentionParams& p) {
+  const int64_t group = p.q_heads / p.layout.kv_heads;
+  return group == 1 || group == 2 || group == 4 || group == 8;
+}
+
 // Pure decode (one query row per sequence) with a group size the decode kernel has.
 bool UsesDecodeKernel(const PagedAttentionParams& p) {
-  const int64_t group = p.q_heads / p.layout.kv_heads;
-  return QueryRows(p) == 1 && (group == 1 || group == 2 || group == 4 || group == 8);
+  return QueryRows(p) == 1 && UsesDecodeKernelGroup(p);
 }
 
 int64_t PairTiles(const PagedAttentionParams& p) {
@@ -358,7 +364,45 @@ int64_t PairTiles(const PagedAttentionParams& p) {
   return std::min((QueryRows(p) * group + per_cta - 1) / per_cta, kMaxGridY);
 }
 
+// PagedAttentionParams::rope's checks (with p's own fields checked already).
+Status CheckRopeInAttention(const PagedAttentionParams& p) {
+  constexpr const char* kP = "PagedAttentionParams.rope";
+  if (!PagedAttentionTakesRope(p)) {
+    return InvalidArgumentError(std::string(kP) +
+                                ": only a launch the decode kernel takes whole rotates (no "
+                                "multi_row_seqs, max_query_rows 1, q_heads / kv_heads in 1, 2, "
+                                "4, 8)");
+  }
+  const RopeParams& r = *p.rope;
+  TP_RETURN_IF_ERROR(CheckRope(r).WithContext(kP));
+  if (r.kv_store == nullptr) return NullField(kP, "kv_store", "(the launch stores the keys)");
+  const PagedKvWriteParams& kv = *r.kv_store;
+  const struct {
+    const char* name;
+    bool same;
+  } agree[] = {{"q", r.q == p.q},
+               {"q_row_stride", r.q_row_stride == p.q_row_stride},
+               {"q_heads", r.q_heads == p.q_heads},
+               {"rows", r.rows == p.tokens},
+               {"kv_heads", r.kv_heads == p.layout.kv_heads},
+               {"head_dim", r.head_dim == p.layout.head_dim},
+               {"kv_store->cache", kv.cache == p.cache},
+               {"kv_store->layout", kv.layout == p.layout},
+               {"kv_store->layer", kv.layer == p.layer}};
+  for (const auto& a : agree) {
+    if (!a.same) {
+      return InvalidArgumentError(std::string(kP) + "->" + a.name + " differs from the launch's");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+bool PagedAttentionTakesRope(const PagedAttentionParams& p) {
+  if (p.layout.kv_heads <= 0 || p.q_heads % p.layout.kv_heads != 0) return false;
+  return !HasMultiRowList(p) && QueryRows(p) <= 1 && UsesDecodeKernelGroup(p);
+}
 
 int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
   if (p.tokens <= 0 || p.num_seqs <= 0 || p.layout.kv_heads <= 0 || p.q_heads <= 0) return 1;
@@ -432,6 +476,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
                       "must be a multiple of 8 and >= q_heads * head_dim (" + Str(width) + ")");
     }
   }
+  if (p.rope != nullptr) TP_RETURN_IF_ERROR(CheckRopeInAttention(p));
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
   if (p.tokens * (p.q_heads / kv_heads) > std::numeric_limits<int32_t>::max()) {
     return InvalidArgumentError(std::string(kP) +
@@ -500,6 +545,17 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   a.max_rows = flash ? 1 : INT_MAX;
   a.context_constant = p.context_constant;
   a.cluster_merge = UsesDecodeKernel(p) && splits > 1 && splits <= kDecodeMaxClusterSplits;
+  const RopeParams* rope = p.rope;
+  a.rope_positions = rope != nullptr ? rope->positions : nullptr;
+  a.rope_inv_freq = rope != nullptr ? rope->inv_freq : nullptr;
+  a.rope_theta = rope != nullptr ? rope->theta : 0.0;
+  a.rope_k = rope != nullptr ? rope->k : nullptr;
+  a.rope_k_row_stride = rope != nullptr ? rope->k_row_stride : 0;
+  a.rope_v = rope != nullptr ? rope->kv_store->v : nullptr;
+  a.rope_v_row_stride = rope != nullptr ? rope->kv_store->v_row_stride : 0;
+  a.rope_slots = rope != nullptr ? rope->kv_store->slot_mapping : nullptr;
+  a.num_slots = p.layout.num_blocks * p.layout.block_size;
+  a.rope_cache = rope != nullptr ? rope->kv_store->cache : nullptr;
   a.block_shift = -1;
   for (int sh = 0; sh < 31; ++sh) {
     if ((int64_t{1} << sh) == p.layout.block_size) a.block_shift = sh;

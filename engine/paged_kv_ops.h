@@ -26,6 +26,8 @@
 
 namespace tpserve {
 
+struct RopeParams;  // engine/cuda_ops.h
+
 // Stores a step's keys and values of one layer into the paged cache, as CpuKvCache::Write
 // does: row r goes to slot slot_mapping[r] = block * block_size + slot_in_block, each element
 // rounded to the cache's type (BF16: the bits as they are; FP8 E4M3: saturating, round to
@@ -135,8 +137,27 @@ struct PagedAttentionParams {
   // waits for the kernel ahead (the keys of the query rows, q and everything it writes come
   // after), so that its loads overlap that kernel. false: nothing is read before the wait.
   bool context_constant = false;
+  // Optional (host pointer, read at launch), for a pure decode launch only, one that the decode
+  // kernel takes whole (PagedAttentionTakesRope): q and the step's key rows arrive unrotated,
+  // and the launch does what LaunchRope(*rope) right before it would have done, in its one
+  // kernel: every CTA rotates its query heads as it loads them, and the CTA whose share of
+  // the context holds a step row's position rotates that row's key heads and stores them, with
+  // its value heads, into the cache (rope->kv_store) before it reads them. A decode step then
+  // runs one kernel fewer a layer. Outputs and cache bytes are bit-identical to LaunchRope then
+  // this launch; unlike LaunchRope, q is not written (it stays unrotated), and rows outside
+  // every sequence are neither rotated nor stored. rope must pass CheckRope with kv_store
+  // set, and agree with this launch: rope->q, q_row_stride, q_heads, rows (= tokens),
+  // kv_heads and head_dim; kv_store->cache, layout and layer (INVALID_ARGUMENT naming the field
+  // otherwise). With context_constant, rope->positions and kv_store->slot_mapping count among
+  // the step's metadata (read before the wait).
+  const RopeParams* rope = nullptr;
 };
 Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream);
+
+// Whether a launch with `p` is one the decode kernel takes whole, so that it may carry `rope`:
+// no multi_row_seqs, at most one query row per sequence in its sizing (max_query_rows 1, or
+// 0 with tokens <= 1), and q_heads / layout.kv_heads in 1, 2, 4, 8. Pure arithmetic.
+bool PagedAttentionTakesRope(const PagedAttentionParams& p);
 
 // LaunchPagedAttention's tensor-core part (engine/attention.cu), for p.multi_row_seqs; its
 // caller has checked the rest of `p`.

@@ -310,6 +310,110 @@ void ExpectAttentionNear(const std::vector<BFloat16>& out, const std::vector<flo
   }
 }
 
+// RoPE and the cache store inside the decode kernel (PagedAttentionParams::rope) against
+// LaunchRope (storing the step's rows) and then the same launch: output and the whole cache
+// bit for bit, q left as it was. The step's rows get new keys and values (the random k and v
+// columns of their QKV rows, unrotated), so a kernel that attended the cache's old rows, or
+// rotated with another angle, would differ. Odd seeds rotate with an inverse-frequency table
+// (a scaled one's shape), even ones with theta.
+void CheckRopeInAttention(cudaStream_t stream, const PagedCase& c, const PagedStep& st,
+                          const PagedAttentionParams& base, uint32_t seed,
+                          const std::string& what) {
+  const int64_t hd = c.head_dim, kv_width = c.kv_heads * hd;
+  std::vector<int32_t> positions, slots;
+  for (size_t s = 0; s < c.context.size(); ++s) {
+    for (int32_t j = 0; j < c.query[s]; ++j) {
+      const int32_t pos = c.context[s] - c.query[s] + j;
+      const int32_t block = st.block_tables[s * st.max_blocks + pos / c.block_size];
+      positions.push_back(pos);
+      slots.push_back(static_cast<int32_t>(block * c.block_size + pos % c.block_size));
+    }
+  }
+  std::vector<double> inv_freq(static_cast<size_t>(hd / 2));
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    inv_freq[i] = std::pow(500000.0, -2.0 * i / hd) * (i < hd / 8 ? 1.0 : 0.125);
+  }
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_pos, Upload(positions, "positions"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_slots, Upload(slots, "slots"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_inv, Upload(inv_freq, "inv_freq"));
+  const size_t cache_bytes =
+      static_cast<size_t>(st.layout.Elements() * KvCacheElementBytes(c.dtype));
+  const size_t out_elems = static_cast<size_t>(st.tokens * base.out_row_stride);
+  struct Run {
+    DeviceBuffer cache, qkv, out;
+    RopeParams rope;
+    PagedKvWriteParams store;
+    PagedAttentionParams p;
+  };
+  Run runs[2];  // [0]: LaunchRope, then attention; [1]: attention with rope
+  for (Run& r : runs) {
+    TP_ASSERT_OK_AND_ASSIGN(r.cache, DeviceBuffer::Allocate(cache_bytes, "cache"));
+    TP_CUDA_CHECK_FOR_TEST(cudaMemcpyAsync(r.cache.data(), st.d_cache.data(), cache_bytes,
+                                           cudaMemcpyDeviceToDevice, stream));
+    TP_ASSERT_OK_AND_ASSIGN(r.qkv, Upload(st.q_qkv, "qkv"));
+    TP_ASSERT_OK_AND_ASSIGN(r.out, PoisonedBuffer(DataType::kBFloat16, out_elems, "out", stream));
+    BFloat16* qkv = r.qkv.as<BFloat16>();
+    r.rope.q = qkv;
+    r.rope.q_row_stride = st.qkv_stride;
+    r.rope.q_heads = c.q_heads;
+    r.rope.k = qkv + st.q_width;
+    r.rope.k_row_stride = st.qkv_stride;
+    r.rope.kv_heads = c.kv_heads;
+    r.rope.head_dim = hd;
+    r.rope.positions = d_pos.as<int32_t>();
+    r.rope.rows = st.tokens;
+    r.rope.theta = 10000.0;
+    r.rope.inv_freq = seed % 2 == 1 ? d_inv.as<double>() : nullptr;
+    r.store.k = r.rope.k;
+    r.store.k_row_stride = st.qkv_stride;
+    r.store.v = qkv + st.q_width + kv_width;
+    r.store.v_row_stride = st.qkv_stride;
+    r.store.slot_mapping = d_slots.as<int32_t>();
+    r.store.rows = st.tokens;
+    r.store.cache = r.cache.data();
+    r.store.layout = st.layout;
+    r.store.layer = st.layer;
+    r.rope.kv_store = &r.store;
+    r.p = base;
+    r.p.q = qkv;
+    r.p.cache = r.cache.data();
+    r.p.out = r.out.as<BFloat16>();
+    r.p.out_fp8 = nullptr;
+    r.p.context_constant = true;
+  }
+  ASSERT_TRUE(PagedAttentionTakesRope(runs[1].p)) << what;
+  TP_ASSERT_OK(LaunchRope(runs[0].rope, stream));
+  TP_ASSERT_OK(LaunchPagedAttention(runs[0].p, stream));
+  runs[1].p.rope = &runs[1].rope;
+  TP_ASSERT_OK(LaunchPagedAttention(runs[1].p, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+
+  TP_ASSERT_OK_AND_ASSIGN(auto before, Download<uint8_t>(st.d_cache.data(), cache_bytes));
+  TP_ASSERT_OK_AND_ASSIGN(auto cache_ref, Download<uint8_t>(runs[0].cache.data(), cache_bytes));
+  TP_ASSERT_OK_AND_ASSIGN(auto cache_got, Download<uint8_t>(runs[1].cache.data(), cache_bytes));
+  size_t stored = 0, cache_differ = 0;
+  for (size_t i = 0; i < cache_bytes; ++i) {
+    stored += cache_ref[i] != before[i];
+    cache_differ += cache_got[i] != cache_ref[i];
+  }
+  EXPECT_GT(stored, 0u) << what << ": the step's rows did not change the cache (a weak case)";
+  EXPECT_EQ(cache_differ, 0u) << what << ": the cache bytes differ with rope in the kernel";
+  TP_ASSERT_OK_AND_ASSIGN(auto out_ref, Download<BFloat16>(runs[0].out.data(), out_elems));
+  TP_ASSERT_OK_AND_ASSIGN(auto out_got, Download<BFloat16>(runs[1].out.data(), out_elems));
+  size_t out_differ = 0;
+  for (size_t i = 0; i < out_elems; ++i) {
+    if (out_got[i].bits != out_ref[i].bits && ++out_differ <= 5) {
+      ADD_FAILURE() << what << ": rope in the kernel, output element " << i << " "
+                    << BFloat16ToFloat(out_got[i]) << ", unfused " << BFloat16ToFloat(out_ref[i]);
+    }
+  }
+  EXPECT_EQ(out_differ, 0u) << what << ": the output differs with rope in the kernel";
+  TP_ASSERT_OK_AND_ASSIGN(auto q_after, Download<BFloat16>(runs[1].qkv.data(), st.q_qkv.size()));
+  size_t q_written = 0;
+  for (size_t i = 0; i < q_after.size(); ++i) q_written += q_after[i].bits != st.q_qkv[i].bits;
+  EXPECT_EQ(q_written, 0u) << what << ": rope in the kernel wrote its QKV rows";
+}
+
 void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed) {
   const std::string what = "paged attention " + Describe(c);
   PagedStep st;
@@ -412,6 +516,8 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
   }
   EXPECT_EQ(wrong, 0u) << what << ": E4M3 codes differ from the BF16 output's";
   EXPECT_EQ(padding, 0u) << what << ": E4M3 out wrote past q_heads * head_dim";
+
+  if (decode_kernel && !c.multi_row_list) CheckRopeInAttention(stream, c, st, p, seed, what);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -860,6 +966,91 @@ TEST_F(GpuGenerationOpsTest, SplitChoiceFollowsTheLaunchShape) {
   p.workspace = nullptr;
   p.workspace_bytes = 0;
   EXPECT_EQ(splits_for(1), 1);
+}
+
+TEST_F(GpuGenerationOpsTest, RopeInAttentionOnlyInAPureDecodeLaunch) {
+  // Host-side checks return before touching CUDA: these run without a GPU too.
+  alignas(16) static uint8_t dummy[4096];
+  PagedAttentionParams p;
+  p.layout = KvCacheLayout{2, 4, 16, 2, 64, KvCacheDtype::kBFloat16};
+  p.layer = 1;
+  p.q_heads = 4;
+  p.q = reinterpret_cast<const BFloat16*>(dummy);
+  p.q_row_stride = 8 * 64;
+  p.cache = dummy;
+  p.max_blocks = 2;
+  p.num_seqs = 3;
+  p.tokens = 3;
+  p.max_query_rows = 1;
+  p.out = reinterpret_cast<BFloat16*>(dummy);
+  p.out_row_stride = 4 * 64;
+  RopeParams r;
+  r.q = const_cast<BFloat16*>(p.q);
+  r.q_row_stride = p.q_row_stride;
+  r.q_heads = 4;
+  r.k = r.q + 4 * 64;
+  r.k_row_stride = p.q_row_stride;
+  r.kv_heads = 2;
+  r.head_dim = 64;
+  r.positions = reinterpret_cast<const int32_t*>(dummy);
+  r.rows = 3;
+  PagedKvWriteParams store;
+  store.k = r.k;
+  store.k_row_stride = store.v_row_stride = p.q_row_stride;
+  store.v = r.k + 2 * 64;
+  store.slot_mapping = reinterpret_cast<const int32_t*>(dummy);
+  store.rows = 3;
+  store.cache = dummy;
+  store.layout = p.layout;
+  store.layer = 1;
+  r.kv_store = &store;
+  p.rope = &r;
+  EXPECT_TRUE(PagedAttentionTakesRope(p));
+  auto refused = [&](const std::string& field) {
+    const Status st = LaunchPagedAttention(p, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << field << ": " << st.ToString();
+    EXPECT_NE(st.message().find(field), std::string::npos) << st.ToString();
+  };
+  // Launches the decode kernel does not take whole: several rows a sequence, a multi-row
+  // list (those rows go to another kernel), a group the decode kernel lacks.
+  p.max_query_rows = 2;
+  EXPECT_FALSE(PagedAttentionTakesRope(p));
+  refused("decode kernel");
+  p.max_query_rows = 0;  // tokens: 3 rows a sequence at most
+  EXPECT_FALSE(PagedAttentionTakesRope(p));
+  p.max_query_rows = 1;
+  alignas(4) static int32_t multi[1] = {0};
+  p.multi_row_seqs = multi;
+  p.multi_row_count = 1;
+  EXPECT_FALSE(PagedAttentionTakesRope(p));
+  refused("decode kernel");
+  p.multi_row_seqs = nullptr;
+  p.multi_row_count = 0;
+  PagedAttentionParams three = p;
+  three.q_heads = 6;
+  EXPECT_FALSE(PagedAttentionTakesRope(three));
+  // Rope arguments that are not this launch's, or incomplete.
+  r.kv_store = nullptr;
+  refused("kv_store");
+  r.kv_store = &store;
+  r.q += 8;
+  refused("rope->q");
+  r.q -= 8;
+  r.rows = 2;
+  store.rows = 2;
+  refused("rope->rows");
+  r.rows = store.rows = 3;
+  store.cache = dummy + 64;
+  refused("kv_store->cache");
+  store.cache = dummy;
+  store.layout.dtype = KvCacheDtype::kFloat8E4M3;
+  refused("kv_store->layout");
+  store.layout.dtype = KvCacheDtype::kBFloat16;
+  store.layer = 0;
+  refused("kv_store->layer");
+  store.layer = 1;
+  r.theta = -1.0;  // CheckRope's own checks apply
+  refused("theta");
 }
 
 TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
