@@ -52,6 +52,8 @@ struct Flags {
   int64_t context = 1024, block_size = 16, max_context = 8192;
   std::vector<std::string> kv_dtypes = {"bf16", "fp8"};
   std::vector<int64_t> splits = {0};
+  bool no_cluster_merge = false;  // PagedAttentionParams::cluster_merge off
+  bool rope = false;              // PagedAttentionParams::rope: the launch rotates and stores
 };
 
 // Relative Frobenius difference of two BF16 tensors.
@@ -242,6 +244,40 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
   p.workspace = ws.data();
   p.workspace_bytes = ws_bytes;
   p.splits = want_splits;
+  p.cluster_merge = !f.no_cluster_merge;
+  // --rope: q and each sequence's newest key arrive unrotated (the qkv rows' k and v columns),
+  // at position context - 1, stored into its slot by the launch (the same bytes every launch).
+  std::vector<int32_t> positions(static_cast<size_t>(batch), static_cast<int32_t>(f.context - 1)),
+      slots(static_cast<size_t>(batch));
+  for (int64_t s = 0; s < batch; ++s) {
+    const int64_t pos = f.context - 1;
+    slots[s] = static_cast<int32_t>(tables[s * width + pos / f.block_size] * f.block_size +
+                                    pos % f.block_size);
+  }
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_positions, upload(positions, "positions"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload(slots, "slot_mapping"));
+  PagedKvWriteParams store;
+  store.k = qkv.as<BFloat16>() + q_width;
+  store.k_row_stride = stride;
+  store.v = qkv.as<BFloat16>() + q_width + kv_width;
+  store.v_row_stride = stride;
+  store.slot_mapping = d_slots.as<int32_t>();
+  store.rows = batch;
+  store.cache = cache.data();
+  store.layout = layout;
+  RopeParams rope;
+  rope.q = qkv.as<BFloat16>();
+  rope.q_row_stride = stride;
+  rope.q_heads = f.heads;
+  rope.k = qkv.as<BFloat16>() + q_width;
+  rope.k_row_stride = stride;
+  rope.kv_heads = f.kv_heads;
+  rope.head_dim = f.head_dim;
+  rope.positions = d_positions.as<int32_t>();
+  rope.rows = batch;
+  rope.theta = 500000.0;
+  rope.kv_store = &store;
+  if (f.rope) p.rope = &rope;
   int device = 0, sms = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
   TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -261,10 +297,11 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
                        static_cast<double>(batch) * static_cast<double>(2 * q_width) * 2.0;
   const double floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
   std::printf(
-      "decode %-4s batch %4ld ctx %5ld: %8.3f ms (%ld splits)  %7.0f GB/s  floor %.3f ms  "
+      "decode %-4s batch %4ld ctx %5ld: %8.3f ms (%ld splits%s%s)  %7.0f GB/s  floor %.3f ms  "
       "%.2fx\n",
       KvCacheDtypeName(dtype), static_cast<long>(batch), static_cast<long>(f.context), med,
-      static_cast<long>(splits), bytes / (med / 1e3) / 1e9, floor_ms, med / floor_ms);
+      static_cast<long>(splits), f.no_cluster_merge ? ", combine pass" : "", f.rope ? ", rope" : "",
+      bytes / (med / 1e3) / 1e9, floor_ms, med / floor_ms);
   std::fflush(stdout);
   records.push_back({{"kernel", "paged_decode"},
                      {"kv_dtype", KvCacheDtypeName(dtype)},
@@ -274,6 +311,8 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
                      {"block_size", f.block_size},
                      {"splits", splits},
                      {"splits_asked", want_splits},
+                     {"cluster_merge", !f.no_cluster_merge},
+                     {"rope", f.rope},
                      {"median_ms", med},
                      {"times_ms", ms},
                      {"bytes", bytes},
@@ -330,6 +369,12 @@ int Main(int argc, char** argv) {
                  "launcher's own choice, PagedAttentionSplitsFor; others are capped as it caps)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag("--no-cluster-merge", f.no_cluster_merge,
+               "--decode: merge the splits with the combine pass, not within a thread-block "
+               "cluster (PagedAttentionParams::cluster_merge off)");
+  app.add_flag("--rope", f.rope,
+               "--decode: the launch also rotates q and stores each sequence's newest key and "
+               "value (PagedAttentionParams::rope), as a pure decode step's does");
   app.add_option("--kv-block-size", f.block_size, "--decode: tokens per cache block")
       ->check(Positive())
       ->capture_default_str();

@@ -18,6 +18,9 @@
 // 4 x B x context x heads x head_dim per layer, over --gemm-ceiling-tflops. At --tp N each GPU
 // reads 1/N of the linear layers, the LM head and the KV cache (norms whole) and does 1/N of
 // the FLOPs: the floor is one GPU's.
+//
+// --unfused turns decode-step fusions off (CudaModelOptions::decode_fusions), so that one
+// build measures what each is worth (benchmarks/run_decode_ab.sh's LABEL=DIR@NAMES).
 #include <cuda_runtime_api.h>
 #include <spdlog/spdlog.h>
 
@@ -27,6 +30,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -65,9 +69,20 @@ struct Flags {
   std::string commit = "unknown";
   std::string gemm_algo = "timed";
   int tp = 1;
-  std::string ranks = "processes";  // processes (one per GPU, as served) | threads
-  std::string overlap;              // overlap config (YAML); empty: every layer in mode none
+  std::string ranks = "processes";   // processes (one per GPU, as served) | threads
+  std::string overlap;               // overlap config (YAML); empty: every layer in mode none
+  std::vector<std::string> unfused;  // CudaModelOptions::decode_fusions turned off, by name
 };
+
+// --unfused's names of CudaModelOptions::DecodeFusions' fields.
+constexpr const char* kFusionNames[] = {"rope", "out-fp8", "cluster-merge", "early-loads"};
+
+void TurnOff(const std::string& name, CudaModelOptions::DecodeFusions* d) {
+  if (name == "rope") d->rope_in_attention = false;
+  if (name == "out-fp8") d->attention_out_fp8 = false;
+  if (name == "cluster-merge") d->cluster_merge = false;
+  if (name == "early-loads") d->early_loads = false;
+}
 
 struct Floor {
   double weight_bytes = 0, kv_bytes = 0, flops = 0;
@@ -177,6 +192,16 @@ int Main(int argc, char** argv) {
                  "TP layers take at each step's M, as the server would (default: every layer in "
                  "mode none)")
       ->check(CLI::ExistingFile);
+  app.add_option("--unfused", f.unfused,
+                 "Decode-step fusions to turn off, to measure what each is worth (the results "
+                 "stay the same, but for cluster-merge's rounding): rope (RoPE and the K/V store "
+                 "inside attention), out-fp8 "
+                 "(attention writing o's E4M3 input), cluster-merge (the decode kernel's splits "
+                 "merged in a cluster instead of a combine pass), early-loads (attention's "
+                 "loads of earlier keys before its PDL wait); default none")
+      ->check(
+          CLI::IsMember(std::vector<std::string>(std::begin(kFusionNames), std::end(kFusionNames))))
+      ->delimiter(',');
   AddGemmAlgoFlag(&app, &f.gemm_algo);
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
@@ -225,6 +250,7 @@ int Main(int argc, char** argv) {
   options.kv_blocks = max_batch * per_seq;
   options.kv_block_size = f.block_size;
   options.kv_dtype = kv;
+  for (const std::string& name : f.unfused) TurnOff(name, &options.decode_fusions);
 
   auto group = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
                                std::chrono::seconds(120));
@@ -350,6 +376,7 @@ int Main(int argc, char** argv) {
              {"hbm_copy_gbps", *bw / 1e9},
              {"gemm_ceiling_tflops", f.gemm_ceiling_tflops},
              {"gemm_algo", f.gemm_algo},
+             {"unfused", f.unfused},
              {"commit", f.commit}}},
            {"records", records}};
   std::ofstream out(f.out);

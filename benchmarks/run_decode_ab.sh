@@ -6,11 +6,13 @@
 # the median, the ratio to the first build).
 #
 #   source .gpu/env.sh
-#   benchmarks/run_decode_ab.sh before=.gpu/ab/before after=.gpu/bin
+#   benchmarks/run_decode_ab.sh before=.gpu/ab/before after=.gpu/bin norope=.gpu/bin@rope
 #
-# LABEL=DIR: a build's directory holding tpserve-bench-decode and tpserve-bench-attention
-# (staged with ../shared/tools/stage-for-gpu-host; its libraries come from .gpu/env.sh). At
-# least two. Environment knobs: ROUNDS (3), DTYPE (fp8), KV_DTYPES ("bf16 fp8"), BATCHES
+# LABEL=DIR[@NAMES]: a build's directory holding tpserve-bench-decode and
+# tpserve-bench-attention (staged with ../shared/tools/stage-for-gpu-host; its libraries come
+# from .gpu/env.sh); NAMES (comma-separated) are decode fusions that build runs without:
+# tpserve-bench-decode --unfused NAMES, and with cluster-merge among them
+# tpserve-bench-attention --no-cluster-merge. At least two. Environment knobs: ROUNDS (3), DTYPE (fp8), KV_DTYPES ("bf16 fp8"), BATCHES
 # ("1 8 64 256"), CONTEXT (1024), STEPS (30), ATTENTION (1: also time the attention kernel
 # alone, BF16 and --fp8-out), OUT (gpu-out/decode-ab), STEP_TIMEOUT (seconds a benchmark run
 # may take, 300). A run that fails or times out is named and the script goes on; it exits 1
@@ -18,16 +20,17 @@
 set -uo pipefail
 
 usage() {
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 [ $# -ge 2 ] || usage
-labels=() dirs=()
+labels=() dirs=() unfused=()
 for arg in "$@"; do
   case "$arg" in
     -h | --help) usage ;;
-    *=*) labels+=("${arg%%=*}") dirs+=("${arg#*=}") ;;
-    *) echo "run_decode_ab.sh: expected LABEL=DIR, got '$arg'" >&2; exit 2 ;;
+    *=*@*) labels+=("${arg%%=*}") rest=${arg#*=} dirs+=("${rest%%@*}") unfused+=("${rest#*@}") ;;
+    *=*) labels+=("${arg%%=*}") dirs+=("${arg#*=}") unfused+=("") ;;
+    *) echo "run_decode_ab.sh: expected LABEL=DIR[@NAMES], got '$arg'" >&2; exit 2 ;;
   esac
 done
 for i in "${!dirs[@]}"; do
@@ -72,10 +75,12 @@ for ((r = 1; r <= ROUNDS; r++)); do
   fi
   for kv in $KV_DTYPES; do
     for i in "${order[@]}"; do
+      extra=()
+      [ -n "${unfused[$i]}" ] && extra=(--unfused "${unfused[$i]}")
       # shellcheck disable=SC2086
       run "${labels[$i]}-$DTYPE-kv$kv-r$r" "${dirs[$i]}/tpserve-bench-decode" --model llama3-8b \
         --dtype "$DTYPE" --kv-dtype "$kv" --batches $BATCHES --context "$CONTEXT" \
-        --steps "$STEPS" --commit "${labels[$i]}" \
+        --steps "$STEPS" --commit "${labels[$i]}" "${extra[@]}" \
         --out "$OUT/${labels[$i]}-$DTYPE-kv$kv-r$r.json"
     done
   done
@@ -84,6 +89,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
       for output in bf16 fp8; do
         flag=()
         [ "$output" = fp8 ] && flag=(--fp8-out)
+        case ",${unfused[$i]}," in *,cluster-merge,*) flag+=(--no-cluster-merge) ;; esac
         # shellcheck disable=SC2086
         run "${labels[$i]}-attention-$output-r$r" "${dirs[$i]}/tpserve-bench-attention" --decode \
           --batches $BATCHES --context "$CONTEXT" --kv-dtypes $KV_DTYPES "${flag[@]}" \

@@ -65,7 +65,8 @@ class AbTableTest(unittest.TestCase):
 
 FAKE_TOOL = """#!/usr/bin/env python3
 # Stands in for tpserve-bench-decode / -attention: writes --out with a step time that depends
-# on the build (FAKE_MS in its directory's name) and the batch.
+# on the build (FAKE_MS in its directory's name) and the batch, 10 % more for each name of
+# --unfused and 20 % more with --no-cluster-merge (so that a test sees the flags arrive).
 import json, os, sys
 args = sys.argv[1:]
 out = args[args.index("--out") + 1]
@@ -75,24 +76,34 @@ batches = []
 while i < len(args) and not args[i].startswith("--"):
     batches.append(int(args[i]))
     i += 1
+if "--unfused" in args:
+    base *= 1 + 0.1 * len(args[args.index("--unfused") + 1].split(","))
+if "--no-cluster-merge" in args:
+    base *= 1.2
 key = "median_ms" if "--decode" in args else "step_host_ms_median"
 recs = [dict(batch=b, kv_dtype="bf16", **{key: base * b}) for b in batches]
 json.dump({"meta": {}, "records": recs}, open(out, "w"))
 """
 
 
+def fake_builds(d, builds):
+    """Stand-in tool directories build_MS under d, by label."""
+    dirs = {}
+    for label, ms in builds:
+        dirs[label] = os.path.join(d, f"build_{ms}")
+        os.makedirs(dirs[label])
+        for tool in ("tpserve-bench-decode", "tpserve-bench-attention"):
+            path = os.path.join(dirs[label], tool)
+            with open(path, "w") as f:
+                f.write(FAKE_TOOL.replace("#!/usr/bin/env python3", "#!" + sys.executable))
+            os.chmod(path, 0o755)
+    return dirs
+
+
 class RunDecodeAbTest(unittest.TestCase):
     def test_two_builds_over_two_rounds_give_one_table_per_case(self):
         with tempfile.TemporaryDirectory() as d:
-            dirs = {}
-            for label, ms in (("old", "2.0"), ("new", "1.5")):
-                dirs[label] = os.path.join(d, f"build_{ms}")
-                os.makedirs(dirs[label])
-                for tool in ("tpserve-bench-decode", "tpserve-bench-attention"):
-                    path = os.path.join(dirs[label], tool)
-                    with open(path, "w") as f:
-                        f.write(FAKE_TOOL.replace("#!/usr/bin/env python3", "#!" + sys.executable))
-                    os.chmod(path, 0o755)
+            dirs = fake_builds(d, (("old", "2.0"), ("new", "1.5")))
             env = dict(os.environ, ROUNDS="2", KV_DTYPES="bf16", BATCHES="1 8",
                        OUT=os.path.join(d, "out"))
             proc = subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"),
@@ -107,6 +118,25 @@ class RunDecodeAbTest(unittest.TestCase):
                                  "new": {"1": [1.5, 1.5], "8": [12.0, 12.0]}})
         self.assertEqual(attention["new"], {"bf16/b1": [1.5, 1.5], "bf16/b8": [12.0, 12.0]})
         self.assertIn("| 1 | 2.000/2.000; 2.000 | 1.500/1.500; 1.500 | 0.750 |", proc.stdout)
+
+    def test_a_build_run_without_fusions_gets_them_as_flags(self):
+        with tempfile.TemporaryDirectory() as d:
+            dirs = fake_builds(d, (("new", "1.0"),))
+            env = dict(os.environ, ROUNDS="1", KV_DTYPES="bf16", BATCHES="1",
+                       OUT=os.path.join(d, "out"))
+            proc = subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"),
+                                   f"all={dirs['new']}", f"rope={dirs['new']}@rope",
+                                   f"two={dirs['new']}@rope,cluster-merge"],
+                                  env=env, capture_output=True, text=True, timeout=60)
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            with open(os.path.join(d, "out", "ab-fp8-kvbf16.json")) as f:
+                steps = json.load(f)
+            with open(os.path.join(d, "out", "ab-attention-bf16.json")) as f:
+                attention = json.load(f)
+        self.assertEqual({k: v["1"] for k, v in steps.items()},
+                         {"all": [1.0], "rope": [1.1], "two": [1.2]})
+        self.assertEqual({k: v["bf16/b1"] for k, v in attention.items()},
+                         {"all": [1.0], "rope": [1.0], "two": [1.2]})
 
     def test_a_label_without_its_tools_is_a_usage_error(self):
         with tempfile.TemporaryDirectory() as d:

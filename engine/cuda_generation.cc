@@ -191,7 +191,8 @@ PagedAttentionParams CudaModel::PagedParams(int64_t layer, int64_t m, int64_t se
   p.multi_row_count = g.multi_row_count;
   // The step's upload precedes its first kernel; its kernels write only the step's own rows'
   // keys and values (RoPE right before this launch, or this launch itself).
-  p.context_constant = true;
+  p.context_constant = options_.decode_fusions.early_loads;
+  p.cluster_merge = options_.decode_fusions.cluster_merge;
   return p;
 }
 

@@ -224,16 +224,21 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   if (stepping_) {
     kv_store = KvStore(l, m, qkv_y);
     rope.kv_store = &kv_store;
-    rope_in_attention = PagedAttentionTakesRope(PagedParams(l, m, seq_slots, qkv_y));
+    rope_in_attention = options_.decode_fusions.rope_in_attention &&
+                        PagedAttentionTakesRope(PagedParams(l, m, seq_slots, qkv_y));
   }
   if (!rope_in_attention) TP_RETURN_IF_ERROR(LaunchRope(rope, st));
   TP_RETURN_IF_ERROR(Mark("rope"));
 
+  // FP8: o's input staged as BF16 in attn_, then QuantizeInput (dynamic or fine scales, or a
+  // decode step without the out_fp8 fusion).
+  bool quantize_o = fp8 && lw.o.staged();
   if (stepping_) {
     // Into o's input, as the prefill pass below: BF16 layers read the output as is; FP8 layers
     // with a static scale get its E4M3 codes from the kernel; the others stage BF16 in attn_
     // (dynamic ones with its amax) for QuantizeInput.
-    const bool codes = fp8 && !lw.o.staged();
+    const bool codes = fp8 && !lw.o.staged() && options_.decode_fusions.attention_out_fp8;
+    quantize_o = fp8 && !codes;
     BFloat16* out =
         !fp8 ? static_cast<BFloat16*>(o->input(m)) : (codes ? nullptr : attn_.as<BFloat16>());
     TP_RETURN_IF_ERROR(EnqueuePagedAttention(
@@ -272,7 +277,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.head_dim = hd;
     TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
   }
-  if (fp8 && lw.o.staged()) {
+  if (quantize_o) {
     TP_RETURN_IF_ERROR(QuantizeInput(attn_.as<BFloat16>(), m, nh_l * hd, lw.o, o->input(m)));
   }
   TP_RETURN_IF_ERROR(Mark("attention"));

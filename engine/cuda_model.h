@@ -110,6 +110,24 @@ struct CudaModelOptions {
   // (x = bf16(x + bf16(product)), the CPU reference's rounding), as at tp > 1, where a
   // ReduceScatter's output cannot add into x.
   bool residual_in_gemm = true;
+  // The decode step's fusions, each on by default; off only to measure what one is worth
+  // (tpserve-bench-decode --unfused). Off or on, a step's results are the same (bit for bit but
+  // for cluster_merge, which changes the rounding of the splits' merge).
+  struct DecodeFusions {
+    // Pure decode steps rotate q and store the step's keys and values inside the attention
+    // kernel (PagedAttentionParams::rope); off: the RoPE kernel does both, before it.
+    bool rope_in_attention = true;
+    // FP8 with a static input scale for o: paged attention writes o's E4M3 input itself
+    // (PagedAttentionParams::out_fp8); off: it writes BF16, then a quantize pass.
+    bool attention_out_fp8 = true;
+    // The decode kernel's splits merge in a thread-block cluster
+    // (PagedAttentionParams::cluster_merge); off: the combine pass.
+    bool cluster_merge = true;
+    // PagedAttentionParams::context_constant: the decode kernel loads metadata and earlier keys
+    // before its PDL wait; off: after it.
+    bool early_loads = true;
+  };
+  DecodeFusions decode_fusions;
 };
 
 class CudaModel {

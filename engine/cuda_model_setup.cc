@@ -148,7 +148,8 @@ Status CudaModel::AllocateActivations() {
   if (dynamic_inputs_ || fine_inputs_ || options_.kv_blocks > 0) {
     // Dynamic input scales: this rank's amax at [0], every rank's at [4..),
     // and the BF16 outputs of attention and SwiGLU staged for o's and down's
-    // quantization (static scales quantize in those kernels; paged attention does not).
+    // quantization (static scales quantize in those kernels; paged attention does too unless
+    // CudaModelOptions::decode_fusions turns its out_fp8 off).
     TP_ASSIGN_OR_RETURN(amax_, Alloc((4 + tp_) * 4, "input_amax"));
     TP_ASSIGN_OR_RETURN(attn_, Alloc(m * attn_n * 2, "attn"));
     TP_ASSIGN_OR_RETURN(act_, Alloc(m * inter_l * 2, "swiglu_out"));

@@ -544,7 +544,8 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   a.scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
   a.max_rows = flash ? 1 : INT_MAX;
   a.context_constant = p.context_constant;
-  a.cluster_merge = UsesDecodeKernel(p) && splits > 1 && splits <= kDecodeMaxClusterSplits;
+  a.cluster_merge =
+      p.cluster_merge && UsesDecodeKernel(p) && splits > 1 && splits <= kDecodeMaxClusterSplits;
   const RopeParams* rope = p.rope;
   a.rope_positions = rope != nullptr ? rope->positions : nullptr;
   a.rope_inv_freq = rope != nullptr ? rope->inv_freq : nullptr;

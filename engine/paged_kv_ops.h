@@ -137,6 +137,10 @@ struct PagedAttentionParams {
   // waits for the kernel ahead (the keys of the query rows, q and everything it writes come
   // after), so that its loads overlap that kernel. false: nothing is read before the wait.
   bool context_constant = false;
+  // Whether the decode kernel's splits may merge in a thread-block cluster (as above); false:
+  // the combine pass merges them, through the workspace (for measuring what the cluster saves;
+  // the results differ only in the rounding of the merge).
+  bool cluster_merge = true;
   // Optional (host pointer, read at launch), for a pure decode launch only, one that the decode
   // kernel takes whole (PagedAttentionTakesRope): q and the step's key rows arrive unrotated,
   // and the launch does what LaunchRope(*rope) right before it would have done, in its one

@@ -46,6 +46,11 @@ struct GenSetup {
   int64_t max_step_tokens = 512;
   bool cuda_graphs = true;
   std::string checkpoint_dir;  // empty: random weights of seed 7
+  int64_t max_running = 16;    // the scheduler's (1: one sequence at a time, steps of one)
+  CudaModelOptions::DecodeFusions fusions;
+  // cuBLASLt's heuristic algorithm instead of the fastest timed one: two engines then pick
+  // the same algorithms (and round alike).
+  bool heuristic_gemms = false;
 };
 
 constexpr int64_t kMaxTokens = 512, kMaxSeqs = 16, kNewTokens = 20;
@@ -63,6 +68,8 @@ std::shared_ptr<Engine> StartCuda(const GenSetup& s) {
   o.model.kv_blocks = s.kv_blocks;
   o.model.kv_block_size = s.block_size;
   o.model.kv_dtype = s.kv_dtype;
+  o.model.decode_fusions = s.fusions;
+  if (s.heuristic_gemms) o.model.gemm_algo = GemmAlgoSelection::kHeuristic;
   o.timeout = 120s;
   o.worker_argv = {"/proc/self/exe"};  // tp 1 starts no worker, but the engine wants a command
   auto e = CudaEngine::Start(std::move(o));
@@ -92,7 +99,7 @@ std::vector<Outcome> Generate(std::shared_ptr<Engine> engine, const GenSetup& s,
                               const GenerationParams& params, GeneratorStats* stats = nullptr) {
   GeneratorOptions go;
   go.scheduler.max_step_tokens = s.max_step_tokens;
-  go.scheduler.max_running = kMaxSeqs;
+  go.scheduler.max_running = s.max_running;
   auto g = Generator::Start(go, std::move(engine));
   EXPECT_TRUE(g.ok()) << g.status().ToString();
   if (!g.ok()) return std::vector<Outcome>(prompts.size());
@@ -251,6 +258,35 @@ TEST_F(GpuGenerationTest, Fp8KvCacheMatchesCpuEngine) {
   GenSetup s;
   s.kv_dtype = KvCacheDtype::kFloat8E4M3;
   CheckAgainstCpu(s, 0.05, "fp8 kv cache");
+}
+
+// The decode step's fusions change no result: with each one that keeps the bits (all but the
+// cluster merge, whose merge rounds differently) off, the tokens and their log-probs are the
+// same, bit for bit. One sequence at a time, so that both engines run the same steps (prefill
+// chunks, then decode steps of one: the decode kernel with its splits, RoPE inside it or not,
+// o's E4M3 input from it or from a quantize pass).
+TEST_F(GpuGenerationTest, DecodeFusionsChangeNoResult) {
+  for (const KvCacheDtype kv : {KvCacheDtype::kBFloat16, KvCacheDtype::kFloat8E4M3}) {
+    GenSetup on;
+    on.kv_dtype = kv;
+    on.max_running = 1;
+    on.heuristic_gemms = true;
+    GenSetup off = on;
+    off.fusions.rope_in_attention = false;
+    off.fusions.attention_out_fp8 = false;
+    off.fusions.early_loads = false;
+    const auto prompts = Prompts();
+    const auto a = Generate(StartCuda(on), on, prompts, Greedy());
+    const auto b = Generate(StartCuda(off), off, prompts, Greedy());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(std::string(KvCacheDtypeName(kv)) + " cache, prompt " + std::to_string(i));
+      ASSERT_TRUE(a[i].error.ok()) << a[i].error.ToString();
+      ASSERT_TRUE(b[i].error.ok()) << b[i].error.ToString();
+      EXPECT_EQ(a[i].tokens.size(), static_cast<size_t>(kNewTokens));
+      EXPECT_EQ(a[i].tokens, b[i].tokens);
+      EXPECT_EQ(a[i].log_probs, b[i].log_probs);
+    }
+  }
 }
 
 TEST_F(GpuGenerationTest, SeededSamplingIsReproducible) {
