@@ -30,7 +30,7 @@ using namespace device;
 // already: exact products); for P.V over a BF16 cache, P is split into its BF16 rounding and
 // the BF16 rounding of the remainder, two MMAs, so P keeps about 16 bits and the result stays
 // within FP32-math error of the reference; over an E4M3 cache P is rounded to BF16 once (an
-// output is then within 2^-9 of max |v| of the reference: an E4M3 step is bound by its warps'
+// output is then within 2^-8 of max |v| of the reference: an E4M3 step is bound by its warps'
 // chains, and the second MMA would only refine P past the values' own precision). An E4M3
 // cache is copied as codes: each lane widens its own key fragments to BF16 (exactly) in
 // registers, reading the dims of a 32-dim slice in an order of its own (Q's fragments follow
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
   constexpr int kMTiles = kHeadDim / 16;  // m16 tiles (of dims) of O^T
   constexpr int kElemBytes = kFp8 ? 1 : 2;
   // P.V with P in two BF16 parts over a BF16 cache; over E4M3 values (2^-4 apart relatively)
-  // P's own BF16 rounding (2^-9) is the smaller error, and one MMA a tile of dims is enough.
+  // P's own BF16 rounding (2^-8) is the smaller error, and one MMA a tile of dims is enough.
   constexpr bool kSplitP = !kFp8;
   // Each thread copies the same 16-byte piece of every kRowStep-th row of a tile.
   constexpr int kRowStep = kAttnThreads / L::kPieces;
@@ -115,7 +115,12 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
   const int split = blockIdx.z;
   int row_begin, n, ctx;
   SequenceRows(a, s, &row_begin, &n, &ctx);
-  if (n > a.max_rows) return;
+  // Every CTA waits before it ends, work or none: a PDL grid none of whose CTAs waited could
+  // end before the kernel ahead of it, and the next kernel's wait would not cover that one.
+  if (n > a.max_rows) {
+    if (!waited) PdlEnter();
+    return;
+  }
   const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks;
   const int64_t head_stride = static_cast<int64_t>(a.block_size) * kHeadDim;
   const int64_t block_stride = a.kv_heads * head_stride;
@@ -521,6 +526,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
     }
     __syncthreads();  // the merge area, q_tile and key_ok are rewritten for the next row
   }
+  if (!waited) PdlEnter();  // no rows (an empty slot): see the early return above
 }
 
 // The decode kernel's tiles take more than the 48 KiB of shared memory a launch gets by
@@ -558,11 +564,15 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, AttnArgs* a, cudaStream_t stream) {
   config.attrs = attribute;
   config.numAttrs = 2;
   if (a->cluster_merge) {
+    // The occupancy query sees the cluster attribute alone (PDL is no part of placement).
+    cudaLaunchConfig_t query = config;
+    query.attrs = &attribute[1];
+    query.numAttrs = 1;
     int clusters = 0;
     if ((a->splits > 8 &&
          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
              cudaSuccess) ||
-        cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+        cudaOccupancyMaxActiveClusters(&clusters, kernel, &query) != cudaSuccess || clusters < 1) {
       (void)cudaGetLastError();  // a refused query is not the launch's error
       a->cluster_merge = false;
     }

@@ -420,7 +420,8 @@ int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
         int64_t{sm_count};
     const int64_t per_sm = decode ? 4 : 2;
     splits = decode && ctas >= slots ? 1 : (per_sm * int64_t{sm_count} + ctas - 1) / ctas;
-    // The decode kernel's splits merge in a cluster (no combine pass) up to a cluster's size.
+    // The decode kernel's splits merge in a cluster (no combine pass) up to a cluster's size;
+    // the same cap with cluster_merge off, so that the two merges compare at one split count.
     if (decode) splits = std::min<int64_t>(splits, kDecodeMaxClusterSplits);
   }
   splits = std::max<int64_t>(1, std::min(splits, cap));

@@ -63,7 +63,7 @@ Status CheckPagedKvWrite(const PagedKvWriteParams& p);
 // 1/sqrt(head_dim). FP32 math with an online softmax (the reference is double); decode rows
 // (one query row per sequence) go through BF16 tensor-core products with FP32 accumulation
 // whose P keeps about 16 bits over a BF16 cache (a BF16 high part and remainder), within
-// FP32-math error, and is rounded to BF16 over an E4M3 cache (within 2^-9 of max |v|).
+// FP32-math error, and is rounded to BF16 over an E4M3 cache (within 2^-8 of max |v|).
 //   q:   [tokens, q_heads, head_dim] BF16, row stride q_row_stride (a slice of the QKV output)
 //   out: [tokens, q_heads, head_dim] BF16, row stride out_row_stride, and/or its E4M3 codes
 //        in out_fp8; must not overlap q

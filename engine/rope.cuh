@@ -12,14 +12,15 @@ namespace tpserve::device {
 
 // Cosine and sine of pair i's angle at `position` (RopeParams's convention: inverse frequency
 // inv_freq[i], or theta^(-2i / head_dim) without a table), computed in double as the CPU
-// reference does and rounded to FP32 once.
+// reference does (the angle's product rounded, never fused into the sine's arithmetic) and
+// rounded to FP32 once.
 __device__ __forceinline__ float2 RopeCosSin(int32_t position, int i, int head_dim,
                                              const double* inv_freq, double theta) {
   const double f = inv_freq != nullptr
                        ? inv_freq[i]
                        : pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
   double s, c;
-  sincos(static_cast<double>(position) * f, &s, &c);
+  sincos(__dmul_rn(static_cast<double>(position), f), &s, &c);
   return make_float2(static_cast<float>(c), static_cast<float>(s));
 }
 

@@ -310,15 +310,25 @@ void ExpectAttentionNear(const std::vector<BFloat16>& out, const std::vector<flo
   }
 }
 
-// RoPE and the cache store inside the decode kernel (PagedAttentionParams::rope) against
-// LaunchRope (storing the step's rows) and then the same launch: output and the whole cache
-// bit for bit, q left as it was. The step's rows get new keys and values (the random k and v
-// columns of their QKV rows, unrotated), so a kernel that attended the cache's old rows, or
-// rotated with another angle, would differ. Odd seeds rotate with an inverse-frequency table
-// (a scaled one's shape), even ones with theta.
-void CheckRopeInAttention(cudaStream_t stream, const PagedCase& c, const PagedStep& st,
-                          const PagedAttentionParams& base, uint32_t seed,
-                          const std::string& what) {
+// Two copies of a case's step, each with its own cache and QKV rows, set up for RoPE inside
+// the decode kernel (PagedAttentionParams::rope): the step rows' positions and slots, new keys
+// and values for them (the random k and v columns of their QKV rows, unrotated), and the
+// launch's parameters, compared bit for bit after the caller has run them.
+struct RopeRun {
+  DeviceBuffer cache, qkv, out;
+  RopeParams rope;
+  PagedKvWriteParams store;
+  PagedAttentionParams p;
+};
+struct RopeRuns {
+  DeviceBuffer d_pos, d_slots, d_inv;
+  size_t cache_bytes = 0, out_elems = 0;
+  RopeRun run[2];  // rope.kv_store points into each: filled in place, never moved
+};
+
+// `table`: rotate with an inverse-frequency table (a scaled one's shape), else with theta.
+void SetUpRopeRuns(cudaStream_t stream, const PagedCase& c, const PagedStep& st,
+                   const PagedAttentionParams& base, bool table, RopeRuns* rr) {
   const int64_t hd = c.head_dim, kv_width = c.kv_heads * hd;
   std::vector<int32_t> positions, slots;
   for (size_t s = 0; s < c.context.size(); ++s) {
@@ -333,25 +343,18 @@ void CheckRopeInAttention(cudaStream_t stream, const PagedCase& c, const PagedSt
   for (int64_t i = 0; i < hd / 2; ++i) {
     inv_freq[i] = std::pow(500000.0, -2.0 * i / hd) * (i < hd / 8 ? 1.0 : 0.125);
   }
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_pos, Upload(positions, "positions"));
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_slots, Upload(slots, "slots"));
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_inv, Upload(inv_freq, "inv_freq"));
-  const size_t cache_bytes =
-      static_cast<size_t>(st.layout.Elements() * KvCacheElementBytes(c.dtype));
-  const size_t out_elems = static_cast<size_t>(st.tokens * base.out_row_stride);
-  struct Run {
-    DeviceBuffer cache, qkv, out;
-    RopeParams rope;
-    PagedKvWriteParams store;
-    PagedAttentionParams p;
-  };
-  Run runs[2];  // [0]: LaunchRope, then attention; [1]: attention with rope
-  for (Run& r : runs) {
-    TP_ASSERT_OK_AND_ASSIGN(r.cache, DeviceBuffer::Allocate(cache_bytes, "cache"));
-    TP_CUDA_CHECK_FOR_TEST(cudaMemcpyAsync(r.cache.data(), st.d_cache.data(), cache_bytes,
+  TP_ASSERT_OK_AND_ASSIGN(rr->d_pos, Upload(positions, "positions"));
+  TP_ASSERT_OK_AND_ASSIGN(rr->d_slots, Upload(slots, "slots"));
+  TP_ASSERT_OK_AND_ASSIGN(rr->d_inv, Upload(inv_freq, "inv_freq"));
+  rr->cache_bytes = static_cast<size_t>(st.layout.Elements() * KvCacheElementBytes(c.dtype));
+  rr->out_elems = static_cast<size_t>(st.tokens * base.out_row_stride);
+  for (RopeRun& r : rr->run) {
+    TP_ASSERT_OK_AND_ASSIGN(r.cache, DeviceBuffer::Allocate(rr->cache_bytes, "cache"));
+    TP_CUDA_CHECK_FOR_TEST(cudaMemcpyAsync(r.cache.data(), st.d_cache.data(), rr->cache_bytes,
                                            cudaMemcpyDeviceToDevice, stream));
     TP_ASSERT_OK_AND_ASSIGN(r.qkv, Upload(st.q_qkv, "qkv"));
-    TP_ASSERT_OK_AND_ASSIGN(r.out, PoisonedBuffer(DataType::kBFloat16, out_elems, "out", stream));
+    TP_ASSERT_OK_AND_ASSIGN(r.out,
+                            PoisonedBuffer(DataType::kBFloat16, rr->out_elems, "out", stream));
     BFloat16* qkv = r.qkv.as<BFloat16>();
     r.rope.q = qkv;
     r.rope.q_row_stride = st.qkv_stride;
@@ -360,15 +363,15 @@ void CheckRopeInAttention(cudaStream_t stream, const PagedCase& c, const PagedSt
     r.rope.k_row_stride = st.qkv_stride;
     r.rope.kv_heads = c.kv_heads;
     r.rope.head_dim = hd;
-    r.rope.positions = d_pos.as<int32_t>();
+    r.rope.positions = rr->d_pos.as<int32_t>();
     r.rope.rows = st.tokens;
     r.rope.theta = 10000.0;
-    r.rope.inv_freq = seed % 2 == 1 ? d_inv.as<double>() : nullptr;
+    r.rope.inv_freq = table ? rr->d_inv.as<double>() : nullptr;
     r.store.k = r.rope.k;
     r.store.k_row_stride = st.qkv_stride;
     r.store.v = qkv + st.q_width + kv_width;
     r.store.v_row_stride = st.qkv_stride;
-    r.store.slot_mapping = d_slots.as<int32_t>();
+    r.store.slot_mapping = rr->d_slots.as<int32_t>();
     r.store.rows = st.tokens;
     r.store.cache = r.cache.data();
     r.store.layout = st.layout;
@@ -381,34 +384,55 @@ void CheckRopeInAttention(cudaStream_t stream, const PagedCase& c, const PagedSt
     r.p.out_fp8 = nullptr;
     r.p.context_constant = true;
   }
-  ASSERT_TRUE(PagedAttentionTakesRope(runs[1].p)) << what;
-  TP_ASSERT_OK(LaunchRope(runs[0].rope, stream));
-  TP_ASSERT_OK(LaunchPagedAttention(runs[0].p, stream));
-  runs[1].p.rope = &runs[1].rope;
-  TP_ASSERT_OK(LaunchPagedAttention(runs[1].p, stream));
   TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+}
 
-  TP_ASSERT_OK_AND_ASSIGN(auto before, Download<uint8_t>(st.d_cache.data(), cache_bytes));
-  TP_ASSERT_OK_AND_ASSIGN(auto cache_ref, Download<uint8_t>(runs[0].cache.data(), cache_bytes));
-  TP_ASSERT_OK_AND_ASSIGN(auto cache_got, Download<uint8_t>(runs[1].cache.data(), cache_bytes));
+// The two runs' caches and outputs, bit for bit (after both have run and been waited for);
+// and the step's rows did change the cache (else the case would be weak).
+void ExpectRopeRunsAgree(const PagedStep& st, const RopeRuns& rr, const std::string& what) {
+  const size_t bytes = rr.cache_bytes;
+  TP_ASSERT_OK_AND_ASSIGN(auto before, Download<uint8_t>(st.d_cache.data(), bytes));
+  TP_ASSERT_OK_AND_ASSIGN(auto cache_ref, Download<uint8_t>(rr.run[0].cache.data(), bytes));
+  TP_ASSERT_OK_AND_ASSIGN(auto cache_got, Download<uint8_t>(rr.run[1].cache.data(), bytes));
   size_t stored = 0, cache_differ = 0;
-  for (size_t i = 0; i < cache_bytes; ++i) {
+  for (size_t i = 0; i < bytes; ++i) {
     stored += cache_ref[i] != before[i];
     cache_differ += cache_got[i] != cache_ref[i];
   }
   EXPECT_GT(stored, 0u) << what << ": the step's rows did not change the cache (a weak case)";
-  EXPECT_EQ(cache_differ, 0u) << what << ": the cache bytes differ with rope in the kernel";
-  TP_ASSERT_OK_AND_ASSIGN(auto out_ref, Download<BFloat16>(runs[0].out.data(), out_elems));
-  TP_ASSERT_OK_AND_ASSIGN(auto out_got, Download<BFloat16>(runs[1].out.data(), out_elems));
+  EXPECT_EQ(cache_differ, 0u) << what << ": the cache bytes differ";
+  TP_ASSERT_OK_AND_ASSIGN(auto out_ref, Download<BFloat16>(rr.run[0].out.data(), rr.out_elems));
+  TP_ASSERT_OK_AND_ASSIGN(auto out_got, Download<BFloat16>(rr.run[1].out.data(), rr.out_elems));
   size_t out_differ = 0;
-  for (size_t i = 0; i < out_elems; ++i) {
+  for (size_t i = 0; i < rr.out_elems; ++i) {
     if (out_got[i].bits != out_ref[i].bits && ++out_differ <= 5) {
-      ADD_FAILURE() << what << ": rope in the kernel, output element " << i << " "
-                    << BFloat16ToFloat(out_got[i]) << ", unfused " << BFloat16ToFloat(out_ref[i]);
+      ADD_FAILURE() << what << ": output element " << i << " " << BFloat16ToFloat(out_got[i])
+                    << ", against " << BFloat16ToFloat(out_ref[i]);
     }
   }
-  EXPECT_EQ(out_differ, 0u) << what << ": the output differs with rope in the kernel";
-  TP_ASSERT_OK_AND_ASSIGN(auto q_after, Download<BFloat16>(runs[1].qkv.data(), st.q_qkv.size()));
+  EXPECT_EQ(out_differ, 0u) << what << ": the outputs differ";
+}
+
+// RoPE and the cache store inside the decode kernel against LaunchRope (storing the step's
+// rows) and then the same launch: output and the whole cache bit for bit, q left as it was. A
+// kernel that attended the cache's old rows, or rotated with another angle, would differ. Odd
+// seeds rotate with an inverse-frequency table, even ones with theta.
+void CheckRopeInAttention(cudaStream_t stream, const PagedCase& c, const PagedStep& st,
+                          const PagedAttentionParams& base, uint32_t seed,
+                          const std::string& what) {
+  RopeRuns rr;
+  SetUpRopeRuns(stream, c, st, base, seed % 2 == 1, &rr);
+  if (::testing::Test::HasFatalFailure()) return;
+  RopeRun& unfused = rr.run[0];
+  RopeRun& fused = rr.run[1];
+  fused.p.rope = &fused.rope;
+  ASSERT_TRUE(PagedAttentionTakesRope(fused.p)) << what;
+  TP_ASSERT_OK(LaunchRope(unfused.rope, stream));
+  TP_ASSERT_OK(LaunchPagedAttention(unfused.p, stream));
+  TP_ASSERT_OK(LaunchPagedAttention(fused.p, stream));
+  TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
+  ExpectRopeRunsAgree(st, rr, what + ", rope in the kernel against LaunchRope first");
+  TP_ASSERT_OK_AND_ASSIGN(auto q_after, Download<BFloat16>(fused.qkv.data(), st.q_qkv.size()));
   size_t q_written = 0;
   for (size_t i = 0; i < q_after.size(); ++i) q_written += q_after[i].bits != st.q_qkv[i].bits;
   EXPECT_EQ(q_written, 0u) << what << ": rope in the kernel wrote its QKV rows";
@@ -458,7 +482,7 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
   TP_ASSERT_OK_AND_ASSIGN(auto out, Download<BFloat16>(d_out.data(), out_elems));
   // The tensor-core prefill kernel's P is BF16: up to 2^-8 of max |v| = 1 per output (the
   // packed kernel's bound in gpu_ops_test.cc); so is the decode kernel's over an E4M3 cache
-  // (2^-9 of max |v|). The split kernels stay in FP32, and the decode kernel's P over a BF16
+  // (2^-8 of max |v|). The split kernels stay in FP32, and the decode kernel's P over a BF16
   // cache keeps about 16 bits (a BF16 high part and remainder), within the FP32 bound. Both
   // scale with the values' range.
   const bool decode_kernel = TakesDecodeKernel(c, p);
@@ -929,6 +953,51 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionWaitsForTheWriteOfItsRows) {
     const double abs_tol =
         (dtype == KvCacheDtype::kFloat8E4M3 ? std::ldexp(1.0, -8) : 2e-5) * c.kv_range;
     ExpectAttentionNear(out, ref, st.tokens, st.q_width, abs_tol, what);
+  }
+}
+
+// With rope the decode kernel reads q, the step's keys and values after its PDL wait only
+// (positions, slots and earlier keys may come before it). Here the kernel ahead rotates every
+// q and k element in place (a RoPE launch at another position, no store), held back by a
+// 200 us delay kernel that lets both start at once; run 0 waits for it on the host first. A
+// read before the wait would see the unrotated rows, and the outputs or caches would differ.
+TEST_F(GpuGenerationOpsTest, DecodeAttentionWithRopeWaitsForItsInputs) {
+  TP_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> ctx{1, 2, 17, 64, 65, 100, 1023, 4097};
+  const std::vector<int32_t> one(ctx.size(), 1);
+  for (const KvCacheDtype dtype : {KvCacheDtype::kBFloat16, KvCacheDtype::kFloat8E4M3}) {
+    PagedCase c{ctx, one, 8, 2, 128, 16, dtype};
+    const std::string what = "rope ahead of attention, " + Describe(c);
+    PagedStep st;
+    CpuKvCache* cpu = nullptr;
+    std::vector<std::unique_ptr<CpuKvCache>> owner;
+    BuildStep(stream(), c, 450, &st, &cpu, &owner);
+    if (HasFatalFailure()) return;
+    PagedAttentionParams base = AttentionParamsFor(c, st);
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_ws, AttachWorkspace(c, st, &base));
+    RopeRuns rr;
+    SetUpRopeRuns(stream(), c, st, base, /*table=*/true, &rr);
+    if (HasFatalFailure()) return;
+    TP_ASSERT_OK_AND_ASSIGN(
+        DeviceBuffer d_ahead,
+        Upload(std::vector<int32_t>(static_cast<size_t>(st.tokens), 777), "ahead positions"));
+    RopeParams ahead[2];
+    for (int i = 0; i < 2; ++i) {
+      ahead[i] = rr.run[i].rope;
+      ahead[i].kv_store = nullptr;
+      ahead[i].positions = d_ahead.as<int32_t>();
+      rr.run[i].p.rope = &rr.run[i].rope;
+      ASSERT_TRUE(PagedAttentionTakesRope(rr.run[i].p)) << what;
+    }
+    TP_ASSERT_OK(LaunchRope(ahead[0], stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK(LaunchPagedAttention(rr.run[0].p, stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    TP_ASSERT_OK(LaunchGpuDelay(200 * 1000, stream(), /*let_next_start=*/true));
+    TP_ASSERT_OK(LaunchRope(ahead[1], stream()));
+    TP_ASSERT_OK(LaunchPagedAttention(rr.run[1].p, stream()));
+    TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+    ExpectRopeRunsAgree(st, rr, what);
   }
 }
 

@@ -261,30 +261,37 @@ TEST_F(GpuGenerationTest, Fp8KvCacheMatchesCpuEngine) {
 }
 
 // The decode step's fusions change no result: with each one that keeps the bits (all but the
-// cluster merge, whose merge rounds differently) off, the tokens and their log-probs are the
-// same, bit for bit. One sequence at a time, so that both engines run the same steps (prefill
-// chunks, then decode steps of one: the decode kernel with its splits, RoPE inside it or not,
-// o's E4M3 input from it or from a quantize pass).
+// cluster merge, whose merge rounds differently) off in turn, the tokens and their log-probs
+// are those of all on, bit for bit. One sequence at a time, so that every engine runs the same
+// steps (prefill chunks, then decode steps of one: the decode kernel with its splits, RoPE
+// inside it or not, o's E4M3 input from it or from a quantize pass).
 TEST_F(GpuGenerationTest, DecodeFusionsChangeNoResult) {
+  const auto prompts = Prompts();
   for (const KvCacheDtype kv : {KvCacheDtype::kBFloat16, KvCacheDtype::kFloat8E4M3}) {
     GenSetup on;
     on.kv_dtype = kv;
     on.max_running = 1;
     on.heuristic_gemms = true;
-    GenSetup off = on;
-    off.fusions.rope_in_attention = false;
-    off.fusions.attention_out_fp8 = false;
-    off.fusions.early_loads = false;
-    const auto prompts = Prompts();
-    const auto a = Generate(StartCuda(on), on, prompts, Greedy());
-    const auto b = Generate(StartCuda(off), off, prompts, Greedy());
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      SCOPED_TRACE(std::string(KvCacheDtypeName(kv)) + " cache, prompt " + std::to_string(i));
-      ASSERT_TRUE(a[i].error.ok()) << a[i].error.ToString();
-      ASSERT_TRUE(b[i].error.ok()) << b[i].error.ToString();
-      EXPECT_EQ(a[i].tokens.size(), static_cast<size_t>(kNewTokens));
-      EXPECT_EQ(a[i].tokens, b[i].tokens);
-      EXPECT_EQ(a[i].log_probs, b[i].log_probs);
+    const auto want = Generate(StartCuda(on), on, prompts, Greedy());
+    const struct {
+      const char* name;
+      bool CudaModelOptions::DecodeFusions::*field;
+    } fusions[] = {{"rope in attention", &CudaModelOptions::DecodeFusions::rope_in_attention},
+                   {"attention out fp8", &CudaModelOptions::DecodeFusions::attention_out_fp8},
+                   {"early loads", &CudaModelOptions::DecodeFusions::early_loads}};
+    for (const auto& f : fusions) {
+      GenSetup off = on;
+      off.fusions.*f.field = false;
+      const auto got = Generate(StartCuda(off), off, prompts, Greedy());
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        SCOPED_TRACE(std::string(KvCacheDtypeName(kv)) + " cache, " + f.name + " off, prompt " +
+                     std::to_string(i));
+        ASSERT_TRUE(want[i].error.ok()) << want[i].error.ToString();
+        ASSERT_TRUE(got[i].error.ok()) << got[i].error.ToString();
+        EXPECT_EQ(want[i].tokens.size(), static_cast<size_t>(kNewTokens));
+        EXPECT_EQ(got[i].tokens, want[i].tokens);
+        EXPECT_EQ(got[i].log_probs, want[i].log_probs);
+      }
     }
   }
 }
