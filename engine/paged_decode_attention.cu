@@ -578,7 +578,16 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, AttnArgs* a, cudaStream_t stream) {
     }
   }
   config.numAttrs = a->cluster_merge ? 2 : 1;
-  return cudaLaunchKernelEx(&config, kernel, *a);
+  cudaError_t launched = cudaLaunchKernelEx(&config, kernel, *a);
+  if (launched != cudaSuccess && a->cluster_merge) {
+    // A cluster the launch itself could not place (the query above can be optimistic, e.g.
+    // beside other processes' work): the same kernel without one, merged by the combine pass.
+    (void)cudaGetLastError();
+    a->cluster_merge = false;
+    config.numAttrs = 1;
+    launched = cudaLaunchKernelEx(&config, kernel, *a);
+  }
+  return launched;
 }
 
 template <int kHeadDim, int kGroup>
