@@ -30,8 +30,15 @@ Steps:
     rank of tpserve's token in the reference's logits. A divergence at a gap
     under --near-tie (1 %) is a near tie (rounding may decide it); any other
     divergence fails the check.
-Writes --out (JSON: meta, summary, one record per prompt), prints one summary
-line, exits 1 if a divergence happened without a near tie (2 on usage errors).
+ 5. Calibration (with the FP32 reference; --no-calibrate skips it): transformers
+    itself in BF16 on the same weights, judged against the FP32 reference by the
+    same rule. It tells whether the rule separates BF16 arithmetic from a wrong
+    model on this checkpoint: where transformers' own BF16 diverges without a
+    near tie too, such a divergence of tpserve's is rounding, not a bug.
+Writes --out (JSON: meta, summary, one record per prompt, and the calibration's
+summary and records), prints a summary line for each, exits 1 if tpserve's
+generation diverged without a near tie (2 on usage errors); the calibration's
+verdict does not change the exit status.
 The tpserve binary is $TPSERVE_BIN, else .gpu/bin/tpserve (--tpserve).
 """
 import argparse
@@ -70,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=31)
     ap.add_argument("--ref-dtype", default="fp32", choices=["fp32", "bf16"],
                     help="transformers' activations (the weights are BF16 either way)")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="skip the calibration run (transformers in BF16 against the FP32 "
+                         "reference, judged by the same rule)")
     ap.add_argument("--near-tie", type=float, default=0.01,
                     help="relative top-2 gap under which a divergence is a near tie")
     ap.add_argument("--dir", default="", help="checkpoint directory (default: a temporary one)")
@@ -143,12 +153,23 @@ def summarise(records, near_tie):
     return s
 
 
-def summary_line(s, records):
+def judge(candidates, refs, lengths, near_tie):
+    """Records (one per prompt, with its length) and their summary for `candidates` (token
+    lists) against `refs` ((tokens, steps) per prompt)."""
+    records = []
+    for got, (ref_tokens, steps), n in zip(candidates, refs, lengths):
+        rec = compare(got, ref_tokens, steps, near_tie)
+        rec["length"] = n
+        records.append(rec)
+    return records, summarise(records, near_tie)
+
+
+def summary_line(s, records, who="hf_greedy_check"):
     bad = ["len %d at token %d" % (r["length"], r["first_divergence"]["index"])
            for r in records if r["verdict"] == "diverged"]
-    return ("hf_greedy_check: %s: %d prompts, %d identical, %d diverged at a near tie (< %g %%), "
+    return ("%s: %s: %d prompts, %d identical, %d diverged at a near tie (< %g %%), "
             "%d diverged without one%s; %d/%d tokens matched"
-            % ("PASS" if s["pass"] else "FAIL", s["prompts"], s["identical"],
+            % (who, "PASS" if s["pass"] else "FAIL", s["prompts"], s["identical"],
                s["near_tie_divergences"], 100 * s["near_tie_threshold"],
                s["unexplained_divergences"], (" (%s)" % ", ".join(bad)) if bad else "",
                s["tokens_matched"], s["tokens"]))
@@ -201,8 +222,8 @@ def build_checkpoint(torch, transformers, args, directory):
     return major
 
 
-def reference_generations(torch, transformers, major, args, directory, prompts):
-    dtype = torch.float32 if args.ref_dtype == "fp32" else torch.bfloat16
+def reference_generations(torch, transformers, major, args, directory, prompts, dtype_name):
+    dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
     kw = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
     model = transformers.LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager",
                                                           **kw).to(args.device).eval()
@@ -223,7 +244,7 @@ def reference_generations(torch, transformers, major, args, directory, prompts):
                 raise RuntimeError("generate()'s token %d is not its logits' argmax %d"
                                    % (t, s["top_ids"][0]))
         out.append((tokens, steps))
-        log("reference: prompt of %d tokens done" % len(p))
+        log("transformers %s: prompt of %d tokens done" % (dtype_name, len(p)))
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -308,15 +329,17 @@ def main(argv=None):
     t0 = time.time()
     major = build_checkpoint(torch, transformers, args, directory)
     log("checkpoint written to %s (%.1f s)" % (directory, time.time() - t0))
-    refs = reference_generations(torch, transformers, major, args, directory, prompts)
+    refs = reference_generations(torch, transformers, major, args, directory, prompts,
+                                 args.ref_dtype)
+    lengths = [len(p) for p in prompts]
+    calibration = None
+    if args.calibrate and args.ref_dtype == "fp32":
+        own = reference_generations(torch, transformers, major, args, directory, prompts, "bf16")
+        cal_records, cal_summary = judge([t for t, _ in own], refs, lengths, args.near_tie)
+        calibration = {"candidate": "transformers generate(do_sample=False), bf16 activations",
+                       "summary": cal_summary, "records": cal_records}
     ours = tpserve_generations(args, directory, prompts)
-
-    records = []
-    for p, (ref_tokens, steps), got in zip(prompts, refs, ours):
-        rec = compare(got, ref_tokens, steps, args.near_tie)
-        rec["length"] = len(p)
-        records.append(rec)
-    summary = summarise(records, args.near_tie)
+    records, summary = judge(ours, refs, lengths, args.near_tie)
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": args.commit,
             "args": vars(args), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
@@ -325,7 +348,10 @@ def main(argv=None):
                          "saved BF16 weights, eager attention" % args.ref_dtype}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "summary": summary, "records": records}, f, indent=1)
+        doc = {"meta": meta, "summary": summary, "records": records}
+        if calibration is not None:
+            doc["calibration"] = calibration
+        json.dump(doc, f, indent=1)
         f.write("\n")
     for r in records:
         d = r.get("first_divergence")
@@ -335,6 +361,9 @@ def main(argv=None):
             % (d["ours"], d["reference"], 100 * d.get("ref_top2_rel_gap", float("nan")),
                "near tie" if d["near_tie"] else "NOT a near tie")))
     print(summary_line(summary, records))
+    if calibration is not None:
+        print(summary_line(calibration["summary"], calibration["records"],
+                           "calibration, transformers bf16"))
     if tmpdir is not None:
         tmpdir.cleanup()
     return 0 if summary["pass"] else 1
