@@ -75,13 +75,15 @@ struct Flags {
 };
 
 // --unfused's names of CudaModelOptions::DecodeFusions' fields.
-constexpr const char* kFusionNames[] = {"rope", "out-fp8", "cluster-merge", "early-loads"};
+constexpr const char* kFusionNames[] = {"rope", "out-fp8", "cluster-merge", "early-loads",
+                                        "swiglu"};
 
 void TurnOff(const std::string& name, CudaModelOptions::DecodeFusions* d) {
   if (name == "rope") d->rope_in_attention = false;
   if (name == "out-fp8") d->attention_out_fp8 = false;
   if (name == "cluster-merge") d->cluster_merge = false;
   if (name == "early-loads") d->early_loads = false;
+  if (name == "swiglu") d->swiglu_in_gemm = false;
 }
 
 struct Floor {
@@ -198,7 +200,8 @@ int Main(int argc, char** argv) {
                  "inside attention), out-fp8 "
                  "(attention writing o's E4M3 input), cluster-merge (the decode kernel's splits "
                  "merged in a cluster instead of a combine pass), early-loads (attention's "
-                 "loads of earlier keys before its PDL wait); default none")
+                 "loads of earlier keys before its PDL wait), swiglu (SwiGLU in gate_up's "
+                 "small-M GEMM); default none")
       ->check(
           CLI::IsMember(std::vector<std::string>(std::begin(kFusionNames), std::end(kFusionNames))))
       ->delimiter(',');

@@ -290,6 +290,23 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
 
   TP_RETURN_IF_ERROR(AddNorm(o_out, lw.post_norm, *gate_up, lw.gate_up, m, rows));
   TP_RETURN_IF_ERROR(Mark("norm"));
+  auto run_down = [&]() -> Status {
+    TP_RETURN_IF_ERROR(
+        RunLinear(*down, lw.down, m, into_x ? x_.data() : down_out_.data(), &pending));
+    if (into_x) pending = Split{};
+    return Mark("down");
+  };
+  // A step's gate_up on the small-M kernel writes down's E4M3 input itself (SwiGLU in its
+  // epilogue): static per-tensor scales on both sides, the layer one GEMM.
+  if (stepping_ && options_.decode_fusions.swiglu_in_gemm && fp8 && !lw.gate_up.staged() &&
+      !lw.down.staged() && !gate_up->knobs().full_weight && gate_up->CanRunSwiGlu(m)) {
+    TP_RETURN_IF_ERROR(
+        gate_up->RunSwiGlu(m, lw.gate_up.w.data(), lw.gate_up.x_scale(), lw.gate_up.w_scale(),
+                           static_cast<uint8_t*>(down->input(m)), lw.down.x_scale(), st));
+    TP_RETURN_IF_ERROR(Mark("gate_up"));
+    TP_RETURN_IF_ERROR(Mark("swiglu"));
+    return run_down();
+  }
   TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
   TP_RETURN_IF_ERROR(Mark("gate_up"));
   SwiGluParams sw;
@@ -314,10 +331,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     TP_RETURN_IF_ERROR(QuantizeInput(act_.as<BFloat16>(), m, inter_l, lw.down, down->input(m)));
   }
   TP_RETURN_IF_ERROR(Mark("swiglu"));
-  TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, into_x ? x_.data() : down_out_.data(), &pending));
-  if (into_x) pending = Split{};
-  TP_RETURN_IF_ERROR(Mark("down"));
-  return Status::Ok();
+  return run_down();
 }
 
 Status CudaModel::EnqueueHead(int64_t m, int64_t seq_slots, int64_t rows,

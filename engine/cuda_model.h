@@ -126,6 +126,10 @@ struct CudaModelOptions {
     // PagedAttentionParams::context_constant: the decode kernel loads metadata and earlier keys
     // before its PDL wait; off: after it.
     bool early_loads = true;
+    // FP8 at tp 1 with static per-tensor input scales, a step whose gate_up runs on the small-M
+    // kernel (at most 8 rows): SwiGLU in that GEMM's epilogue (CudaLinear::RunSwiGlu), writing
+    // down's E4M3 input; off: the GEMM writes BF16, then the SwiGLU pass.
+    bool swiglu_in_gemm = true;
   };
   DecodeFusions decode_fusions;
 };

@@ -25,6 +25,7 @@
 #include "layers/fp8_divide.cuh"
 #include "layers/kernel_grid.h"
 #include "layers/pdl.cuh"
+#include "layers/silu.cuh"
 
 namespace tpserve {
 namespace {
@@ -276,11 +277,7 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, KvStore
 // ---------------------------------------------------------------------------------------------
 // SwiGLU
 
-// exp and the division on the multi-function unit (a few ulp of FP32, far below the BF16 or
-// E4M3 rounding after): with IEEE expf and division the kernel was bound by its arithmetic,
-// not by memory. For g below about -87.3, 1 + exp(-g) exceeds 2^126 (or is infinite) and
-// __fdividef gives -0, as the quotient should be.
-__device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+// Silu: layers/silu.cuh (shared with the small-M GEMM's SwiGLU epilogue).
 
 // Rows over blockIdx.y (grid-stride), each row's vectors over blockIdx.x and the block's
 // threads: no 64-bit division per vector, which cost the kernel more than its arithmetic.

@@ -10,6 +10,7 @@
 #include "comm/peer_memory.h"
 #include "layers/cuda_linear_steps.h"
 #include "layers/scale_slots.h"
+#include "layers/small_m_gemm.h"
 #include "layers/sum_kernels.h"
 
 namespace tpserve {
@@ -558,6 +559,51 @@ Status CudaLinear::RunCommOnly(int64_t m, void* y, cudaStream_t stream) {
   // The GEMM operands are never read; non-null placeholders pass the checks.
   const float* unit = impl_->unit_scales.as<float>();
   return Enqueue(m, impl_->unit_scales.data(), unit, unit + 4, y, stream, Steps::kComm);
+}
+
+namespace {
+
+// The one GEMM call of the layer's plan for m when the layer is that call alone, on the
+// small-M kernel, over the whole input into the whole output (RunSwiGlu's condition); else null.
+const GemmCall* SoleSmallMCall(const CudaLinear::Impl& im, int tp, int64_t m) {
+  auto it = im.prepared.find(m);
+  if (tp != 1 || it == im.prepared.end()) return nullptr;
+  const Prepared& prep = it->second;
+  if (prep.steps.size() != 1 || !prep.steps[0].is_gemm || prep.steps[0].gemms.size() != 1 ||
+      prep.uses_copy_stream || prep.scatter_scales || StreamKey(prep.steps[0]) != 0) {
+    return nullptr;
+  }
+  const GemmCall& call = prep.steps[0].gemms[0];
+  const GemmParams& p = call.params;
+  const bool whole = p.m == m && call.d.base == BufRef::kY && call.d.offset == 0 &&
+                     call.d.peer < 0 && call.c.base == BufRef::kNone &&
+                     call.a_scale.base == BufRef::kNone && call.b_offset == 0;
+  return whole && p.beta == 0.0f && SmallMGemmFits(p) ? &call : nullptr;
+}
+
+}  // namespace
+
+bool CudaLinear::CanRunSwiGlu(int64_t m) const {
+  return !closed_ && SoleSmallMCall(*impl_, tp_, m) != nullptr;
+}
+
+Status CudaLinear::RunSwiGlu(int64_t m, const void* w, const float* x_scale, const float* w_scale,
+                             uint8_t* out, const float* out_scale, cudaStream_t stream) {
+  if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
+  const GemmCall* call = SoleSmallMCall(*impl_, tp_, m);
+  if (call == nullptr) {
+    return FailedPreconditionError("layer " + name_ + ": RunSwiGlu(" + std::to_string(m) +
+                                   "): its plan is not one small-M GEMM (CanRunSwiGlu)");
+  }
+  if (w == nullptr || x_scale == nullptr || w_scale == nullptr) {
+    return InvalidArgumentError("layer " + name_ + ": w, x_scale and w_scale must be non-null");
+  }
+  GemmParams p = call->params;
+  p.a_scale = x_scale;
+  p.b_scale = w_scale;
+  return LaunchSmallMGemmSwiGlu(p, ResolveRef(*impl_, nullptr, call->a), w, out, p.n / 2, out_scale,
+                                stream)
+      .WithContext("layer " + name_);
 }
 
 Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale,

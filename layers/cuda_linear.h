@@ -124,6 +124,16 @@ class CudaLinear {
   Status RunSplit(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
                   cudaStream_t stream, SplitOutput* split);
 
+  // Llama's gate_up layer (its output's halves are gate and up) with SwiGLU in its GEMM's
+  // epilogue (layers/small_m_gemm.h: LaunchSmallMGemmSwiGlu): `out` [m, n/2] gets the E4M3
+  // codes of silu(gate) * up over *out_scale, bit-identical to Run and then the SwiGLU pass,
+  // and y is not written. Only where the layer for m is one GEMM on the small-M kernel and
+  // nothing else (tp 1, one chunk, per-tensor FP8 scales, no accumulate): CanRunSwiGlu(m);
+  // FAILED_PRECONDITION otherwise, with nothing enqueued.
+  bool CanRunSwiGlu(int64_t m) const;
+  Status RunSwiGlu(int64_t m, const void* w, const float* x_scale, const float* w_scale,
+                   uint8_t* out, const float* out_scale, cudaStream_t stream);
+
   // For benchmarks: enqueue only the GEMM steps (skip communication), to
   // measure the GEMM's cost inside the layer.
   Status RunGemmOnly(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <string>
 
+#include "layers/fp8_divide.cuh"
 #include "layers/pdl.cuh"
+#include "layers/silu.cuh"
 
 namespace tpserve {
 namespace {
@@ -27,9 +29,13 @@ struct SmallMArgs {
   const float* a_scale;
   const float* b_scale;
   int m;
-  int64_t k, lda, ldb, ldc, ldd;
+  int64_t n, k, lda, ldb, ldc, ldd;
   float alpha, beta;
   bool b_constant;  // GemmParams::b_constant: B may be read before the PDL wait
+  // LaunchSmallMGemmSwiGlu: E4M3 codes of silu(gate) * up, [m, n / 2] with row pitch ldo.
+  uint8_t* swiglu_out;
+  int64_t ldo;
+  const float* swiglu_scale;
 };
 
 __device__ __forceinline__ uint4 LoadStream(const uint8_t* p) {
@@ -58,15 +64,21 @@ __device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a
 // With a constant B each warp loads its first kUnroll weight blocks before the PDL wait, so a
 // GEMM whose CTAs are resident while the kernel ahead of it runs (a norm, attention, SwiGLU:
 // short, latency-bound kernels at decode sizes) has them in registers when that kernel ends.
+//
+// kSwiGlu: B's rows are gate rows [0, n/2) and up rows [n/2, n); CTA c takes gate rows
+// 8c .. 8c + 7 as its MMA rows 0-7 and the up rows of the same columns as rows 8-15, so that
+// each lane ends with the gate and up sums of one column and two tokens, and stores the E4M3
+// code of silu(gate) * up (each first rounded to BF16, as D would hold it).
+template <bool kSwiGlu>
 __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
   __shared__ float partial[kWarps][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * (kSwiGlu ? kRows / 2 : kRows);
   const int64_t blocks = p.k / kBlockK;
   const int64_t first = blocks * warp / kWarps, last = blocks * (warp + 1) / kWarps;
   const uint8_t* w_lo = p.b + (row0 + g) * p.ldb + 16 * t;
-  const uint8_t* w_hi = w_lo + 8 * p.ldb;
+  const uint8_t* w_hi = kSwiGlu ? w_lo + (p.n / 2) * p.ldb : w_lo + 8 * p.ldb;
   const bool token = g < p.m;
   const uint8_t* x = p.a + (token ? g : 0) * p.lda + 16 * t;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -127,16 +139,29 @@ __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
   float alpha = p.alpha;
   if (p.a_scale != nullptr) alpha *= *p.a_scale;
   if (p.b_scale != nullptr) alpha *= *p.b_scale;
+  if constexpr (kSwiGlu) {
+    // sum[0], sum[1]: gate column row0 + g, tokens 2t, 2t + 1; sum[2], sum[3]: its up column.
+    const Fp8Divisor divisor = MakeFp8Divisor(*p.swiglu_scale);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int tok = 2 * t + i;
+      if (tok >= p.m) continue;
+      const float gate = __bfloat162float(__float2bfloat16_rn(alpha * sum[i]));
+      const float up = __bfloat162float(__float2bfloat16_rn(alpha * sum[i + 2]));
+      p.swiglu_out[tok * p.ldo + row0 + g] = QuantizeToE4M3(Silu(gate) * up, divisor);
+    }
+  } else {
     // The accumulator fragment: acc[0], acc[1] are weight row g, tokens 2t and 2t + 1; acc[2],
     // acc[3] weight row g + 8, the same tokens.
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int tok = 2 * t + (i & 1);
-    if (tok >= p.m) continue;
-    const int64_t col = row0 + g + (i >> 1) * 8;
-    float v = alpha * sum[i];
-    if (p.c != nullptr) v += p.beta * __bfloat162float(p.c[tok * p.ldc + col]);
-    p.d[tok * p.ldd + col] = __float2bfloat16_rn(v);
+    for (int i = 0; i < 4; ++i) {
+      const int tok = 2 * t + (i & 1);
+      if (tok >= p.m) continue;
+      const int64_t col = row0 + g + (i >> 1) * 8;
+      float v = alpha * sum[i];
+      if (p.c != nullptr) v += p.beta * __bfloat162float(p.c[tok * p.ldc + col]);
+      p.d[tok * p.ldd + col] = __float2bfloat16_rn(v);
+    }
   }
 }
 
@@ -150,9 +175,9 @@ bool SmallMGemmFits(const GemmParams& p) {
          p.ldd % 2 == 0 && p.d_quant_scale == nullptr && p.d_amax == nullptr;
 }
 
-Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
-                        cudaStream_t stream) {
-  if (!SmallMGemmFits(p)) return InvalidArgumentError("small-m GEMM: the params do not fit");
+namespace {
+
+SmallMArgs MakeArgs(const GemmParams& p, const void* a, const void* b, const void* c, void* d) {
   SmallMArgs args;
   args.a = static_cast<const uint8_t*>(a);
   args.b = static_cast<const uint8_t*>(b);
@@ -161,6 +186,7 @@ Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const
   args.a_scale = p.a_scale;
   args.b_scale = p.b_scale;
   args.m = static_cast<int>(p.m);
+  args.n = p.n;
   args.k = p.k;
   args.lda = p.lda;
   args.ldb = p.ldb;
@@ -169,12 +195,49 @@ Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const
   args.alpha = p.alpha;
   args.beta = p.beta;
   args.b_constant = p.b_constant;
-  const cudaError_t e = LaunchPdl(SmallMGemmKernel, dim3(static_cast<unsigned>(p.n / kRows)),
-                                  dim3(kWarps * 32), 0, stream, args);
+  args.swiglu_out = nullptr;
+  args.ldo = 0;
+  args.swiglu_scale = nullptr;
+  return args;
+}
+
+// One CTA per 16 rows of B either way (with SwiGLU: 8 gate rows and their 8 up rows).
+Status Launch(const SmallMArgs& args, bool swiglu, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(args.n / kRows));
+  const cudaError_t e =
+      swiglu ? LaunchPdl(SmallMGemmKernel<true>, grid, dim3(kWarps * 32), 0, stream, args)
+             : LaunchPdl(SmallMGemmKernel<false>, grid, dim3(kWarps * 32), 0, stream, args);
   if (e != cudaSuccess) {
     return InternalError(std::string("small-m GEMM launch failed: ") + cudaGetErrorString(e));
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
+                        cudaStream_t stream) {
+  if (!SmallMGemmFits(p)) return InvalidArgumentError("small-m GEMM: the params do not fit");
+  return Launch(MakeArgs(p, a, b, c, d), /*swiglu=*/false, stream);
+}
+
+Status LaunchSmallMGemmSwiGlu(const GemmParams& p, const void* a, const void* b, uint8_t* out,
+                              int64_t ldo, const float* out_scale, cudaStream_t stream) {
+  if (!SmallMGemmFits(p) || p.beta != 0.0f) {
+    return InvalidArgumentError("small-m GEMM with SwiGLU: the params do not fit (or beta != 0)");
+  }
+  if (out == nullptr || out_scale == nullptr) {
+    return InvalidArgumentError("small-m GEMM with SwiGLU: out and out_scale must be non-null");
+  }
+  if (ldo < p.n / 2) {
+    return InvalidArgumentError("small-m GEMM with SwiGLU: ldo (" + std::to_string(ldo) +
+                                ") must be >= n / 2 (" + std::to_string(p.n / 2) + ")");
+  }
+  SmallMArgs args = MakeArgs(p, a, b, nullptr, nullptr);
+  args.swiglu_out = out;
+  args.ldo = ldo;
+  args.swiglu_scale = out_scale;
+  return Launch(args, /*swiglu=*/true, stream);
 }
 
 }  // namespace tpserve

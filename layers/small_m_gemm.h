@@ -16,6 +16,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "comm/status.h"
 #include "layers/cublaslt_gemm.h"
 
@@ -34,5 +36,15 @@ bool SmallMGemmFits(const GemmParams& p);
 // INVALID_ARGUMENT when !SmallMGemmFits(p); the launch's error.
 Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
                         cudaStream_t stream);
+
+// Llama's gate_up GEMM with SwiGLU in its epilogue: B's rows are the gate rows [0, n/2) and the
+// up rows [n/2, n); instead of D, out[t * ldo + j] (j < n/2) gets the E4M3 code of
+// silu(gate) * up over *out_scale (a dequantization scale, divided by), gate and up being the
+// BF16 values D would hold at columns j and n/2 + j: bit-identical to LaunchSmallMGemm and
+// then engine/cuda_ops.h's LaunchSwiGlu with out_fp8 / out_fp8_scale, in one kernel instead
+// of two. INVALID_ARGUMENT when !SmallMGemmFits(p), beta != 0, out or out_scale is null, or
+// ldo < n/2.
+Status LaunchSmallMGemmSwiGlu(const GemmParams& p, const void* a, const void* b, uint8_t* out,
+                              int64_t ldo, const float* out_scale, cudaStream_t stream);
 
 }  // namespace tpserve

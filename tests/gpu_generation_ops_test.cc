@@ -44,6 +44,7 @@
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
 #include "layers/random_fill.h"
+#include "layers/small_m_gemm.h"
 #include "tests/gpu_test_util.h"
 
 namespace tpserve {
@@ -999,6 +1000,114 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionWithRopeWaitsForItsInputs) {
     TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
     ExpectRopeRunsAgree(st, rr, what);
   }
+}
+
+// SwiGLU in the small-M GEMM's epilogue (layers/small_m_gemm.h: LaunchSmallMGemmSwiGlu) against
+// the GEMM and then the SwiGLU pass with a static E4M3 scale, as a decode step ran them: every
+// code the same, the output's row padding untouched. Shapes from one 64-column block to
+// llama3-8b's gate_up (28672 x 4096), 1 to 8 rows, an E4M3 scale that saturates some outputs.
+TEST_F(GpuGenerationOpsTest, SmallMGemmSwiGluEqualsGemmThenSwiGlu) {
+  TP_SKIP_WITHOUT_GPU();
+  struct Shape {
+    int64_t n, k;
+  };
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a_scale, Upload(std::vector<float>{0.5f}, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b_scale, Upload(std::vector<float>{0.03f}, "b_scale"));
+  for (const Shape s : {Shape{32, 64}, Shape{2048, 512}, Shape{28672, 4096}}) {
+    // gate and up have a variance of about 6.4e-3 k (codes uniform in [-4, 4), scales 0.5 and
+    // 0.03): E4M3's 448 stands for 2.5 variances of silu(gate) * up, so that about 1 % of the
+    // outputs saturate and the typical one lands near code 50.
+    const float scale = 3.57e-5f * static_cast<float>(s.k);
+    TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer out_scale, Upload(std::vector<float>{scale}, "scale"));
+    for (const int64_t m : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+      const std::string what =
+          "m=" + std::to_string(m) + " n=" + std::to_string(s.n) + " k=" + std::to_string(s.k);
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a, DeviceBuffer::Allocate(m * s.k, "a"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b, DeviceBuffer::Allocate(s.n * s.k, "b"));
+      TP_ASSERT_OK(LaunchRandomUniform(a.data(), DataType::kFloat8E4M3,
+                                       static_cast<size_t>(m * s.k), 81 + m, 4.0f, stream()));
+      TP_ASSERT_OK(LaunchRandomUniform(b.data(), DataType::kFloat8E4M3,
+                                       static_cast<size_t>(s.n * s.k), 82, 4.0f, stream()));
+      GemmParams p;
+      p.m = m;
+      p.n = s.n;
+      p.k = s.k;
+      p.lda = p.k;
+      p.ldb = p.k;
+      p.ldc = p.ldd = p.n;
+      p.a_scale = a_scale.as<float>();
+      p.b_scale = b_scale.as<float>();
+      p.b_constant = true;
+      ASSERT_TRUE(SmallMGemmFits(p)) << what;
+      const int64_t inter = s.n / 2, ldo = inter + 16;
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d, DeviceBuffer::Allocate(m * s.n * 2, "gate_up"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer want, DeviceBuffer::Allocate(m * inter, "want"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer got,
+                              PoisonedBuffer(DataType::kFloat8E4M3, m * ldo, "got", stream()));
+      TP_ASSERT_OK(LaunchSmallMGemm(p, a.data(), b.data(), nullptr, d.data(), stream()));
+      SwiGluParams sw;
+      sw.gate_up = d.as<BFloat16>();
+      sw.out_fp8 = want.as<uint8_t>();
+      sw.out_fp8_scale = out_scale.as<float>();
+      sw.rows = m;
+      sw.inter = inter;
+      TP_ASSERT_OK(LaunchSwiGlu(sw, stream()));
+      TP_ASSERT_OK(LaunchSmallMGemmSwiGlu(p, a.data(), b.data(), got.as<uint8_t>(), ldo,
+                                          out_scale.as<float>(), stream()));
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      TP_ASSERT_OK_AND_ASSIGN(auto w, Download<uint8_t>(want.data(), m * inter));
+      TP_ASSERT_OK_AND_ASSIGN(auto g, Download<uint8_t>(got.data(), m * ldo));
+      size_t differ = 0, padding = 0, saturated = 0, zero = 0;
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < ldo; ++j) {
+          const uint8_t have = g[r * ldo + j];
+          if (j >= inter) {
+            padding += have != kFp8E4M3PoisonBits;
+            continue;
+          }
+          const uint8_t code = w[r * inter + j];
+          saturated += (code & 0x7F) == 0x7E;
+          zero += (code & 0x7F) == 0;
+          if (have != code && ++differ <= 5) {
+            ADD_FAILURE() << what << ": row " << r << " col " << j << " code " << int{have}
+                          << ", want " << int{code};
+          }
+        }
+      }
+      EXPECT_EQ(differ, 0u) << what;
+      EXPECT_EQ(padding, 0u) << what << ": wrote past n / 2";
+      // A case that exercises the codes: most nonzero, some at E4M3's largest.
+      EXPECT_LT(zero, static_cast<size_t>(m * inter / 4)) << what;
+      if (s.n >= 2048) {
+        EXPECT_GT(saturated, 0u) << what;
+      }
+    }
+  }
+}
+
+TEST_F(GpuGenerationOpsTest, SmallMGemmSwiGluRefusesWhatItCannotRun) {
+  // Host-side checks return before touching CUDA: these run without a GPU too.
+  alignas(16) static uint8_t dummy[1024];
+  const float* scale = reinterpret_cast<const float*>(dummy);
+  GemmParams p;
+  p.m = 2;
+  p.n = 32;
+  p.k = 64;
+  p.lda = p.ldb = 64;
+  p.ldc = p.ldd = 32;
+  auto refused = [&](const GemmParams& q, int64_t ldo, const float* s, const std::string& text) {
+    const Status st = LaunchSmallMGemmSwiGlu(q, dummy, dummy, dummy, ldo, s, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << text << ": " << st.ToString();
+    EXPECT_NE(st.message().find(text), std::string::npos) << st.ToString();
+  };
+  refused(p, 15, scale, "ldo (15)");
+  refused(p, 16, nullptr, "out_scale");
+  GemmParams nine = p;
+  nine.m = 9;  // beyond the small-M kernel
+  refused(nine, 16, scale, "do not fit");
+  GemmParams beta = p;
+  beta.beta = 1.0f;
+  refused(beta, 16, scale, "beta");
 }
 
 TEST_F(GpuGenerationOpsTest, SplitChoiceFollowsTheLaunchShape) {
