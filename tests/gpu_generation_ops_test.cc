@@ -879,6 +879,13 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionReplaysInACudaGraph) {
   }
 }
 
+// The cases of the tests below that queue a write ahead of the decode kernel: contexts of 1 to
+// 4097 keys (one tile to several splits), one query row each, GQA 8:2, head_dim 128.
+PagedCase WaitCase(KvCacheDtype dtype) {
+  const std::vector<int32_t> ctx{1, 2, 17, 64, 65, 100, 1023, 4097};
+  return PagedCase{ctx, std::vector<int32_t>(ctx.size(), 1), 8, 2, 128, 16, dtype};
+}
+
 // With context_constant the decode kernel loads keys written before the step ahead of its PDL
 // wait. Here the kernel ahead (a PDL cache write of each sequence's newest row, new keys and
 // values over the old) is held back by a 200 us delay kernel that lets both start at once: the
@@ -887,10 +894,8 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionReplaysInACudaGraph) {
 // wait: at context 1 the output is that row's value itself.
 TEST_F(GpuGenerationOpsTest, DecodeAttentionWaitsForTheWriteOfItsRows) {
   TP_SKIP_WITHOUT_GPU();
-  const std::vector<int32_t> ctx{1, 2, 17, 64, 65, 100, 1023, 4097};
-  const std::vector<int32_t> one(ctx.size(), 1);
   for (const KvCacheDtype dtype : {KvCacheDtype::kBFloat16, KvCacheDtype::kFloat8E4M3}) {
-    PagedCase c{ctx, one, 8, 2, 128, 16, dtype};
+    const PagedCase c = WaitCase(dtype);
     const std::string what = "write ahead of attention, " + Describe(c);
     PagedStep st;
     CpuKvCache* cpu = nullptr;
@@ -900,6 +905,7 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionWaitsForTheWriteOfItsRows) {
 
     // New keys and values for position ctx - 1 of every sequence: into the CPU cache now, into
     // the GPU's by the write queued ahead of attention.
+    const std::vector<int32_t>& ctx = c.context;
     const int64_t seqs = static_cast<int64_t>(ctx.size());
     const int64_t kv_width = c.kv_heads * c.head_dim;
     const std::vector<BFloat16> k_new =
@@ -964,10 +970,8 @@ TEST_F(GpuGenerationOpsTest, DecodeAttentionWaitsForTheWriteOfItsRows) {
 // read before the wait would see the unrotated rows, and the outputs or caches would differ.
 TEST_F(GpuGenerationOpsTest, DecodeAttentionWithRopeWaitsForItsInputs) {
   TP_SKIP_WITHOUT_GPU();
-  const std::vector<int32_t> ctx{1, 2, 17, 64, 65, 100, 1023, 4097};
-  const std::vector<int32_t> one(ctx.size(), 1);
   for (const KvCacheDtype dtype : {KvCacheDtype::kBFloat16, KvCacheDtype::kFloat8E4M3}) {
-    PagedCase c{ctx, one, 8, 2, 128, 16, dtype};
+    const PagedCase c = WaitCase(dtype);
     const std::string what = "rope ahead of attention, " + Describe(c);
     PagedStep st;
     CpuKvCache* cpu = nullptr;
