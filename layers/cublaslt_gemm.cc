@@ -69,7 +69,7 @@ std::string Str(int64_t v) { return std::to_string(v); }
 std::string Str(DataType t) { return std::string(DataTypeName(t)); }
 
 // GemmParams with defaults filled in and the fields that do not matter zeroed, so that equal
-// problems get equal plan keys.
+// problems get equal plan keys (ResolveGemmParams, below, outside this file).
 GemmParams Resolve(const GemmParams& p) {
   GemmParams r = p;
   if (r.lda == 0) r.lda = r.k;
@@ -640,6 +640,8 @@ size_t CublasLtGemm::workspace_bytes() const { return impl_ ? impl_->workspace.s
 GemmAlgoSelection CublasLtGemm::selection() const {
   return impl_ ? impl_->selection : GemmAlgoSelection::kTimed;
 }
+
+GemmParams ResolveGemmParams(const GemmParams& p) { return Resolve(p); }
 
 Status CublasLtGemm::Prepare(const GemmParams& p) {
   if (!impl_) return FailedPreconditionError("CublasLtGemm::Prepare on an empty object");

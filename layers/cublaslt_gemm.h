@@ -133,6 +133,10 @@ int64_t GemmBScaleCount(const GemmParams& p);
 // combination that is not supported. Pure; runs without a GPU.
 Status ValidateGemmParams(const GemmParams& p);
 
+// `p` as Run reads it: 0 pitches filled in (lda = ldb = k, ldd = n, ldc = ldd), the strides of
+// a single item and, where C is not read, ldc zeroed to D's. Pure.
+GemmParams ResolveGemmParams(const GemmParams& p);
+
 // How Prepare() picks the algorithm of a shape (each object its own, from Create):
 //  - kHeuristic: the first answer of cublasLtMatmulAlgoGetHeuristic.
 //  - kTimed (default): Prepare() runs each of the heuristic's answers (up to 8) on the GPU,

@@ -578,7 +578,7 @@ const GemmCall* SoleSmallMCall(const CudaLinear::Impl& im, int tp, int64_t m) {
   const bool whole = p.m == m && call.d.base == BufRef::kY && call.d.offset == 0 &&
                      call.d.peer < 0 && call.c.base == BufRef::kNone &&
                      call.a_scale.base == BufRef::kNone && call.b_offset == 0;
-  return whole && p.beta == 0.0f && SmallMGemmFits(p) ? &call : nullptr;
+  return whole && p.beta == 0.0f && SmallMGemmFits(ResolveGemmParams(p)) ? &call : nullptr;
 }
 
 }  // namespace
@@ -598,7 +598,7 @@ Status CudaLinear::RunSwiGlu(int64_t m, const void* w, const float* x_scale, con
   if (w == nullptr || x_scale == nullptr || w_scale == nullptr) {
     return InvalidArgumentError("layer " + name_ + ": w, x_scale and w_scale must be non-null");
   }
-  GemmParams p = call->params;
+  GemmParams p = ResolveGemmParams(call->params);
   p.a_scale = x_scale;
   p.b_scale = w_scale;
   return LaunchSmallMGemmSwiGlu(p, ResolveRef(*impl_, nullptr, call->a), w, out, p.n / 2, out_scale,

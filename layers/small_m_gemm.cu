@@ -226,6 +226,9 @@ Status LaunchSmallMGemmSwiGlu(const GemmParams& p, const void* a, const void* b,
   if (!SmallMGemmFits(p) || p.beta != 0.0f) {
     return InvalidArgumentError("small-m GEMM with SwiGLU: the params do not fit (or beta != 0)");
   }
+  if (p.lda < p.k || p.ldb < p.k) {
+    return InvalidArgumentError("small-m GEMM with SwiGLU: lda and ldb must be filled in (>= k)");
+  }
   if (out == nullptr || out_scale == nullptr) {
     return InvalidArgumentError("small-m GEMM with SwiGLU: out and out_scale must be non-null");
   }

@@ -42,8 +42,8 @@ Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const
 // silu(gate) * up over *out_scale (a dequantization scale, divided by), gate and up being the
 // BF16 values D would hold at columns j and n/2 + j: bit-identical to LaunchSmallMGemm and
 // then engine/cuda_ops.h's LaunchSwiGlu with out_fp8 / out_fp8_scale, in one kernel instead
-// of two. INVALID_ARGUMENT when !SmallMGemmFits(p), beta != 0, out or out_scale is null, or
-// ldo < n/2.
+// of two. p's pitches filled in (ResolveGemmParams). INVALID_ARGUMENT when !SmallMGemmFits(p),
+// beta != 0, a pitch is left 0 (lda or ldb below k), out or out_scale is null, or ldo < n/2.
 Status LaunchSmallMGemmSwiGlu(const GemmParams& p, const void* a, const void* b, uint8_t* out,
                               int64_t ldo, const float* out_scale, cudaStream_t stream);
 

@@ -1112,6 +1112,9 @@ TEST_F(GpuGenerationOpsTest, SmallMGemmSwiGluRefusesWhatItCannotRun) {
   GemmParams beta = p;
   beta.beta = 1.0f;
   refused(beta, 16, scale, "beta");
+  GemmParams packed = p;
+  packed.lda = 0;  // "packed", unresolved
+  refused(packed, 16, scale, "lda and ldb");
 }
 
 TEST_F(GpuGenerationOpsTest, SplitChoiceFollowsTheLaunchShape) {
