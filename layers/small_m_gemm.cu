@@ -226,6 +226,12 @@ Status LaunchSmallMGemmSwiGlu(const GemmParams& p, const void* a, const void* b,
   if (!SmallMGemmFits(p) || p.beta != 0.0f) {
     return InvalidArgumentError("small-m GEMM with SwiGLU: the params do not fit (or beta != 0)");
   }
+  if (a == nullptr || b == nullptr || reinterpret_cast<uintptr_t>(a) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(b) % 16 != 0) {
+    return InvalidArgumentError(
+        "small-m GEMM with SwiGLU: a and b must be non-null, 16-byte "
+        "aligned");
+  }
   if (p.lda < p.k || p.ldb < p.k) {
     return InvalidArgumentError("small-m GEMM with SwiGLU: lda and ldb must be filled in (>= k)");
   }

@@ -1017,7 +1017,9 @@ TEST_F(GpuGenerationOpsTest, SmallMGemmSwiGluEqualsGemmThenSwiGlu) {
   };
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a_scale, Upload(std::vector<float>{0.5f}, "a_scale"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b_scale, Upload(std::vector<float>{0.03f}, "b_scale"));
-  for (const Shape s : {Shape{32, 64}, Shape{2048, 512}, Shape{28672, 4096}}) {
+  // n = 48 and 1040: the up half starts in the middle of a 16-row tile of the unfused GEMM.
+  for (const Shape s :
+       {Shape{32, 64}, Shape{48, 64}, Shape{1040, 512}, Shape{2048, 512}, Shape{28672, 4096}}) {
     // gate and up have a variance of about 6.4e-3 k (codes uniform in [-4, 4), scales 0.5 and
     // 0.03): E4M3's 448 stands for 2.5 variances of silu(gate) * up, so that about 1 % of the
     // outputs saturate and the typical one lands near code 50.
@@ -1032,6 +1034,8 @@ TEST_F(GpuGenerationOpsTest, SmallMGemmSwiGluEqualsGemmThenSwiGlu) {
                                        static_cast<size_t>(m * s.k), 81 + m, 4.0f, stream()));
       TP_ASSERT_OK(LaunchRandomUniform(b.data(), DataType::kFloat8E4M3,
                                        static_cast<size_t>(s.n * s.k), 82, 4.0f, stream()));
+      // b_constant promises B held its values before any kernel ahead started: filled first.
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
       GemmParams p;
       p.m = m;
       p.n = s.n;

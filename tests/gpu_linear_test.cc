@@ -16,6 +16,7 @@
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/nccl_thread_group.h"
+#include "engine/cuda_ops.h"
 #include "layers/cuda_linear.h"
 #include "layers/linear_problem.h"
 #include "layers/quantize_kernels.h"
@@ -584,6 +585,92 @@ TEST(GpuLinearOneGpuTest, AccumulateAddsTheProductIntoY) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kUnimplemented);
   EXPECT_NE(refused.status().message().find("test.ag"), std::string::npos);
+}
+
+// RunSwiGlu (a gate_up layer with SwiGLU in its small-M GEMM's epilogue) against Run and then
+// the SwiGLU pass with the same static E4M3 scale: the same codes at 1 and 8 rows, the layer
+// reading its input where the caller wrote it (input(m)). Where the layer for m is not one
+// small-M GEMM (9 rows, BF16, four chunks) CanRunSwiGlu is false and RunSwiGlu refused.
+TEST(GpuLinearOneGpuTest, RunSwiGluEqualsRunThenTheSwiGluPass) {
+  if (CudaDeviceCount() < 1) GTEST_SKIP() << "needs a GPU";
+  auto group = NcclThreadGroup::Create(1);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  NcclCommPool& pool = (*group)->pool(0);
+  auto stream = CudaStream::Create();
+  ASSERT_TRUE(stream.ok());
+  const float scale_value = 0.01f;
+  auto scale = DeviceBuffer::Allocate(sizeof(float), "test.scale");
+  ASSERT_TRUE(scale.ok());
+  ASSERT_EQ(cudaMemcpy(scale->data(), &scale_value, sizeof(float), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  for (int64_t m : {1, 8, 9}) {
+    const int64_t n = 1040, k = 512, inter = n / 2;
+    auto p = MakeRandomLinearProblem(OverlapOp::kAllGatherGemm, DataType::kFloat8E4M3, 1, m, n, k,
+                                     static_cast<uint32_t>(m + 3));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    SCOPED_TRACE("m=" + std::to_string(m));
+    auto ops = RankOperands::Upload(*p, 0);
+    ASSERT_TRUE(ops.ok()) << ops.status().ToString();
+    auto layer = PreparedLayer("test.gate_up", *p, LinearKnobs{}, pool);
+    ASSERT_TRUE(layer.ok()) << layer.status().ToString();
+    ASSERT_EQ(cudaMemcpy((*layer)->input(m), p->x_local[0].data(), p->x_local[0].size(),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    auto got = DeviceBuffer::Allocate(m * inter, "test.got");
+    ASSERT_TRUE(got.ok());
+    if (m > 8) {
+      EXPECT_FALSE((*layer)->CanRunSwiGlu(m));
+      const Status st = (*layer)->RunSwiGlu(m, ops->w.data(), ops->x_scale(), ops->w_scale(),
+                                            got->as<uint8_t>(), scale->as<float>(), stream->get());
+      EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+      continue;
+    }
+    ASSERT_TRUE((*layer)->CanRunSwiGlu(m));
+    auto y = DeviceBuffer::Allocate(m * n * 2, "test.y");
+    auto want = DeviceBuffer::Allocate(m * inter, "test.want");
+    ASSERT_TRUE(y.ok() && want.ok());
+    ASSERT_TRUE(
+        (*layer)
+            ->Run(m, ops->w.data(), ops->x_scale(), ops->w_scale(), y->data(), stream->get())
+            .ok());
+    SwiGluParams sw;
+    sw.gate_up = y->as<BFloat16>();
+    sw.out_fp8 = want->as<uint8_t>();
+    sw.out_fp8_scale = scale->as<float>();
+    sw.rows = m;
+    sw.inter = inter;
+    ASSERT_TRUE(LaunchSwiGlu(sw, stream->get()).ok());
+    const Status fused = (*layer)->RunSwiGlu(m, ops->w.data(), ops->x_scale(), ops->w_scale(),
+                                             got->as<uint8_t>(), scale->as<float>(), stream->get());
+    ASSERT_TRUE(fused.ok()) << fused.ToString();
+    ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+    std::vector<uint8_t> a(m * inter), b(m * inter);
+    ASSERT_EQ(cudaMemcpy(a.data(), want->data(), a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(b.data(), got->data(), b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t differ = 0, nonzero = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      differ += a[i] != b[i];
+      nonzero += (a[i] & 0x7F) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "of " << a.size() << " codes";
+    EXPECT_GT(nonzero, static_cast<int64_t>(a.size() / 2)) << "a weak case: mostly zero codes";
+  }
+  // BF16, and FP8 in four chunks: the layer is not one small-M GEMM.
+  auto bf16 =
+      MakeRandomLinearProblem(OverlapOp::kAllGatherGemm, DataType::kBFloat16, 1, 4, 64, 128, 5);
+  ASSERT_TRUE(bf16.ok());
+  auto bf16_layer = PreparedLayer("test.bf16", *bf16, LinearKnobs{}, pool);
+  ASSERT_TRUE(bf16_layer.ok()) << bf16_layer.status().ToString();
+  EXPECT_FALSE((*bf16_layer)->CanRunSwiGlu(4));
+  auto fp8 =
+      MakeRandomLinearProblem(OverlapOp::kAllGatherGemm, DataType::kFloat8E4M3, 1, 8, 64, 128, 6);
+  ASSERT_TRUE(fp8.ok());
+  LinearKnobs chunked;
+  chunked.mode = OverlapMode::kPipeline;
+  chunked.chunks = 4;
+  auto chunked_layer = PreparedLayer("test.chunks", *fp8, chunked, pool);
+  ASSERT_TRUE(chunked_layer.ok()) << chunked_layer.status().ToString();
+  EXPECT_FALSE((*chunked_layer)->CanRunSwiGlu(8));
 }
 
 }  // namespace
