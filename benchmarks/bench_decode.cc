@@ -72,11 +72,14 @@ struct Flags {
   std::string ranks = "processes";   // processes (one per GPU, as served) | threads
   std::string overlap;               // overlap config (YAML); empty: every layer in mode none
   std::vector<std::string> unfused;  // CudaModelOptions::decode_fusions turned off, by name
+  std::vector<std::string> fused;    // and those off by default turned on
 };
 
 // --unfused's names of CudaModelOptions::DecodeFusions' fields.
 constexpr const char* kFusionNames[] = {"rope", "out-fp8", "cluster-merge", "early-loads",
                                         "swiglu"};
+// --fused's names: the fusions off by default, turned on.
+constexpr const char* kOptInNames[] = {"cluster-merge"};
 
 void TurnOff(const std::string& name, CudaModelOptions::DecodeFusions* d) {
   if (name == "rope") d->rope_in_attention = false;
@@ -205,6 +208,13 @@ int Main(int argc, char** argv) {
       ->check(
           CLI::IsMember(std::vector<std::string>(std::begin(kFusionNames), std::end(kFusionNames))))
       ->delimiter(',');
+  app.add_option("--fused", f.fused,
+                 "Decode-step fusions off by default to turn on: cluster-merge (the decode "
+                 "kernel's splits merged in a thread-block cluster; measured slower than the "
+                 "combine pass at batch 1 and 8)")
+      ->check(
+          CLI::IsMember(std::vector<std::string>(std::begin(kOptInNames), std::end(kOptInNames))))
+      ->delimiter(',');
   AddGemmAlgoFlag(&app, &f.gemm_algo);
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
@@ -254,6 +264,9 @@ int Main(int argc, char** argv) {
   options.kv_block_size = f.block_size;
   options.kv_dtype = kv;
   for (const std::string& name : f.unfused) TurnOff(name, &options.decode_fusions);
+  for (const std::string& name : f.fused) {
+    if (name == "cluster-merge") options.decode_fusions.cluster_merge = true;
+  }
 
   auto group = CreateRankGroup(f.ranks, std::vector<std::string>(argv, argv + argc), f.tp,
                                std::chrono::seconds(120));
@@ -380,6 +393,7 @@ int Main(int argc, char** argv) {
              {"gemm_ceiling_tflops", f.gemm_ceiling_tflops},
              {"gemm_algo", f.gemm_algo},
              {"unfused", f.unfused},
+             {"fused", f.fused},
              {"commit", f.commit}}},
            {"records", records}};
   std::ofstream out(f.out);

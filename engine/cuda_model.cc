@@ -224,7 +224,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   if (stepping_) {
     kv_store = KvStore(l, m, qkv_y);
     rope.kv_store = &kv_store;
-    rope_in_attention = options_.decode_fusions.rope_in_attention &&
+    rope_in_attention = options_.decode_fusions.rope_in_attention && m <= 8 &&
                         PagedAttentionTakesRope(PagedParams(l, m, seq_slots, qkv_y));
   }
   if (!rope_in_attention) TP_RETURN_IF_ERROR(LaunchRope(rope, st));

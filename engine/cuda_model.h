@@ -114,15 +114,17 @@ struct CudaModelOptions {
   // (tpserve-bench-decode --unfused). Off or on, a step's results are the same (bit for bit but
   // for cluster_merge, which changes the rounding of the splits' merge).
   struct DecodeFusions {
-    // Pure decode steps rotate q and store the step's keys and values inside the attention
-    // kernel (PagedAttentionParams::rope); off: the RoPE kernel does both, before it.
+    // Pure decode steps of at most 8 rows rotate q and store the step's keys and values inside
+    // the attention kernel (PagedAttentionParams::rope); off, and at more rows (where every
+    // CTA's own angles cost more than the kernel they save): the RoPE kernel does both.
     bool rope_in_attention = true;
     // FP8 with a static input scale for o: paged attention writes o's E4M3 input itself
     // (PagedAttentionParams::out_fp8); off: it writes BF16, then a quantize pass.
     bool attention_out_fp8 = true;
     // The decode kernel's splits merge in a thread-block cluster
-    // (PagedAttentionParams::cluster_merge); off: the combine pass.
-    bool cluster_merge = true;
+    // (PagedAttentionParams::cluster_merge); off (the default: the combine pass was faster at
+    // batch 1 and 8, benchmarks/PERFORMANCE.md): the combine pass.
+    bool cluster_merge = false;
     // PagedAttentionParams::context_constant: the decode kernel loads metadata and earlier keys
     // before its PDL wait; off: after it.
     bool early_loads = true;
