@@ -185,6 +185,15 @@ Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int
   return EnqueueHead(m, seq_slots, rows, pending_);
 }
 
+namespace {
+
+// The most rows of a pure decode step whose RoPE the attention kernel does itself
+// (CudaModelOptions::DecodeFusions::rope_in_attention): beyond, every CTA's own angles cost
+// more than the kernel they save.
+constexpr int64_t kRopeInAttentionMaxRows = 8;
+
+}  // namespace
+
 Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t rows,
                                CudaLinear::SplitOutput& pending) {
   using Split = CudaLinear::SplitOutput;
@@ -224,7 +233,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   if (stepping_) {
     kv_store = KvStore(l, m, qkv_y);
     rope.kv_store = &kv_store;
-    rope_in_attention = options_.decode_fusions.rope_in_attention && m <= 8 &&
+    rope_in_attention = options_.decode_fusions.rope_in_attention && m <= kRopeInAttentionMaxRows &&
                         PagedAttentionTakesRope(PagedParams(l, m, seq_slots, qkv_y));
   }
   if (!rope_in_attention) TP_RETURN_IF_ERROR(LaunchRope(rope, st));
