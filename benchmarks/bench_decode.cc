@@ -4,11 +4,12 @@
 //
 // For every --batches entry B: B sequences are prefilled to --context tokens (eager prefill
 // steps of at most --step-tokens tokens, through the paged KV cache), then the model runs pure
-// decode steps (one token per sequence, each fed its last sampled token, greedy), the first
-// capturing the step's CUDA graph. --steps more are timed on the host around Step() (upload,
-// graph replay, sampling, download of the tokens: what the serving loop pays per step besides
-// its own bookkeeping) and on the GPU (events around the replay). One eager decode step is then
-// timed stage by stage (CudaModel::ProfileStep).
+// decode steps (one token per sequence, each fed its last sampled token: greedy, or sampled
+// with --temperature, --top-k, --top-p), the first capturing the step's CUDA graph. --steps
+// more are timed on the host around Step() (upload, graph replay, sampling, download of the
+// tokens: what the serving loop pays per step besides its own bookkeeping) and on the GPU
+// (events around the replay). One eager decode step is then timed stage by stage
+// (CudaModel::ProfileStep).
 //
 // The floor of a step is max(bytes / HBM bandwidth, FLOPs / GEMM ceiling): bytes are the
 // weights the step reads (every block's linear layers, norms, the LM head; embedding rows are
@@ -44,6 +45,7 @@
 #include "engine/cuda_model.h"
 #include "engine/kv_cache.h"
 #include "engine/model_config.h"
+#include "engine/sampling.h"
 #include "layers/overlap_config.h"
 #include "server/cli_gemm_algo.h"
 #include "server/cli_numbers.h"
@@ -73,6 +75,7 @@ struct Flags {
   std::string overlap;               // overlap config (YAML); empty: every layer in mode none
   std::vector<std::string> unfused;  // CudaModelOptions::decode_fusions turned off, by name
   std::vector<std::string> fused;    // and those off by default turned on
+  SamplingParams sampling;           // every decode step's; default greedy
 };
 
 // --unfused's names of CudaModelOptions::DecodeFusions' fields.
@@ -119,7 +122,7 @@ Floor StepFloor(const ModelConfig& c, DataType dtype, KvCacheDtype kv, int64_t b
 // Sequence s owns blocks [s * per_seq, (s + 1) * per_seq).
 StepBatch MakeStep(int64_t first_seq, int64_t seqs, int64_t begin, int64_t len, int64_t per_seq,
                    const std::vector<int32_t>& last_tokens, int64_t vocab, bool sample,
-                   uint64_t index) {
+                   uint64_t index, const SamplingParams& sampling = SamplingParams{}) {
   StepBatch b;
   b.max_blocks = per_seq;
   b.cu_seqlens.push_back(0);
@@ -136,7 +139,7 @@ StepBatch MakeStep(int64_t first_seq, int64_t seqs, int64_t begin, int64_t len, 
     for (int64_t k = 0; k < per_seq; ++k)
       b.block_tables.push_back(static_cast<int32_t>(s * per_seq + k));
     b.sample.push_back(sample ? 1 : 0);
-    b.sampling.push_back(SamplingParams{});
+    b.sampling.push_back(sampling);
     b.sample_index.push_back(index);
   }
   return b;
@@ -182,6 +185,19 @@ int Main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--seed", f.seed, "Seed of the random weights")->capture_default_str();
+  app.add_option("--temperature", f.sampling.temperature,
+                 "Decode steps sample at this temperature (0: greedy; the prefill's first token "
+                 "is greedy either way)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--top-k", f.sampling.top_k, "Decode steps' top-k cut (0: none)")
+      ->check(NonNegative())
+      ->capture_default_str();
+  app.add_option("--top-p", f.sampling.top_p, "Decode steps' top-p cut, in (0, 1] (1: none)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--sample-seed", f.sampling.seed, "Seed of the decode steps' sampling")
+      ->capture_default_str();
   app.add_option("--tp", f.tp,
                  "Tensor-parallel size (GPUs): must divide the preset's attention and KV heads, "
                  "intermediate size and vocabulary")
@@ -221,6 +237,10 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
+  if (const Status st = ValidateSamplingParams(f.sampling); !st.ok()) {
+    spdlog::error("{}", st.ToString());
+    return 2;
+  }
 
   auto config = ModelPreset(f.model);
   if (!config.ok()) {
@@ -310,9 +330,10 @@ int Main(int argc, char** argv) {
       std::vector<double> host_ms, gpu_ms;
       int64_t pos = f.context;
       auto decode = [&](bool profile) -> StatusOr<std::vector<std::pair<std::string, double>>> {
-        // Greedy, so the tokens fed back are the model's own; last holds all sequences'.
+        // The tokens fed back are the model's own (greedy unless --temperature); last holds
+        // all sequences'.
         const StepBatch step = MakeStep(0, batch, pos, 1, per_seq, last, config->vocab_size, true,
-                                        static_cast<uint64_t>(pos - f.context));
+                                        static_cast<uint64_t>(pos - f.context), f.sampling);
         ++pos;
         if (profile) return model->ProfileStep(step);
         const auto t0 = std::chrono::steady_clock::now();
@@ -329,7 +350,7 @@ int Main(int argc, char** argv) {
       gpu_ms.clear();
       for (int i = 0; i < f.steps; ++i) TP_RETURN_IF_ERROR(decode(false).status());
       TP_ASSIGN_OR_RETURN(const auto stages, decode(true));
-      if (r != 0) continue;  // every rank decodes the same tokens (greedy on the same logits)
+      if (r != 0) continue;  // every rank decodes the same tokens (the same logits and seeds)
 
       const Floor fl = StepFloor(*config, dtype, kv, batch, f.context, f.tp);
       const double bytes_ms = (fl.weight_bytes + fl.kv_bytes) / *bw * 1e3;
@@ -394,6 +415,11 @@ int Main(int argc, char** argv) {
              {"gemm_algo", f.gemm_algo},
              {"unfused", f.unfused},
              {"fused", f.fused},
+             {"sampling",
+              {{"temperature", f.sampling.temperature},
+               {"top_k", f.sampling.top_k},
+               {"top_p", f.sampling.top_p},
+               {"seed", f.sampling.seed}}},
              {"commit", f.commit}}},
            {"records", records}};
   std::ofstream out(f.out);

@@ -236,13 +236,15 @@ def reference_generations(torch, transformers, major, args, directory, prompts, 
                                output_logits=True, return_dict_in_generate=True)
         tokens = g.sequences[0, len(p):].tolist()
         steps = []
-        for step_logits in g.logits:
-            top = torch.topk(step_logits[0].float(), 5)
+        for t, step_logits in zip(tokens, g.logits):
+            row = step_logits[0].float()
+            top = torch.topk(row, 5)
             steps.append({"top_values": top.values.tolist(), "top_ids": top.indices.tolist()})
-        for t, s in zip(tokens, steps):
-            if t != s["top_ids"][0]:
-                raise RuntimeError("generate()'s token %d is not its logits' argmax %d"
-                                   % (t, s["top_ids"][0]))
+            # In BF16 two logits can be equal; generate() takes the lower id, topk either.
+            if row[t].item() != top.values[0].item():
+                raise RuntimeError("generate()'s token %d (logit %r) is not its logits' "
+                                   "argmax %d (%r)" % (t, row[t].item(), top.indices[0].item(),
+                                                       top.values[0].item()))
         out.append((tokens, steps))
         log("transformers %s: prompt of %d tokens done" % (dtype_name, len(p)))
     del model

@@ -8,19 +8,21 @@
 #   source .gpu/env.sh
 #   benchmarks/run_decode_ab.sh before=.gpu/ab/before after=.gpu/bin norope=.gpu/bin@rope
 #
-# LABEL=DIR[@NAMES]: a build's directory holding tpserve-bench-decode and
+# LABEL=DIR[@NAMES]: a build's directory holding tpserve-bench-decode and (unless ATTENTION=0)
 # tpserve-bench-attention (staged with ../shared/tools/stage-for-gpu-host; its libraries come
 # from .gpu/env.sh); NAMES (comma-separated) are decode fusions that build runs without:
 # tpserve-bench-decode --unfused NAMES, and with cluster-merge among them
-# tpserve-bench-attention --no-cluster-merge. At least two. Environment knobs: ROUNDS (3), DTYPE (fp8), KV_DTYPES ("bf16 fp8"), BATCHES
-# ("1 8 64 256"), CONTEXT (1024), STEPS (30), ATTENTION (1: also time the attention kernel
-# alone, BF16 and --fp8-out), OUT (gpu-out/decode-ab), STEP_TIMEOUT (seconds a benchmark run
-# may take, 300). A run that fails or times out is named and the script goes on; it exits 1
+# tpserve-bench-attention --no-cluster-merge. At least two. Environment knobs: ROUNDS (3),
+# DTYPE (fp8), KV_DTYPES ("bf16 fp8"), BATCHES ("1 8 64 256"), CONTEXT (1024), STEPS (30),
+# DECODE_ARGS (more tpserve-bench-decode flags for every build, e.g. "--temperature 0.8
+# --top-p 0.95"), ATTENTION (1: also time the attention kernel alone, BF16 and --fp8-out), OUT
+# (gpu-out/decode-ab), STEP_TIMEOUT (seconds a benchmark run may take, 300). A run that fails
+# or times out is named and the script goes on; it exits 1
 # if any did (2 on usage errors).
 set -uo pipefail
 
 usage() {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 [ $# -ge 2 ] || usage
@@ -33,8 +35,10 @@ for arg in "$@"; do
     *) echo "run_decode_ab.sh: expected LABEL=DIR[@NAMES], got '$arg'" >&2; exit 2 ;;
   esac
 done
+tools=(tpserve-bench-decode)
+[ "${ATTENTION:-1}" = 1 ] && tools+=(tpserve-bench-attention)
 for i in "${!dirs[@]}"; do
-  for tool in tpserve-bench-decode tpserve-bench-attention; do
+  for tool in "${tools[@]}"; do
     if [ ! -x "${dirs[$i]}/$tool" ]; then
       echo "run_decode_ab.sh: ${labels[$i]}: ${dirs[$i]}/$tool is missing or not executable" >&2
       exit 2
@@ -48,6 +52,7 @@ KV_DTYPES=${KV_DTYPES:-"bf16 fp8"}
 BATCHES=${BATCHES:-"1 8 64 256"}
 CONTEXT=${CONTEXT:-1024}
 STEPS=${STEPS:-30}
+DECODE_ARGS=${DECODE_ARGS:-}
 ATTENTION=${ATTENTION:-1}
 OUT=${OUT:-gpu-out/decode-ab}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -80,7 +85,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
       # shellcheck disable=SC2086
       run "${labels[$i]}-$DTYPE-kv$kv-r$r" "${dirs[$i]}/tpserve-bench-decode" --model llama3-8b \
         --dtype "$DTYPE" --kv-dtype "$kv" --batches $BATCHES --context "$CONTEXT" \
-        --steps "$STEPS" --commit "${labels[$i]}" "${extra[@]}" \
+        --steps "$STEPS" --commit "${labels[$i]}" "${extra[@]}" $DECODE_ARGS \
         --out "$OUT/${labels[$i]}-$DTYPE-kv$kv-r$r.json"
     done
   done
