@@ -56,7 +56,8 @@ struct CudaModel::Generation {
   // tp > 1: FP32 [slots, vocab], the ranks' vocabulary slices of logits_all_ interleaved into
   // whole rows for sampling (tp 1 samples logits_all_ itself).
   DeviceBuffer logits;
-  DeviceBuffer out;  // token int32 [slots], then log_prob float [slots]
+  DeviceBuffer out;                 // token int32 [slots], then log_prob float [slots]
+  DeviceBuffer sampling_workspace;  // LaunchSampling's row statistics
   PinnedHostBuffer out_host;
 };
 
@@ -65,7 +66,8 @@ void CudaModel::GenerationDeleter::operator()(Generation* g) const noexcept { de
 size_t CudaModel::GenerationBytes() const {
   if (gen_ == nullptr) return 0;
   const Generation& g = *gen_;
-  return g.pool.size() + g.workspace.size() + g.dev.size() + g.logits.size() + g.out.size();
+  return g.pool.size() + g.workspace.size() + g.dev.size() + g.logits.size() + g.out.size() +
+         g.sampling_workspace.size();
 }
 
 Status CudaModel::AllocateGeneration() {
@@ -132,6 +134,9 @@ Status CudaModel::AllocateGeneration() {
                         DeviceBuffer::Allocate(s * c.vocab_size * sizeof(float), "step_logits"));
   }
   TP_ASSIGN_OR_RETURN(g.out, DeviceBuffer::Allocate(s * 8, "sampled"));
+  TP_ASSIGN_OR_RETURN(
+      g.sampling_workspace,
+      DeviceBuffer::Allocate(SamplingWorkspaceBytes(s, c.vocab_size), "sampling_workspace"));
   TP_ASSIGN_OR_RETURN(g.out_host, PinnedHostBuffer::Allocate(s * 8, "sampled"));
   // Paged attention leaves the padding rows of its output unwritten; o's FP8 quantization
   // reads them: zeros (and later real rows' values) keep them finite.
@@ -246,6 +251,8 @@ Status CudaModel::EnqueueSampling(int64_t seq_slots) {
   s.index = g.d<uint64_t>(g.at.index);
   s.token = g.out.as<int32_t>();
   s.log_prob = g.out.as<float>() + g.slots;
+  s.workspace = g.sampling_workspace.data();
+  s.workspace_bytes = g.sampling_workspace.size();
   return LaunchSampling(s, st);
 }
 

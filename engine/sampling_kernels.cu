@@ -12,6 +12,7 @@
 #include "comm/cuda_check.h"
 #include "engine/launch_checks.h"
 #include "layers/kernel_grid.h"
+#include "layers/pdl.cuh"
 
 namespace tpserve {
 namespace {
@@ -56,27 +57,99 @@ __device__ __forceinline__ int KeyId(uint64_t key) {
   return static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(key));
 }
 
+// The logit a key was made from (CandidateKey's order bits undone; -0 comes back as +0, a NaN
+// as a NaN).
+__device__ __forceinline__ float KeyLogit(uint64_t key) {
+  const uint32_t o = static_cast<uint32_t>(key >> 32);
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row statistics: one CTA per (sequence, chunk of kSamplingChunk logits), every thread's
+// kStatPerThread logits loaded before any is used. A single CTA walking a whole row waits out
+// one load latency per logit of a thread, which made the step's sampling tens of microseconds.
+
+constexpr int kStatThreads = 256;
+constexpr int kStatPerThread = static_cast<int>(kSamplingChunk) / kStatThreads;
+constexpr int kStatWarps = kStatThreads / 32;
+
+struct RowPartial {
+  unsigned long long key;  // the chunk's largest CandidateKey (never 0: a chunk is not empty)
+  double sum;  // sum of expf(logit - KeyLogit(key)) over the chunk; 0 where that max is -inf
+};
+static_assert(sizeof(RowPartial) == 16, "SamplingWorkspaceBytes counts 16 bytes a chunk");
+
+struct RowStatsArgs {
+  const float* logits;
+  int64_t logits_row_stride;
+  int vocab;
+  RowPartial* partials;  // [num_seqs, gridDim.y]
+};
+
+__global__ void __launch_bounds__(kStatThreads) RowStatsKernel(RowStatsArgs a) {
+  __shared__ unsigned long long best_w[kStatWarps];
+  __shared__ double sum_w[kStatWarps];
+  const int s = blockIdx.x;
+  const float* row = a.logits + static_cast<int64_t>(s) * a.logits_row_stride;
+  const int begin = static_cast<int>(blockIdx.y) * static_cast<int>(kSamplingChunk);
+  float v[kStatPerThread];
+#pragma unroll
+  for (int k = 0; k < kStatPerThread; ++k) {
+    const int i = begin + k * kStatThreads + static_cast<int>(threadIdx.x);
+    v[k] = i < a.vocab ? row[i] : 0.0f;
+  }
+  unsigned long long best = 0;
+#pragma unroll
+  for (int k = 0; k < kStatPerThread; ++k) {
+    const int i = begin + k * kStatThreads + static_cast<int>(threadIdx.x);
+    if (i < a.vocab) {
+      const unsigned long long key = CandidateKey(v[k], i);
+      best = key > best ? key : best;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const unsigned long long o = __shfl_xor_sync(0xffffffffu, best, offset);
+    best = o > best ? o : best;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) best_w[warp] = best;
+  __syncthreads();
+  best = 0;
+#pragma unroll
+  for (int w = 0; w < kStatWarps; ++w) best = best_w[w] > best ? best_w[w] : best;
+  const float m = KeyLogit(best);
+  double sum = 0.0;
+  if (m > -INFINITY) {  // false for -inf and NaN: the chunk adds nothing
+#pragma unroll
+    for (int k = 0; k < kStatPerThread; ++k) {
+      const int i = begin + k * kStatThreads + static_cast<int>(threadIdx.x);
+      if (i < a.vocab) sum += expf(v[k] - m);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) sum_w[warp] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kStatWarps; ++w) total += sum_w[w];
+    RowPartial r;
+    r.key = best;
+    r.sum = total;
+    a.partials[static_cast<int64_t>(s) * gridDim.y + blockIdx.y] = r;
+  }
+}
+
 struct SampleShared {
   unsigned long long weight[256];
   unsigned int count[256];
   unsigned long long u64[kSampleWarps];
   double f64[kSampleWarps];
   unsigned long long result[4];  // prefix, threshold, weight ahead, chosen weight
+  unsigned int list_size;        // candidates offered to the list (may exceed its capacity)
 };
-
-__device__ unsigned long long BlockMaxU64(unsigned long long v, SampleShared& sm) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const unsigned long long o = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = o > v ? o : v;
-  }
-  __syncthreads();  // sm.u64 may still be read by a previous reduction
-  if ((threadIdx.x & 31) == 0) sm.u64[threadIdx.x >> 5] = v;
-  __syncthreads();
-  unsigned long long r = 0;
-  for (int w = 0; w < kSampleWarps; ++w) r = sm.u64[w] > r ? sm.u64[w] : r;
-  return r;
-}
 
 __device__ unsigned long long BlockSumU64(unsigned long long v, SampleShared& sm) {
 #pragma unroll
@@ -89,22 +162,45 @@ __device__ unsigned long long BlockSumU64(unsigned long long v, SampleShared& sm
   return r;
 }
 
-__device__ double BlockSumF64(double v, SampleShared& sm) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) sm.f64[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double r = 0;
-  for (int w = 0; w < kSampleWarps; ++w) r += sm.f64[w];  // same order in every thread
-  return r;
+// exp((logit - max) / T) in FP32, as 2^-44 fixed point (0 for a NaN). SampleToken computes it
+// in double; the integer weights keep every sum exact and order-free either way, and FP32 moves
+// a token only where u falls within ~1e-6 of a boundary of the cumulative sums. (A double exp a
+// candidate made a sampled token's walks of the row compute-bound on its one SM.) inv_t is
+// 1 / T clamped to FLT_MAX, so that the top logit's mass is 1 however small T is.
+__device__ __forceinline__ unsigned long long Mass(float logit, float lmax, float inv_t) {
+  const float p = expf((logit - lmax) * inv_t);
+  return p > 0.0f ? __float2ull_rn(p * static_cast<float>(kMassScale)) : 0ull;
 }
 
-// exp(logit / T - max / T) as SampleToken computes it, in 2^-44 fixed point.
-__device__ __forceinline__ unsigned long long Mass(float logit, double inv_t, double top) {
-  const double p = exp(static_cast<double>(logit) * inv_t - top);
-  return static_cast<unsigned long long>(p * kMassScale + 0.5);
+// Calls f(logit, id) for this thread's logits of a row (ids threadIdx.x + j kSampleThreads) in
+// id order, kLoadAhead loads issued before the first is used: the row is walked many times a
+// sampled token, and one load in flight a thread leaves each walk latency-bound.
+constexpr int kLoadAhead = 8;
+template <typename F>
+__device__ __forceinline__ void ForThreadLogits(const float* row, int vocab, F&& f) {
+  int i = static_cast<int>(threadIdx.x);
+  for (; i + (kLoadAhead - 1) * kSampleThreads < vocab; i += kLoadAhead * kSampleThreads) {
+    float v[kLoadAhead];
+#pragma unroll
+    for (int k = 0; k < kLoadAhead; ++k) v[k] = row[i + k * kSampleThreads];
+#pragma unroll
+    for (int k = 0; k < kLoadAhead; ++k) f(v[k], i + k * kSampleThreads);
+  }
+  for (; i < vocab; i += kSampleThreads) f(row[i], i);
 }
+
+// Dynamic shared memory of the sampling kernel: a sampled token's candidates of nonzero mass,
+// listed (16 bytes each) when they fit, so that the selections walk the list instead of the
+// row; then one histogram a warp (256 weights and counts).
+constexpr int kListCapacity = 4096;
+constexpr size_t kListBytes = size_t{kListCapacity} * 2 * sizeof(unsigned long long);
+constexpr size_t kSampleSmemBytes =
+    kListBytes + size_t{kSampleWarps} * 256 * (sizeof(unsigned long long) + sizeof(unsigned int));
+
+struct WarpHistograms {
+  unsigned long long* weight;  // [kSampleWarps, 256]
+  unsigned int* count;         // [kSampleWarps, 256]
+};
 
 struct Selected {
   uint64_t key;
@@ -112,37 +208,40 @@ struct Selected {
 };
 
 // The first candidate (key >= min_key, in key-descending order) whose cumulative weight
-// exceeds `threshold`; the last such candidate if none does. by_mass: weights are Mass(),
-// else 1.
-__device__ Selected SelectFirstExceeding(const float* row, int vocab, bool by_mass, double inv_t,
-                                         double top, uint64_t min_key, unsigned long long threshold,
-                                         SampleShared& sm) {
+// exceeds `threshold`; the last such candidate if none does. for_each(g) calls g(key, weight)
+// for each of this thread's candidates, weight() giving its weight (Mass(), or 1 for a count).
+template <typename ForEach>
+__device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
+                                         unsigned long long threshold, SampleShared& sm,
+                                         const WarpHistograms& wh) {
   uint64_t prefix = 0;
   unsigned long long before = 0;  // weight of the candidates ahead of the prefix
   unsigned long long chosen_weight = 0;
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  unsigned long long* my_weight = wh.weight + warp * 256;
+  unsigned int* my_count = wh.count + warp * 256;
   for (int level = 0; level < 8; ++level) {
     const int shift = 56 - 8 * level;
-    for (int i = threadIdx.x; i < 256; i += kSampleThreads) {
-      sm.weight[i] = 0;
-      sm.count[i] = 0;
+    for (int i = threadIdx.x; i < kSampleWarps * 256; i += kSampleThreads) {
+      wh.weight[i] = 0;
+      wh.count[i] = 0;
     }
     __syncthreads();
-    // Run-length aggregation: neighbouring candidates of one thread mostly share a digit (the
-    // top digits of similar logits are equal), so flush to shared memory on a change only.
+    // Each warp counts into its own histogram (one shared by the block's 1024 threads made its
+    // few busy digits' atomics the walk's bottleneck). Run-length aggregation: neighbouring
+    // candidates of one thread often share a digit, so it flushes on a change only.
     int run_digit = -1;
     unsigned long long run_weight = 0;
     unsigned int run_count = 0;
-    for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
-      const float logit = row[i];
-      const uint64_t key = CandidateKey(logit, i);
-      if (key < min_key) continue;
-      if (level > 0 && (key >> (shift + 8)) != (prefix >> (shift + 8))) continue;
+    for_each([&](uint64_t key, auto weight) {
+      if (key < min_key) return;
+      if (level > 0 && (key >> (shift + 8)) != (prefix >> (shift + 8))) return;
       const int digit = static_cast<int>((key >> shift) & 0xFF);
-      const unsigned long long w = by_mass ? Mass(logit, inv_t, top) : 1ull;
+      const unsigned long long w = weight();
       if (digit != run_digit) {
         if (run_count > 0) {
-          atomicAdd(&sm.weight[run_digit], run_weight);
-          atomicAdd(&sm.count[run_digit], run_count);
+          atomicAdd(&my_weight[run_digit], run_weight);
+          atomicAdd(&my_count[run_digit], run_count);
         }
         run_digit = digit;
         run_weight = 0;
@@ -150,10 +249,21 @@ __device__ Selected SelectFirstExceeding(const float* row, int vocab, bool by_ma
       }
       run_weight += w;
       ++run_count;
-    }
+    });
     if (run_count > 0) {
-      atomicAdd(&sm.weight[run_digit], run_weight);
-      atomicAdd(&sm.count[run_digit], run_count);
+      atomicAdd(&my_weight[run_digit], run_weight);
+      atomicAdd(&my_count[run_digit], run_count);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < 256; d += kSampleThreads) {  // integer sums: any order
+      unsigned long long w = 0;
+      unsigned int c = 0;
+      for (int k = 0; k < kSampleWarps; ++k) {
+        w += wh.weight[k * 256 + d];
+        c += wh.count[k * 256 + d];
+      }
+      sm.weight[d] = w;
+      sm.count[d] = c;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -202,31 +312,57 @@ struct SampleArgs {
   const uint64_t* index;
   int32_t* token;
   float* log_prob;
+  const RowPartial* partials;  // RowStatsKernel's, [num_seqs, chunks]
+  int chunks;
 };
 
+// Launched with PDL after RowStatsKernel.
 __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   __shared__ SampleShared sm;
+  extern __shared__ unsigned long long list[];  // kSampleSmemBytes: the list, then wh
+  WarpHistograms wh;
+  wh.weight = list + 2 * kListCapacity;
+  wh.count = reinterpret_cast<unsigned int*>(wh.weight + kSampleWarps * 256);
+  PdlEnter();
   const int s = blockIdx.x;
   const float* row = a.logits + static_cast<int64_t>(s) * a.logits_row_stride;
   const int vocab = a.vocab;
 
-  // Greedy choice: the largest key (largest logit, lowest id among equal ones).
-  unsigned long long best = 0;
-  for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
-    const unsigned long long key = CandidateKey(row[i], i);
-    best = key > best ? key : best;
+  // The chunks' statistics merged by warp 0: the greedy choice is the largest key (largest
+  // logit, lowest id among equal ones); log_softmax's denominator the chunks' sums, each
+  // rescaled from its own max to the row's in double, added in a fixed order.
+  if (threadIdx.x < 32) {
+    const RowPartial* part = a.partials + static_cast<int64_t>(s) * a.chunks;
+    unsigned long long best = 0;
+    for (int c = threadIdx.x; c < a.chunks; c += 32) {
+      const unsigned long long k = part[c].key;
+      best = k > best ? k : best;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const unsigned long long o = __shfl_xor_sync(0xffffffffu, best, offset);
+      best = o > best ? o : best;
+    }
+    const double top = static_cast<double>(KeyLogit(best));
+    double sum = 0.0;
+    for (int c = threadIdx.x; c < a.chunks; c += 32) {
+      const RowPartial pc = part[c];
+      if (pc.sum != 0.0) sum += pc.sum * exp(static_cast<double>(KeyLogit(pc.key)) - top);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (threadIdx.x == 0) {
+      sm.result[0] = best;
+      sm.f64[0] = sum;
+    }
   }
-  best = BlockMaxU64(best, sm);
+  __syncthreads();
+  const unsigned long long best = sm.result[0];
+  const double sum = sm.f64[0];
+  __syncthreads();  // sm.result and sm.f64 are reused by the selection below
   const int argmax = KeyId(best);
-  const float lmax = row[argmax];
-
-  // log_softmax's denominator: each term exp(logit - max) in FP32 (in [0, 1], a few ulp),
-  // summed in double. A double exp per vocabulary entry was most of a greedy step's sampling.
-  double sum = 0.0;
-  if (a.log_prob != nullptr) {
-    for (int i = threadIdx.x; i < vocab; i += kSampleThreads) sum += expf(row[i] - lmax);
-    sum = BlockSumF64(sum, sm);
-  }
+  const float lmax = KeyLogit(best);
 
   const float temperature = a.temperature[s];
   const int32_t top_k = a.top_k[s];
@@ -234,28 +370,66 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   int token = argmax;
   const bool greedy = !(temperature > 0.0f && temperature <= 3.402823466e38f) || top_k == 1;
   if (!greedy) {
-    const double inv_t = 1.0 / static_cast<double>(temperature);
-    const double top = static_cast<double>(lmax) * inv_t;
+    const float inv_t = fminf(1.0f / temperature, 3.402823466e38f);
+    // The row's candidates, counted (the top-k cut) or weighed by Mass().
+    auto counted = [&](auto&& g) {
+      ForThreadLogits(row, vocab,
+                      [&](float logit, int i) { g(CandidateKey(logit, i), [] { return 1ull; }); });
+    };
+    auto weighed = [&](auto&& g) {
+      ForThreadLogits(row, vocab, [&](float logit, int i) {
+        g(CandidateKey(logit, i), [&] { return Mass(logit, lmax, inv_t); });
+      });
+    };
     uint64_t min_key = 0;  // the candidates kept so far: keys >= min_key
     if (top_k > 0 && top_k < vocab) {
-      min_key = SelectFirstExceeding(row, vocab, false, inv_t, top, 0,
-                                     static_cast<unsigned long long>(top_k - 1), sm)
-                    .key;
+      min_key =
+          SelectFirstExceeding(counted, 0, static_cast<unsigned long long>(top_k - 1), sm, wh).key;
     }
+    // One walk of the row: the kept mass, and the kept candidates of nonzero mass listed in
+    // shared memory. The selections below weigh by mass, where a candidate of zero mass never
+    // decides (the first candidate whose cumulative mass exceeds a threshold below the total
+    // has a mass), so when the list holds them all they walk it instead of the row.
+    unsigned long long* list_key = list;
+    unsigned long long* list_mass = list + kListCapacity;
+    if (threadIdx.x == 0) sm.list_size = 0;
+    __syncthreads();
     unsigned long long kept = 0;
-    for (int i = threadIdx.x; i < vocab; i += kSampleThreads) {
-      const float logit = row[i];
-      if (CandidateKey(logit, i) >= min_key) kept += Mass(logit, inv_t, top);
-    }
-    kept = BlockSumU64(kept, sm);
+    ForThreadLogits(row, vocab, [&](float logit, int i) {
+      const uint64_t key = CandidateKey(logit, i);
+      if (key < min_key) return;
+      const unsigned long long m = Mass(logit, lmax, inv_t);
+      if (m == 0) return;
+      kept += m;
+      const unsigned int j = atomicAdd(&sm.list_size, 1u);
+      if (j < kListCapacity) {
+        list_key[j] = key;
+        list_mass[j] = m;
+      }
+    });
+    kept = BlockSumU64(kept, sm);  // its barriers also complete the list
+    const int listed = static_cast<int>(sm.list_size);
+    auto listed_candidates = [&](auto&& g) {
+      for (int j = threadIdx.x; j < listed; j += kSampleThreads) {
+        const unsigned long long m = list_mass[j];
+        g(list_key[j], [m] { return m; });
+      }
+    };
+    // The same choice either way; `listed` is the block's, so every thread takes one branch.
+    // An empty list (every mass zero: a row of -inf, outside the contract) walks the row, whose
+    // fallback keeps the token in range.
+    const bool use_list = listed >= 1 && listed <= kListCapacity;
+    auto select = [&](uint64_t from, unsigned long long threshold) {
+      return use_list ? SelectFirstExceeding(listed_candidates, from, threshold, sm, wh)
+                      : SelectFirstExceeding(weighed, from, threshold, sm, wh);
+    };
     if (top_p < 1.0f) {
       // The shortest prefix whose sum reaches top_p * kept: the first candidate whose
       // cumulative weight is >= that, i.e. > ceil(it) - 1 for integer weights.
       const double target = ceil(static_cast<double>(top_p) * static_cast<double>(kept));
       const unsigned long long threshold =
           target >= 1.0 ? static_cast<unsigned long long>(target) - 1ull : 0ull;
-      const Selected cut =
-          SelectFirstExceeding(row, vocab, true, inv_t, top, min_key, threshold, sm);
+      const Selected cut = select(min_key, threshold);
       min_key = cut.key;
       kept = cut.cumulative;
     }
@@ -263,7 +437,7 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
     // cumulative > u * kept  <=>  cumulative > floor(u * kept) for integer cumulatives.
     const unsigned long long threshold =
         static_cast<unsigned long long>(floor(u * static_cast<double>(kept)));
-    token = KeyId(SelectFirstExceeding(row, vocab, true, inv_t, top, min_key, threshold, sm).key);
+    token = KeyId(select(min_key, threshold).key);
   }
   if (threadIdx.x == 0) {
     a.token[s] = token;
@@ -276,10 +450,17 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
 
 }  // namespace
 
+size_t SamplingWorkspaceBytes(int64_t num_seqs, int64_t vocab) {
+  const int64_t chunks = (vocab + kSamplingChunk - 1) / kSamplingChunk;
+  return static_cast<size_t>(num_seqs < 0 ? 0 : num_seqs) *
+         static_cast<size_t>(chunks < 0 ? 0 : chunks) * sizeof(RowPartial);
+}
+
 Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
   constexpr const char* kP = "SamplingLaunchParams";
-  if (p.vocab < 1 || p.vocab > std::numeric_limits<int32_t>::max()) {
-    return BadField(kP, "vocab", p.vocab, "must be in [1, 2^31 - 1]");
+  if (p.vocab < 1 || p.vocab > kSamplingMaxVocab) {
+    return BadField(kP, "vocab", p.vocab,
+                    "must be in [1, " + std::to_string(kSamplingMaxVocab) + "]");
   }
   if (p.logits_row_stride < p.vocab) {
     return BadField(kP, "logits_row_stride", p.logits_row_stride, "must be >= vocab");
@@ -295,7 +476,22 @@ Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
                                         {"seed", p.seed, 8},
                                         {"index", p.index, 8},
                                         {"token", p.token, 4},
-                                        {"log_prob", p.log_prob, 4, false}}));
+                                        {"log_prob", p.log_prob, 4, false},
+                                        {"workspace", p.workspace, 16}}));
+  const size_t need = SamplingWorkspaceBytes(p.num_seqs, p.vocab);
+  if (p.workspace_bytes < need) {
+    return BadField(kP, "workspace_bytes", static_cast<int64_t>(p.workspace_bytes),
+                    "must be >= SamplingWorkspaceBytes(num_seqs, vocab) = " + std::to_string(need));
+  }
+  const int chunks = static_cast<int>((p.vocab + kSamplingChunk - 1) / kSamplingChunk);
+  RowStatsArgs r;
+  r.logits = p.logits;
+  r.logits_row_stride = p.logits_row_stride;
+  r.vocab = static_cast<int>(p.vocab);
+  r.partials = static_cast<RowPartial*>(p.workspace);
+  RowStatsKernel<<<dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(chunks)),
+                   kStatThreads, 0, stream>>>(r);
+  TP_CUDA_CHECK(cudaGetLastError());
   SampleArgs a;
   a.logits = p.logits;
   a.logits_row_stride = p.logits_row_stride;
@@ -307,8 +503,12 @@ Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
   a.index = p.index;
   a.token = p.token;
   a.log_prob = p.log_prob;
-  SamplingKernel<<<static_cast<unsigned>(p.num_seqs), kSampleThreads, 0, stream>>>(a);
-  TP_CUDA_CHECK(cudaGetLastError());
+  a.partials = r.partials;
+  a.chunks = chunks;
+  TP_CUDA_CHECK(cudaFuncSetAttribute(SamplingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kSampleSmemBytes)));
+  TP_CUDA_CHECK(LaunchPdl(SamplingKernel, dim3(static_cast<unsigned>(p.num_seqs)),
+                          dim3(kSampleThreads), kSampleSmemBytes, stream, a));
   return Status::Ok();
 }
 

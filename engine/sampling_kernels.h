@@ -21,27 +21,39 @@
 
 namespace tpserve {
 
-// Samples one token per sequence from its logits by engine/sampling.h's rule (one CTA per
-// sequence):
+// Samples one token per sequence from its logits by engine/sampling.h's rule, in two kernels:
+// the row statistics (the vocabulary cut into chunks of kSamplingChunk entries, one CTA per
+// chunk and sequence: each chunk's largest logit and its exp sum, into `workspace`), then one
+// CTA per sequence that merges them and samples:
 // - greedy when temperature == 0 or top_k == 1: the largest logit, lowest id among equal ones
 //   (bit-identical to SampleToken);
 // - otherwise the inverse CDF over the candidates in (logit descending, id ascending) order,
 //   after the top-k and top-p cuts, with u = SampleUniform(seed, index) computed with the same
-//   integer splitmix64. The candidates' weights exp(logit / T - max / T) are computed in double
+//   integer splitmix64. The candidates' weights exp((logit - max) / T) are computed in FP32
 //   and summed as 2^-44 fixed point (exact, order-independent integer sums, so a (seed, index)
-//   always gives the same token), which the reference sums in double: a token can differ from
-//   SampleToken's only when u falls within ~1e-12 of a boundary of the cumulative sums.
-// The candidate order is searched by radix selection on a 64-bit (logit, id) key, not sorted.
-// log_prob = log_softmax(logits)[token] (temperature 1, nothing cut), exp in FP32 summed in
-// double.
+//   always gives the same token), where the reference computes and sums them in double: a
+//   token can differ from SampleToken's only when u falls within ~1e-6 of a boundary of the
+//   cumulative sums.
+// The candidate order is searched by radix selection on a 64-bit (logit, id) key, not sorted;
+// the selections by mass walk a shared-memory list of the candidates of nonzero mass when it
+// holds them all (up to 4096), else the row.
+// log_prob = log_softmax(logits)[token] (temperature 1, nothing cut): each chunk sums
+// exp(logit - chunk max) in FP32 terms and a double sum, the chunks' sums are rescaled to the
+// row's max in double and added in chunk order (deterministic; within 1e-6 of SampleToken's).
 // Logits must not be NaN or +inf (NaN never wins the greedy choice; the rest is undefined but
 // in bounds); -inf is a valid logit. Device parameters are not validated; the kernel reads a
 // temperature that is not a finite number > 0 as greedy, top_k <= 0 or >= vocab as no cut, and
 // top_p >= 1 or NaN as no cut (top_p <= 0 keeps the first candidate).
+inline constexpr int64_t kSamplingChunk = 4096;
+inline constexpr int64_t kSamplingMaxVocab = 65535 * kSamplingChunk;  // chunks on grid.y
+
+// Bytes of SamplingLaunchParams::workspace for num_seqs rows of `vocab` logits: 16 a chunk.
+size_t SamplingWorkspaceBytes(int64_t num_seqs, int64_t vocab);
+
 struct SamplingLaunchParams {
   const float* logits = nullptr;  // [num_seqs, vocab], row stride logits_row_stride; 4-byte aligned
   int64_t logits_row_stride = 0;  // >= vocab
-  int64_t vocab = 0;              // 1 .. 2^31 - 1
+  int64_t vocab = 0;              // 1 .. kSamplingMaxVocab
   int64_t num_seqs = 0;           // >= 0; 0 launches nothing
   const float* temperature = nullptr;  // [num_seqs]
   const int32_t* top_k = nullptr;      // [num_seqs]
@@ -50,6 +62,11 @@ struct SamplingLaunchParams {
   const uint64_t* index = nullptr;     // [num_seqs]: tokens the sequence generated before
   int32_t* token = nullptr;            // [num_seqs] out
   float* log_prob = nullptr;           // [num_seqs] out; optional
+  // The row statistics between the two kernels: SamplingWorkspaceBytes(num_seqs, vocab) bytes
+  // at least, 16-byte aligned; written before it is read within one launch, so one buffer serves
+  // every step of a stream.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream);
 

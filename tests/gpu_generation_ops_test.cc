@@ -1313,6 +1313,30 @@ TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
   EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
   s.vocab = 11;
   EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
+  // Valid but for the workspace: refused, naming it (nothing is launched).
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer any, DeviceBuffer::Allocate(4096, "sampling_args"));
+  s.vocab = 10;
+  s.num_seqs = 3;
+  s.logits = any.as<float>();
+  s.temperature = any.as<float>();
+  s.top_k = any.as<int32_t>();
+  s.top_p = any.as<float>();
+  s.seed = any.as<uint64_t>();
+  s.index = any.as<uint64_t>();
+  s.token = any.as<int32_t>();
+  const Status no_ws = LaunchSampling(s, nullptr);
+  EXPECT_EQ(no_ws.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_ws.message().find("workspace"), std::string::npos) << no_ws.message();
+  s.workspace = any.data();
+  s.workspace_bytes = SamplingWorkspaceBytes(3, 10) - 1;
+  const Status small_ws = LaunchSampling(s, nullptr);
+  EXPECT_EQ(small_ws.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(small_ws.message().find("workspace_bytes"), std::string::npos) << small_ws.message();
+  EXPECT_EQ(SamplingWorkspaceBytes(3, 10), 48u);  // one chunk a row, 16 bytes each
+  EXPECT_EQ(SamplingWorkspaceBytes(2, 4097), 64u);
+  s.vocab = kSamplingMaxVocab + 1;
+  s.logits_row_stride = s.vocab;
+  EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
 
   // The workspace size follows the split cap: none for short contexts.
   EXPECT_EQ(PagedAttentionMaxSplits(1), 1);
@@ -1375,6 +1399,10 @@ StatusOr<SampleResult> RunSampling(cudaStream_t stream, const std::vector<Sample
   p.index = d_index.as<uint64_t>();
   p.token = d_token.as<int32_t>();
   p.log_prob = d_lp.as<float>();
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_ws, DeviceBuffer::Allocate(SamplingWorkspaceBytes(n, vocab),
+                                                                "sampling_workspace"));
+  p.workspace = d_ws.data();
+  p.workspace_bytes = d_ws.size();
   TP_RETURN_IF_ERROR(LaunchSampling(p, stream));
   TP_CUDA_CHECK(cudaStreamSynchronize(stream));
   SampleResult r;
@@ -1401,11 +1429,16 @@ std::vector<float> RandomLogits(int64_t vocab, std::mt19937_64& rng) {
 TEST_F(GpuGenerationOpsTest, GreedyIsIdenticalToReference) {
   TP_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(440);
-  for (int64_t vocab : {1, 2, 37, 1000, 32000, 128256}) {
+  // Around the row statistics' chunks of kSamplingChunk (4096) logits too.
+  for (int64_t vocab : {1, 2, 37, 1000, 4096, 4097, 8193, 32000, 128256}) {
     std::vector<SampleCase> cases;
     for (int i = 0; i < 37; ++i) {
       SampleCase c;
       c.logits = RandomLogits(vocab, rng);
+      if (i % 11 == 3 && vocab > 1) {  // a first chunk of -inf only (its max is -inf)
+        std::fill(c.logits.begin(), c.logits.begin() + std::min<int64_t>(vocab - 1, 4096),
+                  -INFINITY);
+      }
       if (i % 5 == 0) {  // equal maxima: the lowest id wins
         const float top = *std::max_element(c.logits.begin(), c.logits.end());
         c.logits[static_cast<size_t>(rng() % vocab)] = top;
