@@ -133,6 +133,11 @@ Status CudaModel::AllocateGeneration() {
     TP_ASSIGN_OR_RETURN(g.logits,
                         DeviceBuffer::Allocate(s * c.vocab_size * sizeof(float), "step_logits"));
   }
+  if (c.vocab_size > kSamplingMaxVocab) {  // refused here, not at the first step
+    return InvalidArgumentError("vocab_size (" + std::to_string(c.vocab_size) +
+                                ") exceeds what GPU sampling takes (" +
+                                std::to_string(kSamplingMaxVocab) + ")");
+  }
   TP_ASSIGN_OR_RETURN(g.out, DeviceBuffer::Allocate(s * 8, "sampled"));
   TP_ASSIGN_OR_RETURN(
       g.sampling_workspace,

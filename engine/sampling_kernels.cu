@@ -31,7 +31,8 @@ using namespace launch_checks;
 
 constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
-constexpr double kMassScale = 17592186044416.0;  // 2^44: 2^17 tokens of mass <= 1 fit in 2^61
+constexpr double kMassScale =
+    17592186044416.0;  // 2^44: kSamplingMaxVocab masses <= 1 sum below 2^63
 
 __device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -78,6 +79,8 @@ struct RowPartial {
   double sum;  // sum of expf(logit - KeyLogit(key)) over the chunk; 0 where that max is -inf
 };
 static_assert(sizeof(RowPartial) == 16, "SamplingWorkspaceBytes counts 16 bytes a chunk");
+static_assert((kSamplingMaxVocab + kSamplingChunk - 1) / kSamplingChunk <= 65535,
+              "a row's chunks are grid.y");
 
 struct RowStatsArgs {
   const float* logits;

@@ -45,7 +45,9 @@ namespace tpserve {
 // temperature that is not a finite number > 0 as greedy, top_k <= 0 or >= vocab as no cut, and
 // top_p >= 1 or NaN as no cut (top_p <= 0 keeps the first candidate).
 inline constexpr int64_t kSamplingChunk = 4096;
-inline constexpr int64_t kSamplingMaxVocab = 65535 * kSamplingChunk;  // chunks on grid.y
+// The largest vocabulary: 2^19 candidates of mass at most 2^44 (2^-44 fixed point) keep every
+// integer sum of masses below 2^63.
+inline constexpr int64_t kSamplingMaxVocab = int64_t{1} << 19;
 
 // Bytes of SamplingLaunchParams::workspace for num_seqs rows of `vocab` logits: 16 a chunk.
 size_t SamplingWorkspaceBytes(int64_t num_seqs, int64_t vocab);

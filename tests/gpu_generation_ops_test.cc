@@ -1313,21 +1313,22 @@ TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
   EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
   s.vocab = 11;
   EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
-  // Valid but for the workspace: refused, naming it (nothing is launched).
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer any, DeviceBuffer::Allocate(4096, "sampling_args"));
+  // Valid but for the workspace: refused, naming it. Nothing is launched (the checks come
+  // first), so aligned host addresses stand in for device buffers and no GPU is needed.
+  alignas(16) static unsigned char any[256];
   s.vocab = 10;
   s.num_seqs = 3;
-  s.logits = any.as<float>();
-  s.temperature = any.as<float>();
-  s.top_k = any.as<int32_t>();
-  s.top_p = any.as<float>();
-  s.seed = any.as<uint64_t>();
-  s.index = any.as<uint64_t>();
-  s.token = any.as<int32_t>();
+  s.logits = reinterpret_cast<const float*>(any);
+  s.temperature = reinterpret_cast<const float*>(any);
+  s.top_k = reinterpret_cast<const int32_t*>(any);
+  s.top_p = reinterpret_cast<const float*>(any);
+  s.seed = reinterpret_cast<const uint64_t*>(any);
+  s.index = reinterpret_cast<const uint64_t*>(any);
+  s.token = reinterpret_cast<int32_t*>(any);
   const Status no_ws = LaunchSampling(s, nullptr);
   EXPECT_EQ(no_ws.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(no_ws.message().find("workspace"), std::string::npos) << no_ws.message();
-  s.workspace = any.data();
+  s.workspace = any;
   s.workspace_bytes = SamplingWorkspaceBytes(3, 10) - 1;
   const Status small_ws = LaunchSampling(s, nullptr);
   EXPECT_EQ(small_ws.code(), StatusCode::kInvalidArgument);
