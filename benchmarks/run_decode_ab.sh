@@ -17,12 +17,11 @@
 # DECODE_ARGS (more tpserve-bench-decode flags for every build, e.g. "--temperature 0.8
 # --top-p 0.95"), ATTENTION (1: also time the attention kernel alone, BF16 and --fp8-out), OUT
 # (gpu-out/decode-ab), STEP_TIMEOUT (seconds a benchmark run may take, 300). A run that fails
-# or times out is named and the script goes on; it exits 1
-# if any did (2 on usage errors).
+# or times out is named and the script goes on; it exits 1 if any did (2 on usage errors).
 set -uo pipefail
 
 usage() {
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 [ $# -ge 2 ] || usage
