@@ -152,6 +152,7 @@ struct SampleShared {
   double f64[kSampleWarps];
   unsigned long long result[4];  // prefix, threshold, weight ahead, chosen weight
   unsigned int list_size;        // candidates offered to the list (may exceed its capacity)
+  unsigned int chosen_count;     // candidates in the bucket a selection level chose
 };
 
 __device__ unsigned long long BlockSumU64(unsigned long long v, SampleShared& sm) {
@@ -269,34 +270,79 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
       sm.count[d] = c;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      unsigned long long acc = 0, acc_last = 0;
-      int chosen = -1, last = -1;
-      for (int d = 255; d >= 0; --d) {
-        if (sm.count[d] == 0) continue;
-        last = d;
-        acc_last = acc;
-        if (acc + sm.weight[d] > threshold) {
-          chosen = d;
-          break;
+    // Warp 0 picks the bucket: lane l holds digits 255 - 8l down to 248 - 8l (the key order),
+    // the lanes' weights are scanned by shuffles, and the lane where the cumulative weight
+    // first exceeds the threshold walks its eight buckets. Nothing exceeding, it is the last
+    // nonempty bucket (none at all cannot happen). The same choice as one thread walking all
+    // 256 buckets in order, which took microseconds a level.
+    if (threadIdx.x < 32) {
+      const int lane = static_cast<int>(threadIdx.x);
+      unsigned long long lane_weight = 0;
+      int lane_last = -1;  // this lane's last nonempty bucket
+      for (int k = 0; k < 8; ++k) {
+        const int d = 255 - 8 * lane - k;
+        if (sm.count[d] != 0) {
+          lane_weight += sm.weight[d];
+          lane_last = d;
         }
-        acc += sm.weight[d];
       }
-      if (chosen < 0) {  // nothing exceeds: the last candidate (none at all cannot happen)
-        chosen = last < 0 ? 0 : last;
-        acc = last < 0 ? 0 : acc_last;
+      unsigned long long inclusive = lane_weight;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long v = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += v;
       }
-      sm.result[0] = prefix | (static_cast<uint64_t>(chosen) << shift);
-      sm.result[1] = threshold - acc;  // relative to the chosen bucket's first candidate
-      sm.result[2] = acc;              // weight ahead of the chosen bucket within the prefix
-      sm.result[3] = last < 0 ? 0 : sm.weight[chosen];
+      const unsigned exceeds = __ballot_sync(0xffffffffu, inclusive > threshold);
+      const unsigned nonempty = __ballot_sync(0xffffffffu, lane_last >= 0);
+      const int owner =
+          exceeds != 0 ? __ffs(exceeds) - 1 : (nonempty != 0 ? 31 - __clz(nonempty) : 0);
+      if (lane == owner) {
+        unsigned long long acc = inclusive - lane_weight;  // weight of the earlier lanes
+        int chosen = -1;
+        if (exceeds != 0) {
+          for (int k = 0; k < 8 && chosen < 0; ++k) {
+            const int d = 255 - 8 * lane - k;
+            if (sm.count[d] == 0) continue;
+            if (acc + sm.weight[d] > threshold) {
+              chosen = d;
+            } else {
+              acc += sm.weight[d];
+            }
+          }
+        } else if (lane_last >= 0) {
+          chosen = lane_last;
+          acc = inclusive - sm.weight[lane_last];
+        } else {
+          acc = 0;
+        }
+        sm.result[0] = prefix | (static_cast<uint64_t>(chosen < 0 ? 0 : chosen) << shift);
+        sm.result[1] = threshold - acc;  // relative to the chosen bucket's first candidate
+        sm.result[2] = acc;              // weight ahead of the chosen bucket within the prefix
+        sm.result[3] = chosen < 0 ? 0 : sm.weight[chosen];
+        sm.chosen_count = chosen < 0 ? 0u : sm.count[chosen];
+      }
     }
     __syncthreads();
     prefix = sm.result[0];
     threshold = sm.result[1];
     before += sm.result[2];
     chosen_weight = sm.result[3];  // at the last level: the one candidate's own weight
-    __syncthreads();               // result and the histograms are rewritten next
+    const bool single = sm.chosen_count == 1 && level < 7;
+    __syncthreads();  // result and the histograms are rewritten next
+    if (single) {
+      // One candidate left under the prefix: one walk finds its key, instead of a walk for
+      // each of the remaining levels (after two or three levels this is the common case).
+      const uint64_t want = prefix >> shift;
+      for_each([&](uint64_t key, auto) {
+        if (key >= min_key && (key >> shift) == want) sm.result[0] = key;
+      });
+      __syncthreads();
+      Selected r;
+      r.key = sm.result[0];
+      r.cumulative = before + chosen_weight;
+      __syncthreads();  // sm.result is rewritten by the next selection
+      return r;
+    }
   }
   Selected r;
   r.key = prefix;
