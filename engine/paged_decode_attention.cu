@@ -82,7 +82,7 @@ struct DecodeSmem {
   static_assert(kMergeBytes + kPartialBytes <= kStagesBytes, "merge area");
 };
 
-template <int kHeadDim, bool kFp8, int kGroup>
+template <int kHeadDim, bool kFp8, int kGroup, bool kRope>
 __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCtasPerSm)
     PagedDecodeAttentionKernel(AttnArgs a) {
   using L = DecodeSmem<kHeadDim, kFp8>;
@@ -138,7 +138,9 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
   // unfused RoPE kernel's bits). Each step row's key position lies in exactly one split's share,
   // and no other CTA reads it.
   constexpr int kHalf = kHeadDim / 2;
-  const bool rope = a.rope_positions != nullptr;
+  // kRope: a.rope_positions != nullptr, chosen by the launcher, so that a launch without RoPE
+  // carries none of its code (its double-precision angles cost registers and a stack frame).
+  constexpr bool rope = kRope;
   const int pair = threadIdx.x % kHalf;
   bool stored = !rope;
   auto store_rows = [&](int j_now, float2 cs_now) {
@@ -270,7 +272,8 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
       *reinterpret_cast<uint4*>(q_tile + r * kPitch + c * 8) = v;
     }
     __syncthreads();  // q_tile
-    if (rope) {       // rotated in place: thread x takes pair x % kHalf of rows x / kHalf + ...
+    // Rotated in place: thread x takes pair x % kHalf of rows x / kHalf + ...
+    if constexpr (rope) {
       for (int r = threadIdx.x / kHalf; r < kGroup; r += kAttnThreads / kHalf) {
         uint16_t* row = q_tile + r * kPitch;
         float x, y;
@@ -537,10 +540,10 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
 // the splits; beyond 8 CTAs a cluster is non-portable, Hopper takes 16). A cluster the device
 // cannot place (no GPC with room for it) falls back to the combine pass: a->cluster_merge is
 // cleared, and the caller launches that pass.
-template <int kHeadDim, bool kFp8, int kGroup>
+template <int kHeadDim, bool kFp8, int kGroup, bool kRope>
 cudaError_t LaunchDecodeKernelAs(dim3 grid, AttnArgs* a, cudaStream_t stream) {
   constexpr int kSmem = DecodeSmem<kHeadDim, kFp8>::kBytes;
-  const auto kernel = PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup>;
+  const auto kernel = PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup, kRope>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   // All of the SM's unified memory as shared memory, so that two CTAs fit (the kernel reads
   // nothing twice: L1 has nothing to keep).
@@ -592,8 +595,12 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, AttnArgs* a, cudaStream_t stream) {
 
 template <int kHeadDim, int kGroup>
 cudaError_t LaunchDecodeKernel(dim3 grid, bool fp8, AttnArgs* a, cudaStream_t stream) {
-  return fp8 ? LaunchDecodeKernelAs<kHeadDim, true, kGroup>(grid, a, stream)
-             : LaunchDecodeKernelAs<kHeadDim, false, kGroup>(grid, a, stream);
+  if (a->rope_positions != nullptr) {
+    return fp8 ? LaunchDecodeKernelAs<kHeadDim, true, kGroup, true>(grid, a, stream)
+               : LaunchDecodeKernelAs<kHeadDim, false, kGroup, true>(grid, a, stream);
+  }
+  return fp8 ? LaunchDecodeKernelAs<kHeadDim, true, kGroup, false>(grid, a, stream)
+             : LaunchDecodeKernelAs<kHeadDim, false, kGroup, false>(grid, a, stream);
 }
 
 }  // namespace
