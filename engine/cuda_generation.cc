@@ -77,6 +77,11 @@ Status CudaModel::AllocateGeneration() {
     return InvalidArgumentError("CudaModelOptions.kv_block_size (" +
                                 std::to_string(o.kv_block_size) + ") must be >= 1");
   }
+  if (c.vocab_size > kSamplingMaxVocab) {  // refused before any allocation, not at the first step
+    return InvalidArgumentError("vocab_size (" + std::to_string(c.vocab_size) +
+                                ") exceeds what GPU sampling takes (" +
+                                std::to_string(kSamplingMaxVocab) + ")");
+  }
   kv_layout_ = {c.num_hidden_layers,         o.kv_blocks,  o.kv_block_size,
                 c.num_key_value_heads / tp_, c.head_dim(), o.kv_dtype};
   TP_RETURN_IF_ERROR(kv_layout_.Validate().WithContext("CudaModelOptions KV cache"));
@@ -132,11 +137,6 @@ Status CudaModel::AllocateGeneration() {
   if (tp_ > 1) {
     TP_ASSIGN_OR_RETURN(g.logits,
                         DeviceBuffer::Allocate(s * c.vocab_size * sizeof(float), "step_logits"));
-  }
-  if (c.vocab_size > kSamplingMaxVocab) {  // refused here, not at the first step
-    return InvalidArgumentError("vocab_size (" + std::to_string(c.vocab_size) +
-                                ") exceeds what GPU sampling takes (" +
-                                std::to_string(kSamplingMaxVocab) + ")");
   }
   TP_ASSIGN_OR_RETURN(g.out, DeviceBuffer::Allocate(s * 8, "sampled"));
   TP_ASSIGN_OR_RETURN(

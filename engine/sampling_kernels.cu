@@ -31,8 +31,8 @@ using namespace launch_checks;
 
 constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
-constexpr double kMassScale =
-    17592186044416.0;  // 2^44: kSamplingMaxVocab masses <= 1 sum below 2^63
+// 2^44: kSamplingMaxVocab masses <= 1 sum below 2^63.
+constexpr double kMassScale = 17592186044416.0;
 
 __device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
