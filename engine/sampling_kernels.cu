@@ -3,8 +3,11 @@
 // see GPU_HOST.md).
 #include "engine/sampling_kernels.h"
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -20,7 +23,9 @@ namespace {
 using namespace launch_checks;
 
 // ---------------------------------------------------------------------------------------------
-// Sampling: one CTA per sequence.
+// Sampling: one cluster of CTAs per sequence (SamplingLaunchParams::ctas_per_seq), each CTA
+// walking an interleaved slice of the row; the clusters' CTAs add their histograms and sums
+// through distributed shared memory and so all make the same choices.
 //
 // Candidates are ordered by a 64-bit key, larger first: the logit's order-preserving bits
 // above, ~id below, so that equal logits put the lower id first. The inverse CDF, the top-k
@@ -146,14 +151,34 @@ __global__ void __launch_bounds__(kStatThreads) RowStatsKernel(RowStatsArgs a) {
 }
 
 struct SampleShared {
-  unsigned long long weight[256];
+  unsigned long long weight[256];  // this CTA's histogram of a level (read by the cluster)
   unsigned int count[256];
+  unsigned long long total_weight[256];  // the cluster's (the sum of its CTAs' histograms)
+  unsigned int total_count[256];
   unsigned long long u64[kSampleWarps];
   double f64[kSampleWarps];
-  unsigned long long result[4];  // prefix, threshold, weight ahead, chosen weight
-  unsigned int list_size;        // candidates offered to the list (may exceed its capacity)
-  unsigned int chosen_count;     // candidates in the bucket a selection level chose
+  unsigned long long result[4];   // prefix, threshold, weight ahead, chosen weight
+  unsigned long long found;       // the key a single-candidate walk found in this CTA's slice
+  unsigned long long block_kept;  // this CTA's kept mass (read by the cluster's CTAs)
+  unsigned int list_size;         // candidates offered to the list (may exceed its capacity)
+  unsigned int chosen_count;      // candidates in the bucket a selection level chose
 };
+
+namespace cg = cooperative_groups;
+
+// A barrier of the sequence's cluster: what each CTA wrote to its shared memory before it is
+// visible to the others after it (a cluster of one CTA: a block barrier).
+__device__ __forceinline__ void ClusterSync() { cg::this_cluster().sync(); }
+
+// The sum over the cluster's CTAs of a value of each one's shared memory (after a ClusterSync
+// that follows its writes; rank order, so every CTA gets the same bits).
+template <typename T>
+__device__ __forceinline__ T ClusterSum(T* mine) {
+  cg::cluster_group cluster = cg::this_cluster();
+  T sum = 0;
+  for (unsigned r = 0; r < cluster.num_blocks(); ++r) sum += *cluster.map_shared_rank(mine, r);
+  return sum;
+}
 
 __device__ unsigned long long BlockSumU64(unsigned long long v, SampleShared& sm) {
 #pragma unroll
@@ -176,21 +201,39 @@ __device__ __forceinline__ unsigned long long Mass(float logit, float lmax, floa
   return p > 0.0f ? __float2ull_rn(p * static_cast<float>(kMassScale)) : 0ull;
 }
 
-// Calls f(logit, id) for this thread's logits of a row (ids threadIdx.x + j kSampleThreads) in
-// id order, kLoadAhead loads issued before the first is used: the row is walked many times a
-// sampled token, and one load in flight a thread leaves each walk latency-bound.
+// This CTA's slice of a row: the ids first + j * stride (first = its rank in the cluster *
+// kSampleThreads + threadIdx.x, stride = kSampleThreads * the cluster's CTAs).
+struct Slice {
+  int first;
+  int stride;
+};
+
+// Calls f(logit, id) for this thread's logits of a row in id order, kLoadAhead loads issued
+// before the first is used: the row is walked many times a sampled token, and one load in
+// flight a thread leaves each walk latency-bound.
 constexpr int kLoadAhead = 8;
 template <typename F>
-__device__ __forceinline__ void ForThreadLogits(const float* row, int vocab, F&& f) {
-  int i = static_cast<int>(threadIdx.x);
-  for (; i + (kLoadAhead - 1) * kSampleThreads < vocab; i += kLoadAhead * kSampleThreads) {
+__device__ __forceinline__ void ForThreadLogits(const float* row, int vocab, Slice slice, F&& f) {
+  int i = slice.first;
+  for (; i + (kLoadAhead - 1) * slice.stride < vocab; i += kLoadAhead * slice.stride) {
     float v[kLoadAhead];
 #pragma unroll
-    for (int k = 0; k < kLoadAhead; ++k) v[k] = row[i + k * kSampleThreads];
+    for (int k = 0; k < kLoadAhead; ++k) v[k] = row[i + k * slice.stride];
 #pragma unroll
-    for (int k = 0; k < kLoadAhead; ++k) f(v[k], i + k * kSampleThreads);
+    for (int k = 0; k < kLoadAhead; ++k) f(v[k], i + k * slice.stride);
   }
-  for (; i < vocab; i += kSampleThreads) f(row[i], i);
+  // The rest, fewer than kLoadAhead, also loaded before the first is used.
+  float v[kLoadAhead - 1];
+#pragma unroll
+  for (int k = 0; k < kLoadAhead - 1; ++k) {
+    const int id = i + k * slice.stride;
+    v[k] = id < vocab ? row[id] : 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < kLoadAhead - 1; ++k) {
+    const int id = i + k * slice.stride;
+    if (id < vocab) f(v[k], id);
+  }
 }
 
 // Dynamic shared memory of the sampling kernel: a sampled token's candidates of nonzero mass,
@@ -213,7 +256,9 @@ struct Selected {
 
 // The first candidate (key >= min_key, in key-descending order) whose cumulative weight
 // exceeds `threshold`; the last such candidate if none does. for_each(g) calls g(key, weight)
-// for each of this thread's candidates, weight() giving its weight (Mass(), or 1 for a count).
+// for each of this thread's candidates (of its CTA's slice), weight() giving its weight
+// (Mass(), or 1 for a count). Every CTA of the cluster calls it with the same arguments and gets
+// the same result.
 template <typename ForEach>
 __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
                                          unsigned long long threshold, SampleShared& sm,
@@ -269,20 +314,25 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
       sm.weight[d] = w;
       sm.count[d] = c;
     }
+    ClusterSync();  // every CTA's histogram of its slice is complete
+    // The cluster's histogram, in every CTA. Warp 0 picks the bucket: lane l holds digits
+    // 255 - 8l down to 248 - 8l (the key order), the lanes' weights are scanned by shuffles, and
+    // the lane where the cumulative weight first exceeds the threshold walks its eight buckets.
+    // Nothing exceeding, it is the last nonempty bucket (none at all cannot happen). The same
+    // choice as one thread walking all 256 buckets in order, which took microseconds a level.
+    for (int d = threadIdx.x; d < 256; d += kSampleThreads) {
+      sm.total_weight[d] = ClusterSum(&sm.weight[d]);
+      sm.total_count[d] = ClusterSum(&sm.count[d]);
+    }
     __syncthreads();
-    // Warp 0 picks the bucket: lane l holds digits 255 - 8l down to 248 - 8l (the key order),
-    // the lanes' weights are scanned by shuffles, and the lane where the cumulative weight
-    // first exceeds the threshold walks its eight buckets. Nothing exceeding, it is the last
-    // nonempty bucket (none at all cannot happen). The same choice as one thread walking all
-    // 256 buckets in order, which took microseconds a level.
     if (threadIdx.x < 32) {
       const int lane = static_cast<int>(threadIdx.x);
       unsigned long long lane_weight = 0;
       int lane_last = -1;  // this lane's last nonempty bucket
       for (int k = 0; k < 8; ++k) {
         const int d = 255 - 8 * lane - k;
-        if (sm.count[d] != 0) {
-          lane_weight += sm.weight[d];
+        if (sm.total_count[d] != 0) {
+          lane_weight += sm.total_weight[d];
           lane_last = d;
         }
       }
@@ -302,24 +352,24 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
         if (exceeds != 0) {
           for (int k = 0; k < 8 && chosen < 0; ++k) {
             const int d = 255 - 8 * lane - k;
-            if (sm.count[d] == 0) continue;
-            if (acc + sm.weight[d] > threshold) {
+            if (sm.total_count[d] == 0) continue;
+            if (acc + sm.total_weight[d] > threshold) {
               chosen = d;
             } else {
-              acc += sm.weight[d];
+              acc += sm.total_weight[d];
             }
           }
         } else if (lane_last >= 0) {
           chosen = lane_last;
-          acc = inclusive - sm.weight[lane_last];
+          acc = inclusive - sm.total_weight[lane_last];
         } else {
           acc = 0;
         }
         sm.result[0] = prefix | (static_cast<uint64_t>(chosen < 0 ? 0 : chosen) << shift);
         sm.result[1] = threshold - acc;  // relative to the chosen bucket's first candidate
         sm.result[2] = acc;              // weight ahead of the chosen bucket within the prefix
-        sm.result[3] = chosen < 0 ? 0 : sm.weight[chosen];
-        sm.chosen_count = chosen < 0 ? 0u : sm.count[chosen];
+        sm.result[3] = chosen < 0 ? 0 : sm.total_weight[chosen];
+        sm.chosen_count = chosen < 0 ? 0u : sm.total_count[chosen];
       }
     }
     __syncthreads();
@@ -328,19 +378,25 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
     before += sm.result[2];
     chosen_weight = sm.result[3];  // at the last level: the one candidate's own weight
     const bool single = sm.chosen_count == 1 && level < 7;
-    __syncthreads();  // result and the histograms are rewritten next
+    // result is rewritten next, and the histograms: not before the cluster's CTAs have read
+    // this one's.
+    ClusterSync();
     if (single) {
       // One candidate left under the prefix: one walk finds its key, instead of a walk for
-      // each of the remaining levels (after two or three levels this is the common case).
+      // each of the remaining levels (after two or three levels this is the common case). It
+      // lies in one CTA's slice; the others find nothing (0).
       const uint64_t want = prefix >> shift;
-      for_each([&](uint64_t key, auto) {
-        if (key >= min_key && (key >> shift) == want) sm.result[0] = key;
-      });
+      if (threadIdx.x == 0) sm.found = 0;
       __syncthreads();
+      for_each([&](uint64_t key, auto) {
+        if (key >= min_key && (key >> shift) == want) sm.found = key;
+      });
+      ClusterSync();
       Selected r;
-      r.key = sm.result[0];
+      r.key = ClusterSum(&sm.found);
       r.cumulative = before + chosen_weight;
-      __syncthreads();  // sm.result is rewritten by the next selection
+      // found is rewritten by a later selection only after that selection's first ClusterSync,
+      // which no CTA passes before it has read everyone's here.
       return r;
     }
   }
@@ -365,7 +421,8 @@ struct SampleArgs {
   int chunks;
 };
 
-// Launched with PDL after RowStatsKernel.
+// Launched with PDL after RowStatsKernel, in clusters of a sequence's CTAs (gridDim.x = the
+// sequences times the cluster size).
 __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   __shared__ SampleShared sm;
   extern __shared__ unsigned long long list[];  // kSampleSmemBytes: the list, then wh
@@ -373,7 +430,11 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   wh.weight = list + 2 * kListCapacity;
   wh.count = reinterpret_cast<unsigned int*>(wh.weight + kSampleWarps * 256);
   PdlEnter();
-  const int s = blockIdx.x;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int ctas = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int s = static_cast<int>(blockIdx.x) / ctas;
+  const Slice slice{rank * kSampleThreads + static_cast<int>(threadIdx.x), ctas * kSampleThreads};
   const float* row = a.logits + static_cast<int64_t>(s) * a.logits_row_stride;
   const int vocab = a.vocab;
 
@@ -422,11 +483,11 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
     const float inv_t = fminf(1.0f / temperature, 3.402823466e38f);
     // The row's candidates, counted (the top-k cut) or weighed by Mass().
     auto counted = [&](auto&& g) {
-      ForThreadLogits(row, vocab,
+      ForThreadLogits(row, vocab, slice,
                       [&](float logit, int i) { g(CandidateKey(logit, i), [] { return 1ull; }); });
     };
     auto weighed = [&](auto&& g) {
-      ForThreadLogits(row, vocab, [&](float logit, int i) {
+      ForThreadLogits(row, vocab, slice, [&](float logit, int i) {
         g(CandidateKey(logit, i), [&] { return Mass(logit, lmax, inv_t); });
       });
     };
@@ -436,15 +497,16 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
           SelectFirstExceeding(counted, 0, static_cast<unsigned long long>(top_k - 1), sm, wh).key;
     }
     // One walk of the row: the kept mass, and the kept candidates of nonzero mass listed in
-    // shared memory. The selections below weigh by mass, where a candidate of zero mass never
-    // decides (the first candidate whose cumulative mass exceeds a threshold below the total
-    // has a mass), so when the list holds them all they walk it instead of the row.
+    // shared memory (each CTA its slice's). The selections below weigh by mass, where a
+    // candidate of zero mass never decides (the first candidate whose cumulative mass exceeds a
+    // threshold below the total has a mass), so when every CTA's list holds its slice's they
+    // walk the lists instead of the row.
     unsigned long long* list_key = list;
     unsigned long long* list_mass = list + kListCapacity;
     if (threadIdx.x == 0) sm.list_size = 0;
     __syncthreads();
     unsigned long long kept = 0;
-    ForThreadLogits(row, vocab, [&](float logit, int i) {
+    ForThreadLogits(row, vocab, slice, [&](float logit, int i) {
       const uint64_t key = CandidateKey(logit, i);
       if (key < min_key) return;
       const unsigned long long m = Mass(logit, lmax, inv_t);
@@ -457,17 +519,27 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
       }
     });
     kept = BlockSumU64(kept, sm);  // its barriers also complete the list
+    if (threadIdx.x == 0) sm.block_kept = kept;
+    ClusterSync();
+    kept = ClusterSum(&sm.block_kept);
     const int listed = static_cast<int>(sm.list_size);
+    bool lists_fit = true;  // the same for every CTA of the cluster
+    unsigned long long listed_total = 0;
+    for (int r = 0; r < ctas; ++r) {
+      const unsigned int n = *cluster.map_shared_rank(&sm.list_size, r);
+      lists_fit = lists_fit && n <= kListCapacity;
+      listed_total += n;
+    }
     auto listed_candidates = [&](auto&& g) {
       for (int j = threadIdx.x; j < listed; j += kSampleThreads) {
         const unsigned long long m = list_mass[j];
         g(list_key[j], [m] { return m; });
       }
     };
-    // The same choice either way; `listed` is the block's, so every thread takes one branch.
-    // An empty list (every mass zero: a row of -inf, outside the contract) walks the row, whose
-    // fallback keeps the token in range.
-    const bool use_list = listed >= 1 && listed <= kListCapacity;
+    // The same choice either way, and every thread of the cluster takes the same branch. Empty
+    // lists (every mass zero: a row of -inf, outside the contract) walk the row, whose fallback
+    // keeps the token in range.
+    const bool use_list = lists_fit && listed_total >= 1;
     auto select = [&](uint64_t from, unsigned long long threshold) {
       return use_list ? SelectFirstExceeding(listed_candidates, from, threshold, sm, wh)
                       : SelectFirstExceeding(weighed, from, threshold, sm, wh);
@@ -488,7 +560,9 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
         static_cast<unsigned long long>(floor(u * static_cast<double>(kept)));
     token = KeyId(select(min_key, threshold).key);
   }
-  if (threadIdx.x == 0) {
+  // No CTA leaves while the cluster's others may still read its shared memory.
+  ClusterSync();
+  if (rank == 0 && threadIdx.x == 0) {
     a.token[s] = token;
     if (a.log_prob != nullptr) {
       a.log_prob[s] = static_cast<float>(static_cast<double>(row[token]) -
@@ -497,7 +571,77 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   }
 }
 
+// The sampling kernel in clusters of `ctas` CTAs a sequence, launched with PDL.
+cudaError_t LaunchSamplingKernel(const SampleArgs& a, int64_t num_seqs, int ctas,
+                                 cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(num_seqs * ctas));
+  config.blockDim = dim3(kSampleThreads);
+  config.dynamicSmemBytes = kSampleSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  attribute[1].id = cudaLaunchAttributeClusterDimension;
+  attribute[1].val.clusterDim.x = static_cast<unsigned>(ctas);
+  attribute[1].val.clusterDim.y = 1;
+  attribute[1].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, SamplingKernel, a);
+}
+
+// The clusters of `ctas` sampling CTAs the current device can run at once (0 if none or the
+// query fails), asked once per device and size.
+constexpr int kMaxDevicesCached = 64;
+int MaxActiveSamplingClusters(int ctas) {
+  static std::atomic<int> cache[kMaxDevicesCached][4];  // by log2(ctas); 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevicesCached) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int slot = ctas == 1 ? 0 : ctas == 2 ? 1 : ctas == 4 ? 2 : 3;
+  const int known = cache[device][slot].load(std::memory_order_relaxed);
+  if (known != 0) return known - 1;
+  cudaLaunchConfig_t query = {};
+  query.gridDim = dim3(static_cast<unsigned>(ctas));
+  query.blockDim = dim3(kSampleThreads);
+  query.dynamicSmemBytes = kSampleSmemBytes;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(ctas);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  query.attrs = &cluster;
+  query.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, SamplingKernel, &query) != cudaSuccess) {
+    (void)cudaGetLastError();  // a refused query is not the launch's error
+    clusters = 0;
+  }
+  cache[device][slot].store(clusters + 1, std::memory_order_relaxed);
+  return clusters;
+}
+
+// SamplingCtasPerSeq's least logits a CTA.
+constexpr int64_t kMinLogitsPerCta = int64_t{8} * kSampleThreads;
+
 }  // namespace
+
+int SamplingCtasPerSeq(int64_t num_seqs, int64_t vocab) {
+  if (cudaFuncSetAttribute(SamplingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kSampleSmemBytes)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  for (int ctas : {8, 4, 2}) {
+    if (vocab >= ctas * kMinLogitsPerCta && num_seqs <= MaxActiveSamplingClusters(ctas)) {
+      return ctas;
+    }
+  }
+  return 1;
+}
 
 size_t SamplingWorkspaceBytes(int64_t num_seqs, int64_t vocab) {
   const int64_t chunks = (vocab + kSamplingChunk - 1) / kSamplingChunk;
@@ -516,6 +660,13 @@ Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
   }
   if (p.num_seqs < 0 || p.num_seqs > kMaxGridX) {
     return BadField(kP, "num_seqs", p.num_seqs, "must be in [0, 2^31 - 1]");
+  }
+  if (p.ctas_per_seq != 0 && p.ctas_per_seq != 1 && p.ctas_per_seq != 2 && p.ctas_per_seq != 4 &&
+      p.ctas_per_seq != 8) {
+    return BadField(kP, "ctas_per_seq", p.ctas_per_seq, "must be 0 (chosen here), 1, 2, 4 or 8");
+  }
+  if (p.num_seqs * std::max(p.ctas_per_seq, 1) > kMaxGridX) {
+    return BadField(kP, "num_seqs", p.num_seqs, "times ctas_per_seq must be below 2^31");
   }
   if (p.num_seqs == 0) return Status::Ok();
   TP_RETURN_IF_ERROR(CheckPointers(kP, {{"logits", p.logits, 4},
@@ -556,8 +707,16 @@ Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
   a.chunks = chunks;
   TP_CUDA_CHECK(cudaFuncSetAttribute(SamplingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(kSampleSmemBytes)));
-  TP_CUDA_CHECK(LaunchPdl(SamplingKernel, dim3(static_cast<unsigned>(p.num_seqs)),
-                          dim3(kSampleThreads), kSampleSmemBytes, stream, a));
+  int ctas = p.ctas_per_seq;
+  if (ctas == 0) ctas = SamplingCtasPerSeq(p.num_seqs, p.vocab);
+  cudaError_t launched = LaunchSamplingKernel(a, p.num_seqs, ctas, stream);
+  if (launched != cudaSuccess && ctas > 1 && p.ctas_per_seq == 0) {
+    // A cluster the launch could not place (the occupancy query can be optimistic, e.g. beside
+    // other processes' work): one CTA a sequence, the same tokens.
+    (void)cudaGetLastError();
+    launched = LaunchSamplingKernel(a, p.num_seqs, 1, stream);
+  }
+  TP_CUDA_CHECK(launched);
   return Status::Ok();
 }
 

@@ -23,8 +23,8 @@ namespace tpserve {
 
 // Samples one token per sequence from its logits by engine/sampling.h's rule, in two kernels:
 // the row statistics (the vocabulary cut into chunks of kSamplingChunk entries, one CTA per
-// chunk and sequence: each chunk's largest logit and its exp sum, into `workspace`), then one
-// CTA per sequence that merges them and samples:
+// chunk and sequence: each chunk's largest logit and its exp sum, into `workspace`), then a
+// cluster of CTAs per sequence (ctas_per_seq) that merges them and samples:
 // - greedy when temperature == 0 or top_k == 1: the largest logit, lowest id among equal ones
 //   (bit-identical to SampleToken);
 // - otherwise the inverse CDF over the candidates in (logit descending, id ascending) order,
@@ -35,8 +35,8 @@ namespace tpserve {
 //   token can differ from SampleToken's only when u falls within ~1e-6 of a boundary of the
 //   cumulative sums.
 // The candidate order is searched by radix selection on a 64-bit (logit, id) key, not sorted;
-// the selections by mass walk a shared-memory list of the candidates of nonzero mass when it
-// holds them all (up to 4096), else the row.
+// the selections by mass walk shared-memory lists of the candidates of nonzero mass when they
+// hold them all (up to 4096 a CTA), else the row. The tokens do not depend on ctas_per_seq.
 // log_prob = log_softmax(logits)[token] (temperature 1, nothing cut): each chunk sums
 // exp(logit - chunk max) in FP32 terms and a double sum, the chunks' sums are rescaled to the
 // row's max in double and added in chunk order (deterministic; within 1e-6 of SampleToken's).
@@ -51,6 +51,13 @@ inline constexpr int64_t kSamplingMaxVocab = int64_t{1} << 19;
 
 // Bytes of SamplingLaunchParams::workspace for num_seqs rows of `vocab` logits: 16 a chunk.
 size_t SamplingWorkspaceBytes(int64_t num_seqs, int64_t vocab);
+
+// The CTAs a sequence LaunchSampling takes for ctas_per_seq = 0 on the current device: the
+// most (8, 4 or 2) that leave each CTA at least 8192 logits and run every sequence's cluster at
+// once (asked of the device once per size); else 1. A sampled token's walks of the row then
+// spread over that many SMs; a batch that fills the GPU with one CTA a sequence gains nothing
+// from more.
+int SamplingCtasPerSeq(int64_t num_seqs, int64_t vocab);
 
 struct SamplingLaunchParams {
   const float* logits = nullptr;  // [num_seqs, vocab], row stride logits_row_stride; 4-byte aligned
@@ -69,6 +76,10 @@ struct SamplingLaunchParams {
   // every step of a stream.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // CTAs (one cluster) sampling each sequence, each walking a slice of the row: 1, 2, 4 or 8;
+  // 0 lets the launcher choose (more for a small batch, 1 where one CTA a sequence fills the
+  // GPU). The same tokens and log-probs at every value.
+  int ctas_per_seq = 0;
 };
 Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream);
 

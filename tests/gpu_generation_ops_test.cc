@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -1335,6 +1336,12 @@ TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
   EXPECT_NE(small_ws.message().find("workspace_bytes"), std::string::npos) << small_ws.message();
   EXPECT_EQ(SamplingWorkspaceBytes(3, 10), 48u);  // one chunk a row, 16 bytes each
   EXPECT_EQ(SamplingWorkspaceBytes(2, 4097), 64u);
+  s.workspace_bytes = SamplingWorkspaceBytes(3, 10);
+  s.ctas_per_seq = 3;
+  const Status ctas = LaunchSampling(s, nullptr);
+  EXPECT_EQ(ctas.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(ctas.message().find("ctas_per_seq"), std::string::npos) << ctas.message();
+  s.ctas_per_seq = 0;
   s.vocab = kSamplingMaxVocab + 1;
   s.logits_row_stride = s.vocab;
   EXPECT_EQ(LaunchSampling(s, nullptr).code(), StatusCode::kInvalidArgument);
@@ -1361,9 +1368,10 @@ struct SampleResult {
   std::vector<float> log_probs;
 };
 
-// All cases share one vocab size; one launch.
+// All cases share one vocab size; one launch. ctas_per_seq: SamplingLaunchParams's (0: the
+// launcher's choice).
 StatusOr<SampleResult> RunSampling(cudaStream_t stream, const std::vector<SampleCase>& cases,
-                                   int64_t vocab) {
+                                   int64_t vocab, int ctas_per_seq = 0) {
   const int64_t n = static_cast<int64_t>(cases.size());
   const int64_t stride = vocab + 3;  // a row stride that is not the vocab
   std::vector<float> logits(static_cast<size_t>(n * stride), 1e30f);
@@ -1400,6 +1408,7 @@ StatusOr<SampleResult> RunSampling(cudaStream_t stream, const std::vector<Sample
   p.index = d_index.as<uint64_t>();
   p.token = d_token.as<int32_t>();
   p.log_prob = d_lp.as<float>();
+  p.ctas_per_seq = ctas_per_seq;
   TP_ASSIGN_OR_RETURN(DeviceBuffer d_ws, DeviceBuffer::Allocate(SamplingWorkspaceBytes(n, vocab),
                                                                 "sampling_workspace"));
   p.workspace = d_ws.data();
@@ -1453,11 +1462,15 @@ TEST_F(GpuGenerationOpsTest, GreedyIsIdenticalToReference) {
       c.index = rng() % 1000;
       cases.push_back(std::move(c));
     }
-    TP_ASSERT_OK_AND_ASSIGN(SampleResult r, RunSampling(stream(), cases, vocab));
-    for (size_t i = 0; i < cases.size(); ++i) {
-      const SampledToken want = SampleToken(cases[i].logits, cases[i].params, cases[i].index);
-      EXPECT_EQ(r.tokens[i], want.token) << "vocab " << vocab << " case " << i;
-      EXPECT_NEAR(r.log_probs[i], want.log_prob, 1e-5) << "vocab " << vocab << " case " << i;
+    for (int ctas : {0, 1, 2, 8}) {  // the launcher's choice, and clusters of 1, 2 and 8 CTAs
+      TP_ASSERT_OK_AND_ASSIGN(SampleResult r, RunSampling(stream(), cases, vocab, ctas));
+      for (size_t i = 0; i < cases.size(); ++i) {
+        const SampledToken want = SampleToken(cases[i].logits, cases[i].params, cases[i].index);
+        EXPECT_EQ(r.tokens[i], want.token)
+            << "vocab " << vocab << " case " << i << " ctas " << ctas;
+        EXPECT_NEAR(r.log_probs[i], want.log_prob, 1e-5)
+            << "vocab " << vocab << " case " << i << " ctas " << ctas;
+      }
     }
   }
 }
@@ -1486,6 +1499,18 @@ TEST_F(GpuGenerationOpsTest, SampledTokensMatchReference) {
     // Same (seed, index) and logits: the same tokens on a second call, in another order.
     std::vector<SampleCase> reversed(cases.rbegin(), cases.rend());
     TP_ASSERT_OK_AND_ASSIGN(SampleResult again, RunSampling(stream(), reversed, vocab));
+    // And the same tokens and log-probs, bit for bit, from clusters of 2 and 8 CTAs a sequence
+    // (this batch is large enough for the launcher to choose one CTA a sequence).
+    for (int ctas : {2, 8}) {
+      TP_ASSERT_OK_AND_ASSIGN(SampleResult c, RunSampling(stream(), cases, vocab, ctas));
+      int token_diff = 0, log_prob_diff = 0;
+      for (size_t i = 0; i < cases.size(); ++i) {
+        token_diff += c.tokens[i] != r.tokens[i];
+        log_prob_diff += std::memcmp(&c.log_probs[i], &r.log_probs[i], sizeof(float)) != 0;
+      }
+      EXPECT_EQ(token_diff, 0) << "vocab " << vocab << ", " << ctas << " CTAs a sequence";
+      EXPECT_EQ(log_prob_diff, 0) << "vocab " << vocab << ", " << ctas << " CTAs a sequence";
+    }
     for (size_t i = 0; i < cases.size(); ++i) {
       const SampledToken want = SampleToken(cases[i].logits, cases[i].params, cases[i].index);
       ++total;
@@ -1513,6 +1538,57 @@ TEST_F(GpuGenerationOpsTest, SampledTokensMatchReference) {
   RecordProperty("agreement", std::to_string(rate));
   EXPECT_GE(rate, 0.99);
   EXPECT_EQ(log_prob_bad, 0);
+}
+
+// Batches small enough for the launcher to sample each sequence on a cluster of CTAs (a decode
+// step's batches 1 to 8 at llama3's vocabulary): the same tokens and log-probs as one CTA a
+// sequence, bit for bit, and the reference's tokens. Candidates that fit the CTAs' lists and
+// rows that do not (top_k 0 at a high temperature: every logit has mass) are both covered.
+TEST_F(GpuGenerationOpsTest, SmallBatchesSampleOnClustersLikeOneCta) {
+  TP_SKIP_WITHOUT_GPU();
+  // On Hopper a cluster of 8 CTAs fits: batch 1 at llama3's vocabulary takes 8.
+  EXPECT_EQ(SamplingCtasPerSeq(1, 128256), 8);
+  std::cout << "CTAs a sequence at llama3's vocabulary, batch 1 / 8 / 16 / 64 / 256: "
+            << SamplingCtasPerSeq(1, 128256) << " / " << SamplingCtasPerSeq(8, 128256) << " / "
+            << SamplingCtasPerSeq(16, 128256) << " / " << SamplingCtasPerSeq(64, 128256) << " / "
+            << SamplingCtasPerSeq(256, 128256) << "\n";
+  EXPECT_EQ(SamplingCtasPerSeq(1, 32000), 2);      // 8192 logits a CTA at least
+  EXPECT_EQ(SamplingCtasPerSeq(1024, 128256), 1);  // more clusters than fit at once
+  std::mt19937_64 rng(460);
+  int total = 0, agree = 0;
+  for (int64_t vocab : {32000, 128256}) {
+    for (int batch : {1, 3, 8}) {
+      for (int round = 0; round < 6; ++round) {
+        std::vector<SampleCase> cases;
+        for (int i = 0; i < batch; ++i) {
+          SampleCase c;
+          c.logits = RandomLogits(vocab, rng);
+          const float temperatures[] = {0.7f, 1.0f, 2.0f};
+          const int32_t top_ks[] = {0, 0, 50, 2000};
+          const float top_ps[] = {1.0f, 0.95f, 0.5f};
+          c.params.temperature = temperatures[rng() % 3];
+          c.params.top_k = top_ks[rng() % 4];
+          c.params.top_p = top_ps[rng() % 3];
+          c.params.seed = rng();
+          c.index = rng() % 4096;
+          cases.push_back(std::move(c));
+        }
+        TP_ASSERT_OK_AND_ASSIGN(SampleResult one, RunSampling(stream(), cases, vocab, 1));
+        TP_ASSERT_OK_AND_ASSIGN(SampleResult chosen, RunSampling(stream(), cases, vocab));
+        for (size_t i = 0; i < cases.size(); ++i) {
+          EXPECT_EQ(chosen.tokens[i], one.tokens[i]) << "vocab " << vocab << " batch " << batch;
+          EXPECT_EQ(std::memcmp(&chosen.log_probs[i], &one.log_probs[i], sizeof(float)), 0)
+              << "vocab " << vocab << " batch " << batch;
+          ++total;
+          agree += chosen.tokens[i] ==
+                   SampleToken(cases[i].logits, cases[i].params, cases[i].index).token;
+        }
+      }
+    }
+  }
+  std::cout << "small batches on clusters: " << agree << " / " << total
+            << " tokens equal to SampleToken's\n";
+  EXPECT_GE(agree, total - 1);  // a token moves only within ~1e-6 of a cumulative boundary
 }
 
 // The rule's probability of each token (sampling.h), computed independently of SampleToken.
