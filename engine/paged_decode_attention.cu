@@ -558,12 +558,7 @@ cudaError_t LaunchDecodeKernelAs(dim3 grid, AttnArgs* a, cudaStream_t stream) {
   config.dynamicSmemBytes = kSmem;
   config.stream = stream;
   cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  attribute[1].id = cudaLaunchAttributeClusterDimension;
-  attribute[1].val.clusterDim.x = 1;
-  attribute[1].val.clusterDim.y = 1;
-  attribute[1].val.clusterDim.z = static_cast<unsigned>(a->splits);
+  PdlAndClusterAttributes(attribute, dim3(1, 1, static_cast<unsigned>(a->splits)));
   config.attrs = attribute;
   config.numAttrs = 2;
   if (a->cluster_merge) {

@@ -580,12 +580,7 @@ cudaError_t LaunchSamplingKernel(const SampleArgs& a, int64_t num_seqs, int ctas
   config.dynamicSmemBytes = kSampleSmemBytes;
   config.stream = stream;
   cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  attribute[1].id = cudaLaunchAttributeClusterDimension;
-  attribute[1].val.clusterDim.x = static_cast<unsigned>(ctas);
-  attribute[1].val.clusterDim.y = 1;
-  attribute[1].val.clusterDim.z = 1;
+  PdlAndClusterAttributes(attribute, dim3(static_cast<unsigned>(ctas)));
   config.attrs = attribute;
   config.numAttrs = 2;
   return cudaLaunchKernelEx(&config, SamplingKernel, a);
@@ -608,12 +603,9 @@ int MaxActiveSamplingClusters(int ctas) {
   query.gridDim = dim3(static_cast<unsigned>(ctas));
   query.blockDim = dim3(kSampleThreads);
   query.dynamicSmemBytes = kSampleSmemBytes;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(ctas);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  query.attrs = &cluster;
+  cudaLaunchAttribute attribute[2];
+  PdlAndClusterAttributes(attribute, dim3(static_cast<unsigned>(ctas)));
+  query.attrs = &attribute[1];  // the cluster alone: PDL is no part of placement
   query.numAttrs = 1;
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, SamplingKernel, &query) != cudaSuccess) {

@@ -48,4 +48,15 @@ cudaError_t LaunchPdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// Launch attributes for cudaLaunchKernelEx: [0] programmatic stream serialization allowed (as
+// LaunchPdl), [1] the thread-block cluster's shape.
+inline void PdlAndClusterAttributes(cudaLaunchAttribute (&attribute)[2], dim3 cluster) {
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  attribute[1].id = cudaLaunchAttributeClusterDimension;
+  attribute[1].val.clusterDim.x = cluster.x;
+  attribute[1].val.clusterDim.y = cluster.y;
+  attribute[1].val.clusterDim.z = cluster.z;
+}
+
 }  // namespace tpserve
