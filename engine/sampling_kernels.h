@@ -53,7 +53,7 @@ inline constexpr int64_t kSamplingMaxVocab = int64_t{1} << 19;
 size_t SamplingWorkspaceBytes(int64_t num_seqs, int64_t vocab);
 
 // The CTAs a sequence LaunchSampling takes for ctas_per_seq = 0 on the current device: the
-// most (8, 4 or 2) that leave each CTA at least 8192 logits and run every sequence's cluster at
+// most (8 or 4) that leave each CTA at least 8192 logits and run every sequence's cluster at
 // once (asked of the device once per size); else 1. A sampled token's walks of the row then
 // spread over that many SMs; a batch that fills the GPU with one CTA a sequence gains nothing
 // from more.

@@ -1552,11 +1552,12 @@ TEST_F(GpuGenerationOpsTest, SmallBatchesSampleOnClustersLikeOneCta) {
             << SamplingCtasPerSeq(1, 128256) << " / " << SamplingCtasPerSeq(8, 128256) << " / "
             << SamplingCtasPerSeq(16, 128256) << " / " << SamplingCtasPerSeq(64, 128256) << " / "
             << SamplingCtasPerSeq(256, 128256) << "\n";
-  EXPECT_EQ(SamplingCtasPerSeq(1, 32000), 2);      // 8192 logits a CTA at least
+  EXPECT_EQ(SamplingCtasPerSeq(1, 32768), 4);      // 8192 logits a CTA at least
+  EXPECT_EQ(SamplingCtasPerSeq(1, 32000), 1);      // and never 2
   EXPECT_EQ(SamplingCtasPerSeq(1024, 128256), 1);  // more clusters than fit at once
   std::mt19937_64 rng(460);
   int total = 0, agree = 0;
-  for (int64_t vocab : {32000, 128256}) {
+  for (int64_t vocab : {32768, 128256}) {
     for (int batch : {1, 3, 8}) {
       for (int round = 0; round < 6; ++round) {
         std::vector<SampleCase> cases;
