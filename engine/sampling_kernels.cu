@@ -25,7 +25,9 @@ using namespace launch_checks;
 // ---------------------------------------------------------------------------------------------
 // Sampling: one cluster of CTAs per sequence (SamplingLaunchParams::ctas_per_seq), each CTA
 // walking an interleaved slice of the row; the clusters' CTAs add their histograms and sums
-// through distributed shared memory and so all make the same choices.
+// through distributed shared memory and so all make the same choices. One CTA a sequence runs
+// an instantiation without the cluster's barriers and sums (SamplingKernel<false>), launched
+// without a cluster.
 //
 // Candidates are ordered by a 64-bit key, larger first: the logit's order-preserving bits
 // above, ~id below, so that equal logits put the lower id first. The inverse CDF, the top-k
@@ -166,18 +168,34 @@ struct SampleShared {
 
 namespace cg = cooperative_groups;
 
-// A barrier of the sequence's cluster: what each CTA wrote to its shared memory before it is
-// visible to the others after it (a cluster of one CTA: a block barrier).
-__device__ __forceinline__ void ClusterSync() { cg::this_cluster().sync(); }
+// kCluster: the kernel runs in clusters of several CTAs a sequence; false: one CTA a
+// sequence, launched without a cluster, whose barriers are then block barriers and whose sums
+// over the cluster are its own values (a cluster barrier and reads through distributed shared
+// memory cost a one-CTA cluster more than that).
 
-// The sum over the cluster's CTAs of a value of each one's shared memory (after a ClusterSync
-// that follows its writes; rank order, so every CTA gets the same bits).
-template <typename T>
+// A barrier of the sequence's CTAs: what each wrote to its shared memory before it is visible
+// to the others after it.
+template <bool kCluster>
+__device__ __forceinline__ void ClusterSync() {
+  if constexpr (kCluster) {
+    cg::this_cluster().sync();
+  } else {
+    __syncthreads();
+  }
+}
+
+// The sum over the sequence's CTAs of a value of each one's shared memory (after a
+// ClusterSync that follows its writes; rank order, so every CTA gets the same bits).
+template <bool kCluster, typename T>
 __device__ __forceinline__ T ClusterSum(T* mine) {
-  cg::cluster_group cluster = cg::this_cluster();
-  T sum = 0;
-  for (unsigned r = 0; r < cluster.num_blocks(); ++r) sum += *cluster.map_shared_rank(mine, r);
-  return sum;
+  if constexpr (!kCluster) {
+    return *mine;
+  } else {
+    cg::cluster_group cluster = cg::this_cluster();
+    T sum = 0;
+    for (unsigned r = 0; r < cluster.num_blocks(); ++r) sum += *cluster.map_shared_rank(mine, r);
+    return sum;
+  }
 }
 
 __device__ unsigned long long BlockSumU64(unsigned long long v, SampleShared& sm) {
@@ -259,7 +277,7 @@ struct Selected {
 // for each of this thread's candidates (of its CTA's slice), weight() giving its weight
 // (Mass(), or 1 for a count). Every CTA of the cluster calls it with the same arguments and gets
 // the same result.
-template <typename ForEach>
+template <bool kCluster, typename ForEach>
 __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
                                          unsigned long long threshold, SampleShared& sm,
                                          const WarpHistograms& wh) {
@@ -314,25 +332,32 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
       sm.weight[d] = w;
       sm.count[d] = c;
     }
-    ClusterSync();  // every CTA's histogram of its slice is complete
-    // The cluster's histogram, in every CTA. Warp 0 picks the bucket: lane l holds digits
-    // 255 - 8l down to 248 - 8l (the key order), the lanes' weights are scanned by shuffles, and
-    // the lane where the cumulative weight first exceeds the threshold walks its eight buckets.
-    // Nothing exceeding, it is the last nonempty bucket (none at all cannot happen). The same
-    // choice as one thread walking all 256 buckets in order, which took microseconds a level.
-    for (int d = threadIdx.x; d < 256; d += kSampleThreads) {
-      sm.total_weight[d] = ClusterSum(&sm.weight[d]);
-      sm.total_count[d] = ClusterSum(&sm.count[d]);
+    ClusterSync<kCluster>();  // every CTA's histogram of its slice is complete
+    // The cluster's histogram, in every CTA (one CTA's own is the whole). Warp 0 picks the
+    // bucket: lane l holds digits 255 - 8l down to 248 - 8l (the key order), the lanes' weights
+    // are scanned by shuffles, and the lane where the cumulative weight first exceeds the
+    // threshold walks its eight buckets. Nothing exceeding, it is the last nonempty bucket (none
+    // at all cannot happen). The same choice as one thread walking all 256 buckets in order,
+    // which took microseconds a level.
+    const unsigned long long* total_weight = sm.weight;
+    const unsigned int* total_count = sm.count;
+    if constexpr (kCluster) {
+      for (int d = threadIdx.x; d < 256; d += kSampleThreads) {
+        sm.total_weight[d] = ClusterSum<kCluster>(&sm.weight[d]);
+        sm.total_count[d] = ClusterSum<kCluster>(&sm.count[d]);
+      }
+      __syncthreads();
+      total_weight = sm.total_weight;
+      total_count = sm.total_count;
     }
-    __syncthreads();
     if (threadIdx.x < 32) {
       const int lane = static_cast<int>(threadIdx.x);
       unsigned long long lane_weight = 0;
       int lane_last = -1;  // this lane's last nonempty bucket
       for (int k = 0; k < 8; ++k) {
         const int d = 255 - 8 * lane - k;
-        if (sm.total_count[d] != 0) {
-          lane_weight += sm.total_weight[d];
+        if (total_count[d] != 0) {
+          lane_weight += total_weight[d];
           lane_last = d;
         }
       }
@@ -352,24 +377,24 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
         if (exceeds != 0) {
           for (int k = 0; k < 8 && chosen < 0; ++k) {
             const int d = 255 - 8 * lane - k;
-            if (sm.total_count[d] == 0) continue;
-            if (acc + sm.total_weight[d] > threshold) {
+            if (total_count[d] == 0) continue;
+            if (acc + total_weight[d] > threshold) {
               chosen = d;
             } else {
-              acc += sm.total_weight[d];
+              acc += total_weight[d];
             }
           }
         } else if (lane_last >= 0) {
           chosen = lane_last;
-          acc = inclusive - sm.total_weight[lane_last];
+          acc = inclusive - total_weight[lane_last];
         } else {
           acc = 0;
         }
         sm.result[0] = prefix | (static_cast<uint64_t>(chosen < 0 ? 0 : chosen) << shift);
         sm.result[1] = threshold - acc;  // relative to the chosen bucket's first candidate
         sm.result[2] = acc;              // weight ahead of the chosen bucket within the prefix
-        sm.result[3] = chosen < 0 ? 0 : sm.total_weight[chosen];
-        sm.chosen_count = chosen < 0 ? 0u : sm.total_count[chosen];
+        sm.result[3] = chosen < 0 ? 0 : total_weight[chosen];
+        sm.chosen_count = chosen < 0 ? 0u : total_count[chosen];
       }
     }
     __syncthreads();
@@ -380,7 +405,7 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
     const bool single = sm.chosen_count == 1 && level < 7;
     // result is rewritten next, and the histograms: not before the cluster's CTAs have read
     // this one's.
-    ClusterSync();
+    ClusterSync<kCluster>();
     if (single) {
       // One candidate left under the prefix: one walk finds its key, instead of a walk for
       // each of the remaining levels (after two or three levels this is the common case). It
@@ -391,9 +416,9 @@ __device__ Selected SelectFirstExceeding(ForEach&& for_each, uint64_t min_key,
       for_each([&](uint64_t key, auto) {
         if (key >= min_key && (key >> shift) == want) sm.found = key;
       });
-      ClusterSync();
+      ClusterSync<kCluster>();
       Selected r;
-      r.key = ClusterSum(&sm.found);
+      r.key = ClusterSum<kCluster>(&sm.found);
       r.cumulative = before + chosen_weight;
       // found is rewritten by a later selection only after that selection's first ClusterSync,
       // which no CTA passes before it has read everyone's here.
@@ -422,7 +447,8 @@ struct SampleArgs {
 };
 
 // Launched with PDL after RowStatsKernel, in clusters of a sequence's CTAs (gridDim.x = the
-// sequences times the cluster size).
+// sequences times the cluster size), or (!kCluster) one CTA a sequence.
+template <bool kCluster>
 __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   __shared__ SampleShared sm;
   extern __shared__ unsigned long long list[];  // kSampleSmemBytes: the list, then wh
@@ -430,9 +456,8 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   wh.weight = list + 2 * kListCapacity;
   wh.count = reinterpret_cast<unsigned int*>(wh.weight + kSampleWarps * 256);
   PdlEnter();
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int ctas = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
+  const int ctas = kCluster ? static_cast<int>(cg::this_cluster().num_blocks()) : 1;
+  const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
   const int s = static_cast<int>(blockIdx.x) / ctas;
   const Slice slice{rank * kSampleThreads + static_cast<int>(threadIdx.x), ctas * kSampleThreads};
   const float* row = a.logits + static_cast<int64_t>(s) * a.logits_row_stride;
@@ -493,8 +518,9 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
     };
     uint64_t min_key = 0;  // the candidates kept so far: keys >= min_key
     if (top_k > 0 && top_k < vocab) {
-      min_key =
-          SelectFirstExceeding(counted, 0, static_cast<unsigned long long>(top_k - 1), sm, wh).key;
+      min_key = SelectFirstExceeding<kCluster>(counted, 0,
+                                               static_cast<unsigned long long>(top_k - 1), sm, wh)
+                    .key;
     }
     // One walk of the row: the kept mass, and the kept candidates of nonzero mass listed in
     // shared memory (each CTA its slice's). The selections below weigh by mass, where a
@@ -520,13 +546,14 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
     });
     kept = BlockSumU64(kept, sm);  // its barriers also complete the list
     if (threadIdx.x == 0) sm.block_kept = kept;
-    ClusterSync();
-    kept = ClusterSum(&sm.block_kept);
+    ClusterSync<kCluster>();
+    kept = ClusterSum<kCluster>(&sm.block_kept);
     const int listed = static_cast<int>(sm.list_size);
     bool lists_fit = true;  // the same for every CTA of the cluster
     unsigned long long listed_total = 0;
     for (int r = 0; r < ctas; ++r) {
-      const unsigned int n = *cluster.map_shared_rank(&sm.list_size, r);
+      const unsigned int n =
+          kCluster ? *cg::this_cluster().map_shared_rank(&sm.list_size, r) : sm.list_size;
       lists_fit = lists_fit && n <= kListCapacity;
       listed_total += n;
     }
@@ -541,8 +568,8 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
     // keeps the token in range.
     const bool use_list = lists_fit && listed_total >= 1;
     auto select = [&](uint64_t from, unsigned long long threshold) {
-      return use_list ? SelectFirstExceeding(listed_candidates, from, threshold, sm, wh)
-                      : SelectFirstExceeding(weighed, from, threshold, sm, wh);
+      return use_list ? SelectFirstExceeding<kCluster>(listed_candidates, from, threshold, sm, wh)
+                      : SelectFirstExceeding<kCluster>(weighed, from, threshold, sm, wh);
     };
     if (top_p < 1.0f) {
       // The shortest prefix whose sum reaches top_p * kept: the first candidate whose
@@ -561,7 +588,7 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
     token = KeyId(select(min_key, threshold).key);
   }
   // No CTA leaves while the cluster's others may still read its shared memory.
-  ClusterSync();
+  if constexpr (kCluster) ClusterSync<kCluster>();
   if (rank == 0 && threadIdx.x == 0) {
     a.token[s] = token;
     if (a.log_prob != nullptr) {
@@ -571,7 +598,8 @@ __global__ void __launch_bounds__(kSampleThreads) SamplingKernel(SampleArgs a) {
   }
 }
 
-// The sampling kernel in clusters of `ctas` CTAs a sequence, launched with PDL.
+// The sampling kernel in clusters of `ctas` CTAs a sequence (one CTA: the kernel without a
+// cluster), launched with PDL.
 cudaError_t LaunchSamplingKernel(const SampleArgs& a, int64_t num_seqs, int ctas,
                                  cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
@@ -582,8 +610,12 @@ cudaError_t LaunchSamplingKernel(const SampleArgs& a, int64_t num_seqs, int ctas
   cudaLaunchAttribute attribute[2];
   PdlAndClusterAttributes(attribute, dim3(static_cast<unsigned>(ctas)));
   config.attrs = attribute;
+  if (ctas == 1) {
+    config.numAttrs = 1;  // PDL alone
+    return cudaLaunchKernelEx(&config, SamplingKernel<false>, a);
+  }
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, SamplingKernel, a);
+  return cudaLaunchKernelEx(&config, SamplingKernel<true>, a);
 }
 
 // The clusters of `ctas` sampling CTAs the current device can run at once (0 if none or the
@@ -608,7 +640,7 @@ int MaxActiveSamplingClusters(int ctas) {
   query.attrs = &attribute[1];  // the cluster alone: PDL is no part of placement
   query.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, SamplingKernel, &query) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, SamplingKernel<true>, &query) != cudaSuccess) {
     (void)cudaGetLastError();  // a refused query is not the launch's error
     clusters = 0;
   }
@@ -616,17 +648,21 @@ int MaxActiveSamplingClusters(int ctas) {
   return clusters;
 }
 
+// The sampling kernels' shared memory beyond the default 48 KiB, on the current device (the
+// opt-in holds per device, and ranks may be threads of one process on several).
+cudaError_t SetSamplingSmem() {
+  const cudaError_t e = cudaFuncSetAttribute(
+      SamplingKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSampleSmemBytes);
+  if (e != cudaSuccess) return e;
+  return cudaFuncSetAttribute(SamplingKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              kSampleSmemBytes);
+}
+
 // SamplingCtasPerSeq's least logits a CTA.
 constexpr int64_t kMinLogitsPerCta = int64_t{8} * kSampleThreads;
 
-}  // namespace
-
-int SamplingCtasPerSeq(int64_t num_seqs, int64_t vocab) {
-  if (cudaFuncSetAttribute(SamplingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kSampleSmemBytes)) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 1;
-  }
+// SamplingCtasPerSeq, SetSamplingSmem() done.
+int CtasPerSeq(int64_t num_seqs, int64_t vocab) {
   // Not 2: at batch 64 (2 CTAs a sequence) a sampled step measured 1 % slower than one CTA.
   for (int ctas : {8, 4}) {
     if (vocab >= ctas * kMinLogitsPerCta && num_seqs <= MaxActiveSamplingClusters(ctas)) {
@@ -634,6 +670,16 @@ int SamplingCtasPerSeq(int64_t num_seqs, int64_t vocab) {
     }
   }
   return 1;
+}
+
+}  // namespace
+
+int SamplingCtasPerSeq(int64_t num_seqs, int64_t vocab) {
+  if (SetSamplingSmem() != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  return CtasPerSeq(num_seqs, vocab);
 }
 
 size_t SamplingWorkspaceBytes(int64_t num_seqs, int64_t vocab) {
@@ -698,10 +744,9 @@ Status LaunchSampling(const SamplingLaunchParams& p, cudaStream_t stream) {
   a.log_prob = p.log_prob;
   a.partials = r.partials;
   a.chunks = chunks;
-  TP_CUDA_CHECK(cudaFuncSetAttribute(SamplingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kSampleSmemBytes)));
+  TP_CUDA_CHECK(SetSamplingSmem());
   int ctas = p.ctas_per_seq;
-  if (ctas == 0) ctas = SamplingCtasPerSeq(p.num_seqs, p.vocab);
+  if (ctas == 0) ctas = CtasPerSeq(p.num_seqs, p.vocab);
   cudaError_t launched = LaunchSamplingKernel(a, p.num_seqs, ctas, stream);
   if (launched != cudaSuccess && ctas > 1 && p.ctas_per_seq == 0) {
     // A cluster the launch could not place (the occupancy query can be optimistic, e.g. beside
