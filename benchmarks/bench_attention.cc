@@ -52,7 +52,9 @@ struct Flags {
   int64_t context = 1024, block_size = 16, max_context = 8192;
   std::vector<std::string> kv_dtypes = {"bf16", "fp8"};
   std::vector<int64_t> splits = {0};
-  bool no_cluster_merge = false;  // PagedAttentionParams::cluster_merge off
+  // PagedAttentionParams::cluster_merge; off, as the engine runs (CudaModelOptions'
+  // decode_fusions.cluster_merge): the combine pass.
+  bool cluster_merge = false;
   bool rope = false;              // PagedAttentionParams::rope: the launch rotates and stores
 };
 
@@ -244,7 +246,7 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
   p.workspace = ws.data();
   p.workspace_bytes = ws_bytes;
   p.splits = want_splits;
-  p.cluster_merge = !f.no_cluster_merge;
+  p.cluster_merge = f.cluster_merge;
   // --rope: q and each sequence's newest key arrive unrotated (the qkv rows' k and v columns),
   // at position context - 1, stored into its slot by the launch (the same bytes every launch).
   std::vector<int32_t> positions(static_cast<size_t>(batch), static_cast<int32_t>(f.context - 1)),
@@ -300,7 +302,7 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
       "decode %-4s batch %4ld ctx %5ld: %8.3f ms (%ld splits%s%s)  %7.0f GB/s  floor %.3f ms  "
       "%.2fx\n",
       KvCacheDtypeName(dtype), static_cast<long>(batch), static_cast<long>(f.context), med,
-      static_cast<long>(splits), f.no_cluster_merge ? ", combine pass" : "", f.rope ? ", rope" : "",
+      static_cast<long>(splits), f.cluster_merge ? ", cluster merge" : "", f.rope ? ", rope" : "",
       bytes / (med / 1e3) / 1e9, floor_ms, med / floor_ms);
   std::fflush(stdout);
   records.push_back({{"kernel", "paged_decode"},
@@ -311,7 +313,7 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
                      {"block_size", f.block_size},
                      {"splits", splits},
                      {"splits_asked", want_splits},
-                     {"cluster_merge", !f.no_cluster_merge},
+                     {"cluster_merge", f.cluster_merge},
                      {"rope", f.rope},
                      {"median_ms", med},
                      {"times_ms", ms},
@@ -369,9 +371,10 @@ int Main(int argc, char** argv) {
                  "launcher's own choice, PagedAttentionSplitsFor; others are capped as it caps)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_flag("--no-cluster-merge", f.no_cluster_merge,
-               "--decode: merge the splits with the combine pass, not within a thread-block "
-               "cluster (PagedAttentionParams::cluster_merge off)");
+  app.add_flag("--cluster-merge,!--no-cluster-merge", f.cluster_merge,
+               "--decode: merge the splits within a thread-block cluster "
+               "(PagedAttentionParams::cluster_merge) instead of the combine pass; "
+               "--no-cluster-merge (the default, as the engine runs): the combine pass");
   app.add_flag("--rope", f.rope,
                "--decode: the launch also rotates q and stores each sequence's newest key and "
                "value (PagedAttentionParams::rope), as a pure decode step's does");

@@ -11,8 +11,9 @@
 # LABEL=DIR[@NAMES]: a build's directory holding tpserve-bench-decode and (unless ATTENTION=0)
 # tpserve-bench-attention (staged with ../shared/tools/stage-for-gpu-host; its libraries come
 # from .gpu/env.sh); NAMES (comma-separated) are decode fusions that build runs without:
-# tpserve-bench-decode --unfused NAMES, and with cluster-merge among them
-# tpserve-bench-attention --no-cluster-merge. At least two. Environment knobs: ROUNDS (3),
+# tpserve-bench-decode --unfused NAMES. tpserve-bench-attention merges the splits as the
+# engine does, by the combine pass (--no-cluster-merge, where the build has the flag; older
+# builds merged in a cluster by default). At least two. Environment knobs: ROUNDS (3),
 # DTYPE (fp8), KV_DTYPES ("bf16 fp8"), BATCHES ("1 8 64 256"), CONTEXT (1024), STEPS (30),
 # DECODE_ARGS (more tpserve-bench-decode flags for every build, e.g. "--temperature 0.8
 # --top-p 0.95"), ATTENTION (1: also time the attention kernel alone, BF16 and --fp8-out), OUT
@@ -93,7 +94,9 @@ for ((r = 1; r <= ROUNDS; r++)); do
       for output in bf16 fp8; do
         flag=()
         [ "$output" = fp8 ] && flag=(--fp8-out)
-        case ",${unfused[$i]}," in *,cluster-merge,*) flag+=(--no-cluster-merge) ;; esac
+        if "${dirs[$i]}/tpserve-bench-attention" --help 2>/dev/null | grep -q -- --no-cluster-merge; then
+          flag+=(--no-cluster-merge)
+        fi
         # shellcheck disable=SC2086
         run "${labels[$i]}-attention-$output-r$r" "${dirs[$i]}/tpserve-bench-attention" --decode \
           --batches $BATCHES --context "$CONTEXT" --kv-dtypes $KV_DTYPES "${flag[@]}" \

@@ -66,9 +66,16 @@ class AbTableTest(unittest.TestCase):
 FAKE_TOOL = """#!/usr/bin/env python3
 # Stands in for tpserve-bench-decode / -attention: writes --out with a step time that depends
 # on the build (FAKE_MS in its directory's name) and the batch, 10 % more for each name of
-# --unfused and 20 % more with --no-cluster-merge (so that a test sees the flags arrive).
+# --unfused and 20 % more without --no-cluster-merge (so that a test sees the flags arrive).
+# A build whose directory name ends in _old has no --no-cluster-merge: refused, as CLI11 does.
 import json, os, sys
 args = sys.argv[1:]
+old = os.path.dirname(os.path.abspath(sys.argv[0])).endswith("_old")
+if args == ["--help"]:
+    print("--decode --batches" + ("" if old else " --no-cluster-merge"))
+    sys.exit(0)
+if old and "--no-cluster-merge" in args:
+    sys.exit(109)
 out = args[args.index("--out") + 1]
 base = float(os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0]))).split("_")[1])
 i = args.index("--batches") + 1
@@ -78,7 +85,7 @@ while i < len(args) and not args[i].startswith("--"):
     i += 1
 if "--unfused" in args:
     base *= 1 + 0.1 * len(args[args.index("--unfused") + 1].split(","))
-if "--no-cluster-merge" in args:
+if "--decode" in args and "--no-cluster-merge" not in args:
     base *= 1.2
 key = "median_ms" if "--decode" in args else "step_host_ms_median"
 recs = [dict(batch=b, kv_dtype="bf16", **{key: base * b}) for b in batches]
@@ -86,11 +93,11 @@ json.dump({"meta": {}, "records": recs}, open(out, "w"))
 """
 
 
-def fake_builds(d, builds):
-    """Stand-in tool directories build_MS under d, by label."""
+def fake_builds(d, builds, suffix=""):
+    """Stand-in tool directories build_MS[SUFFIX] under d, by label."""
     dirs = {}
     for label, ms in builds:
-        dirs[label] = os.path.join(d, f"build_{ms}")
+        dirs[label] = os.path.join(d, f"build_{ms}{suffix}")
         os.makedirs(dirs[label])
         for tool in ("tpserve-bench-decode", "tpserve-bench-attention"):
             path = os.path.join(dirs[label], tool)
@@ -126,7 +133,7 @@ class RunDecodeAbTest(unittest.TestCase):
                        OUT=os.path.join(d, "out"))
             proc = subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"),
                                    f"all={dirs['new']}", f"rope={dirs['new']}@rope",
-                                   f"two={dirs['new']}@rope,cluster-merge"],
+                                   f"two={dirs['new']}@rope,swiglu"],
                                   env=env, capture_output=True, text=True, timeout=60)
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(os.path.join(d, "out", "ab-fp8-kvbf16.json")) as f:
@@ -135,8 +142,24 @@ class RunDecodeAbTest(unittest.TestCase):
                 attention = json.load(f)
         self.assertEqual({k: v["1"] for k, v in steps.items()},
                          {"all": [1.0], "rope": [1.1], "two": [1.2]})
+        # Attention alone merges as the engine does in every build (--no-cluster-merge).
         self.assertEqual({k: v["bf16/b1"] for k, v in attention.items()},
-                         {"all": [1.0], "rope": [1.0], "two": [1.2]})
+                         {"all": [1.0], "rope": [1.0], "two": [1.0]})
+
+    def test_an_old_build_without_the_merge_flag_runs_its_default(self):
+        with tempfile.TemporaryDirectory() as d:
+            dirs = fake_builds(d, (("old", "2.0"),), suffix="_old")
+            dirs.update(fake_builds(d, (("new", "1.0"),)))
+            env = dict(os.environ, ROUNDS="1", KV_DTYPES="bf16", BATCHES="1",
+                       OUT=os.path.join(d, "out"))
+            proc = subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"),
+                                   f"old={dirs['old']}", f"new={dirs['new']}"],
+                                  env=env, capture_output=True, text=True, timeout=60)
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            with open(os.path.join(d, "out", "ab-attention-bf16.json")) as f:
+                attention = json.load(f)
+        self.assertEqual({k: v["bf16/b1"] for k, v in attention.items()},
+                         {"old": [2.4], "new": [1.0]})
 
     def test_a_label_without_its_tools_is_a_usage_error(self):
         with tempfile.TemporaryDirectory() as d:
