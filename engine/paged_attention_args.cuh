@@ -107,9 +107,15 @@ constexpr int kDecodeMinSplitKeys = 16 * kAttnWarps;
 // The most splits the decode kernel merges within a thread-block cluster (Hopper's largest,
 // non-portable, cluster); the launcher's own split choice for it stays within this.
 constexpr int kDecodeMaxClusterSplits = 16;
-// The decode kernel's CTAs an SM (its shared memory: three stages of K and V tiles).
+// The decode kernel's CTAs an SM (its shared memory: three stages of K and V tiles over a
+// BF16 cache, two over E4M3, three over E4M3 with RoPE: paged_decode_attention.cu).
 constexpr int kDecodeCtasPerSmBf16 = 2;
-constexpr int kDecodeCtasPerSmFp8 = 3;
+constexpr int kDecodeCtasPerSmFp8 = 4;
+constexpr int kDecodeCtasPerSmFp8Rope = 3;
+// The grid, in CTAs an SM, from which the split rule leaves the decode kernel unsplit (the
+// slots of the shape the rule was measured with: three CTAs an SM over E4M3).
+constexpr int kDecodeUnsplitCtasPerSmBf16 = 2;
+constexpr int kDecodeUnsplitCtasPerSmFp8 = 3;
 
 // Launches the decode kernel (one query row per sequence; a->group in 1, 2, 4, 8; head_dim 64
 // or 128) on grid (num_seqs * kv_heads, 1, splits). Returns the launch's error. Clears

@@ -56,12 +56,18 @@ constexpr int kDecodeKeys = 16 * kAttnWarps;  // keys per tile
 // (each CTA has up to stages - 1 tiles in flight while it computes). A BF16 step moves
 // bytes near the HBM's rate with two CTAs an SM (3 stages of 34 KiB at head_dim 128); an
 // E4M3 step moves half as many for the same MMAs and softmax, so it is bound by the latency
-// of each warp's chain instead, and takes three CTAs an SM (3 stages of 18 KiB): more warps
-// to issue from, as many tiles in flight.
-template <int kHeadDim, bool kFp8>
+// of each warp's chain instead, and takes four CTAs an SM (2 stages of 18 KiB, at most 128
+// registers a thread): more warps to issue from, the same bytes in flight an SM give or take.
+// With RoPE (kRope: pure decode of at most 8 rows, where few CTAs run anyway) it keeps three
+// CTAs an SM with 3 stages: the RoPE path spills at 128 registers, and a CTA loads its first
+// kStages - 1 tiles before its PDL wait.
+template <int kHeadDim, bool kFp8, bool kRope>
 struct DecodeSmem {
-  static constexpr int kStages = 3;
-  static constexpr int kCtasPerSm = kFp8 ? kDecodeCtasPerSmFp8 : kDecodeCtasPerSmBf16;
+  static constexpr bool kFourCtas = kFp8 && !kRope;
+  static constexpr int kStages = kFourCtas ? 2 : 3;
+  static constexpr int kCtasPerSm = !kFp8       ? kDecodeCtasPerSmBf16
+                                    : kFourCtas ? kDecodeCtasPerSmFp8
+                                                : kDecodeCtasPerSmFp8Rope;
   // Rows padded by 16 bytes: they stay 16-byte aligned for cp.async, and (BF16) the ldmatrix
   // row addresses of 8 consecutive rows fall on distinct banks.
   static constexpr int kPitch = kHeadDim + 8;
@@ -83,9 +89,9 @@ struct DecodeSmem {
 };
 
 template <int kHeadDim, bool kFp8, int kGroup, bool kRope>
-__global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCtasPerSm)
+__global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope>::kCtasPerSm)
     PagedDecodeAttentionKernel(AttnArgs a) {
-  using L = DecodeSmem<kHeadDim, kFp8>;
+  using L = DecodeSmem<kHeadDim, kFp8, kRope>;
   constexpr int kPitch = L::kPitch;
   constexpr int kKSteps = kHeadDim / 16;  // k-steps of K.Q^T
   constexpr int kMTiles = kHeadDim / 16;  // m16 tiles (of dims) of O^T
@@ -542,7 +548,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8>::kCta
 // cleared, and the caller launches that pass.
 template <int kHeadDim, bool kFp8, int kGroup, bool kRope>
 cudaError_t LaunchDecodeKernelAs(dim3 grid, AttnArgs* a, cudaStream_t stream) {
-  constexpr int kSmem = DecodeSmem<kHeadDim, kFp8>::kBytes;
+  constexpr int kSmem = DecodeSmem<kHeadDim, kFp8, kRope>::kBytes;
   const auto kernel = PagedDecodeAttentionKernel<kHeadDim, kFp8, kGroup, kRope>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   // All of the SM's unified memory as shared memory, so that two CTAs fit (the kernel reads
