@@ -55,7 +55,7 @@ struct Flags {
   // PagedAttentionParams::cluster_merge; off, as the engine runs (CudaModelOptions'
   // decode_fusions.cluster_merge): the combine pass.
   bool cluster_merge = false;
-  bool rope = false;              // PagedAttentionParams::rope: the launch rotates and stores
+  bool rope = false;  // PagedAttentionParams::rope: the launch rotates and stores
 };
 
 // Relative Frobenius difference of two BF16 tensors.

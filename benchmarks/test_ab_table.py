@@ -107,15 +107,19 @@ def fake_builds(d, builds, suffix=""):
     return dirs
 
 
+def run_ab(d, rounds, batches, *builds):
+    """run_decode_ab.sh over LABEL=DIR[@NAMES] builds, BF16 cache, outputs under d/out."""
+    env = dict(os.environ, ROUNDS=str(rounds), KV_DTYPES="bf16", BATCHES=batches,
+               OUT=os.path.join(d, "out"))
+    return subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"), *builds], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
 class RunDecodeAbTest(unittest.TestCase):
     def test_two_builds_over_two_rounds_give_one_table_per_case(self):
         with tempfile.TemporaryDirectory() as d:
             dirs = fake_builds(d, (("old", "2.0"), ("new", "1.5")))
-            env = dict(os.environ, ROUNDS="2", KV_DTYPES="bf16", BATCHES="1 8",
-                       OUT=os.path.join(d, "out"))
-            proc = subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"),
-                                   f"old={dirs['old']}", f"new={dirs['new']}"],
-                                  env=env, capture_output=True, text=True, timeout=60)
+            proc = run_ab(d, 2, "1 8", f"old={dirs['old']}", f"new={dirs['new']}")
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(os.path.join(d, "out", "ab-fp8-kvbf16.json")) as f:
                 steps = json.load(f)
@@ -129,12 +133,8 @@ class RunDecodeAbTest(unittest.TestCase):
     def test_a_build_run_without_fusions_gets_them_as_flags(self):
         with tempfile.TemporaryDirectory() as d:
             dirs = fake_builds(d, (("new", "1.0"),))
-            env = dict(os.environ, ROUNDS="1", KV_DTYPES="bf16", BATCHES="1",
-                       OUT=os.path.join(d, "out"))
-            proc = subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"),
-                                   f"all={dirs['new']}", f"rope={dirs['new']}@rope",
-                                   f"two={dirs['new']}@rope,swiglu"],
-                                  env=env, capture_output=True, text=True, timeout=60)
+            proc = run_ab(d, 1, "1", f"all={dirs['new']}", f"rope={dirs['new']}@rope",
+                          f"two={dirs['new']}@rope,swiglu")
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(os.path.join(d, "out", "ab-fp8-kvbf16.json")) as f:
                 steps = json.load(f)
@@ -150,11 +150,7 @@ class RunDecodeAbTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             dirs = fake_builds(d, (("old", "2.0"),), suffix="_old")
             dirs.update(fake_builds(d, (("new", "1.0"),)))
-            env = dict(os.environ, ROUNDS="1", KV_DTYPES="bf16", BATCHES="1",
-                       OUT=os.path.join(d, "out"))
-            proc = subprocess.run(["bash", os.path.join(HERE, "run_decode_ab.sh"),
-                                   f"old={dirs['old']}", f"new={dirs['new']}"],
-                                  env=env, capture_output=True, text=True, timeout=60)
+            proc = run_ab(d, 1, "1", f"old={dirs['old']}", f"new={dirs['new']}")
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(os.path.join(d, "out", "ab-attention-bf16.json")) as f:
                 attention = json.load(f)
