@@ -380,9 +380,10 @@ StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
   const int64_t m = shape.m, seq_slots = shape.seq_slots;
   cudaStream_t st = stream_.get();
   // Pure decode steps replay a graph per (bucket, slots); the first one of each runs eagerly
-  // (planning, NCCL's connections) and is then captured. Other steps run eagerly.
-  const bool decode = shape.query_rows == 1;
+  // (planning, NCCL's connections) and is then captured. Other steps run eagerly, and so do
+  // decode steps whose capture failed.
   const GraphKey key{overlap_, m, seq_slots};
+  const bool decode = shape.query_rows == 1 && !eager_steps_.contains(key);
   auto graph = decode ? step_graphs_.find(key) : step_graphs_.end();
   stepping_ = true;
   struct Reset {
@@ -404,11 +405,28 @@ StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
     last_pass_ms_ = pass_ms.ok() ? *pass_ms : std::nan("");
   }
   if (decode && graph == step_graphs_.end() && options_.cuda_graphs) {
-    TP_ASSIGN_OR_RETURN(CudaGraphExec exec,
-                        CudaGraphExec::Capture(
-                            st, cudaStreamCaptureModeThreadLocal,
-                            [&] { return Enqueue(m, seq_slots); }, options_.graph_priority));
-    step_graphs_.emplace(key, std::move(exec));
+    // A capture that fails (the driver refusing a launch under capture, or the graph's
+    // instantiation) costs this (bucket, slots) its graph, not the step: its result stands,
+    // and its later steps run eagerly.
+    StatusOr<CudaGraphExec> exec = CudaGraphExec::Capture(
+        st, cudaStreamCaptureModeThreadLocal,
+        [&]() -> Status {
+          if (injected_capture_failures_ > 0) {
+            --injected_capture_failures_;
+            return InternalError("injected capture failure (CudaModelOptions)");
+          }
+          return Enqueue(m, seq_slots);
+        },
+        options_.graph_priority);
+    if (exec.ok()) {
+      step_graphs_.emplace(key, std::move(exec).value());
+    } else {
+      eager_steps_.insert(key);
+      spdlog::warn(
+          "CudaModel rank {}: decode steps of {} rows and {} sequence slots could not be "
+          "captured as a CUDA graph ({}); they run eagerly",
+          rank_, m, seq_slots, exec.status().ToString());
+    }
   }
   return result;
 }

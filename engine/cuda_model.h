@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <tuple>
@@ -73,7 +74,11 @@ struct CudaModelOptions {
   // Token buckets (each rounded up to a multiple of tp; the largest is
   // always max_tokens rounded up). Empty: 256 tokens doubling up to that.
   std::vector<int64_t> buckets;
-  bool cuda_graphs = true;   // replay a captured graph per bucket (false: always eager)
+  bool cuda_graphs = true;  // replay a captured graph per bucket (false: always eager)
+  // Fault injection for tests: the first this many captures of a decode step's graph fail
+  // (as a capture the driver refuses would), so that the fallback below can be exercised. A
+  // decode step whose capture fails keeps its result; that (bucket, slots) then runs eagerly.
+  int injected_capture_failures = 0;
   bool time_passes = false;  // time each Forward's pass on the GPU (CudaModel::last_pass_ms)
   // > 0: capture a bucket's pass as one graph per this many blocks (the embedding with the
   // first, the head with the last), launched one after another, instead of one graph for
@@ -421,6 +426,8 @@ class CudaModel {
   using GraphKey = std::tuple<const OverlapConfig*, int64_t, int64_t>;  // settings, bucket, slots
   std::map<GraphKey, std::vector<CudaGraphExec>> graphs_;               // one per segment
   std::map<GraphKey, CudaGraphExec> step_graphs_;                       // pure decode steps
+  std::set<GraphKey> eager_steps_;     // pure decode steps whose capture failed: run eagerly
+  int injected_capture_failures_ = 0;  // CudaModelOptions::injected_capture_failures left
 };
 
 // Runs CudaModel::Forward on `group`'s GPUs (ranks as threads) with random

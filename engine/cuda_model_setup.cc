@@ -80,6 +80,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::NewShell(const ModelConfig& conf
   CudaModel& md = *model;
   md.config_ = config;
   md.options_ = options;
+  md.injected_capture_failures_ = options.injected_capture_failures;
   md.overlap_ = overlap;
   md.pool_ = &pool;
   md.tp_ = tp;
