@@ -76,8 +76,9 @@ struct CudaModelOptions {
   std::vector<int64_t> buckets;
   bool cuda_graphs = true;  // replay a captured graph per bucket (false: always eager)
   // Fault injection for tests: the first this many captures of a decode step's graph fail
-  // (as a capture the driver refuses would), so that the fallback below can be exercised. A
-  // decode step whose capture fails keeps its result; that (bucket, slots) then runs eagerly.
+  // (as a capture the driver refuses would), so that CudaModel::Step's fallback can be
+  // exercised: a decode step whose capture fails keeps its result, and that (bucket, slots)
+  // then runs eagerly.
   int injected_capture_failures = 0;
   bool time_passes = false;  // time each Forward's pass on the GPU (CudaModel::last_pass_ms)
   // > 0: capture a bucket's pass as one graph per this many blocks (the embedding with the
