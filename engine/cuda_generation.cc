@@ -383,8 +383,8 @@ StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
   // (planning, NCCL's connections) and is then captured. Other steps run eagerly, and so do
   // decode steps whose capture failed.
   const GraphKey key{overlap_, m, seq_slots};
-  const bool decode = shape.query_rows == 1 && !eager_steps_.contains(key);
-  auto graph = decode ? step_graphs_.find(key) : step_graphs_.end();
+  const bool graphable = shape.query_rows == 1 && !eager_steps_.contains(key);
+  auto graph = graphable ? step_graphs_.find(key) : step_graphs_.end();
   stepping_ = true;
   struct Reset {
     bool* flag;
@@ -404,7 +404,7 @@ StatusOr<StepResult> CudaModel::Step(const StepBatch& step) {
     const StatusOr<float> pass_ms = CudaEvent::ElapsedMs(pass_start_, pass_end_);
     last_pass_ms_ = pass_ms.ok() ? *pass_ms : std::nan("");
   }
-  if (decode && graph == step_graphs_.end() && options_.cuda_graphs) {
+  if (graphable && graph == step_graphs_.end() && options_.cuda_graphs) {
     // A capture that fails (the driver refusing a launch under capture, or the graph's
     // instantiation) costs this (bucket, slots) its graph, not the step: its result stands,
     // and its later steps run eagerly.

@@ -112,9 +112,9 @@ constexpr int kDecodeMaxClusterSplits = 16;
 constexpr int kDecodeCtasPerSmBf16 = 2;
 constexpr int kDecodeCtasPerSmFp8 = 4;
 constexpr int kDecodeCtasPerSmFp8Rope = 3;
-// The grid, in CTAs an SM, from which the split rule leaves the decode kernel unsplit (the
-// slots of the shape the rule was measured with: three CTAs an SM over E4M3).
-constexpr int kDecodeUnsplitCtasPerSmBf16 = 2;
+// The grid, in CTAs an SM, from which the split rule leaves the decode kernel over an E4M3
+// cache unsplit: the slots of the shape the rule was measured with, three CTAs an SM (over a
+// BF16 cache the rule counts kDecodeCtasPerSmBf16).
 constexpr int kDecodeUnsplitCtasPerSmFp8 = 3;
 
 // Launches the decode kernel (one query row per sequence; a->group in 1, 2, 4, 8; head_dim 64

@@ -415,10 +415,9 @@ int64_t PagedAttentionSplitsFor(const PagedAttentionParams& p, int sm_count) {
     // splitting it only adds waves and a combine pass.
     const int64_t ctas = p.num_seqs * p.layout.kv_heads * std::max<int64_t>(1, PairTiles(p));
     const bool decode = UsesDecodeKernel(p);
-    const int64_t slots =
-        (p.layout.dtype == KvCacheDtype::kFloat8E4M3 ? kDecodeUnsplitCtasPerSmFp8
-                                                     : kDecodeUnsplitCtasPerSmBf16) *
-        int64_t{sm_count};
+    const int64_t slots = (p.layout.dtype == KvCacheDtype::kFloat8E4M3 ? kDecodeUnsplitCtasPerSmFp8
+                                                                       : kDecodeCtasPerSmBf16) *
+                          int64_t{sm_count};
     const int64_t per_sm = decode ? 4 : 2;
     splits = decode && ctas >= slots ? 1 : (per_sm * int64_t{sm_count} + ctas - 1) / ctas;
     // The decode kernel's splits merge in a cluster (no combine pass) up to a cluster's size;
