@@ -457,7 +457,8 @@ constexpr double kLog2E = 1.4426950408889634;  // exp(x) = exp2(x * log2(e))
 
 }  // namespace
 
-Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
+Status CheckCausalAttentionParams(const AttentionParams& p, bool reads_qkv, bool writes_out,
+                                  cudaStream_t stream) {
   constexpr const char* kP = "AttentionParams";
   if (p.head_dim != 64 && p.head_dim != 128) {
     return UnimplementedError(std::string(kP) + ".head_dim = " + Str(p.head_dim) +
@@ -474,10 +475,10 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   if (p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max() - kAttnBr) {
     return BadField(kP, "tokens", p.tokens, "must be in [0, 2^31 - 1 - " + Str(kAttnBr) + "]");
   }
-  if (p.out == nullptr && p.out_fp8 == nullptr) {
+  if (writes_out && p.out == nullptr && p.out_fp8 == nullptr) {
     return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
   }
-  if (p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
+  if (writes_out && p.out_fp8 != nullptr && p.out_fp8_scale == nullptr) {
     return NullField(kP, "out_fp8_scale", "when out_fp8 is set");
   }
   const struct {
@@ -486,31 +487,41 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
     int64_t min;
     bool used;
   } strides[] = {
-      {"q_row_stride", p.q_row_stride, p.q_heads * p.head_dim, true},
-      {"k_row_stride", p.k_row_stride, p.kv_heads * p.head_dim, true},
-      {"v_row_stride", p.v_row_stride, p.kv_heads * p.head_dim, true},
-      {"out_row_stride", p.out_row_stride, p.q_heads * p.head_dim, p.out != nullptr},
-      {"out_fp8_row_stride", p.out_fp8_row_stride, p.q_heads * p.head_dim, p.out_fp8 != nullptr}};
+      {"q_row_stride", p.q_row_stride, p.q_heads * p.head_dim, reads_qkv},
+      {"k_row_stride", p.k_row_stride, p.kv_heads * p.head_dim, reads_qkv},
+      {"v_row_stride", p.v_row_stride, p.kv_heads * p.head_dim, reads_qkv},
+      {"out_row_stride", p.out_row_stride, p.q_heads * p.head_dim, writes_out && p.out != nullptr},
+      {"out_fp8_row_stride", p.out_fp8_row_stride, p.q_heads * p.head_dim,
+       writes_out && p.out_fp8 != nullptr}};
   for (const auto& s : strides) {
     if (s.used && (s.stride < s.min || s.stride % 8 != 0)) {
       return BadField(kP, s.name, s.stride,
                       "must be a multiple of 8 and >= heads * head_dim (" + Str(s.min) + ")");
     }
   }
-  TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));  // nothing to attend: amax 0
+  // Nothing to attend: amax 0.
+  if (writes_out) TP_RETURN_IF_ERROR(ZeroAmax(kP, p.out_amax, p.out, stream));
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
   if (p.max_seqlen < 1) return BadField(kP, "max_seqlen", p.max_seqlen, "must be >= 1");
   if (p.num_seqs * p.q_heads > kMaxGridX) {
     return InvalidArgumentError(std::string(kP) + ": num_seqs * q_heads (" +
                                 Str(p.num_seqs * p.q_heads) + ") exceeds 2^31 - 1");
   }
-  TP_RETURN_IF_ERROR(CheckPointers(kP, {{"q", p.q, 16},
-                                        {"k", p.k, 16},
-                                        {"v", p.v, 16},
-                                        {"out", p.out, 16, false},
-                                        {"out_fp8", p.out_fp8, 16, false},
+  TP_RETURN_IF_ERROR(CheckPointers(kP, {{"q", p.q, 16, reads_qkv},
+                                        {"k", p.k, 16, reads_qkv},
+                                        {"v", p.v, 16, reads_qkv},
                                         {"cu_seqlens", p.cu_seqlens, 4}}));
+  if (!writes_out) return Status::Ok();
+  TP_RETURN_IF_ERROR(
+      CheckPointers(kP, {{"out", p.out, 16, false}, {"out_fp8", p.out_fp8, 16, false}}));
   if (p.out_fp8 != nullptr) TP_RETURN_IF_ERROR(CheckScale(kP, "out_fp8_scale", p.out_fp8_scale));
+  return Status::Ok();
+}
+
+Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
+  constexpr const char* kP = "AttentionParams";
+  TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, true, true, stream));
+  if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
 
   // grid.y: tiles per (sequence, head) in flight at once; a block takes tiles
   // num_tiles - 1 - y, then gridDim.y fewer each time. The longest sequence the bucket
@@ -549,6 +560,21 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   }
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
+}
+
+Status LaunchCausalAttentionFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
+                                cudaStream_t stream) {
+  TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, false, true, stream));
+  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs("AttentionParams", p, in));
+  if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
+  const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
+  const int64_t most_tiles = (longest + kAttnBr - 1) / kAttnBr;
+  const int64_t average_tiles = ((p.tokens + p.num_seqs - 1) / p.num_seqs + kAttnBr - 1) / kAttnBr;
+  TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
+  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
+  return LaunchCausalAttentionWgmmaFp8(
+      p, in, WgmmaAttentionTileSlots(most_tiles, average_tiles, p.num_seqs * p.q_heads, sms),
+      scale_log2, stream);
 }
 
 Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t stream) {

@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "comm/cuda_check.h"
+#include "engine/attention_fp8.cuh"
 #include "engine/attention_store.cuh"
 #include "engine/attention_wgmma.h"
 #include "engine/device_math.cuh"
@@ -47,14 +48,24 @@ constexpr int kHeadDim = 128;
 constexpr int kBr = 128;  // query rows per block, 64 per warpgroup
 constexpr int kBc = 128;  // keys per tile
 constexpr int kWgThreads = 256;
-constexpr int kPanelBytes = 128 * 128;       // 128 rows x 64 BF16 (one swizzle width, one TMA box)
-constexpr int kTileBytes = 2 * kPanelBytes;  // 128 rows x 128 BF16: two panels
-constexpr int kStages = 3;                   // K and V tiles in flight or in use
+constexpr int kPanelBytes = 128 * 128;  // 128 rows x 128 bytes (one swizzle width, one TMA box)
+constexpr int kStages = 3;              // K and V tiles in flight or in use
+// A tile of 128 rows of head_dim 128: two panels of 64 BF16 each, or one of 128 E4M3 codes
+// (Q, K; the E4M3 V tile is V^T: 128 dims of 128 keys).
+template <bool kFp8>
+inline constexpr int kTileBytes = (kFp8 ? 1 : 2) * kPanelBytes;
 // Shared layout: [Q | K 0..2 | V 0..2].
-constexpr int kKOffset = kTileBytes;
-constexpr int kVOffset = (1 + kStages) * kTileBytes;
-// + slack to align the base to 1024 bytes: 230,400 bytes of the 232,448 a block may have.
-constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes + 1024;
+template <bool kFp8>
+inline constexpr int kKOffset = kTileBytes<kFp8>;
+template <bool kFp8>
+inline constexpr int kVOffset = (1 + kStages) * kTileBytes<kFp8>;
+// + slack to align the base to 1024 bytes: BF16 230,400 bytes of the 232,448 a block may have.
+template <bool kFp8>
+inline constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes<kFp8> + 1024;
+// E4M3 probabilities are exp2 weights scaled by 2^8 (the row maximum's weight is 256, within
+// E4M3's 448): weights down to 2^-17 keep a code instead of 2^-9. The row sums carry the same
+// factor, so the output does not change.
+constexpr float kFp8WeightLog2 = 8.0f;
 // Transaction barriers: Q full / empty, then per stage K full, V full, K empty, V empty.
 constexpr int kFullQ = 0, kEmptyQ = 1, kFullK = 2, kFullV = 2 + kStages, kEmptyK = 2 + 2 * kStages,
               kEmptyV = 2 + 3 * kStages, kBarriers = 2 + 4 * kStages;
@@ -65,12 +76,19 @@ constexpr int kTurn = 1, kWgLocal = 3;
 // kPaged: keys and values from the paged cache (k_map = v_map = the cache as 128-element
 // rows, boxes of one block), the sequences pk.seqs[blockIdx.x / q_heads]; a sequence's n query
 // rows are the last n of its context. Otherwise from packed rows (k_map, v_map).
-template <bool kPaged>
+// kFp8 (packed rows only): Q, K and V^T as E4M3 (Fp8AttentionInputs, engine/attention_fp8.h),
+// q_map and k_map over their rows, v_map over V^T; fp8_scales[0..2] their dequantization
+// scales. Both products take E4M3 operands (k32 steps); P is rounded to E4M3.
+template <bool kPaged, bool kFp8>
 __global__ void __launch_bounds__(kWgThreads, 1)
     CausalAttentionWgmmaKernel(const __grid_constant__ CUtensorMap q_map,
                                const __grid_constant__ CUtensorMap k_map,
                                const __grid_constant__ CUtensorMap v_map, AttentionParams p,
-                               WgmmaPagedKeys pk, float scale_log2) {
+                               WgmmaPagedKeys pk, float scale_log2, const float* fp8_scales) {
+  static_assert(!(kPaged && kFp8), "E4M3 inputs are packed rows");
+  constexpr int kTile = kTileBytes<kFp8>;
+  constexpr int kKOff = kKOffset<kFp8>;
+  constexpr int kVOff = kVOffset<kFp8>;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t wg_smem_raw[];
   __shared__ __align__(8) uint64_t barriers[kBarriers];
@@ -94,6 +112,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int num_tiles = (len + kBr - 1) / kBr;
   if (static_cast<int>(blockIdx.y) >= num_tiles) return;  // uniform over the block
   const int kv_head = head / (q_heads / static_cast<int>(p.kv_heads));
+  // E4M3: the dequantization scales (Q's and K's into the scores' exponent, V's into the row
+  // sums) and this sequence's first column of V^T.
+  float inv_v_scale = 1.0f;
+  int vt_begin = 0;
+  if constexpr (kFp8) {
+    scale_log2 *= fp8_scales[0] * fp8_scales[1];
+    inv_v_scale = 1.0f / fp8_scales[2];
+    vt_begin = Fp8VtBegin(begin, seq);
+  }
   // Keys 0 .. key_len - 1 exist; query row r (from `begin`) is at position q_off + r.
   int key_len = len, q_off = 0;
   const int32_t* table = nullptr;
@@ -150,7 +177,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const uint32_t use = n / kStages;
     if (use > 0) MbarWait(bar((values ? kEmptyV : kEmptyK) + stage), (use - 1) & 1);
     const uint32_t full = bar((values ? kFullV : kFullK) + stage);
-    const uint32_t dst = smem + (values ? kVOffset : kKOffset) + stage * kTileBytes;
+    const uint32_t dst = smem + (values ? kVOff : kKOff) + stage * kTile;
     if constexpr (kPaged) {
       // One box per cache block up to the context's end (key_tile * kBc < key_len); rows past
       // it are masked (keys) or zeroed before use (values).
@@ -167,8 +194,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         TmaLoad2d(dst + i * bs * 128, &k_map, 0, row, full);
         TmaLoad2d(dst + kPanelBytes + i * bs * 128, &k_map, 64, row, full);
       }
+    } else if constexpr (kFp8) {
+      MbarArriveExpectTx(full, kTile);
+      if (values) {
+        TmaLoad2d(dst, &v_map, vt_begin + key_tile * kBc, kv_head * kHeadDim, full);
+      } else {
+        TmaLoad2d(dst, &k_map, kv_head * kHeadDim, begin + key_tile * kBc, full);
+      }
     } else {
-      MbarArriveExpectTx(full, kTileBytes);
+      MbarArriveExpectTx(full, kTile);
       const int row = begin + key_tile * kBc;
       TmaLoad2d(dst, values ? &v_map : &k_map, kv_head * kHeadDim, row, full);
       TmaLoad2d(dst + kPanelBytes, values ? &v_map : &k_map, kv_head * kHeadDim + 64, row, full);
@@ -187,19 +221,25 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     return static_cast<int>((kv_used + static_cast<uint32_t>(key_tile)) % kStages);
   };
 
-  // This warpgroup's Q rows: k-step s reads panel s / 4, 32 bytes in per step.
+  // This warpgroup's Q rows: BF16 k-step s reads panel s / 4, 32 bytes in per step; an E4M3
+  // step (k32) reads the one panel, 32 bytes in per step.
   auto q_desc = [&](int s) {
+    if constexpr (kFp8) return SmemDescSw128(q_tile + wg * 64 * 128 + s * 32, 0, 1024);
     return SmemDescSw128(q_tile + (s >> 2) * kPanelBytes + wg * 64 * 128 + (s & 3) * 32, 0, 1024);
   };
   auto k_desc = [&](int stage, int s) {
-    return SmemDescSw128(
-        smem + kKOffset + stage * kTileBytes + (s >> 2) * kPanelBytes + (s & 3) * 32, 0, 1024);
+    if constexpr (kFp8) return SmemDescSw128(smem + kKOff + stage * kTile + s * 32, 0, 1024);
+    return SmemDescSw128(smem + kKOff + stage * kTile + (s >> 2) * kPanelBytes + (s & 3) * 32, 0,
+                         1024);
   };
-  // V as B of P V: K = keys on the rows (16 per step: 2048 bytes), N = dims across the two
-  // panels (LBO), 8-key groups 1024 bytes apart (SBO).
+  // BF16 V as B of P V: K = keys on the rows (16 per step: 2048 bytes), N = dims across the
+  // two panels (LBO), 8-key groups 1024 bytes apart (SBO). E4M3 V^T: K-major, N = dims on the
+  // rows, 32 keys per step.
   auto v_desc = [&](int stage, int s) {
-    return SmemDescSw128(smem + kVOffset + stage * kTileBytes + s * 2048, kPanelBytes, 1024);
+    if constexpr (kFp8) return SmemDescSw128(smem + kVOff + stage * kTile + s * 32, 0, 1024);
+    return SmemDescSw128(smem + kVOff + stage * kTile + s * 2048, kPanelBytes, 1024);
   };
+  constexpr int kKSteps = kFp8 ? 4 : 8;  // k-steps of either product over 128
 
   const int my_turn = kTurn + wg, other_turn = kTurn + (wg ^ 1);
   if (wg == 1) NamedBarrierArrive(kTurn, kWgThreads);  // warpgroup 0 issues first
@@ -214,9 +254,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // warpgroups are done with the previous Q, so that they land during its output stage.
   auto issue_start = [&](int tile) {
     if (q_used > 0) MbarWait(bar(kEmptyQ), (q_used - 1) & 1);
-    MbarArriveExpectTx(bar(kFullQ), kTileBytes);
+    MbarArriveExpectTx(bar(kFullQ), kTile);
     TmaLoad2d(q_tile, &q_map, head * kHeadDim, begin + tile * kBr, bar(kFullQ));
-    TmaLoad2d(q_tile + kPanelBytes, &q_map, head * kHeadDim + 64, begin + tile * kBr, bar(kFullQ));
+    if constexpr (!kFp8) {
+      TmaLoad2d(q_tile + kPanelBytes, &q_map, head * kHeadDim + 64, begin + tile * kBr,
+                bar(kFullQ));
+    }
     issue_kv(0, false);
     issue_kv(0, true);
     if (key_tiles(tile) > 1) issue_kv(1, false);
@@ -245,7 +288,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
     float s_acc[64];
     float o[64];
-    uint32_t p_frag[8][4];
+    uint32_t p_frag[kKSteps][4];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = s_acc[i] = 0.0f;
     float row_max[2] = {-INFINITY, -INFINITY};
@@ -278,8 +321,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int i = 0; i < 64; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s_acc[i]);
       float base[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h) {
         alpha[h] = SoftmaxRowStep(tile_max[h], row_max[h], scale_log2, base[h]);
+        if constexpr (kFp8) base[h] -= kFp8WeightLog2;
+      }
       float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < 64; ++i) {
@@ -290,31 +335,56 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
     };
     auto softmax_finish = [&]() {
+      if constexpr (kFp8) {
+        // n8 tiles 4kk .. 4kk + 3 of S are the A fragment kk of P V: a register takes two
+        // tiles' pairs of one row, so k slot 4t + i of a 16-key half holds key
+        // 2t + (i & 1) + 8 (i >> 1) of it, the order Fp8AttentionInputs' V^T keeps.
 #pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
-        // n8 tiles 2kk and 2kk + 1 of S are the A fragment kk of P V.
-        p_frag[nt >> 1][(nt & 1) * 2] = PackBf16x2(s_acc[4 * nt], s_acc[4 * nt + 1]);
-        p_frag[nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(s_acc[4 * nt + 2], s_acc[4 * nt + 3]);
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int nt = 4 * kk + 2 * (r >> 1), e = 2 * (r & 1);
+            p_frag[kk][r] = PackE4M3x4(s_acc[4 * nt + e], s_acc[4 * nt + e + 1],
+                                       s_acc[4 * nt + 4 + e], s_acc[4 * nt + 4 + e + 1]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+          // n8 tiles 2kk and 2kk + 1 of S are the A fragment kk of P V.
+          p_frag[nt >> 1][(nt & 1) * 2] = PackBf16x2(s_acc[4 * nt], s_acc[4 * nt + 1]);
+          p_frag[nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(s_acc[4 * nt + 2], s_acc[4 * nt + 3]);
+        }
       }
 #pragma unroll
       for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
     };
     auto issue_s = [&](int j) {
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        WgmmaSS64x128x16(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
+      for (int s = 0; s < kKSteps; ++s) {
+        if constexpr (kFp8) {
+          WgmmaSS64x128x32E4M3(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
+        } else {
+          WgmmaSS64x128x16(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
+        }
       }
     };
     auto issue_pv = [&](int j) {
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) WgmmaRS64x128x16TransB(o, p_frag[kk], v_desc(stage_of(j), kk));
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        if constexpr (kFp8) {
+          WgmmaRS64x128x32E4M3(o, p_frag[kk], v_desc(stage_of(j), kk));
+        } else {
+          WgmmaRS64x128x16TransB(o, p_frag[kk], v_desc(stage_of(j), kk));
+        }
+      }
     };
     auto wait_products = [&]() {
       WgmmaWait<0>();
       PinRegisters(o);
       PinRegisters(s_acc);
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) PinRegisters(p_frag[kk]);
+      for (int kk = 0; kk < kKSteps; ++kk) PinRegisters(p_frag[kk]);
     };
 
     // Step 0: S_0 alone.
@@ -356,11 +426,21 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     {
       const int valid = key_len - (n_kv - 1) * kBc;
       if (valid < kBc) {
-        uint8_t* v_tile = wg_smem_raw + (smem - raw) + kVOffset + stage_of(n_kv - 1) * kTileBytes;
-        for (int i = wg_thread; i < (kBc - valid) * 16; i += 128) {
-          const int r = valid + (i >> 4), c = i & 15;
-          *reinterpret_cast<uint4*>(v_tile + (c >> 3) * kPanelBytes + r * 128 + (c & 7) * 16) =
-              make_uint4(0, 0, 0, 0);
+        uint8_t* v_tile = wg_smem_raw + (smem - raw) + kVOff + stage_of(n_kv - 1) * kTile;
+        if constexpr (kFp8) {
+          // V^T: row = dim, 16-byte chunk c = keys 16c .. 16c + 15. The producer zeroed the
+          // slots past the sequence in its last group; the groups after it are another
+          // sequence's (or never written).
+          for (int c = (valid + 15) >> 4; c < kBc / 16; ++c) {
+            *reinterpret_cast<uint4*>(v_tile + wg_thread * 128 + ((c ^ (wg_thread & 7)) << 4)) =
+                make_uint4(0, 0, 0, 0);
+          }
+        } else {
+          for (int i = wg_thread; i < (kBc - valid) * 16; i += 128) {
+            const int r = valid + (i >> 4), c = i & 15;
+            *reinterpret_cast<uint4*>(v_tile + (c >> 3) * kPanelBytes + r * 128 + (c & 7) * 16) =
+                make_uint4(0, 0, 0, 0);
+          }
         }
         FenceProxyAsyncShared();
         NamedBarrierSync(kWgLocal + wg, 128);
@@ -383,7 +463,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         StoreAttentionRow<decltype(fast_divide)::value, 16>(
-            out, row_lo + 8 * h, len, t, row_sum[h], amax,
+            out, row_lo + 8 * h, len, t, row_sum[h] * inv_v_scale, amax,
             [&](int dt) { return make_float2(o[4 * dt + 2 * h], o[4 * dt + 2 * h + 1]); });
       }
     };
@@ -395,7 +475,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 #else
-  (void)q_map, (void)k_map, (void)v_map, (void)p, (void)pk, (void)scale_log2;
+  (void)q_map, (void)k_map, (void)v_map, (void)p, (void)pk, (void)scale_log2, (void)fp8_scales;
   __trap();
 #endif
 }
@@ -426,19 +506,21 @@ StatusOr<EncodeTiledFn> EncodeTiled() {
   return fn;
 }
 
-// A [rows, columns] BF16 matrix with row stride `stride` elements, read in boxes of
-// `box_rows` rows x 64 columns (128 bytes: one 128-byte swizzled panel); rows past `rows`
-// read as 0.
+// A [rows, columns] BF16 matrix (codes: of E4M3 bytes) with row stride `stride` elements,
+// read in boxes of `box_rows` rows x 128 bytes (64 BF16 or 128 codes: one 128-byte swizzled
+// panel); rows and columns past the matrix read as 0.
 StatusOr<CUtensorMap> PanelMap(EncodeTiledFn encode, const void* base, int64_t columns,
-                               int64_t rows, int64_t stride, int box_rows, const char* name) {
+                               int64_t rows, int64_t stride, int box_rows, const char* name,
+                               bool codes = false) {
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * (codes ? 1 : 2)};
+  const cuuint32_t box[2] = {codes ? 128u : 64u, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r =
-      encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      encode(&map, codes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+             const_cast<void*>(base), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return InternalError(std::string(name) + ": cuTensorMapEncodeTiled failed (CUresult " +
@@ -474,11 +556,33 @@ Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float
                                                   p.k_row_stride, kBc, "AttentionParams.k"));
   TP_ASSIGN_OR_RETURN(CUtensorMap v_map, PanelMap(encode, p.v, p.kv_heads * kHeadDim, p.tokens,
                                                   p.v_row_stride, kBc, "AttentionParams.v"));
-  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  constexpr int kSmem = kSmemBytes<false>;
+  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false, false>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
-  CausalAttentionWgmmaKernel<false><<<grid, kWgThreads, kSmemBytes, stream>>>(
-      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2);
+  CausalAttentionWgmmaKernel<false, false><<<grid, kWgThreads, kSmem, stream>>>(
+      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, nullptr);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status LaunchCausalAttentionWgmmaFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
+                                     int64_t tiles, float scale_log2, cudaStream_t stream) {
+  TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
+  const int64_t q_width = p.q_heads * kHeadDim, kv_width = p.kv_heads * kHeadDim;
+  TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, in.q, q_width, p.tokens, q_width, kBr,
+                                                  "Fp8AttentionInputs.q", true));
+  TP_ASSIGN_OR_RETURN(CUtensorMap k_map, PanelMap(encode, in.k, kv_width, p.tokens, kv_width, kBc,
+                                                  "Fp8AttentionInputs.k", true));
+  TP_ASSIGN_OR_RETURN(CUtensorMap v_map,
+                      PanelMap(encode, in.vt, in.vt_columns, kv_width, in.vt_columns, kHeadDim,
+                               "Fp8AttentionInputs.vt", true));
+  constexpr int kSmem = kSmemBytes<true>;
+  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false, true>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
+  CausalAttentionWgmmaKernel<false, true><<<grid, kWgThreads, kSmem, stream>>>(
+      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, in.scales);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
@@ -506,11 +610,12 @@ Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPag
   TP_ASSIGN_OR_RETURN(CUtensorMap cache_map,
                       PanelMap(encode, pk.cache, kHeadDim, pk.cache_rows, kHeadDim, pk.block_size,
                                "PagedAttentionParams.cache"));
-  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<true>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  constexpr int kSmem = kSmemBytes<false>;
+  TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<true, false>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
-  CausalAttentionWgmmaKernel<true>
-      <<<grid, kWgThreads, kSmemBytes, stream>>>(q_map, cache_map, cache_map, p, pk, scale_log2);
+  CausalAttentionWgmmaKernel<true, false><<<grid, kWgThreads, kSmem, stream>>>(
+      q_map, cache_map, cache_map, p, pk, scale_log2, nullptr);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "comm/status.h"
+#include "engine/attention_fp8.h"
 #include "engine/cuda_ops.h"
 
 namespace tpserve {
@@ -22,6 +23,24 @@ bool WgmmaAttentionSupports(int64_t head_dim);
 // LaunchCausalAttention and WgmmaAttentionSupports(p.head_dim) holds.
 Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float scale_log2,
                                   cudaStream_t stream);
+
+// LaunchCausalAttention's checks of `p` (engine/attention.cu). reads_qkv: p.q, p.k and p.v
+// are read (their pointers and strides are checked); writes_out: the outputs are written
+// (checked, and out_amax zeroed on `stream`).
+Status CheckCausalAttentionParams(const AttentionParams& p, bool reads_qkv, bool writes_out,
+                                  cudaStream_t stream);
+
+// The checks of `in` against p's shape (engine/attention_fp8.cu), `params` naming the struct
+// in the errors of p's fields: head_dim 128 where Fp8AttentionSupports holds (UNIMPLEMENTED
+// otherwise), q, k and vt 16-byte aligned, scales 4-byte aligned, vt_columns a multiple of 16
+// and at least Fp8AttentionVtColumns.
+Status CheckFp8AttentionInputs(const char* params, const AttentionParams& p,
+                               const Fp8AttentionInputs& in);
+
+// The E4M3 variant (engine/attention_fp8.h): `p` and `in` were validated by
+// LaunchCausalAttentionFp8; the grid as above.
+Status LaunchCausalAttentionWgmmaFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
+                                     int64_t tiles, float scale_log2, cudaStream_t stream);
 
 // Where the paged variant finds keys and values (LaunchPagedPrefillAttention's sequences of
 // two or more query rows, BF16 cache): the cache viewed as rows of 128 BF16 in KvCacheLayout

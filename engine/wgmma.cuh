@@ -1,7 +1,8 @@
 // Hopper warpgroup MMA (wgmma) helpers for engine/attention_wgmma.cu: shared-memory matrix
 // descriptors for 128-byte swizzled tiles, the fences and groups that order wgmma against
-// other instructions, and the two m64n128k16 BF16 products the attention kernel needs. CUDA
-// C++17, device code only. Every helper needs sm_90a (the "a" features) and traps elsewhere.
+// other instructions, and the m64n128 products the attention kernels need (BF16 k16, E4M3
+// k32). CUDA C++17, device code only. Every helper needs sm_90a (the "a" features) and traps
+// elsewhere.
 //
 // Layouts (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout"): a 128-byte
 // swizzled tile is stored as rows of 128 bytes (64 BF16), the 16-byte chunk c of row r at
@@ -108,6 +109,43 @@ __device__ __forceinline__ void WgmmaRS64x128x16TransB(float (&d)[64], const uin
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" TPSERVE_WGMMA_D64_REGS
       "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : TPSERVE_WGMMA_D64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+#else
+  (void)d, (void)a, (void)desc_b;
+  __trap();
+#endif
+}
+
+// S = A B^T in E4M3: A (64 x 32) and B (128 x 32) from shared memory, both K-major (the
+// only order 8-bit wgmma takes), 128-byte swizzled (a row is 128 codes: a k-step of 32 advances
+// the start address by 32 bytes); d += product, or d = product when accumulate is 0.
+__device__ __forceinline__ void WgmmaSS64x128x32E4M3(float (&d)[64], uint64_t desc_a,
+                                                     uint64_t desc_b, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" TPSERVE_WGMMA_D64_REGS
+      "}, %64, %65, p, 1, 1;\n}\n"
+      : TPSERVE_WGMMA_D64(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
+  __trap();
+#endif
+}
+
+// d += A B in E4M3: A (64 x 32) from registers (warp w of the warpgroup holds rows
+// 16w..16w+15; a thread with lane = 4g + t holds, low byte first, k 4t..4t+3 of row g in a[0],
+// of row g + 8 in a[1], and k 16 + 4t.. of those rows in a[2], a[3]), B (32 x 128) from shared
+// memory K-major (N on the rows: 128 rows of 128 k codes), 128-byte swizzled.
+__device__ __forceinline__ void WgmmaRS64x128x32E4M3(float (&d)[64], const uint32_t (&a)[4],
+                                                     uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" TPSERVE_WGMMA_D64_REGS
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : TPSERVE_WGMMA_D64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 #else

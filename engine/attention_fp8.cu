@@ -1,0 +1,180 @@
+// The E4M3 attention's producer and checks (engine/attention_fp8.h); the attention kernel is
+// engine/attention_wgmma.cu's, its launcher in engine/attention.cu. Plain CUDA C++17.
+//
+// A block takes one (sequence, KV head) and 64 rows of it at a time: the Q rows of the KV
+// head's query heads and its K rows are quantized in place (row-major in, row-major out), and
+// its V rows go through shared memory to be written transposed, a thread writing 32
+// consecutive codes (two 16-key groups) of one dim.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "comm/cuda_check.h"
+#include "engine/attention_fp8.cuh"
+#include "engine/attention_wgmma.h"
+#include "engine/device_math.cuh"
+#include "engine/launch_checks.h"
+#include "layers/fp8_divide.cuh"
+
+namespace tpserve {
+namespace {
+
+using namespace device;
+using namespace launch_checks;
+
+constexpr int kHeadDim = 128;
+constexpr int kRows = 64;  // rows of a sequence a block takes at a time
+constexpr int kProducerThreads = 256;
+
+// Eight BF16 values (raw bits) as E4M3 codes of value / d.scale, the first in the low byte.
+template <bool kFast>
+__device__ __forceinline__ uint2 QuantizeBf16x8(const uint4& raw, const Fp8Divisor& d) {
+  float f[8];
+  UnpackBf16x8(raw, f);
+  uint32_t w[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    w[i] = QuantizeToE4M3x2<kFast>(f[4 * i], f[4 * i + 1], d) |
+           (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[4 * i + 2], f[4 * i + 3], d)) << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+template <bool kFast>
+__device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8AttentionInputs& in,
+                                             const Fp8Divisor (&div)[3], int seq, int begin,
+                                             int len, uint16_t (*v_tile)[kHeadDim]) {
+  const int kv_head = static_cast<int>(blockIdx.z);
+  const int group = static_cast<int>(p.q_heads / p.kv_heads);
+  const int64_t q_width = p.q_heads * kHeadDim, kv_width = p.kv_heads * kHeadDim;
+  const int vt0 = Fp8VtBegin(begin, seq);
+  uint8_t* vt = in.vt + static_cast<int64_t>(kv_head) * kHeadDim * in.vt_columns;
+  const auto* q = reinterpret_cast<const uint16_t*>(p.q);
+  const auto* k = reinterpret_cast<const uint16_t*>(p.k);
+  const auto* v = reinterpret_cast<const uint16_t*>(p.v);
+  for (int c0 = static_cast<int>(blockIdx.y) * kRows; c0 < len;
+       c0 += static_cast<int>(gridDim.y) * kRows) {
+    const int rows = min(kRows, len - c0);
+    // Q of the group's heads, then K: 16 vectors of 8 a head row.
+    const int vecs = (group + 1) * 16;
+    for (int i = static_cast<int>(threadIdx.x); i < rows * vecs; i += kProducerThreads) {
+      const int r = i / vecs, vec = i - r * vecs;
+      const int h = vec >> 4, col = (vec & 15) * 8;
+      const int64_t row = begin + c0 + r;
+      if (h < group) {
+        const int64_t c = int64_t{kv_head * group + h} * kHeadDim + col;
+        const uint4 x = *reinterpret_cast<const uint4*>(q + row * p.q_row_stride + c);
+        *reinterpret_cast<uint2*>(in.q + row * q_width + c) = QuantizeBf16x8<kFast>(x, div[0]);
+      } else {
+        const int64_t c = int64_t{kv_head} * kHeadDim + col;
+        const uint4 x = *reinterpret_cast<const uint4*>(k + row * p.k_row_stride + c);
+        *reinterpret_cast<uint2*>(in.k + row * kv_width + c) = QuantizeBf16x8<kFast>(x, div[1]);
+      }
+    }
+    // V's rows into shared memory, zeros past the sequence (the last group's empty slots).
+    for (int i = static_cast<int>(threadIdx.x); i < kRows * 16; i += kProducerThreads) {
+      const int r = i >> 4, col = (i & 15) * 8;
+      uint4 x = make_uint4(0, 0, 0, 0);
+      if (r < rows) {
+        x = *reinterpret_cast<const uint4*>(v + (begin + c0 + r) * p.v_row_stride +
+                                            int64_t{kv_head} * kHeadDim + col);
+      }
+      *reinterpret_cast<uint4*>(&v_tile[r][col]) = x;
+    }
+    __syncthreads();
+    // V^T: dim d, groups 2 half and 2 half + 1 of these 64 keys; a warp reads one key row's
+    // 32 consecutive dims at a time.
+    const int d = static_cast<int>(threadIdx.x) & (kHeadDim - 1);
+    const int half = static_cast<int>(threadIdx.x) >> 7;
+    uint8_t* dst = vt + static_cast<int64_t>(d) * in.vt_columns + vt0 + c0;
+#pragma unroll
+    for (int gi = 0; gi < 2; ++gi) {
+      const int g = 2 * half + gi;
+      if (c0 + 16 * g >= len) break;
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float f[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          f[i] = Bf16ToFloat(v_tile[16 * g + Fp8VtKeyAtSlot(4 * j + i)][d]);
+        w[j] = QuantizeToE4M3x2<kFast>(f[0], f[1], div[2]) |
+               (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[2], f[3], div[2])) << 16);
+      }
+      *reinterpret_cast<uint4*>(dst + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kProducerThreads)
+    Fp8AttentionInputsKernel(AttentionParams p, Fp8AttentionInputs in) {
+  __shared__ __align__(16) uint16_t v_tile[kRows][kHeadDim];
+  const int seq = static_cast<int>(blockIdx.x);
+  const int tokens = static_cast<int>(p.tokens);
+  int begin = p.cu_seqlens[seq];
+  int end = p.cu_seqlens[seq + 1];
+  begin = begin < 0 ? 0 : (begin > tokens ? tokens : begin);
+  end = end < begin ? begin : (end > tokens ? tokens : end);
+  const Fp8Divisor div[3] = {MakeFp8Divisor(in.scales[0]), MakeFp8Divisor(in.scales[1]),
+                             MakeFp8Divisor(in.scales[2])};
+  if (div[0].inv != 0.0f && div[1].inv != 0.0f && div[2].inv != 0.0f) {
+    QuantizeRows<true>(p, in, div, seq, begin, end - begin, v_tile);
+  } else {
+    QuantizeRows<false>(p, in, div, seq, begin, end - begin, v_tile);
+  }
+}
+
+}  // namespace
+
+int64_t Fp8AttentionVtColumns(int64_t tokens, int64_t num_seqs) {
+  return (tokens + 15) / 16 * 16 + 32 * num_seqs;
+}
+
+bool Fp8AttentionSupports(int64_t head_dim) { return WgmmaAttentionSupports(head_dim); }
+
+Status CheckFp8AttentionInputs(const char* params, const AttentionParams& p,
+                               const Fp8AttentionInputs& in) {
+  constexpr const char* kIn = "Fp8AttentionInputs";
+  if (!Fp8AttentionSupports(p.head_dim)) {
+    return UnimplementedError(std::string(params) +
+                              ": E4M3 attention needs an sm_90a build, a compute capability 9.0 "
+                              "device and head_dim 128 (head_dim = " +
+                              std::to_string(p.head_dim) + ")");
+  }
+  TP_RETURN_IF_ERROR(CheckPointers(
+      kIn, {{"q", in.q, 16}, {"k", in.k, 16}, {"vt", in.vt, 16}, {"scales", in.scales, 4}}));
+  const int64_t need = Fp8AttentionVtColumns(p.tokens, p.num_seqs);
+  if (in.vt_columns % 16 != 0 || in.vt_columns < need || in.vt_columns > kMaxGridX) {
+    return BadField(kIn, "vt_columns", in.vt_columns,
+                    "must be a multiple of 16 in [" + std::to_string(need) + ", 2^31 - 1]");
+  }
+  return Status::Ok();
+}
+
+Status LaunchFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInputs& in,
+                                cudaStream_t stream) {
+  TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, true, false, stream));
+  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs("AttentionParams", p, in));
+  if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
+  // grid.y: 64-row chunks of the average sequence (blocks loop over longer ones), within the
+  // longest's; a bucket's max_seqlen is its whole size, and a block per chunk of that for every
+  // sequence of a batch of many short ones would mostly find nothing to do.
+  const int64_t longest = std::min(p.max_seqlen, p.tokens);
+  const int64_t average = (p.tokens + p.num_seqs - 1) / p.num_seqs;
+  const int64_t chunks =
+      std::min({(average + kRows - 1) / kRows, (longest + kRows - 1) / kRows, kMaxGridY});
+  if (p.kv_heads > kMaxGridY) {
+    return BadField("AttentionParams", "kv_heads", p.kv_heads, "must be at most 65535");
+  }
+  const dim3 grid(static_cast<unsigned>(p.num_seqs),
+                  static_cast<unsigned>(std::max<int64_t>(1, chunks)),
+                  static_cast<unsigned>(p.kv_heads));
+  Fp8AttentionInputsKernel<<<grid, kProducerThreads, 0, stream>>>(p, in);
+  TP_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace tpserve

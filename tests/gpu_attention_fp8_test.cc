@@ -1,0 +1,294 @@
+// GPU tests of the E4M3 prefill attention (engine/attention_fp8.h): the producer's codes and
+// V^T layout bit for bit against the CPU's (layers/fp8.h), and the attention against a CPU
+// emulation of its own arithmetic on those codes: key tiles of 128 in order, the online
+// softmax's running maximum, each weight exp2(score - max + 8) rounded to E4M3 for P V while
+// the row sums take it unrounded. What remains between them is FP32 summation order, the
+// hardware exp2 and the BF16 output: |gpu - emu| <= 2^-8 |emu| + 2^-9 max|v| element-wise and
+// 4e-3 in relative Frobenius norm. A probability paired with the wrong key's value (a layout
+// slip), a scale left out or a tile's weights mis-scaled each move the output by percents.
+// Against attention on the unquantized BF16 inputs the bound is 5 % (the E4M3 rounding of
+// q, k, v and P). Skips without a Hopper GPU and an sm_90a build.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_resources.h"
+#include "comm/dtype.h"
+#include "comm/status.h"
+#include "engine/attention_fp8.h"
+#include "engine/cpu_ops.h"
+#include "engine/cuda_ops.h"
+#include "layers/fp8.h"
+#include "layers/quantize_kernels.h"
+#include "tests/gpu_test_util.h"
+
+namespace tpserve {
+namespace {
+
+class GpuAttentionFp8Test : public GpuStreamTest {};
+
+constexpr int64_t kHd = 128;
+// Dequantization scales of q, k and v: not powers of two, so a scale applied twice or not
+// at all shows.
+constexpr float kScales[3] = {0.013f, 0.0071f, 0.0043f};
+
+int VtKeyAtSlot(int slot) { return 2 * (slot >> 2) + (slot & 1) + 8 * ((slot >> 1) & 1); }
+int64_t VtBegin(int64_t begin, int64_t seq) { return (begin + 15) / 16 * 16 + 32 * seq; }
+
+struct Fp8Case {
+  std::vector<int32_t> seqlens;
+  int64_t q_heads, kv_heads;
+  int64_t max_seqlen = 0;              // 0: the true maximum
+  std::vector<int32_t> nan_seqs = {};  // sequences whose q, k, v are all NaN
+};
+
+struct Fp8Run {
+  std::vector<uint8_t> q8, k8, vt;
+  std::vector<BFloat16> out;
+  int64_t vt_columns = 0;
+};
+
+// Runs producer and attention on qkv ([tokens, q_width + 2 kv_width] BF16).
+void RunFp8(cudaStream_t stream, const Fp8Case& c, const std::vector<BFloat16>& qkv,
+            const std::vector<int32_t>& cu, Fp8Run& run) {
+  const int64_t tokens = cu.back(), num_seqs = static_cast<int64_t>(c.seqlens.size());
+  const int64_t q_width = c.q_heads * kHd, kv_width = c.kv_heads * kHd;
+  const int64_t stride = q_width + 2 * kv_width;
+  run.vt_columns = Fp8AttentionVtColumns(tokens, num_seqs);
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu, "cu_seqlens"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scales,
+                          Upload(std::vector<float>(kScales, kScales + 3), "scales"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer q8,
+                          PoisonedBuffer(DataType::kFloat8E4M3, tokens * q_width, "q8", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer k8,
+                          PoisonedBuffer(DataType::kFloat8E4M3, tokens * kv_width, "k8", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer vt, PoisonedBuffer(DataType::kFloat8E4M3,
+                                                          kv_width * run.vt_columns, "vt", stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer out,
+                          PoisonedBuffer(DataType::kBFloat16, tokens * q_width, "out", stream));
+  int64_t longest = 0;
+  for (int32_t len : c.seqlens) longest = std::max<int64_t>(longest, len);
+  AttentionParams p;
+  p.q = d_qkv.as<BFloat16>();
+  p.k = p.q + q_width;
+  p.v = p.q + q_width + kv_width;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = stride;
+  p.out = out.as<BFloat16>();
+  p.out_row_stride = q_width;
+  p.cu_seqlens = d_cu.as<int32_t>();
+  p.num_seqs = num_seqs;
+  p.tokens = tokens;
+  p.max_seqlen = c.max_seqlen > 0 ? c.max_seqlen : longest;
+  p.q_heads = c.q_heads;
+  p.kv_heads = c.kv_heads;
+  p.head_dim = kHd;
+  Fp8AttentionInputs in;
+  in.q = q8.as<uint8_t>();
+  in.k = k8.as<uint8_t>();
+  in.vt = vt.as<uint8_t>();
+  in.vt_columns = run.vt_columns;
+  in.scales = d_scales.as<float>();
+  TP_ASSERT_OK(LaunchFp8AttentionInputs(p, in, stream));
+  TP_ASSERT_OK(LaunchCausalAttentionFp8(p, in, stream));
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  TP_ASSERT_OK_AND_ASSIGN(run.q8, Download<uint8_t>(q8.data(), tokens * q_width));
+  TP_ASSERT_OK_AND_ASSIGN(run.k8, Download<uint8_t>(k8.data(), tokens * kv_width));
+  TP_ASSERT_OK_AND_ASSIGN(run.vt, Download<uint8_t>(vt.data(), kv_width * run.vt_columns));
+  TP_ASSERT_OK_AND_ASSIGN(run.out, Download<BFloat16>(out.data(), tokens * q_width));
+}
+
+void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {
+  std::vector<int32_t> cu{0};
+  for (int32_t len : c.seqlens) cu.push_back(cu.back() + len);
+  const int64_t tokens = cu.back();
+  const int64_t q_width = c.q_heads * kHd, kv_width = c.kv_heads * kHd;
+  const int64_t stride = q_width + 2 * kv_width, group = c.q_heads / c.kv_heads;
+  std::string what = "fp8 attention heads=" + std::to_string(c.q_heads) + "/" +
+                     std::to_string(c.kv_heads) + " seqlens=";
+  for (int32_t len : c.seqlens) what += std::to_string(len) + ",";
+
+  std::vector<BFloat16> qkv = RandomBf16(tokens * stride, -1.0f, 1.0f, seed);
+  for (int64_t r = 0; r < tokens; ++r) {  // q in [-2, 2]
+    for (int64_t j = 0; j < q_width; ++j) {
+      qkv[r * stride + j] = FloatToBFloat16(2 * BFloat16ToFloat(qkv[r * stride + j]));
+    }
+  }
+  for (int32_t s : c.nan_seqs) {
+    for (int64_t r = cu[s]; r < cu[s + 1]; ++r) {
+      for (int64_t j = 0; j < stride; ++j) {
+        qkv[r * stride + j] = FloatToBFloat16(std::numeric_limits<float>::quiet_NaN());
+      }
+    }
+  }
+  Fp8Run run;
+  ASSERT_NO_FATAL_FAILURE(RunFp8(stream, c, qkv, cu, run));
+
+  // The codes, as the CPU rounds value / scale.
+  auto code = [&](int64_t row, int64_t col, int which) {
+    return FloatToFp8E4M3(BFloat16ToFloat(qkv[row * stride + col]) / kScales[which]);
+  };
+  size_t q_wrong = 0, k_wrong = 0, vt_wrong = 0;
+  for (int64_t r = 0; r < tokens; ++r) {
+    for (int64_t j = 0; j < q_width; ++j) q_wrong += run.q8[r * q_width + j] != code(r, j, 0);
+    for (int64_t j = 0; j < kv_width; ++j) {
+      k_wrong += run.k8[r * kv_width + j] != code(r, q_width + j, 1);
+    }
+  }
+  for (size_t s = 0; s < c.seqlens.size(); ++s) {
+    const int64_t len = c.seqlens[s], col0 = VtBegin(cu[s], static_cast<int64_t>(s));
+    for (int64_t row = 0; row < kv_width; ++row) {
+      for (int64_t slot = 0; slot < (len + 15) / 16 * 16; ++slot) {
+        const int64_t key = slot / 16 * 16 + VtKeyAtSlot(static_cast<int>(slot % 16));
+        const uint8_t want = key < len ? code(cu[s] + key, q_width + kv_width + row, 2) : 0;
+        vt_wrong += run.vt[row * run.vt_columns + col0 + slot] != want;
+      }
+    }
+  }
+  EXPECT_EQ(q_wrong, 0u) << what << ": Q codes";
+  EXPECT_EQ(k_wrong, 0u) << what << ": K codes";
+  EXPECT_EQ(vt_wrong, 0u) << what << ": V^T codes or layout";
+
+  // The emulation, and attention on the unquantized inputs.
+  const float scale_log2 =
+      static_cast<float>(1.4426950408889634 / std::sqrt(128.0)) * (kScales[0] * kScales[1]);
+  std::vector<float> qf(tokens * q_width), kf(tokens * kv_width), vf(tokens * kv_width);
+  for (int64_t r = 0; r < tokens; ++r) {
+    for (int64_t j = 0; j < q_width; ++j)
+      qf[r * q_width + j] = BFloat16ToFloat(qkv[r * stride + j]);
+    for (int64_t j = 0; j < kv_width; ++j) {
+      kf[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + j]);
+      vf[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + kv_width + j]);
+    }
+  }
+  std::vector<float> exact(tokens * q_width);
+  TP_ASSERT_OK(CausalAttentionVarlen(qf.data(), kf.data(), vf.data(), tokens, c.q_heads, c.kv_heads,
+                                     kHd, cu, exact.data()));
+  double err_sq = 0, emu_sq = 0, exact_err_sq = 0, exact_sq = 0;
+  size_t outside = 0, checked = 0;
+  const double v_bound = 1.0;  // |v| <= 1
+  for (size_t s = 0; s < c.seqlens.size(); ++s) {
+    if (std::find(c.nan_seqs.begin(), c.nan_seqs.end(), static_cast<int32_t>(s)) !=
+        c.nan_seqs.end()) {
+      continue;
+    }
+    const int64_t begin = cu[s], len = c.seqlens[s];
+    for (int64_t h = 0; h < c.q_heads; ++h) {
+      const int64_t kvh = h / group;
+      for (int64_t i = 0; i < len; ++i) {
+        std::vector<double> scores(i + 1);
+        for (int64_t key = 0; key <= i; ++key) {
+          double dot = 0;
+          for (int64_t d = 0; d < kHd; ++d) {
+            dot += double(Fp8E4M3ToFloat(run.q8[(begin + i) * q_width + h * kHd + d])) *
+                   Fp8E4M3ToFloat(run.k8[(begin + key) * kv_width + kvh * kHd + d]);
+          }
+          scores[key] = dot;
+        }
+        double m = -INFINITY, l = 0;
+        std::vector<double> o(kHd, 0.0);
+        for (int64_t kv0 = 0; kv0 <= i; kv0 += 128) {
+          const int64_t kv1 = std::min<int64_t>(kv0 + 128, i + 1);
+          double tile_max = -INFINITY;
+          for (int64_t key = kv0; key < kv1; ++key) tile_max = std::max(tile_max, scores[key]);
+          const double new_m = std::max(m, tile_max);
+          const double base = new_m * scale_log2;
+          const double alpha = m == -INFINITY ? 0.0 : std::exp2(m * scale_log2 - base);
+          l *= alpha;
+          for (double& x : o) x *= alpha;
+          for (int64_t key = kv0; key < kv1; ++key) {
+            const double w = std::exp2(scores[key] * scale_log2 - base + 8);
+            l += w;
+            const double wr = Fp8E4M3ToFloat(FloatToFp8E4M3(static_cast<float>(w)));
+            for (int64_t d = 0; d < kHd; ++d) {
+              // V's codes, read through the layout checked above.
+              o[d] += wr * Fp8E4M3ToFloat(code(begin + key, q_width + kv_width + kvh * kHd + d, 2));
+            }
+          }
+          m = new_m;
+        }
+        for (int64_t d = 0; d < kHd; ++d) {
+          const double emu = o[d] / l * kScales[2];
+          const double gpu = BFloat16ToFloat(run.out[(begin + i) * q_width + h * kHd + d]);
+          const double ex = exact[(begin + i) * q_width + h * kHd + d];
+          ++checked;
+          outside +=
+              !(std::abs(gpu - emu) <= std::ldexp(std::abs(emu), -8) + std::ldexp(v_bound, -9));
+          err_sq += (gpu - emu) * (gpu - emu);
+          emu_sq += emu * emu;
+          exact_err_sq += (gpu - ex) * (gpu - ex);
+          exact_sq += ex * ex;
+        }
+      }
+    }
+  }
+  ASSERT_GT(checked, 0u) << what;
+  EXPECT_EQ(outside, 0u) << what << ": of " << checked << " outputs";
+  const double rel = std::sqrt(err_sq / emu_sq), rel_exact = std::sqrt(exact_err_sq / exact_sq);
+  EXPECT_LE(rel, 4e-3) << what << ": against the emulation";
+  EXPECT_LE(rel_exact, 5e-2) << what << ": against unquantized attention";
+  std::printf("%s: rel. difference %.2e to the emulation, %.2e to unquantized attention\n",
+              what.c_str(), rel, rel_exact);
+}
+
+TEST_F(GpuAttentionFp8Test, MatchesItsEmulationAndKeepsItsLayout) {
+  TP_SKIP_WITHOUT_GPU();
+  if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
+  // Lengths around the 16-key groups and 128-row tiles, an empty sequence, a single token.
+  CheckFp8Attention(stream(), {{1, 37, 0, 500, 129, 128, 127, 256, 255, 16, 17}, 32, 8}, 700);
+  CheckFp8Attention(stream(), {{40, 3}, 4, 4}, 701);
+  // An underestimated max_seqlen: the producer's and the kernel's blocks loop.
+  CheckFp8Attention(stream(), {{1500, 3}, 8, 2, /*max_seqlen=*/64}, 702);
+}
+
+TEST_F(GpuAttentionFp8Test, KeepsSequencesApart) {
+  TP_SKIP_WITHOUT_GPU();
+  if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
+  // NaN rows in the neighbours of each finite sequence: its last key tile reaches into their
+  // V^T columns, which must not reach its output through 0 * NaN.
+  CheckFp8Attention(stream(), {{37, 200, 130, 5}, 8, 2, 0, {1, 3}}, 710);
+}
+
+TEST_F(GpuAttentionFp8Test, RejectsBadInputs) {
+  TP_SKIP_WITHOUT_GPU();
+  AttentionParams p;
+  p.q_heads = 8;
+  p.kv_heads = 2;
+  p.head_dim = 64;
+  p.num_seqs = 1;
+  p.tokens = 10;
+  p.max_seqlen = 10;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.out_row_stride = 8 * 128;
+  Fp8AttentionInputs in;
+  const Status head_dim = LaunchCausalAttentionFp8(p, in, stream());
+  EXPECT_EQ(head_dim.code(), StatusCode::kUnimplemented) << head_dim.ToString();
+  if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
+  p.head_dim = kHd;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer buf, DeviceBuffer::Allocate(1 << 20, "buf"));
+  p.q = p.k = p.v = buf.as<BFloat16>();
+  p.out = buf.as<BFloat16>();
+  p.cu_seqlens = buf.as<int32_t>();
+  in.q = in.k = in.vt = buf.as<uint8_t>();
+  const Status no_scales = LaunchFp8AttentionInputs(p, in, stream());
+  EXPECT_EQ(no_scales.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_scales.message().find("scales"), std::string::npos) << no_scales.ToString();
+  in.scales = buf.as<float>();
+  in.vt_columns = Fp8AttentionVtColumns(p.tokens, p.num_seqs) - 16;
+  for (const Status& s :
+       {LaunchFp8AttentionInputs(p, in, stream()), LaunchCausalAttentionFp8(p, in, stream())}) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("vt_columns"), std::string::npos) << s.ToString();
+  }
+  in.vt_columns = Fp8AttentionVtColumns(p.tokens, p.num_seqs) + 8;
+  const Status unaligned = LaunchCausalAttentionFp8(p, in, stream());
+  EXPECT_NE(unaligned.message().find("multiple of 16"), std::string::npos) << unaligned.ToString();
+}
+
+}  // namespace
+}  // namespace tpserve
