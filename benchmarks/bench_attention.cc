@@ -3,7 +3,11 @@
 // inputs, as the model calls them (Q, K and V slices of one fused QKV buffer, BF16 output).
 // TFLOP/s count the causal half, 4 * len^2 / 2 * head_dim * heads per sequence, as
 // torch_model_compiled.py --attention-only counts SDPA's. The two kernels' outputs are
-// compared (relative Frobenius difference): a run whose kernels disagree fails.
+// compared (relative Frobenius difference): a run whose kernels disagree fails. With --fp8,
+// where the E4M3 kernel runs (engine/attention_fp8.h), it is timed too, twice: the attention
+// alone (wgmma_fp8) and with its producer (fp8_inputs+attn: quantizing Q, K and V, V
+// transposed), its output compared with the BF16 Hopper kernel's (reported, and held to
+// --max-fp8-rel-diff).
 // With --decode it times the decode attention kernel instead (LaunchPagedAttention, one query
 // row per sequence, as a generation step calls it) over a paged cache of each --kv-dtypes, each
 // batch against its bytes floor: the cache bytes it must read (K and V of every context token)
@@ -28,6 +32,7 @@
 #include "comm/cuda_check.h"
 #include "comm/cuda_resources.h"
 #include "comm/dtype.h"
+#include "engine/attention_fp8.h"
 #include "engine/attention_wgmma.h"
 #include "engine/cuda_ops.h"
 #include "engine/kv_cache.h"
@@ -45,6 +50,8 @@ struct Flags {
   int64_t heads = 32, kv_heads = 8, head_dim = 128;
   int warmup = 3, rounds = 20;
   double max_rel_diff = 1e-2;
+  bool fp8 = false;  // also the E4M3 kernel
+  double max_fp8_rel_diff = 6e-2;
   bool fp8_out = false;
   std::string out = "attention.json";
   bool decode = false;
@@ -112,15 +119,47 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
 
   std::vector<KernelRun> runs = {{"mma_sync", AttentionKernel::kMmaSync, {}}};
   if (WgmmaAttentionSupports(f.head_dim)) runs.push_back({"wgmma", AttentionKernel::kWgmma, {}});
+  // The E4M3 path: codes of q, k, v at one scale (their range is [-2, 2]).
+  const bool fp8 = f.fp8 && Fp8AttentionSupports(f.head_dim);
+  const int64_t vt_columns = Fp8AttentionVtColumns(tokens, b.seqs);
+  TP_ASSIGN_OR_RETURN(DeviceBuffer q8, DeviceBuffer::Allocate(tokens * q_width, "q8"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer k8, DeviceBuffer::Allocate(tokens * kv_width, "k8"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer vt8, DeviceBuffer::Allocate(kv_width * vt_columns, "vt8"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(3 * sizeof(float), "scales"));
+  const float qkv_scales[3] = {2.0f / 448, 2.0f / 448, 2.0f / 448};
+  TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), qkv_scales, sizeof qkv_scales,
+                                cudaMemcpyHostToDevice, stream));
+  Fp8AttentionInputs in;
+  in.q = q8.as<uint8_t>();
+  in.k = k8.as<uint8_t>();
+  in.vt = vt8.as<uint8_t>();
+  in.vt_columns = vt_columns;
+  in.scales = scales.as<float>();
+  std::vector<KernelRun> fp8_runs;
+  if (fp8)
+    fp8_runs = {{"wgmma_fp8", AttentionKernel::kWgmma, {}},
+                {"fp8_inputs+attn", AttentionKernel::kWgmma, {}}};
+
   std::vector<std::vector<uint16_t>> outputs;
-  for (KernelRun& r : runs) {
-    p.kernel = r.kernel;
-    for (int i = 0; i < f.warmup; ++i) TP_RETURN_IF_ERROR(LaunchCausalAttention(p, stream));
+  auto download = [&]() -> Status {
     std::vector<uint16_t> host(tokens * q_width);
     TP_CUDA_CHECK(
         cudaMemcpyAsync(host.data(), out.data(), host.size() * 2, cudaMemcpyDeviceToHost, stream));
     TP_CUDA_CHECK(cudaStreamSynchronize(stream));
     outputs.push_back(std::move(host));
+    return Status::Ok();
+  };
+  for (KernelRun& r : runs) {
+    p.kernel = r.kernel;
+    for (int i = 0; i < f.warmup; ++i) TP_RETURN_IF_ERROR(LaunchCausalAttention(p, stream));
+    TP_RETURN_IF_ERROR(download());
+  }
+  if (fp8) {
+    for (int i = 0; i < f.warmup; ++i) {
+      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(p, in, stream));
+      TP_RETURN_IF_ERROR(LaunchCausalAttentionFp8(p, in, stream));
+    }
+    TP_RETURN_IF_ERROR(download());
   }
   // Timed: BF16 out, or (--fp8-out) only the E4M3 codes, as the FP8 model's o input.
   if (f.fp8_out) {
@@ -140,11 +179,22 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
                           }));
       r.ms.push_back(ms);
     }
+    for (size_t i = 0; i < fp8_runs.size(); ++i) {
+      TP_ASSIGN_OR_RETURN(const double ms, TimeLaunchMs(stream, start, end, [&]() -> Status {
+                            if (i == 1) TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(p, in, stream));
+                            return LaunchCausalAttentionFp8(p, in, stream);
+                          }));
+      fp8_runs[i].ms.push_back(ms);
+    }
   }
   const double flops = static_cast<double>(b.seqs) * 4.0 * static_cast<double>(b.len) *
                        static_cast<double>(b.len) / 2 * static_cast<double>(f.head_dim * f.heads);
-  const double diff = outputs.size() > 1 ? RelDiff(outputs[1], outputs[0]) : 0.0;
+  const double diff = runs.size() > 1 ? RelDiff(outputs[1], outputs[0]) : 0.0;
   if (diff > f.max_rel_diff) agree = false;
+  // E4M3 against the BF16 Hopper kernel (codes of q, k, v and P rounded to E4M3).
+  const double fp8_diff = fp8 ? RelDiff(outputs.back(), outputs[runs.size() - 1]) : 0.0;
+  if (fp8_diff > f.max_fp8_rel_diff) agree = false;
+  for (KernelRun& r : fp8_runs) runs.push_back(std::move(r));
   for (const KernelRun& r : runs) {
     const double med = Median(r.ms);
     std::printf("%-8s %4ldx%-5ld %8.3f ms  %6.1f TFLOP/s (causal half)\n", r.name,
@@ -157,11 +207,16 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
                        {"times_ms", r.ms},
                        {"tflops", flops / (med / 1e3) / 1e12},
                        {"rel_diff_vs_mma_sync", diff},
+                       {"rel_diff_fp8_vs_wgmma", fp8_diff},
                        {"output", f.fp8_out ? "fp8" : "bf16"}});
   }
   if (outputs.size() > 1) {
     std::printf("         wgmma vs mma_sync: rel. Frobenius difference %.2e%s\n", diff,
                 diff > f.max_rel_diff ? "  ** over --max-rel-diff **" : "");
+  }
+  if (fp8) {
+    std::printf("         wgmma_fp8 vs wgmma: rel. Frobenius difference %.2e%s\n", fp8_diff,
+                fp8_diff > f.max_fp8_rel_diff ? "  ** over --max-fp8-rel-diff **" : "");
   }
   std::fflush(stdout);
   return Status::Ok();
@@ -349,6 +404,13 @@ int Main(int argc, char** argv) {
   app.add_option("--max-rel-diff", f.max_rel_diff,
                  "fail when the kernels' outputs differ by more (relative Frobenius)")
       ->capture_default_str();
+  app.add_flag("--fp8", f.fp8,
+               "also time the E4M3 attention (Q, K, V and P in E4M3; Hopper, head_dim 128), "
+               "alone and with the pass that quantizes its inputs");
+  app.add_option("--max-fp8-rel-diff", f.max_fp8_rel_diff,
+                 "fail when the E4M3 kernel's output differs from the BF16 Hopper kernel's by "
+                 "more (relative Frobenius; E4M3 q, k, v and P)")
+      ->capture_default_str();
   app.add_flag("--fp8-out", f.fp8_out,
                "time with the output as E4M3 codes only (out_fp8, as the FP8 model calls it) "
                "instead of BF16; the kernels are compared on BF16 either way (with --decode: "
@@ -462,7 +524,10 @@ int Main(int argc, char** argv) {
     }
   }
   if (!agree) {
-    spdlog::error("the kernels' outputs differ by more than --max-rel-diff {}", f.max_rel_diff);
+    spdlog::error(
+        "the kernels' outputs differ by more than --max-rel-diff {} (--max-fp8-rel-diff {} for "
+        "the E4M3 kernel)",
+        f.max_rel_diff, f.max_fp8_rel_diff);
     return 1;
   }
   return 0;
