@@ -8,6 +8,7 @@
 // prints the table. The CPU backend runs anywhere.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,7 @@ struct Flags {
   int outlier_exponent = 0;
   bool quiet = false;
   std::string backend = "cpu";
+  bool fp8_attention = false;
 };
 
 int Fail(const std::string& message) {
@@ -101,6 +103,10 @@ int Main(int argc, char** argv) {
                  "each prompt as one batch of its prefixes; in builds with CUDA)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  app.add_flag("--fp8-attention", f.fp8_attention,
+               "--backend cuda: the FP8 schemes' passes run attention in E4M3 too "
+               "(CudaModelOptions::fp8_attention; the BF16 reference keeps BF16 attention), so "
+               "against a run without it the table shows what E4M3 attention adds");
   app.add_flag("--quiet", f.quiet, "No progress lines on stderr (the table is still printed)");
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
@@ -126,11 +132,18 @@ int Main(int argc, char** argv) {
   o.outlier_exponent = f.outlier_exponent;
   if (f.backend == "cuda") {
 #if TPSERVE_WITH_CUDA
-    o.logits = CudaPromptLogits;
-    o.backend = "CUDA engine (engine/cuda_model.h), tp 1, one GPU";
+    o.logits = [fp8_attention = f.fp8_attention](const ModelConfig& c, const RankWeights& w,
+                                                 const Prompts& p,
+                                                 const std::function<void(size_t)>& progress) {
+      return CudaPromptLogits(c, w, p, progress, fp8_attention);
+    };
+    o.backend = std::string("CUDA engine (engine/cuda_model.h), tp 1, one GPU") +
+                (f.fp8_attention ? "; FP8 schemes with E4M3 attention" : "");
 #else
     return Fail("--backend cuda: this build has no CUDA backend (configure with CUDA)");
 #endif
+  } else if (f.fp8_attention) {
+    return Fail("--fp8-attention needs --backend cuda");
   }
   o.schemes.clear();
   for (const std::string& s : f.schemes) o.schemes.push_back(*ParseFp8Scheme(s));

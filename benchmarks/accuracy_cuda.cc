@@ -13,7 +13,8 @@ namespace tpserve {
 
 StatusOr<std::vector<float>> CudaPromptLogits(const ModelConfig& config, const RankWeights& weights,
                                               const Prompts& prompts,
-                                              const std::function<void(size_t done)>& progress) {
+                                              const std::function<void(size_t done)>& progress,
+                                              bool fp8_attention) {
   if (CudaDeviceCount() < 1) return FailedPreconditionError("the cuda backend needs a GPU");
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
@@ -21,6 +22,7 @@ StatusOr<std::vector<float>> CudaPromptLogits(const ModelConfig& config, const R
   o.max_seqs = std::max<int64_t>(longest, 1);
   o.max_tokens = std::max<int64_t>(longest * (longest + 1) / 2, 1);
   o.cuda_graphs = false;
+  o.fp8_attention = fp8_attention && weights.dtype == DataType::kFloat8E4M3;
   TP_ASSIGN_OR_RETURN(auto group, NcclThreadGroup::Create(1));
   std::vector<float> logits;
   TP_RETURN_IF_ERROR(group->Run([&](int rank) -> Status {

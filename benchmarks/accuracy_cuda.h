@@ -16,9 +16,12 @@ namespace tpserve {
 // makes the last row of prefix i position i of the prompt). Eager passes (no graphs), FP32
 // logits. The weights' FP8 schemes run as the engine runs them at tp 1 (per-tensor inputs
 // scaled per batch when the weights have no input scale: here one prompt's prefixes).
+// fp8_attention: FP8 weights' passes run attention in E4M3 (CudaModelOptions::fp8_attention;
+// BF16 weights' passes, the reference, keep BF16 attention).
 // Errors: the model's, naming the prompt; FAILED_PRECONDITION without a GPU.
 StatusOr<std::vector<float>> CudaPromptLogits(const ModelConfig& config, const RankWeights& weights,
                                               const Prompts& prompts,
-                                              const std::function<void(size_t done)>& progress);
+                                              const std::function<void(size_t done)>& progress,
+                                              bool fp8_attention = false);
 
 }  // namespace tpserve

@@ -64,6 +64,7 @@ struct Flags {
   bool dynamic_input_scales = false;        // FP8 inputs scaled per batch (CudaModelOptions)
   std::string scale_scheme = "per_tensor";  // FP8 scale scheme (CudaModelOptions)
   bool residual_in_norm = false;            // CudaModelOptions::residual_in_gemm off
+  bool fp8_attention = false;               // CudaModelOptions::fp8_attention
   float residual_gain = 1.0f;               // CudaModelOptions::residual_gain
   bool stages = false;                      // also where an eager pass spends its time
   double check_logits = -1;                 // >= 0: fail above this rel. difference from none
@@ -210,6 +211,9 @@ int Main(int argc, char** argv) {
                "adds it to the residual stream (CudaModelOptions::residual_in_gemm off, as at "
                "tp > 1), instead of adding into the residual stream in the GEMM's epilogue "
                "(recorded in the meta)");
+  app.add_flag("--fp8-attention", f.fp8_attention,
+               "Prefill attention in E4M3 (CudaModelOptions::fp8_attention: Q, K, V and the "
+               "probabilities as E4M3, scale 1; Hopper, head_dim 128; recorded in the meta)");
   app.add_flag("--eager", f.eager,
                "Run every pass eagerly (CudaModelOptions::cuda_graphs off) instead of replaying "
                "the bucket's CUDA graph: what the graph saves, or costs, per setting (recorded "
@@ -237,6 +241,11 @@ int Main(int argc, char** argv) {
     return 2;
   }
   if (f.layers > 0) config.num_hidden_layers = f.layers;
+  if (f.fp8_attention && config.head_dim() != 128) {
+    spdlog::error("--fp8-attention: {}'s head_dim is {}; the E4M3 attention takes 128", f.model,
+                  config.head_dim());
+    return 2;
+  }
   std::vector<BatchShape> shapes;
   int64_t max_tokens = 0, max_seqs = 0;
   for (const std::string& b : f.batches) {
@@ -291,6 +300,7 @@ int Main(int argc, char** argv) {
   options.time_passes = true;
   options.graph_blocks = f.graph_blocks;
   options.residual_in_gemm = !f.residual_in_norm;
+  options.fp8_attention = f.fp8_attention;
   options.residual_gain = f.residual_gain;
 
   // gpu_times[batch][setting]: rank 0's CudaModel::last_pass_ms of each round
@@ -395,6 +405,7 @@ int Main(int argc, char** argv) {
              {"cuda_graphs", !f.eager},
              {"graph_blocks", f.graph_blocks},
              {"residual_gain", f.residual_gain},
+             {"attention", f.fp8_attention ? "e4m3" : "bf16"},
              {"residual", f.residual_in_norm || f.tp > 1 ? "in_norm" : "in_gemm"}}},
            {"records", json::array()}};
   for (size_t b = 0; b < shapes.size(); ++b) {

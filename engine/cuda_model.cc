@@ -284,7 +284,12 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.q_heads = nh_l;
     at.kv_heads = nkv_l;
     at.head_dim = hd;
-    TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
+    if (fp8_attn_.q != nullptr) {
+      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(at, fp8_attn_, st));
+      TP_RETURN_IF_ERROR(LaunchCausalAttentionFp8(at, fp8_attn_, st));
+    } else {
+      TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
+    }
   }
   if (quantize_o) {
     TP_RETURN_IF_ERROR(QuantizeInput(attn_.as<BFloat16>(), m, nh_l * hd, lw.o, o->input(m)));

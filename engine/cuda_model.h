@@ -55,6 +55,7 @@
 
 #include "comm/cuda_resources.h"
 #include "comm/nccl_communicator.h"
+#include "engine/attention_fp8.h"
 #include "engine/cpu_model.h"
 #include "engine/kv_cache.h"
 #include "engine/model_config.h"
@@ -116,6 +117,11 @@ struct CudaModelOptions {
   // (x = bf16(x + bf16(product)), the CPU reference's rounding), as at tp > 1, where a
   // ReduceScatter's output cannot add into x.
   bool residual_in_gemm = true;
+  // Prefill passes (Forward) run attention in E4M3 (engine/attention_fp8.h): Q, K and V
+  // quantized with scale 1, as the E4M3 KV cache stores them (values saturate at +-448), and
+  // the probabilities rounded to E4M3 for P V. Hopper and head_dim 128 only (Create fails
+  // UNIMPLEMENTED elsewhere). Generation's prefill chunks attend over the paged cache as before.
+  bool fp8_attention = false;
   // The decode step's fusions, each on by default; off only to measure what one is worth
   // (tpserve-bench-decode --unfused). Off or on, a step's results are the same (bit for bit but
   // for cluster_merge, which changes the rounding of the splits' merge).
@@ -400,6 +406,10 @@ class CudaModel {
   // [max_m, heads/tp x head_dim], SwiGLU's BF16 output [max_m, I/tp].
   bool dynamic_inputs_ = false;
   DeviceBuffer amax_, attn_, act_;
+  // CudaModelOptions::fp8_attention: the E4M3 inputs of attention (views into fp8_attn_buf_,
+  // for max_m tokens in max_seqs + 1 sequences) and their unit scales.
+  DeviceBuffer fp8_attn_buf_;
+  Fp8AttentionInputs fp8_attn_;
   // Layers with per-channel or block-wise weights (Linear::fine): their inputs' scales, one
   // float per row or per 1x128 group of the largest input ([max_m x k_max / 128]).
   bool fine_inputs_ = false;

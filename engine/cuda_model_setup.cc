@@ -155,6 +155,29 @@ Status CudaModel::AllocateActivations() {
     TP_ASSIGN_OR_RETURN(attn_, Alloc(m * attn_n * 2, "attn"));
     TP_ASSIGN_OR_RETURN(act_, Alloc(m * inter_l * 2, "swiglu_out"));
   }
+  if (options_.fp8_attention) {
+    const int64_t hd = c.head_dim(), kv_n = c.num_key_value_heads / tp_ * hd;
+    if (!Fp8AttentionSupports(hd)) {
+      return UnimplementedError(
+          "CudaModelOptions::fp8_attention: E4M3 attention needs an sm_90a build, a compute "
+          "capability 9.0 GPU and head_dim 128 (this model's head_dim: " +
+          std::to_string(hd) + ")");
+    }
+    // [scales (256 bytes) | q | k | vt], each part 256-byte aligned.
+    auto round = [](int64_t b) { return (b + 255) / 256 * 256; };
+    const int64_t cols = Fp8AttentionVtColumns(m, seqs);
+    const int64_t q_bytes = round(m * attn_n), k_bytes = round(m * kv_n);
+    TP_ASSIGN_OR_RETURN(fp8_attn_buf_,
+                        Alloc(256 + q_bytes + k_bytes + kv_n * cols, "fp8_attention_inputs"));
+    auto* base = fp8_attn_buf_.as<uint8_t>();
+    const float unit[3] = {1.0f, 1.0f, 1.0f};
+    TP_CUDA_CHECK(cudaMemcpy(base, unit, sizeof unit, cudaMemcpyHostToDevice));
+    fp8_attn_.scales = reinterpret_cast<const float*>(base);
+    fp8_attn_.q = base + 256;
+    fp8_attn_.k = base + 256 + q_bytes;
+    fp8_attn_.vt = base + 256 + q_bytes + k_bytes;
+    fp8_attn_.vt_columns = cols;
+  }
   if (options_.kv_blocks > 0) TP_RETURN_IF_ERROR(AllocateGeneration());
   spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank_, tp_,
                layers_.size(), weight_bytes_ / 1048576.0, pool_->base().device());
@@ -397,9 +420,10 @@ GemmScaleScheme CudaModel::scale_scheme() const {
 size_t CudaModel::device_bytes() const {
   size_t total = weight_bytes_ + GenerationBytes();
   for (const DeviceBuffer* b :
-       {&rope_inv_freq_, &ids_, &positions_, &cu_seqlens_, &x_, &o_out_, &down_out_, &normed_,
-        &qkv_out_, &attn_, &gate_up_out_, &full_, &last_, &logits_local_, &logits_all_,
-        &logits_rows_, &amax_, &act_, &a_scales_}) {
+       {&rope_inv_freq_, &ids_,      &positions_, &cu_seqlens_,   &x_,
+        &o_out_,         &down_out_, &normed_,    &qkv_out_,      &attn_,
+        &gate_up_out_,   &full_,     &last_,      &logits_local_, &logits_all_,
+        &logits_rows_,   &amax_,     &act_,       &a_scales_,     &fp8_attn_buf_}) {
     total += b->size();
   }
   for (const auto& [key, layer] : linears_) total += layer->device_bytes();

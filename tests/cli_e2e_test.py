@@ -456,7 +456,8 @@ class BenchmarkUsageErrors(unittest.TestCase):
                 (["--model", "tiny", "--batches", "1x3000"], "LEN must be at most 2048"),
                 (["--batches", "300000x8192"], "SEQS x LEN at most 2147483647"),
                 (["--residual-gain", "0"], "--residual-gain"),
-                (["--residual-gain", "-0.5"], "--residual-gain")):
+                (["--residual-gain", "-0.5"], "--residual-gain"),
+                (["--model", "tiny", "--fp8-attention"], "tiny's head_dim is 64")):
             self.refused(BENCH_MODEL, args, says)
 
     def test_bench_decode(self):
