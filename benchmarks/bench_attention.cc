@@ -5,9 +5,10 @@
 // torch_model_compiled.py --attention-only counts SDPA's. The two kernels' outputs are
 // compared (relative Frobenius difference): a run whose kernels disagree fails. With --fp8,
 // where the E4M3 kernel runs (engine/attention_fp8.h), it is timed too, twice: the attention
-// alone (wgmma_fp8) and with its producer (fp8_inputs+attn: quantizing Q, K and V, V
-// transposed), its output compared with the BF16 Hopper kernel's (reported, and held to
-// --max-fp8-rel-diff).
+// alone (wgmma_fp8), and as the model's stage runs: RoPE and the BF16 Hopper kernel
+// (rope+wgmma) against the producer (rotating, quantizing Q, K and V, V transposed) and the E4M3
+// kernel (fp8_inputs+attn); its output (before any rotation) compared with the BF16 Hopper
+// kernel's (reported, and held to --max-fp8-rel-diff).
 // With --decode it times the decode attention kernel instead (LaunchPagedAttention, one query
 // row per sequence, as a generation step calls it) over a paged cache of each --kv-dtypes, each
 // batch against its bytes floor: the cache bytes it must read (K and V of every context token)
@@ -135,10 +136,32 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   in.vt = vt8.as<uint8_t>();
   in.vt_columns = vt_columns;
   in.scales = scales.as<float>();
+  // The stage as the model runs it: RoPE, then attention (BF16), or the producer rotating
+  // as it quantizes, then attention (E4M3). Positions count from each sequence's start.
+  std::vector<int32_t> positions_host(tokens);
+  for (int64_t t = 0; t < tokens; ++t) positions_host[t] = static_cast<int32_t>(t % b.len);
+  TP_ASSIGN_OR_RETURN(DeviceBuffer positions, DeviceBuffer::Allocate(tokens * 4, "positions"));
+  TP_CUDA_CHECK(cudaMemcpyAsync(positions.data(), positions_host.data(), tokens * 4,
+                                cudaMemcpyHostToDevice, stream));
+  RopeParams rope;
+  rope.q = qkv.as<BFloat16>();
+  rope.q_row_stride = stride;
+  rope.q_heads = f.heads;
+  rope.k = rope.q + q_width;
+  rope.k_row_stride = stride;
+  rope.kv_heads = f.kv_heads;
+  rope.head_dim = f.head_dim;
+  rope.positions = positions.as<int32_t>();
+  rope.rows = tokens;
+  rope.theta = 500000.0;
+  // wgmma_fp8: the E4M3 attention alone; rope+wgmma: RoPE and the BF16 Hopper kernel;
+  // fp8_inputs+attn: the producer with RoPE and the E4M3 attention.
   std::vector<KernelRun> fp8_runs;
-  if (fp8)
+  if (fp8) {
     fp8_runs = {{"wgmma_fp8", AttentionKernel::kWgmma, {}},
+                {"rope+wgmma", AttentionKernel::kWgmma, {}},
                 {"fp8_inputs+attn", AttentionKernel::kWgmma, {}}};
+  }
 
   std::vector<std::vector<uint16_t>> outputs;
   auto download = [&]() -> Status {
@@ -156,7 +179,7 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   }
   if (fp8) {
     for (int i = 0; i < f.warmup; ++i) {
-      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(p, in, stream));
+      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(p, in, nullptr, stream));
       TP_RETURN_IF_ERROR(LaunchCausalAttentionFp8(p, in, stream));
     }
     TP_RETURN_IF_ERROR(download());
@@ -181,7 +204,14 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
     }
     for (size_t i = 0; i < fp8_runs.size(); ++i) {
       TP_ASSIGN_OR_RETURN(const double ms, TimeLaunchMs(stream, start, end, [&]() -> Status {
-                            if (i == 1) TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(p, in, stream));
+                            if (i == 1) {  // rotates q and k in place: timing only
+                              TP_RETURN_IF_ERROR(LaunchRope(rope, stream));
+                              p.kernel = AttentionKernel::kWgmma;
+                              return LaunchCausalAttention(p, stream);
+                            }
+                            if (i == 2) {
+                              TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(p, in, &rope, stream));
+                            }
                             return LaunchCausalAttentionFp8(p, in, stream);
                           }));
       fp8_runs[i].ms.push_back(ms);
@@ -197,7 +227,7 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   for (KernelRun& r : fp8_runs) runs.push_back(std::move(r));
   for (const KernelRun& r : runs) {
     const double med = Median(r.ms);
-    std::printf("%-8s %4ldx%-5ld %8.3f ms  %6.1f TFLOP/s (causal half)\n", r.name,
+    std::printf("%-15s %4ldx%-5ld %8.3f ms  %6.1f TFLOP/s (causal half)\n", r.name,
                 static_cast<long>(b.seqs), static_cast<long>(b.len), med,
                 flops / (med / 1e3) / 1e12);
     records.push_back({{"kernel", r.name},

@@ -4,8 +4,9 @@
 # merged into one results file (benchmarks/results/attention-llama3-8b-tp1.json).
 #   COMMIT=<sha> bash benchmarks/run_attention_bench.sh
 # Knobs: SHAPES ("1x8192 8x1024 64x128 1x16384"), ROUNDS (20), OUT_FILE, TIMEOUT (s, per step).
-# A third run adds the E4M3 kernel's rows (--fp8: the attention alone, and with the pass that
-# quantizes its inputs); if that run fails (its output too far from the BF16 kernel's), the
+# A third run adds the E4M3 kernel's rows (--fp8: the attention alone, and the stage as the
+# model runs it: RoPE + BF16 kernel against the pass that rotates and quantizes + E4M3 kernel);
+# if that run fails (its output too far from the BF16 kernel's), the
 # file records it under meta.fp8_failed and keeps the other rows.
 # Heads are llama3-8b's (32 query, 8 KV, head_dim 128). The peer runs without .gpu/env.sh's
 # LD_LIBRARY_PATH (the host's system cuDNN would shadow torch's).
@@ -37,7 +38,7 @@ sdpa = json.load(open(out + "/attention-sdpa.json"))
 e4m3 = []
 if fp8_failed == "0":
     e4m3 = [r for r in json.load(open(out + "/attention-e4m3.json"))["records"]
-            if r["kernel"] in ("wgmma_fp8", "fp8_inputs+attn")]
+            if r["kernel"] in ("wgmma_fp8", "rope+wgmma", "fp8_inputs+attn")]
 meta = dict(bf16["meta"], commit=commit, torch=sdpa["meta"].get("torch"),
             fp8_failed=fp8_failed != "0")
 doc = {"meta": meta, "tpserve": bf16["records"] + fp8["records"] + e4m3,

@@ -1,10 +1,11 @@
 // The E4M3 attention's producer and checks (engine/attention_fp8.h); the attention kernel is
 // engine/attention_wgmma.cu's, its launcher in engine/attention.cu. Plain CUDA C++17.
 //
-// A block takes one (sequence, KV head) and 64 rows of it at a time: the Q rows of the KV
-// head's query heads and its K rows are quantized in place (row-major in, row-major out), and
-// its V rows go through shared memory to be written transposed, a thread writing 32
-// consecutive codes (two 16-key groups) of one dim.
+// A block takes one (sequence, KV head) and 32 rows of it at a time: the Q rows of the KV
+// head's query heads and its K rows are quantized in place (row-major in, row-major out; with
+// RoPE each pair rotated first, its angles computed once a row for the block's heads), and its
+// V rows go through shared memory to be written transposed, a thread writing one 16-key group
+// (16 consecutive codes) of one dim.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "engine/attention_wgmma.h"
 #include "engine/device_math.cuh"
 #include "engine/launch_checks.h"
+#include "engine/rope.cuh"
 #include "layers/fp8_divide.cuh"
 
 namespace tpserve {
@@ -25,14 +27,19 @@ using namespace device;
 using namespace launch_checks;
 
 constexpr int kHeadDim = 128;
-constexpr int kRows = 64;  // rows of a sequence a block takes at a time
+constexpr int kRows = 32;  // rows of a sequence a block takes at a time: two 16-key groups
 constexpr int kProducerThreads = 256;
 
-// Eight BF16 values (raw bits) as E4M3 codes of value / d.scale, the first in the low byte.
+// Where the producer finds RoPE's angles (LaunchFp8AttentionInputs' rope).
+struct RopeArgs {
+  const int32_t* positions = nullptr;
+  const double* inv_freq = nullptr;
+  double theta = 0;
+};
+
+// Eight floats as E4M3 codes of value / d.scale, the first in the low byte.
 template <bool kFast>
-__device__ __forceinline__ uint2 QuantizeBf16x8(const uint4& raw, const Fp8Divisor& d) {
-  float f[8];
-  UnpackBf16x8(raw, f);
+__device__ __forceinline__ uint2 QuantizeFloat8(const float (&f)[8], const Fp8Divisor& d) {
   uint32_t w[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -42,39 +49,33 @@ __device__ __forceinline__ uint2 QuantizeBf16x8(const uint4& raw, const Fp8Divis
   return make_uint2(w[0], w[1]);
 }
 
-template <bool kFast>
+// One block: (sequence blockIdx.x, KV head blockIdx.z), rows in chunks of kRows.
+template <bool kFast, bool kRope>
 __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8AttentionInputs& in,
-                                             const Fp8Divisor (&div)[3], int seq, int begin,
-                                             int len, uint16_t (*v_tile)[kHeadDim]) {
+                                             const RopeArgs& rope, const Fp8Divisor (&div)[3],
+                                             int seq, int begin, int len,
+                                             float2 (*angles)[kHeadDim / 2],
+                                             uint16_t (*v_tile)[kHeadDim]) {
   const int kv_head = static_cast<int>(blockIdx.z);
   const int group = static_cast<int>(p.q_heads / p.kv_heads);
   const int64_t q_width = p.q_heads * kHeadDim, kv_width = p.kv_heads * kHeadDim;
   const int vt0 = Fp8VtBegin(begin, seq);
-  uint8_t* vt = in.vt + static_cast<int64_t>(kv_head) * kHeadDim * in.vt_columns;
+  const int tid = static_cast<int>(threadIdx.x);
   const auto* q = reinterpret_cast<const uint16_t*>(p.q);
   const auto* k = reinterpret_cast<const uint16_t*>(p.k);
   const auto* v = reinterpret_cast<const uint16_t*>(p.v);
   for (int c0 = static_cast<int>(blockIdx.y) * kRows; c0 < len;
        c0 += static_cast<int>(gridDim.y) * kRows) {
     const int rows = min(kRows, len - c0);
-    // Q of the group's heads, then K: 16 vectors of 8 a head row.
-    const int vecs = (group + 1) * 16;
-    for (int i = static_cast<int>(threadIdx.x); i < rows * vecs; i += kProducerThreads) {
-      const int r = i / vecs, vec = i - r * vecs;
-      const int h = vec >> 4, col = (vec & 15) * 8;
-      const int64_t row = begin + c0 + r;
-      if (h < group) {
-        const int64_t c = int64_t{kv_head * group + h} * kHeadDim + col;
-        const uint4 x = *reinterpret_cast<const uint4*>(q + row * p.q_row_stride + c);
-        *reinterpret_cast<uint2*>(in.q + row * q_width + c) = QuantizeBf16x8<kFast>(x, div[0]);
-      } else {
-        const int64_t c = int64_t{kv_head} * kHeadDim + col;
-        const uint4 x = *reinterpret_cast<const uint4*>(k + row * p.k_row_stride + c);
-        *reinterpret_cast<uint2*>(in.k + row * kv_width + c) = QuantizeBf16x8<kFast>(x, div[1]);
+    if constexpr (kRope) {  // the chunk's angles, each once for the heads of the block
+      for (int i = tid; i < rows * (kHeadDim / 2); i += kProducerThreads) {
+        const int r = i / (kHeadDim / 2), pair = i % (kHeadDim / 2);
+        angles[r][pair] =
+            RopeCosSin(rope.positions[begin + c0 + r], pair, kHeadDim, rope.inv_freq, rope.theta);
       }
     }
     // V's rows into shared memory, zeros past the sequence (the last group's empty slots).
-    for (int i = static_cast<int>(threadIdx.x); i < kRows * 16; i += kProducerThreads) {
+    for (int i = tid; i < kRows * 16; i += kProducerThreads) {
       const int r = i >> 4, col = (i & 15) * 8;
       uint4 x = make_uint4(0, 0, 0, 0);
       if (r < rows) {
@@ -84,34 +85,61 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
       *reinterpret_cast<uint4*>(&v_tile[r][col]) = x;
     }
     __syncthreads();
-    // V^T: dim d, groups 2 half and 2 half + 1 of these 64 keys; a warp reads one key row's
-    // 32 consecutive dims at a time.
-    const int d = static_cast<int>(threadIdx.x) & (kHeadDim - 1);
-    const int half = static_cast<int>(threadIdx.x) >> 7;
-    uint8_t* dst = vt + static_cast<int64_t>(d) * in.vt_columns + vt0 + c0;
+    // Q of the group's heads, then K: a thread takes dims 8j .. 8j + 7 and their RoPE
+    // partners 64 + 8j .. of one head row (8 such pairs of vectors a row).
+    const int items = (group + 1) * 8;
+    for (int i = tid; i < rows * items; i += kProducerThreads) {
+      const int r = i / items, item = i - r * items;
+      const int h = item >> 3, j = (item & 7) * 8;
+      const int64_t row = begin + c0 + r;
+      const bool is_q = h < group;
+      const int64_t col = (is_q ? int64_t{kv_head * group + h} : int64_t{kv_head}) * kHeadDim + j;
+      const uint16_t* src = is_q ? q + row * p.q_row_stride + col : k + row * p.k_row_stride + col;
+      float x[8], y[8];
+      UnpackBf16x8(*reinterpret_cast<const uint4*>(src), x);
+      UnpackBf16x8(*reinterpret_cast<const uint4*>(src + kHeadDim / 2), y);
+      if constexpr (kRope) {  // rotated and rounded to BF16, as LaunchRope writes them
 #pragma unroll
-    for (int gi = 0; gi < 2; ++gi) {
-      const int g = 2 * half + gi;
-      if (c0 + 16 * g >= len) break;
+        for (int e = 0; e < 8; ++e) {
+          float rx, ry;
+          RotatePair(x[e], y[e], angles[r][j + e], &rx, &ry);
+          x[e] = Bf16ToFloat(FloatToBf16(rx));
+          y[e] = Bf16ToFloat(FloatToBf16(ry));
+        }
+      }
+      const Fp8Divisor d = is_q ? div[0] : div[1];
+      uint8_t* dst = is_q ? in.q + row * q_width + col : in.k + row * kv_width + col;
+      *reinterpret_cast<uint2*>(dst) = QuantizeFloat8<kFast>(x, d);
+      *reinterpret_cast<uint2*>(dst + kHeadDim / 2) = QuantizeFloat8<kFast>(y, d);
+    }
+    // V^T: dim d, group g of these 32 keys (16 consecutive codes); a warp reads one key row's
+    // 32 consecutive dims at a time.
+    const int d = tid & (kHeadDim - 1), g = tid >> 7;
+    if (c0 + 16 * g < len) {
       uint32_t w[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float f[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 4; ++i) {
           f[i] = Bf16ToFloat(v_tile[16 * g + Fp8VtKeyAtSlot(4 * j + i)][d]);
+        }
         w[j] = QuantizeToE4M3x2<kFast>(f[0], f[1], div[2]) |
                (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[2], f[3], div[2])) << 16);
       }
-      *reinterpret_cast<uint4*>(dst + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
+      uint8_t* dst = in.vt + (int64_t{kv_head} * kHeadDim + d) * in.vt_columns + vt0 + c0 + 16 * g;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
     }
     __syncthreads();
   }
 }
 
+template <bool kRope>
 __global__ void __launch_bounds__(kProducerThreads)
-    Fp8AttentionInputsKernel(AttentionParams p, Fp8AttentionInputs in) {
+    Fp8AttentionInputsKernel(AttentionParams p, Fp8AttentionInputs in, RopeArgs rope) {
+  static_assert(kProducerThreads == 2 * kHeadDim && kRows == 32, "a thread per V^T dim and group");
   __shared__ __align__(16) uint16_t v_tile[kRows][kHeadDim];
+  __shared__ float2 angles[kRope ? kRows : 1][kHeadDim / 2];
   const int seq = static_cast<int>(blockIdx.x);
   const int tokens = static_cast<int>(p.tokens);
   int begin = p.cu_seqlens[seq];
@@ -121,9 +149,9 @@ __global__ void __launch_bounds__(kProducerThreads)
   const Fp8Divisor div[3] = {MakeFp8Divisor(in.scales[0]), MakeFp8Divisor(in.scales[1]),
                              MakeFp8Divisor(in.scales[2])};
   if (div[0].inv != 0.0f && div[1].inv != 0.0f && div[2].inv != 0.0f) {
-    QuantizeRows<true>(p, in, div, seq, begin, end - begin, v_tile);
+    QuantizeRows<true, kRope>(p, in, rope, div, seq, begin, end - begin, angles, v_tile);
   } else {
-    QuantizeRows<false>(p, in, div, seq, begin, end - begin, v_tile);
+    QuantizeRows<false, kRope>(p, in, rope, div, seq, begin, end - begin, angles, v_tile);
   }
 }
 
@@ -155,24 +183,39 @@ Status CheckFp8AttentionInputs(const char* params, const AttentionParams& p,
 }
 
 Status LaunchFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInputs& in,
-                                cudaStream_t stream) {
+                                const RopeParams* rope, cudaStream_t stream) {
   TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, true, false, stream));
   TP_RETURN_IF_ERROR(CheckFp8AttentionInputs("AttentionParams", p, in));
+  RopeArgs angles;
+  if (rope != nullptr) {
+    TP_RETURN_IF_ERROR(CheckRope(*rope));
+    if (rope->rows != p.tokens || rope->head_dim != p.head_dim || rope->positions == nullptr) {
+      return InvalidArgumentError(
+          "RopeParams for LaunchFp8AttentionInputs: rows (" + std::to_string(rope->rows) +
+          ") and head_dim (" + std::to_string(rope->head_dim) +
+          ") must be the attention's tokens and head_dim, and positions set");
+    }
+    angles = RopeArgs{rope->positions, rope->inv_freq, rope->theta};
+  }
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
-  // grid.y: 64-row chunks of the average sequence (blocks loop over longer ones), within the
+  if (p.kv_heads > kMaxGridY) {
+    return BadField("AttentionParams", "kv_heads", p.kv_heads, "must be at most 65535");
+  }
+  // grid.y: chunks of the average sequence (blocks loop over longer ones), within the
   // longest's; a bucket's max_seqlen is its whole size, and a block per chunk of that for every
   // sequence of a batch of many short ones would mostly find nothing to do.
   const int64_t longest = std::min(p.max_seqlen, p.tokens);
   const int64_t average = (p.tokens + p.num_seqs - 1) / p.num_seqs;
   const int64_t chunks =
       std::min({(average + kRows - 1) / kRows, (longest + kRows - 1) / kRows, kMaxGridY});
-  if (p.kv_heads > kMaxGridY) {
-    return BadField("AttentionParams", "kv_heads", p.kv_heads, "must be at most 65535");
-  }
   const dim3 grid(static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(std::max<int64_t>(1, chunks)),
                   static_cast<unsigned>(p.kv_heads));
-  Fp8AttentionInputsKernel<<<grid, kProducerThreads, 0, stream>>>(p, in);
+  if (rope != nullptr) {
+    Fp8AttentionInputsKernel<true><<<grid, kProducerThreads, 0, stream>>>(p, in, angles);
+  } else {
+    Fp8AttentionInputsKernel<false><<<grid, kProducerThreads, 0, stream>>>(p, in, angles);
+  }
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

@@ -45,8 +45,12 @@ bool Fp8AttentionSupports(int64_t head_dim);
 // Writes `in` from p.q, p.k, p.v (BF16, p's strides), p.cu_seqlens, num_seqs, tokens,
 // max_seqlen (sizes the grid; an underestimate is slower, still correct), q_heads, kv_heads,
 // head_dim. Validated as LaunchCausalAttention validates them, plus `in`'s fields.
+// rope (optional): p.q and p.k are not yet rotated; the launch rotates them as LaunchRope
+// with rope's positions, inv_freq and theta would (checked as LaunchRope checks them; rows
+// must be p.tokens and head_dim p.head_dim), each rotated value rounded to BF16 before it is
+// quantized, so the codes are those of LaunchRope's output. p.q and p.k are not written.
 Status LaunchFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInputs& in,
-                                cudaStream_t stream);
+                                const RopeParams* rope, cudaStream_t stream);
 
 // Causal attention over `in` (written by LaunchFp8AttentionInputs for the same cu_seqlens):
 // p's out / out_fp8 / out_amax, cu_seqlens, num_seqs, tokens, max_seqlen, q_heads, kv_heads and

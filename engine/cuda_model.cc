@@ -236,7 +236,9 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     rope_in_attention = options_.decode_fusions.rope_in_attention && m <= kRopeInAttentionMaxRows &&
                         PagedAttentionTakesRope(PagedParams(l, m, seq_slots, qkv_y));
   }
-  if (!rope_in_attention) TP_RETURN_IF_ERROR(LaunchRope(rope, st));
+  // A prefill pass with E4M3 attention rotates q and k in the pass that quantizes them.
+  const bool fp8_attention = !stepping_ && fp8_attn_.q != nullptr;
+  if (!rope_in_attention && !fp8_attention) TP_RETURN_IF_ERROR(LaunchRope(rope, st));
   TP_RETURN_IF_ERROR(Mark("rope"));
 
   // FP8: o's input staged as BF16 in attn_, then QuantizeInput (dynamic or fine scales, or a
@@ -284,8 +286,8 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.q_heads = nh_l;
     at.kv_heads = nkv_l;
     at.head_dim = hd;
-    if (fp8_attn_.q != nullptr) {
-      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(at, fp8_attn_, st));
+    if (fp8_attention) {
+      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(at, fp8_attn_, &rope, st));
       TP_RETURN_IF_ERROR(LaunchCausalAttentionFp8(at, fp8_attn_, st));
     } else {
       TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));

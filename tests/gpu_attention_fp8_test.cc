@@ -95,7 +95,7 @@ void RunFp8(cudaStream_t stream, const Fp8Case& c, const std::vector<BFloat16>& 
   in.vt = vt.as<uint8_t>();
   in.vt_columns = run.vt_columns;
   in.scales = d_scales.as<float>();
-  TP_ASSERT_OK(LaunchFp8AttentionInputs(p, in, stream));
+  TP_ASSERT_OK(LaunchFp8AttentionInputs(p, in, nullptr, stream));
   TP_ASSERT_OK(LaunchCausalAttentionFp8(p, in, stream));
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   TP_ASSERT_OK_AND_ASSIGN(run.q8, Download<uint8_t>(q8.data(), tokens * q_width));
@@ -275,19 +275,123 @@ TEST_F(GpuAttentionFp8Test, RejectsBadInputs) {
   p.out = buf.as<BFloat16>();
   p.cu_seqlens = buf.as<int32_t>();
   in.q = in.k = in.vt = buf.as<uint8_t>();
-  const Status no_scales = LaunchFp8AttentionInputs(p, in, stream());
+  const Status no_scales = LaunchFp8AttentionInputs(p, in, nullptr, stream());
   EXPECT_EQ(no_scales.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(no_scales.message().find("scales"), std::string::npos) << no_scales.ToString();
   in.scales = buf.as<float>();
   in.vt_columns = Fp8AttentionVtColumns(p.tokens, p.num_seqs) - 16;
-  for (const Status& s :
-       {LaunchFp8AttentionInputs(p, in, stream()), LaunchCausalAttentionFp8(p, in, stream())}) {
+  for (const Status& s : {LaunchFp8AttentionInputs(p, in, nullptr, stream()),
+                          LaunchCausalAttentionFp8(p, in, stream())}) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find("vt_columns"), std::string::npos) << s.ToString();
   }
   in.vt_columns = Fp8AttentionVtColumns(p.tokens, p.num_seqs) + 8;
   const Status unaligned = LaunchCausalAttentionFp8(p, in, stream());
   EXPECT_NE(unaligned.message().find("multiple of 16"), std::string::npos) << unaligned.ToString();
+  // RoPE's rows must be the attention's tokens.
+  in.vt_columns = Fp8AttentionVtColumns(p.tokens, p.num_seqs);
+  RopeParams rope;
+  rope.q = buf.as<BFloat16>();
+  rope.q_row_stride = 8 * 128;
+  rope.q_heads = 8;
+  rope.head_dim = kHd;
+  rope.positions = buf.as<int32_t>();
+  rope.rows = p.tokens + 1;
+  const Status rows = LaunchFp8AttentionInputs(p, in, &rope, stream());
+  EXPECT_EQ(rows.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(rows.message().find("rows"), std::string::npos) << rows.ToString();
+}
+
+// RoPE inside the producer: the codes of LaunchRope's output, bit for bit (Llama 3.1's
+// scaled frequencies, positions that restart with each sequence).
+TEST_F(GpuAttentionFp8Test, RotatesAsLaunchRopeDoes) {
+  TP_SKIP_WITHOUT_GPU();
+  if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
+  const std::vector<int32_t> seqlens = {300, 1, 77};
+  const int64_t q_heads = 8, kv_heads = 2, q_width = q_heads * kHd, kv_width = kv_heads * kHd;
+  const int64_t stride = q_width + 2 * kv_width;
+  std::vector<int32_t> cu{0}, positions;
+  for (int32_t len : seqlens) {
+    cu.push_back(cu.back() + len);
+    for (int32_t i = 0; i < len; ++i) positions.push_back(i + 5);
+  }
+  const int64_t tokens = cu.back();
+  const std::vector<BFloat16> qkv = RandomBf16(tokens * stride, -3.0f, 3.0f, 720);
+  std::vector<double> inv_freq(kHd / 2);
+  for (int64_t i = 0; i < kHd / 2; ++i) {
+    inv_freq[i] = std::pow(500000.0, -2.0 * i / kHd) / (i < 20 ? 1.0 : 8.0);
+  }
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_rotated, Upload(qkv, "qkv rotated"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu, "cu_seqlens"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_pos, Upload(positions, "positions"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_freq, Upload(inv_freq, "inv_freq"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scales,
+                          Upload(std::vector<float>(kScales, kScales + 3), "scales"));
+  const int64_t cols = Fp8AttentionVtColumns(tokens, 3);
+  std::vector<DeviceBuffer> codes;
+  for (int run = 0; run < 2; ++run) {
+    for (int64_t bytes : {tokens * q_width, tokens * kv_width, kv_width * cols}) {
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b,
+                              PoisonedBuffer(DataType::kFloat8E4M3, bytes, "codes", stream()));
+      codes.push_back(std::move(b));
+    }
+  }
+  auto params = [&](const DeviceBuffer& qkv_buf) {
+    AttentionParams p;
+    p.q = qkv_buf.as<BFloat16>();
+    p.k = p.q + q_width;
+    p.v = p.q + q_width + kv_width;
+    p.q_row_stride = p.k_row_stride = p.v_row_stride = stride;
+    p.cu_seqlens = d_cu.as<int32_t>();
+    p.num_seqs = 3;
+    p.tokens = tokens;
+    p.max_seqlen = 300;
+    p.q_heads = q_heads;
+    p.kv_heads = kv_heads;
+    p.head_dim = kHd;
+    return p;
+  };
+  auto inputs = [&](int run) {
+    Fp8AttentionInputs in;
+    in.q = codes[3 * run].as<uint8_t>();
+    in.k = codes[3 * run + 1].as<uint8_t>();
+    in.vt = codes[3 * run + 2].as<uint8_t>();
+    in.vt_columns = cols;
+    in.scales = d_scales.as<float>();
+    return in;
+  };
+  RopeParams rope;
+  rope.q = d_rotated.as<BFloat16>();
+  rope.q_row_stride = stride;
+  rope.q_heads = q_heads;
+  rope.k = rope.q + q_width;
+  rope.k_row_stride = stride;
+  rope.kv_heads = kv_heads;
+  rope.head_dim = kHd;
+  rope.positions = d_pos.as<int32_t>();
+  rope.rows = tokens;
+  rope.inv_freq = d_freq.as<double>();
+  TP_ASSERT_OK(LaunchRope(rope, stream()));  // run 0: rotated first, then quantized
+  TP_ASSERT_OK(LaunchFp8AttentionInputs(params(d_rotated), inputs(0), nullptr, stream()));
+  rope.q = d_qkv.as<BFloat16>();  // run 1: rotated inside the producer
+  rope.k = rope.q + q_width;
+  TP_ASSERT_OK(LaunchFp8AttentionInputs(params(d_qkv), inputs(1), &rope, stream()));
+  ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);
+  const char* names[3] = {"q", "k", "vt"};
+  for (int i = 0; i < 3; ++i) {
+    const size_t n = codes[i].size();
+    TP_ASSERT_OK_AND_ASSIGN(auto a, Download<uint8_t>(codes[i].data(), n));
+    TP_ASSERT_OK_AND_ASSIGN(auto b, Download<uint8_t>(codes[3 + i].data(), n));
+    size_t differ = 0;
+    for (size_t j = 0; j < n; ++j) differ += a[j] != b[j];
+    EXPECT_EQ(differ, 0u) << names[i] << ": of " << n << " codes";
+  }
+  // The producer left its input unrotated.
+  TP_ASSERT_OK_AND_ASSIGN(auto after, Download<BFloat16>(d_qkv.data(), qkv.size()));
+  size_t written = 0;
+  for (size_t j = 0; j < qkv.size(); ++j) written += after[j].bits != qkv[j].bits;
+  EXPECT_EQ(written, 0u);
 }
 
 }  // namespace
