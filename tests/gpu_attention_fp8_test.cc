@@ -7,7 +7,9 @@
 // 4e-3 in relative Frobenius norm. A probability paired with the wrong key's value (a layout
 // slip), a scale left out or a tile's weights mis-scaled each move the output by percents.
 // Against attention on the unquantized BF16 inputs the bound is 5 % (the E4M3 rounding of
-// q, k, v and P). Skips without a Hopper GPU and an sm_90a build.
+// q, k, v and P). The producer's RoPE gives LaunchRope's codes bit for bit, and the engine's
+// logits with E4M3 attention stay near BF16 attention's (the last test says how near).
+// Skips without a Hopper GPU and an sm_90a build.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -20,10 +22,14 @@
 
 #include "comm/cuda_resources.h"
 #include "comm/dtype.h"
+#include "comm/nccl_thread_group.h"
 #include "comm/status.h"
 #include "engine/attention_fp8.h"
 #include "engine/cpu_ops.h"
+#include "engine/cuda_model.h"
 #include "engine/cuda_ops.h"
+#include "engine/model_weights.h"
+#include "engine/token_batch.h"
 #include "layers/fp8.h"
 #include "layers/quantize_kernels.h"
 #include "tests/gpu_test_util.h"
@@ -392,6 +398,52 @@ TEST_F(GpuAttentionFp8Test, RotatesAsLaunchRopeDoes) {
   size_t written = 0;
   for (size_t j = 0; j < qkv.size(); ++j) written += after[j].bits != qkv[j].bits;
   EXPECT_EQ(written, 0u);
+}
+
+// The engine with CudaModelOptions::fp8_attention at tp 1 (a 2-layer model of head_dim 128,
+// random FP8 weights): graph replay equal to the eager pass bit for bit, and the logits near
+// those of BF16 attention (relative Frobenius <= 5e-2, every top-1 equal outside near-ties:
+// tests/gpu_test_util.h's Compare), while the two sets differ (the E4M3 path ran).
+TEST_F(GpuAttentionFp8Test, ModelLogitsStayNearBf16Attention) {
+  TP_SKIP_WITHOUT_GPU();
+  if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
+  ModelConfig c = *ModelPreset("tiny");
+  c.num_attention_heads = c.hidden_size / kHd;  // head_dim 128
+  c.num_key_value_heads = c.num_attention_heads / 2;
+  ASSERT_EQ(c.head_dim(), kHd);
+  ASSERT_TRUE(c.ValidateForTp(1).ok());
+  auto batch = PackSequences(
+      {std::vector<int32_t>(300, 3), {1, 2, 3, 4, 5}, std::vector<int32_t>(129, 0), {7}},
+      c.vocab_size, c.max_position_embeddings);
+  ASSERT_TRUE(batch.ok()) << batch.status().ToString();
+  for (int64_t i = 0; i < batch->tokens(); ++i) batch->ids[i] = (i * 7919 + 13) % c.vocab_size;
+  TP_ASSERT_OK_AND_ASSIGN(auto group, NcclThreadGroup::Create(1));
+  TP_ASSERT_OK_AND_ASSIGN(RankWeights w, MakeRandomRankWeights(c, DataType::kFloat8E4M3, 1, 0, 5));
+  std::vector<float> bf16, eager, replay;
+  for (int run = 0; run < 3; ++run) {
+    const Status s = group->Run([&](int rank) -> Status {
+      CudaModelOptions o;
+      o.max_tokens = 512;
+      o.max_seqs = 4;
+      o.buckets = {512};
+      o.fp8_attention = run > 0;
+      o.cuda_graphs = run == 2;
+      TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group->pool(rank), o));
+      for (int pass = 0; pass < (run == 2 ? 2 : 1); ++pass) {  // capture, then replay
+        TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(*batch));
+        (run == 0 ? bf16 : run == 1 ? eager : replay) = std::move(logits);
+      }
+      return model->Close();
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  ASSERT_EQ(eager.size(), bf16.size());
+  EXPECT_EQ(replay, eager) << "graph replay differs from the eager pass";
+  EXPECT_NE(eager, bf16) << "E4M3 attention gave BF16 attention's logits bit for bit";
+  const Comparison cmp = Compare(eager, bf16, batch->sequences(), c.vocab_size);
+  EXPECT_LE(cmp.rel_frobenius, 5e-2);
+  EXPECT_EQ(cmp.top1_mismatches, 0);
+  std::printf("[ model    ] E4M3 against BF16 attention: rel_frobenius %.3g\n", cmp.rel_frobenius);
 }
 
 }  // namespace
