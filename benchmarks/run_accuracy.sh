@@ -14,9 +14,11 @@
 # tool's progress in accuracy*.log. Environment: PYTHON (python3), COMMIT (recorded in the
 # JSON; default: git rev-parse HEAD, else unknown), NUM_PROMPTS (8), PROMPT_LEN (128),
 # OUTLIER_EXPONENT (14), CKPT_TIMEOUT_S (900), TOOL_TIMEOUT_S (1800), BACKEND (cpu; cuda: the
-# CUDA engine computes every model's logits, tpserve-accuracy --backend cuda).
+# CUDA engine computes every model's logits, tpserve-accuracy --backend cuda), HEAD_DIM (64; 128
+# for the E4M3 attention), FP8_ATTENTION (0; 1 with BACKEND=cuda and HEAD_DIM=128: the FP8
+# schemes' passes run attention in E4M3, tpserve-accuracy --fp8-attention).
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 out=$1
 bin=${2:-${TPSERVE_BIN_DIR:-.gpu/bin}}
 python=${PYTHON:-python3}
@@ -25,6 +27,9 @@ num_prompts=${NUM_PROMPTS:-8}
 prompt_len=${PROMPT_LEN:-128}
 exponent=${OUTLIER_EXPONENT:-14}
 backend=${BACKEND:-cpu}
+head_dim=${HEAD_DIM:-64}
+attention=()
+[ "${FP8_ATTENTION:-0}" != 1 ] || attention=(--fp8-attention)
 ckpt_timeout=${CKPT_TIMEOUT_S:-900}
 tool_timeout=${TOOL_TIMEOUT_S:-1800}
 [ -x "$bin/tpserve-accuracy" ] || { echo "no tpserve-accuracy in $bin (set TPSERVE_BIN_DIR or pass BIN_DIR)" >&2; exit 1; }
@@ -34,7 +39,7 @@ trap 'rm -rf "$work"' EXIT
 ckpt="$work/llama31-medium"
 
 echo "== writing the checkpoint with transformers into $ckpt"
-timeout "$ckpt_timeout" "$python" benchmarks/make_accuracy_checkpoint.py --out "$ckpt" \
+timeout "$ckpt_timeout" "$python" benchmarks/make_accuracy_checkpoint.py --out "$ckpt" --head-dim "$head_dim" \
   >"$out/checkpoint.log" 2>&1 || { echo "the checkpoint writer failed ($?):" >&2; tail -20 "$out/checkpoint.log" >&2; exit 1; }
 tail -2 "$out/checkpoint.log"
 
@@ -42,6 +47,7 @@ run() {  # NAME EXPONENT
   echo "== tpserve-accuracy: $1 (outlier exponent $2)"
   timeout "$tool_timeout" "$bin/tpserve-accuracy" --model "$ckpt" --num-prompts "$num_prompts" \
     --prompt-len "$prompt_len" --outlier-exponent "$2" --commit "$commit" --backend "$backend" \
+    "${attention[@]}" \
     --out-json "$out/$1.json" --out-md "$out/$1.md" 2>"$out/$1.log"
 }
 run accuracy-llama31-medium 0

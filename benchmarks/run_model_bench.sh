@@ -13,7 +13,8 @@
 # CHECK_LOGITS=<bound> fails the run when an overlap setting's logits differ from none's by
 # more than the bound or pick another top-1 token; RESIDUAL_GAIN scales the random o and down
 # weights so that such a check can tell a wrong schedule from rounding (tpserve-bench-model
-# --residual-gain: at 1, 80 random blocks are chaotic).
+# --residual-gain: at 1, 80 random blocks are chaotic). FP8_ATTENTION=1 runs tpserve's prefill
+# attention in E4M3 (tpserve-bench-model --fp8-attention; recorded in the meta).
 # The compiled peer autotunes each GEMM shape once (llama3-70b's four take about 42 s each on
 # an H200): give it PEER_TIMEOUT of 300 s or more there.
 # The file of record at TP 1 (results/model-llama3-8b-tp1.json):
@@ -38,6 +39,7 @@ rc=0
 ours=".gpu/bin/tpserve-bench-model --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds --overlap $overlap --commit $commit"
 [ -z "${CHECK_LOGITS:-}" ] || ours="$ours --check-logits $CHECK_LOGITS"
 [ -z "${RESIDUAL_GAIN:-}" ] || ours="$ours --residual-gain $RESIDUAL_GAIN"
+[ "${FP8_ATTENTION:-0}" != 1 ] || ours="$ours --fp8-attention"
 case ${PEER:-eager} in
   eager) peer="python3 benchmarks/torch_model.py --tp $tp --model $model --layers $layers --batches $batches --rounds $rounds" ;;
   # torch is run without env.sh's LD_LIBRARY_PATH: the host's system cuDNN would shadow its own.
