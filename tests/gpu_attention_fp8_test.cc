@@ -47,6 +47,25 @@ constexpr float kScales[3] = {0.013f, 0.0071f, 0.0043f};
 int VtKeyAtSlot(int slot) { return 2 * (slot >> 2) + (slot & 1) + 8 * ((slot >> 1) & 1); }
 int64_t VtBegin(int64_t begin, int64_t seq) { return (begin + 15) / 16 * 16 + 32 * seq; }
 
+// AttentionParams over the q, k and v slices of a fused QKV buffer (outputs not set).
+AttentionParams FusedQkvParams(const BFloat16* qkv, int64_t q_heads, int64_t kv_heads,
+                               const int32_t* cu_seqlens, int64_t num_seqs, int64_t tokens,
+                               int64_t max_seqlen) {
+  AttentionParams p;
+  p.q = qkv;
+  p.k = qkv + q_heads * kHd;
+  p.v = qkv + (q_heads + kv_heads) * kHd;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = (q_heads + 2 * kv_heads) * kHd;
+  p.cu_seqlens = cu_seqlens;
+  p.num_seqs = num_seqs;
+  p.tokens = tokens;
+  p.max_seqlen = max_seqlen;
+  p.q_heads = q_heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = kHd;
+  return p;
+}
+
 struct Fp8Case {
   std::vector<int32_t> seqlens;
   int64_t q_heads, kv_heads;
@@ -65,7 +84,6 @@ void RunFp8(cudaStream_t stream, const Fp8Case& c, const std::vector<BFloat16>& 
             const std::vector<int32_t>& cu, Fp8Run& run) {
   const int64_t tokens = cu.back(), num_seqs = static_cast<int64_t>(c.seqlens.size());
   const int64_t q_width = c.q_heads * kHd, kv_width = c.kv_heads * kHd;
-  const int64_t stride = q_width + 2 * kv_width;
   run.vt_columns = Fp8AttentionVtColumns(tokens, num_seqs);
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu, "cu_seqlens"));
@@ -81,20 +99,11 @@ void RunFp8(cudaStream_t stream, const Fp8Case& c, const std::vector<BFloat16>& 
                           PoisonedBuffer(DataType::kBFloat16, tokens * q_width, "out", stream));
   int64_t longest = 0;
   for (int32_t len : c.seqlens) longest = std::max<int64_t>(longest, len);
-  AttentionParams p;
-  p.q = d_qkv.as<BFloat16>();
-  p.k = p.q + q_width;
-  p.v = p.q + q_width + kv_width;
-  p.q_row_stride = p.k_row_stride = p.v_row_stride = stride;
+  AttentionParams p =
+      FusedQkvParams(d_qkv.as<BFloat16>(), c.q_heads, c.kv_heads, d_cu.as<int32_t>(), num_seqs,
+                     tokens, c.max_seqlen > 0 ? c.max_seqlen : longest);
   p.out = out.as<BFloat16>();
   p.out_row_stride = q_width;
-  p.cu_seqlens = d_cu.as<int32_t>();
-  p.num_seqs = num_seqs;
-  p.tokens = tokens;
-  p.max_seqlen = c.max_seqlen > 0 ? c.max_seqlen : longest;
-  p.q_heads = c.q_heads;
-  p.kv_heads = c.kv_heads;
-  p.head_dim = kHd;
   Fp8AttentionInputs in;
   in.q = q8.as<uint8_t>();
   in.k = k8.as<uint8_t>();
@@ -164,18 +173,10 @@ void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {
   // The emulation, and attention on the unquantized inputs.
   const float scale_log2 =
       static_cast<float>(1.4426950408889634 / std::sqrt(128.0)) * (kScales[0] * kScales[1]);
-  std::vector<float> qf(tokens * q_width), kf(tokens * kv_width), vf(tokens * kv_width);
-  for (int64_t r = 0; r < tokens; ++r) {
-    for (int64_t j = 0; j < q_width; ++j)
-      qf[r * q_width + j] = BFloat16ToFloat(qkv[r * stride + j]);
-    for (int64_t j = 0; j < kv_width; ++j) {
-      kf[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + j]);
-      vf[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + kv_width + j]);
-    }
-  }
+  const QkvFloats f = WidenQkv(qkv, tokens, q_width, kv_width);
   std::vector<float> exact(tokens * q_width);
-  TP_ASSERT_OK(CausalAttentionVarlen(qf.data(), kf.data(), vf.data(), tokens, c.q_heads, c.kv_heads,
-                                     kHd, cu, exact.data()));
+  TP_ASSERT_OK(CausalAttentionVarlen(f.q.data(), f.k.data(), f.v.data(), tokens, c.q_heads,
+                                     c.kv_heads, kHd, cu, exact.data()));
   double err_sq = 0, emu_sq = 0, exact_err_sq = 0, exact_sq = 0;
   size_t outside = 0, checked = 0;
   const double v_bound = 1.0;  // |v| <= 1
@@ -344,19 +345,8 @@ TEST_F(GpuAttentionFp8Test, RotatesAsLaunchRopeDoes) {
     }
   }
   auto params = [&](const DeviceBuffer& qkv_buf) {
-    AttentionParams p;
-    p.q = qkv_buf.as<BFloat16>();
-    p.k = p.q + q_width;
-    p.v = p.q + q_width + kv_width;
-    p.q_row_stride = p.k_row_stride = p.v_row_stride = stride;
-    p.cu_seqlens = d_cu.as<int32_t>();
-    p.num_seqs = 3;
-    p.tokens = tokens;
-    p.max_seqlen = 300;
-    p.q_heads = q_heads;
-    p.kv_heads = kv_heads;
-    p.head_dim = kHd;
-    return p;
+    return FusedQkvParams(qkv_buf.as<BFloat16>(), q_heads, kv_heads, d_cu.as<int32_t>(), 3, tokens,
+                          300);
   };
   auto inputs = [&](int run) {
     Fp8AttentionInputs in;

@@ -425,17 +425,10 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
       std::copy_n(kv.begin() + r * 2 * kv_width, 2 * kv_width, qkv.begin() + r * stride + q_width);
     }
   }
-  std::vector<float> q_f(tokens * q_width), k_f(tokens * kv_width), v_f(tokens * kv_width);
-  for (int64_t r = 0; r < tokens; ++r) {
-    for (int64_t j = 0; j < q_width; ++j)
-      q_f[r * q_width + j] = BFloat16ToFloat(qkv[r * stride + j]);
-    for (int64_t j = 0; j < kv_width; ++j) {
-      k_f[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + j]);
-      v_f[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + kv_width + j]);
-    }
-  }
+  const QkvFloats f = WidenQkv(qkv, tokens, q_width, kv_width);
+  const std::vector<float>& v_f = f.v;
   std::vector<float> ref(tokens * q_width);
-  TP_ASSERT_OK(CausalAttentionVarlen(q_f.data(), k_f.data(), v_f.data(), tokens, c.q_heads,
+  TP_ASSERT_OK(CausalAttentionVarlen(f.q.data(), f.k.data(), f.v.data(), tokens, c.q_heads,
                                      c.kv_heads, hd, cu_seqlens, ref.data()));
 
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));

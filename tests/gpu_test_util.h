@@ -126,6 +126,27 @@ inline StatusOr<DeviceBuffer> PoisonedBuffer(DataType type, size_t count, const 
   return buf;
 }
 
+// The q, k and v slices of a fused [tokens, q_width + 2 kv_width] BF16 buffer (the QKV
+// GEMM's output, as the attention kernels read it), widened to float, each row-major.
+struct QkvFloats {
+  std::vector<float> q, k, v;
+};
+inline QkvFloats WidenQkv(const std::vector<BFloat16>& qkv, int64_t tokens, int64_t q_width,
+                          int64_t kv_width) {
+  const int64_t stride = q_width + 2 * kv_width;
+  QkvFloats f{std::vector<float>(tokens * q_width), std::vector<float>(tokens * kv_width),
+              std::vector<float>(tokens * kv_width)};
+  for (int64_t r = 0; r < tokens; ++r) {
+    for (int64_t j = 0; j < q_width; ++j)
+      f.q[r * q_width + j] = BFloat16ToFloat(qkv[r * stride + j]);
+    for (int64_t j = 0; j < kv_width; ++j) {
+      f.k[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + j]);
+      f.v[r * kv_width + j] = BFloat16ToFloat(qkv[r * stride + q_width + kv_width + j]);
+    }
+  }
+  return f;
+}
+
 // `count` BF16 values uniform in [lo, hi).
 inline std::vector<BFloat16> RandomBf16(size_t count, float lo, float hi, uint32_t seed) {
   std::mt19937 rng(seed);
