@@ -52,7 +52,9 @@ struct Flags {
   int warmup = 3, rounds = 20;
   double max_rel_diff = 1e-2;
   bool fp8 = false;  // also the E4M3 kernel
-  double max_fp8_rel_diff = 6e-2;
+  // E4M3 q and k (through the scores), v and P, each about 2.5 % RMS: about 6 % on these
+  // inputs (q, k, v in [-2, 2]).
+  double max_fp8_rel_diff = 0.1;
   bool fp8_out = false;
   std::string out = "attention.json";
   bool decode = false;

@@ -4,11 +4,14 @@
 // softmax's running maximum, each weight exp2(score - max + 8) rounded to E4M3 for P V while
 // the row sums take it unrounded. What remains between them is FP32 summation order, the
 // hardware exp2 and the BF16 output: |gpu - emu| <= 2^-8 |emu| + 2^-9 max|v| element-wise and
-// 4e-3 in relative Frobenius norm. A probability paired with the wrong key's value (a layout
-// slip), a scale left out or a tile's weights mis-scaled each move the output by percents.
-// Against attention on the unquantized BF16 inputs the bound is 5 % (the E4M3 rounding of
-// q, k, v and P). The producer's RoPE gives LaunchRope's codes bit for bit, and the engine's
-// logits with E4M3 attention stay near BF16 attention's (the last test says how near).
+// 4e-3 in relative Frobenius norm. The element-wise bound may miss where a weight sits within
+// the exp2's error of an E4M3 rounding boundary (about 1e-5 of the weights) and rounds the
+// other way in a row of few keys: at most 1e-4 of the outputs may. A probability paired with
+// the wrong key's value (a layout slip), a scale left out or a tile's weights mis-scaled each
+// move most outputs by percents. Against attention on the unquantized BF16 inputs the bound
+// is 8 %: the E4M3 rounding of q and k (through the scores), v and P, each about 2.5 % RMS,
+// gives about 4.5 % together. The producer's RoPE gives LaunchRope's codes bit for bit, and the
+// engine's logits with E4M3 attention stay near BF16 attention's (the last test says how near).
 // Skips without a Hopper GPU and an sm_90a build.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -236,10 +239,10 @@ void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {
     }
   }
   ASSERT_GT(checked, 0u) << what;
-  EXPECT_EQ(outside, 0u) << what << ": of " << checked << " outputs";
+  EXPECT_LE(outside, checked / 10000) << what << ": of " << checked << " outputs";
   const double rel = std::sqrt(err_sq / emu_sq), rel_exact = std::sqrt(exact_err_sq / exact_sq);
   EXPECT_LE(rel, 4e-3) << what << ": against the emulation";
-  EXPECT_LE(rel_exact, 5e-2) << what << ": against unquantized attention";
+  EXPECT_LE(rel_exact, 8e-2) << what << ": against unquantized attention";
   std::printf("%s: rel. difference %.2e to the emulation, %.2e to unquantized attention\n",
               what.c_str(), rel, rel_exact);
 }
