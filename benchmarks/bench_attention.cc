@@ -85,6 +85,31 @@ struct KernelRun {
   std::vector<double> ms;
 };
 
+// `v` on the device, copied on `stream` (from pageable memory: staged before this returns).
+StatusOr<DeviceBuffer> UploadInt32(const std::vector<int32_t>& v, const char* what,
+                                   cudaStream_t stream) {
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::Allocate(v.size() * 4, what));
+  TP_CUDA_CHECK(cudaMemcpyAsync(d.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice, stream));
+  return d;
+}
+
+// RoPE (Llama 3's theta) over the q and k slices of a fused QKV buffer of `rows` rows.
+RopeParams FusedQkvRope(const Flags& f, BFloat16* qkv, const int32_t* positions, int64_t rows) {
+  const int64_t q_width = f.heads * f.head_dim;
+  RopeParams rope;
+  rope.q = qkv;
+  rope.q_row_stride = q_width + 2 * f.kv_heads * f.head_dim;
+  rope.q_heads = f.heads;
+  rope.k = qkv + q_width;
+  rope.k_row_stride = rope.q_row_stride;
+  rope.kv_heads = f.kv_heads;
+  rope.head_dim = f.head_dim;
+  rope.positions = positions;
+  rope.rows = rows;
+  rope.theta = 500000.0;
+  return rope;
+}
+
 Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& records,
                 bool& agree) {
   const int64_t tokens = b.seqs * b.len;
@@ -93,7 +118,6 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   TP_ASSIGN_OR_RETURN(DeviceBuffer qkv,
                       DeviceBuffer::Allocate(tokens * stride * 2, "attention qkv"));
   TP_ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Allocate(tokens * q_width * 2, "out"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer cu, DeviceBuffer::Allocate((b.seqs + 1) * 4, "cu_seqlens"));
   TP_ASSIGN_OR_RETURN(DeviceBuffer codes, DeviceBuffer::Allocate(tokens * q_width, "out_fp8"));
   TP_ASSIGN_OR_RETURN(DeviceBuffer scale, DeviceBuffer::Allocate(4, "out_fp8_scale"));
   const float scale_value = 1.0f / 448;  // |out| <= max |v| = 2
@@ -102,8 +126,7 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
                                          static_cast<size_t>(tokens * stride), 17, 2.0f, stream));
   std::vector<int32_t> cu_host(b.seqs + 1);
   for (int64_t s = 0; s <= b.seqs; ++s) cu_host[s] = static_cast<int32_t>(s * b.len);
-  TP_CUDA_CHECK(cudaMemcpyAsync(cu.data(), cu_host.data(), cu_host.size() * 4,
-                                cudaMemcpyHostToDevice, stream));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer cu, UploadInt32(cu_host, "cu_seqlens", stream));
 
   AttentionParams p;
   p.q = qkv.as<BFloat16>();
@@ -142,20 +165,8 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   // as it quantizes, then attention (E4M3). Positions count from each sequence's start.
   std::vector<int32_t> positions_host(tokens);
   for (int64_t t = 0; t < tokens; ++t) positions_host[t] = static_cast<int32_t>(t % b.len);
-  TP_ASSIGN_OR_RETURN(DeviceBuffer positions, DeviceBuffer::Allocate(tokens * 4, "positions"));
-  TP_CUDA_CHECK(cudaMemcpyAsync(positions.data(), positions_host.data(), tokens * 4,
-                                cudaMemcpyHostToDevice, stream));
-  RopeParams rope;
-  rope.q = qkv.as<BFloat16>();
-  rope.q_row_stride = stride;
-  rope.q_heads = f.heads;
-  rope.k = rope.q + q_width;
-  rope.k_row_stride = stride;
-  rope.kv_heads = f.kv_heads;
-  rope.head_dim = f.head_dim;
-  rope.positions = positions.as<int32_t>();
-  rope.rows = tokens;
-  rope.theta = 500000.0;
+  TP_ASSIGN_OR_RETURN(DeviceBuffer positions, UploadInt32(positions_host, "positions", stream));
+  const RopeParams rope = FusedQkvRope(f, qkv.as<BFloat16>(), positions.as<int32_t>(), tokens);
   // wgmma_fp8: the E4M3 attention alone; rope+wgmma: RoPE and the BF16 Hopper kernel;
   // fp8_inputs+attn: the producer with RoPE and the E4M3 attention.
   std::vector<KernelRun> fp8_runs;
@@ -295,15 +306,9 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
     for (int64_t b = 0; b < per_seq; ++b) tables[s * width + b] = ids[s * per_seq + b];
   }
   for (int64_t s = 0; s <= batch; ++s) cu[s] = static_cast<int32_t>(s);
-  auto upload = [&](const std::vector<int32_t>& v, const char* what) -> StatusOr<DeviceBuffer> {
-    TP_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::Allocate(v.size() * 4, what));
-    TP_CUDA_CHECK(
-        cudaMemcpyAsync(d.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice, stream));
-    return d;
-  };
-  TP_ASSIGN_OR_RETURN(DeviceBuffer d_tables, upload(tables, "block_tables"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer d_cu, upload(cu, "cu_seqlens"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer d_ctx, upload(ctx, "context_lens"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_tables, UploadInt32(tables, "block_tables", stream));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_cu, UploadInt32(cu, "cu_seqlens", stream));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_ctx, UploadInt32(ctx, "context_lens", stream));
   const size_t ws_bytes =
       PagedAttentionWorkspaceBytes(batch, f.heads, f.head_dim, width * f.block_size);
   TP_ASSIGN_OR_RETURN(DeviceBuffer ws, DeviceBuffer::Allocate(ws_bytes, "workspace"));
@@ -343,8 +348,8 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
     slots[s] = static_cast<int32_t>(tables[s * width + pos / f.block_size] * f.block_size +
                                     pos % f.block_size);
   }
-  TP_ASSIGN_OR_RETURN(DeviceBuffer d_positions, upload(positions, "positions"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload(slots, "slot_mapping"));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_positions, UploadInt32(positions, "positions", stream));
+  TP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, UploadInt32(slots, "slot_mapping", stream));
   PagedKvWriteParams store;
   store.k = qkv.as<BFloat16>() + q_width;
   store.k_row_stride = stride;
@@ -354,17 +359,7 @@ Status RunDecode(const Flags& f, KvCacheDtype dtype, int64_t batch, int64_t want
   store.rows = batch;
   store.cache = cache.data();
   store.layout = layout;
-  RopeParams rope;
-  rope.q = qkv.as<BFloat16>();
-  rope.q_row_stride = stride;
-  rope.q_heads = f.heads;
-  rope.k = qkv.as<BFloat16>() + q_width;
-  rope.k_row_stride = stride;
-  rope.kv_heads = f.kv_heads;
-  rope.head_dim = f.head_dim;
-  rope.positions = d_positions.as<int32_t>();
-  rope.rows = batch;
-  rope.theta = 500000.0;
+  RopeParams rope = FusedQkvRope(f, qkv.as<BFloat16>(), d_positions.as<int32_t>(), batch);
   rope.kv_store = &store;
   if (f.rope) p.rope = &rope;
   int device = 0, sms = 0;

@@ -455,6 +455,22 @@ Status LaunchAttention(dim3 grid, const AttentionParams& p, const PagedKeys& pk,
 
 constexpr double kLog2E = 1.4426950408889634;  // exp(x) = exp2(x * log2(e))
 
+// The scores' factor in log2 units: exp(q.k / sqrt(head_dim)) = exp2(q.k * this).
+float ScaleLog2(int64_t head_dim) {
+  return static_cast<float>(kLog2E / std::sqrt(static_cast<double>(head_dim)));
+}
+
+// Query tiles of packed rows (p checked, at least one token and sequence): of the longest
+// sequence (max_seqlen, capped by tokens) and of the average one.
+struct QueryTiles {
+  int64_t most, average;
+};
+QueryTiles CountQueryTiles(const AttentionParams& p) {
+  const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
+  return {(longest + kAttnBr - 1) / kAttnBr,
+          ((p.tokens + p.num_seqs - 1) / p.num_seqs + kAttnBr - 1) / kAttnBr};
+}
+
 }  // namespace
 
 Status CheckCausalAttentionParams(const AttentionParams& p, bool reads_qkv, bool writes_out,
@@ -537,19 +553,17 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
                               Str(p.head_dim) + ")");
   }
   static_assert(kWgmmaAttentionRows == kAttnBr, "one tile count for both kernels");
-  const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
-  const int64_t most_tiles = (longest + kAttnBr - 1) / kAttnBr;
-  const int64_t average_tiles = ((p.tokens + p.num_seqs - 1) / p.num_seqs + kAttnBr - 1) / kAttnBr;
+  const QueryTiles q_tiles = CountQueryTiles(p);
   TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
-  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
+  const float scale_log2 = ScaleLog2(p.head_dim);
   if (wgmma) {
     return LaunchCausalAttentionWgmma(
-        p, WgmmaAttentionTileSlots(most_tiles, average_tiles, p.num_seqs * p.q_heads, sms),
+        p, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms),
         scale_log2, stream);
   }
   const int64_t fill = (int64_t{sms} * kAttnBlocksPerSm + p.q_heads - 1) / p.q_heads;
-  int64_t tiles = std::max(average_tiles, fill);
-  tiles = std::min({tiles, most_tiles, kMaxGridY});
+  int64_t tiles = std::max(q_tiles.average, fill);
+  tiles = std::min({tiles, q_tiles.most, kMaxGridY});
   const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
   if (p.head_dim == 64) {
     TP_RETURN_IF_ERROR(
@@ -565,16 +579,13 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
 Status LaunchCausalAttentionFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
                                 cudaStream_t stream) {
   TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, false, true, stream));
-  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs("AttentionParams", p, in));
+  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs(p, in));
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
-  const int64_t longest = p.max_seqlen < p.tokens ? p.max_seqlen : p.tokens;
-  const int64_t most_tiles = (longest + kAttnBr - 1) / kAttnBr;
-  const int64_t average_tiles = ((p.tokens + p.num_seqs - 1) / p.num_seqs + kAttnBr - 1) / kAttnBr;
+  const QueryTiles q_tiles = CountQueryTiles(p);
   TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
-  const float scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(p.head_dim)));
   return LaunchCausalAttentionWgmmaFp8(
-      p, in, WgmmaAttentionTileSlots(most_tiles, average_tiles, p.num_seqs * p.q_heads, sms),
-      scale_log2, stream);
+      p, in, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms),
+      ScaleLog2(p.head_dim), stream);
 }
 
 Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t stream) {
@@ -617,7 +628,7 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
   // sequence's tiles leave at once.
   const int64_t rows = p.max_query_rows > 0 ? std::min(p.max_query_rows, p.tokens) : p.tokens;
   const int64_t tiles = std::min((rows + kAttnBr - 1) / kAttnBr, kMaxGridY);
-  const float scale = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
+  const float scale = ScaleLog2(hd);
   const bool fp8_cache = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
   if (!fp8_cache &&
       WgmmaPagedAttentionSupports(hd, p.layout.block_size, p.layout.Elements() / hd)) {

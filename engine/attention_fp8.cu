@@ -37,18 +37,6 @@ struct RopeArgs {
   double theta = 0;
 };
 
-// Eight floats as E4M3 codes of value / d.scale, the first in the low byte.
-template <bool kFast>
-__device__ __forceinline__ uint2 QuantizeFloat8(const float (&f)[8], const Fp8Divisor& d) {
-  uint32_t w[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    w[i] = QuantizeToE4M3x2<kFast>(f[4 * i], f[4 * i + 1], d) |
-           (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[4 * i + 2], f[4 * i + 3], d)) << 16);
-  }
-  return make_uint2(w[0], w[1]);
-}
-
 // One block: (sequence blockIdx.x, KV head blockIdx.z), rows in chunks of kRows.
 template <bool kFast, bool kRope>
 __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8AttentionInputs& in,
@@ -109,26 +97,22 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
       }
       const Fp8Divisor d = is_q ? div[0] : div[1];
       uint8_t* dst = is_q ? in.q + row * q_width + col : in.k + row * kv_width + col;
-      *reinterpret_cast<uint2*>(dst) = QuantizeFloat8<kFast>(x, d);
-      *reinterpret_cast<uint2*>(dst + kHeadDim / 2) = QuantizeFloat8<kFast>(y, d);
+      *reinterpret_cast<uint2*>(dst) = Fp8Codes8<kFast>(x, d);
+      *reinterpret_cast<uint2*>(dst + kHeadDim / 2) = Fp8Codes8<kFast>(y, d);
     }
     // V^T: dim d, group g of these 32 keys (16 consecutive codes); a warp reads one key row's
     // 32 consecutive dims at a time.
     const int d = tid & (kHeadDim - 1), g = tid >> 7;
     if (c0 + 16 * g < len) {
-      uint32_t w[4];
+      float lo[8], hi[8];  // slots 0..7 and 8..15
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float f[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          f[i] = Bf16ToFloat(v_tile[16 * g + Fp8VtKeyAtSlot(4 * j + i)][d]);
-        }
-        w[j] = QuantizeToE4M3x2<kFast>(f[0], f[1], div[2]) |
-               (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[2], f[3], div[2])) << 16);
+      for (int s = 0; s < 8; ++s) {
+        lo[s] = Bf16ToFloat(v_tile[16 * g + Fp8VtKeyAtSlot(s)][d]);
+        hi[s] = Bf16ToFloat(v_tile[16 * g + Fp8VtKeyAtSlot(8 + s)][d]);
       }
+      const uint2 a = Fp8Codes8<kFast>(lo, div[2]), b = Fp8Codes8<kFast>(hi, div[2]);
       uint8_t* dst = in.vt + (int64_t{kv_head} * kHeadDim + d) * in.vt_columns + vt0 + c0 + 16 * g;
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.y, b.x, b.y);
     }
     __syncthreads();
   }
@@ -163,11 +147,10 @@ int64_t Fp8AttentionVtColumns(int64_t tokens, int64_t num_seqs) {
 
 bool Fp8AttentionSupports(int64_t head_dim) { return WgmmaAttentionSupports(head_dim); }
 
-Status CheckFp8AttentionInputs(const char* params, const AttentionParams& p,
-                               const Fp8AttentionInputs& in) {
+Status CheckFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInputs& in) {
   constexpr const char* kIn = "Fp8AttentionInputs";
   if (!Fp8AttentionSupports(p.head_dim)) {
-    return UnimplementedError(std::string(params) +
+    return UnimplementedError(std::string("AttentionParams") +
                               ": E4M3 attention needs an sm_90a build, a compute capability 9.0 "
                               "device and head_dim 128 (head_dim = " +
                               std::to_string(p.head_dim) + ")");
@@ -185,7 +168,7 @@ Status CheckFp8AttentionInputs(const char* params, const AttentionParams& p,
 Status LaunchFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInputs& in,
                                 const RopeParams* rope, cudaStream_t stream) {
   TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, true, false, stream));
-  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs("AttentionParams", p, in));
+  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs(p, in));
   RopeArgs angles;
   if (rope != nullptr) {
     TP_RETURN_IF_ERROR(CheckRope(*rope));

@@ -30,12 +30,10 @@ Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float
 Status CheckCausalAttentionParams(const AttentionParams& p, bool reads_qkv, bool writes_out,
                                   cudaStream_t stream);
 
-// The checks of `in` against p's shape (engine/attention_fp8.cu), `params` naming the struct
-// in the errors of p's fields: head_dim 128 where Fp8AttentionSupports holds (UNIMPLEMENTED
-// otherwise), q, k and vt 16-byte aligned, scales 4-byte aligned, vt_columns a multiple of 16
-// and at least Fp8AttentionVtColumns.
-Status CheckFp8AttentionInputs(const char* params, const AttentionParams& p,
-                               const Fp8AttentionInputs& in);
+// The checks of `in` against p's shape (engine/attention_fp8.cu): head_dim 128 where
+// Fp8AttentionSupports holds (UNIMPLEMENTED otherwise), q, k and vt 16-byte aligned, scales
+// 4-byte aligned, vt_columns a multiple of 16 and at least Fp8AttentionVtColumns.
+Status CheckFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInputs& in);
 
 // The E4M3 variant (engine/attention_fp8.h): `p` and `in` were validated by
 // LaunchCausalAttentionFp8; the grid as above.
