@@ -265,6 +265,62 @@ TEST_F(GpuAttentionFp8Test, KeepsSequencesApart) {
   CheckFp8Attention(stream(), {{37, 200, 130, 5}, 8, 2, 0, {1, 3}}, 710);
 }
 
+// Which keys each query row reaches, exactly: q = k = 0 make every unmasked weight 2^8 (an
+// E4M3 code) and key j's value is the one-hot row e_(j mod 128), so row i's output is
+// c * #{j <= i : j mod 128 = d} / (i + 1) with c = v's one code times its scale, to the BF16
+// rounding. A probability paired with another key's value, a row's mask or sum off by a
+// key, or a 16-key group's slots in another order moves whole entries. On failure the
+// first wrong rows are printed as the dims they reached (with weight x (i + 1) / c), which
+// names the key permutation the kernel used.
+TEST_F(GpuAttentionFp8Test, AttendsToTheRightKeys) {
+  TP_SKIP_WITHOUT_GPU();
+  if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
+  const Fp8Case c{{300, 45}, 4, 2};
+  const std::vector<int32_t> cu = {0, 300, 345};
+  const int64_t tokens = 345, q_width = 4 * kHd, kv_width = 2 * kHd;
+  const int64_t stride = q_width + 2 * kv_width;
+  std::vector<BFloat16> qkv(tokens * stride, FloatToBFloat16(0.0f));
+  for (size_t s = 0; s < 2; ++s) {
+    for (int64_t j = 0; j < c.seqlens[s]; ++j) {
+      for (int64_t h = 0; h < 2; ++h) {
+        qkv[(cu[s] + j) * stride + q_width + kv_width + h * kHd + j % kHd] = FloatToBFloat16(1.0f);
+      }
+    }
+  }
+  Fp8Run run;
+  ASSERT_NO_FATAL_FAILURE(RunFp8(stream(), c, qkv, cu, run));
+  const double one = Fp8E4M3ToFloat(FloatToFp8E4M3(1.0f / kScales[2])) * kScales[2];
+  size_t wrong_rows = 0, wrong = 0;
+  for (size_t s = 0; s < 2; ++s) {
+    for (int64_t i = 0; i < c.seqlens[s]; ++i) {
+      for (int64_t h = 0; h < 4; ++h) {
+        bool row_ok = true;
+        std::string reached;
+        for (int64_t d = 0; d < kHd; ++d) {
+          const int64_t count = d <= i ? (i - d) / kHd + 1 : 0;
+          const float want = BFloat16ToFloat(FloatToBFloat16(static_cast<float>(
+              one * static_cast<double>(count) / static_cast<double>(i + 1))));
+          const float got = BFloat16ToFloat(run.out[(cu[s] + i) * q_width + h * kHd + d]);
+          // BF16 of the same quotient, up to one rounding step apart (FP32 sums of 2^8 codes
+          // are exact; the division is the hardware's).
+          const bool ok = std::abs(got - want) <= std::ldexp(std::abs(want), -7);
+          row_ok &= ok;
+          wrong += !ok;
+          if (got != 0.0f) {
+            reached += " " + std::to_string(d) + ":" +
+                       std::to_string(static_cast<double>(got) * static_cast<double>(i + 1) / one);
+          }
+        }
+        if (!row_ok && ++wrong_rows <= 6) {
+          ADD_FAILURE() << "sequence " << s << " row " << i << " head " << h
+                        << ": dims reached (dim:weight x (row + 1)):" << reached;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0u) << "in " << wrong_rows << " rows";
+}
+
 TEST_F(GpuAttentionFp8Test, RejectsBadInputs) {
   TP_SKIP_WITHOUT_GPU();
   AttentionParams p;
