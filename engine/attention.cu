@@ -578,8 +578,9 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
 
 Status LaunchCausalAttentionFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
                                 cudaStream_t stream) {
-  TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, false, true, stream));
+  // The E4M3 inputs first: an unsupported head_dim or device is named before anything else.
   TP_RETURN_IF_ERROR(CheckFp8AttentionInputs(p, in));
+  TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, false, true, stream));
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
   const QueryTiles q_tiles = CountQueryTiles(p);
   TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());

@@ -1,18 +1,20 @@
 // GPU tests of the E4M3 prefill attention (engine/attention_fp8.h): the producer's codes and
-// V^T layout bit for bit against the CPU's (layers/fp8.h), and the attention against a CPU
-// emulation of its own arithmetic on those codes: key tiles of 128 in order, the online
-// softmax's running maximum, each weight exp2(score - max + 8) rounded to E4M3 for P V while
-// the row sums take it unrounded. What remains between them is FP32 summation order, the
-// hardware exp2 and the BF16 output: |gpu - emu| <= 2^-8 |emu| + 2^-9 max|v| element-wise and
-// 4e-3 in relative Frobenius norm. The element-wise bound may miss where a weight sits within
-// the exp2's error of an E4M3 rounding boundary (about 1e-5 of the weights) and rounds the
-// other way in a row of few keys: at most 1e-4 of the outputs may. A probability paired with
-// the wrong key's value (a layout slip), a scale left out or a tile's weights mis-scaled each
-// move most outputs by percents. Against attention on the unquantized BF16 inputs the bound
-// is 8 %: the E4M3 rounding of q and k (through the scores), v and P, each about 2.5 % RMS,
-// gives about 4.5 % together. The producer's RoPE gives LaunchRope's codes bit for bit, and the
-// engine's logits with E4M3 attention stay near BF16 attention's (the last test says how near).
-// Skips without a Hopper GPU and an sm_90a build.
+// V^T layout bit for bit against the CPU's (layers/fp8.h), which keys each query row reaches
+// (exactly), and the attention against a CPU emulation of its own arithmetic on those codes:
+// key tiles of 128 in order, the online softmax's running maximum, each weight
+// exp2(score - max + 8) rounded to E4M3 for P V while the row sums take it unrounded, all
+// sums exact. The hardware does not sum exactly: Hopper's 8-bit MMA keeps fewer bits than
+// FP32 as it accumulates (DeepSeek-V3's report measured about 14), so a score is off by up to
+// about 2^-14 of its terms' magnitudes, which moves some weights across an E4M3 rounding
+// boundary (a weight then changes by up to 1/16), and P V's sums lose low bits too. Measured on
+// an H200 at these seeds: 1.7e-3 to 4.0e-3 relative Frobenius difference to the emulation,
+// and 0.02 % to 0.48 % of the outputs outside |gpu - emu| <= 2^-8 |emu| + 2^-9 max|v|. The
+// bounds are 6e-3 and 1 %; a probability paired with the wrong key's value, a scale left out
+// or a tile's weights mis-scaled move most outputs by percents. Against attention on the
+// unquantized BF16 inputs (measured 3.4e-2 to 3.9e-2) the bound is 6e-2: the E4M3 rounding of
+// q and k (through the scores), v and P, each about 2.5 % RMS. The producer's RoPE gives
+// LaunchRope's codes bit for bit, and the engine's logits with E4M3 attention stay near BF16
+// attention's (the last test says how near). Skips without a Hopper GPU and an sm_90a build.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -239,12 +241,14 @@ void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {
     }
   }
   ASSERT_GT(checked, 0u) << what;
-  EXPECT_LE(outside, checked / 10000) << what << ": of " << checked << " outputs";
+  EXPECT_LE(outside, checked / 100) << what << ": of " << checked << " outputs";
   const double rel = std::sqrt(err_sq / emu_sq), rel_exact = std::sqrt(exact_err_sq / exact_sq);
-  EXPECT_LE(rel, 4e-3) << what << ": against the emulation";
-  EXPECT_LE(rel_exact, 8e-2) << what << ": against unquantized attention";
-  std::printf("%s: rel. difference %.2e to the emulation, %.2e to unquantized attention\n",
-              what.c_str(), rel, rel_exact);
+  EXPECT_LE(rel, 6e-3) << what << ": against the emulation";
+  EXPECT_LE(rel_exact, 6e-2) << what << ": against unquantized attention";
+  std::printf(
+      "%s: rel. difference %.2e to the emulation (%zu of %zu outputs outside the element-wise "
+      "bound), %.2e to unquantized attention\n",
+      what.c_str(), rel, outside, checked, rel_exact);
 }
 
 TEST_F(GpuAttentionFp8Test, MatchesItsEmulationAndKeepsItsLayout) {
@@ -298,8 +302,8 @@ TEST_F(GpuAttentionFp8Test, AttendsToTheRightKeys) {
         std::string reached;
         for (int64_t d = 0; d < kHd; ++d) {
           const int64_t count = d <= i ? (i - d) / kHd + 1 : 0;
-          const float want = BFloat16ToFloat(FloatToBFloat16(static_cast<float>(
-              one * static_cast<double>(count) / static_cast<double>(i + 1))));
+          const float want = BFloat16ToFloat(FloatToBFloat16(
+              static_cast<float>(one * static_cast<double>(count) / static_cast<double>(i + 1))));
           const float got = BFloat16ToFloat(run.out[(cu[s] + i) * q_width + h * kHd + d]);
           // BF16 of the same quotient, up to one rounding step apart (FP32 sums of 2^8 codes
           // are exact; the division is the hardware's).
@@ -451,8 +455,9 @@ TEST_F(GpuAttentionFp8Test, RotatesAsLaunchRopeDoes) {
 
 // The engine with CudaModelOptions::fp8_attention at tp 1 (a 2-layer model of head_dim 128,
 // random FP8 weights): graph replay equal to the eager pass bit for bit, and the logits near
-// those of BF16 attention (relative Frobenius <= 5e-2, every top-1 equal outside near-ties:
-// tests/gpu_test_util.h's Compare), while the two sets differ (the E4M3 path ran).
+// those of BF16 attention (relative Frobenius <= 2.5e-2, measured 1.0e-2 on an H200, every top-1
+// equal outside near-ties: tests/gpu_test_util.h's Compare), while the two sets differ (the E4M3
+// path ran).
 TEST_F(GpuAttentionFp8Test, ModelLogitsStayNearBf16Attention) {
   TP_SKIP_WITHOUT_GPU();
   if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
@@ -490,7 +495,7 @@ TEST_F(GpuAttentionFp8Test, ModelLogitsStayNearBf16Attention) {
   EXPECT_EQ(replay, eager) << "graph replay differs from the eager pass";
   EXPECT_NE(eager, bf16) << "E4M3 attention gave BF16 attention's logits bit for bit";
   const Comparison cmp = Compare(eager, bf16, batch->sequences(), c.vocab_size);
-  EXPECT_LE(cmp.rel_frobenius, 5e-2);
+  EXPECT_LE(cmp.rel_frobenius, 2.5e-2);
   EXPECT_EQ(cmp.top1_mismatches, 0);
   std::printf("[ model    ] E4M3 against BF16 attention: rel_frobenius %.3g\n", cmp.rel_frobenius);
 }
