@@ -1,11 +1,11 @@
 // The E4M3 attention's producer and checks (engine/attention_fp8.h); the attention kernel is
 // engine/attention_wgmma.cu's, its launcher in engine/attention.cu. Plain CUDA C++17.
 //
-// A block takes one (sequence, KV head) and 32 rows of it at a time: the Q rows of the KV
-// head's query heads and its K rows are quantized in place (row-major in, row-major out; with
-// RoPE each pair rotated first, its angles computed once a row for the block's heads), and its
-// V rows go through shared memory to be written transposed, a thread writing one 16-key group
-// (16 consecutive codes) of one dim.
+// A block takes 16 rows of one sequence at a time (one group of V^T's keys) and every head of
+// them: the Q and K rows are quantized in place (row-major in, row-major out; with RoPE each
+// pair rotated first, its angles computed once a row for all heads), and V's rows go through
+// shared memory two KV heads at a time to be written transposed, a thread writing the group's
+// 16 codes of one dim.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,8 +27,10 @@ using namespace device;
 using namespace launch_checks;
 
 constexpr int kHeadDim = 128;
-constexpr int kRows = 32;  // rows of a sequence a block takes at a time: two 16-key groups
+constexpr int kRows = 16;  // rows of a sequence a block takes at a time: one 16-key group
 constexpr int kProducerThreads = 256;
+constexpr int kVtHeads = kProducerThreads / kHeadDim;  // KV heads a V^T pass transposes
+constexpr int kUnroll = 4;  // Q/K items a thread loads before it converts them
 
 // Where the producer finds RoPE's angles (LaunchFp8AttentionInputs' rope).
 struct RopeArgs {
@@ -37,92 +39,114 @@ struct RopeArgs {
   double theta = 0;
 };
 
-// One block: (sequence blockIdx.x, KV head blockIdx.z), rows in chunks of kRows.
+// One block: sequence blockIdx.x, rows in chunks of kRows.
 template <bool kFast, bool kRope>
 __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8AttentionInputs& in,
                                              const RopeArgs& rope, const Fp8Divisor (&div)[3],
                                              int seq, int begin, int len,
                                              float2 (*angles)[kHeadDim / 2],
-                                             uint16_t (*v_tile)[kHeadDim]) {
-  const int kv_head = static_cast<int>(blockIdx.z);
-  const int group = static_cast<int>(p.q_heads / p.kv_heads);
+                                             uint16_t (*v_tile)[kRows][kHeadDim]) {
+  const int q_heads = static_cast<int>(p.q_heads), kv_heads = static_cast<int>(p.kv_heads);
   const int64_t q_width = p.q_heads * kHeadDim, kv_width = p.kv_heads * kHeadDim;
   const int vt0 = Fp8VtBegin(begin, seq);
   const int tid = static_cast<int>(threadIdx.x);
   const auto* q = reinterpret_cast<const uint16_t*>(p.q);
   const auto* k = reinterpret_cast<const uint16_t*>(p.k);
   const auto* v = reinterpret_cast<const uint16_t*>(p.v);
+  // A Q/K item: dims 8j .. 8j + 7 and their RoPE partners 64 + 8j .. of one head of one row
+  // (8 items a head row; Q's heads, then K's).
+  const int per_row = (q_heads + kv_heads) * 8;
   for (int c0 = static_cast<int>(blockIdx.y) * kRows; c0 < len;
        c0 += static_cast<int>(gridDim.y) * kRows) {
     const int rows = min(kRows, len - c0);
-    if constexpr (kRope) {  // the chunk's angles, each once for the heads of the block
+    if constexpr (kRope) {  // the chunk's angles, each once for all heads
       for (int i = tid; i < rows * (kHeadDim / 2); i += kProducerThreads) {
         const int r = i / (kHeadDim / 2), pair = i % (kHeadDim / 2);
         angles[r][pair] =
             RopeCosSin(rope.positions[begin + c0 + r], pair, kHeadDim, rope.inv_freq, rope.theta);
       }
+      __syncthreads();
     }
-    // V's rows into shared memory, zeros past the sequence (the last group's empty slots).
-    for (int i = tid; i < kRows * 16; i += kProducerThreads) {
-      const int r = i >> 4, col = (i & 15) * 8;
-      uint4 x = make_uint4(0, 0, 0, 0);
-      if (r < rows) {
-        x = *reinterpret_cast<const uint4*>(v + (begin + c0 + r) * p.v_row_stride +
-                                            int64_t{kv_head} * kHeadDim + col);
-      }
-      *reinterpret_cast<uint4*>(&v_tile[r][col]) = x;
-    }
-    __syncthreads();
-    // Q of the group's heads, then K: a thread takes dims 8j .. 8j + 7 and their RoPE
-    // partners 64 + 8j .. of one head row (8 such pairs of vectors a row).
-    const int items = (group + 1) * 8;
-    for (int i = tid; i < rows * items; i += kProducerThreads) {
-      const int r = i / items, item = i - r * items;
-      const int h = item >> 3, j = (item & 7) * 8;
-      const int64_t row = begin + c0 + r;
-      const bool is_q = h < group;
-      const int64_t col = (is_q ? int64_t{kv_head * group + h} : int64_t{kv_head}) * kHeadDim + j;
-      const uint16_t* src = is_q ? q + row * p.q_row_stride + col : k + row * p.k_row_stride + col;
-      float x[8], y[8];
-      UnpackBf16x8(*reinterpret_cast<const uint4*>(src), x);
-      UnpackBf16x8(*reinterpret_cast<const uint4*>(src + kHeadDim / 2), y);
-      if constexpr (kRope) {  // rotated and rounded to BF16, as LaunchRope writes them
+    const int items = rows * per_row;
+    for (int i0 = tid; i0 < items; i0 += kUnroll * kProducerThreads) {
+      // kUnroll items' loads in flight before any is converted.
+      uint4 raw_x[kUnroll], raw_y[kUnroll];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float rx, ry;
-          RotatePair(x[e], y[e], angles[r][j + e], &rx, &ry);
-          x[e] = Bf16ToFloat(FloatToBf16(rx));
-          y[e] = Bf16ToFloat(FloatToBf16(ry));
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kProducerThreads;
+        if (i >= items) break;
+        const int r = i / per_row, item = i - r * per_row;
+        const int h = item >> 3, j = (item & 7) * 8;
+        const int64_t row = begin + c0 + r;
+        const uint16_t* src = h < q_heads
+                                  ? q + row * p.q_row_stride + int64_t{h} * kHeadDim + j
+                                  : k + row * p.k_row_stride + int64_t{h - q_heads} * kHeadDim + j;
+        raw_x[u] = *reinterpret_cast<const uint4*>(src);
+        raw_y[u] = *reinterpret_cast<const uint4*>(src + kHeadDim / 2);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kProducerThreads;
+        if (i >= items) break;
+        const int r = i / per_row, item = i - r * per_row;
+        const int h = item >> 3, j = (item & 7) * 8;
+        const int64_t row = begin + c0 + r;
+        float x[8], y[8];
+        UnpackBf16x8(raw_x[u], x);
+        UnpackBf16x8(raw_y[u], y);
+        if constexpr (kRope) {  // rotated and rounded to BF16, as LaunchRope writes them
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            float rx, ry;
+            RotatePair(x[e], y[e], angles[r][j + e], &rx, &ry);
+            x[e] = Bf16ToFloat(FloatToBf16(rx));
+            y[e] = Bf16ToFloat(FloatToBf16(ry));
+          }
         }
+        const bool is_q = h < q_heads;
+        uint8_t* dst = is_q ? in.q + row * q_width + int64_t{h} * kHeadDim + j
+                            : in.k + row * kv_width + int64_t{h - q_heads} * kHeadDim + j;
+        const Fp8Divisor d = is_q ? div[0] : div[1];
+        *reinterpret_cast<uint2*>(dst) = Fp8Codes8<kFast>(x, d);
+        *reinterpret_cast<uint2*>(dst + kHeadDim / 2) = Fp8Codes8<kFast>(y, d);
       }
-      const Fp8Divisor d = is_q ? div[0] : div[1];
-      uint8_t* dst = is_q ? in.q + row * q_width + col : in.k + row * kv_width + col;
-      *reinterpret_cast<uint2*>(dst) = Fp8Codes8<kFast>(x, d);
-      *reinterpret_cast<uint2*>(dst + kHeadDim / 2) = Fp8Codes8<kFast>(y, d);
     }
-    // V^T: dim d, group g of these 32 keys (16 consecutive codes); a warp reads one key row's
-    // 32 consecutive dims at a time.
-    const int d = tid & (kHeadDim - 1), g = tid >> 7;
-    if (c0 + 16 * g < len) {
-      float lo[8], hi[8];  // slots 0..7 and 8..15
+    // V^T, kVtHeads KV heads a pass: their rows into shared memory (zeros past the sequence:
+    // the last group's empty slots), then a thread per (head, dim) writes the group's codes.
+    for (int h0 = 0; h0 < kv_heads; h0 += kVtHeads) {
+      for (int i = tid; i < kVtHeads * kRows * 16; i += kProducerThreads) {
+        const int hh = i / (kRows * 16), r = (i / 16) % kRows, col = (i % 16) * 8;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (r < rows && h0 + hh < kv_heads) {
+          x = *reinterpret_cast<const uint4*>(v + (begin + c0 + r) * p.v_row_stride +
+                                              int64_t{h0 + hh} * kHeadDim + col);
+        }
+        *reinterpret_cast<uint4*>(&v_tile[hh][r][col]) = x;
+      }
+      __syncthreads();
+      const int d = tid % kHeadDim, hh = tid / kHeadDim;
+      if (h0 + hh < kv_heads) {
+        float lo[8], hi[8];  // slots 0..7 and 8..15
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        lo[s] = Bf16ToFloat(v_tile[16 * g + Fp8VtKeyAtSlot(s)][d]);
-        hi[s] = Bf16ToFloat(v_tile[16 * g + Fp8VtKeyAtSlot(8 + s)][d]);
+        for (int s = 0; s < 8; ++s) {
+          lo[s] = Bf16ToFloat(v_tile[hh][Fp8VtKeyAtSlot(s)][d]);
+          hi[s] = Bf16ToFloat(v_tile[hh][Fp8VtKeyAtSlot(8 + s)][d]);
+        }
+        const uint2 a = Fp8Codes8<kFast>(lo, div[2]), b = Fp8Codes8<kFast>(hi, div[2]);
+        uint8_t* dst = in.vt + (int64_t{h0 + hh} * kHeadDim + d) * in.vt_columns + vt0 + c0;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.y, b.x, b.y);
       }
-      const uint2 a = Fp8Codes8<kFast>(lo, div[2]), b = Fp8Codes8<kFast>(hi, div[2]);
-      uint8_t* dst = in.vt + (int64_t{kv_head} * kHeadDim + d) * in.vt_columns + vt0 + c0 + 16 * g;
-      *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.y, b.x, b.y);
+      __syncthreads();  // v_tile and (with RoPE) angles are rewritten next
     }
-    __syncthreads();
   }
 }
 
+// Three blocks an SM (80 registers): enough loads in flight to stream at the bandwidth.
 template <bool kRope>
-__global__ void __launch_bounds__(kProducerThreads)
+__global__ void __launch_bounds__(kProducerThreads, 3)
     Fp8AttentionInputsKernel(AttentionParams p, Fp8AttentionInputs in, RopeArgs rope) {
-  static_assert(kProducerThreads == 2 * kHeadDim && kRows == 32, "a thread per V^T dim and group");
-  __shared__ __align__(16) uint16_t v_tile[kRows][kHeadDim];
+  static_assert(kProducerThreads % kHeadDim == 0 && kRows == 16, "a thread per V^T dim");
+  __shared__ __align__(16) uint16_t v_tile[kVtHeads][kRows][kHeadDim];
   __shared__ float2 angles[kRope ? kRows : 1][kHeadDim / 2];
   const int seq = static_cast<int>(blockIdx.x);
   const int tokens = static_cast<int>(p.tokens);
@@ -167,8 +191,8 @@ Status CheckFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInput
 
 Status LaunchFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInputs& in,
                                 const RopeParams* rope, cudaStream_t stream) {
+  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs(p, in));  // first, as LaunchCausalAttentionFp8's
   TP_RETURN_IF_ERROR(CheckCausalAttentionParams(p, true, false, stream));
-  TP_RETURN_IF_ERROR(CheckFp8AttentionInputs(p, in));
   RopeArgs angles;
   if (rope != nullptr) {
     TP_RETURN_IF_ERROR(CheckRope(*rope));
@@ -181,9 +205,6 @@ Status LaunchFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInpu
     angles = RopeArgs{rope->positions, rope->inv_freq, rope->theta};
   }
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
-  if (p.kv_heads > kMaxGridY) {
-    return BadField("AttentionParams", "kv_heads", p.kv_heads, "must be at most 65535");
-  }
   // grid.y: chunks of the average sequence (blocks loop over longer ones), within the
   // longest's; a bucket's max_seqlen is its whole size, and a block per chunk of that for every
   // sequence of a batch of many short ones would mostly find nothing to do.
@@ -192,8 +213,7 @@ Status LaunchFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInpu
   const int64_t chunks =
       std::min({(average + kRows - 1) / kRows, (longest + kRows - 1) / kRows, kMaxGridY});
   const dim3 grid(static_cast<unsigned>(p.num_seqs),
-                  static_cast<unsigned>(std::max<int64_t>(1, chunks)),
-                  static_cast<unsigned>(p.kv_heads));
+                  static_cast<unsigned>(std::max<int64_t>(1, chunks)));
   if (rope != nullptr) {
     Fp8AttentionInputsKernel<true><<<grid, kProducerThreads, 0, stream>>>(p, in, angles);
   } else {
