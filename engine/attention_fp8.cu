@@ -68,6 +68,14 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
       __syncthreads();
     }
     const int items = rows * per_row;
+    struct Item {
+      int r, h, j;  // row of the chunk, head (Q's, then K's), first dim
+      int64_t row;  // packed row
+    };
+    auto locate = [&](int i) {
+      const int r = i / per_row, item = i - r * per_row;
+      return Item{r, item >> 3, (item & 7) * 8, begin + c0 + r};
+    };
     for (int i0 = tid; i0 < items; i0 += kUnroll * kProducerThreads) {
       // kUnroll items' loads in flight before any is converted.
       uint4 raw_x[kUnroll], raw_y[kUnroll];
@@ -75,9 +83,7 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kProducerThreads;
         if (i >= items) break;
-        const int r = i / per_row, item = i - r * per_row;
-        const int h = item >> 3, j = (item & 7) * 8;
-        const int64_t row = begin + c0 + r;
+        const auto [r, h, j, row] = locate(i);
         const uint16_t* src = h < q_heads
                                   ? q + row * p.q_row_stride + int64_t{h} * kHeadDim + j
                                   : k + row * p.k_row_stride + int64_t{h - q_heads} * kHeadDim + j;
@@ -88,9 +94,7 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kProducerThreads;
         if (i >= items) break;
-        const int r = i / per_row, item = i - r * per_row;
-        const int h = item >> 3, j = (item & 7) * 8;
-        const int64_t row = begin + c0 + r;
+        const auto [r, h, j, row] = locate(i);
         float x[8], y[8];
         UnpackBf16x8(raw_x[u], x);
         UnpackBf16x8(raw_y[u], y);
