@@ -129,6 +129,8 @@ StatusOr<CudaEngineOptions> CudaOptions(const ServeFlags& f, const ModelConfig& 
     eo.worker_argv.push_back(value);
   }
   if (f.device_random_weights) eo.worker_argv.push_back("--device-random-weights");
+  eo.model.fp8_attention = f.fp8_attention;
+  if (f.fp8_attention) eo.worker_argv.push_back("--fp8-attention");
   if (!f.overlap_config.empty()) {
     eo.worker_argv.push_back("--overlap-config");
     eo.worker_argv.push_back(f.overlap_config);
@@ -178,6 +180,11 @@ StatusOr<std::shared_ptr<Engine>> StartEngine(const ServeFlags& f, const std::st
 #if TPSERVE_WITH_CUDA
   if (backend == "cuda") {
     TP_ASSIGN_OR_RETURN(CudaEngineOptions eo, CudaOptions(f, config, from_dir, std::move(overlap)));
+    if (f.fp8_attention && config.head_dim() != 128) {
+      return InvalidArgumentError("--fp8-attention: " + config.name + "'s head_dim is " +
+                                  std::to_string(config.head_dim()) +
+                                  "; the E4M3 attention takes 128");
+    }
     // A generation step must fit the engine's batch limits (its buffers and graphs).
     if (eo.model.kv_blocks > 0 && (f.max_step_tokens > f.max_batch_tokens ||
                                    f.max_running_sequences > f.max_batch_sequences)) {

@@ -201,6 +201,13 @@ void AddServeFlags(CLI::App* cmd, ServeFlags* f, std::vector<const CLI::Option*>
   AddAdmissionFlags(cmd, f);
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only);
+  CudaOnly(cmd->add_flag("--fp8-attention", f->fp8_attention,
+                         "logits requests (prefill-only passes): attention in E4M3, Q, K, V and "
+                         "the probabilities quantized at scale 1 as the fp8 KV cache is (Hopper, "
+                         "head_dim 128; faster at long sequences, logits about 1e-2 from BF16 "
+                         "attention's, benchmarks/PERFORMANCE.md); generation keeps BF16 "
+                         "attention"),
+           cuda_only);
   AddTlsFlags(cmd, f);
 }
 
@@ -233,6 +240,7 @@ void AddWorkerFlags(CLI::App* wcmd, ServeFlags* w) {
       ->check(CLI::Range(0.001, kMaxTimeoutS))
       ->capture_default_str();
   AddGemmAlgoFlag(wcmd, &w->gemm_algo);
+  wcmd->add_flag("--fp8-attention", w->fp8_attention, "As serve --fp8-attention");
 }
 
 }  // namespace tpserve

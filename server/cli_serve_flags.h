@@ -48,6 +48,7 @@ struct ServeFlags {
   double exit_timeout_s = 30;
   std::string tls_cert, tls_key, tls_client_ca;
   std::string gemm_algo = "timed";
+  bool fp8_attention = false;  // logits requests' passes: E4M3 attention (CudaModelOptions)
   // Those of the cuda-only flags (CudaOnly) given on the command line,
   // whatever their value: --backend cpu refuses them, auto on the cpu warns.
   std::vector<std::string> cuda_only_given;

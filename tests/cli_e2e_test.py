@@ -291,7 +291,7 @@ class CommandLineChecks(unittest.TestCase):
 
     # serve's flags that only the cuda backend reads, with a value to give each.
     SERVE_CUDA_ONLY = (["--rank-timeout-s", "60"], ["--device-random-weights"],
-                       ["--gemm-algo", "heuristic"])
+                       ["--gemm-algo", "heuristic"], ["--fp8-attention"])
 
     def test_serve_refuses_cuda_only_flags_on_the_cpu_backend(self):
         # They were silently ignored. Given with their default value they are still refused:
@@ -306,8 +306,8 @@ class CommandLineChecks(unittest.TestCase):
             self.assertNotIn("no-such-model", p.stderr)
         p = self.refused(["serve", "--backend", "cpu", "--model", "no-such-model",
                           *[a for knob in self.SERVE_CUDA_ONLY for a in knob]],
-                         "--backend cpu: --rank-timeout-s, --device-random-weights and "
-                         "--gemm-algo need --backend cuda", 2)
+                         "--backend cpu: --rank-timeout-s, --device-random-weights, "
+                         "--gemm-algo and --fp8-attention need --backend cuda", 2)
         self.assertIn("or --backend auto on a node with the GPUs", p.stderr)
         # The help says which flags those are, and of no other flag.
         self.assert_help_marks_cuda_only("serve", [knob[0] for knob in self.SERVE_CUDA_ONLY])
@@ -343,8 +343,8 @@ class CommandLineChecks(unittest.TestCase):
         self.assertIn("[warning]", said[0])
         self.assertRegex(said[0], r"--backend auto runs the cpu backend \((this build has "
                          r"no CUDA|this node has 0 GPUs, --tp 2 needs 2)\): ignoring "
-                         r"--rank-timeout-s, --device-random-weights and --gemm-algo "
-                         r"\(cuda backend only\)")
+                         r"--rank-timeout-s, --device-random-weights, --gemm-algo and "
+                         r"--fp8-attention \(cuda backend only\)")
         # Said before the model loads, which then loads on the CPU.
         self.assertLess(stderr.index(said[0]), stderr.index("on the CPU backend"), stderr)
         # One flag: named alone; none: no warning.
