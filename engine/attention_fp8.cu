@@ -30,7 +30,7 @@ constexpr int kHeadDim = 128;
 constexpr int kRows = 16;  // rows of a sequence a block takes at a time: one 16-key group
 constexpr int kProducerThreads = 256;
 constexpr int kVtHeads = kProducerThreads / kHeadDim;  // KV heads a V^T pass transposes
-constexpr int kUnroll = 4;  // Q/K items a thread loads before it converts them
+constexpr int kUnroll = 2;  // Q/K items a thread loads before it converts them
 
 // Where the producer finds RoPE's angles (LaunchFp8AttentionInputs' rope).
 struct RopeArgs {
@@ -39,8 +39,27 @@ struct RopeArgs {
   double theta = 0;
 };
 
+// How values become codes: value / scale by IEEE division, by the fast exact path
+// (Fp8Divisor.inv != 0), or, every scale being 1 (the engine's), the value itself.
+enum class Divide { kIeee, kFast, kNone };
+
+template <Divide kDivide>
+__device__ __forceinline__ uint2 Codes8(const float (&f)[8], const Fp8Divisor& d) {
+  if constexpr (kDivide == Divide::kNone) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[i] =
+          __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i], f[2 * i + 1]), __NV_SATFINITE, __NV_E4M3);
+    }
+    return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+  } else {
+    return Fp8Codes8<kDivide == Divide::kFast>(f, d);
+  }
+}
+
 // One block: sequence blockIdx.x, rows in chunks of kRows.
-template <bool kFast, bool kRope>
+template <Divide kDivide, bool kRope>
 __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8AttentionInputs& in,
                                              const RopeArgs& rope, const Fp8Divisor (&div)[3],
                                              int seq, int begin, int len,
@@ -111,8 +130,8 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
         uint8_t* dst = is_q ? in.q + row * q_width + int64_t{h} * kHeadDim + j
                             : in.k + row * kv_width + int64_t{h - q_heads} * kHeadDim + j;
         const Fp8Divisor d = is_q ? div[0] : div[1];
-        *reinterpret_cast<uint2*>(dst) = Fp8Codes8<kFast>(x, d);
-        *reinterpret_cast<uint2*>(dst + kHeadDim / 2) = Fp8Codes8<kFast>(y, d);
+        *reinterpret_cast<uint2*>(dst) = Codes8<kDivide>(x, d);
+        *reinterpret_cast<uint2*>(dst + kHeadDim / 2) = Codes8<kDivide>(y, d);
       }
     }
     // V^T, kVtHeads KV heads a pass: their rows into shared memory (zeros past the sequence:
@@ -136,7 +155,7 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
           lo[s] = Bf16ToFloat(v_tile[hh][Fp8VtKeyAtSlot(s)][d]);
           hi[s] = Bf16ToFloat(v_tile[hh][Fp8VtKeyAtSlot(8 + s)][d]);
         }
-        const uint2 a = Fp8Codes8<kFast>(lo, div[2]), b = Fp8Codes8<kFast>(hi, div[2]);
+        const uint2 a = Codes8<kDivide>(lo, div[2]), b = Codes8<kDivide>(hi, div[2]);
         uint8_t* dst = in.vt + (int64_t{h0 + hh} * kHeadDim + d) * in.vt_columns + vt0 + c0;
         *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.y, b.x, b.y);
       }
@@ -145,9 +164,10 @@ __device__ __forceinline__ void QuantizeRows(const AttentionParams& p, const Fp8
   }
 }
 
-// Three blocks an SM (80 registers): enough loads in flight to stream at the bandwidth.
+// Four blocks an SM (64 registers): a shape's 512 blocks (8192 rows) in one wave of 132 SMs,
+// and enough loads in flight to stream at the bandwidth.
 template <bool kRope>
-__global__ void __launch_bounds__(kProducerThreads, 3)
+__global__ void __launch_bounds__(kProducerThreads, 4)
     Fp8AttentionInputsKernel(AttentionParams p, Fp8AttentionInputs in, RopeArgs rope) {
   static_assert(kProducerThreads % kHeadDim == 0 && kRows == 16, "a thread per V^T dim");
   __shared__ __align__(16) uint16_t v_tile[kVtHeads][kRows][kHeadDim];
@@ -160,10 +180,12 @@ __global__ void __launch_bounds__(kProducerThreads, 3)
   end = end < begin ? begin : (end > tokens ? tokens : end);
   const Fp8Divisor div[3] = {MakeFp8Divisor(in.scales[0]), MakeFp8Divisor(in.scales[1]),
                              MakeFp8Divisor(in.scales[2])};
-  if (div[0].inv != 0.0f && div[1].inv != 0.0f && div[2].inv != 0.0f) {
-    QuantizeRows<true, kRope>(p, in, rope, div, seq, begin, end - begin, angles, v_tile);
+  if (div[0].scale == 1.0f && div[1].scale == 1.0f && div[2].scale == 1.0f) {
+    QuantizeRows<Divide::kNone, kRope>(p, in, rope, div, seq, begin, end - begin, angles, v_tile);
+  } else if (div[0].inv != 0.0f && div[1].inv != 0.0f && div[2].inv != 0.0f) {
+    QuantizeRows<Divide::kFast, kRope>(p, in, rope, div, seq, begin, end - begin, angles, v_tile);
   } else {
-    QuantizeRows<false, kRope>(p, in, rope, div, seq, begin, end - begin, angles, v_tile);
+    QuantizeRows<Divide::kIeee, kRope>(p, in, rope, div, seq, begin, end - begin, angles, v_tile);
   }
 }
 

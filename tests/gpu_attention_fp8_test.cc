@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -76,6 +77,9 @@ struct Fp8Case {
   int64_t q_heads, kv_heads;
   int64_t max_seqlen = 0;              // 0: the true maximum
   std::vector<int32_t> nan_seqs = {};  // sequences whose q, k, v are all NaN
+  // Dequantization scales of q, k and v (1, 1, 1: the engine's, where the producer skips the
+  // division).
+  std::array<float, 3> scales = {kScales[0], kScales[1], kScales[2]};
 };
 
 struct Fp8Run {
@@ -93,7 +97,7 @@ void RunFp8(cudaStream_t stream, const Fp8Case& c, const std::vector<BFloat16>& 
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_qkv, Upload(qkv, "qkv"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_cu, Upload(cu, "cu_seqlens"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scales,
-                          Upload(std::vector<float>(kScales, kScales + 3), "scales"));
+                          Upload(std::vector<float>(c.scales.begin(), c.scales.end()), "scales"));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer q8,
                           PoisonedBuffer(DataType::kFloat8E4M3, tokens * q_width, "q8", stream));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer k8,
@@ -152,7 +156,7 @@ void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {
 
   // The codes, as the CPU rounds value / scale.
   auto code = [&](int64_t row, int64_t col, int which) {
-    return FloatToFp8E4M3(BFloat16ToFloat(qkv[row * stride + col]) / kScales[which]);
+    return FloatToFp8E4M3(BFloat16ToFloat(qkv[row * stride + col]) / c.scales[which]);
   };
   size_t q_wrong = 0, k_wrong = 0, vt_wrong = 0;
   for (int64_t r = 0; r < tokens; ++r) {
@@ -177,7 +181,7 @@ void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {
 
   // The emulation, and attention on the unquantized inputs.
   const float scale_log2 =
-      static_cast<float>(1.4426950408889634 / std::sqrt(128.0)) * (kScales[0] * kScales[1]);
+      static_cast<float>(1.4426950408889634 / std::sqrt(128.0)) * (c.scales[0] * c.scales[1]);
   const QkvFloats f = WidenQkv(qkv, tokens, q_width, kv_width);
   std::vector<float> exact(tokens * q_width);
   TP_ASSERT_OK(CausalAttentionVarlen(f.q.data(), f.k.data(), f.v.data(), tokens, c.q_heads,
@@ -226,7 +230,7 @@ void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {
           m = new_m;
         }
         for (int64_t d = 0; d < kHd; ++d) {
-          const double emu = o[d] / l * kScales[2];
+          const double emu = o[d] / l * c.scales[2];
           const double gpu = BFloat16ToFloat(run.out[(begin + i) * q_width + h * kHd + d]);
           const double ex = exact[(begin + i) * q_width + h * kHd + d];
           ++checked;
@@ -259,6 +263,8 @@ TEST_F(GpuAttentionFp8Test, MatchesItsEmulationAndKeepsItsLayout) {
   CheckFp8Attention(stream(), {{40, 3}, 4, 4}, 701);
   // An underestimated max_seqlen: the producer's and the kernel's blocks loop.
   CheckFp8Attention(stream(), {{1500, 3}, 8, 2, /*max_seqlen=*/64}, 702);
+  // Unit scales, as the engine runs it: no division in the producer.
+  CheckFp8Attention(stream(), {{300, 77, 1}, 8, 2, 0, {}, {1.0f, 1.0f, 1.0f}}, 703);
 }
 
 TEST_F(GpuAttentionFp8Test, KeepsSequencesApart) {
