@@ -203,10 +203,10 @@ void AddServeFlags(CLI::App* cmd, ServeFlags* f, std::vector<const CLI::Option*>
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only);
   CudaOnly(cmd->add_flag("--fp8-attention", f->fp8_attention,
                          "logits requests (prefill-only passes): attention in E4M3, Q, K, V and "
-                         "the probabilities quantized at scale 1 as the fp8 KV cache is (Hopper, "
-                         "head_dim 128; faster at long sequences, logits about 1e-2 from BF16 "
-                         "attention's, benchmarks/PERFORMANCE.md); generation keeps BF16 "
-                         "attention"),
+                         "the probabilities quantized at scale 1 as the fp8 KV cache is, so "
+                         "values beyond +-448 saturate (Hopper, head_dim 128; faster at long "
+                         "sequences; accuracy in benchmarks/PERFORMANCE.md); generation keeps "
+                         "BF16 attention"),
            cuda_only);
   AddTlsFlags(cmd, f);
 }
