@@ -148,30 +148,32 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   // The E4M3 path: codes of q, k, v at scale 1, as the engine quantizes them (the producer
   // then skips the division).
   const bool fp8 = f.fp8 && Fp8AttentionSupports(f.head_dim);
-  const int64_t vt_columns = Fp8AttentionVtColumns(tokens, b.seqs);
-  TP_ASSIGN_OR_RETURN(DeviceBuffer q8, DeviceBuffer::Allocate(tokens * q_width, "q8"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer k8, DeviceBuffer::Allocate(tokens * kv_width, "k8"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer vt8, DeviceBuffer::Allocate(kv_width * vt_columns, "vt8"));
-  TP_ASSIGN_OR_RETURN(DeviceBuffer scales, DeviceBuffer::Allocate(3 * sizeof(float), "scales"));
-  const float qkv_scales[3] = {1.0f, 1.0f, 1.0f};
-  TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), qkv_scales, sizeof qkv_scales,
-                                cudaMemcpyHostToDevice, stream));
+  DeviceBuffer q8, k8, vt8, scales, positions;  // allocated only with fp8
   Fp8AttentionInputs in;
-  in.q = q8.as<uint8_t>();
-  in.k = k8.as<uint8_t>();
-  in.vt = vt8.as<uint8_t>();
-  in.vt_columns = vt_columns;
-  in.scales = scales.as<float>();
-  // The stage as the model runs it: RoPE, then attention (BF16), or the producer rotating
-  // as it quantizes, then attention (E4M3). Positions count from each sequence's start.
-  std::vector<int32_t> positions_host(tokens);
-  for (int64_t t = 0; t < tokens; ++t) positions_host[t] = static_cast<int32_t>(t % b.len);
-  TP_ASSIGN_OR_RETURN(DeviceBuffer positions, UploadInt32(positions_host, "positions", stream));
-  const RopeParams rope = FusedQkvRope(f, qkv.as<BFloat16>(), positions.as<int32_t>(), tokens);
+  RopeParams rope;
   // wgmma_fp8: the E4M3 attention alone; rope+wgmma: RoPE and the BF16 Hopper kernel;
   // fp8_inputs+attn: the producer with RoPE and the E4M3 attention.
   std::vector<KernelRun> fp8_runs;
   if (fp8) {
+    const int64_t vt_columns = Fp8AttentionVtColumns(tokens, b.seqs);
+    TP_ASSIGN_OR_RETURN(q8, DeviceBuffer::Allocate(tokens * q_width, "q8"));
+    TP_ASSIGN_OR_RETURN(k8, DeviceBuffer::Allocate(tokens * kv_width, "k8"));
+    TP_ASSIGN_OR_RETURN(vt8, DeviceBuffer::Allocate(kv_width * vt_columns, "vt8"));
+    TP_ASSIGN_OR_RETURN(scales, DeviceBuffer::Allocate(3 * sizeof(float), "scales"));
+    const float qkv_scales[3] = {1.0f, 1.0f, 1.0f};
+    TP_CUDA_CHECK(cudaMemcpyAsync(scales.data(), qkv_scales, sizeof qkv_scales,
+                                  cudaMemcpyHostToDevice, stream));
+    in.q = q8.as<uint8_t>();
+    in.k = k8.as<uint8_t>();
+    in.vt = vt8.as<uint8_t>();
+    in.vt_columns = vt_columns;
+    in.scales = scales.as<float>();
+    // The stage as the model runs it: RoPE, then attention (BF16), or the producer rotating
+    // as it quantizes, then attention (E4M3). Positions count from each sequence's start.
+    std::vector<int32_t> positions_host(tokens);
+    for (int64_t t = 0; t < tokens; ++t) positions_host[t] = static_cast<int32_t>(t % b.len);
+    TP_ASSIGN_OR_RETURN(positions, UploadInt32(positions_host, "positions", stream));
+    rope = FusedQkvRope(f, qkv.as<BFloat16>(), positions.as<int32_t>(), tokens);
     fp8_runs = {{"wgmma_fp8", AttentionKernel::kWgmma, {}},
                 {"rope+wgmma", AttentionKernel::kWgmma, {}},
                 {"fp8_inputs+attn", AttentionKernel::kWgmma, {}}};
