@@ -86,6 +86,7 @@ struct PagedKeys {
   const int32_t* context_lens = nullptr;
   const int32_t* block_tables = nullptr;
   int64_t max_blocks = 0;
+  float v_scale = 1.0f;  // kPagedFp8: the layer's value scale (the key scale is in scale_log2)
 };
 
 template <int kHeadDim, int kSource>
@@ -421,7 +422,14 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
         for (int half = 0; half < 2; ++half) {
           StoreAttentionRow<decltype(fast_divide)::value, kDimTiles>(
               out, warp_row0 + mt * 16 + g + 8 * half, len, t, row_sum[mt][half], amax,
-              [&](int dt) { return make_float2(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]); });
+              [&](int dt) {
+                if constexpr (kFp8) {  // the products read the values' codes
+                  return make_float2(o[mt][dt][2 * half] * pk.v_scale,
+                                     o[mt][dt][2 * half + 1] * pk.v_scale);
+                } else {
+                  return make_float2(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]);
+                }
+              });
         }
       }
     };
@@ -629,8 +637,11 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
   // sequence's tiles leave at once.
   const int64_t rows = p.max_query_rows > 0 ? std::min(p.max_query_rows, p.tokens) : p.tokens;
   const int64_t tiles = std::min((rows + kAttnBr - 1) / kAttnBr, kMaxGridY);
-  const float scale = ScaleLog2(hd);
   const bool fp8_cache = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
+  // Over E4M3 the products read the codes: the key scale joins the score scale, the value
+  // scale multiplies the output (PagedAttentionParams::scales).
+  const float scale = ScaleLog2(hd) * (fp8_cache ? p.scales.k : 1.0f);
+  pk.v_scale = fp8_cache ? p.scales.v : 1.0f;
   if (!fp8_cache &&
       WgmmaPagedAttentionSupports(hd, p.layout.block_size, p.layout.Elements() / hd)) {
     WgmmaPagedKeys wk;

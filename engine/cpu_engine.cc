@@ -78,6 +78,8 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
     std::lock_guard lock(mu_);
     scale_scheme_ = GemmScaleSchemeOf(w->layers[0].qkv.scheme);
   }
+  std::vector<KvScales> kv_scales;
+  for (const LayerWeights& l : w->layers) kv_scales.push_back(l.kv_scales);
   auto model = CallCatching("building the model", [&] {
     return CpuModel::Create(o.config, std::move(w).value(), o.overlap.get(), *comm);
   });
@@ -86,7 +88,11 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
   if (kv_layout_.num_blocks > 0) {
     auto made =
         CallCatching("allocating the KV cache", [&]() -> StatusOr<std::unique_ptr<CpuKvCache>> {
-          return std::make_unique<CpuKvCache>(kv_layout_);
+          auto c = std::make_unique<CpuKvCache>(kv_layout_);
+          for (size_t l = 0; l < kv_scales.size(); ++l) {
+            TP_RETURN_IF_ERROR(c->SetScales(static_cast<int64_t>(l), kv_scales[l]));
+          }
+          return c;
         });
     if (!made.ok()) return fail(made.status());
     cache = std::move(made).value();

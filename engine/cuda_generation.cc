@@ -11,6 +11,7 @@
 
 #include "comm/cuda_check.h"
 #include "engine/cuda_model.h"
+#include "engine/cuda_model_internal.h"
 #include "engine/cuda_ops.h"
 #include "engine/paged_kv_ops.h"
 #include "engine/sampling_kernels.h"
@@ -168,6 +169,7 @@ PagedKvWriteParams CudaModel::KvStore(int64_t layer, int64_t m, BFloat16* qkv) c
   w.cache = g.pool.data();
   w.layout = kv_layout_;
   w.layer = layer;
+  w.scales = layers_[layer].kv_scales;
   return w;
 }
 
@@ -185,6 +187,7 @@ PagedAttentionParams CudaModel::PagedParams(int64_t layer, int64_t m, int64_t se
   p.cache = g.pool.data();
   p.layout = kv_layout_;
   p.layer = layer;
+  p.scales = layers_[layer].kv_scales;
   p.cu_seqlens = g.d<int32_t>(g.at.cu_seqlens);
   p.context_lens = g.d<int32_t>(g.at.context_lens);
   p.block_tables = g.d<int32_t>(g.at.block_tables);

@@ -287,8 +287,10 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.kv_heads = nkv_l;
     at.head_dim = hd;
     if (fp8_attention) {
-      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(at, fp8_attn_, &rope, st));
-      TP_RETURN_IF_ERROR(LaunchCausalAttentionFp8(at, fp8_attn_, st));
+      Fp8AttentionInputs in = fp8_attn_;
+      in.scales += 3 * l;  // this layer's
+      TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(at, in, &rope, st));
+      TP_RETURN_IF_ERROR(LaunchCausalAttentionFp8(at, in, st));
     } else {
       TP_RETURN_IF_ERROR(LaunchCausalAttention(at, st));
     }

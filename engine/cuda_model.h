@@ -117,8 +117,9 @@ struct CudaModelOptions {
   // (x = bf16(x + bf16(product)), the CPU reference's rounding), as at tp > 1, where a
   // ReduceScatter's output cannot add into x.
   bool residual_in_gemm = true;
-  // Prefill passes (Forward) run attention in E4M3 (engine/attention_fp8.h): Q, K and V
-  // quantized with scale 1, as the E4M3 KV cache stores them (values saturate at +-448), and
+  // Prefill passes (Forward) run attention in E4M3 (engine/attention_fp8.h): Q quantized with
+  // scale 1, K and V with the layer's KV cache scales (LayerWeights::kv_scales, 1 unless the
+  // checkpoint gives them), as the E4M3 KV cache stores them (values saturate at 448 x scale), and
   // the probabilities rounded to E4M3 for P V. Hopper and head_dim 128 only (Create fails
   // UNIMPLEMENTED elsewhere). Generation's prefill chunks attend over the paged cache as before.
   bool fp8_attention = false;
@@ -407,7 +408,8 @@ class CudaModel {
   bool dynamic_inputs_ = false;
   DeviceBuffer amax_, attn_, act_;
   // CudaModelOptions::fp8_attention: the E4M3 inputs of attention (views into fp8_attn_buf_,
-  // for max_m tokens in max_seqs + 1 sequences) and their unit scales.
+  // for max_m tokens in max_seqs + 1 sequences); `scales` points at layer 0's three, each
+  // layer's at 3 * layer.
   DeviceBuffer fp8_attn_buf_;
   Fp8AttentionInputs fp8_attn_;
   // Layers with per-channel or block-wise weights (Linear::fine): their inputs' scales, one

@@ -41,6 +41,9 @@ struct CudaModel::Linear {
 struct CudaModel::Layer {
   DeviceBuffer input_norm, post_norm;  // BF16 [H]
   Linear qkv, o, gate_up, down;
+  // The E4M3 KV cache's scales of this layer (LayerWeights::kv_scales), which E4M3 prefill
+  // attention quantizes K and V with too.
+  KvScales kv_scales;
   // By TpLayerShape::index (block order).
   Linear& at(int index) { return *std::array<Linear*, 4>{&qkv, &o, &gate_up, &down}[index]; }
   const Linear& at(int index) const { return const_cast<Layer*>(this)->at(index); }

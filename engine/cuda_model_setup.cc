@@ -163,19 +163,24 @@ Status CudaModel::AllocateActivations() {
           "capability 9.0 GPU and head_dim 128 (this model's head_dim: " +
           std::to_string(hd) + ")");
     }
-    // [scales (256 bytes) | q | k | vt], each part 256-byte aligned.
+    // [scales | q | k | vt], each part 256-byte aligned. Scales: a layer's q, k and v at
+    // 3 * layer: q's 1, k's and v's the layer's KV cache scales, so that the codes are those
+    // the E4M3 cache would hold.
     auto round = [](int64_t b) { return (b + 255) / 256 * 256; };
     const int64_t cols = Fp8AttentionVtColumns(m, seqs);
     const int64_t q_bytes = round(m * attn_n), k_bytes = round(m * kv_n);
+    std::vector<float> scales;
+    for (const Layer& l : layers_)
+      scales.insert(scales.end(), {1.0f, l.kv_scales.k, l.kv_scales.v});
+    const int64_t s_bytes = round(std::max<int64_t>(1, static_cast<int64_t>(scales.size())) * 4);
     TP_ASSIGN_OR_RETURN(fp8_attn_buf_,
-                        Alloc(256 + q_bytes + k_bytes + kv_n * cols, "fp8_attention_inputs"));
+                        Alloc(s_bytes + q_bytes + k_bytes + kv_n * cols, "fp8_attention_inputs"));
     auto* base = fp8_attn_buf_.as<uint8_t>();
-    const float unit[3] = {1.0f, 1.0f, 1.0f};
-    TP_CUDA_CHECK(cudaMemcpy(base, unit, sizeof unit, cudaMemcpyHostToDevice));
+    TP_CUDA_CHECK(cudaMemcpy(base, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
     fp8_attn_.scales = reinterpret_cast<const float*>(base);
-    fp8_attn_.q = base + 256;
-    fp8_attn_.k = base + 256 + q_bytes;
-    fp8_attn_.vt = base + 256 + q_bytes + k_bytes;
+    fp8_attn_.q = base + s_bytes;
+    fp8_attn_.k = base + s_bytes + q_bytes;
+    fp8_attn_.vt = base + s_bytes + q_bytes + k_bytes;
     fp8_attn_.vt_columns = cols;
   }
   if (options_.kv_blocks > 0) TP_RETURN_IF_ERROR(AllocateGeneration());
@@ -243,6 +248,7 @@ StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config
     const std::string p = "layers." + std::to_string(l);
     TP_ASSIGN_OR_RETURN(dl.input_norm, UploadBf16(lw.input_norm, p + ".input_norm"));
     TP_ASSIGN_OR_RETURN(dl.post_norm, UploadBf16(lw.post_norm, p + ".post_norm"));
+    dl.kv_scales = lw.kv_scales;
     TP_RETURN_IF_ERROR(upload_linear(lw.qkv, p + ".attn.qkv", &dl.qkv));
     TP_RETURN_IF_ERROR(upload_linear(lw.o, p + ".attn.o", &dl.o));
     TP_RETURN_IF_ERROR(upload_linear(lw.gate_up, p + ".mlp.gate_up", &dl.gate_up));

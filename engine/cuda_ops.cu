@@ -234,9 +234,9 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, KvStore
         const uint16_t* v =
             reinterpret_cast<const uint16_t*>(st.v + row * st.v_row_stride + head * head_dim);
         StoreKv8<kStore == 2>(st.cache, st.v_offset + cache_at(head, i0),
-                              *reinterpret_cast<const uint4*>(v + i0));
+                              *reinterpret_cast<const uint4*>(v + i0), st.v_scale);
         StoreKv8<kStore == 2>(st.cache, st.v_offset + cache_at(head, i0 + half),
-                              *reinterpret_cast<const uint4*>(v + i0 + half));
+                              *reinterpret_cast<const uint4*>(v + i0 + half), st.v_scale);
         continue;
       }
     }
@@ -263,8 +263,8 @@ __global__ void __launch_bounds__(kRopeThreads) RopeKernel(RopeParams p, KvStore
       *reinterpret_cast<uint4*>(x + i0 + half) = hi;
       if constexpr (kStore != 0) {
         if (!is_q && slot_base >= 0) {
-          StoreKv8<kStore == 2>(st.cache, st.k_offset + cache_at(head, i0), lo);
-          StoreKv8<kStore == 2>(st.cache, st.k_offset + cache_at(head, i0 + half), hi);
+          StoreKv8<kStore == 2>(st.cache, st.k_offset + cache_at(head, i0), lo, st.k_scale);
+          StoreKv8<kStore == 2>(st.cache, st.k_offset + cache_at(head, i0 + half), hi, st.k_scale);
         }
       }
     } else {

@@ -217,6 +217,16 @@ StatusOr<float> ReadInputScale(const TensorView& v, const std::string& where) {
   return values.front();
 }
 
+StatusOr<float> ReadKvCacheScale(const TensorView& v, const std::string& where) {
+  if (!v.shape.empty() && v.shape != std::vector<int64_t>{1}) {
+    return InvalidArgumentError(where + " has shape " + ShapeText(v.shape) +
+                                ": a KV cache scale is one value ([] or [1]) for all of the "
+                                "layer's heads");
+  }
+  TP_ASSIGN_OR_RETURN(std::vector<float> values, ScaleValues(v, where));
+  return values.front();
+}
+
 Status TakeScales(const WeightScales& ws, int tp, LinearPart* part) {
   part->scheme = ws.scheme;
   part->scale = *std::max_element(ws.values.begin(), ws.values.end());

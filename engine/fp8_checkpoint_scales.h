@@ -69,6 +69,11 @@ StatusOr<WeightScales> ReadWeightScales(const TensorView& v, const std::string& 
 // A static input_scale: one positive finite value ([] or [1]), F32 or BF16.
 StatusOr<float> ReadInputScale(const TensorView& v, const std::string& where);
 
+// A layer's KV cache scale (k_scale, v_scale or kv_scale): one positive finite value ([] or
+// [1]), F32 or BF16; INVALID_ARGUMENT naming `where` otherwise (per-head scales are refused:
+// the cache takes one scale a layer for keys and one for values).
+StatusOr<float> ReadKvCacheScale(const TensorView& v, const std::string& where);
+
 // Rows [row_begin, row_end) and columns [col_begin, col_end) of one checkpoint weight,
 // dequantized, with the scales this rank's FP8 weight is to keep.
 struct LinearPart {

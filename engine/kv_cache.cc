@@ -1,5 +1,6 @@
 #include "engine/kv_cache.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cmath>
 #include <cstring>
@@ -24,6 +25,16 @@ StatusOr<KvCacheDtype> ParseKvCacheDtype(const std::string& s) {
 
 const char* KvCacheDtypeName(KvCacheDtype d) {
   return d == KvCacheDtype::kBFloat16 ? "bf16" : "fp8";
+}
+
+Status CheckKvScales(const KvScales& s, const std::string& what) {
+  for (const auto& [name, v] : {std::pair<const char*, float>{"k", s.k}, {"v", s.v}}) {
+    if (!std::isfinite(v) || v <= 0.0f) {
+      return InvalidArgumentError(what + ": KV cache scale " + name + " is " + std::to_string(v) +
+                                  ", needs a finite value > 0");
+    }
+  }
+  return Status::Ok();
 }
 
 Status KvCacheLayout::Validate() const {
@@ -66,9 +77,20 @@ void BlockPool::Release(std::vector<int32_t>* table) {
 
 CpuKvCache::CpuKvCache(const KvCacheLayout& layout)
     : layout_(layout),
+      scales_(static_cast<size_t>(std::max<int64_t>(layout.layers, 0))),
       data_(static_cast<uint8_t*>(std::calloc(
           static_cast<size_t>(layout.Elements() * KvCacheElementBytes(layout.dtype)), 1))) {
   if (!data_ && layout.Elements() > 0) throw std::bad_alloc();
+}
+
+Status CpuKvCache::SetScales(int64_t layer, const KvScales& scales) {
+  if (layer < 0 || layer >= layout_.layers) {
+    return InvalidArgumentError("CpuKvCache::SetScales: layer " + Str(layer) +
+                                " outside the cache");
+  }
+  TP_RETURN_IF_ERROR(CheckKvScales(scales, "layer " + Str(layer)));
+  scales_[static_cast<size_t>(layer)] = scales;
+  return Status::Ok();
 }
 
 void CpuKvCache::Write(int64_t layer, const float* k, const float* v, int64_t rows,
@@ -81,6 +103,7 @@ void CpuKvCache::Write(int64_t layer, const float* k, const float* v, int64_t ro
     assert(block >= 0 && block < L.num_blocks);
     for (int kv = 0; kv < 2; ++kv) {
       const float* src = (kv == 0 ? k : v) + i * L.kv_heads * L.head_dim;
+      const float scale = kv == 0 ? scales_[layer].k : scales_[layer].v;
       for (int64_t h = 0; h < L.kv_heads; ++h) {
         uint8_t* dst = data_.get() + L.Offset(layer, kv, block, h, slot) * bytes;
         for (int64_t d = 0; d < L.head_dim; ++d) {
@@ -89,7 +112,7 @@ void CpuKvCache::Write(int64_t layer, const float* k, const float* v, int64_t ro
             const BFloat16 b = FloatToBFloat16(x);
             std::memcpy(dst + 2 * d, &b.bits, 2);
           } else {
-            dst[d] = FloatToFp8E4M3(x);
+            dst[d] = FloatToFp8E4M3(x / scale);
           }
         }
       }
@@ -105,7 +128,8 @@ float CpuKvCache::Read(int64_t layer, int kv, int64_t block, int64_t head, int64
     std::memcpy(&b.bits, data_.get() + 2 * e, 2);
     return BFloat16ToFloat(b);
   }
-  return Fp8E4M3ToFloat(data_.get()[e]);
+  const KvScales& s = scales_[static_cast<size_t>(layer)];
+  return Fp8E4M3ToFloat(data_.get()[e]) * (kv == 0 ? s.k : s.v);
 }
 
 Status PagedAttention(const CpuKvCache& cache, int64_t layer, const float* q, int64_t q_heads,

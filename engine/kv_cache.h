@@ -16,8 +16,9 @@
 // elements): decode attention reads a block per head as one run.
 //
 // Element types: BF16 (the bits of the rounded FP32 value) or FP8 E4M3
-// holding value / scale with saturation, scale 1 for K and V (no checkpoint
-// scale is read; values above 448 saturate).
+// holding value / scale with saturation, a scale for K and one for V per
+// layer (KvScales: the checkpoint's k_scale / v_scale, else 1, where values
+// above 448 saturate).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,17 @@
 namespace tpserve {
 
 enum class KvCacheDtype { kBFloat16, kFloat8E4M3 };
+
+// One layer's dequantization scales of an E4M3 cache: code c of a key stands for c * k, and a
+// key x is stored as the E4M3 code of x / k (FP32 division, round to nearest even, saturating
+// at +-448); the same for values with v. From the checkpoint (engine/model_weights.h:
+// LayerWeights::kv_scales), else 1. A BF16 cache ignores them.
+struct KvScales {
+  float k = 1.0f;
+  float v = 1.0f;
+};
+// INVALID_ARGUMENT naming `what` and the scale unless both are finite and > 0.
+Status CheckKvScales(const KvScales& s, const std::string& what);
 
 // "bf16" | "fp8"; INVALID_ARGUMENT naming the allowed values otherwise.
 StatusOr<KvCacheDtype> ParseKvCacheDtype(const std::string& s);
@@ -98,18 +110,26 @@ class CpuKvCache {
 
   const KvCacheLayout& layout() const { return layout_; }
 
+  // Layer `layer`'s scales (every layer's are 1 until set); CheckKvScales' INVALID_ARGUMENT
+  // for a bad one, nothing changed. Set before the layer's first Write.
+  Status SetScales(int64_t layer, const KvScales& scales);
+  const KvScales& scales(int64_t layer) const { return scales_[static_cast<size_t>(layer)]; }
+
   // Stores `rows` tokens' keys and values of `layer`: k, v are
   // [rows, kv_heads, head_dim]; token i goes to slot positions[i] of the
   // sequence whose block table is `table` (positions[i] / block_size-th
-  // block). Rounds to the cache's element type.
+  // block). Rounds to the cache's element type (E4M3: the codes of x / the
+  // layer's scale).
   void Write(int64_t layer, const float* k, const float* v, int64_t rows, const int32_t* positions,
              const int32_t* table);
 
-  // The value stored at (layer, kv, block, head, slot, d), as FP32.
+  // The value stored at (layer, kv, block, head, slot, d), as FP32 (E4M3: the
+  // code's value times the layer's scale).
   float Read(int64_t layer, int kv, int64_t block, int64_t head, int64_t slot, int64_t d) const;
 
  private:
   KvCacheLayout layout_;
+  std::vector<KvScales> scales_;  // one per layer
   // Zeros from calloc: the OS supplies zero pages as sequences reach them,
   // so a large pool costs memory only where it is used.
   struct Free {

@@ -117,7 +117,7 @@ class Checkpoint {
 // What the checkpoint holds that the model did not read. Refused where it means the model
 // would compute something else than the checkpoint's: layers beyond num_hidden_layers (the
 // config does not match the weights) and biases (linear layers here have none). The rest
-// (e.g. rotary_emb.inv_freq, KV-cache scales) is named in a warning by rank 0.
+// (e.g. rotary_emb.inv_freq, a query scale) is named in a warning by rank 0.
 Status CheckUnused(const Checkpoint& ck, const ModelConfig& c, int rank) {
   const std::vector<std::string> unused = ck.Unused();
   const std::string prefix = "model.layers.";
@@ -341,6 +341,32 @@ StatusOr<RankWeights> ShardGlobals(const Checkpoint& ck, const ModelConfig& c, D
   return w;
 }
 
+// Layer `p`'s KV cache scales (LayerWeights::kv_scales), in whichever spelling the checkpoint
+// uses; INVALID_ARGUMENT naming both tensors when it holds two for the keys or the values.
+StatusOr<KvScales> ReadKvScales(const Checkpoint& ck, const std::string& p) {
+  KvScales out;
+  const std::string both = p + ".self_attn.kv_scale";
+  for (int kv = 0; kv < 2; ++kv) {
+    const char* x = kv == 0 ? "k" : "v";
+    const std::string names[] = {p + ".self_attn." + x + "_scale",
+                                 p + ".self_attn." + x + "_proj." + x + "_scale", both};
+    const std::string* found = nullptr;
+    for (const std::string& name : names) {
+      if (ck.Find(name) == nullptr) continue;
+      if (found != nullptr) {
+        return InvalidArgumentError(ck.Where(name) + " and " + ck.Where(*found) + " both scale " +
+                                    "the layer's cached " + (kv == 0 ? "keys" : "values") +
+                                    "; keep one");
+      }
+      found = &name;
+    }
+    if (found == nullptr) continue;
+    TP_ASSIGN_OR_RETURN(const float scale, ReadKvCacheScale(*ck.Find(*found), ck.Where(*found)));
+    (kv == 0 ? out.k : out.v) = scale;
+  }
+  return out;
+}
+
 // Block i's weights of rank `rank` (ck holds at least that block).
 StatusOr<LayerWeights> ShardLayer(const Checkpoint& ck, const ModelConfig& c, DataType dtype,
                                   int tp, int rank, int64_t i) {
@@ -372,6 +398,7 @@ StatusOr<LayerWeights> ShardLayer(const Checkpoint& ck, const ModelConfig& c, Da
   TP_ASSIGN_OR_RETURN(l.gate_up, FuseParts({gate, up}, dtype, tp));
   TP_ASSIGN_OR_RETURN(LinearPart down, read(".mlp.down_proj", h, inter, 0, h, i0, i1));
   TP_ASSIGN_OR_RETURN(l.down, FuseParts({down}, dtype, tp));
+  TP_ASSIGN_OR_RETURN(l.kv_scales, ReadKvScales(ck, p));
   return l;
 }
 
@@ -767,6 +794,7 @@ Status ValidateRankWeights(const ModelConfig& c, const RankWeights& w, int tp, i
     const std::string p = "layers." + std::to_string(i);
     TP_RETURN_IF_ERROR(floats(p + ".input_norm", l.input_norm, h));
     TP_RETURN_IF_ERROR(floats(p + ".post_norm", l.post_norm, h));
+    TP_RETURN_IF_ERROR(CheckKvScales(l.kv_scales, "weights: " + p));
     const LinearWeight* in_block_order[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     for (const TpLayerShape& s : shapes) {
       TP_RETURN_IF_ERROR(linear(s.Name(static_cast<int64_t>(i)), *in_block_order[s.index], w.dtype,

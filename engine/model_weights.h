@@ -26,6 +26,7 @@
 
 #include "comm/dtype.h"
 #include "comm/status.h"
+#include "engine/kv_cache.h"
 #include "engine/model_config.h"
 #include "layers/fp8.h"
 
@@ -56,6 +57,11 @@ struct LinearWeight {
 struct LayerWeights {
   std::vector<float> input_norm, post_norm;  // [H]
   LinearWeight qkv, o, gate_up, down;
+  // The E4M3 KV cache's scales of this layer (engine/kv_cache.h), from the checkpoint's
+  // self_attn.k_scale / v_scale (compressed-tensors), self_attn.k_proj.k_scale /
+  // v_proj.v_scale (ModelOpt) or self_attn.kv_scale (one for both); 1 where it has none.
+  // The same on every rank (one scalar for all KV heads).
+  KvScales kv_scales;
 };
 
 struct RankWeights {

@@ -42,7 +42,14 @@ struct AttnArgs {
   float* ws_ml;   // [splits][tokens][q_heads][2]: running max (log2 units), sum
   int splits;
   int chunk;  // keys per split (a multiple of kKeyTile); the last split takes the rest
+  // log2(e) / sqrt(head_dim), times the layer's key scale over an E4M3 cache (the codes'
+  // products are the keys' over that scale).
   float scale_log2;
+  // PagedAttentionParams::scales over an E4M3 cache (1 and 1 over BF16): k_scale for the keys
+  // the RoPE path stores, v_scale multiplies every output (StoreOutput), for the values'
+  // codes the products read.
+  float k_scale;
+  float v_scale;
   int max_rows;     // sequences of more query rows are another kernel's (multi_row_seqs)
   int block_shift;  // log2(block_size) when it is a power of two, else -1
   // PagedAttentionParams::context_constant: the decode kernel reads cu_seqlens, context_lens,
@@ -87,12 +94,12 @@ __device__ __forceinline__ Fp8Divisor OutDivisor(const AttnArgs& a) {
   return MakeFp8Divisor(a.out_fp8 != nullptr ? *a.out_fp8_scale : 1.0f);
 }
 
-// Stores output element (token, col) = y: its BF16 rounding into a.out, and the E4M3 code of
-// that BF16 value over the divisor (OutDivisor) into a.out_fp8 (LaunchQuantizeToFp8E4M3's
+// Stores output element (token, col) = y * a.v_scale: its BF16 rounding into a.out, and the E4M3
+// code of that BF16 value over the divisor (OutDivisor) into a.out_fp8 (LaunchQuantizeToFp8E4M3's
 // code), each where set.
 __device__ __forceinline__ void StoreOutput(const AttnArgs& a, const Fp8Divisor& divisor,
                                             int64_t tok, int64_t col, float y) {
-  const uint32_t bits = device::FloatToBf16(y);
+  const uint32_t bits = device::FloatToBf16(y * a.v_scale);
   if (a.out != nullptr) {
     reinterpret_cast<uint16_t*>(a.out)[tok * a.out_row_stride + col] = static_cast<uint16_t>(bits);
   }

@@ -175,13 +175,14 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
           ((block * a.kv_heads + kvh) * a.block_size + (slot - block * a.block_size)) * kHeadDim;
       if (threadIdx.x < kVecs) {
         StoreKv8<kFp8>(a.rope_cache, a.k_offset + at + 8 * threadIdx.x,
-                       *reinterpret_cast<const uint4*>(k_row + 8 * threadIdx.x));
+                       *reinterpret_cast<const uint4*>(k_row + 8 * threadIdx.x), a.k_scale);
       } else if (threadIdx.x < 2 * kVecs) {
         const int c = threadIdx.x - kVecs;
         StoreKv8<kFp8>(
             a.rope_cache, a.v_offset + at + 8 * c,
             *reinterpret_cast<const uint4*>(a.rope_v + tk * a.rope_v_row_stride +
-                                            static_cast<int64_t>(kvh) * kHeadDim + 8 * c));
+                                            static_cast<int64_t>(kvh) * kHeadDim + 8 * c),
+            a.v_scale);
       }
       __syncthreads();  // k_row is rewritten for the next row
     }

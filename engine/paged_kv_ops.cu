@@ -388,7 +388,8 @@ Status CheckRopeInAttention(const PagedAttentionParams& p) {
                {"head_dim", r.head_dim == p.layout.head_dim},
                {"kv_store->cache", kv.cache == p.cache},
                {"kv_store->layout", kv.layout == p.layout},
-               {"kv_store->layer", kv.layer == p.layer}};
+               {"kv_store->layer", kv.layer == p.layer},
+               {"kv_store->scales", kv.scales.k == p.scales.k && kv.scales.v == p.scales.v}};
   for (const auto& a : agree) {
     if (!a.same) {
       return InvalidArgumentError(std::string(kP) + "->" + a.name + " differs from the launch's");
@@ -457,6 +458,7 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   if (p.max_query_rows < 0) return BadField(kP, "max_query_rows", p.max_query_rows, "must be >= 0");
   if (p.max_context < 0) return BadField(kP, "max_context", p.max_context, "must be >= 0");
   if (p.splits < 0) return BadField(kP, "splits", p.splits, "must be >= 0");
+  TP_RETURN_IF_ERROR(CheckKvScales(p.scales, std::string(kP) + ".scales"));
   if (p.out == nullptr && p.out_fp8 == nullptr) {
     return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
   }
@@ -542,7 +544,10 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   a.ws_acc = splits > 1 ? static_cast<float*>(p.workspace) : nullptr;
   a.ws_ml = splits > 1 ? a.ws_acc + splits * p.tokens * p.q_heads * hd : nullptr;
   constexpr double kLog2E = 1.4426950408889634;
-  a.scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)));
+  const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
+  a.k_scale = fp8 ? p.scales.k : 1.0f;
+  a.v_scale = fp8 ? p.scales.v : 1.0f;
+  a.scale_log2 = static_cast<float>(kLog2E / std::sqrt(static_cast<double>(hd)) * a.k_scale);
   a.max_rows = flash ? 1 : INT_MAX;
   a.context_constant = p.context_constant;
   a.cluster_merge =
@@ -567,7 +572,6 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
                   static_cast<unsigned>(std::max<int64_t>(1, PairTiles(p))),
                   static_cast<unsigned>(splits));
   const int64_t combine_rows = std::max<int64_t>(1, std::min(QueryRows(p), kMaxGridY));
-  const bool fp8 = p.layout.dtype == KvCacheDtype::kFloat8E4M3;
   const int kernel = UsesDecodeKernel(p) ? 0 : PairsPerWarp(p);
   if (hd == 64) {
     TP_CUDA_CHECK(LaunchAttentionKernels<64>(grid, combine_rows, fp8, kernel, a, stream));

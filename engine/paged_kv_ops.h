@@ -30,8 +30,8 @@ struct RopeParams;  // engine/cuda_ops.h
 
 // Stores a step's keys and values of one layer into the paged cache, as CpuKvCache::Write
 // does: row r goes to slot slot_mapping[r] = block * block_size + slot_in_block, each element
-// rounded to the cache's type (BF16: the bits as they are; FP8 E4M3: saturating, round to
-// nearest even, scale 1).
+// rounded to the cache's type (BF16: the bits as they are; FP8 E4M3: the code of x / the
+// layer's scale, saturating, round to nearest even, the division as the CPU's FP32 one).
 //   k, v: [rows, kv_heads, head_dim] BF16 with row strides (column slices of the fused QKV
 //         output [rows, (q_heads + 2 kv_heads) head_dim], RoPE already applied to k)
 //   cache: the whole pool, layout.Elements() elements of layout.dtype, in KvCacheLayout's order
@@ -48,6 +48,7 @@ struct PagedKvWriteParams {
   void* cache = nullptr;
   KvCacheLayout layout;  // must Validate()
   int64_t layer = 0;     // in [0, layout.layers)
+  KvScales scales;       // the layer's (an E4M3 cache's; CheckKvScales)
 };
 Status LaunchPagedKvWrite(const PagedKvWriteParams& p, cudaStream_t stream);
 // LaunchPagedKvWrite's checks of `p` alone (INVALID_ARGUMENT naming the field), for a launcher
@@ -92,8 +93,12 @@ struct PagedAttentionParams {
   int64_t q_row_stride = 0;  // >= q_heads * head_dim
   int64_t q_heads = 0;       // a positive multiple of layout.kv_heads
   const void* cache = nullptr;
-  KvCacheLayout layout;                   // must Validate()
-  int64_t layer = 0;                      // in [0, layout.layers)
+  KvCacheLayout layout;  // must Validate()
+  int64_t layer = 0;     // in [0, layout.layers)
+  // The layer's scales (an E4M3 cache's; CheckKvScales): a key code c counts as c * scales.k,
+  // a value code as c * scales.v, as CpuKvCache::Read gives them. The kernels fold them into
+  // the score scale and the output instead of widening each element with them.
+  KvScales scales;
   const int32_t* cu_seqlens = nullptr;    // [num_seqs + 1]
   const int32_t* context_lens = nullptr;  // [num_seqs]
   const int32_t* block_tables = nullptr;  // [num_seqs * max_blocks]

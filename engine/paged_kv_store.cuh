@@ -28,6 +28,8 @@ struct KvStoreArgs {
   int64_t block_size = 0;
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
+  float k_scale = 1.0f;  // PagedKvWriteParams::scales
+  float v_scale = 1.0f;
 };
 
 // The device arguments of `p`, which CheckPagedKvWrite has accepted.
@@ -46,6 +48,8 @@ inline KvStoreArgs MakeKvStoreArgs(const PagedKvWriteParams& p) {
   a.block_size = p.layout.block_size;
   a.kv_heads = p.layout.kv_heads;
   a.head_dim = p.layout.head_dim;
+  a.k_scale = p.scales.k;
+  a.v_scale = p.scales.v;
   return a;
 }
 
@@ -64,14 +68,24 @@ __device__ __forceinline__ int64_t KvElement(const KvStoreArgs& a, int64_t base,
   return (base + head * a.block_size) * a.head_dim + i;
 }
 
-// Eight BF16 elements (raw bits) into the cache at element `offset`: as they are, or as E4M3
-// codes (kFp8).
+// Eight BF16 elements (raw bits) into the cache at element `offset`: as they are, or (kFp8) as
+// the E4M3 codes of x / scale (the layer's K or V scale; CpuKvCache::Write's codes).
 template <bool kFp8>
-__device__ __forceinline__ void StoreKv8(void* cache, int64_t offset, const uint4& raw) {
+__device__ __forceinline__ void StoreKv8(void* cache, int64_t offset, const uint4& raw,
+                                         float scale) {
   if constexpr (kFp8) {
-    reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + offset)[0] =
-        device::Bf16x8ToE4m3Sat(raw);
+    uint2 codes;
+    if (scale == 1.0f) {  // x / 1 is x: the conversion alone
+      codes = device::Bf16x8ToE4m3Sat(raw);
+    } else {
+      float f[8];
+      device::UnpackBf16x8(raw, f);
+      const Fp8Divisor d = MakeFp8Divisor(scale);
+      codes = d.inv != 0.0f ? device::Fp8Codes8<true>(f, d) : device::Fp8Codes8<false>(f, d);
+    }
+    reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + offset)[0] = codes;
   } else {
+    (void)scale;
     reinterpret_cast<uint4*>(static_cast<uint16_t*>(cache) + offset)[0] = raw;
   }
 }

@@ -44,7 +44,7 @@ __global__ void PagedKvWriteKernel(KvStoreArgs a) {
     const BFloat16* src = (kv == 0 ? a.k + row * a.k_row_stride : a.v + row * a.v_row_stride) +
                           head * a.head_dim + c * 8;
     StoreKv8<kFp8>(a.cache, (kv == 0 ? a.k_offset : a.v_offset) + KvElement(a, base, head, c * 8),
-                   *reinterpret_cast<const uint4*>(src));
+                   *reinterpret_cast<const uint4*>(src), kv == 0 ? a.k_scale : a.v_scale);
   }
 }
 
@@ -56,6 +56,7 @@ Status CheckPagedKvWrite(const PagedKvWriteParams& p) {
   const int64_t hd = p.layout.head_dim, width = p.layout.kv_heads * hd;
   if (hd % 8 != 0) return BadField(kP, "layout.head_dim", hd, "must be a multiple of 8");
   if (p.rows < 0) return BadField(kP, "rows", p.rows, "must be >= 0");
+  TP_RETURN_IF_ERROR(CheckKvScales(p.scales, std::string(kP) + ".scales"));
   const struct {
     const char* name;
     int64_t stride;

@@ -104,9 +104,10 @@ void AddBatchAndGenerationFlags(CLI::App* cmd, ServeFlags* f) {
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   cmd->add_option("--kv-cache-dtype", f->kv_cache_dtype,
-                  "Generation: KV cache element type, bf16 or fp8 (E4M3, scale 1: values "
-                  "saturate at +-448; half the bytes, so twice the tokens in --kv-cache-gib "
-                  "and faster decode at long contexts and large batches)")
+                  "Generation: KV cache element type, bf16 or fp8 (E4M3 codes of x / scale "
+                  "with the checkpoint's per-layer k_scale / v_scale, else scale 1: values "
+                  "saturate at +-448 x scale; half the bytes, so twice the tokens in "
+                  "--kv-cache-gib and faster decode at long contexts and large batches)")
       ->check(CLI::IsMember({"bf16", "fp8"}))
       ->capture_default_str();
   cmd->add_option("--max-step-tokens", f->max_step_tokens,
@@ -202,9 +203,10 @@ void AddServeFlags(CLI::App* cmd, ServeFlags* f, std::vector<const CLI::Option*>
   AddGemmAlgoFlag(cmd, &f->gemm_algo);
   CudaOnly(cmd->get_option("--gemm-algo"), cuda_only);
   CudaOnly(cmd->add_flag("--fp8-attention", f->fp8_attention,
-                         "logits requests (prefill-only passes): attention in E4M3, Q, K, V and "
-                         "the probabilities quantized at scale 1 as the fp8 KV cache is, so "
-                         "values beyond +-448 saturate (Hopper, head_dim 128; faster at long "
+                         "logits requests (prefill-only passes): attention in E4M3, Q and "
+                         "the probabilities quantized at scale 1, K and V as the fp8 KV cache "
+                         "stores them (the checkpoint's KV cache scales, else 1), so values "
+                         "beyond +-448 x scale saturate (Hopper, head_dim 128; faster at long "
                          "sequences; accuracy in benchmarks/PERFORMANCE.md); generation keeps "
                          "BF16 attention"),
            cuda_only);

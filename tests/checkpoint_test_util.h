@@ -51,4 +51,25 @@ inline void WriteLoudCheckpoint(const ModelConfig& config, const std::string& di
   std::filesystem::remove_all(plain);
 }
 
+// One F32 tensor for CopyWithExtraTensors.
+struct ExtraTensor {
+  std::string name;
+  std::vector<float> values;
+  std::vector<int64_t> shape;  // {} for a scalar
+};
+
+// Copies the checkpoint in `src` (config.json and its safetensors files) to `dst` and adds
+// dst/extra.safetensors holding `tensors`: what a checkpoint with more tensors (e.g. KV cache
+// scales) looks like to the loader, which reads every *.safetensors file of a directory.
+inline void CopyWithExtraTensors(const std::string& src, const std::string& dst,
+                                 const std::vector<ExtraTensor>& tensors) {
+  std::filesystem::remove_all(dst);
+  std::filesystem::copy(src, dst, std::filesystem::copy_options::recursive);
+  std::vector<TensorToWrite> out;
+  for (const ExtraTensor& t : tensors) {
+    out.push_back({t.name, StDtype::kF32, t.shape, t.values.data(), t.values.size() * 4});
+  }
+  ASSERT_TRUE(WriteSafetensors(dst + "/extra.safetensors", out).ok());
+}
+
 }  // namespace tpserve

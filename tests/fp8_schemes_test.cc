@@ -435,6 +435,65 @@ void WithScale(const std::string& src, const std::string& dst, const std::string
   std::filesystem::copy(src + "/config.json", dst + "/config.json");
 }
 
+// KV cache scales (LayerWeights::kv_scales) in the spellings writers use: compressed-tensors'
+// self_attn.k_scale / v_scale, ModelOpt's k_proj.k_scale / v_proj.v_scale, the older
+// self_attn.kv_scale for both; F32 [] or [1]; 1 where a checkpoint has none; the same on every
+// rank. Two spellings for one layer's keys, more than one value, or a value that is not
+// positive and finite are refused, naming the tensor and its file.
+TEST(Fp8SchemesLoading, KvCacheScalesLoadInEverySpellingAndBadOnesAreRefused) {
+  const std::string dir = TempDir("kv_scales");
+  const ModelConfig c = Tiny();
+  ASSERT_EQ(c.num_hidden_layers, 2);
+  ASSERT_TRUE(WriteRandomCheckpoint(c, DataType::kFloat8E4M3, 7, dir + "/plain").ok());
+  const std::string l0 = HfLayerPrefix(0) + ".self_attn.", l1 = HfLayerPrefix(1) + ".self_attn.";
+  struct Want {
+    KvScales layer0, layer1;
+  };
+  const std::vector<std::pair<std::vector<ExtraTensor>, Want>> good = {
+      {{}, {{1.0f, 1.0f}, {1.0f, 1.0f}}},
+      {{{l0 + "k_scale", {0.5f}, {}},
+        {l0 + "v_scale", {0.25f}, {1}},
+        {l1 + "kv_scale", {3.0f}, {}}},
+       {{0.5f, 0.25f}, {3.0f, 3.0f}}},
+      {{{l0 + "k_proj.k_scale", {0.02f}, {1}},
+        {l0 + "v_proj.v_scale", {0.03f}, {}},
+        {l1 + "v_scale", {7.0f}, {}}},
+       {{0.02f, 0.03f}, {1.0f, 7.0f}}},
+  };
+  for (size_t i = 0; i < good.size(); ++i) {
+    SCOPED_TRACE("good case " + std::to_string(i));
+    const std::string d = dir + "/good" + std::to_string(i);
+    CopyWithExtraTensors(dir + "/plain", d, good[i].first);
+    for (int rank = 0; rank < 2; ++rank) {
+      auto w = LoadRankWeights(d, c, 2, rank, DataType::kFloat8E4M3);
+      ASSERT_TRUE(w.ok()) << w.status().ToString();
+      EXPECT_EQ(w->layers[0].kv_scales.k, good[i].second.layer0.k);
+      EXPECT_EQ(w->layers[0].kv_scales.v, good[i].second.layer0.v);
+      EXPECT_EQ(w->layers[1].kv_scales.k, good[i].second.layer1.k);
+      EXPECT_EQ(w->layers[1].kv_scales.v, good[i].second.layer1.v);
+    }
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<std::pair<std::vector<ExtraTensor>, std::string>> bad = {
+      {{{l0 + "k_scale", {0.5f}, {}}, {l0 + "kv_scale", {0.5f}, {}}}, "'" + l0 + "kv_scale' and "},
+      {{{l1 + "v_scale", {0.5f}, {}}, {l1 + "v_proj.v_scale", {0.5f}, {}}},
+       "' both scale the layer's cached values; keep one"},
+      {{{l0 + "k_scale", {0.5f, 0.5f}, {2}}}, "has shape [2]: a KV cache scale is one value"},
+      {{{l1 + "v_scale", {-0.5f}, {}}}, "must hold positive finite scales, got -0.5"},
+      {{{l1 + "kv_scale", {nan}, {1}}}, "must hold positive finite scales, got nan"},
+  };
+  for (size_t i = 0; i < bad.size(); ++i) {
+    SCOPED_TRACE("bad case " + std::to_string(i));
+    const std::string d = dir + "/bad" + std::to_string(i);
+    CopyWithExtraTensors(dir + "/plain", d, bad[i].first);
+    auto w = LoadRankWeights(d, c, 1, 0, DataType::kFloat8E4M3);
+    EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+    EXPECT_THAT(w.status().message(), HasSubstr(bad[i].second));
+    EXPECT_THAT(w.status().message(), HasSubstr(d + "/extra.safetensors: tensor '"));
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Fp8SchemesLoading, MalformedScaleTensorsAreRefusedNamingTensorAndFile) {
   const std::string dir = TempDir("malformed");
   const ModelConfig c = Tiny();

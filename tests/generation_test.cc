@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <filesystem>
 #include <future>
 #include <map>
 #include <memory>
@@ -15,6 +17,9 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/generator.h"
+#include "engine/model_weights.h"
+#include "layers/fp8.h"
+#include "tests/checkpoint_test_util.h"
 #include "tests/generation_test_util.h"
 
 namespace tpserve {
@@ -286,6 +291,115 @@ TEST(Generation, Fp8CacheStaysCloseToBf16) {
   EXPECT_EQ(ra->tokens[0].token, rb->tokens[0].token);
   EXPECT_NEAR(ra->tokens[0].log_prob, rb->tokens[0].log_prob,
               0.05 * std::abs(ra->tokens[0].log_prob) + 1e-3);
+}
+
+TEST(KvCache, Fp8ScalesDivideOnWriteAndMultiplyOnRead) {
+  // Layer 1 of an E4M3 cache with keys at scale 4 and values at 0.5; layer 0 at 1 (the default).
+  KvCacheLayout L;
+  L.layers = 2;
+  L.num_blocks = 1;
+  L.block_size = 1;
+  L.kv_heads = 1;
+  L.head_dim = 4;
+  L.dtype = KvCacheDtype::kFloat8E4M3;
+  CpuKvCache cache(L);
+  ASSERT_TRUE(cache.SetScales(1, {4.0f, 0.5f}).ok());
+  const std::vector<float> x{1000.0f, 3.3f, -0.01f, 200.0f};
+  const int32_t position = 0, table = 0;
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    cache.Write(layer, x.data(), x.data(), 1, &position, &table);
+    for (int kv = 0; kv < 2; ++kv) {
+      const float scale = layer == 0 ? 1.0f : kv == 0 ? 4.0f : 0.5f;
+      for (int64_t d = 0; d < 4; ++d) {
+        EXPECT_EQ(cache.Read(layer, kv, 0, 0, 0, d),
+                  Fp8E4M3ToFloat(FloatToFp8E4M3(x[d] / scale)) * scale)
+            << "layer " << layer << " kv " << kv << " d " << d;
+      }
+    }
+  }
+  // 1000 saturates to 448 at scale 1; at scale 4 it is the code of 250 (256) times 4.
+  EXPECT_EQ(cache.Read(0, 0, 0, 0, 0, 0), 448.0f);
+  EXPECT_EQ(cache.Read(1, 0, 0, 0, 0, 0), 1024.0f);
+  // At scale 0.5, 200 is 400's code (saturation at 224).
+  EXPECT_EQ(cache.Read(1, 1, 0, 0, 0, 3), Fp8E4M3ToFloat(FloatToFp8E4M3(400.0f)) * 0.5f);
+  for (const float bad : {0.0f, -1.0f, std::nanf(""), INFINITY}) {
+    const Status s = cache.SetScales(0, {1.0f, bad});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("layer 0: KV cache scale v is"), std::string::npos) << s.ToString();
+  }
+  EXPECT_EQ(cache.SetScales(2, {}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.scales(0).v, 1.0f);  // the refused calls changed nothing
+  // A BF16 cache ignores them.
+  L.dtype = KvCacheDtype::kBFloat16;
+  CpuKvCache bf16(L);
+  ASSERT_TRUE(bf16.SetScales(0, {4.0f, 4.0f}).ok());
+  bf16.Write(0, x.data(), x.data(), 1, &position, &table);
+  EXPECT_EQ(bf16.Read(0, 0, 0, 0, 0, 1), BFloat16ToFloat(FloatToBFloat16(3.3f)));
+}
+
+// A checkpoint's KV cache scales reach the engine's cache: scales of 2^-3 (the codes 8 times
+// the values, the same relative rounding away from the subnormals and 448) keep the greedy
+// tokens of the checkpoint without scales and their log-probs within 0.02 (they differ by up
+// to 0.008: values below 2^-6 keep more bits), which they would not if the scale were applied
+// on one way only (every key and value 8 times off: tokens differ and log-probs by 0.07 to
+// 0.4, measured with the read's multiplication taken out); scales of 24 put
+// the values among E4M3's few subnormal codes, which changes the tokens, which it would not if
+// the cache ignored them. A BF16 cache ignores them: the tokens and log-probs bit for bit.
+TEST(Generation, CheckpointKvScalesReachTheCache) {
+  const std::string dir = ::testing::TempDir() + "/tpserve_gen_kv_scales";
+  std::filesystem::remove_all(dir);
+  const ModelConfig c = *ModelPreset("tiny");
+  ASSERT_TRUE(WriteRandomCheckpoint(c, DataType::kFloat8E4M3, 7, dir + "/plain").ok());
+  auto scaled = [&](const std::string& name, float scale) {
+    std::vector<ExtraTensor> t;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      t.push_back({HfLayerPrefix(l) + ".self_attn.k_scale", {scale}, {}});
+      t.push_back({HfLayerPrefix(l) + ".self_attn.v_scale", {scale}, {}});
+    }
+    CopyWithExtraTensors(dir + "/plain", dir + "/" + name, t);
+    return dir + "/" + name;
+  };
+  const std::string fine = scaled("fine", 0.125f), coarse = scaled("coarse", 24.0f);
+  auto run = [&](const std::string& ckpt, KvCacheDtype kv) {
+    GenSetup s;
+    s.kv_dtype = kv;
+    CpuEngineOptions o;
+    o.config = c;
+    o.checkpoint_dir = ckpt;
+    o.kv_blocks = s.kv_blocks;
+    o.kv_block_size = s.block_size;
+    o.kv_dtype = kv;
+    auto e = CpuEngine::Start(o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    if (!e.ok()) return std::vector<Outcome>(kPrompts.size());
+    auto g = StartGenerator(std::shared_ptr<CpuEngine>(std::move(e).value()), s);
+    if (g == nullptr) return std::vector<Outcome>(kPrompts.size());
+    GenerationParams p = Greedy(12);
+    p.return_log_probs = true;
+    return Generate(*g, kPrompts, p);
+  };
+  const auto plain = run(dir + "/plain", KvCacheDtype::kFloat8E4M3);
+  const auto with_fine = run(fine, KvCacheDtype::kFloat8E4M3);
+  const auto with_coarse = run(coarse, KvCacheDtype::kFloat8E4M3);
+  size_t coarse_differs = 0;
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    ASSERT_EQ(plain[i].tokens.size(), 12u) << plain[i].error.ToString();
+    EXPECT_EQ(with_fine[i].tokens, plain[i].tokens) << "prompt " << i;
+    ASSERT_EQ(with_fine[i].log_probs.size(), plain[i].log_probs.size());
+    for (size_t t = 0; t < plain[i].log_probs.size(); ++t) {
+      EXPECT_NEAR(with_fine[i].log_probs[t], plain[i].log_probs[t], 2e-2)
+          << "prompt " << i << " token " << t;
+    }
+    coarse_differs += with_coarse[i].tokens != plain[i].tokens;
+  }
+  EXPECT_GT(coarse_differs, 0u) << "scales of 24 gave the unscaled tokens";
+  const auto bf16 = run(dir + "/plain", KvCacheDtype::kBFloat16);
+  const auto bf16_coarse = run(coarse, KvCacheDtype::kBFloat16);
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    EXPECT_EQ(bf16_coarse[i].tokens, bf16[i].tokens) << "prompt " << i;
+    EXPECT_EQ(bf16_coarse[i].log_probs, bf16[i].log_probs) << "prompt " << i;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -463,7 +463,9 @@ TEST_F(GpuAttentionFp8Test, RotatesAsLaunchRopeDoes) {
 // random FP8 weights): graph replay equal to the eager pass bit for bit, and the logits near
 // those of BF16 attention (relative Frobenius <= 2.5e-2, measured 1.0e-2 on an H200, every top-1
 // equal outside near-ties: tests/gpu_test_util.h's Compare), while the two sets differ (the E4M3
-// path ran).
+// path ran). Then with KV cache scales per layer (LayerWeights::kv_scales, as a checkpoint gives
+// them; K and V quantized with them): as near BF16 attention, and not the unit scales' logits
+// (a scale used to quantize but not to dequantize would put the logits far off).
 TEST_F(GpuAttentionFp8Test, ModelLogitsStayNearBf16Attention) {
   TP_SKIP_WITHOUT_GPU();
   if (!Fp8AttentionSupports(kHd)) GTEST_SKIP() << "needs sm_90a and a compute capability 9.0 GPU";
@@ -479,8 +481,12 @@ TEST_F(GpuAttentionFp8Test, ModelLogitsStayNearBf16Attention) {
   for (int64_t i = 0; i < batch->tokens(); ++i) batch->ids[i] = (i * 7919 + 13) % c.vocab_size;
   TP_ASSERT_OK_AND_ASSIGN(auto group, NcclThreadGroup::Create(1));
   TP_ASSERT_OK_AND_ASSIGN(RankWeights w, MakeRandomRankWeights(c, DataType::kFloat8E4M3, 1, 0, 5));
-  std::vector<float> bf16, eager, replay;
-  for (int run = 0; run < 3; ++run) {
+  RankWeights scaled = w;
+  for (size_t l = 0; l < scaled.layers.size(); ++l) {
+    scaled.layers[l].kv_scales = {0.011f * static_cast<float>(l + 1), 0.017f};
+  }
+  std::vector<float> bf16, eager, replay, with_scales;
+  for (int run = 0; run < 4; ++run) {
     const Status s = group->Run([&](int rank) -> Status {
       CudaModelOptions o;
       o.max_tokens = 512;
@@ -488,10 +494,11 @@ TEST_F(GpuAttentionFp8Test, ModelLogitsStayNearBf16Attention) {
       o.buckets = {512};
       o.fp8_attention = run > 0;
       o.cuda_graphs = run == 2;
-      TP_ASSIGN_OR_RETURN(auto model, CudaModel::Create(c, w, nullptr, group->pool(rank), o));
+      TP_ASSIGN_OR_RETURN(
+          auto model, CudaModel::Create(c, run == 3 ? scaled : w, nullptr, group->pool(rank), o));
       for (int pass = 0; pass < (run == 2 ? 2 : 1); ++pass) {  // capture, then replay
         TP_ASSIGN_OR_RETURN(std::vector<float> logits, model->Forward(*batch));
-        (run == 0 ? bf16 : run == 1 ? eager : replay) = std::move(logits);
+        (run == 0 ? bf16 : run == 1 ? eager : run == 2 ? replay : with_scales) = std::move(logits);
       }
       return model->Close();
     });
@@ -504,6 +511,13 @@ TEST_F(GpuAttentionFp8Test, ModelLogitsStayNearBf16Attention) {
   EXPECT_LE(cmp.rel_frobenius, 2.5e-2);
   EXPECT_EQ(cmp.top1_mismatches, 0);
   std::printf("[ model    ] E4M3 against BF16 attention: rel_frobenius %.3g\n", cmp.rel_frobenius);
+  ASSERT_EQ(with_scales.size(), bf16.size());
+  EXPECT_NE(with_scales, eager) << "the KV cache scales changed nothing";
+  const Comparison scaled_cmp = Compare(with_scales, bf16, batch->sequences(), c.vocab_size);
+  EXPECT_LE(scaled_cmp.rel_frobenius, 2.5e-2);
+  EXPECT_EQ(scaled_cmp.top1_mismatches, 0);
+  std::printf("[ model    ] E4M3 with KV cache scales against BF16 attention: rel_frobenius %.3g\n",
+              scaled_cmp.rel_frobenius);
 }
 
 }  // namespace

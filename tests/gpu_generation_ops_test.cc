@@ -7,8 +7,9 @@
 // mid-block, decode contexts from 1 to 5000 (so that the context is split over CTAs). Outputs
 // are poisoned first, so that an element the GPU did not write fails, and padding columns are
 // checked to still hold the poison. Tolerances:
-//   KV write:   the cache bytes decode to exactly what CpuKvCache::Read gives, everywhere in
-//               the pool (the other layer and unused slots included: they must stay zero).
+//   KV write:   the cache bytes decode (E4M3: times the layer's scale) to exactly what
+//               CpuKvCache::Read gives, everywhere in the pool (the other layer and unused
+//               slots included: they must stay zero).
 //   Attention:  |gpu - ref| <= 2^-8 |ref| + 2e-5 per element (the BF16 output rounding is
 //               2^-9 |ref|; the FP32 scores and sums are ~1e-6 off the double reference), and
 //               ||gpu - ref|| / ||ref|| <= 1e-2. A key too many or too few changes outputs by
@@ -83,6 +84,7 @@ struct PagedCase {
   // Lists the sequences of two or more query rows (PagedAttentionParams::multi_row_seqs):
   // they take the tensor-core kernel, whose P.V product rounds P to BF16.
   bool multi_row_list = false;
+  KvScales scales;  // the layer's (an E4M3 cache's): both sides store x / scale
 };
 
 std::string Describe(const PagedCase& c) {
@@ -90,7 +92,11 @@ std::string Describe(const PagedCase& c) {
                   " head_dim=" + std::to_string(c.head_dim) +
                   " block=" + std::to_string(c.block_size) + " " + KvCacheDtypeName(c.dtype) +
                   " splits=" + std::to_string(c.splits) +
-                  (c.multi_row_list ? " multi-row list" : "") + " ctx/query=";
+                  (c.multi_row_list ? " multi-row list" : "") +
+                  (c.scales.k != 1.0f || c.scales.v != 1.0f
+                       ? " scales=" + std::to_string(c.scales.k) + "/" + std::to_string(c.scales.v)
+                       : "") +
+                  " ctx/query=";
   for (size_t i = 0; i < c.context.size(); ++i) {
     s += std::to_string(c.context[i]) + "/" + std::to_string(c.query[i]) + ",";
   }
@@ -131,6 +137,7 @@ void BuildStep(cudaStream_t stream, const PagedCase& c, uint32_t seed, PagedStep
   owner->push_back(std::make_unique<CpuKvCache>(st->layout));
   CpuKvCache* cpu = owner->back().get();
   *cpu_out = cpu;
+  TP_ASSERT_OK(cpu->SetScales(st->layer, c.scales));
 
   // Shuffled block ids; unused table entries hold -1 (never read).
   std::mt19937 rng(seed);
@@ -196,6 +203,7 @@ void BuildStep(cudaStream_t stream, const PagedCase& c, uint32_t seed, PagedStep
   w.cache = st->d_cache.data();
   w.layout = st->layout;
   w.layer = st->layer;
+  w.scales = c.scales;
   TP_ASSERT_OK(LaunchPagedKvWrite(w, stream));
   TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream));
   TP_ASSERT_OK_AND_ASSIGN(auto bytes, Download<uint8_t>(st->d_cache.data(), cache_bytes));
@@ -207,9 +215,12 @@ void BuildStep(cudaStream_t stream, const PagedCase& c, uint32_t seed, PagedStep
         for (int64_t h = 0; h < L.kv_heads; ++h) {
           for (int64_t slot = 0; slot < L.block_size; ++slot) {
             const int64_t e0 = L.Offset(layer, kv, b, h, slot);
+            // An E4M3 code counts as code x the layer's scale (1 over BF16).
+            const KvScales& sc = cpu->scales(layer);
+            const float scale = c.dtype == KvCacheDtype::kBFloat16 ? 1.0f : kv == 0 ? sc.k : sc.v;
             for (int64_t d = 0; d < hd; ++d) {
               const float want = cpu->Read(layer, kv, b, h, slot, d);
-              const float got = DecodeCache(bytes, c.dtype, e0 + d);
+              const float got = DecodeCache(bytes, c.dtype, e0 + d) * scale;
               if (!(got == want) && ++mismatches <= 5) {
                 ADD_FAILURE() << "kv write " << Describe(c) << ": layer " << layer << " kv " << kv
                               << " block " << b << " head " << h << " slot " << slot << " d " << d
@@ -248,6 +259,7 @@ PagedAttentionParams AttentionParamsFor(const PagedCase& c, const PagedStep& st)
   p.cache = st.d_cache.data();
   p.layout = st.layout;
   p.layer = st.layer;
+  p.scales = c.scales;
   p.cu_seqlens = st.d_cu.as<int32_t>();
   p.context_lens = st.d_ctx.as<int32_t>();
   p.block_tables = st.d_tables.as<int32_t>();
@@ -378,6 +390,7 @@ void SetUpRopeRuns(cudaStream_t stream, const PagedCase& c, const PagedStep& st,
     r.store.cache = r.cache.data();
     r.store.layout = st.layout;
     r.store.layer = st.layer;
+    r.store.scales = c.scales;
     r.rope.kv_store = &r.store;
     r.p = base;
     r.p.q = qkv;
@@ -642,6 +655,37 @@ TEST_F(GpuGenerationOpsTest, MultiRowSequencesOnTheTensorCoreKernelMatchReferenc
   c2.multi_row_list = true;
   c2.max_query_rows = 200;
   CheckPagedAttention(stream(), c2, 422);
+}
+
+TEST_F(GpuGenerationOpsTest, Fp8CacheScalesMatchReference) {
+  TP_SKIP_WITHOUT_GPU();
+  // A checkpoint's KV cache scales (PagedAttentionParams::scales): the cache holds x / scale,
+  // the kernels fold the scales into the scores and the output; the reference stores and reads
+  // through CpuKvCache with the same scales, and the cache bytes must equal its codes.
+  // Keys and values up to 1000 with scales 4 and 8 (codes up to 250 and 125: at scale 1 they
+  // would saturate at 448, far outside the tolerance), then scales that are not powers of two
+  // (the division's rounding path) and below 1; decode rows over split contexts, the split
+  // kernels' prefill rows, and the tensor-core kernel's multi-row sequences.
+  const std::vector<int32_t> ctx{1, 17, 100, 1023, 4097};
+  const std::vector<int32_t> one(ctx.size(), 1);
+  const std::vector<int32_t> pctx{37, 100, 129, 5, 300};
+  const std::vector<int32_t> pquery{37, 50, 29, 5, 1};
+  uint32_t seed = 430;
+  for (const KvScales scales : {KvScales{4.0f, 8.0f}, KvScales{0.37f, 2.9f}}) {
+    const float range = scales.k == 4.0f ? 1000.0f : 1.0f;
+    for (const int64_t hd : {int64_t{128}, int64_t{64}}) {
+      PagedCase decode{ctx, one, 8, 2, hd, 16, KvCacheDtype::kFloat8E4M3};
+      PagedCase rows{pctx, pquery, 4, 4, hd, 32, KvCacheDtype::kFloat8E4M3};
+      PagedCase multi = rows;
+      multi.multi_row_list = true;
+      for (PagedCase* c : {&decode, &rows, &multi}) {
+        c->scales = scales;
+        c->kv_range = range;
+        c->q_range = 2.0f / range;  // scores of a few units
+        CheckPagedAttention(stream(), *c, seed++);
+      }
+    }
+  }
 }
 
 TEST_F(GpuGenerationOpsTest, MultiRowListRejectsACountAboveNumSeqs) {
@@ -1239,6 +1283,9 @@ TEST_F(GpuGenerationOpsTest, RopeInAttentionOnlyInAPureDecodeLaunch) {
   store.layer = 0;
   refused("kv_store->layer");
   store.layer = 1;
+  store.scales.k = 2.0f;
+  refused("kv_store->scales");
+  store.scales.k = 1.0f;
   r.theta = -1.0;  // CheckRope's own checks apply
   refused("theta");
 }
@@ -1268,11 +1315,23 @@ TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
   EXPECT_NE(bad.message().find("out_fp8_scale"), std::string::npos) << bad.ToString();
   p.out_fp8 = nullptr;
+  for (const float bad_scale : {0.0f, -1.0f, std::nanf(""), INFINITY}) {
+    p.scales.v = bad_scale;
+    bad = LaunchPagedAttention(p, nullptr);
+    EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+    EXPECT_NE(bad.message().find("scales"), std::string::npos) << bad.ToString();
+  }
+  p.scales.v = 1.0f;
 
   PagedKvWriteParams w;
   w.layout = KvCacheLayout{1, 4, 16, 2, 60, KvCacheDtype::kFloat8E4M3};
   w.k_row_stride = w.v_row_stride = 120;
   EXPECT_EQ(LaunchPagedKvWrite(w, nullptr).code(), StatusCode::kInvalidArgument);
+  w.layout.head_dim = 64;
+  w.scales.k = -2.0f;
+  bad = LaunchPagedKvWrite(w, nullptr);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+  EXPECT_NE(bad.message().find("scales"), std::string::npos) << bad.ToString();
 
   // RoPE storing the cache: its store's checks, and a store that is not this launch's rows.
   alignas(16) static uint8_t dummy[4096];

@@ -32,6 +32,7 @@
 #include "engine/cuda_engine.h"
 #include "engine/generator.h"
 #include "engine/model_weights.h"
+#include "engine/safetensors.h"
 #include "layers/fp8.h"
 #include "tests/generation_test_util.h"
 #include "tests/gpu_test_util.h"
@@ -305,6 +306,38 @@ TEST_F(GpuGenerationTest, Fp8KvCacheMatchesCpuEngine) {
   GenSetup s;
   s.kv_dtype = KvCacheDtype::kFloat8E4M3;
   CheckAgainstCpu(s, 0.05, "fp8 kv cache");
+}
+
+// A checkpoint with KV cache scales (every spelling the loader reads, values that are not powers
+// of two): the CUDA engine's E4M3 cache stores and reads with them as the CPU engine's does.
+// Ignoring them on either side, or applying them on one way only, changes the attention of every
+// layer by the scale (about 20x here) and the tokens with it.
+TEST_F(GpuGenerationTest, Fp8KvCacheWithCheckpointScalesMatchesCpuEngine) {
+  GenSetup s;
+  s.kv_dtype = KvCacheDtype::kFloat8E4M3;
+  s.checkpoint_dir = ::testing::TempDir() + "/tpserve_gpu_gen_kv_scales";
+  std::filesystem::remove_all(s.checkpoint_dir);
+  const ModelConfig c = *ModelPreset("tiny");
+  ASSERT_TRUE(WriteRandomCheckpoint(c, DataType::kFloat8E4M3, 7, s.checkpoint_dir).ok());
+  std::vector<float> values;
+  values.reserve(2 * static_cast<size_t>(c.num_hidden_layers));  // stable addresses
+  std::vector<TensorToWrite> scales;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = HfLayerPrefix(l) + ".self_attn.";
+    values.push_back(0.043f + 0.01f * static_cast<float>(l));
+    values.push_back(0.061f);
+    const bool modelopt = l % 2 == 1;
+    scales.push_back({p + (modelopt ? "k_proj.k_scale" : "k_scale"),
+                      StDtype::kF32,
+                      {},
+                      &values[values.size() - 2],
+                      4});
+    scales.push_back(
+        {p + (modelopt ? "v_proj.v_scale" : "v_scale"), StDtype::kF32, {1}, &values.back(), 4});
+  }
+  ASSERT_TRUE(WriteSafetensors(s.checkpoint_dir + "/kv_scales.safetensors", scales).ok());
+  CheckAgainstCpu(s, 0.05, "fp8 kv cache, checkpoint scales");
+  std::filesystem::remove_all(s.checkpoint_dir);
 }
 
 // The decode step's fusions change no result: with each one that keeps the bits (all but the
