@@ -37,6 +37,8 @@ struct Flags {
   bool quiet = false;
   std::string backend = "cpu";
   bool fp8_attention = false;
+  std::string kv_scales = "one";
+  int64_t calibration_prompts = 8;
 };
 
 int Fail(const std::string& message) {
@@ -107,6 +109,18 @@ int Main(int argc, char** argv) {
                "--backend cuda: the FP8 schemes' passes run attention in E4M3 too "
                "(CudaModelOptions::fp8_attention; the BF16 reference keeps BF16 attention), so "
                "against a run without it the table shows what E4M3 attention adds");
+  app.add_option("--kv-scales", f.kv_scales,
+                 "With --fp8-attention: K's and V's E4M3 scales (the KV cache scales a checkpoint "
+                 "gives as k_scale / v_scale). one: 1, what a checkpoint without them gets; "
+                 "calibrate: each layer's largest |K| and |V| over --calibration-prompts random "
+                 "prompts (seed --seed + 1, --prompt-len tokens; the BF16 model, outliers "
+                 "included) divided by 448")
+      ->check(CLI::IsMember({"one", "calibrate"}))
+      ->capture_default_str();
+  app.add_option("--calibration-prompts", f.calibration_prompts,
+                 "--kv-scales calibrate: how many random prompts")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
   app.add_flag("--quiet", f.quiet, "No progress lines on stderr (the table is still printed)");
   StrictNumbers(app);
   CLI11_PARSE(app, argc, argv);
@@ -144,6 +158,19 @@ int Main(int argc, char** argv) {
 #endif
   } else if (f.fp8_attention) {
     return Fail("--fp8-attention needs --backend cuda");
+  }
+  if (f.kv_scales == "calibrate") {
+    if (!f.fp8_attention) {
+      return Fail("--kv-scales calibrate needs --fp8-attention (only E4M3 attention quantizes K "
+                  "and V in these passes)");
+    }
+    o.kv_calibration =
+        DefaultPrompts(f.calibration_prompts, std::min<int64_t>(f.prompt_len,
+                                                                config->max_position_embeddings),
+                       config->vocab_size, f.seed + 1);
+    o.kv_calibration_source = std::to_string(f.calibration_prompts) + " random prompts of " +
+                              std::to_string(o.kv_calibration.front().size()) + " tokens (seed " +
+                              std::to_string(f.seed + 1) + ")";
   }
   o.schemes.clear();
   for (const std::string& s : f.schemes) o.schemes.push_back(*ParseFp8Scheme(s));

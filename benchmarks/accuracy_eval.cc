@@ -127,6 +127,7 @@ std::string PromptsLine(const AccuracyReport& r) {
   if (r.outlier_exponent != 0) {
     s << "; outlier channels of 2^" << r.outlier_exponent << " added (AddOutlierChannels)";
   }
+  s << "; KV cache scales: " << r.kv_scales;
   return s.str();
 }
 
@@ -161,6 +162,7 @@ StatusOr<RankWeights> QuantizeModelFp8(const RankWeights& bf16, Fp8Scheme scheme
     LayerWeights o;
     o.input_norm = l.input_norm;
     o.post_norm = l.post_norm;
+    o.kv_scales = l.kv_scales;
     TP_ASSIGN_OR_RETURN(o.qkv, QuantizeLinear(l.qkv, scheme, p + ".self_attn.{q,k,v}_proj"));
     TP_ASSIGN_OR_RETURN(o.o, QuantizeLinear(l.o, scheme, p + ".self_attn.o_proj"));
     TP_ASSIGN_OR_RETURN(o.gate_up, QuantizeLinear(l.gate_up, scheme, p + ".mlp.{gate,up}_proj"));
@@ -221,6 +223,29 @@ StatusOr<std::vector<float>> PromptLogits(const ModelConfig& config, const RankW
     return Status::Ok();
   }));
   return logits;
+}
+
+StatusOr<std::vector<KvAbsMax>> CalibrateKvAbsMax(const ModelConfig& config,
+                                                  const RankWeights& weights,
+                                                  const Prompts& prompts) {
+  std::vector<KvAbsMax> most(static_cast<size_t>(config.num_hidden_layers));
+  TP_RETURN_IF_ERROR(RunOnLocalRanks(1, [&](Communicator& comm) -> Status {
+    TP_ASSIGN_OR_RETURN(auto model, CpuModel::Create(config, weights, nullptr, comm));
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      const std::string what = "calibration prompt " + std::to_string(p) + " (" +
+                               std::to_string(prompts[p].size()) + " tokens)";
+      auto batch = PackSequences({prompts[p]}, config.vocab_size, config.max_position_embeddings);
+      if (!batch.ok()) return batch.status().WithContext(what);
+      auto layers = model->MeasureKvAbsMax(*batch);
+      if (!layers.ok()) return layers.status().WithContext(what);
+      for (size_t l = 0; l < most.size(); ++l) {
+        most[l].k = std::max(most[l].k, (*layers)[l].k);
+        most[l].v = std::max(most[l].v, (*layers)[l].v);
+      }
+    }
+    return Status::Ok();
+  }));
+  return most;
 }
 
 StatusOr<LogitsDivergence> CompareLogits(std::span<const float> ref, std::span<const float> test,
@@ -379,6 +404,17 @@ StatusOr<AccuracyReport> RunAccuracy(const AccuracyOptions& o) {
   TP_RETURN_IF_ERROR(AddOutlierChannels(r.config, o.outlier_exponent, &bf16));
   r.outlier_exponent = o.outlier_exponent;
   say("loaded " + o.model_dir + " (BF16) in " + Fixed(Seconds(t0), 1) + " s");
+  if (!o.kv_calibration.empty()) {
+    t0 = std::chrono::steady_clock::now();
+    TP_ASSIGN_OR_RETURN(std::vector<KvAbsMax> most,
+                        CalibrateKvAbsMax(r.config, bf16, o.kv_calibration));
+    for (size_t l = 0; l < most.size(); ++l) {
+      bf16.layers[l].kv_scales = KvScalesForAbsMax(most[l]);
+      r.kv_scale_values.push_back(bf16.layers[l].kv_scales);
+    }
+    r.kv_scales = "each layer's largest |K| and |V| over " + o.kv_calibration_source + " / 448";
+    say("KV cache scales calibrated in " + Fixed(Seconds(t0), 1) + " s");
+  }
 
   const size_t n = o.prompts.size();
   auto per_prompt = [&](const std::string& what, std::chrono::steady_clock::time_point since) {
@@ -443,6 +479,13 @@ std::string AccuracyJson(const AccuracyReport& r, const std::string& commit) {
         {"rope_type", RopeTypeName(c.rope_scaling.type)},
         {"tie_word_embeddings", c.tie_word_embeddings}}},
       {"outlier_exponent", r.outlier_exponent},
+      {"kv_scales", r.kv_scales},
+      {"kv_scale_values",
+       [&] {
+         Json v = Json::array();
+         for (const KvScales& k : r.kv_scale_values) v.push_back({{"k", k.k}, {"v", k.v}});
+         return v;
+       }()},
       {"prompts",
        {{"source", r.prompts_source}, {"lengths", r.prompt_lengths}, {"positions", r.positions}}},
       {"reference_seconds", r.reference_seconds},

@@ -72,6 +72,13 @@ StatusOr<std::vector<float>> PromptLogits(
     const ModelConfig& config, const RankWeights& weights, const Prompts& prompts,
     const std::function<void(size_t done)>& progress = nullptr);
 
+// Each layer's largest |key| (RoPE applied) and |value| over every position of `prompts`
+// (CpuModel::MeasureKvAbsMax on the CPU reference at tp 1, each prompt its own batch): a
+// calibration of the E4M3 KV cache's scales (KvScalesForAbsMax). Errors as PromptLogits's.
+StatusOr<std::vector<KvAbsMax>> CalibrateKvAbsMax(const ModelConfig& config,
+                                                  const RankWeights& weights,
+                                                  const Prompts& prompts);
+
 // How far `test` logits land from `ref` logits, both [positions, vocab] row-major.
 struct LogitsDivergence {
   int64_t positions = 0;
@@ -123,6 +130,12 @@ struct AccuracyOptions {
                                     Fp8Scheme::kBlock};
   // AddOutlierChannels's exponent applied to the loaded BF16 model (0: the checkpoint as is).
   int outlier_exponent = 0;
+  // Not empty: the FP8 models' KV cache scales (LayerWeights::kv_scales) calibrated on these
+  // prompts (CalibrateKvAbsMax on the BF16 model, outliers included, then KvScalesForAbsMax),
+  // as a checkpoint's k_scale / v_scale would be; empty: 1. They reach the logits only where
+  // K and V are quantized (the CUDA engine's E4M3 attention).
+  Prompts kv_calibration;
+  std::string kv_calibration_source;  // for the report
   // Called with a line of progress (may be empty).
   std::function<void(const std::string&)> progress;
 };
@@ -139,6 +152,9 @@ struct AccuracyReport {
   ModelConfig config;
   std::string prompts_source;
   int outlier_exponent = 0;
+  // "1", or how the KV cache scales were calibrated, and the scales, one pair a layer.
+  std::string kv_scales = "1";
+  std::vector<KvScales> kv_scale_values;
   std::vector<int64_t> prompt_lengths;
   int64_t positions = 0;
   double reference_seconds = 0;  // the BF16 model's forward passes

@@ -16,9 +16,11 @@
 # OUTLIER_EXPONENT (14), CKPT_TIMEOUT_S (900), TOOL_TIMEOUT_S (1800), BACKEND (cpu; cuda: the
 # CUDA engine computes every model's logits, tpserve-accuracy --backend cuda), HEAD_DIM (64; 128
 # for the E4M3 attention), FP8_ATTENTION (0; 1 with BACKEND=cuda and HEAD_DIM=128: the FP8
-# schemes' passes run attention in E4M3, tpserve-accuracy --fp8-attention).
+# schemes' passes run attention in E4M3, tpserve-accuracy --fp8-attention), KV_SCALES (one;
+# calibrate with FP8_ATTENTION=1: K's and V's scales from their largest values over random
+# calibration prompts, tpserve-accuracy --kv-scales calibrate).
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 out=$1
 bin=${2:-${TPSERVE_BIN_DIR:-.gpu/bin}}
 python=${PYTHON:-python3}
@@ -29,7 +31,7 @@ exponent=${OUTLIER_EXPONENT:-14}
 backend=${BACKEND:-cpu}
 head_dim=${HEAD_DIM:-64}
 attention=()
-[ "${FP8_ATTENTION:-0}" != 1 ] || attention=(--fp8-attention)
+[ "${FP8_ATTENTION:-0}" != 1 ] || attention=(--fp8-attention --kv-scales "${KV_SCALES:-one}")
 ckpt_timeout=${CKPT_TIMEOUT_S:-900}
 tool_timeout=${TOOL_TIMEOUT_S:-1800}
 [ -x "$bin/tpserve-accuracy" ] || { echo "no tpserve-accuracy in $bin (set TPSERVE_BIN_DIR or pass BIN_DIR)" >&2; exit 1; }

@@ -1,6 +1,7 @@
 #include "engine/cpu_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -117,6 +118,47 @@ StatusOr<std::vector<float>> CpuModel::Forward(const TokenBatch& batch) {
 
 StatusOr<std::vector<float>> CpuModel::ForwardAllTokens(const TokenBatch& batch) {
   return Prefill(batch, /*all_rows=*/true);
+}
+
+StatusOr<std::vector<KvAbsMax>> CpuModel::MeasureKvAbsMax(const TokenBatch& batch) {
+  TP_RETURN_IF_ERROR(
+      ValidateTokenBatch(batch, config_.vocab_size, config_.max_position_embeddings));
+  const int64_t q_heads = config_.num_attention_heads / comm_.size();
+  const int64_t kv_heads = config_.num_key_value_heads / comm_.size();
+  const int64_t n = batch.tokens() * kv_heads * config_.head_dim();
+  // [layer][k, v]: this rank's, then every rank's.
+  std::vector<float> mine(2 * static_cast<size_t>(config_.num_hidden_layers), 0.0f);
+  std::vector<float> normed;
+  TP_RETURN_IF_ERROR(Blocks(
+      batch.ids, batch.positions,
+      [&](int64_t layer, const float* q, const float* k, const float* v, float* out) -> Status {
+        for (int part = 0; part < 2; ++part) {
+          const float* x = part == 0 ? k : v;
+          float& m = mine[2 * layer + part];
+          for (int64_t i = 0; i < n; ++i) {
+            if (!std::isfinite(x[i])) {
+              return InvalidArgumentError("KV abs max: layer " + std::to_string(layer) + "'s " +
+                                          (part == 0 ? "keys" : "values") +
+                                          " hold a non-finite value");
+            }
+            m = std::max(m, std::abs(x[i]));
+          }
+        }
+        return CausalAttentionVarlen(q, k, v, batch.tokens(), q_heads, kv_heads, config_.head_dim(),
+                                     batch.cu_seqlens, out);
+      },
+      &normed));
+  std::vector<float> all(mine.size() * comm_.size());
+  TP_RETURN_IF_ERROR(comm_.AllGather(mine.data(), all.data(), mine.size() * sizeof(float), nullptr)
+                         .WithContext("KV abs max"));
+  std::vector<KvAbsMax> out(static_cast<size_t>(config_.num_hidden_layers));
+  for (int r = 0; r < comm_.size(); ++r) {
+    for (size_t l = 0; l < out.size(); ++l) {
+      out[l].k = std::max(out[l].k, all[r * mine.size() + 2 * l]);
+      out[l].v = std::max(out[l].v, all[r * mine.size() + 2 * l + 1]);
+    }
+  }
+  return out;
 }
 
 StatusOr<std::vector<float>> CpuModel::Prefill(const TokenBatch& batch, bool all_rows) {

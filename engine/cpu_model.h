@@ -46,6 +46,11 @@ class CpuModel {
   // row i of the batch's token i, on every rank (benchmarks/accuracy_eval.h
   // compares every position of its prompts). Collective.
   StatusOr<std::vector<float>> ForwardAllTokens(const TokenBatch& batch);
+  // Forward's pass without the LM head, recording each layer's largest |key| (RoPE applied)
+  // and |value| over the batch, every KV head's (the ranks' maxima combined): what
+  // KvScalesForAbsMax turns into the E4M3 cache's scales. A non-finite key or value is an
+  // INVALID_ARGUMENT naming the layer. Collective.
+  StatusOr<std::vector<KvAbsMax>> MeasureKvAbsMax(const TokenBatch& batch);
 
   // One generation step over this rank's paged KV cache: the step's keys and
   // values are written into `cache`, attention reads the cache

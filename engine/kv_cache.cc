@@ -37,6 +37,10 @@ Status CheckKvScales(const KvScales& s, const std::string& what) {
   return Status::Ok();
 }
 
+KvScales KvScalesForAbsMax(const KvAbsMax& m) {
+  return {ScaleFromAmax(m.k, Fp8Format::kE4M3), ScaleFromAmax(m.v, Fp8Format::kE4M3)};
+}
+
 Status KvCacheLayout::Validate() const {
   const std::pair<const char*, int64_t> fields[] = {{"layers", layers},
                                                     {"num_blocks", num_blocks},

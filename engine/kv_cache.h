@@ -44,6 +44,16 @@ struct KvScales {
 // INVALID_ARGUMENT naming `what` and the scale unless both are finite and > 0.
 Status CheckKvScales(const KvScales& s, const std::string& what);
 
+// A layer's largest |key| (RoPE applied) and |value| over some tokens (CpuModel::MeasureKvAbsMax).
+struct KvAbsMax {
+  float k = 0.0f;
+  float v = 0.0f;
+};
+// The scales that put those at E4M3's largest code, 448 (layers/fp8.h's ScaleFromAmax: amax /
+// 448, 1 for an amax of 0): a calibration of the E4M3 cache, as the checkpoint writers make
+// k_scale and v_scale.
+KvScales KvScalesForAbsMax(const KvAbsMax& m);
+
 // "bf16" | "fp8"; INVALID_ARGUMENT naming the allowed values otherwise.
 StatusOr<KvCacheDtype> ParseKvCacheDtype(const std::string& s);
 const char* KvCacheDtypeName(KvCacheDtype d);

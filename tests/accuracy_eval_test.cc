@@ -158,6 +158,54 @@ TEST(AccuracyEval, OutlierChannelsKeepTheBf16LogitsBitForBit) {
   EXPECT_FALSE(AddOutlierChannels(m.config, 31, &outliers).ok());
 }
 
+// The calibration's maxima: the same at tp 1 and 2 (the ranks' KV heads combined); the
+// outlier channels (KV head 0's V rows times 2^14) leave K's alone and lift V's by at most
+// 2^14 (exactly that times KV head 0's own maximum); the scales are maxima over 448.
+TEST(AccuracyEval, KvAbsMaxSeesEveryRankAndTheOutliers) {
+  Model m = LoadFixture();
+  ASSERT_FALSE(m.bf16.layers.empty());
+  const Prompts prompts = TestPrompts(m.config);
+  auto plain = CalibrateKvAbsMax(m.config, m.bf16, prompts);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  ASSERT_EQ(plain->size(), static_cast<size_t>(m.config.num_hidden_layers));
+  // tp 2 (the fixture has 2 KV heads: one a rank), on the first prompt.
+  auto batch = PackSequences({prompts[0]}, m.config.vocab_size, m.config.max_position_embeddings);
+  ASSERT_TRUE(batch.ok());
+  std::vector<std::vector<KvAbsMax>> by_tp(3);
+  for (int tp : {1, 2}) {
+    ASSERT_TRUE(RunOnLocalRanks(tp, [&](Communicator& comm) -> Status {
+                  TP_ASSIGN_OR_RETURN(RankWeights w, LoadRankWeights(Fixture(), m.config, tp,
+                                                                     comm.rank(),
+                                                                     DataType::kBFloat16));
+                  TP_ASSIGN_OR_RETURN(auto model, CpuModel::Create(m.config, w, nullptr, comm));
+                  TP_ASSIGN_OR_RETURN(auto most, model->MeasureKvAbsMax(*batch));
+                  if (comm.rank() == 0) by_tp[tp] = most;
+                  return Status::Ok();
+                }).ok());
+  }
+  ASSERT_EQ(by_tp[1].size(), by_tp[2].size());
+  for (size_t l = 0; l < by_tp[1].size(); ++l) {
+    EXPECT_EQ(by_tp[1][l].k, by_tp[2][l].k) << "layer " << l;
+    EXPECT_EQ(by_tp[1][l].v, by_tp[2][l].v) << "layer " << l;
+    EXPECT_GT(by_tp[1][l].k, 0.0f);
+    EXPECT_LE(by_tp[1][l].k, (*plain)[l].k);  // one prompt of the four
+  }
+  RankWeights outliers = m.bf16;
+  ASSERT_TRUE(AddOutlierChannels(m.config, kOutlierExponent, &outliers).ok());
+  auto lifted = CalibrateKvAbsMax(m.config, outliers, prompts);
+  ASSERT_TRUE(lifted.ok()) << lifted.status().ToString();
+  const float gain = std::ldexp(1.0f, kOutlierExponent);
+  for (size_t l = 0; l < plain->size(); ++l) {
+    EXPECT_EQ((*lifted)[l].k, (*plain)[l].k) << "layer " << l;
+    EXPECT_LE((*lifted)[l].v, gain * (*plain)[l].v) << "layer " << l;
+    EXPECT_GE((*lifted)[l].v, gain / 8 * (*plain)[l].v) << "layer " << l;
+    const KvScales s = KvScalesForAbsMax((*lifted)[l]);
+    EXPECT_EQ(s.k, (*lifted)[l].k / 448.0f);
+    EXPECT_EQ(s.v, (*lifted)[l].v / 448.0f);
+  }
+  EXPECT_EQ(KvScalesForAbsMax({}).k, 1.0f);  // nothing seen: scale 1
+}
+
 // (a) BF16 against itself: nothing; (b) every scheme: something; (c) with outliers, both finer
 // schemes below per tensor.
 TEST(AccuracyEval, SchemesAgainstBf16OnTheLlama31Fixture) {
