@@ -161,13 +161,13 @@ int Main(int argc, char** argv) {
   }
   if (f.kv_scales == "calibrate") {
     if (!f.fp8_attention) {
-      return Fail("--kv-scales calibrate needs --fp8-attention (only E4M3 attention quantizes K "
-                  "and V in these passes)");
+      return Fail(
+          "--kv-scales calibrate needs --fp8-attention (only E4M3 attention quantizes K "
+          "and V in these passes)");
     }
-    o.kv_calibration =
-        DefaultPrompts(f.calibration_prompts, std::min<int64_t>(f.prompt_len,
-                                                                config->max_position_embeddings),
-                       config->vocab_size, f.seed + 1);
+    o.kv_calibration = DefaultPrompts(
+        f.calibration_prompts, std::min<int64_t>(f.prompt_len, config->max_position_embeddings),
+        config->vocab_size, f.seed + 1);
     o.kv_calibration_source = std::to_string(f.calibration_prompts) + " random prompts of " +
                               std::to_string(o.kv_calibration.front().size()) + " tokens (seed " +
                               std::to_string(f.seed + 1) + ")";

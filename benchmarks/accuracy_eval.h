@@ -37,13 +37,12 @@
 #include <vector>
 
 #include "comm/status.h"
+#include "engine/kv_calibration.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
 #include "layers/fp8.h"
 
 namespace tpserve {
-
-using Prompts = std::vector<std::vector<int32_t>>;
 
 // The FP8 model under `scheme` made from `bf16` (a TP-1 RankWeights with BF16 TP layers, as
 // LoadRankWeights(dir, config, 1, 0, DataType::kBFloat16) gives it): every TP layer's
@@ -72,13 +71,6 @@ StatusOr<std::vector<float>> PromptLogits(
     const ModelConfig& config, const RankWeights& weights, const Prompts& prompts,
     const std::function<void(size_t done)>& progress = nullptr);
 
-// Each layer's largest |key| (RoPE applied) and |value| over every position of `prompts`
-// (CpuModel::MeasureKvAbsMax on the CPU reference at tp 1, each prompt its own batch): a
-// calibration of the E4M3 KV cache's scales (KvScalesForAbsMax). Errors as PromptLogits's.
-StatusOr<std::vector<KvAbsMax>> CalibrateKvAbsMax(const ModelConfig& config,
-                                                  const RankWeights& weights,
-                                                  const Prompts& prompts);
-
 // How far `test` logits land from `ref` logits, both [positions, vocab] row-major.
 struct LogitsDivergence {
   int64_t positions = 0;
@@ -98,15 +90,7 @@ struct LogitsDivergence {
 StatusOr<LogitsDivergence> CompareLogits(std::span<const float> ref, std::span<const float> test,
                                          int64_t vocab);
 
-// `count` prompts of `length` tokens each, ids uniform over [0, vocab) from a splitmix64
-// stream of `seed`: the same on every platform.
-Prompts DefaultPrompts(int64_t count, int64_t length, int64_t vocab, uint64_t seed);
-
-// Prompts from a JSON file: a list of token-id lists, or an object whose "prompts" is one (as
-// tests/data/hf/*/reference.json). INVALID_ARGUMENT naming the file (and the prompt and
-// token) for anything else, an empty prompt, an id outside [0, vocab) or a prompt longer
-// than max_positions; NOT_FOUND for a missing file.
-StatusOr<Prompts> ReadPrompts(const std::string& path, int64_t vocab, int64_t max_positions);
+// DefaultPrompts and ReadPrompts: engine/kv_calibration.h.
 
 // What the weights and activations of `scheme` are scaled by, for tables.
 const char* Fp8SchemeWeightsText(Fp8Scheme scheme);
@@ -131,7 +115,8 @@ struct AccuracyOptions {
   // AddOutlierChannels's exponent applied to the loaded BF16 model (0: the checkpoint as is).
   int outlier_exponent = 0;
   // Not empty: the FP8 models' KV cache scales (LayerWeights::kv_scales) calibrated on these
-  // prompts (CalibrateKvAbsMax on the BF16 model, outliers included, then KvScalesForAbsMax),
+  // prompts (engine/kv_calibration.h's CalibrateKvAbsMax on the BF16 model, outliers included,
+  // then KvScalesForAbsMax),
   // as a checkpoint's k_scale / v_scale would be; empty: 1. They reach the logits only where
   // K and V are quantized (the CUDA engine's E4M3 attention).
   Prompts kv_calibration;

@@ -1,9 +1,11 @@
-// `tpserve run` (one forward pass of a model) and `tpserve make-checkpoint`.
+// `tpserve run` (one forward pass of a model), `tpserve make-checkpoint` and
+// `tpserve calibrate-kv-scales`.
 #include <spdlog/spdlog.h>
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +17,8 @@
 #include <vector>
 
 #include "engine/cpu_model.h"
+#include "engine/kv_calibration.h"
+#include "engine/safetensors.h"
 #if TPSERVE_WITH_CUDA
 #include "comm/nccl_thread_group.h"
 #include "engine/cuda_model.h"
@@ -41,6 +45,10 @@ struct ModelFlags {
   // make-checkpoint: scale layout of the FP8 weights (tensor, channel, block)
   std::string fp8_scheme = "tensor";
   std::string gemm_algo = "timed";
+  // calibrate-kv-scales
+  std::string prompts;
+  int64_t num_prompts = 8;
+  int64_t prompt_len = 256;
 };
 
 StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
@@ -197,6 +205,112 @@ int MakeCheckpoint(const ModelFlags& f) {
   return 0;
 }
 
+// The metadata calibrate-kv-scales writes, by which it knows a file it may replace.
+constexpr const char* kKvScalesMetadataKey = "tpserve";
+constexpr const char* kKvScalesMetadataValue = "calibrate-kv-scales";
+
+// A KV cache scale tensor (any spelling the loader reads) of the checkpoint in `dir` outside
+// the file `except`, as "FILE: tensor NAME"; empty when there is none.
+std::string FindKvScaleTensor(const std::string& dir, const std::string& except) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".safetensors" || fs::equivalent(e.path(), except, ec)) continue;
+    auto file = SafetensorsFile::Open(e.path().string());
+    if (!file.ok()) continue;  // the load reports it
+    for (const TensorView& v : file->tensors()) {
+      for (const char* tail : {".k_scale", ".v_scale", ".kv_scale"}) {
+        if (v.name.ends_with(tail)) return e.path().string() + ": tensor " + v.name;
+      }
+    }
+  }
+  return "";
+}
+
+int CalibrateKvScales(const ModelFlags& f) {
+  namespace fs = std::filesystem;
+  bool from_dir = false;
+  auto config = ResolveModel(f.model, &from_dir);
+  if (!config.ok()) return Fail(config.status());
+  if (!from_dir) {
+    return Fail(InvalidArgumentError("--model " + f.model +
+                                     ": a preset's weights are random; calibrate a checkpoint "
+                                     "directory's"));
+  }
+  if (fs::path(f.out).extension() != ".safetensors") {
+    return Fail(InvalidArgumentError("--out " + f.out + ": name a .safetensors file"));
+  }
+  std::error_code ec;
+  if (fs::exists(f.out, ec)) {
+    auto old = SafetensorsFile::Open(f.out);
+    const bool ours = old.ok() && old->metadata().count(kKvScalesMetadataKey) > 0 &&
+                      old->metadata().at(kKvScalesMetadataKey) == kKvScalesMetadataValue;
+    if (!ours) {
+      return Fail(InvalidArgumentError("--out " + f.out +
+                                       " exists and was not written by calibrate-kv-scales; "
+                                       "name another file"));
+    }
+  }
+  const bool into_model = fs::equivalent(fs::absolute(f.out, ec).parent_path(), f.model, ec);
+  if (into_model) {
+    // Scales already there (but in the file being replaced) would meet the new ones in one
+    // directory, which the loader refuses.
+    if (const std::string found = FindKvScaleTensor(f.model, f.out); !found.empty()) {
+      return Fail(InvalidArgumentError(
+          "--model " + f.model + " already holds KV cache scales (" + found +
+          "); remove them to calibrate again, or write --out outside the model directory"));
+    }
+  }
+  Prompts prompts;
+  std::string source;
+  if (!f.prompts.empty()) {
+    auto read = ReadPrompts(f.prompts, config->vocab_size, config->max_position_embeddings);
+    if (!read.ok()) return Fail(read.status());
+    prompts = *std::move(read);
+    source = f.prompts;
+  } else {
+    if (f.prompt_len > config->max_position_embeddings) {
+      return Fail(InvalidArgumentError("--prompt-len " + std::to_string(f.prompt_len) +
+                                       " exceeds the model's " + "max_position_embeddings (" +
+                                       std::to_string(config->max_position_embeddings) + ")"));
+    }
+    prompts = DefaultPrompts(f.num_prompts, f.prompt_len, config->vocab_size, f.seed);
+    source = std::to_string(f.num_prompts) + " random prompts of " + std::to_string(f.prompt_len) +
+             " tokens (seed " + std::to_string(f.seed) + ")";
+    spdlog::warn(
+        "calibrate-kv-scales: random token ids stand in for text; --prompts with tokenized "
+        "text like the traffic to serve gives scales that fit it");
+  }
+  const DataType dtype = f.dtype == "bf16" ? DataType::kBFloat16 : DataType::kFloat8E4M3;
+  spdlog::info("calibrate-kv-scales: {} ({} layers) as {} on {} CPU rank(s), {}", f.model,
+               config->num_hidden_layers, f.dtype, f.tp, source);
+  const auto start = std::chrono::steady_clock::now();
+  auto most = CalibrateKvAbsMax(*config, f.model, dtype, f.tp, prompts, [&](size_t done) {
+    spdlog::info("calibrate-kv-scales: prompt {}/{} ({:.1f} s)", done, prompts.size(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  });
+  if (!most.ok()) return Fail(most.status());
+  std::vector<KvScales> scales;
+  std::printf("layer  max |K|       max |V|       k_scale       v_scale\n");
+  for (size_t l = 0; l < most->size(); ++l) {
+    scales.push_back(KvScalesForAbsMax((*most)[l]));
+    std::printf("%5zu  %-12.6g  %-12.6g  %-12.6g  %-12.6g\n", l, (*most)[l].k, (*most)[l].v,
+                scales.back().k, scales.back().v);
+  }
+  const Status written =
+      WriteKvScales(f.out, scales,
+                    {{kKvScalesMetadataKey, kKvScalesMetadataValue},
+                     {"prompts", source},
+                     {"weights", f.dtype},
+                     {"rule", "each layer's largest |K| (RoPE applied) and |V| / 448"}});
+  if (!written.ok()) return Fail(written);
+  std::printf("wrote %s: %zu layers' k_scale and v_scale%s\n", f.out.c_str(), scales.size(),
+              into_model ? "; the model directory's loads read it (--kv-cache-dtype fp8, "
+                           "--fp8-attention)"
+                         : "; put it into the model directory for the loader to read it");
+  return 0;
+}
+
 void AddModelFlag(CLI::App* cmd, ModelFlags* f) {
   cmd->add_option("--model", f->model,
                   "A preset (tiny, llama3-8b, llama3-70b: random weights) or a directory with a "
@@ -293,6 +407,41 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"tensor", "channel", "block"}))
       ->capture_default_str();
   mk->callback([g, exit_code] { *exit_code = MakeCheckpoint(*g); });
+
+  auto k = std::make_shared<ModelFlags>();
+  k->tp = 1;
+  CLI::App* cal = app.add_subcommand(
+      "calibrate-kv-scales",
+      "Measure each layer's largest |K| (RoPE applied) and |V| over prompts on the CPU "
+      "reference and write the FP8 KV cache scales they give (max / 448) as a safetensors file "
+      "of model.layers.N.self_attn.k_scale / v_scale: in the model directory, the fp8 KV cache "
+      "and --fp8-attention quantize K and V with them instead of scale 1");
+  cal->add_option("--model", k->model, "Checkpoint directory (config.json and *.safetensors)")
+      ->required();
+  cal->add_option("--out", k->out,
+                  "The .safetensors file to write, e.g. MODEL/kv_scales.safetensors (replaces "
+                  "only a file this command wrote)")
+      ->required();
+  cal->add_option("--prompts", k->prompts,
+                  "JSON file of tokenized prompts: a list of token-id lists, or an object whose "
+                  "\"prompts\" is one; without it, random token ids (a poor stand-in for text)");
+  cal->add_option("--num-prompts", k->num_prompts, "Without --prompts: how many random prompts")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  cal->add_option("--prompt-len", k->prompt_len, "Without --prompts: tokens a random prompt")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  cal->add_option("--seed", k->seed, "Without --prompts: seed of the random prompts")
+      ->capture_default_str();
+  cal->add_option("--dtype", k->dtype,
+                  "How the TP layers' weights load, as serve's --dtype: fp8 (E4M3; a BF16 "
+                  "checkpoint is quantized on load) or bf16")
+      ->check(CLI::IsMember({"fp8", "bf16"}))
+      ->capture_default_str();
+  cal->add_option("--tp", k->tp, "CPU ranks (threads) the model is sharded over")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  cal->callback([k, exit_code] { *exit_code = CalibrateKvScales(*k); });
 }
 
 }  // namespace tpserve

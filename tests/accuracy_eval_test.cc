@@ -19,6 +19,7 @@
 
 #include "comm/local_communicator.h"
 #include "engine/cpu_model.h"
+#include "engine/kv_calibration.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
 
@@ -174,9 +175,9 @@ TEST(AccuracyEval, KvAbsMaxSeesEveryRankAndTheOutliers) {
   std::vector<std::vector<KvAbsMax>> by_tp(3);
   for (int tp : {1, 2}) {
     ASSERT_TRUE(RunOnLocalRanks(tp, [&](Communicator& comm) -> Status {
-                  TP_ASSIGN_OR_RETURN(RankWeights w, LoadRankWeights(Fixture(), m.config, tp,
-                                                                     comm.rank(),
-                                                                     DataType::kBFloat16));
+                  TP_ASSIGN_OR_RETURN(
+                      RankWeights w,
+                      LoadRankWeights(Fixture(), m.config, tp, comm.rank(), DataType::kBFloat16));
                   TP_ASSIGN_OR_RETURN(auto model, CpuModel::Create(m.config, w, nullptr, comm));
                   TP_ASSIGN_OR_RETURN(auto most, model->MeasureKvAbsMax(*batch));
                   if (comm.rank() == 0) by_tp[tp] = most;

@@ -67,6 +67,66 @@ class RunCommand(unittest.TestCase):
                 self.assertEqual(p.returncode, 2, (cmd, p.stderr))
                 self.assertIn("is a checkpoint, whose weights are used", p.stderr)
 
+    def test_calibrate_kv_scales_writes_scales_the_loader_reads(self):
+        def header(path):
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                return json.loads(f.read(n))
+
+        with tempfile.TemporaryDirectory() as d:
+            run("make-checkpoint", "--model", "tiny", "--out", d)
+            before = json.loads(run("run", "--model", d, "--ids", "9,8,7", "--json").stdout)
+            out = os.path.join(d, "kv_scales.safetensors")
+            prompts = os.path.join(d, "prompts.json")
+            with open(prompts, "w") as f:
+                json.dump([[1, 2, 3, 4, 5, 6], [7, 8, 9]], f)
+            tables = []
+            for extra in (["--num-prompts", "2", "--prompt-len", "32"],
+                          ["--num-prompts", "2", "--prompt-len", "32", "--tp", "2"],
+                          ["--prompts", prompts]):
+                p = run("calibrate-kv-scales", "--model", d, "--out", out, *extra)
+                rows = [line.split() for line in p.stdout.splitlines()
+                        if line.split() and line.split()[0].isdigit()]
+                tables.append(rows)
+                self.assertEqual([r[0] for r in rows], ["0", "1"], p.stdout)
+                h = header(out)
+                self.assertEqual(h["__metadata__"]["tpserve"], "calibrate-kv-scales")
+                for layer, max_k, max_v, k_scale, v_scale in rows:
+                    self.assertAlmostEqual(float(k_scale), float(max_k) / 448, delta=1e-5 * float(k_scale))
+                    self.assertAlmostEqual(float(v_scale), float(max_v) / 448, delta=1e-5 * float(v_scale))
+                    for kv in ("k", "v"):
+                        t = h[f"model.layers.{layer}.self_attn.{kv}_scale"]
+                        self.assertEqual((t["dtype"], t["shape"]), ("F32", []))
+                self.assertIn("the model directory's loads read it", p.stdout)
+            # tp 2's ranks see every KV head together: its maxima are tp 1's, but for the
+            # rounding of the row-parallel sums (layer 0's are exact, the others' within 1 %).
+            self.assertEqual(tables[0][0], tables[1][0])
+            for a, b in zip(tables[0], tables[1]):
+                for x, y in zip(a[1:], b[1:]):
+                    self.assertAlmostEqual(float(x), float(y), delta=1e-2 * float(x))
+            self.assertNotEqual(tables[0], tables[2])
+            self.assertIn(prompts, header(out)["__metadata__"]["prompts"])
+            # The directory still loads (prefill logits do not quantize K and V on the CPU).
+            after = json.loads(run("run", "--model", d, "--ids", "9,8,7", "--json").stdout)
+            self.assertEqual(after["logits"], before["logits"])
+            refusals = [
+                (["--model", d, "--out", os.path.join(d, "model.safetensors")],
+                 "was not written by calibrate-kv-scales"),
+                (["--model", d, "--out", os.path.join(d, "more.safetensors")],
+                 "already holds KV cache scales (" + out + ": tensor model.layers."),
+                (["--model", "tiny", "--out", os.path.join(d, "x.safetensors")],
+                 "a preset's weights are random"),
+                (["--model", d, "--out", os.path.join(d, "x.bin")], "name a .safetensors file"),
+            ]
+            with open(prompts, "w") as f:
+                json.dump([[1, 2, 5000]], f)
+            refusals.append((["--model", d, "--out", out, "--prompts", prompts],
+                             prompts + ": prompt 0, token 2: 5000 is not a token id"))
+            for args, message in refusals:
+                p = run("calibrate-kv-scales", *args, check=False)
+                self.assertEqual(p.returncode, 2, (args, p.stderr))
+                self.assertIn(message, p.stderr)
+
     def test_interrupted_make_checkpoint_leaves_no_partial_file(self):
         # llama3-8b's file is gigabytes: an interrupted run left them in model.safetensors.tmp.
         with tempfile.TemporaryDirectory() as d:
