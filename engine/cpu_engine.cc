@@ -96,6 +96,7 @@ void CpuEngine::RankLoop(int rank, Communicator* comm) {
         });
     if (!made.ok()) return fail(made.status());
     cache = std::move(made).value();
+    if (rank == 0) spdlog::info("CPU engine: {}", KvScalesSummary(kv_layout_.dtype, kv_scales));
   }
   uint64_t seen = 0;
   {

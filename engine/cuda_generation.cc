@@ -150,6 +150,11 @@ Status CudaModel::AllocateGeneration() {
   TP_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets, before any stream
   spdlog::info("CudaModel rank {}: KV cache of {} blocks x {} tokens ({}), {:.1f} MiB", rank_,
                o.kv_blocks, o.kv_block_size, KvCacheDtypeName(o.kv_dtype), bytes / 1048576.0);
+  if (rank_ == 0) {
+    std::vector<KvScales> scales;
+    for (const Layer& l : layers_) scales.push_back(l.kv_scales);
+    spdlog::info("CudaModel: {}", KvScalesSummary(o.kv_dtype, scales));
+  }
   return Status::Ok();
 }
 

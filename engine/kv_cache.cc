@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -35,6 +36,32 @@ Status CheckKvScales(const KvScales& s, const std::string& what) {
     }
   }
   return Status::Ok();
+}
+
+std::string KvScalesSummary(KvCacheDtype dtype, const std::vector<KvScales>& scales) {
+  const bool unit = std::all_of(scales.begin(), scales.end(),
+                                [](const KvScales& s) { return s.k == 1.0f && s.v == 1.0f; });
+  if (dtype == KvCacheDtype::kBFloat16) {
+    return unit ? "bf16 cache: no scales"
+                : "bf16 cache: the checkpoint's KV cache scales are not used (they apply to "
+                  "--kv-cache-dtype fp8 and --fp8-attention)";
+  }
+  if (unit) {
+    return "fp8 cache at scale 1 (the checkpoint gives no k_scale / v_scale): keys and values "
+           "beyond +-448 saturate; tpserve calibrate-kv-scales writes scales for it";
+  }
+  auto range = [&](bool k) {
+    float lo = INFINITY, hi = 0.0f;
+    for (const KvScales& s : scales) {
+      lo = std::min(lo, k ? s.k : s.v);
+      hi = std::max(hi, k ? s.k : s.v);
+    }
+    char text[64];
+    std::snprintf(text, sizeof text, "%.4g to %.4g", lo, hi);
+    return std::string(text);
+  };
+  return "fp8 cache at the checkpoint's scales over " + Str(static_cast<int64_t>(scales.size())) +
+         " layers: k_scale " + range(true) + ", v_scale " + range(false);
 }
 
 KvScales KvScalesForAbsMax(const KvAbsMax& m) {

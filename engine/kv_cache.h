@@ -44,6 +44,11 @@ struct KvScales {
 // INVALID_ARGUMENT naming `what` and the scale unless both are finite and > 0.
 Status CheckKvScales(const KvScales& s, const std::string& what);
 
+// One line for a start-up log: which scales a cache of `dtype` quantizes with (the range of
+// `scales`, one pair a layer, or that they are all 1 and what saturates then; that a BF16 cache
+// leaves a checkpoint's unused).
+std::string KvScalesSummary(KvCacheDtype dtype, const std::vector<KvScales>& scales);
+
 // A layer's largest |key| (RoPE applied) and |value| over some tokens (CpuModel::MeasureKvAbsMax).
 struct KvAbsMax {
   float k = 0.0f;

@@ -329,6 +329,15 @@ TEST(KvCache, Fp8ScalesDivideOnWriteAndMultiplyOnRead) {
   }
   EXPECT_EQ(cache.SetScales(2, {}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cache.scales(0).v, 1.0f);  // the refused calls changed nothing
+  // The start-up line says which scales a cache quantizes with.
+  EXPECT_NE(KvScalesSummary(KvCacheDtype::kFloat8E4M3, {{}, {}}).find("at scale 1"),
+            std::string::npos);
+  EXPECT_NE(KvScalesSummary(KvCacheDtype::kFloat8E4M3, {{0.5f, 2.0f}, {0.25f, 3.0f}})
+                .find("over 2 layers: k_scale 0.25 to 0.5, v_scale 2 to 3"),
+            std::string::npos);
+  EXPECT_NE(KvScalesSummary(KvCacheDtype::kBFloat16, {{0.5f, 2.0f}}).find("are not used"),
+            std::string::npos);
+  EXPECT_EQ(KvScalesSummary(KvCacheDtype::kBFloat16, {{}}), "bf16 cache: no scales");
   // A BF16 cache ignores them.
   L.dtype = KvCacheDtype::kBFloat16;
   CpuKvCache bf16(L);
