@@ -227,6 +227,30 @@ StatusOr<float> ReadKvCacheScale(const TensorView& v, const std::string& where) 
   return values.front();
 }
 
+StatusOr<KvScales> ReadKvScales(const std::function<const TensorView*(const std::string&)>& find,
+                                const std::function<std::string(const std::string&)>& where,
+                                const std::string& layer_prefix) {
+  KvScales out;
+  const std::string p = layer_prefix + ".self_attn.";
+  for (int kv = 0; kv < 2; ++kv) {
+    const std::string x = kv == 0 ? "k" : "v";
+    const std::string names[] = {p + x + "_scale", p + x + "_proj." + x + "_scale", p + "kv_scale"};
+    const std::string* found = nullptr;
+    for (const std::string& name : names) {
+      if (find(name) == nullptr) continue;
+      if (found != nullptr) {
+        return InvalidArgumentError(where(name) + " and " + where(*found) +
+                                    " both scale the layer's cached " +
+                                    (kv == 0 ? "keys" : "values") + "; keep one");
+      }
+      found = &name;
+    }
+    if (found == nullptr) continue;
+    TP_ASSIGN_OR_RETURN((kv == 0 ? out.k : out.v), ReadKvCacheScale(*find(*found), where(*found)));
+  }
+  return out;
+}
+
 Status TakeScales(const WeightScales& ws, int tp, LinearPart* part) {
   part->scheme = ws.scheme;
   part->scale = *std::max_element(ws.values.begin(), ws.values.end());

@@ -16,11 +16,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "comm/status.h"
+#include "engine/kv_cache.h"
 #include "engine/model_weights.h"
 #include "engine/safetensors.h"
 #include "layers/fp8.h"
@@ -73,6 +75,16 @@ StatusOr<float> ReadInputScale(const TensorView& v, const std::string& where);
 // [1]), F32 or BF16; INVALID_ARGUMENT naming `where` otherwise (per-head scales are refused:
 // the cache takes one scale a layer for keys and one for values).
 StatusOr<float> ReadKvCacheScale(const TensorView& v, const std::string& where);
+
+// The KV cache scales (LayerWeights::kv_scales) of the layer whose tensors start with
+// `layer_prefix` ("model.layers.3"), in whichever spelling the checkpoint uses:
+// self_attn.k_scale / v_scale (compressed-tensors), self_attn.k_proj.k_scale / v_proj.v_scale
+// (ModelOpt), self_attn.kv_scale (one for both); 1 where it has none. `find` looks a tensor up
+// (null: absent), `where` names it with its file for messages. INVALID_ARGUMENT naming both
+// tensors when the checkpoint holds two for the keys or the values, and ReadKvCacheScale's.
+StatusOr<KvScales> ReadKvScales(const std::function<const TensorView*(const std::string&)>& find,
+                                const std::function<std::string(const std::string&)>& where,
+                                const std::string& layer_prefix);
 
 // Rows [row_begin, row_end) and columns [col_begin, col_end) of one checkpoint weight,
 // dequantized, with the scales this rank's FP8 weight is to keep.

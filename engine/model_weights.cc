@@ -341,32 +341,6 @@ StatusOr<RankWeights> ShardGlobals(const Checkpoint& ck, const ModelConfig& c, D
   return w;
 }
 
-// Layer `p`'s KV cache scales (LayerWeights::kv_scales), in whichever spelling the checkpoint
-// uses; INVALID_ARGUMENT naming both tensors when it holds two for the keys or the values.
-StatusOr<KvScales> ReadKvScales(const Checkpoint& ck, const std::string& p) {
-  KvScales out;
-  const std::string both = p + ".self_attn.kv_scale";
-  for (int kv = 0; kv < 2; ++kv) {
-    const char* x = kv == 0 ? "k" : "v";
-    const std::string names[] = {p + ".self_attn." + x + "_scale",
-                                 p + ".self_attn." + x + "_proj." + x + "_scale", both};
-    const std::string* found = nullptr;
-    for (const std::string& name : names) {
-      if (ck.Find(name) == nullptr) continue;
-      if (found != nullptr) {
-        return InvalidArgumentError(ck.Where(name) + " and " + ck.Where(*found) + " both scale " +
-                                    "the layer's cached " + (kv == 0 ? "keys" : "values") +
-                                    "; keep one");
-      }
-      found = &name;
-    }
-    if (found == nullptr) continue;
-    TP_ASSIGN_OR_RETURN(const float scale, ReadKvCacheScale(*ck.Find(*found), ck.Where(*found)));
-    (kv == 0 ? out.k : out.v) = scale;
-  }
-  return out;
-}
-
 // Block i's weights of rank `rank` (ck holds at least that block).
 StatusOr<LayerWeights> ShardLayer(const Checkpoint& ck, const ModelConfig& c, DataType dtype,
                                   int tp, int rank, int64_t i) {
@@ -398,7 +372,9 @@ StatusOr<LayerWeights> ShardLayer(const Checkpoint& ck, const ModelConfig& c, Da
   TP_ASSIGN_OR_RETURN(l.gate_up, FuseParts({gate, up}, dtype, tp));
   TP_ASSIGN_OR_RETURN(LinearPart down, read(".mlp.down_proj", h, inter, 0, h, i0, i1));
   TP_ASSIGN_OR_RETURN(l.down, FuseParts({down}, dtype, tp));
-  TP_ASSIGN_OR_RETURN(l.kv_scales, ReadKvScales(ck, p));
+  TP_ASSIGN_OR_RETURN(l.kv_scales,
+                      ReadKvScales([&](const std::string& n) { return ck.Find(n); },
+                                   [&](const std::string& n) { return ck.Where(n); }, p));
   return l;
 }
 
