@@ -207,24 +207,28 @@ StatusOr<WeightScales> ReadWeightScales(const TensorView& v, const std::string& 
   return ws;
 }
 
-StatusOr<float> ReadInputScale(const TensorView& v, const std::string& where) {
+namespace {
+
+// One positive finite scale ([] or [1]); `why` ends the error for any other shape.
+StatusOr<float> ReadScalarScale(const TensorView& v, const std::string& where, const char* why) {
   if (!v.shape.empty() && v.shape != std::vector<int64_t>{1}) {
-    return InvalidArgumentError(where + " has shape " + ShapeText(v.shape) +
-                                ": an input scale is one value ([] or [1]); activations are "
-                                "scaled per tensor");
+    return InvalidArgumentError(where + " has shape " + ShapeText(v.shape) + ": " + why);
   }
   TP_ASSIGN_OR_RETURN(std::vector<float> values, ScaleValues(v, where));
   return values.front();
 }
 
+}  // namespace
+
+StatusOr<float> ReadInputScale(const TensorView& v, const std::string& where) {
+  return ReadScalarScale(v, where,
+                         "an input scale is one value ([] or [1]); activations are scaled per "
+                         "tensor");
+}
+
 StatusOr<float> ReadKvCacheScale(const TensorView& v, const std::string& where) {
-  if (!v.shape.empty() && v.shape != std::vector<int64_t>{1}) {
-    return InvalidArgumentError(where + " has shape " + ShapeText(v.shape) +
-                                ": a KV cache scale is one value ([] or [1]) for all of the "
-                                "layer's heads");
-  }
-  TP_ASSIGN_OR_RETURN(std::vector<float> values, ScaleValues(v, where));
-  return values.front();
+  return ReadScalarScale(v, where,
+                         "a KV cache scale is one value ([] or [1]) for all of the layer's heads");
 }
 
 StatusOr<KvScales> ReadKvScales(const std::function<const TensorView*(const std::string&)>& find,
