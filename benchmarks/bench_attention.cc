@@ -83,6 +83,7 @@ struct KernelRun {
   const char* name;
   AttentionKernel kernel;
   std::vector<double> ms;
+  bool work_counter = true;  // AttentionParams::work_counter set, as the engine runs
 };
 
 // `v` on the device, copied on `stream` (from pageable memory: staged before this returns).
@@ -143,8 +144,15 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   p.kv_heads = f.kv_heads;
   p.head_dim = f.head_dim;
 
+  // The Hopper kernel as the engine runs it (persistent, with a work counter) and with a
+  // block per unit (no counter), which must give the same bits.
+  TP_ASSIGN_OR_RETURN(DeviceBuffer counter, DeviceBuffer::Allocate(8, "work_counter"));
+  TP_CUDA_CHECK(cudaMemsetAsync(counter.data(), 0, 8, stream));
   std::vector<KernelRun> runs = {{"mma_sync", AttentionKernel::kMmaSync, {}}};
-  if (WgmmaAttentionSupports(f.head_dim)) runs.push_back({"wgmma", AttentionKernel::kWgmma, {}});
+  if (WgmmaAttentionSupports(f.head_dim)) {
+    runs.push_back({"wgmma", AttentionKernel::kWgmma, {}});
+    runs.push_back({"wgmma_unit_blocks", AttentionKernel::kWgmma, {}, false});
+  }
   // The E4M3 path: codes of q, k, v at scale 1, as the engine quantizes them (the producer
   // then skips the division).
   const bool fp8 = f.fp8 && Fp8AttentionSupports(f.head_dim);
@@ -190,9 +198,11 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   };
   for (KernelRun& r : runs) {
     p.kernel = r.kernel;
+    p.work_counter = r.work_counter ? counter.as<int32_t>() : nullptr;
     for (int i = 0; i < f.warmup; ++i) TP_RETURN_IF_ERROR(LaunchCausalAttention(p, stream));
     TP_RETURN_IF_ERROR(download());
   }
+  p.work_counter = counter.as<int32_t>();
   if (fp8) {
     for (int i = 0; i < f.warmup; ++i) {
       TP_RETURN_IF_ERROR(LaunchFp8AttentionInputs(p, in, nullptr, stream));
@@ -213,11 +223,13 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   for (int round = 0; round < f.rounds; ++round) {
     for (KernelRun& r : runs) {  // interleaved: clocks and temperature drift hit both alike
       p.kernel = r.kernel;
+      p.work_counter = r.work_counter ? counter.as<int32_t>() : nullptr;
       TP_ASSIGN_OR_RETURN(const double ms, TimeLaunchMs(stream, start, end, [&] {
                             return LaunchCausalAttention(p, stream);
                           }));
       r.ms.push_back(ms);
     }
+    p.work_counter = counter.as<int32_t>();
     for (size_t i = 0; i < fp8_runs.size(); ++i) {
       TP_ASSIGN_OR_RETURN(const double ms, TimeLaunchMs(stream, start, end, [&]() -> Status {
                             if (i == 1) {  // rotates q and k in place: timing only
@@ -237,6 +249,12 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
                        static_cast<double>(b.len) / 2 * static_cast<double>(f.head_dim * f.heads);
   const double diff = runs.size() > 1 ? RelDiff(outputs[1], outputs[0]) : 0.0;
   if (diff > f.max_rel_diff) agree = false;
+  // The work order changes no value: each tile's arithmetic is the same.
+  const bool same_bits = runs.size() < 3 || outputs[2] == outputs[1];
+  if (!same_bits) {
+    std::printf("         wgmma with and without the work counter: outputs differ\n");
+    agree = false;
+  }
   // E4M3 against the BF16 Hopper kernel (codes of q, k, v and P rounded to E4M3).
   const double fp8_diff = fp8 ? RelDiff(outputs.back(), outputs[runs.size() - 1]) : 0.0;
   if (fp8_diff > f.max_fp8_rel_diff) agree = false;
@@ -413,9 +431,10 @@ int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{
       "tpserve-bench-attention: times the prefill attention kernels (the Hopper warpgroup-MMA "
-      "kernel where it applies, and the mma.sync kernel) on causal batches, interleaved round "
-      "by round, and checks that their outputs agree; with --decode, the decode attention "
-      "kernel over a paged cache against its bytes floor"};
+      "kernel where it applies, persistent with a work counter as the engine runs it and with "
+      "a block per unit (wgmma_unit_blocks), and the mma.sync kernel) on causal batches, "
+      "interleaved round by round, and checks that their outputs agree; with --decode, the "
+      "decode attention kernel over a paged cache against its bytes floor"};
   StrictNumbers(app);
   app.add_option("--shapes", f.shapes, "batch shapes SEQSxLEN: SEQS sequences of LEN tokens")
       ->capture_default_str();

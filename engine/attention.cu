@@ -534,7 +534,8 @@ Status CheckCausalAttentionParams(const AttentionParams& p, bool reads_qkv, bool
   TP_RETURN_IF_ERROR(CheckPointers(kP, {{"q", p.q, 16, reads_qkv},
                                         {"k", p.k, 16, reads_qkv},
                                         {"v", p.v, 16, reads_qkv},
-                                        {"cu_seqlens", p.cu_seqlens, 4}}));
+                                        {"cu_seqlens", p.cu_seqlens, 4},
+                                        {"work_counter", p.work_counter, 4, false}}));
   if (!writes_out) return Status::Ok();
   TP_RETURN_IF_ERROR(
       CheckPointers(kP, {{"out", p.out, 16, false}, {"out_fp8", p.out_fp8, 16, false}}));
@@ -565,8 +566,10 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
   const float scale_log2 = ScaleLog2(p.head_dim);
   if (wgmma) {
+    AttentionParams w = p;
+    if (!WgmmaPersistentPays(q_tiles.average)) w.work_counter = nullptr;
     return LaunchCausalAttentionWgmma(
-        p, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms),
+        w, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms), sms,
         scale_log2, stream);
   }
   const int64_t fill = (int64_t{sms} * kAttnBlocksPerSm + p.q_heads - 1) / p.q_heads;
@@ -592,9 +595,11 @@ Status LaunchCausalAttentionFp8(const AttentionParams& p, const Fp8AttentionInpu
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
   const QueryTiles q_tiles = CountQueryTiles(p);
   TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
+  AttentionParams w = p;
+  if (!WgmmaPersistentPays(q_tiles.average)) w.work_counter = nullptr;
   return LaunchCausalAttentionWgmmaFp8(
-      p, in, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms),
-      ScaleLog2(p.head_dim), stream);
+      w, in, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms),
+      sms, ScaleLog2(p.head_dim), stream);
 }
 
 Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t stream) {
@@ -659,7 +664,7 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
     TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
     const int64_t most = std::max<int64_t>(1, tiles);
     return LaunchPagedPrefillAttentionWgmma(
-        a, wk, WgmmaAttentionTileSlots(most, most, p.multi_row_count * p.q_heads, sms), scale,
+        a, wk, WgmmaAttentionTileSlots(most, most, p.multi_row_count * p.q_heads, sms), sms, scale,
         stream);
   }
   const dim3 grid(static_cast<unsigned>(p.multi_row_count * p.q_heads),

@@ -2,10 +2,13 @@
 // Plain CUDA C++17; the kernel body needs sm_90a and traps elsewhere (the launcher is only
 // called where TPSERVE_HAS_SM90A is defined and the device is compute capability 9.0).
 //
-// A block of two consumer warpgroups owns one (sequence, query head) and a tile of 128 query
-// rows, 64 per warpgroup. Q (128 x 128) and three stages each of K and V tiles of 128 keys sit
-// in shared memory as 128-byte swizzled panels (engine/wgmma.cuh), brought by TMA (one
-// thread issues the copies; transaction barriers say when a stage is full, and both
+// A block of two consumer warpgroups takes one (sequence, query head) and a tile of 128 query
+// rows at a time, 64 rows per warpgroup, and copies the next tile's Q and first K and V tiles
+// in while it writes the current one's output; with a work counter the grid is persistent, a
+// block an SM, taking units of tiles from the counter (the work order:
+// LaunchCausalAttentionWgmma). Q (128 x 128) and three stages each of K and V tiles of 128
+// keys sit in shared memory as 128-byte swizzled panels (engine/wgmma.cuh), brought by TMA
+// (one thread issues the copies; transaction barriers say when a stage is full, and both
 // warpgroups release it when their products have read it). Per key tile j, a warpgroup issues
 // S_j = Q K_j^T (eight m64n128k16 products, both operands from shared memory) together with
 // O += P_{j-1} V_{j-1} (P from registers: the S accumulator's layout is the A fragment's; V
@@ -73,9 +76,18 @@ constexpr int kFullQ = 0, kEmptyQ = 1, kFullK = 2, kFullV = 2 + kStages, kEmptyK
 // other warpgroup arrives on it after issuing its own); kWgLocal + w is warpgroup-local.
 constexpr int kTurn = 1, kWgLocal = 3;
 
+// One block's current piece of work: Q tile `tile` of (sequence `seq`, query head `head`),
+// and what its copies and masks need. Trivial, so that blocks can hand one over in shared memory;
+// resolve sets every field.
+struct AttentionUnit {
+  int head, seq, begin, len, tile;
+  int kv_head, key_len, q_off, vt_begin;
+  const int32_t* table;  // paged: the sequence's block table
+};
+
 // kPaged: keys and values from the paged cache (k_map = v_map = the cache as 128-element
-// rows, boxes of one block), the sequences pk.seqs[blockIdx.x / q_heads]; a sequence's n query
-// rows are the last n of its context. Otherwise from packed rows (k_map, v_map).
+// rows, boxes of one block), the sequences pk.seqs[item] of the units (y, item, head); a
+// sequence's n query rows are the last n of its context. Otherwise from packed rows (k_map, v_map).
 // kFp8 (packed rows only): Q, K and V^T as E4M3 (Fp8AttentionInputs, engine/attention_fp8.h),
 // q_map and k_map over their rows, v_map over V^T; fp8_scales[0..2] their dequantization
 // scales. Both products take E4M3 operands (k32 steps); P is rounded to E4M3.
@@ -84,7 +96,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     CausalAttentionWgmmaKernel(const __grid_constant__ CUtensorMap q_map,
                                const __grid_constant__ CUtensorMap k_map,
                                const __grid_constant__ CUtensorMap v_map, AttentionParams p,
-                               WgmmaPagedKeys pk, float scale_log2, const float* fp8_scales) {
+                               WgmmaPagedKeys pk, float scale_log2, const float* fp8_scales,
+                               int tile_slots, int32_t* work_counter) {
   static_assert(!(kPaged && kFp8), "E4M3 inputs are packed rows");
   constexpr int kTile = kTileBytes<kFp8>;
   constexpr int kKOff = kKOffset<kFp8>;
@@ -100,50 +113,76 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   auto bar = [&](int i) { return bar0 + 8u * static_cast<uint32_t>(i); };
 
   const int q_heads = static_cast<int>(p.q_heads);
-  const int item = static_cast<int>(blockIdx.x) / q_heads;
-  const int head = static_cast<int>(blockIdx.x) - item * q_heads;
-  const int seq = kPaged ? pk.seqs[item] : item;
   const int tokens = static_cast<int>(p.tokens);
-  int begin = p.cu_seqlens[seq];
-  int end = p.cu_seqlens[seq + 1];
-  begin = begin < 0 ? 0 : (begin > tokens ? tokens : begin);
-  end = end < begin ? begin : (end > tokens ? tokens : end);
-  const int len = end - begin;
-  const int num_tiles = (len + kBr - 1) / kBr;
-  if (static_cast<int>(blockIdx.y) >= num_tiles) return;  // uniform over the block
-  const int kv_head = head / (q_heads / static_cast<int>(p.kv_heads));
+  const int64_t units_per_slot = p.num_seqs * p.q_heads;
+  const int64_t total_units = units_per_slot * tile_slots;
   // E4M3: the dequantization scales (Q's and K's into the scores' exponent, V's into the row
-  // sums) and this sequence's first column of V^T.
+  // sums).
   float inv_v_scale = 1.0f;
-  int vt_begin = 0;
   if constexpr (kFp8) {
     scale_log2 *= fp8_scales[0] * fp8_scales[1];
     inv_v_scale = 1.0f / fp8_scales[2];
-    vt_begin = Fp8VtBegin(begin, seq);
   }
-  // Keys 0 .. key_len - 1 exist; query row r (from `begin`) is at position q_off + r.
-  int key_len = len, q_off = 0;
-  const int32_t* table = nullptr;
-  if constexpr (kPaged) {
-    if (len < 2) return;  // the split kernels take it
-    const int64_t cap = pk.max_blocks * pk.block_size;
-    const int64_t c = pk.context_lens[seq];
-    key_len = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
-    q_off = key_len > len ? key_len - len : 0;
-    table = pk.block_tables + static_cast<int64_t>(seq) * pk.max_blocks;
-    if (key_len < 1) {  // a corrupt context length: nothing to attend, the rows are zeros
-      uint16_t* out = reinterpret_cast<uint16_t*>(p.out);
-      for (int tile = num_tiles - 1 - static_cast<int>(blockIdx.y); tile >= 0;
-           tile -= static_cast<int>(gridDim.y)) {
-        const int rows = min(kBr, len - tile * kBr);
-        for (int i = static_cast<int>(threadIdx.x); i < rows * kHeadDim; i += kWgThreads) {
-          out[static_cast<int64_t>(begin + tile * kBr + i / kHeadDim) * p.out_row_stride +
-              int64_t{head} * kHeadDim + i % kHeadDim] = 0;
+  // Unit v is (slot y, listed sequence, head), y-major, so the heaviest come first; it has no
+  // tile where y >= the sequence's tile count, nor (paged) for sequences of fewer than two
+  // query rows, which the split kernels take. A paged sequence with a corrupt context length
+  // has nothing to attend: its unit's rows are written as zeros (by threads first, first +
+  // threads, ...) and it has no tile either.
+  auto resolve = [&](int64_t v, AttentionUnit& u, int first, int threads) {
+    const int64_t y = v / units_per_slot;
+    const int64_t rem = v - y * units_per_slot;
+    const int item = static_cast<int>(rem / q_heads);
+    u.head = static_cast<int>(rem - int64_t{item} * q_heads);
+    u.seq = kPaged ? pk.seqs[item] : item;
+    int begin = p.cu_seqlens[u.seq];
+    int end = p.cu_seqlens[u.seq + 1];
+    begin = begin < 0 ? 0 : (begin > tokens ? tokens : begin);
+    end = end < begin ? begin : (end > tokens ? tokens : end);
+    u.begin = begin;
+    u.len = end - begin;
+    const int num_tiles = (u.len + kBr - 1) / kBr;
+    if (y >= num_tiles) return false;
+    u.tile = num_tiles - 1 - static_cast<int>(y);
+    u.kv_head = u.head / (q_heads / static_cast<int>(p.kv_heads));
+    u.vt_begin = kFp8 ? Fp8VtBegin(begin, u.seq) : 0;
+    u.table = nullptr;
+    // Keys 0 .. key_len - 1 exist; query row r (from `begin`) is at position q_off + r.
+    u.key_len = u.len;
+    u.q_off = 0;
+    if constexpr (kPaged) {
+      if (u.len < 2) return false;
+      const int64_t cap = pk.max_blocks * pk.block_size;
+      const int64_t c = pk.context_lens[u.seq];
+      u.key_len = static_cast<int>(c < 0 ? 0 : (c > cap ? cap : c));
+      u.q_off = u.key_len > u.len ? u.key_len - u.len : 0;
+      u.table = pk.block_tables + static_cast<int64_t>(u.seq) * pk.max_blocks;
+      if (u.key_len < 1) {
+        uint16_t* out = reinterpret_cast<uint16_t*>(p.out);
+        for (int tile = u.tile; tile >= 0; tile -= tile_slots) {
+          const int rows = min(kBr, u.len - tile * kBr);
+          for (int i = first; i < rows * kHeadDim; i += threads) {
+            out[static_cast<int64_t>(begin + tile * kBr + i / kHeadDim) * p.out_row_stride +
+                int64_t{u.head} * kHeadDim + i % kHeadDim] = 0;
+          }
         }
+        return false;
       }
-      return;
     }
-  }
+    return true;
+  };
+  // Persistent (work_counter set): the issuer takes units from the counter, v first, until
+  // one has a tile; -1 when none is left.
+  auto take_unit = [&](int64_t v, AttentionUnit& n) -> int64_t {
+    for (;; v = atomicAdd(work_counter, 1)) {
+      if (v >= total_units) return -1;
+      if (resolve(v, n, 0, 1)) return v;
+    }
+  };
+  const bool persistent = work_counter != nullptr;
+  // Persistent: the units the issuer took, alternately, whole (so that the others need not
+  // read cu_seqlens and the rest again), and whether there was one.
+  __shared__ AttentionUnit unit_slot[2];
+  __shared__ int unit_taken[2];
 
   const int wg = static_cast<int>(threadIdx.x) >> 7;          // warpgroup: rows 64 wg ..
   const int wg_thread = static_cast<int>(threadIdx.x) & 127;  // thread in the warpgroup
@@ -166,316 +205,364 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
     MbarInitFence();
   }
+  AttentionUnit cur;
+  if (persistent && issuer) {
+    unit_taken[0] = take_unit(atomicAdd(work_counter, 1), unit_slot[0]) >= 0;
+  }
   __syncthreads();
-
-  // Key tiles and Q tiles this block has used before the current Q tile: a tile's stage
-  // and the parity of its barriers' phase follow from its running index.
-  uint32_t kv_used = 0, q_used = 0;
-  auto issue_kv = [&](int key_tile, bool values) {
-    const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
-    const int stage = static_cast<int>(n % kStages);
-    const uint32_t use = n / kStages;
-    if (use > 0) MbarWait(bar((values ? kEmptyV : kEmptyK) + stage), (use - 1) & 1);
-    const uint32_t full = bar((values ? kFullV : kFullK) + stage);
-    const uint32_t dst = smem + (values ? kVOff : kKOff) + stage * kTile;
-    if constexpr (kPaged) {
-      // One box per cache block up to the context's end (key_tile * kBc < key_len); rows past
-      // it are masked (keys) or zeroed before use (values).
-      const int bs = pk.block_size;
-      const int kv0 = key_tile * kBc;
-      const int count = (min(kv0 + kBc, key_len) - kv0 + bs - 1) / bs;
-      MbarArriveExpectTx(full, static_cast<uint32_t>(count * bs * 256));
-      for (int i = 0; i < count; ++i) {
-        int b = table[kv0 / bs + i];
-        if (b < 0 || b >= pk.num_blocks) b = 0;  // a corrupt table: never outside the cache
-        const int row = static_cast<int>((values ? pk.v_row0 : pk.k_row0) +
-                                         static_cast<int64_t>(b) * pk.block_rows +
-                                         static_cast<int64_t>(kv_head) * bs);
-        TmaLoad2d(dst + i * bs * 128, &k_map, 0, row, full);
-        TmaLoad2d(dst + kPanelBytes + i * bs * 128, &k_map, 64, row, full);
-      }
-    } else if constexpr (kFp8) {
-      MbarArriveExpectTx(full, kTile);
-      if (values) {
-        TmaLoad2d(dst, &v_map, vt_begin + key_tile * kBc, kv_head * kHeadDim, full);
-      } else {
-        TmaLoad2d(dst, &k_map, kv_head * kHeadDim, begin + key_tile * kBc, full);
-      }
-    } else {
-      MbarArriveExpectTx(full, kTile);
-      const int row = begin + key_tile * kBc;
-      TmaLoad2d(dst, values ? &v_map : &k_map, kv_head * kHeadDim, row, full);
-      TmaLoad2d(dst + kPanelBytes, values ? &v_map : &k_map, kv_head * kHeadDim + 64, row, full);
-    }
-  };
-  auto wait_kv = [&](int key_tile, bool values) {
-    const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
-    MbarWait(bar((values ? kFullV : kFullK) + static_cast<int>(n % kStages)), (n / kStages) & 1);
-  };
-  auto release_kv = [&](int key_tile, bool values) {
-    const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
-    if (wg_thread == 0)
-      MbarArrive(bar((values ? kEmptyV : kEmptyK) + static_cast<int>(n % kStages)));
-  };
-  auto stage_of = [&](int key_tile) {
-    return static_cast<int>((kv_used + static_cast<uint32_t>(key_tile)) % kStages);
-  };
-
-  // This warpgroup's Q rows: BF16 k-step s reads panel s / 4, 32 bytes in per step; an E4M3
-  // step (k32) reads the one panel, 32 bytes in per step.
-  auto q_desc = [&](int s) {
-    if constexpr (kFp8) return SmemDescSw128(q_tile + wg * 64 * 128 + s * 32, 0, 1024);
-    return SmemDescSw128(q_tile + (s >> 2) * kPanelBytes + wg * 64 * 128 + (s & 3) * 32, 0, 1024);
-  };
-  auto k_desc = [&](int stage, int s) {
-    if constexpr (kFp8) return SmemDescSw128(smem + kKOff + stage * kTile + s * 32, 0, 1024);
-    return SmemDescSw128(smem + kKOff + stage * kTile + (s >> 2) * kPanelBytes + (s & 3) * 32, 0,
-                         1024);
-  };
-  // BF16 V as B of P V: K = keys on the rows (16 per step: 2048 bytes), N = dims across the
-  // two panels (LBO), 8-key groups 1024 bytes apart (SBO). E4M3 V^T: K-major, N = dims on the
-  // rows, 32 keys per step.
-  auto v_desc = [&](int stage, int s) {
-    if constexpr (kFp8) return SmemDescSw128(smem + kVOff + stage * kTile + s * 32, 0, 1024);
-    return SmemDescSw128(smem + kVOff + stage * kTile + s * 2048, kPanelBytes, 1024);
-  };
-  constexpr int kKSteps = kFp8 ? 4 : 8;  // k-steps of either product over 128
-
-  const int my_turn = kTurn + wg, other_turn = kTurn + (wg ^ 1);
-  if (wg == 1) NamedBarrierArrive(kTurn, kWgThreads);  // warpgroup 0 issues first
+  bool have = false;
+  if (persistent) {
+    have = unit_taken[0] != 0;
+    cur = unit_slot[0];
+  } else {
+    have = resolve(blockIdx.x, cur, static_cast<int>(threadIdx.x), kWgThreads);
+  }
+  int units_taken = 1;
   float amax = 0.0f;
-
-  // Key tiles of Q tile `tile` (causal: none past its last row).
-  auto key_tiles = [&](int tile) {
-    return (min(q_off + tile * kBr + kBr, key_len) + kBc - 1) / kBc;
-  };
-  // The copies that start Q tile `tile`: Q, K0, V0 and K1 (kv_used and q_used count the tiles
-  // before it). For every tile after the block's first, the issuer starts them as soon as both
-  // warpgroups are done with the previous Q, so that they land during its output stage.
-  auto issue_start = [&](int tile) {
-    if (q_used > 0) MbarWait(bar(kEmptyQ), (q_used - 1) & 1);
-    MbarArriveExpectTx(bar(kFullQ), kTile);
-    TmaLoad2d(q_tile, &q_map, head * kHeadDim, begin + tile * kBr, bar(kFullQ));
-    if constexpr (!kFp8) {
-      TmaLoad2d(q_tile + kPanelBytes, &q_map, head * kHeadDim + 64, begin + tile * kBr,
-                bar(kFullQ));
-    }
-    issue_kv(0, false);
-    issue_kv(0, true);
-    if (key_tiles(tile) > 1) issue_kv(1, false);
-  };
-  const int first_tile = num_tiles - 1 - static_cast<int>(blockIdx.y);
-  if (issuer) issue_start(first_tile);
-
-  // Tiles from the last (the most keys) down, so the heaviest are scheduled first.
-  for (int tile = first_tile; tile >= 0; tile -= static_cast<int>(gridDim.y)) {
-    const int q0 = tile * kBr;
-    const int n_kv = key_tiles(tile);
-    const int row_lo = q0 + wg * 64 + warp * 16 + g;  // this thread's rows: row_lo, row_lo + 8
-    // Warpgroup 1 does not hand the turn back after its last products of the block (it
-    // would leave an arrival pending on warpgroup 0's barrier).
-    const bool last_tile = tile - static_cast<int>(gridDim.y) < 0;
-    auto pass_turn = [&](bool final_issue) {
-      if (!(wg == 1 && last_tile && final_issue)) NamedBarrierArrive(other_turn, kWgThreads);
-    };
-
-    // After step j's products: K(j + 2) and V(j + 1), two steps ahead of their use.
-    auto issue_ahead = [&](int j) {
-      if (!issuer) return;
-      if (j + 2 < n_kv) issue_kv(j + 2, false);
-      if (j + 1 < n_kv) issue_kv(j + 1, true);
-    };
-
-    float s_acc[64];
-    float o[64];
-    uint32_t p_frag[kKSteps][4];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = s_acc[i] = 0.0f;
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.0f, 0.0f};
-
-    // The online softmax of S_j, in two parts so that the first runs while P_{j-1} V_{j-1}
-    // is still in flight (it reads p_frag and writes o): the scores become exp2 weights in
-    // place and the row sums are updated; then P_j is packed into p_frag and O rescaled.
-    float alpha[2];
-    auto softmax_weights = [&](int j) {
-      const int kv0 = j * kBc;
-      // Masks: keys after the row (causal) or past the sequence; only the tiles that reach
-      // this warp's diagonal or the sequence's end have any (warp-uniform).
-      if (kv0 + kBc - 1 > q_off + q0 + wg * 64 + warp * 16 || key_len - kv0 < kBc) {
-        // Element (nt, e) is key kv0 + 8 nt + 2t + (e & 1) of row row_lo + 8 (e >> 1), at
-        // position q_off + that row.
-        const int last_key = key_len - 1 - kv0 - 2 * t;
-        const int limit[2] = {min(q_off + row_lo - kv0 - 2 * t, last_key),
-                              min(q_off + row_lo + 8 - kv0 - 2 * t, last_key)};
-#pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (nt * 8 + (e & 1) > limit[e >> 1]) s_acc[4 * nt + e] = -INFINITY;
-          }
+  if (have) {
+    // Key tiles and Q tiles this block has used before the current Q tile: a tile's stage
+    // and the parity of its barriers' phase follow from its running index.
+    uint32_t kv_used = 0, q_used = 0;
+    auto issue_kv = [&](const AttentionUnit& u, int key_tile, bool values) {
+      const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
+      const int stage = static_cast<int>(n % kStages);
+      const uint32_t use = n / kStages;
+      if (use > 0) MbarWait(bar((values ? kEmptyV : kEmptyK) + stage), (use - 1) & 1);
+      const uint32_t full = bar((values ? kFullV : kFullK) + stage);
+      const uint32_t dst = smem + (values ? kVOff : kKOff) + stage * kTile;
+      if constexpr (kPaged) {
+        // One box per cache block up to the context's end (key_tile * kBc < key_len); rows past
+        // it are masked (keys) or zeroed before use (values).
+        const int bs = pk.block_size;
+        const int kv0 = key_tile * kBc;
+        const int count = (min(kv0 + kBc, u.key_len) - kv0 + bs - 1) / bs;
+        MbarArriveExpectTx(full, static_cast<uint32_t>(count * bs * 256));
+        for (int i = 0; i < count; ++i) {
+          int b = u.table[kv0 / bs + i];
+          if (b < 0 || b >= pk.num_blocks) b = 0;  // a corrupt table: never outside the cache
+          const int row = static_cast<int>((values ? pk.v_row0 : pk.k_row0) +
+                                           static_cast<int64_t>(b) * pk.block_rows +
+                                           static_cast<int64_t>(u.kv_head) * bs);
+          TmaLoad2d(dst + i * bs * 128, &k_map, 0, row, full);
+          TmaLoad2d(dst + kPanelBytes + i * bs * 128, &k_map, 64, row, full);
         }
-      }
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int i = 0; i < 64; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s_acc[i]);
-      float base[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        alpha[h] = SoftmaxRowStep(tile_max[h], row_max[h], scale_log2, base[h]);
-        if constexpr (kFp8) base[h] -= kFp8WeightLog2;
-      }
-      float tile_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        s_acc[i] = Exp2Approx(fmaf(s_acc[i], scale_log2, -base[(i >> 1) & 1]));
-        tile_sum[(i >> 1) & 1] += s_acc[i];
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
-    };
-    auto softmax_finish = [&]() {
-      if constexpr (kFp8) {
-        // n8 tiles 4kk .. 4kk + 3 of S are the A fragment kk of P V: a register takes two
-        // tiles' pairs of one row, so k slot 4t + i of a 16-key half holds key
-        // 2t + (i & 1) + 8 (i >> 1) of it, the order Fp8AttentionInputs' V^T keeps.
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int nt = 4 * kk + 2 * (r >> 1), e = 2 * (r & 1);
-            p_frag[kk][r] = PackE4M3x4(s_acc[4 * nt + e], s_acc[4 * nt + e + 1],
-                                       s_acc[4 * nt + 4 + e], s_acc[4 * nt + 4 + e + 1]);
-          }
+      } else if constexpr (kFp8) {
+        MbarArriveExpectTx(full, kTile);
+        if (values) {
+          TmaLoad2d(dst, &v_map, u.vt_begin + key_tile * kBc, u.kv_head * kHeadDim, full);
+        } else {
+          TmaLoad2d(dst, &k_map, u.kv_head * kHeadDim, u.begin + key_tile * kBc, full);
         }
       } else {
-#pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-          // n8 tiles 2kk and 2kk + 1 of S are the A fragment kk of P V.
-          p_frag[nt >> 1][(nt & 1) * 2] = PackBf16x2(s_acc[4 * nt], s_acc[4 * nt + 1]);
-          p_frag[nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(s_acc[4 * nt + 2], s_acc[4 * nt + 3]);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
-    };
-    auto issue_s = [&](int j) {
-#pragma unroll
-      for (int s = 0; s < kKSteps; ++s) {
-        if constexpr (kFp8) {
-          WgmmaSS64x128x32E4M3(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
-        } else {
-          WgmmaSS64x128x16(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
-        }
+        MbarArriveExpectTx(full, kTile);
+        const int row = u.begin + key_tile * kBc;
+        const CUtensorMap* map = values ? &v_map : &k_map;
+        TmaLoad2d(dst, map, u.kv_head * kHeadDim, row, full);
+        TmaLoad2d(dst + kPanelBytes, map, u.kv_head * kHeadDim + 64, row, full);
       }
     };
-    auto issue_pv = [&](int j) {
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        if constexpr (kFp8) {
-          WgmmaRS64x128x32E4M3(o, p_frag[kk], v_desc(stage_of(j), kk));
-        } else {
-          WgmmaRS64x128x16TransB(o, p_frag[kk], v_desc(stage_of(j), kk));
-        }
-      }
+    auto wait_kv = [&](int key_tile, bool values) {
+      const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
+      MbarWait(bar((values ? kFullV : kFullK) + static_cast<int>(n % kStages)), (n / kStages) & 1);
     };
-    auto wait_products = [&]() {
-      WgmmaWait<0>();
-      PinRegisters(o);
-      PinRegisters(s_acc);
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) PinRegisters(p_frag[kk]);
+    auto release_kv = [&](int key_tile, bool values) {
+      const uint32_t n = kv_used + static_cast<uint32_t>(key_tile);
+      if (wg_thread == 0)
+        MbarArrive(bar((values ? kEmptyV : kEmptyK) + static_cast<int>(n % kStages)));
+    };
+    auto stage_of = [&](int key_tile) {
+      return static_cast<int>((kv_used + static_cast<uint32_t>(key_tile)) % kStages);
     };
 
-    // Step 0: S_0 alone.
-    MbarWait(bar(kFullQ), q_used & 1);
-    wait_kv(0, false);
-    NamedBarrierSync(my_turn, kWgThreads);
-    WgmmaFence();
-    issue_s(0);
-    WgmmaCommit();
-    pass_turn(false);
-    wait_products();
-    release_kv(0, false);
-    issue_ahead(0);
-    softmax_weights(0);
-    softmax_finish();
-    // Step j: S_j, then P_{j-1} V_{j-1} (two groups: S_j's weights are computed while the
-    // second is in flight).
-    for (int j = 1; j < n_kv; ++j) {
-      wait_kv(j, false);
-      wait_kv(j - 1, true);
+    // This warpgroup's Q rows: BF16 k-step s reads panel s / 4, 32 bytes in per step; an E4M3
+    // step (k32) reads the one panel, 32 bytes in per step.
+    auto q_desc = [&](int s) {
+      if constexpr (kFp8) return SmemDescSw128(q_tile + wg * 64 * 128 + s * 32, 0, 1024);
+      return SmemDescSw128(q_tile + (s >> 2) * kPanelBytes + wg * 64 * 128 + (s & 3) * 32, 0, 1024);
+    };
+    auto k_desc = [&](int stage, int s) {
+      if constexpr (kFp8) return SmemDescSw128(smem + kKOff + stage * kTile + s * 32, 0, 1024);
+      return SmemDescSw128(smem + kKOff + stage * kTile + (s >> 2) * kPanelBytes + (s & 3) * 32, 0,
+                           1024);
+    };
+    // BF16 V as B of P V: K = keys on the rows (16 per step: 2048 bytes), N = dims across the
+    // two panels (LBO), 8-key groups 1024 bytes apart (SBO). E4M3 V^T: K-major, N = dims on the
+    // rows, 32 keys per step.
+    auto v_desc = [&](int stage, int s) {
+      if constexpr (kFp8) return SmemDescSw128(smem + kVOff + stage * kTile + s * 32, 0, 1024);
+      return SmemDescSw128(smem + kVOff + stage * kTile + s * 2048, kPanelBytes, 1024);
+    };
+    constexpr int kKSteps = kFp8 ? 4 : 8;  // k-steps of either product over 128
+
+    const int my_turn = kTurn + wg, other_turn = kTurn + (wg ^ 1);
+    if (wg == 1) NamedBarrierArrive(kTurn, kWgThreads);  // warpgroup 0 issues first
+
+    // Key tiles of u's Q tile (causal: none past its last row).
+    auto key_tiles = [&](const AttentionUnit& u) {
+      return (min(u.q_off + u.tile * kBr + kBr, u.key_len) + kBc - 1) / kBc;
+    };
+    // The copies that start u's Q tile: Q, K0, V0 and K1 (kv_used and q_used count the tiles
+    // before it). For every tile after the block's first, the issuer starts them as soon as both
+    // warpgroups are done with the previous Q, so that they land during its output stage.
+    auto issue_start = [&](const AttentionUnit& u) {
+      if (q_used > 0) MbarWait(bar(kEmptyQ), (q_used - 1) & 1);
+      MbarArriveExpectTx(bar(kFullQ), kTile);
+      const int row = u.begin + u.tile * kBr;
+      TmaLoad2d(q_tile, &q_map, u.head * kHeadDim, row, bar(kFullQ));
+      if constexpr (!kFp8) {
+        TmaLoad2d(q_tile + kPanelBytes, &q_map, u.head * kHeadDim + 64, row, bar(kFullQ));
+      }
+      issue_kv(u, 0, false);
+      issue_kv(u, 0, true);
+      if (key_tiles(u) > 1) issue_kv(u, 1, false);
+    };
+    if (issuer) issue_start(cur);
+
+    // Each unit's tiles from the last (the most keys) down, so the heaviest go first.
+    for (;;) {
+      // The work after this tile: the unit's next tile (tile_slots fewer), which every thread
+      // knows, else (persistent) the next unit from the counter, which the issuer takes during
+      // this tile (it reads the answer under the tile's last products) to start its copies, and
+      // the others learn after it; else none.
+      const bool same_unit = cur.tile - tile_slots >= 0;
+      const bool take = persistent && issuer && !same_unit;
+      AttentionUnit next = cur;
+      bool has_next = same_unit;
+      next.tile -= tile_slots;
+      const int64_t taken = take ? atomicAdd(work_counter, 1) : 0;
+      const AttentionUnit& u = cur;
+      const int q_off = u.q_off, key_len = u.key_len;
+      const int q0 = u.tile * kBr;
+      const int n_kv = key_tiles(u);
+      const int row_lo = q0 + wg * 64 + warp * 16 + g;  // this thread's rows: row_lo, row_lo + 8
+      auto pass_turn = [&]() { NamedBarrierArrive(other_turn, kWgThreads); };
+
+      // After step j's products: K(j + 2) and V(j + 1), two steps ahead of their use.
+      auto issue_ahead = [&](int j) {
+        if (!issuer) return;
+        if (j + 2 < n_kv) issue_kv(u, j + 2, false);
+        if (j + 1 < n_kv) issue_kv(u, j + 1, true);
+      };
+
+      float s_acc[64];
+      float o[64];
+      uint32_t p_frag[kKSteps][4];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) o[i] = s_acc[i] = 0.0f;
+      float row_max[2] = {-INFINITY, -INFINITY};
+      float row_sum[2] = {0.0f, 0.0f};
+
+      // The online softmax of S_j, in two parts so that the first runs while P_{j-1} V_{j-1}
+      // is still in flight (it reads p_frag and writes o): the scores become exp2 weights in
+      // place and the row sums are updated; then P_j is packed into p_frag and O rescaled.
+      float alpha[2];
+      auto softmax_weights = [&](int j) {
+        const int kv0 = j * kBc;
+        // Masks: keys after the row (causal) or past the sequence; only the tiles that reach
+        // this warp's diagonal or the sequence's end have any (warp-uniform).
+        if (kv0 + kBc - 1 > q_off + q0 + wg * 64 + warp * 16 || key_len - kv0 < kBc) {
+          // Element (nt, e) is key kv0 + 8 nt + 2t + (e & 1) of row row_lo + 8 (e >> 1), at
+          // position q_off + that row.
+          const int last_key = key_len - 1 - kv0 - 2 * t;
+          const int limit[2] = {min(q_off + row_lo - kv0 - 2 * t, last_key),
+                                min(q_off + row_lo + 8 - kv0 - 2 * t, last_key)};
+#pragma unroll
+          for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (nt * 8 + (e & 1) > limit[e >> 1]) s_acc[4 * nt + e] = -INFINITY;
+            }
+          }
+        }
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int i = 0; i < 64; ++i)
+          tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s_acc[i]);
+        float base[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          alpha[h] = SoftmaxRowStep(tile_max[h], row_max[h], scale_log2, base[h]);
+          if constexpr (kFp8) base[h] -= kFp8WeightLog2;
+        }
+        float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+          s_acc[i] = Exp2Approx(fmaf(s_acc[i], scale_log2, -base[(i >> 1) & 1]));
+          tile_sum[(i >> 1) & 1] += s_acc[i];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
+      };
+      auto softmax_finish = [&]() {
+        if constexpr (kFp8) {
+          // n8 tiles 4kk .. 4kk + 3 of S are the A fragment kk of P V: a register takes two
+          // tiles' pairs of one row, so k slot 4t + i of a 16-key half holds key
+          // 2t + (i & 1) + 8 (i >> 1) of it, the order Fp8AttentionInputs' V^T keeps.
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int nt = 4 * kk + 2 * (r >> 1), e = 2 * (r & 1);
+              p_frag[kk][r] = PackE4M3x4(s_acc[4 * nt + e], s_acc[4 * nt + e + 1],
+                                         s_acc[4 * nt + 4 + e], s_acc[4 * nt + 4 + e + 1]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < 16; ++nt) {
+            // n8 tiles 2kk and 2kk + 1 of S are the A fragment kk of P V.
+            p_frag[nt >> 1][(nt & 1) * 2] = PackBf16x2(s_acc[4 * nt], s_acc[4 * nt + 1]);
+            p_frag[nt >> 1][(nt & 1) * 2 + 1] = PackBf16x2(s_acc[4 * nt + 2], s_acc[4 * nt + 3]);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+      };
+      auto issue_s = [&](int j) {
+#pragma unroll
+        for (int s = 0; s < kKSteps; ++s) {
+          if constexpr (kFp8) {
+            WgmmaSS64x128x32E4M3(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
+          } else {
+            WgmmaSS64x128x16(s_acc, q_desc(s), k_desc(stage_of(j), s), s > 0 ? 1 : 0);
+          }
+        }
+      };
+      auto issue_pv = [&](int j) {
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          if constexpr (kFp8) {
+            WgmmaRS64x128x32E4M3(o, p_frag[kk], v_desc(stage_of(j), kk));
+          } else {
+            WgmmaRS64x128x16TransB(o, p_frag[kk], v_desc(stage_of(j), kk));
+          }
+        }
+      };
+      auto wait_products = [&]() {
+        WgmmaWait<0>();
+        PinRegisters(o);
+        PinRegisters(s_acc);
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) PinRegisters(p_frag[kk]);
+      };
+
+      // Step 0: S_0 alone.
+      MbarWait(bar(kFullQ), q_used & 1);
+      wait_kv(0, false);
       NamedBarrierSync(my_turn, kWgThreads);
       WgmmaFence();
-      issue_s(j);
+      issue_s(0);
       WgmmaCommit();
-      issue_pv(j - 1);
-      WgmmaCommit();
-      pass_turn(false);
-      WgmmaWait<1>();
-      PinRegisters(s_acc);
-      release_kv(j, false);
-      softmax_weights(j);
+      pass_turn();
       wait_products();
-      release_kv(j - 1, true);
-      issue_ahead(j);
+      release_kv(0, false);
+      issue_ahead(0);
+      softmax_weights(0);
       softmax_finish();
-    }
-    // Last: P_{n-1} V_{n-1}, its value rows past the sequence zeroed first.
-    wait_kv(n_kv - 1, true);
-    {
-      const int valid = key_len - (n_kv - 1) * kBc;
-      if (valid < kBc) {
-        uint8_t* v_tile = wg_smem_raw + (smem - raw) + kVOff + stage_of(n_kv - 1) * kTile;
-        if constexpr (kFp8) {
-          // V^T: row = dim, 16-byte chunk c = keys 16c .. 16c + 15. The producer zeroed the
-          // slots past the sequence in its last group; the groups after it are another
-          // sequence's (or never written).
-          for (int c = (valid + 15) >> 4; c < kBc / 16; ++c) {
-            *reinterpret_cast<uint4*>(v_tile + wg_thread * 128 + ((c ^ (wg_thread & 7)) << 4)) =
-                make_uint4(0, 0, 0, 0);
+      // Step j: S_j, then P_{j-1} V_{j-1} (two groups: S_j's weights are computed while the
+      // second is in flight).
+      for (int j = 1; j < n_kv; ++j) {
+        wait_kv(j, false);
+        wait_kv(j - 1, true);
+        NamedBarrierSync(my_turn, kWgThreads);
+        WgmmaFence();
+        issue_s(j);
+        WgmmaCommit();
+        issue_pv(j - 1);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<1>();
+        PinRegisters(s_acc);
+        release_kv(j, false);
+        softmax_weights(j);
+        wait_products();
+        release_kv(j - 1, true);
+        issue_ahead(j);
+        softmax_finish();
+      }
+      // Last: P_{n-1} V_{n-1}, its value rows past the sequence zeroed first.
+      wait_kv(n_kv - 1, true);
+      {
+        const int valid = key_len - (n_kv - 1) * kBc;
+        if (valid < kBc) {
+          uint8_t* v_tile = wg_smem_raw + (smem - raw) + kVOff + stage_of(n_kv - 1) * kTile;
+          if constexpr (kFp8) {
+            // V^T: row = dim, 16-byte chunk c = keys 16c .. 16c + 15. The producer zeroed the
+            // slots past the sequence in its last group; the groups after it are another
+            // sequence's (or never written).
+            for (int c = (valid + 15) >> 4; c < kBc / 16; ++c) {
+              *reinterpret_cast<uint4*>(v_tile + wg_thread * 128 + ((c ^ (wg_thread & 7)) << 4)) =
+                  make_uint4(0, 0, 0, 0);
+            }
+          } else {
+            for (int i = wg_thread; i < (kBc - valid) * 16; i += 128) {
+              const int r = valid + (i >> 4), c = i & 15;
+              *reinterpret_cast<uint4*>(v_tile + (c >> 3) * kPanelBytes + r * 128 + (c & 7) * 16) =
+                  make_uint4(0, 0, 0, 0);
+            }
           }
-        } else {
-          for (int i = wg_thread; i < (kBc - valid) * 16; i += 128) {
-            const int r = valid + (i >> 4), c = i & 15;
-            *reinterpret_cast<uint4*>(v_tile + (c >> 3) * kPanelBytes + r * 128 + (c & 7) * 16) =
-                make_uint4(0, 0, 0, 0);
-          }
+          FenceProxyAsyncShared();
+          NamedBarrierSync(kWgLocal + wg, 128);
         }
-        FenceProxyAsyncShared();
-        NamedBarrierSync(kWgLocal + wg, 128);
       }
-    }
-    NamedBarrierSync(my_turn, kWgThreads);
-    WgmmaFence();
-    issue_pv(n_kv - 1);
-    WgmmaCommit();
-    pass_turn(true);
-    wait_products();
-    release_kv(n_kv - 1, true);
-    if (wg_thread == 0) MbarArrive(bar(kEmptyQ));
-    kv_used += static_cast<uint32_t>(n_kv);
-    ++q_used;
-    if (issuer && !last_tile) issue_start(tile - static_cast<int>(gridDim.y));
+      NamedBarrierSync(my_turn, kWgThreads);
+      WgmmaFence();
+      issue_pv(n_kv - 1);
+      WgmmaCommit();
+      pass_turn();
+      if (take) {
+        has_next = take_unit(taken, next) >= 0;
+        unit_slot[units_taken & 1] = next;
+        unit_taken[units_taken & 1] = has_next;
+      }
+      wait_products();
+      release_kv(n_kv - 1, true);
+      if (wg_thread == 0) MbarArrive(bar(kEmptyQ));
+      kv_used += static_cast<uint32_t>(n_kv);
+      ++q_used;
+      if (issuer && has_next) issue_start(next);
 
-    const AttentionOut out = MakeAttentionOut(p, begin, head, kHeadDim);
-    auto store = [&](auto fast_divide) {
+      const AttentionOut out = MakeAttentionOut(p, u.begin, u.head, kHeadDim);
+      auto store = [&](auto fast_divide) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        StoreAttentionRow<decltype(fast_divide)::value, 16>(
-            out, row_lo + 8 * h, len, t, row_sum[h] * inv_v_scale, amax,
-            [&](int dt) { return make_float2(o[4 * dt + 2 * h], o[4 * dt + 2 * h + 1]); });
+        for (int h = 0; h < 2; ++h) {
+          StoreAttentionRow<decltype(fast_divide)::value, 16>(
+              out, row_lo + 8 * h, u.len, t, row_sum[h] * inv_v_scale, amax,
+              [&](int dt) { return make_float2(o[4 * dt + 2 * h], o[4 * dt + 2 * h + 1]); });
+        }
+      };
+      if (out.divisor.inv != 0.0f) {
+        store(std::true_type{});
+      } else {
+        store(std::false_type{});
       }
-    };
-    if (out.divisor.inv != 0.0f) {
-      store(std::true_type{});
-    } else {
-      store(std::false_type{});
+      if (same_unit) {
+        cur = next;
+        continue;
+      }
+      if (!persistent) break;
+      __syncthreads();  // the issuer's unit_slot write is visible
+      const int k = units_taken++ & 1;
+      if (!unit_taken[k]) break;
+      cur = unit_slot[k];
+    }
+    // Warpgroup 1 handed the turn over after its last products too: take it, so that no
+    // arrival is left pending on the barrier.
+    if (wg == 0) NamedBarrierSync(kTurn, kWgThreads);
+  }
+  if (persistent && threadIdx.x == 0) {
+    // The last block out (all blocks' last take has found the counter past the units) zeroes
+    // the counter for the next launch.
+    __threadfence();
+    if (atomicAdd(work_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(work_counter, 0);
+      atomicExch(work_counter + 1, 0);
     }
   }
   if (p.out_amax != nullptr) BlockAmaxInto(p.out_amax, amax);
 #else
   (void)q_map, (void)k_map, (void)v_map, (void)p, (void)pk, (void)scale_log2, (void)fp8_scales;
+  (void)tile_slots, (void)work_counter;
   __trap();
 #endif
 }
@@ -529,6 +616,21 @@ StatusOr<CUtensorMap> PanelMap(EncodeTiledFn encode, const void* base, int64_t c
   return map;
 }
 
+// The grid: with a work counter, persistent, a block per SM (one fits, by its shared
+// memory) and never more blocks than units; without, a block per unit.
+unsigned WgmmaBlocks(int64_t items, int64_t tile_slots, int sms, const int32_t* counter) {
+  const int64_t units = items * tile_slots;
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, counter ? std::min<int64_t>(units, sms) : units));
+}
+
+// p.work_counter where the counter's 32 bits hold every take (each block's last one passes
+// the units by one), else none.
+int32_t* WgmmaWorkCounter(const AttentionParams& p, int64_t tile_slots, int sms) {
+  const int64_t units = p.num_seqs * p.q_heads * tile_slots;
+  return units + sms < std::numeric_limits<int32_t>::max() ? p.work_counter : nullptr;
+}
+
 }  // namespace
 
 bool WgmmaAttentionSupports(int64_t head_dim) {
@@ -547,8 +649,8 @@ bool WgmmaAttentionSupports(int64_t head_dim) {
 #endif
 }
 
-Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float scale_log2,
-                                  cudaStream_t stream) {
+Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tile_slots, int sms,
+                                  float scale_log2, cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
   TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens,
                                                   p.q_row_stride, kBr, "AttentionParams.q"));
@@ -559,15 +661,18 @@ Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tiles, float
   constexpr int kSmem = kSmemBytes<false>;
   TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false, false>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
-  CausalAttentionWgmmaKernel<false, false><<<grid, kWgThreads, kSmem, stream>>>(
-      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, nullptr);
+  int32_t* counter = WgmmaWorkCounter(p, tile_slots, sms);
+  CausalAttentionWgmmaKernel<false, false>
+      <<<WgmmaBlocks(p.num_seqs * p.q_heads, tile_slots, sms, counter), kWgThreads, kSmem,
+         stream>>>(q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, nullptr,
+                   static_cast<int>(tile_slots), counter);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
 
 Status LaunchCausalAttentionWgmmaFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
-                                     int64_t tiles, float scale_log2, cudaStream_t stream) {
+                                     int64_t tile_slots, int sms, float scale_log2,
+                                     cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
   const int64_t q_width = p.q_heads * kHeadDim, kv_width = p.kv_heads * kHeadDim;
   TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, in.q, q_width, p.tokens, q_width, kBr,
@@ -580,21 +685,26 @@ Status LaunchCausalAttentionWgmmaFp8(const AttentionParams& p, const Fp8Attentio
   constexpr int kSmem = kSmemBytes<true>;
   TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false, true>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
-  CausalAttentionWgmmaKernel<false, true><<<grid, kWgThreads, kSmem, stream>>>(
-      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, in.scales);
+  int32_t* counter = WgmmaWorkCounter(p, tile_slots, sms);
+  CausalAttentionWgmmaKernel<false, true>
+      <<<WgmmaBlocks(p.num_seqs * p.q_heads, tile_slots, sms, counter), kWgThreads, kSmem,
+         stream>>>(q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, in.scales,
+                   static_cast<int>(tile_slots), counter);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
 
+bool WgmmaPersistentPays(int64_t average_tiles) { return average_tiles <= 1 || average_tiles > 16; }
+
 int64_t WgmmaAttentionTileSlots(int64_t most_tiles, int64_t average_tiles, int64_t items, int sms) {
-  // Short sequences: four tiles a block, whose copies overlap the previous tile's output.
-  // Long ones: a tile a block; fewer, longer blocks then balance worse than the overlap gains.
+  // Long sequences: a unit per tile, the best balance. Up to 16 tiles (on average): four
+  // tiles a unit, which is faster there than a unit a tile though the grid is persistent.
   const int64_t per_block = average_tiles > 16 ? 1 : 4;
   const int64_t wanted = (average_tiles + per_block - 1) / per_block;
   const int64_t fill = items > 0 ? (2 * int64_t{sms} + items - 1) / items : 1;
-  return std::max<int64_t>(
-      1, std::min({std::max(wanted, fill), most_tiles, launch_checks::kMaxGridY}));
+  // A block per unit without a work counter: grid.x bounds the units.
+  return std::max<int64_t>(1, std::min({std::max(wanted, fill), most_tiles,
+                                        launch_checks::kMaxGridX / std::max<int64_t>(1, items)}));
 }
 
 bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t cache_rows) {
@@ -603,7 +713,8 @@ bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t c
 }
 
 Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPagedKeys& pk,
-                                        int64_t tiles, float scale_log2, cudaStream_t stream) {
+                                        int64_t tile_slots, int sms, float scale_log2,
+                                        cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
   TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens,
                                                   p.q_row_stride, kBr, "PagedAttentionParams.q"));
@@ -613,9 +724,10 @@ Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPag
   constexpr int kSmem = kSmemBytes<false>;
   TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<true, false>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid(static_cast<unsigned>(p.num_seqs * p.q_heads), static_cast<unsigned>(tiles));
-  CausalAttentionWgmmaKernel<true, false><<<grid, kWgThreads, kSmem, stream>>>(
-      q_map, cache_map, cache_map, p, pk, scale_log2, nullptr);
+  CausalAttentionWgmmaKernel<true, false>
+      <<<WgmmaBlocks(p.num_seqs * p.q_heads, tile_slots, sms, nullptr), kWgThreads, kSmem,
+         stream>>>(q_map, cache_map, cache_map, p, pk, scale_log2, nullptr,
+                   static_cast<int>(tile_slots), nullptr);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

@@ -286,6 +286,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     at.q_heads = nh_l;
     at.kv_heads = nkv_l;
     at.head_dim = hd;
+    at.work_counter = attn_counter_.as<int32_t>();
     if (fp8_attention) {
       Fp8AttentionInputs in = fp8_attn_;
       in.scales += 3 * l;  // this layer's

@@ -390,6 +390,9 @@ class CudaModel {
   DeviceBuffer rope_inv_freq_;
   // Batch metadata and activations.
   DeviceBuffer ids_, positions_, cu_seqlens_, error_flag_;
+  // AttentionParams::work_counter of the prefill attention launches (zeroed once; each
+  // launch leaves it zero), one at a time on the model's stream.
+  DeviceBuffer attn_counter_;
   // The pass's host side, pinned: the batch going up and the error flag coming back in
   // upload_host_ (host_upload()); the logits in logits_host_ (FP32 [max_seqs + 1, vocab]).
   PinnedHostBuffer upload_host_, logits_host_;

@@ -117,6 +117,8 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(positions_, Alloc(m * 4, "positions"));
   TP_ASSIGN_OR_RETURN(cu_seqlens_, Alloc((seqs + 1) * 4, "cu_seqlens"));
   TP_ASSIGN_OR_RETURN(error_flag_, Alloc(4, "error_flag"));
+  TP_ASSIGN_OR_RETURN(attn_counter_, Alloc(8, "attention_work_counter"));
+  TP_CUDA_CHECK(cudaMemset(attn_counter_.data(), 0, attn_counter_.size()));
   TP_ASSIGN_OR_RETURN(x_, Alloc(rows * h * 2, "residual"));
   if (!ResidualInGemm()) {  // else o and down write into x_
     TP_ASSIGN_OR_RETURN(o_out_, Alloc(rows * h * 2, "o_out"));
@@ -426,10 +428,10 @@ GemmScaleScheme CudaModel::scale_scheme() const {
 size_t CudaModel::device_bytes() const {
   size_t total = weight_bytes_ + GenerationBytes();
   for (const DeviceBuffer* b :
-       {&rope_inv_freq_, &ids_,      &positions_, &cu_seqlens_,   &x_,
-        &o_out_,         &down_out_, &normed_,    &qkv_out_,      &attn_,
-        &gate_up_out_,   &full_,     &last_,      &logits_local_, &logits_all_,
-        &logits_rows_,   &amax_,     &act_,       &a_scales_,     &fp8_attn_buf_}) {
+       {&rope_inv_freq_, &ids_,          &positions_,   &cu_seqlens_,  &x_,           &o_out_,
+        &down_out_,      &normed_,       &qkv_out_,     &attn_,        &gate_up_out_, &full_,
+        &last_,          &logits_local_, &logits_all_,  &logits_rows_, &amax_,        &act_,
+        &a_scales_,      &fp8_attn_buf_, &attn_counter_}) {
     total += b->size();
   }
   for (const auto& [key, layer] : linears_) total += layer->device_bytes();

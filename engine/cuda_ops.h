@@ -166,6 +166,15 @@ struct AttentionParams {
   int64_t kv_heads = 0;                  // >= 1
   int64_t head_dim = 0;                  // 64 or 128
   AttentionKernel kernel = AttentionKernel::kAuto;
+  // Optional, read by the Hopper kernel (and its E4M3 variant) only: two int32 in device
+  // memory, zero before the launch, which the kernel leaves zero again when it completes.
+  // With it, where it pays (sequences of one query tile or of more than 16, on average:
+  // WgmmaPersistentPays), the grid is persistent (a block per SM) and blocks take their
+  // (sequence, head, tiles) units from this counter, heaviest first, copying the next unit's
+  // first tiles in while they write the current one's output; otherwise a block per unit.
+  // Either way the outputs are the same bits. One counter must not serve launches that can
+  // run at the same time. 4-byte aligned.
+  int32_t* work_counter = nullptr;
 };
 Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream);
 

@@ -88,7 +88,9 @@ struct Fp8Run {
   int64_t vt_columns = 0;
 };
 
-// Runs producer and attention on qkv ([tokens, q_width + 2 kv_width] BF16).
+// Runs producer and attention on qkv ([tokens, q_width + 2 kv_width] BF16): attention
+// persistent, from a work counter (as the model runs it), then with a block per unit, which
+// must give the same bits and leave the counter zero.
 void RunFp8(cudaStream_t stream, const Fp8Case& c, const std::vector<BFloat16>& qkv,
             const std::vector<int32_t>& cu, Fp8Run& run) {
   const int64_t tokens = cu.back(), num_seqs = static_cast<int64_t>(c.seqlens.size());
@@ -120,12 +122,26 @@ void RunFp8(cudaStream_t stream, const Fp8Case& c, const std::vector<BFloat16>& 
   in.vt_columns = run.vt_columns;
   in.scales = d_scales.as<float>();
   TP_ASSERT_OK(LaunchFp8AttentionInputs(p, in, nullptr, stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer counter, Upload(std::vector<int32_t>{0, 0}, "counter"));
+  p.work_counter = counter.as<int32_t>();
   TP_ASSERT_OK(LaunchCausalAttentionFp8(p, in, stream));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer unit_out,
+                          PoisonedBuffer(DataType::kBFloat16, tokens * q_width, "out", stream));
+  AttentionParams unit_blocks = p;
+  unit_blocks.work_counter = nullptr;
+  unit_blocks.out = unit_out.as<BFloat16>();
+  TP_ASSERT_OK(LaunchCausalAttentionFp8(unit_blocks, in, stream));
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  TP_ASSERT_OK_AND_ASSIGN(auto left, Download<int32_t>(counter.data(), 2));
+  EXPECT_EQ(left, (std::vector<int32_t>{0, 0})) << "the work counter is left dirty";
+  TP_ASSERT_OK_AND_ASSIGN(auto unit_bits, Download<BFloat16>(unit_out.data(), tokens * q_width));
   TP_ASSERT_OK_AND_ASSIGN(run.q8, Download<uint8_t>(q8.data(), tokens * q_width));
   TP_ASSERT_OK_AND_ASSIGN(run.k8, Download<uint8_t>(k8.data(), tokens * kv_width));
   TP_ASSERT_OK_AND_ASSIGN(run.vt, Download<uint8_t>(vt.data(), kv_width * run.vt_columns));
   TP_ASSERT_OK_AND_ASSIGN(run.out, Download<BFloat16>(out.data(), tokens * q_width));
+  size_t differ = 0;
+  for (size_t i = 0; i < run.out.size(); ++i) differ += run.out[i].bits != unit_bits[i].bits;
+  EXPECT_EQ(differ, 0u) << "a block per unit gives other outputs than the persistent grid";
 }
 
 void CheckFp8Attention(cudaStream_t stream, const Fp8Case& c, uint32_t seed) {

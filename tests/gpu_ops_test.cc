@@ -437,7 +437,9 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_scale, Upload(std::vector<float>{scale}, "scale"));
   const int64_t out_elems = std::max<int64_t>(tokens * out_stride, 1);
   // Run 1 stores every output: BF16, its E4M3 codes and its amax (garbage first: the
-  // launcher must zero it). Run 2 stores the codes only, as the FP8 model does.
+  // launcher must zero it). Run 2 stores the codes only, as the FP8 model does. The Hopper
+  // kernel: run 1 persistent, from a work counter (which it must leave zero), as the model
+  // runs it; run 2 a block per unit, which must give the same codes.
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_out,
                           PoisonedBuffer(DataType::kBFloat16, out_elems, "out", stream));
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_fp8,
@@ -466,8 +468,11 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
   p.kv_heads = c.kv_heads;
   p.head_dim = hd;
   p.kernel = c.kernel;
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_counter, Upload(std::vector<int32_t>{0, 0}, "counter"));
+  p.work_counter = d_counter.as<int32_t>();
   TP_ASSERT_OK(LaunchCausalAttention(p, stream));
   AttentionParams fp8_only = p;
+  fp8_only.work_counter = nullptr;
   fp8_only.out = nullptr;
   fp8_only.out_row_stride = 0;
   fp8_only.out_amax = nullptr;
@@ -479,6 +484,8 @@ void CheckAttention(cudaStream_t stream, const AttentionCase& c, uint32_t seed) 
   TP_ASSERT_OK_AND_ASSIGN(auto fp8_only_codes,
                           Download<uint8_t>(d_fp8_only.data(), tokens * out_stride));
   TP_ASSERT_OK_AND_ASSIGN(auto amax, Download<float>(d_amax.data(), 1));
+  TP_ASSERT_OK_AND_ASSIGN(auto counter, Download<int32_t>(d_counter.data(), 2));
+  EXPECT_EQ(counter, (std::vector<int32_t>{0, 0})) << what << ": the work counter is left dirty";
 
   std::vector<BFloat16> gpu(tokens * q_width);
   size_t padding_written = 0, fp8_padding_written = 0, codes_wrong = 0, codes_differ = 0;
@@ -553,6 +560,14 @@ TEST_F(GpuOpsTest, CausalAttentionHopperKernelMatchesReference) {
   // Sixteen key tiles (both buffers reused many times), and blocks that loop over query tiles
   // (max_seqlen underestimated).
   CheckAttention(stream(), {{2000, 3}, 2, 1, 128, 3.0f, /*max_seqlen=*/64, kWg}, 332);
+  // The persistent grid (one tile on average, and more than 16): blocks move between
+  // sequences, heads and KV heads, skip units without a tile (empty sequences, slots past a
+  // short sequence's tiles) and copy each next unit's tiles in while they write the current
+  // one; CheckAttention's second run, a block per unit, must give the same codes.
+  std::vector<int32_t> short_seqs;
+  for (int i = 0; i < 60; ++i) short_seqs.push_back((i * 37) % 150);
+  CheckAttention(stream(), {short_seqs, 16, 4, 128, 3.0f, 0, kWg}, 334);
+  CheckAttention(stream(), {{4200, 5}, 2, 1, 128, 3.0f, 0, kWg}, 335);
   // kAuto takes this kernel at head_dim 128 here: the mma.sync kernel stays tested by name.
   CheckAttention(stream(), {{1, 37, 0, 500, 129}, 8, 2, 128, 3.0f, 0, AttentionKernel::kMmaSync},
                  333);
