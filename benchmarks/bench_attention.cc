@@ -221,7 +221,11 @@ Status RunShape(const Flags& f, const BatchShape& b, cudaStream_t stream, json& 
   TP_ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(true));
   TP_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create(true));
   for (int round = 0; round < f.rounds; ++round) {
-    for (KernelRun& r : runs) {  // interleaved: clocks and temperature drift hit both alike
+    // Interleaved, so that clocks and temperature drift hit every kernel alike, and in the
+    // reverse order every other round: the same launch measured right after another can
+    // differ by a few per cent with its place in the round.
+    for (size_t k = 0; k < runs.size(); ++k) {
+      KernelRun& r = runs[round % 2 == 0 ? k : runs.size() - 1 - k];
       p.kernel = r.kernel;
       p.work_counter = r.work_counter ? counter.as<int32_t>() : nullptr;
       TP_ASSIGN_OR_RETURN(const double ms, TimeLaunchMs(stream, start, end, [&] {
