@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
   const int item = static_cast<int>(blockIdx.x) / q_heads;
   const int head = static_cast<int>(blockIdx.x) - item * q_heads;
   const int seq = kPaged ? pk.seqs[item] : item;
+  const Fp8Divisor out_divisor = AttentionOutDivisor(p);
   // Clamped, so that a corrupt cu_seqlens cannot send a block outside [0, tokens).
   const int tokens = static_cast<int>(p.tokens);
   int begin = p.cu_seqlens[seq];
@@ -411,7 +412,7 @@ __global__ void __launch_bounds__(kAttnThreads, kAttnBlocksPerSm)
 
     // This thread's two adjacent values per n8 tile of each of its rows: BF16, and/or the
     // E4M3 codes of those BF16 values (what a quantize pass over `out` would give).
-    const AttentionOut out = MakeAttentionOut(p, begin, head, kHeadDim);
+    const AttentionOut out = MakeAttentionOut(p, begin, head, kHeadDim, out_divisor);
     // Instantiated twice: with the branch-free division (checked once here) and with the
     // IEEE fallback; a per-value branch made this epilogue a third of the kernel's stalls
     // under a profiler.

@@ -32,6 +32,12 @@ __device__ __forceinline__ float SoftmaxRowStep(float tile_max, float& row_max, 
   return alpha;
 }
 
+// The E4M3 divisor of AttentionParams::out_fp8_scale (1 without out_fp8): read once at the
+// kernel's start, where the load's latency hides behind its setup, not at each output stage.
+__device__ __forceinline__ Fp8Divisor AttentionOutDivisor(const AttentionParams& p) {
+  return MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
+}
+
 // Where one (sequence, head) of AttentionParams goes: its first row in `out` and `out_fp8`
 // (either may be null) and the E4M3 divisor. Formed after the key loop, not held through it
 // (registers).
@@ -45,7 +51,8 @@ struct AttentionOut {
 };
 
 __device__ __forceinline__ AttentionOut MakeAttentionOut(const AttentionParams& p, int begin,
-                                                         int head, int head_dim) {
+                                                         int head, int head_dim,
+                                                         const Fp8Divisor& divisor) {
   AttentionOut o;
   const int64_t col = int64_t{head} * head_dim;
   if (p.out != nullptr) {
@@ -57,7 +64,7 @@ __device__ __forceinline__ AttentionOut MakeAttentionOut(const AttentionParams& 
     o.fp8 = p.out_fp8 + static_cast<int64_t>(begin) * p.out_fp8_row_stride + col;
     o.fp8_stride = p.out_fp8_row_stride;
   }
-  o.divisor = MakeFp8Divisor(p.out_fp8 != nullptr ? *p.out_fp8_scale : 1.0f);
+  o.divisor = divisor;
   o.track_amax = p.out_amax != nullptr;
   return o;
 }

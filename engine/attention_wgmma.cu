@@ -114,6 +114,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   const int q_heads = static_cast<int>(p.q_heads);
   const int tokens = static_cast<int>(p.tokens);
+  const Fp8Divisor out_divisor = AttentionOutDivisor(p);
   const int64_t units_per_slot = p.num_seqs * p.q_heads;
   const int64_t total_units = units_per_slot * tile_slots;
   // E4M3: the dequantization scales (Q's and K's into the scores' exponent, V's into the row
@@ -171,11 +172,17 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     return true;
   };
   // Persistent (work_counter set): the issuer takes units from the counter, v first, until
-  // one has a tile; -1 when none is left.
+  // one has a tile; -1 when none is left. A packed unit without a tile means its sequence has
+  // none at that slot for any head: the counter skips the rest of its heads (a batch padded
+  // with empty sequence slots would otherwise cost a take each, at the grid's tail).
   auto take_unit = [&](int64_t v, AttentionUnit& n) -> int64_t {
     for (;; v = atomicAdd(work_counter, 1)) {
       if (v >= total_units) return -1;
       if (resolve(v, n, 0, 1)) return v;
+      if constexpr (!kPaged) {
+        const int64_t next_item = (v / q_heads + 1) * q_heads;
+        if (next_item - v > 1) atomicMax(work_counter, static_cast<int>(next_item));
+      }
     }
   };
   const bool persistent = work_counter != nullptr;
@@ -522,7 +529,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       ++q_used;
       if (issuer && has_next) issue_start(next);
 
-      const AttentionOut out = MakeAttentionOut(p, u.begin, u.head, kHeadDim);
+      const AttentionOut out = MakeAttentionOut(p, u.begin, u.head, kHeadDim, out_divisor);
       auto store = [&](auto fast_divide) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -625,10 +632,10 @@ unsigned WgmmaBlocks(int64_t items, int64_t tile_slots, int sms, const int32_t* 
 }
 
 // p.work_counter where the counter's 32 bits hold every take (each block's last one passes
-// the units by one), else none.
+// the units by one, a skip by up to q_heads), else none.
 int32_t* WgmmaWorkCounter(const AttentionParams& p, int64_t tile_slots, int sms) {
   const int64_t units = p.num_seqs * p.q_heads * tile_slots;
-  return units + sms < std::numeric_limits<int32_t>::max() ? p.work_counter : nullptr;
+  return units + sms + p.q_heads < std::numeric_limits<int32_t>::max() ? p.work_counter : nullptr;
 }
 
 }  // namespace
