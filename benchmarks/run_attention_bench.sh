@@ -3,7 +3,8 @@
 # and PyTorch SDPA's backends (cuDNN, flash, memory-efficient) on the same shapes in one call,
 # merged into one results file (benchmarks/results/attention-llama3-8b-tp1.json).
 #   COMMIT=<sha> bash benchmarks/run_attention_bench.sh
-# Knobs: SHAPES ("1x8192 8x1024 64x128 1x16384"), ROUNDS (20), OUT_FILE, TIMEOUT (s, per step).
+# Knobs: SHAPES ("1x8192 8x1024 64x128 1x16384 128x64 2x4096"), ROUNDS (20), OUT_FILE,
+# TIMEOUT (s, per step).
 # A third run adds the E4M3 kernel's rows (--fp8: the attention alone, and the stage as the
 # model runs it: RoPE + BF16 kernel against the pass that rotates and quantizes + E4M3 kernel);
 # if that run fails (its output too far from the BF16 kernel's), the
@@ -12,7 +13,7 @@
 # LD_LIBRARY_PATH (the host's system cuDNN would shadow torch's).
 set -u
 out=${OUT:-gpu-out}; mkdir -p "$out"
-shapes=${SHAPES:-1x8192 8x1024 64x128 1x16384}
+shapes=${SHAPES:-1x8192 8x1024 64x128 1x16384 128x64 2x4096}
 rounds=${ROUNDS:-20}
 file=${OUT_FILE:-$out/attention-llama3-8b-tp1.json}
 limit=${TIMEOUT:-240}
