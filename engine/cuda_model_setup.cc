@@ -186,6 +186,9 @@ Status CudaModel::AllocateActivations() {
     fp8_attn_.vt_columns = cols;
   }
   if (options_.kv_blocks > 0) TP_RETURN_IF_ERROR(AllocateGeneration());
+  // The memset and uploads above ran on the legacy stream (a pageable cudaMemcpy may return
+  // before its DMA lands), and the model's streams are non-blocking: wait for them here.
+  TP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   spdlog::info("CudaModel rank {}/{}: {} layers, {:.1f} MiB of weights on device {}", rank_, tp_,
                layers_.size(), weight_bytes_ / 1048576.0, pool_->base().device());
   return Status::Ok();
