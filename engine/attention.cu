@@ -567,11 +567,7 @@ Status LaunchCausalAttention(const AttentionParams& p, cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
   const float scale_log2 = ScaleLog2(p.head_dim);
   if (wgmma) {
-    AttentionParams w = p;
-    if (!WgmmaPersistentPays(q_tiles.average)) w.work_counter = nullptr;
-    return LaunchCausalAttentionWgmma(
-        w, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms), sms,
-        scale_log2, stream);
+    return LaunchCausalAttentionWgmma(p, q_tiles.most, q_tiles.average, sms, scale_log2, stream);
   }
   const int64_t fill = (int64_t{sms} * kAttnBlocksPerSm + p.q_heads - 1) / p.q_heads;
   int64_t tiles = std::max(q_tiles.average, fill);
@@ -596,11 +592,8 @@ Status LaunchCausalAttentionFp8(const AttentionParams& p, const Fp8AttentionInpu
   if (p.num_seqs == 0 || p.tokens == 0) return Status::Ok();
   const QueryTiles q_tiles = CountQueryTiles(p);
   TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
-  AttentionParams w = p;
-  if (!WgmmaPersistentPays(q_tiles.average)) w.work_counter = nullptr;
-  return LaunchCausalAttentionWgmmaFp8(
-      w, in, WgmmaAttentionTileSlots(q_tiles.most, q_tiles.average, p.num_seqs * p.q_heads, sms),
-      sms, ScaleLog2(p.head_dim), stream);
+  return LaunchCausalAttentionWgmmaFp8(p, in, q_tiles.most, q_tiles.average, sms,
+                                       ScaleLog2(p.head_dim), stream);
 }
 
 Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t stream) {
@@ -663,10 +656,7 @@ Status LaunchPagedPrefillAttention(const PagedAttentionParams& p, cudaStream_t s
     wk.block_tables = pk.block_tables;
     wk.max_blocks = pk.max_blocks;
     TP_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSms());
-    const int64_t most = std::max<int64_t>(1, tiles);
-    return LaunchPagedPrefillAttentionWgmma(
-        a, wk, WgmmaAttentionTileSlots(most, most, p.multi_row_count * p.q_heads, sms), sms, scale,
-        stream);
+    return LaunchPagedPrefillAttentionWgmma(a, wk, std::max<int64_t>(1, tiles), sms, scale, stream);
   }
   const dim3 grid(static_cast<unsigned>(p.multi_row_count * p.q_heads),
                   static_cast<unsigned>(std::max<int64_t>(1, tiles)));

@@ -127,9 +127,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // Unit v is (slot y, listed sequence, head), y-major, so the heaviest come first; it has no
   // tile where y >= the sequence's tile count, nor (paged) for sequences of fewer than two
   // query rows, which the split kernels take. A paged sequence with a corrupt context length
-  // has nothing to attend: its unit's rows are written as zeros (by threads first, first +
-  // threads, ...) and it has no tile either.
-  auto resolve = [&](int64_t v, AttentionUnit& u, int first, int threads) {
+  // has nothing to attend: its unit's rows are written as zeros and it has no tile either
+  // (paged units are never persistent, so the whole block resolves them).
+  auto resolve = [&](int64_t v, AttentionUnit& u) {
     const int64_t y = v / units_per_slot;
     const int64_t rem = v - y * units_per_slot;
     const int item = static_cast<int>(rem / q_heads);
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         uint16_t* out = reinterpret_cast<uint16_t*>(p.out);
         for (int tile = u.tile; tile >= 0; tile -= tile_slots) {
           const int rows = min(kBr, u.len - tile * kBr);
-          for (int i = first; i < rows * kHeadDim; i += threads) {
+          for (int i = static_cast<int>(threadIdx.x); i < rows * kHeadDim; i += kWgThreads) {
             out[static_cast<int64_t>(begin + tile * kBr + i / kHeadDim) * p.out_row_stride +
                 int64_t{u.head} * kHeadDim + i % kHeadDim] = 0;
           }
@@ -171,25 +171,24 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
     return true;
   };
-  // Persistent (work_counter set): the issuer takes units from the counter, v first, until
-  // one has a tile; -1 when none is left. A packed unit without a tile means its sequence has
-  // none at that slot for any head: the counter skips the rest of its heads (a batch padded
-  // with empty sequence slots would otherwise cost a take each, at the grid's tail).
+  // Persistent (work_counter set; packed rows only): the issuer takes units from the counter,
+  // v first, until one has a tile; -1 when none is left. A unit without a tile means its
+  // sequence has none at that slot for any head: the counter skips the rest of its heads (a
+  // batch padded with empty sequence slots would otherwise cost a take each, at the grid's
+  // tail).
+  const bool persistent = !kPaged && work_counter != nullptr;
   auto take_unit = [&](int64_t v, AttentionUnit& n) -> int64_t {
     for (;; v = atomicAdd(work_counter, 1)) {
       if (v >= total_units) return -1;
-      if (resolve(v, n, 0, 1)) return v;
-      if constexpr (!kPaged) {
-        const int64_t next_item = (v / q_heads + 1) * q_heads;
-        if (next_item - v > 1) atomicMax(work_counter, static_cast<int>(next_item));
-      }
+      if (resolve(v, n)) return v;
+      const int64_t next_item = (v / q_heads + 1) * q_heads;
+      if (next_item - v > 1) atomicMax(work_counter, static_cast<int>(next_item));
     }
   };
-  const bool persistent = work_counter != nullptr;
   // Persistent: the units the issuer took, alternately, whole (so that the others need not
   // read cu_seqlens and the rest again), and whether there was one.
   __shared__ AttentionUnit unit_slot[2];
-  __shared__ int unit_taken[2];
+  __shared__ int unit_found[2];
 
   const int wg = static_cast<int>(threadIdx.x) >> 7;          // warpgroup: rows 64 wg ..
   const int wg_thread = static_cast<int>(threadIdx.x) & 127;  // thread in the warpgroup
@@ -214,15 +213,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
   AttentionUnit cur;
   if (persistent && issuer) {
-    unit_taken[0] = take_unit(atomicAdd(work_counter, 1), unit_slot[0]) >= 0;
+    unit_found[0] = take_unit(atomicAdd(work_counter, 1), unit_slot[0]) >= 0;
   }
   __syncthreads();
   bool have = false;
   if (persistent) {
-    have = unit_taken[0] != 0;
+    have = unit_found[0] != 0;
     cur = unit_slot[0];
   } else {
-    have = resolve(blockIdx.x, cur, static_cast<int>(threadIdx.x), kWgThreads);
+    have = resolve(blockIdx.x, cur);
   }
   int units_taken = 1;
   float amax = 0.0f;
@@ -520,7 +519,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if (take) {
         has_next = take_unit(taken, next) >= 0;
         unit_slot[units_taken & 1] = next;
-        unit_taken[units_taken & 1] = has_next;
+        unit_found[units_taken & 1] = has_next;
       }
       wait_products();
       release_kv(n_kv - 1, true);
@@ -550,7 +549,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if (!persistent) break;
       __syncthreads();  // the issuer's unit_slot write is visible
       const int k = units_taken++ & 1;
-      if (!unit_taken[k]) break;
+      if (!unit_found[k]) break;
       cur = unit_slot[k];
     }
     // Warpgroup 1 handed the turn over after its last products too: take it, so that no
@@ -623,19 +622,39 @@ StatusOr<CUtensorMap> PanelMap(EncodeTiledFn encode, const void* base, int64_t c
   return map;
 }
 
-// The grid: with a work counter, persistent, a block per SM (one fits, by its shared
-// memory) and never more blocks than units; without, a block per unit.
-unsigned WgmmaBlocks(int64_t items, int64_t tile_slots, int sms, const int32_t* counter) {
-  const int64_t units = items * tile_slots;
-  return static_cast<unsigned>(
-      std::max<int64_t>(1, counter ? std::min<int64_t>(units, sms) : units));
-}
+// How a launch covers p's num_seqs * q_heads * tile_slots units.
+struct WgmmaGrid {
+  int64_t tile_slots = 1;
+  int32_t* counter = nullptr;  // p.work_counter where the persistent grid is used
+  unsigned blocks = 1;
+};
 
-// p.work_counter where the counter's 32 bits hold every take (each block's last one passes
-// the units by one, a skip by up to q_heads), else none.
-int32_t* WgmmaWorkCounter(const AttentionParams& p, int64_t tile_slots, int sms) {
-  const int64_t units = p.num_seqs * p.q_heads * tile_slots;
-  return units + sms + p.q_heads < std::numeric_limits<int32_t>::max() ? p.work_counter : nullptr;
+// tile_slots: for sequences of up to 16 tiles (on average) a quarter of their tiles a unit
+// (faster there than a unit a tile, persistent or not), for longer ones a tile a unit; at least
+// two units per SM; within [1, most_tiles], and grid.x bounds the units of a block per unit.
+// The persistent grid (a block per SM, one fits by its shared memory; never more blocks than
+// units) where it measured faster than a block per unit: one-tile sequences (the next unit
+// without a launch, its copies under the current one's output) and long ones (better
+// balance); at 2 to 16 tiles a block per unit stays faster. And only where the counter's 32
+// bits hold every take (each block's last passes the units by one, a skip by up to q_heads).
+WgmmaGrid PlanWgmmaGrid(const AttentionParams& p, int64_t most_tiles, int64_t average_tiles,
+                        int sms) {
+  const int64_t items = p.num_seqs * p.q_heads;
+  const int64_t per_unit = average_tiles > 16 ? 1 : 4;
+  const int64_t wanted = (average_tiles + per_unit - 1) / per_unit;
+  const int64_t fill = items > 0 ? (2 * int64_t{sms} + items - 1) / items : 1;
+  WgmmaGrid g;
+  g.tile_slots =
+      std::max<int64_t>(1, std::min({std::max(wanted, fill), most_tiles,
+                                     launch_checks::kMaxGridX / std::max<int64_t>(1, items)}));
+  const int64_t units = items * g.tile_slots;
+  const bool pays = average_tiles <= 1 || average_tiles > 16;
+  if (pays && units + sms + p.q_heads < std::numeric_limits<int32_t>::max()) {
+    g.counter = p.work_counter;
+  }
+  g.blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, g.counter != nullptr ? std::min<int64_t>(units, sms) : units));
+  return g;
 }
 
 }  // namespace
@@ -656,8 +675,9 @@ bool WgmmaAttentionSupports(int64_t head_dim) {
 #endif
 }
 
-Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tile_slots, int sms,
-                                  float scale_log2, cudaStream_t stream) {
+Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t most_tiles,
+                                  int64_t average_tiles, int sms, float scale_log2,
+                                  cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
   TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens,
                                                   p.q_row_stride, kBr, "AttentionParams.q"));
@@ -668,18 +688,17 @@ Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tile_slots, 
   constexpr int kSmem = kSmemBytes<false>;
   TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false, false>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  int32_t* counter = WgmmaWorkCounter(p, tile_slots, sms);
-  CausalAttentionWgmmaKernel<false, false>
-      <<<WgmmaBlocks(p.num_seqs * p.q_heads, tile_slots, sms, counter), kWgThreads, kSmem,
-         stream>>>(q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, nullptr,
-                   static_cast<int>(tile_slots), counter);
+  const WgmmaGrid g = PlanWgmmaGrid(p, most_tiles, average_tiles, sms);
+  CausalAttentionWgmmaKernel<false, false><<<g.blocks, kWgThreads, kSmem, stream>>>(
+      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, nullptr, static_cast<int>(g.tile_slots),
+      g.counter);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
 
 Status LaunchCausalAttentionWgmmaFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
-                                     int64_t tile_slots, int sms, float scale_log2,
-                                     cudaStream_t stream) {
+                                     int64_t most_tiles, int64_t average_tiles, int sms,
+                                     float scale_log2, cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
   const int64_t q_width = p.q_heads * kHeadDim, kv_width = p.kv_heads * kHeadDim;
   TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, in.q, q_width, p.tokens, q_width, kBr,
@@ -692,26 +711,12 @@ Status LaunchCausalAttentionWgmmaFp8(const AttentionParams& p, const Fp8Attentio
   constexpr int kSmem = kSmemBytes<true>;
   TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<false, true>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  int32_t* counter = WgmmaWorkCounter(p, tile_slots, sms);
-  CausalAttentionWgmmaKernel<false, true>
-      <<<WgmmaBlocks(p.num_seqs * p.q_heads, tile_slots, sms, counter), kWgThreads, kSmem,
-         stream>>>(q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, in.scales,
-                   static_cast<int>(tile_slots), counter);
+  const WgmmaGrid g = PlanWgmmaGrid(p, most_tiles, average_tiles, sms);
+  CausalAttentionWgmmaKernel<false, true><<<g.blocks, kWgThreads, kSmem, stream>>>(
+      q_map, k_map, v_map, p, WgmmaPagedKeys{}, scale_log2, in.scales,
+      static_cast<int>(g.tile_slots), g.counter);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
-}
-
-bool WgmmaPersistentPays(int64_t average_tiles) { return average_tiles <= 1 || average_tiles > 16; }
-
-int64_t WgmmaAttentionTileSlots(int64_t most_tiles, int64_t average_tiles, int64_t items, int sms) {
-  // Long sequences: a unit per tile, the best balance. Up to 16 tiles (on average): four
-  // tiles a unit, which is faster there than a unit a tile though the grid is persistent.
-  const int64_t per_block = average_tiles > 16 ? 1 : 4;
-  const int64_t wanted = (average_tiles + per_block - 1) / per_block;
-  const int64_t fill = items > 0 ? (2 * int64_t{sms} + items - 1) / items : 1;
-  // A block per unit without a work counter: grid.x bounds the units.
-  return std::max<int64_t>(1, std::min({std::max(wanted, fill), most_tiles,
-                                        launch_checks::kMaxGridX / std::max<int64_t>(1, items)}));
 }
 
 bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t cache_rows) {
@@ -720,7 +725,7 @@ bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t c
 }
 
 Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPagedKeys& pk,
-                                        int64_t tile_slots, int sms, float scale_log2,
+                                        int64_t most_tiles, int sms, float scale_log2,
                                         cudaStream_t stream) {
   TP_ASSIGN_OR_RETURN(EncodeTiledFn encode, EncodeTiled());
   TP_ASSIGN_OR_RETURN(CUtensorMap q_map, PanelMap(encode, p.q, p.q_heads * kHeadDim, p.tokens,
@@ -731,10 +736,11 @@ Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPag
   constexpr int kSmem = kSmemBytes<false>;
   TP_CUDA_CHECK(cudaFuncSetAttribute(CausalAttentionWgmmaKernel<true, false>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  // Never persistent (p carries no counter): a block per unit.
+  const WgmmaGrid g = PlanWgmmaGrid(p, most_tiles, most_tiles, sms);
   CausalAttentionWgmmaKernel<true, false>
-      <<<WgmmaBlocks(p.num_seqs * p.q_heads, tile_slots, sms, nullptr), kWgThreads, kSmem,
-         stream>>>(q_map, cache_map, cache_map, p, pk, scale_log2, nullptr,
-                   static_cast<int>(tile_slots), nullptr);
+      <<<g.blocks, kWgThreads, kSmem, stream>>>(q_map, cache_map, cache_map, p, pk, scale_log2,
+                                                nullptr, static_cast<int>(g.tile_slots), nullptr);
   TP_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

@@ -18,14 +18,16 @@ namespace tpserve {
 // capability 9.0, and head_dim is 128.
 bool WgmmaAttentionSupports(int64_t head_dim);
 
-// Launches the kernel over num_seqs * q_heads * tile_slots units: unit (y, sequence, head)
-// takes the sequence's query tiles num_tiles - 1 - y, then tile_slots fewer each time, and a
-// block copies its next tile in while it writes the current one. With p.work_counter the
-// grid is persistent (at most `sms` blocks, taking units from the counter, heaviest, i.e.
-// smallest y, first); without, a block per unit. `p` was validated by LaunchCausalAttention
-// and WgmmaAttentionSupports(p.head_dim) holds; tile_slots is in [1, 2^31 / items).
-Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t tile_slots, int sms,
-                                  float scale_log2, cudaStream_t stream);
+// Launches the kernel over num_seqs * q_heads * tile_slots units, tile_slots chosen from the
+// sequences' most and average query tiles: unit (y, sequence, head) takes the sequence's
+// query tiles num_tiles - 1 - y, then tile_slots fewer each time, and a block copies its next
+// tile in while it writes the current one. With p.work_counter, where the persistent grid
+// measured faster (one tile on average, or more than 16), at most `sms` blocks take units
+// from the counter, heaviest (smallest y) first; otherwise a block per unit. `p` was
+// validated by LaunchCausalAttention and WgmmaAttentionSupports(p.head_dim) holds.
+Status LaunchCausalAttentionWgmma(const AttentionParams& p, int64_t most_tiles,
+                                  int64_t average_tiles, int sms, float scale_log2,
+                                  cudaStream_t stream);
 
 // LaunchCausalAttention's checks of `p` (engine/attention.cu). reads_qkv: p.q, p.k and p.v
 // are read (their pointers and strides are checked); writes_out: the outputs are written
@@ -41,8 +43,8 @@ Status CheckFp8AttentionInputs(const AttentionParams& p, const Fp8AttentionInput
 // The E4M3 variant (engine/attention_fp8.h): `p` and `in` were validated by
 // LaunchCausalAttentionFp8; the grid as above.
 Status LaunchCausalAttentionWgmmaFp8(const AttentionParams& p, const Fp8AttentionInputs& in,
-                                     int64_t tile_slots, int sms, float scale_log2,
-                                     cudaStream_t stream);
+                                     int64_t most_tiles, int64_t average_tiles, int sms,
+                                     float scale_log2, cudaStream_t stream);
 
 // Where the paged variant finds keys and values (LaunchPagedPrefillAttention's sequences of
 // two or more query rows, BF16 cache): the cache viewed as rows of 128 BF16 in KvCacheLayout
@@ -68,22 +70,11 @@ bool WgmmaPagedAttentionSupports(int64_t head_dim, int64_t block_size, int64_t c
 
 // The paged variant: p holds q, q_row_stride, out (BF16), out_row_stride, cu_seqlens,
 // num_seqs (the listed sequences), tokens, q_heads, kv_heads and head_dim; checked by
-// LaunchPagedAttention, and WgmmaPagedAttentionSupports holds.
+// LaunchPagedAttention, and WgmmaPagedAttentionSupports holds. most_tiles: the longest
+// listed sequence's query tiles (a block per unit: never persistent).
 Status LaunchPagedPrefillAttentionWgmma(const AttentionParams& p, const WgmmaPagedKeys& pk,
-                                        int64_t tile_slots, int sms, float scale_log2,
+                                        int64_t most_tiles, int sms, float scale_log2,
                                         cudaStream_t stream);
-
-// tile_slots of those kernels: for sequences of up to 16 tiles (on average) a quarter of their
-// tiles a unit, for longer ones a tile a unit; at least two units per SM over `items`
-// (sequences x heads); within [1, most_tiles].
-int64_t WgmmaAttentionTileSlots(int64_t most_tiles, int64_t average_tiles, int64_t items, int sms);
-
-// Whether the persistent grid (AttentionParams::work_counter) is faster than a block per unit
-// for sequences of `average_tiles` query tiles: for one-tile sequences (taking the next unit
-// without a launch, its copies under the current one's output) and for long ones (better
-// balance); at 2 to 16 tiles a block per unit of four tiles was faster (the grid of
-// LaunchCausalAttention ignores the counter there).
-bool WgmmaPersistentPays(int64_t average_tiles);
 
 // Query rows per block of that kernel (the launcher's grid arithmetic).
 inline constexpr int64_t kWgmmaAttentionRows = 128;

@@ -168,10 +168,10 @@ struct AttentionParams {
   AttentionKernel kernel = AttentionKernel::kAuto;
   // Optional, read by the Hopper kernel (and its E4M3 variant) only: two int32 in device
   // memory, zero before the launch, which the kernel leaves zero again when it completes.
-  // With it, where it pays (sequences of one query tile or of more than 16, on average:
-  // WgmmaPersistentPays), the grid is persistent (a block per SM) and blocks take their
-  // (sequence, head, tiles) units from this counter, heaviest first, copying the next unit's
-  // first tiles in while they write the current one's output; otherwise a block per unit.
+  // With it, where it measured faster (sequences of one query tile or of more than 16, on
+  // average), the grid is persistent (a block per SM) and blocks take their (sequence, head,
+  // tiles) units from this counter, heaviest first, copying the next unit's first tiles in
+  // while they write the current one's output; otherwise a block per unit.
   // Either way the outputs are the same bits. One counter must not serve launches that can
   // run at the same time. 4-byte aligned.
   int32_t* work_counter = nullptr;
