@@ -216,8 +216,7 @@ PagedAttentionParams CudaModel::PagedParams(int64_t layer, int64_t m, int64_t se
 
 Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
                                         BFloat16* out, float* amax, uint8_t* out_fp8,
-                                        const float* out_fp8_scale, const RopeParams* rope,
-                                        const L2Prefetch& prefetch) {
+                                        const float* out_fp8_scale, const RopeParams* rope) {
   const int64_t hd = config_.head_dim(), nh_l = config_.num_attention_heads / tp_;
   PagedAttentionParams p = PagedParams(layer, m, seq_slots, qkv);
   p.out = out;
@@ -226,7 +225,6 @@ Status CudaModel::EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_sl
   p.out_fp8_row_stride = nh_l * hd;
   p.out_fp8_scale = out_fp8_scale;
   p.rope = rope;
-  p.l2_prefetch = prefetch;
   cudaStream_t st = stream_.get();
   TP_RETURN_IF_ERROR(LaunchPagedAttention(p, st));
   if (amax == nullptr) return Status::Ok();

@@ -55,7 +55,7 @@ StatusOr<CudaLinear*> CudaModel::LayerFor(const TpLayerShape& s, int64_t block, 
 }
 
 Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y,
-                            CudaLinear::SplitOutput* split, const L2Prefetch& after) {
+                            CudaLinear::SplitOutput* split) {
   const bool fp8 = dtype_ == DataType::kFloat8E4M3;
   const float* x_scale = !fp8 ? nullptr : w.fine() ? a_scales_.as<float>() : w.x_scale();
   const float* w_scale = !fp8 ? nullptr : w.fine() ? w.w_scales.as<float>() : w.w_scale();
@@ -68,26 +68,8 @@ Status CudaModel::RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void*
                                      std::to_string(m) + " has not run)");
     }
   }
-  if (split != nullptr) {
-    return layer.RunSplit(m, weight, x_scale, w_scale, y, stream_.get(), split, after);
-  }
-  return layer.Run(m, weight, x_scale, w_scale, y, stream_.get(), after);
-}
-
-L2Prefetch CudaModel::WeightPrefetch(const Linear& w, bool both_halves) const {
-  if (!stepping_ || !options_.decode_fusions.l2_prefetch || w.w.empty() || w.n <= 0) return {};
-  const uint64_t cap = l2_bytes_ / 2;
-  if (!both_halves) return L2PrefetchOf(w.w.data(), w.w.size(), cap);
-  // gate_up: the small-M kernel's first CTAs read the first rows of both halves.
-  const uint64_t row = w.w.size() / static_cast<uint64_t>(w.n);
-  const uint64_t half_rows = static_cast<uint64_t>(w.n) / 2;
-  const uint64_t rows = row == 0 ? 0 : std::min<uint64_t>(half_rows, cap / 2 / row);
-  L2Prefetch p;
-  if (rows == 0 || row % 16 != 0 || reinterpret_cast<uintptr_t>(w.w.data()) % 16 != 0) return p;
-  p.ptr[0] = w.w.data();
-  p.ptr[1] = static_cast<const char*>(w.w.data()) + half_rows * row;
-  p.bytes[0] = p.bytes[1] = rows * row;
-  return p;
+  if (split != nullptr) return layer.RunSplit(m, weight, x_scale, w_scale, y, stream_.get(), split);
+  return layer.Run(m, weight, x_scale, w_scale, y, stream_.get());
 }
 
 namespace {
@@ -273,8 +255,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
     TP_RETURN_IF_ERROR(EnqueuePagedAttention(
         l, m, seq_slots, qkv_y, out, fp8 && lw.o.dynamic ? amax_.as<float>() : nullptr,
         codes ? static_cast<uint8_t*>(o->input(m)) : nullptr, codes ? lw.o.x_scale() : nullptr,
-        rope_in_attention ? &rope : nullptr,
-        o->knobs().full_weight ? L2Prefetch{} : WeightPrefetch(lw.o, false)));
+        rope_in_attention ? &rope : nullptr));
   } else {
     AttentionParams at;
     at.q = qkv_y;
@@ -322,17 +303,15 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   Split o_out;
   // With the residual in the GEMM x already holds the sum: nothing is left for the norm to add.
   const bool into_x = ResidualInGemm();
-  TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, into_x ? x_.data() : o_out_.data(), &o_out,
-                               WeightPrefetch(lw.gate_up, /*both_halves=*/true)));
+  TP_RETURN_IF_ERROR(RunLinear(*o, lw.o, m, into_x ? x_.data() : o_out_.data(), &o_out));
   if (into_x) o_out = Split{};
   TP_RETURN_IF_ERROR(Mark("o"));
 
   TP_RETURN_IF_ERROR(AddNorm(o_out, lw.post_norm, *gate_up, lw.gate_up, m, rows));
   TP_RETURN_IF_ERROR(Mark("norm"));
   auto run_down = [&]() -> Status {
-    const bool last = l + 1 == static_cast<int64_t>(layers_.size());
-    TP_RETURN_IF_ERROR(RunLinear(*down, lw.down, m, into_x ? x_.data() : down_out_.data(), &pending,
-                                 last ? L2Prefetch{} : WeightPrefetch(layers_[l + 1].qkv, false)));
+    TP_RETURN_IF_ERROR(
+        RunLinear(*down, lw.down, m, into_x ? x_.data() : down_out_.data(), &pending));
     if (into_x) pending = Split{};
     return Mark("down");
   };

@@ -145,11 +145,6 @@ struct CudaModelOptions {
     // kernel (at most 8 rows): SwiGLU in that GEMM's epilogue (CudaLinear::RunSwiGlu), writing
     // down's E4M3 input; off: the GEMM writes BF16, then the SwiGLU pass.
     bool swiglu_in_gemm = true;
-    // Decode steps ask the next GEMM's weight into L2 while HBM would otherwise idle
-    // (layers/l2_prefetch.h): the attention kernel o's weight; o's small-M GEMM, as its CTAs
-    // finish, gate_up's first rows; down's, the next block's qkv weight. Each at most half
-    // of the L2. Results are the same either way; off: no hints.
-    bool l2_prefetch = true;
   };
   DecodeFusions decode_fusions;
 };
@@ -303,8 +298,7 @@ class CudaModel {
   // (needs out) the output's absolute maximum into *amax (dynamic FP8 input scales).
   Status EnqueuePagedAttention(int64_t layer, int64_t m, int64_t seq_slots, BFloat16* qkv,
                                BFloat16* out, float* amax, uint8_t* out_fp8,
-                               const float* out_fp8_scale, const RopeParams* rope,
-                               const L2Prefetch& prefetch = {});
+                               const float* out_fp8_scale, const RopeParams* rope);
   // Enqueue's head while stepping_, after the logits' AllGather: a token for each slot,
   // sampled from its FP32 logits (logits_all_ itself at tp 1; the ranks' vocabulary slices
   // interleaved into one row per slot first otherwise).
@@ -338,10 +332,7 @@ class CudaModel {
   // `split` (row-parallel layers): CudaLinear::RunSplit, the output left in two addends
   // where the layer's plan allows it.
   Status RunLinear(CudaLinear& layer, const Linear& w, int64_t m, void* y,
-                   CudaLinear::SplitOutput* split = nullptr, const L2Prefetch& after = {});
-  // DecodeFusions::l2_prefetch's hints (empty when it is off or outside a step): a layer's
-  // whole weight, or (gate_up) the first rows of both its halves, at most half of the L2.
-  L2Prefetch WeightPrefetch(const Linear& w, bool both_halves) const;
+                   CudaLinear::SplitOutput* split = nullptr);
   // Plans what bucket m needs (layers, GEMMs); allocates on first use.
   Status PrepareBucket(int64_t m, int64_t seq_slots);
   // Enqueues the forward pass of bucket m on stream_: no allocation, no
@@ -402,7 +393,6 @@ class CudaModel {
   // AttentionParams::work_counter of the prefill attention launches (zeroed once; each
   // launch leaves it zero), one at a time on the model's stream.
   DeviceBuffer attn_counter_;
-  uint64_t l2_bytes_ = 0;  // the device's L2 (WeightPrefetch's budget is half of it)
   // The pass's host side, pinned: the batch going up and the error flag coming back in
   // upload_host_ (host_upload()); the logits in logits_host_ (FP32 [max_seqs + 1, vocab]).
   PinnedHostBuffer upload_host_, logits_host_;

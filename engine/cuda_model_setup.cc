@@ -119,12 +119,6 @@ Status CudaModel::AllocateActivations() {
   TP_ASSIGN_OR_RETURN(error_flag_, Alloc(4, "error_flag"));
   TP_ASSIGN_OR_RETURN(attn_counter_, Alloc(8, "attention_work_counter"));
   TP_CUDA_CHECK(cudaMemset(attn_counter_.data(), 0, attn_counter_.size()));
-  {
-    int device = 0, l2 = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
-    l2_bytes_ = static_cast<uint64_t>(l2);
-  }
   TP_ASSIGN_OR_RETURN(x_, Alloc(rows * h * 2, "residual"));
   if (!ResidualInGemm()) {  // else o and down write into x_
     TP_ASSIGN_OR_RETURN(o_out_, Alloc(rows * h * 2, "o_out"));

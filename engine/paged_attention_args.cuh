@@ -10,7 +10,6 @@
 #include "comm/dtype.h"
 #include "engine/device_math.cuh"
 #include "layers/fp8_divide.cuh"
-#include "layers/l2_prefetch.cuh"
 
 namespace tpserve::paged_attn {
 
@@ -74,7 +73,6 @@ struct AttnArgs {
   const int32_t* rope_slots;
   int64_t num_slots;  // num_blocks * block_size
   void* rope_cache;
-  L2Prefetch l2_prefetch;  // PagedAttentionParams::l2_prefetch: the decode kernel issues it
 };
 
 // The query rows of sequence s, clamped: [*begin, *begin + *n), and its context length.

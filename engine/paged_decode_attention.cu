@@ -113,11 +113,6 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
   // of keys written before this step are read before the PDL wait (see AttnArgs); otherwise
   // nothing is read before it.
   bool waited = !a.context_constant;
-  if (threadIdx.x == 0 && !a.l2_prefetch.empty()) {  // the next kernel's bytes, a CTA's share
-    const uint64_t cta =
-        blockIdx.x + uint64_t{gridDim.x} * (blockIdx.y + uint64_t{gridDim.y} * blockIdx.z);
-    IssueL2Prefetch(a.l2_prefetch, cta, uint64_t{gridDim.x} * gridDim.y * gridDim.z);
-  }
   if (waited) PdlEnter();
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

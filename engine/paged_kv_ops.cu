@@ -459,7 +459,6 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   if (p.max_context < 0) return BadField(kP, "max_context", p.max_context, "must be >= 0");
   if (p.splits < 0) return BadField(kP, "splits", p.splits, "must be >= 0");
   TP_RETURN_IF_ERROR(CheckKvScales(p.scales, std::string(kP) + ".scales"));
-  TP_RETURN_IF_ERROR(CheckL2Prefetch(p.l2_prefetch, std::string(kP) + ".l2_prefetch"));
   if (p.out == nullptr && p.out_fp8 == nullptr) {
     return InvalidArgumentError(std::string(kP) + ": out and out_fp8 are both null");
   }
@@ -564,7 +563,6 @@ Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) 
   a.rope_slots = rope != nullptr ? rope->kv_store->slot_mapping : nullptr;
   a.num_slots = p.layout.num_blocks * p.layout.block_size;
   a.rope_cache = rope != nullptr ? rope->kv_store->cache : nullptr;
-  a.l2_prefetch = p.l2_prefetch;
   a.block_shift = -1;
   for (int sh = 0; sh < 31; ++sh) {
     if ((int64_t{1} << sh) == p.layout.block_size) a.block_shift = sh;

@@ -23,7 +23,6 @@
 #include "comm/dtype.h"
 #include "comm/status.h"
 #include "engine/kv_cache.h"
-#include "layers/l2_prefetch.h"
 
 namespace tpserve {
 
@@ -161,12 +160,6 @@ struct PagedAttentionParams {
   // otherwise). With context_constant, rope->positions and kv_store->slot_mapping count among
   // the step's metadata (read before the wait).
   const RopeParams* rope = nullptr;
-  // Optional hint (layers/l2_prefetch.h), for a launch the decode kernel takes (one query row
-  // per sequence): its CTAs ask these bytes into L2 as they start (before the PDL wait), so
-  // that the kernel after attention (a decode step's o GEMM) finds its weight there. Other
-  // kernels ignore it; results are the same either way. Each used range 16-byte aligned, a
-  // multiple of 16 bytes (INVALID_ARGUMENT naming the range otherwise).
-  L2Prefetch l2_prefetch;
 };
 Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream);
 

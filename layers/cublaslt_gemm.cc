@@ -231,7 +231,6 @@ Status ValidateGemmParams(const GemmParams& p) {
   if (p.batch < 1) {
     return InvalidArgumentError("GemmParams.batch = " + Str(p.batch) + ": must be >= 1");
   }
-  TP_RETURN_IF_ERROR(CheckL2Prefetch(p.l2_after, "GemmParams.l2_after"));
 
   const bool fp8 = IsFp8Gemm(p);
   const bool bf16 = p.a_type == DataType::kBFloat16 && p.b_type == DataType::kBFloat16;

@@ -59,7 +59,6 @@
 
 #include "comm/dtype.h"
 #include "comm/status.h"
-#include "layers/l2_prefetch.h"
 #include "layers/scale_scheme.h"
 
 namespace tpserve {
@@ -122,12 +121,6 @@ struct GemmParams {
   // the small-M kernel (layers/small_m_gemm.h) stream B while the kernel ahead of it still
   // runs (programmatic dependent launch). Not part of the plan key; cuBLASLt ignores it.
   bool b_constant = false;
-
-  // Where the small-M kernel's CTAs, each once its own weight bytes are loaded, ask the bytes
-  // that the next kernels will read into L2 (layers/l2_prefetch.h; a decode step: the next
-  // GEMM's weight). A hint: results are the same with it. Not part of the plan key; cuBLASLt
-  // ignores it.
-  L2Prefetch l2_after;
 };
 
 // Floats that a_scale / b_scale must hold for p.scale_scheme (1, m or k/128*m for A; 1, n or

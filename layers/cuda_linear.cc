@@ -538,17 +538,16 @@ Status EnqueueNcclStep(const CudaLinear::Impl& im, const CommCall& c, const Reso
 }  // namespace
 
 Status CudaLinear::Run(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                       void* y, cudaStream_t stream, const L2Prefetch& after) {
-  return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kAll, nullptr, after);
+                       void* y, cudaStream_t stream) {
+  return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kAll);
 }
 
 Status CudaLinear::RunSplit(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                            void* y, cudaStream_t stream, SplitOutput* split,
-                            const L2Prefetch& after) {
+                            void* y, cudaStream_t stream, SplitOutput* split) {
   if (split == nullptr) {
     return InvalidArgumentError("layer " + name_ + ": RunSplit needs a SplitOutput");
   }
-  return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kAll, split, after);
+  return Enqueue(m, w, x_scale, w_scale, y, stream, Steps::kAll, split);
 }
 
 Status CudaLinear::RunGemmOnly(int64_t m, const void* w, const float* x_scale, const float* w_scale,
@@ -589,8 +588,7 @@ bool CudaLinear::CanRunSwiGlu(int64_t m) const {
 }
 
 Status CudaLinear::RunSwiGlu(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                             uint8_t* out, const float* out_scale, cudaStream_t stream,
-                             const L2Prefetch& after) {
+                             uint8_t* out, const float* out_scale, cudaStream_t stream) {
   if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
   const GemmCall* call = SoleSmallMCall(*impl_, tp_, m);
   if (call == nullptr) {
@@ -603,15 +601,13 @@ Status CudaLinear::RunSwiGlu(int64_t m, const void* w, const float* x_scale, con
   GemmParams p = ResolveGemmParams(call->params);
   p.a_scale = x_scale;
   p.b_scale = w_scale;
-  p.l2_after = after;
   return LaunchSmallMGemmSwiGlu(p, ResolveRef(*impl_, nullptr, call->a), w, out, p.n / 2, out_scale,
                                 stream)
       .WithContext("layer " + name_);
 }
 
 Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                           void* y, cudaStream_t stream, Steps steps, SplitOutput* split,
-                           const L2Prefetch& after) {
+                           void* y, cudaStream_t stream, Steps steps, SplitOutput* split) {
   const bool with_comm = steps != Steps::kGemm;
   const bool with_gemm = steps != Steps::kComm;
   if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
@@ -690,11 +686,6 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
   TP_RETURN_IF_ERROR(im.fork.Record(stream));
   TP_RETURN_IF_ERROR(im.fork.WaitOn(side));
   if (prep.uses_copy_stream) TP_RETURN_IF_ERROR(im.fork.WaitOn(copies));
-  // The hint rides on the plan's last GEMM call.
-  const GemmCall* last_gemm = nullptr;
-  for (const PreparedStep& ps : prep.steps) {
-    if (ps.is_gemm && !ps.gemms.empty()) last_gemm = &ps.gemms.back();
-  }
   for (size_t i = 0; i < prep.steps.size(); ++i) {
     if (static_cast<int>(i) == skip) continue;
     const PreparedStep& ps = prep.steps[i];
@@ -710,9 +701,7 @@ Status CudaLinear::Enqueue(int64_t m, const void* w, const float* x_scale, const
     if (ps.is_gemm) {
       for (const GemmCall& call : ps.gemms) {
         if (!with_gemm) break;
-        GemmParams gp = params_of(call);
-        if (&call == last_gemm) gp.l2_after = after;
-        TP_RETURN_IF_ERROR(im.gemm.Run(gp, resolve(call.a),
+        TP_RETURN_IF_ERROR(im.gemm.Run(params_of(call), resolve(call.a),
                                        static_cast<const char*>(w) + call.b_offset, resolve(call.c),
                                        resolve(call.d), s));
       }

@@ -38,7 +38,6 @@
 #include "comm/cuda_resources.h"
 #include "comm/nccl_communicator.h"
 #include "layers/cublaslt_gemm.h"
-#include "layers/l2_prefetch.h"
 #include "layers/linear_knobs.h"
 #include "layers/overlap_plan.h"
 
@@ -103,10 +102,8 @@ class CudaLinear {
 
   // Enqueues the layer on `stream`. FAILED_PRECONDITION if Prepare(m) has not
   // run; INVALID_ARGUMENT for m out of range or a missing pointer.
-  // `after`: a hint for the layer's last GEMM (GemmParams::l2_after: the small-M kernel asks
-  // those bytes into L2 as its CTAs finish; other GEMMs ignore it). Results are the same.
   Status Run(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
-             cudaStream_t stream, const L2Prefetch& after = {});
+             cudaStream_t stream);
 
   // A GEMM+RS output left as two addends: this rank's output is bf16(first + second)
   // elementwise (the FP32 sum rounded once, as the layer's own sum kernel adds them, except
@@ -125,7 +122,7 @@ class CudaLinear {
   // anyway (the engine's add & norm), instead of a pass that reads both and writes y. Any
   // other plan runs as Run does and answers {y, nullptr}. `split` is required.
   Status RunSplit(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
-                  cudaStream_t stream, SplitOutput* split, const L2Prefetch& after = {});
+                  cudaStream_t stream, SplitOutput* split);
 
   // Llama's gate_up layer (its output's halves are gate and up) with SwiGLU in its GEMM's
   // epilogue (layers/small_m_gemm.h: LaunchSmallMGemmSwiGlu): `out` [m, n/2] gets the E4M3
@@ -135,8 +132,7 @@ class CudaLinear {
   // FAILED_PRECONDITION otherwise, with nothing enqueued.
   bool CanRunSwiGlu(int64_t m) const;
   Status RunSwiGlu(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                   uint8_t* out, const float* out_scale, cudaStream_t stream,
-                   const L2Prefetch& after = {});
+                   uint8_t* out, const float* out_scale, cudaStream_t stream);
 
   // For benchmarks: enqueue only the GEMM steps (skip communication), to
   // measure the GEMM's cost inside the layer.
@@ -172,8 +168,7 @@ class CudaLinear {
   CudaLinear() = default;
   enum class Steps { kAll, kGemm, kComm };
   Status Enqueue(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
-                 cudaStream_t stream, Steps steps, SplitOutput* split = nullptr,
-                 const L2Prefetch& after = {});
+                 cudaStream_t stream, Steps steps, SplitOutput* split = nullptr);
 
   std::string name_;
   CudaLinearShape shape_;

@@ -8,7 +8,6 @@
 #include <string>
 
 #include "layers/fp8_divide.cuh"
-#include "layers/l2_prefetch.cuh"
 #include "layers/pdl.cuh"
 #include "layers/silu.cuh"
 
@@ -16,11 +15,9 @@ namespace tpserve {
 namespace {
 
 // 16 warps of a CTA share k (more warps a row tile beat more unrolling or more row tiles a CTA
-// on llama3-8b's four shapes), each keeping two groups of kUnroll steps' loads in flight. One
-// step a group keeps the kernel within 64 registers, two CTAs an SM (two steps a group took
-// 76: one CTA an SM, and o's and down's 256 CTAs in two waves).
+// on llama3-8b's four shapes), each issuing the loads of kUnroll steps together.
 constexpr int kWarps = 16;
-constexpr int kUnroll = 1;
+constexpr int kUnroll = 2;
 constexpr int kRows = 16;    // weight rows (output columns) of a CTA: one m16 tile
 constexpr int kBlockK = 64;  // columns of one step: two m16n8k32 MMAs
 
@@ -34,8 +31,7 @@ struct SmallMArgs {
   int m;
   int64_t n, k, lda, ldb, ldc, ldd;
   float alpha, beta;
-  bool b_constant;      // GemmParams::b_constant: B may be read before the PDL wait
-  L2Prefetch l2_after;  // GemmParams::l2_after
+  bool b_constant;  // GemmParams::b_constant: B may be read before the PDL wait
   // LaunchSmallMGemmSwiGlu: E4M3 codes of silu(gate) * up, [m, n / 2] with row pitch ldo.
   uint8_t* swiglu_out;
   int64_t ldo;
@@ -65,10 +61,9 @@ __device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a
 // 16 + 4t .. 16 + 4t + 3 (a2/a3, b1), so both operands see the block's columns in the same
 // order and each is multiplied with its own partner.
 //
-// With a constant B each warp loads its first two groups of kUnroll weight blocks before the
-// PDL wait, so a GEMM whose CTAs are resident while the kernel ahead of it runs (a norm,
-// attention: short, latency-bound kernels at decode sizes) has them in registers when that
-// kernel ends.
+// With a constant B each warp loads its first kUnroll weight blocks before the PDL wait, so a
+// GEMM whose CTAs are resident while the kernel ahead of it runs (a norm, attention, SwiGLU:
+// short, latency-bound kernels at decode sizes) has them in registers when that kernel ends.
 //
 // kSwiGlu: B's rows are gate rows [0, n/2) and up rows [n/2, n); CTA c takes gate rows
 // 8c .. 8c + 7 as its MMA rows 0-7 and the up rows of the same columns as rows 8-15, so that
@@ -108,31 +103,20 @@ __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
       hi[u] = LoadStream(w_hi + (kb + u) * kBlockK);
     }
   };
-  // Two groups of kUnroll blocks in flight a warp: the next group's loads are issued before
-  // the current group's MMAs wait for theirs (asm volatile keeps that order), alternating
-  // between two register sets, so the stream never drains to one group at a time.
-  uint4 a_lo[kUnroll], a_hi[kUnroll], b_lo[kUnroll], b_hi[kUnroll];
-  auto issue = [&](uint4(&lo)[kUnroll], uint4(&hi)[kUnroll], int64_t at) {
-    if (at + kUnroll <= last) load(lo, hi, at);
-  };
   int64_t kb = first;
-  if (p.b_constant) {
-    issue(a_lo, a_hi, kb);
-    issue(b_lo, b_hi, kb + kUnroll);
-  }
-  PdlEnter();
-  if (!p.b_constant) {
-    issue(a_lo, a_hi, kb);
-    issue(b_lo, b_hi, kb + kUnroll);
-  }
-  while (kb + kUnroll <= last) {
-    multiply(a_lo, a_hi, kb);
+  if (p.b_constant && first + kUnroll <= last) {
+    uint4 lo[kUnroll], hi[kUnroll];
+    load(lo, hi, kb);
+    PdlEnter();
+    multiply(lo, hi, kb);
     kb += kUnroll;
-    issue(a_lo, a_hi, kb + kUnroll);
-    if (kb + kUnroll > last) break;
-    multiply(b_lo, b_hi, kb);
-    kb += kUnroll;
-    issue(b_lo, b_hi, kb + kUnroll);
+  } else {
+    PdlEnter();
+  }
+  for (; kb + kUnroll <= last; kb += kUnroll) {
+    uint4 lo[kUnroll], hi[kUnroll];
+    load(lo, hi, kb);
+    multiply(lo, hi, kb);
   }
   for (; kb < last; ++kb) {
     const uint4 lo = LoadStream(w_lo + kb * kBlockK);
@@ -145,11 +129,6 @@ __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
   __syncthreads();
-  // Every weight byte of this CTA has arrived: its share of the hint goes out from a warp
-  // that has nothing left to do.
-  if (warp == 1 && lane == 0 && !p.l2_after.empty()) {
-    IssueL2Prefetch(p.l2_after, blockIdx.x, gridDim.x);
-  }
   if (warp != 0) return;
   float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -216,7 +195,6 @@ SmallMArgs MakeArgs(const GemmParams& p, const void* a, const void* b, const voi
   args.alpha = p.alpha;
   args.beta = p.beta;
   args.b_constant = p.b_constant;
-  args.l2_after = p.l2_after;
   args.swiglu_out = nullptr;
   args.ldo = 0;
   args.swiglu_scale = nullptr;
@@ -240,7 +218,6 @@ Status Launch(const SmallMArgs& args, bool swiglu, cudaStream_t stream) {
 Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
                         cudaStream_t stream) {
   if (!SmallMGemmFits(p)) return InvalidArgumentError("small-m GEMM: the params do not fit");
-  TP_RETURN_IF_ERROR(CheckL2Prefetch(p.l2_after, "small-m GEMM: GemmParams.l2_after"));
   return Launch(MakeArgs(p, a, b, c, d), /*swiglu=*/false, stream);
 }
 
@@ -265,7 +242,6 @@ Status LaunchSmallMGemmSwiGlu(const GemmParams& p, const void* a, const void* b,
     return InvalidArgumentError("small-m GEMM with SwiGLU: ldo (" + std::to_string(ldo) +
                                 ") must be >= n / 2 (" + std::to_string(p.n / 2) + ")");
   }
-  TP_RETURN_IF_ERROR(CheckL2Prefetch(p.l2_after, "small-m GEMM with SwiGLU: GemmParams.l2_after"));
   SmallMArgs args = MakeArgs(p, a, b, nullptr, nullptr);
   args.swiglu_out = out;
   args.ldo = ldo;

@@ -9,10 +9,9 @@
 // feeds them to two FP8 tensor-core MMAs (m16n8k32: the 16 weight rows as A, up to 8 tokens
 // as B's columns), reading the columns of a 64-column block in an order of its own that is the
 // same for both operands, so the sums are the dot products. The warps' partial sums meet in
-// shared memory; one warp scales them, adds C and stores BF16. Each warp keeps two groups of
-// loads in flight. With GemmParams::b_constant the weight's first bytes are loaded before the
-// kernel waits for the one ahead of it in the stream; with GemmParams::l2_after each CTA, once
-// its weight bytes have arrived, asks its share of those ranges into L2.
+// shared memory; one warp scales them, adds C and stores BF16. With GemmParams::b_constant the
+// weight's first bytes are loaded, and the rest asked into L2, before the kernel waits for the
+// one ahead of it in the stream.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -474,14 +474,8 @@ void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
 // Both with B read after the launch dependency resolves and with B declared constant (read
 // before it), k from one block (some warps with none, none with a first group to load early)
 // to 224 blocks (14 a warp: an early group, then the loop).
-//
-// With B constant the GEMM also carries an L2 prefetch hint (GemmParams::l2_after) over two
-// ranges of another buffer: the results are the same.
 TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("small_m"));
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer hint, DeviceBuffer::Allocate(3 << 20, "hint"));
-  // k = 4096: 4 blocks a warp, two groups; k = 14336: 14 a warp, seven groups (an odd count
-  // ends on the first register set); k = 192: no warp has a whole group.
   for (int64_t m : {1, 2, 3, 5, 8}) {
     for (const Shape& s :
          {Shape{m, 16, 64}, Shape{m, 1040, 4096}, Shape{m, 4096, 14336}, Shape{m, 96, 192}}) {
@@ -493,12 +487,6 @@ TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
         p.n = s.n;
         p.k = s.k;
         p.b_constant = constant;
-        if (constant) {
-          p.l2_after.ptr[0] = hint.data();
-          p.l2_after.bytes[0] = 1 << 20;
-          p.l2_after.ptr[1] = hint.as<char>() + (2 << 20) + 16;
-          p.l2_after.bytes[1] = (1 << 20) - 32;
-        }
         TP_ASSERT_OK(gemm.Prepare(p));
         CheckFp8Bf16Gemm(gemm, p, static_cast<uint32_t>(s.m * 13 + s.n + s.k), stream());
         p.lda = s.k + 32;
@@ -523,27 +511,6 @@ TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
 
 TEST_F(GpuTest, Fp8GemmAccumulatesCWithBetaOutOfPlaceAndInPlace) {
   CheckFp8AccumulatesC(stream(), 256);
-}
-
-TEST(GemmParamsTest, AnL2PrefetchHintMustBeAlignedWholeUnits) {
-  alignas(16) static char bytes[64];
-  GemmParams p;
-  p.m = 1;
-  p.n = 16;
-  p.k = 64;
-  p.l2_after.ptr[0] = bytes;
-  p.l2_after.bytes[0] = 24;
-  Status s = ValidateGemmParams(p);
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
-  EXPECT_NE(s.message().find("GemmParams.l2_after.bytes[0] = 24"), std::string::npos)
-      << s.ToString();
-  p.l2_after.bytes[0] = 32;
-  EXPECT_TRUE(ValidateGemmParams(p).ok());
-  p.l2_after.ptr[0] = bytes + 1;
-  s = ValidateGemmParams(p);
-  EXPECT_NE(s.message().find("GemmParams.l2_after.ptr[0] must be 16-byte aligned"),
-            std::string::npos)
-      << s.ToString();
 }
 
 TEST(GemmAlgoSelectionTest, ParsesItsTwoNamesAndRejectsOthersNamingThem) {

@@ -508,16 +508,9 @@ void CheckPagedAttention(cudaStream_t stream, const PagedCase& c, uint32_t seed)
                           (decode_kernel ? ", decode kernel)" : ")"));
 
   // context_constant moves the decode kernel's loads of earlier keys before its PDL wait; what
-  // it computes stays the same, bit for bit (no kernel runs ahead here: the order is all). So
-  // does an L2 prefetch hint, here over two ranges (the decode kernel issues it; the others
-  // ignore it).
+  // it computes stays the same, bit for bit (no kernel runs ahead here: the order is all).
   PagedAttentionParams early = p;
   early.context_constant = true;
-  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_hint, DeviceBuffer::Allocate((1 << 20) + 64, "hint"));
-  early.l2_prefetch.ptr[0] = d_hint.data();
-  early.l2_prefetch.bytes[0] = 1 << 19;
-  early.l2_prefetch.ptr[1] = d_hint.as<char>() + (1 << 19) + 48;
-  early.l2_prefetch.bytes[1] = (1 << 19) - 16;
   TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer d_early,
                           PoisonedBuffer(DataType::kBFloat16, out_elems, "early", stream));
   early.out = d_early.as<BFloat16>();
@@ -1329,13 +1322,6 @@ TEST_F(GpuGenerationOpsTest, LaunchersRejectBadArguments) {
     EXPECT_NE(bad.message().find("scales"), std::string::npos) << bad.ToString();
   }
   p.scales.v = 1.0f;
-  p.l2_prefetch.bytes[0] = 32;  // a hint without its pointer
-  bad = LaunchPagedAttention(p, nullptr);
-  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
-  EXPECT_NE(bad.message().find("PagedAttentionParams.l2_prefetch.ptr[0] is null"),
-            std::string::npos)
-      << bad.ToString();
-  p.l2_prefetch = L2Prefetch{};
 
   PagedKvWriteParams w;
   w.layout = KvCacheLayout{1, 4, 16, 2, 60, KvCacheDtype::kFloat8E4M3};
