@@ -1166,6 +1166,164 @@ TEST_F(GpuGenerationOpsTest, SmallMGemmSwiGluRefusesWhatItCannotRun) {
   refused(packed, 16, scale, "lda and ldb");
 }
 
+// The RMSNorm in the small-M GEMM's prologue (layers/small_m_gemm.h: SmallMNorm) against the
+// norm pass writing the E4M3 input and then the GEMM, as a decode step ran them: the BF16
+// output (and with SwiGLU, the E4M3 codes) the same bit for bit. Row lengths whose norm block
+// is 1, 2, 8 and 16 warps (k = 64, 512, 4096, 8192: one to sixteen rows a pass), 1 to 8 rows,
+// x read with a row pitch beyond k, an input scale that saturates some codes.
+TEST_F(GpuGenerationOpsTest, SmallMGemmNormEqualsNormThenGemm) {
+  TP_SKIP_WITHOUT_GPU();
+  struct Shape {
+    int64_t n, k;
+  };
+  // The normalised rows are uniform in +-1.73 and the norm weight in +-2: 448 x 0.006 = 2.69
+  // saturates about 2.6 % of the codes.
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a_scale, Upload(std::vector<float>{0.006f}, "a_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b_scale, Upload(std::vector<float>{0.03f}, "b_scale"));
+  TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer out_scale, Upload(std::vector<float>{0.25f}, "out_scale"));
+  constexpr float kEps = 1e-5f;
+  for (const Shape s :
+       {Shape{32, 64}, Shape{1040, 512}, Shape{6144, 4096}, Shape{28672, 4096}, Shape{256, 8192}}) {
+    for (const int64_t m : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{8}}) {
+      const std::string what =
+          "m=" + std::to_string(m) + " n=" + std::to_string(s.n) + " k=" + std::to_string(s.k);
+      GemmParams p;
+      p.m = m;
+      p.n = s.n;
+      p.k = s.k;
+      p.lda = p.k;
+      p.ldb = p.k;
+      p.ldc = p.ldd = p.n;
+      p.a_scale = a_scale.as<float>();
+      p.b_scale = b_scale.as<float>();
+      p.b_constant = true;
+      ASSERT_TRUE(SmallMGemmFits(p)) << what;
+      if (!SmallMNormFits(p)) {
+        // Only k = 8192 at 8 rows outgrows the prologue's shared memory.
+        EXPECT_TRUE(s.k == 8192 && m == 8) << what;
+        continue;
+      }
+      const int64_t ldx = s.k + 24;
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer x_pitched, DeviceBuffer::Allocate(m * ldx * 2, "x"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer x, DeviceBuffer::Allocate(m * s.k * 2, "x packed"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer weight, DeviceBuffer::Allocate(s.k * 2, "weight"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer b, DeviceBuffer::Allocate(s.n * s.k, "b"));
+      TP_ASSERT_OK(LaunchRandomUniform(x_pitched.data(), DataType::kBFloat16,
+                                       static_cast<size_t>(m * ldx), 91 + m, 3.0f, stream()));
+      TP_ASSERT_OK(LaunchRandomUniform(weight.data(), DataType::kBFloat16, static_cast<size_t>(s.k),
+                                       92, 2.0f, stream()));
+      TP_ASSERT_OK(LaunchRandomUniform(b.data(), DataType::kFloat8E4M3,
+                                       static_cast<size_t>(s.n * s.k), 93, 4.0f, stream()));
+      TP_CUDA_CHECK_FOR_TEST(cudaMemcpy2DAsync(x.data(), s.k * 2, x_pitched.data(), ldx * 2,
+                                               s.k * 2, m, cudaMemcpyDeviceToDevice, stream()));
+      // b_constant promises B held its values before any kernel ahead started: filled first.
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer a, DeviceBuffer::Allocate(m * s.k, "a"));
+      RmsNormParams norm;
+      norm.input = x.as<BFloat16>();
+      norm.weight = weight.as<BFloat16>();
+      norm.out_fp8 = a.as<uint8_t>();
+      norm.out_fp8_scale = a_scale.as<float>();
+      norm.rows = m;
+      norm.dim = s.k;
+      norm.eps = kEps;
+      TP_ASSERT_OK(LaunchRmsNorm(norm, stream()));
+      SmallMNorm fused;
+      fused.x = x_pitched.data();
+      fused.weight = weight.data();
+      fused.ldx = ldx;
+      fused.eps = kEps;
+      const int64_t inter = s.n / 2;
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer want_d, DeviceBuffer::Allocate(m * s.n * 2, "want"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer got_d, DeviceBuffer::Allocate(m * s.n * 2, "got"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer want_sw, DeviceBuffer::Allocate(m * inter, "want sw"));
+      TP_ASSERT_OK_AND_ASSIGN(DeviceBuffer got_sw, DeviceBuffer::Allocate(m * inter, "got sw"));
+      TP_ASSERT_OK(LaunchSmallMGemm(p, a.data(), b.data(), nullptr, want_d.data(), stream()));
+      TP_ASSERT_OK(LaunchSmallMGemm(p, nullptr, b.data(), nullptr, got_d.data(), stream(), &fused));
+      TP_ASSERT_OK(LaunchSmallMGemmSwiGlu(p, a.data(), b.data(), want_sw.as<uint8_t>(), inter,
+                                          out_scale.as<float>(), stream()));
+      TP_ASSERT_OK(LaunchSmallMGemmSwiGlu(p, nullptr, b.data(), got_sw.as<uint8_t>(), inter,
+                                          out_scale.as<float>(), stream(), &fused));
+      TP_CUDA_CHECK_FOR_TEST(cudaStreamSynchronize(stream()));
+      TP_ASSERT_OK_AND_ASSIGN(auto codes, Download<uint8_t>(a.data(), m * s.k));
+      size_t saturated = 0, zero = 0;
+      for (const uint8_t c : codes) {
+        saturated += (c & 0x7F) == 0x7E;
+        zero += (c & 0x7F) == 0;
+      }
+      // A case that exercises the codes: most nonzero, a few at E4M3's largest.
+      EXPECT_LT(zero, codes.size() / 8) << what;
+      if (s.k >= 512) {
+        EXPECT_GT(saturated, 0u) << what;
+      }
+      TP_ASSERT_OK_AND_ASSIGN(auto wd, Download<uint16_t>(want_d.data(), m * s.n));
+      TP_ASSERT_OK_AND_ASSIGN(auto gd, Download<uint16_t>(got_d.data(), m * s.n));
+      size_t differ = 0;
+      for (size_t i = 0; i < wd.size(); ++i) {
+        if (wd[i] != gd[i] && ++differ <= 5) {
+          ADD_FAILURE() << what << ": D element " << i << " bits " << gd[i] << ", want " << wd[i];
+        }
+      }
+      EXPECT_EQ(differ, 0u) << what;
+      TP_ASSERT_OK_AND_ASSIGN(auto ws, Download<uint8_t>(want_sw.data(), m * inter));
+      TP_ASSERT_OK_AND_ASSIGN(auto gs, Download<uint8_t>(got_sw.data(), m * inter));
+      differ = 0;
+      for (size_t i = 0; i < ws.size(); ++i) {
+        if (ws[i] != gs[i] && ++differ <= 5) {
+          ADD_FAILURE() << what << ": SwiGLU code " << i << " " << int{gs[i]} << ", want "
+                        << int{ws[i]};
+        }
+      }
+      EXPECT_EQ(differ, 0u) << what;
+    }
+  }
+}
+
+TEST_F(GpuGenerationOpsTest, SmallMGemmNormRefusesWhatItCannotRun) {
+  // Host-side checks return before touching CUDA: these run without a GPU too.
+  alignas(16) static uint8_t dummy[1024];
+  GemmParams p;
+  p.m = 2;
+  p.n = 32;
+  p.k = 64;
+  p.lda = p.ldb = 64;
+  p.ldc = p.ldd = 32;
+  p.a_scale = reinterpret_cast<const float*>(dummy);
+  SmallMNorm good;
+  good.x = dummy;
+  good.weight = dummy;
+  good.ldx = 64;
+  auto refused = [&](const GemmParams& q, const SmallMNorm& n, const std::string& text) {
+    const Status st = LaunchSmallMGemm(q, nullptr, dummy, nullptr, dummy, nullptr, &n);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << text << ": " << st.ToString();
+    EXPECT_NE(st.message().find(text), std::string::npos) << st.ToString();
+  };
+  SmallMNorm n = good;
+  n.ldx = 60;
+  refused(p, n, "ldx (60)");
+  n = good;
+  n.weight = dummy + 8;
+  refused(p, n, "16-byte aligned");
+  n = good;
+  n.eps = -1.0f;
+  refused(p, n, "eps");
+  GemmParams q = p;
+  q.a_scale = nullptr;
+  refused(q, good, "a_scale");
+  // k = 1536: the norm's block of 96 threads is not a whole share of the CTA's 512.
+  q = p;
+  q.k = q.lda = q.ldb = 1536;
+  EXPECT_FALSE(SmallMNormFits(q));
+  n = good;
+  n.ldx = 1536;
+  refused(q, n, "k = 1536");
+  // 8 rows of 8192: 66 KB of codes, beyond the prologue's shared memory.
+  q = p;
+  q.m = 8;
+  q.k = q.lda = q.ldb = 8192;
+  EXPECT_FALSE(SmallMNormFits(q));
+}
+
 TEST_F(GpuGenerationOpsTest, SplitChoiceFollowsTheLaunchShape) {
   // Host arithmetic only: runs without a GPU too. llama3-8b's heads (32 / 8, head_dim 128),
   // one H200 (132 SMs), a table of 8192 tokens, pure decode (one row per sequence).
