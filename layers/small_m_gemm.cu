@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -109,30 +110,33 @@ __device__ __forceinline__ void NormRows(const SmallMArgs& p, uint8_t* codes,
   const int64_t pitch = p.k + kNormPad;
   const Fp8Divisor divisor = MakeFp8Divisor(*p.a_scale);
   for (int base = 0; base < p.m; base += groups * kNormRowsAtOnce) {
-    uint4 h[kNormRowsAtOnce][2];
+    auto row_vector = [&](int tok, int v) {
+      return tok < p.m && v < vecs ? p.norm_x[tok * p.norm_ldx + v] : make_uint4(0, 0, 0, 0);
+    };
+    {
+      uint4 h[kNormRowsAtOnce][2];
 #pragma unroll
-    for (int r = 0; r < kNormRowsAtOnce; ++r) {
-      const int tok = base + r * groups + group;
+      for (int r = 0; r < kNormRowsAtOnce; ++r) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int v = tn + j * threads;
-        h[r][j] = tok < p.m && v < vecs ? p.norm_x[tok * p.norm_ldx + v] : make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < 2; ++j) h[r][j] = row_vector(base + r * groups + group, tn + j * threads);
+      }
+#pragma unroll
+      for (int r = 0; r < kNormRowsAtOnce; ++r) {
+        float sum_sq = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if (tn + j * threads >= vecs) continue;
+          float f[8];
+          UnpackBf16x8(h[r][j], f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum_sq += f[i] * f[i];
+        }
+        sum_sq = WarpSum(sum_sq);
+        if (lane == 0) sums[r][warp] = sum_sq;
       }
     }
-#pragma unroll
-    for (int r = 0; r < kNormRowsAtOnce; ++r) {
-      float sum_sq = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if (tn + j * threads >= vecs) continue;
-        float f[8];
-        UnpackBf16x8(h[r][j], f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sum_sq += f[i] * f[i];
-      }
-      sum_sq = WarpSum(sum_sq);
-      if (lane == 0) sums[r][warp] = sum_sq;
-    }
+    // The rows are read again below (from L1) rather than held across the barrier, which
+    // would spill the early weight loads' registers.
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kNormRowsAtOnce; ++r) {
@@ -147,7 +151,7 @@ __device__ __forceinline__ void NormRows(const SmallMArgs& p, uint8_t* codes,
         if (v >= vecs) continue;
         float wf[8], y[8];
         UnpackBf16x8(__ldg(p.norm_w + v), wf);
-        UnpackBf16x8(h[r][j], y);
+        UnpackBf16x8(row_vector(tok, v), y);
 #pragma unroll
         for (int i = 0; i < 8; ++i) y[i] = y[i] * inv_rms * wf[i];
         const uint2 c =
@@ -178,13 +182,12 @@ __device__ __forceinline__ void NormRows(const SmallMArgs& p, uint8_t* codes,
 // the early weight loads are in flight); at most 64 registers, so that two CTAs share an SM
 // as without it.
 template <bool kSwiGlu, bool kNorm>
-__global__ void __launch_bounds__(kWarps * 32, kNorm ? 2 : 0) SmallMGemmKernel(SmallMArgs p) {
-  __shared__ float partial[kWarps][32][4];
-  extern __shared__ uint4 norm_codes[];  // kNorm: [m][k + kNormPad] bytes
-  __shared__ float norm_sums[kNorm ? kNormRowsAtOnce : 1][kWarps];
+__device__ __forceinline__ void GemmTile(const SmallMArgs& p, int64_t tile, bool first_tile,
+                                         float (&partial)[kWarps][32][4], uint4* norm_codes,
+                                         float (&norm_sums)[kNormRowsAtOnce][kWarps]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * (kSwiGlu ? kRows / 2 : kRows);
+  const int64_t row0 = tile * (kSwiGlu ? kRows / 2 : kRows);
   const int64_t blocks = p.k / kBlockK;
   const int64_t first = blocks * warp / kWarps, last = blocks * (warp + 1) / kWarps;
   const uint8_t* w_lo = p.b + (row0 + g) * p.ldb + 16 * t;
@@ -223,7 +226,9 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm ? 2 : 0) SmallMGemmKernel(S
     }
   };
   int64_t kb = first;
-  if constexpr (kNorm) {
+  if (kNorm && !first_tile) {
+    // A later tile of a persistent CTA: the codes are in shared memory already.
+  } else if constexpr (kNorm) {
     // Every thread reaches NormRows' barriers: the early loads' branch is per warp.
     const bool early = p.b_constant && first + kUnroll <= last;
     uint4 lo[kUnroll], hi[kUnroll];
@@ -258,6 +263,8 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm ? 2 : 0) SmallMGemmKernel(S
 #pragma unroll
   for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
   __syncthreads();
+  // With kNorm the next tile's warps write the other partial buffer: this one is read by warp
+  // 0 until it reaches the next tile's barrier.
   if (warp != 0) return;
   float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -290,6 +297,27 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm ? 2 : 0) SmallMGemmKernel(S
       float v = alpha * sum[i];
       if (p.c != nullptr) v += p.beta * __bfloat162float(p.c[tok * p.ldc + col]);
       p.d[tok * p.ldd + col] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+// One CTA per tile of 16 weight rows; with kNorm a persistent grid (at most two CTAs an SM),
+// each CTA running the norm prologue once and then its tiles, blockIdx.x and every
+// gridDim.x-th after it, with two partial-sum buffers in turn. kNorm: at most 64 registers,
+// so that two CTAs share an SM as without it.
+template <bool kSwiGlu, bool kNorm>
+__global__ void __launch_bounds__(kWarps * 32, kNorm ? 2 : 0) SmallMGemmKernel(SmallMArgs p) {
+  __shared__ float partial[kNorm ? 2 : 1][kWarps][32][4];
+  extern __shared__ uint4 norm_codes[];  // kNorm: [m][k + kNormPad] bytes
+  __shared__ float norm_sums[kNormRowsAtOnce][kWarps];
+  if constexpr (!kNorm) {
+    GemmTile<kSwiGlu, false>(p, blockIdx.x, true, partial[0], norm_codes, norm_sums);
+  } else {
+    int buffer = 0;
+    for (int64_t tile = blockIdx.x; tile < p.n / kRows; tile += gridDim.x) {
+      GemmTile<kSwiGlu, true>(p, tile, tile == blockIdx.x, partial[buffer], norm_codes,
+                              norm_sums);
+      buffer ^= 1;
     }
   }
 }
@@ -377,8 +405,18 @@ Status Launch(const SmallMArgs& args, bool swiglu, cudaStream_t stream) {
   cudaError_t e;
   if (args.norm_x != nullptr) {
     const size_t smem = static_cast<size_t>(args.m * (args.k + kNormPad));
-    e = swiglu ? LaunchPdl(SmallMGemmKernel<true, true>, grid, block, smem, stream, args)
-               : LaunchPdl(SmallMGemmKernel<false, true>, grid, block, smem, stream, args);
+    auto* kernel = swiglu ? SmallMGemmKernel<true, true> : SmallMGemmKernel<false, true>;
+    int device = 0, sms = 0;
+    e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    // Static (16.1 KB) and dynamic shared memory together may pass the 48 KB a block gets
+    // without asking.
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kSmallMNormMaxBytes));
+    }
+    const dim3 persistent(static_cast<unsigned>(std::min<int64_t>(args.n / kRows, 2 * sms)));
+    if (e == cudaSuccess) e = LaunchPdl(kernel, persistent, block, smem, stream, args);
   } else {
     e = swiglu ? LaunchPdl(SmallMGemmKernel<true, false>, grid, block, 0, stream, args)
                : LaunchPdl(SmallMGemmKernel<false, false>, grid, block, 0, stream, args);
