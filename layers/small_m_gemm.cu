@@ -118,7 +118,8 @@ __device__ __forceinline__ void NormRows(const SmallMArgs& p, uint8_t* codes,
 #pragma unroll
       for (int r = 0; r < kNormRowsAtOnce; ++r) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) h[r][j] = row_vector(base + r * groups + group, tn + j * threads);
+        for (int j = 0; j < 2; ++j)
+          h[r][j] = row_vector(base + r * groups + group, tn + j * threads);
       }
 #pragma unroll
       for (int r = 0; r < kNormRowsAtOnce; ++r) {
@@ -315,8 +316,7 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm ? 2 : 0) SmallMGemmKernel(S
   } else {
     int buffer = 0;
     for (int64_t tile = blockIdx.x; tile < p.n / kRows; tile += gridDim.x) {
-      GemmTile<kSwiGlu, true>(p, tile, tile == blockIdx.x, partial[buffer], norm_codes,
-                              norm_sums);
+      GemmTile<kSwiGlu, true>(p, tile, tile == blockIdx.x, partial[buffer], norm_codes, norm_sums);
       buffer ^= 1;
     }
   }
