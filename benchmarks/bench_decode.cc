@@ -79,8 +79,8 @@ struct Flags {
 };
 
 // --unfused's names of CudaModelOptions::DecodeFusions' fields.
-constexpr const char* kFusionNames[] = {"rope",        "out-fp8", "cluster-merge",
-                                        "early-loads", "swiglu",  "norm"};
+constexpr const char* kFusionNames[] = {"rope", "out-fp8", "cluster-merge", "early-loads",
+                                        "swiglu"};
 // --fused's names: the fusions off by default, turned on.
 constexpr const char* kOptInNames[] = {"cluster-merge"};
 
@@ -90,7 +90,6 @@ void TurnOff(const std::string& name, CudaModelOptions::DecodeFusions* d) {
   if (name == "cluster-merge") d->cluster_merge = false;
   if (name == "early-loads") d->early_loads = false;
   if (name == "swiglu") d->swiglu_in_gemm = false;
-  if (name == "norm") d->norm_in_gemm = false;
 }
 
 struct Floor {
@@ -221,8 +220,7 @@ int Main(int argc, char** argv) {
                  "(attention writing o's E4M3 input), cluster-merge (the decode kernel's splits "
                  "merged in a cluster instead of a combine pass), early-loads (attention's "
                  "loads of earlier keys before its PDL wait), swiglu (SwiGLU in gate_up's "
-                 "small-M GEMM), norm (the RMSNorms in qkv's and gate_up's small-M GEMMs); "
-                 "default none")
+                 "small-M GEMM); default none")
       ->check(
           CLI::IsMember(std::vector<std::string>(std::begin(kFusionNames), std::end(kFusionNames))))
       ->delimiter(',');

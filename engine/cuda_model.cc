@@ -149,22 +149,6 @@ Status CudaModel::AddNorm(const CudaLinear::SplitOutput& residual, const DeviceB
   return QuantizeInput(normed_.as<BFloat16>(), rows, config_.hidden_size, next_w, next.input(m));
 }
 
-bool CudaModel::NormInGemm(const CudaLinear::SplitOutput& residual, const CudaLinear& next,
-                           const Linear& next_w, int64_t m) const {
-  return stepping_ && options_.decode_fusions.norm_in_gemm && dtype_ == DataType::kFloat8E4M3 &&
-         tp_ == 1 && residual.first == nullptr && !next_w.staged() && !next.knobs().full_weight &&
-         next.CanRunNormed(m);
-}
-
-SmallMNorm CudaModel::GemmNorm(const DeviceBuffer& weight) const {
-  SmallMNorm n;
-  n.x = x_.data();
-  n.weight = weight.data();
-  n.ldx = config_.hidden_size;
-  n.eps = static_cast<float>(config_.rms_norm_eps);
-  return n;
-}
-
 Status CudaModel::Enqueue(int64_t m, int64_t seq_slots, int64_t first_block, int64_t end_block) {
   const ModelConfig& c = config_;
   const int64_t blocks = static_cast<int64_t>(layers_.size());
@@ -224,16 +208,10 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   TP_ASSIGN_OR_RETURN(const auto block, BlockLayers(l, m));
   CudaLinear *qkv = block[0], *o = block[1], *gate_up = block[2], *down = block[3];
 
+  TP_RETURN_IF_ERROR(AddNorm(pending, lw.input_norm, *qkv, lw.qkv, m, rows));
+  TP_RETURN_IF_ERROR(Mark("norm"));
   auto* qkv_y = qkv_out_.as<BFloat16>();
-  if (NormInGemm(pending, *qkv, lw.qkv, m)) {
-    TP_RETURN_IF_ERROR(Mark("norm"));
-    TP_RETURN_IF_ERROR(qkv->RunNormed(m, lw.qkv.w.data(), lw.qkv.x_scale(), lw.qkv.w_scale(), qkv_y,
-                                      GemmNorm(lw.input_norm), st));
-  } else {
-    TP_RETURN_IF_ERROR(AddNorm(pending, lw.input_norm, *qkv, lw.qkv, m, rows));
-    TP_RETURN_IF_ERROR(Mark("norm"));
-    TP_RETURN_IF_ERROR(RunLinear(*qkv, lw.qkv, m, qkv_y));
-  }
+  TP_RETURN_IF_ERROR(RunLinear(*qkv, lw.qkv, m, qkv_y));
   TP_RETURN_IF_ERROR(Mark("qkv"));
 
   RopeParams rope;
@@ -329,11 +307,7 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   if (into_x) o_out = Split{};
   TP_RETURN_IF_ERROR(Mark("o"));
 
-  const bool norm_in_gate_up = NormInGemm(o_out, *gate_up, lw.gate_up, m);
-  const SmallMNorm post_norm = GemmNorm(lw.post_norm);
-  if (!norm_in_gate_up) {
-    TP_RETURN_IF_ERROR(AddNorm(o_out, lw.post_norm, *gate_up, lw.gate_up, m, rows));
-  }
+  TP_RETURN_IF_ERROR(AddNorm(o_out, lw.post_norm, *gate_up, lw.gate_up, m, rows));
   TP_RETURN_IF_ERROR(Mark("norm"));
   auto run_down = [&]() -> Status {
     TP_RETURN_IF_ERROR(
@@ -345,21 +319,14 @@ Status CudaModel::EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t 
   // epilogue): static per-tensor scales on both sides, the layer one GEMM.
   if (stepping_ && options_.decode_fusions.swiglu_in_gemm && fp8 && !lw.gate_up.staged() &&
       !lw.down.staged() && !gate_up->knobs().full_weight && gate_up->CanRunSwiGlu(m)) {
-    TP_RETURN_IF_ERROR(gate_up->RunSwiGlu(m, lw.gate_up.w.data(), lw.gate_up.x_scale(),
-                                          lw.gate_up.w_scale(),
-                                          static_cast<uint8_t*>(down->input(m)), lw.down.x_scale(),
-                                          st, norm_in_gate_up ? &post_norm : nullptr));
+    TP_RETURN_IF_ERROR(
+        gate_up->RunSwiGlu(m, lw.gate_up.w.data(), lw.gate_up.x_scale(), lw.gate_up.w_scale(),
+                           static_cast<uint8_t*>(down->input(m)), lw.down.x_scale(), st));
     TP_RETURN_IF_ERROR(Mark("gate_up"));
     TP_RETURN_IF_ERROR(Mark("swiglu"));
     return run_down();
   }
-  if (norm_in_gate_up) {
-    TP_RETURN_IF_ERROR(gate_up->RunNormed(m, lw.gate_up.w.data(), lw.gate_up.x_scale(),
-                                          lw.gate_up.w_scale(), gate_up_out_.data(), post_norm,
-                                          st));
-  } else {
-    TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
-  }
+  TP_RETURN_IF_ERROR(RunLinear(*gate_up, lw.gate_up, m, gate_up_out_.data()));
   TP_RETURN_IF_ERROR(Mark("gate_up"));
   SwiGluParams sw;
   sw.gate_up = gate_up_out_.as<BFloat16>();

@@ -66,7 +66,6 @@
 #include "layers/cublaslt_gemm.h"
 #include "layers/cuda_linear.h"
 #include "layers/overlap_config.h"
-#include "layers/small_m_gemm.h"
 
 namespace tpserve {
 
@@ -146,11 +145,6 @@ struct CudaModelOptions {
     // kernel (at most 8 rows): SwiGLU in that GEMM's epilogue (CudaLinear::RunSwiGlu), writing
     // down's E4M3 input; off: the GEMM writes BF16, then the SwiGLU pass.
     bool swiglu_in_gemm = true;
-    // FP8 at tp 1 with static per-tensor input scales, the residual already in x (o and down
-    // add into it): the RMSNorm before qkv and before gate_up runs in the prologue of their
-    // small-M GEMMs (CudaLinear::RunNormed, RunSwiGlu with a SmallMNorm); off: the norm pass
-    // writes their E4M3 input.
-    bool norm_in_gemm = true;
   };
   DecodeFusions decode_fusions;
 };
@@ -366,11 +360,6 @@ class CudaModel {
   Status QuantizeInput(const BFloat16* src, int64_t rows, int64_t cols, const Linear& w, void* out);
   Status AddNorm(const CudaLinear::SplitOutput& residual, const DeviceBuffer& weight,
                  CudaLinear& next, const Linear& next_w, int64_t m, int64_t rows);
-  // Whether a step's norm before `next` (weights `next_w`) runs in its GEMM's prologue
-  // (DecodeFusions::norm_in_gemm); the norm with `weight` over x_ as that prologue reads it.
-  bool NormInGemm(const CudaLinear::SplitOutput& residual, const CudaLinear& next,
-                  const Linear& next_w, int64_t m) const;
-  SmallMNorm GemmNorm(const DeviceBuffer& weight) const;
   Status EnqueueBlock(int64_t l, int64_t m, int64_t seq_slots, int64_t rows,
                       CudaLinear::SplitOutput& pending);
   Status EnqueueHead(int64_t m, int64_t seq_slots, int64_t rows,

@@ -55,6 +55,17 @@ __device__ __forceinline__ uint2 Bf16x8ToE4m3Sat(const uint4& raw) {
   return make_uint2(w[0], w[1]);
 }
 
+// Eight codes, two to a conversion, the divisor's path chosen once for the eight.
+template <bool kFast>
+__device__ __forceinline__ uint2 Fp8Codes8(const float (&f)[8], const Fp8Divisor& d) {
+  uint2 w;
+  w.x = QuantizeToE4M3x2<kFast>(f[0], f[1], d) |
+        (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[2], f[3], d)) << 16);
+  w.y = QuantizeToE4M3x2<kFast>(f[4], f[5], d) |
+        (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[6], f[7], d)) << 16);
+  return w;
+}
+
 // Eight codes: one 8-byte store when aligned, bytes otherwise.
 __device__ __forceinline__ void StoreFp8x8(uint8_t* dst, const float (&f)[8], const Fp8Divisor& d) {
   const uint2 w = d.inv != 0.0f ? Fp8Codes8<true>(f, d) : Fp8Codes8<false>(f, d);

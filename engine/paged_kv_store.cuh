@@ -81,7 +81,7 @@ __device__ __forceinline__ void StoreKv8(void* cache, int64_t offset, const uint
       float f[8];
       device::UnpackBf16x8(raw, f);
       const Fp8Divisor d = MakeFp8Divisor(scale);
-      codes = d.inv != 0.0f ? Fp8Codes8<true>(f, d) : Fp8Codes8<false>(f, d);
+      codes = d.inv != 0.0f ? device::Fp8Codes8<true>(f, d) : device::Fp8Codes8<false>(f, d);
     }
     reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + offset)[0] = codes;
   } else {

@@ -588,8 +588,7 @@ bool CudaLinear::CanRunSwiGlu(int64_t m) const {
 }
 
 Status CudaLinear::RunSwiGlu(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                             uint8_t* out, const float* out_scale, cudaStream_t stream,
-                             const SmallMNorm* norm) {
+                             uint8_t* out, const float* out_scale, cudaStream_t stream) {
   if (closed_) return FailedPreconditionError("layer " + name_ + " is closed");
   const GemmCall* call = SoleSmallMCall(*impl_, tp_, m);
   if (call == nullptr) {
@@ -603,30 +602,7 @@ Status CudaLinear::RunSwiGlu(int64_t m, const void* w, const float* x_scale, con
   p.a_scale = x_scale;
   p.b_scale = w_scale;
   return LaunchSmallMGemmSwiGlu(p, ResolveRef(*impl_, nullptr, call->a), w, out, p.n / 2, out_scale,
-                                stream, norm)
-      .WithContext("layer " + name_);
-}
-
-bool CudaLinear::CanRunNormed(int64_t m) const {
-  if (closed_) return false;
-  const GemmCall* call = SoleSmallMCall(*impl_, tp_, m);
-  return call != nullptr && SmallMNormFits(ResolveGemmParams(call->params));
-}
-
-Status CudaLinear::RunNormed(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                             void* y, const SmallMNorm& norm, cudaStream_t stream) {
-  if (!CanRunNormed(m)) {
-    return FailedPreconditionError("layer " + name_ + ": RunNormed(" + std::to_string(m) +
-                                   "): not one small-M GEMM with room for the norm (CanRunNormed)");
-  }
-  if (w == nullptr || x_scale == nullptr || w_scale == nullptr || y == nullptr) {
-    return InvalidArgumentError("layer " + name_ + ": w, x_scale, w_scale and y must be non-null");
-  }
-  const GemmCall* call = SoleSmallMCall(*impl_, tp_, m);
-  GemmParams p = ResolveGemmParams(call->params);
-  p.a_scale = x_scale;
-  p.b_scale = w_scale;
-  return LaunchSmallMGemm(p, nullptr, w, nullptr, ResolveRef(*impl_, y, call->d), stream, &norm)
+                                stream)
       .WithContext("layer " + name_);
 }
 

@@ -43,8 +43,6 @@
 
 namespace tpserve {
 
-struct SmallMNorm;  // layers/small_m_gemm.h
-
 struct CudaLinearShape {
   OverlapOp op = OverlapOp::kAllGatherGemm;
   DataType dtype = DataType::kFloat8E4M3;  // of X and W: kFloat8E4M3 or kBFloat16
@@ -132,20 +130,9 @@ class CudaLinear {
   // and y is not written. Only where the layer for m is one GEMM on the small-M kernel and
   // nothing else (tp 1, one chunk, per-tensor FP8 scales, no accumulate): CanRunSwiGlu(m);
   // FAILED_PRECONDITION otherwise, with nothing enqueued.
-  // With `norm`, the GEMM's input is made by the RMSNorm in its prologue (SmallMNorm, its
-  // codes' scale x_scale) instead of read from input(m): CanRunNormed(m) too.
   bool CanRunSwiGlu(int64_t m) const;
   Status RunSwiGlu(int64_t m, const void* w, const float* x_scale, const float* w_scale,
-                   uint8_t* out, const float* out_scale, cudaStream_t stream,
-                   const SmallMNorm* norm = nullptr);
-
-  // Run with the RMSNorm in the GEMM's prologue (layers/small_m_gemm.h: SmallMNorm): y gets
-  // what the norm pass writing input(m) and then Run would give, bit for bit, and input(m) is
-  // neither read nor written. Where CanRunSwiGlu(m) holds and the norm fits the kernel
-  // (SmallMNormFits): CanRunNormed(m); FAILED_PRECONDITION otherwise, nothing enqueued.
-  bool CanRunNormed(int64_t m) const;
-  Status RunNormed(int64_t m, const void* w, const float* x_scale, const float* w_scale, void* y,
-                   const SmallMNorm& norm, cudaStream_t stream);
+                   uint8_t* out, const float* out_scale, cudaStream_t stream);
 
   // For benchmarks: enqueue only the GEMM steps (skip communication), to
   // measure the GEMM's cost inside the layer.

@@ -78,15 +78,4 @@ __device__ __forceinline__ uint16_t QuantizeToE4M3x2(float lo, float hi, const F
       __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
 }
 
-// Eight codes, two to a conversion, the divisor's path chosen once for the eight.
-template <bool kFast>
-__device__ __forceinline__ uint2 Fp8Codes8(const float (&f)[8], const Fp8Divisor& d) {
-  uint2 w;
-  w.x = QuantizeToE4M3x2<kFast>(f[0], f[1], d) |
-        (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[2], f[3], d)) << 16);
-  w.y = QuantizeToE4M3x2<kFast>(f[4], f[5], d) |
-        (static_cast<uint32_t>(QuantizeToE4M3x2<kFast>(f[6], f[7], d)) << 16);
-  return w;
-}
-
 }  // namespace tpserve

@@ -10,10 +10,8 @@
 // as B's columns), reading the columns of a 64-column block in an order of its own that is the
 // same for both operands, so the sums are the dot products. The warps' partial sums meet in
 // shared memory; one warp scales them, adds C and stores BF16. With GemmParams::b_constant the
-// weight's first bytes are loaded before the kernel waits for the one ahead of it in the
-// stream. With a SmallMNorm the kernel makes A itself: each CTA normalises the BF16 rows of the
-// residual stream and keeps their E4M3 codes in shared memory (a decode step's norm before qkv
-// and gate_up, without a kernel of its own).
+// weight's first bytes are loaded, and the rest asked into L2, before the kernel waits for the
+// one ahead of it in the stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,25 +25,6 @@ namespace tpserve {
 
 inline constexpr int64_t kSmallMGemmMaxM = 8;
 
-// A's rows made by an RMSNorm in the GEMM's prologue: A[r, i] = the E4M3 code of
-// x[r, i] * rsqrt(mean_i(x[r, :]^2) + eps) * weight[i] / *a_scale, computed in FP32
-// exactly as engine/cuda_ops.h's LaunchRmsNorm computes out_fp8 (no residual, out_fp8_scale =
-// a_scale, vecs_per_thread 2: the sum of squares in that kernel's order), so that the norm
-// kernel followed by the GEMM and the GEMM with this prologue give the same bits. Each CTA
-// reads the m rows of x whole (the GEMM's CTAs each span all of k).
-struct SmallMNorm {
-  const void* x = nullptr;       // [m, ldx] BF16, 16-byte aligned
-  const void* weight = nullptr;  // [k] BF16, 16-byte aligned
-  int64_t ldx = 0;               // elements; a multiple of 8, >= k
-  float eps = 0.0f;              // finite, >= 0
-};
-
-// Whether the norm prologue runs for `p` (SmallMGemmFits(p), and the m rows' codes fit the
-// kernel's shared memory: m * (k + 64) bytes at most kSmallMNormMaxBytes; the RMSNorm kernel's
-// block for a row of k is a power-of-two number of warps within the CTA's 16). Pure.
-inline constexpr int64_t kSmallMNormMaxBytes = 36 * 1024;
-bool SmallMNormFits(const GemmParams& p);
-
 // Whether `p` (with lda, ldb, ldc, ldd filled in) is a GEMM this kernel runs: FP8 E4M3 A and B
 // with per-tensor scales, a BF16 D (and C, when beta != 0), 1 <= m <= kSmallMGemmMaxM, one
 // batch item, k % 64 == 0, n % 16 == 0, row pitches multiples of 16 bytes (A, B) and of 2
@@ -54,11 +33,9 @@ bool SmallMGemmFits(const GemmParams& p);
 
 // Enqueues the GEMM on `stream`: no allocation or synchronisation (capturable). The pointers
 // are those of CublasLtGemm::Run, A and B 16-byte aligned; a_scale / b_scale may be null (1).
-// INVALID_ARGUMENT when !SmallMGemmFits(p); the launch's error. With `norm`, A comes from the
-// norm prologue (`a` is not read and may be null; p.a_scale is the codes' scale and required);
-// INVALID_ARGUMENT when !SmallMNormFits(p) or a field of `norm` is bad.
+// INVALID_ARGUMENT when !SmallMGemmFits(p); the launch's error.
 Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const void* c, void* d,
-                        cudaStream_t stream, const SmallMNorm* norm = nullptr);
+                        cudaStream_t stream);
 
 // Llama's gate_up GEMM with SwiGLU in its epilogue: B's rows are the gate rows [0, n/2) and the
 // up rows [n/2, n); instead of D, out[t * ldo + j] (j < n/2) gets the E4M3 code of
@@ -66,10 +43,8 @@ Status LaunchSmallMGemm(const GemmParams& p, const void* a, const void* b, const
 // BF16 values D would hold at columns j and n/2 + j: bit-identical to LaunchSmallMGemm and
 // then engine/cuda_ops.h's LaunchSwiGlu with out_fp8 / out_fp8_scale, in one kernel instead
 // of two. p's pitches filled in (ResolveGemmParams). INVALID_ARGUMENT when !SmallMGemmFits(p),
-// beta != 0, a pitch is left 0 (lda or ldb below k), out or out_scale is null, or ldo < n/2;
-// `norm` as for LaunchSmallMGemm.
+// beta != 0, a pitch is left 0 (lda or ldb below k), out or out_scale is null, or ldo < n/2.
 Status LaunchSmallMGemmSwiGlu(const GemmParams& p, const void* a, const void* b, uint8_t* out,
-                              int64_t ldo, const float* out_scale, cudaStream_t stream,
-                              const SmallMNorm* norm = nullptr);
+                              int64_t ldo, const float* out_scale, cudaStream_t stream);
 
 }  // namespace tpserve

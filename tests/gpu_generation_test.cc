@@ -345,7 +345,7 @@ TEST_F(GpuGenerationTest, Fp8KvCacheWithCheckpointScalesMatchesCpuEngine) {
 // are those of all on, bit for bit. One sequence at a time, so that every engine runs the same
 // steps (prefill chunks, then decode steps of one: the decode kernel with its splits, RoPE
 // inside it or not, o's E4M3 input from it or from a quantize pass, SwiGLU in gate_up's
-// small-M GEMM or after it, the norms in qkv's and gate_up's small-M GEMMs or before them).
+// small-M GEMM or after it).
 TEST_F(GpuGenerationTest, DecodeFusionsChangeNoResult) {
   const auto prompts = Prompts();
   for (const KvCacheDtype kv : {KvCacheDtype::kBFloat16, KvCacheDtype::kFloat8E4M3}) {
@@ -360,8 +360,7 @@ TEST_F(GpuGenerationTest, DecodeFusionsChangeNoResult) {
     } fusions[] = {{"rope in attention", &CudaModelOptions::DecodeFusions::rope_in_attention},
                    {"attention out fp8", &CudaModelOptions::DecodeFusions::attention_out_fp8},
                    {"early loads", &CudaModelOptions::DecodeFusions::early_loads},
-                   {"swiglu in gemm", &CudaModelOptions::DecodeFusions::swiglu_in_gemm},
-                   {"norm in gemm", &CudaModelOptions::DecodeFusions::norm_in_gemm}};
+                   {"swiglu in gemm", &CudaModelOptions::DecodeFusions::swiglu_in_gemm}};
     for (const auto& f : fusions) {
       GenSetup off = on;
       off.fusions.*f.field = false;
