@@ -20,6 +20,9 @@ constexpr int kWarps = 16;
 constexpr int kUnroll = 2;
 constexpr int kRows = 16;    // weight rows (output columns) of a CTA: one m16 tile
 constexpr int kBlockK = 64;  // columns of one step: two m16n8k32 MMAs
+// The grouped kernel's load group: kOneGroupWarpBlocks blocks a warp (all of a warp's blocks at
+// llama3-8b's k = 4096: qkv, o, gate_up).
+constexpr int kOneGroupWarpBlocks = 2 * kUnroll;
 
 struct SmallMArgs {
   const uint8_t* a;  // [m, lda] activations
@@ -41,6 +44,17 @@ struct SmallMArgs {
 __device__ __forceinline__ uint4 LoadStream(const uint8_t* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Activations written by the kernel ahead (read after the PDL wait). Volatile, so that the
+// loads stay where they are written among the (volatile) MMAs instead of all being hoisted
+// (which would take registers the one-group kernel does not have).
+__device__ __forceinline__ uint4 LoadActivations(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -69,8 +83,14 @@ __device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a
 // 8c .. 8c + 7 as its MMA rows 0-7 and the up rows of the same columns as rows 8-15, so that
 // each lane ends with the gate and up sums of one column and two tokens, and stores the E4M3
 // code of silu(gate) * up (each first rounded to BF16, as D would hold it).
-template <bool kSwiGlu>
-__global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
+//
+// kOneGroup: each warp issues its weight loads kOneGroupWarpBlocks blocks at a time (the first
+// group before the PDL wait with a constant B; the last group partial, predicated per warp)
+// instead of in kUnroll-block rounds, so that at k = 4096 they wait out one memory latency, not
+// two, and at k = 14336 four, not seven; the activations are read kUnroll blocks at a time.
+// Capped at 64 registers (two CTAs an SM).
+template <bool kSwiGlu, bool kOneGroup>
+__global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKernel(SmallMArgs p) {
   __shared__ float partial[kWarps][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -104,27 +124,66 @@ __global__ void __launch_bounds__(kWarps * 32) SmallMGemmKernel(SmallMArgs p) {
     }
   };
   int64_t kb = first;
-  if (p.b_constant && first + kUnroll <= last) {
-    uint4 lo[kUnroll], hi[kUnroll];
-    load(lo, hi, kb);
-    PdlEnter();
-    multiply(lo, hi, kb);
-    kb += kUnroll;
+  if constexpr (kOneGroup) {
+    // Groups of kOneGroupWarpBlocks blocks (the last one partial, predicated per warp).
+    bool waited = !p.b_constant;
+    if (waited) PdlEnter();
+    for (; kb < last; kb += kOneGroupWarpBlocks) {
+      const int64_t n = last - kb;
+      uint4 lo[kOneGroupWarpBlocks], hi[kOneGroupWarpBlocks];
+#pragma unroll
+      for (int u = 0; u < kOneGroupWarpBlocks; ++u) {
+        if (u < n) {
+          lo[u] = LoadStream(w_lo + (kb + u) * kBlockK);
+          hi[u] = LoadStream(w_hi + (kb + u) * kBlockK);
+        }
+      }
+      if (!waited) {
+        PdlEnter();
+        waited = true;
+      }
+#pragma unroll
+      for (int h = 0; h < kOneGroupWarpBlocks / kUnroll; ++h) {
+        uint4 xv[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = h * kUnroll + u;
+          xv[u] = token && v < n ? LoadActivations(x + (kb + v) * kBlockK) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = h * kUnroll + u;
+          if (v < n) {
+            MmaE4m3(acc, lo[v].x, hi[v].x, lo[v].y, hi[v].y, xv[u].x, xv[u].y);
+            MmaE4m3(acc, lo[v].z, hi[v].z, lo[v].w, hi[v].w, xv[u].z, xv[u].w);
+          }
+        }
+      }
+    }
+    if (!waited) PdlEnter();
   } else {
-    PdlEnter();
-  }
-  for (; kb + kUnroll <= last; kb += kUnroll) {
-    uint4 lo[kUnroll], hi[kUnroll];
-    load(lo, hi, kb);
-    multiply(lo, hi, kb);
-  }
-  for (; kb < last; ++kb) {
-    const uint4 lo = LoadStream(w_lo + kb * kBlockK);
-    const uint4 hi = LoadStream(w_hi + kb * kBlockK);
-    const uint4 xv =
-        token ? *reinterpret_cast<const uint4*>(x + kb * kBlockK) : make_uint4(0, 0, 0, 0);
-    MmaE4m3(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-    MmaE4m3(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+    if (p.b_constant && first + kUnroll <= last) {
+      uint4 lo[kUnroll], hi[kUnroll];
+      load(lo, hi, kb);
+      PdlEnter();
+      multiply(lo, hi, kb);
+      kb += kUnroll;
+    } else {
+      PdlEnter();
+    }
+    for (; kb + kUnroll <= last; kb += kUnroll) {
+      uint4 lo[kUnroll], hi[kUnroll];
+      load(lo, hi, kb);
+      multiply(lo, hi, kb);
+    }
+    for (; kb < last; ++kb) {
+      const uint4 lo = LoadStream(w_lo + kb * kBlockK);
+      const uint4 hi = LoadStream(w_hi + kb * kBlockK);
+      const uint4 xv =
+          token ? *reinterpret_cast<const uint4*>(x + kb * kBlockK) : make_uint4(0, 0, 0, 0);
+      MmaE4m3(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+      MmaE4m3(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+    }
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
@@ -204,9 +263,14 @@ SmallMArgs MakeArgs(const GemmParams& p, const void* a, const void* b, const voi
 // One CTA per 16 rows of B either way (with SwiGLU: 8 gate rows and their 8 up rows).
 Status Launch(const SmallMArgs& args, bool swiglu, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(args.n / kRows));
+  const dim3 block(kWarps * 32);
+  const bool one_group = true;  // the g4 variant: the grouped kernel at every k
   const cudaError_t e =
-      swiglu ? LaunchPdl(SmallMGemmKernel<true>, grid, dim3(kWarps * 32), 0, stream, args)
-             : LaunchPdl(SmallMGemmKernel<false>, grid, dim3(kWarps * 32), 0, stream, args);
+      swiglu
+          ? (one_group ? LaunchPdl(SmallMGemmKernel<true, true>, grid, block, 0, stream, args)
+                       : LaunchPdl(SmallMGemmKernel<true, false>, grid, block, 0, stream, args))
+          : (one_group ? LaunchPdl(SmallMGemmKernel<false, true>, grid, block, 0, stream, args)
+                       : LaunchPdl(SmallMGemmKernel<false, false>, grid, block, 0, stream, args));
   if (e != cudaSuccess) {
     return InternalError(std::string("small-m GEMM launch failed: ") + cudaGetErrorString(e));
   }

@@ -473,12 +473,13 @@ void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
 // every row count from 1 to 8, and beta = 1 out of place and in place; 9 rows go to cuBLASLt.
 // Both with B read after the launch dependency resolves and with B declared constant (read
 // before it), k from one block (some warps with none, none with a first group to load early)
-// to 224 blocks (14 a warp: an early group, then the loop).
+// to 224 blocks (14 a warp: an early group, then the loop); 33 blocks give some warps an early
+// group and one block after it; every k runs the grouped kernel (groups of 4 blocks a warp).
 TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("small_m"));
   for (int64_t m : {1, 2, 3, 5, 8}) {
-    for (const Shape& s :
-         {Shape{m, 16, 64}, Shape{m, 1040, 4096}, Shape{m, 4096, 14336}, Shape{m, 96, 192}}) {
+    for (const Shape& s : {Shape{m, 16, 64}, Shape{m, 1040, 4096}, Shape{m, 4096, 14336},
+                           Shape{m, 96, 192}, Shape{m, 32, 2112}}) {
       for (const bool constant : {false, true}) {
         SCOPED_TRACE(::testing::Message()
                      << "m=" << s.m << " n=" << s.n << " k=" << s.k << " b_constant=" << constant);
