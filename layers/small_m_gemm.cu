@@ -20,9 +20,9 @@ constexpr int kWarps = 16;
 constexpr int kUnroll = 2;
 constexpr int kRows = 16;    // weight rows (output columns) of a CTA: one m16 tile
 constexpr int kBlockK = 64;  // columns of one step: two m16n8k32 MMAs
-// The grouped kernel's load group: kOneGroupWarpBlocks blocks a warp (all of a warp's blocks at
-// llama3-8b's k = 4096: qkv, o, gate_up).
+// The one-group kernel's k: every warp kOneGroupWarpBlocks blocks (llama3-8b's qkv, o, gate_up).
 constexpr int kOneGroupWarpBlocks = 2 * kUnroll;
+constexpr int64_t kOneGroupK = int64_t{kWarps} * kOneGroupWarpBlocks * kBlockK;
 
 struct SmallMArgs {
   const uint8_t* a;  // [m, lda] activations
@@ -84,11 +84,10 @@ __device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a
 // each lane ends with the gate and up sums of one column and two tokens, and stores the E4M3
 // code of silu(gate) * up (each first rounded to BF16, as D would hold it).
 //
-// kOneGroup: each warp issues its weight loads kOneGroupWarpBlocks blocks at a time (the first
-// group before the PDL wait with a constant B; the last group partial, predicated per warp)
-// instead of in kUnroll-block rounds, so that at k = 4096 they wait out one memory latency, not
-// two, and at k = 14336 four, not seven; the activations are read kUnroll blocks at a time.
-// Capped at 64 registers (two CTAs an SM).
+// kOneGroup (k = kOneGroupK): each warp issues all of its weight loads at once (before the PDL
+// wait with a constant B) instead of in kUnroll-block rounds, so that they wait out one memory
+// latency, not two; the activations are read kUnroll blocks at a time. Capped at 64 registers
+// (two CTAs an SM).
 template <bool kSwiGlu, bool kOneGroup>
 __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKernel(SmallMArgs p) {
   __shared__ float partial[kWarps][32][4];
@@ -125,42 +124,29 @@ __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKern
   };
   int64_t kb = first;
   if constexpr (kOneGroup) {
-    // Groups of kOneGroupWarpBlocks blocks (the last one partial, predicated per warp).
-    bool waited = !p.b_constant;
-    if (waited) PdlEnter();
-    for (; kb < last; kb += kOneGroupWarpBlocks) {
-      const int64_t n = last - kb;
-      uint4 lo[kOneGroupWarpBlocks], hi[kOneGroupWarpBlocks];
+    uint4 lo[kOneGroupWarpBlocks], hi[kOneGroupWarpBlocks];
+    if (!p.b_constant) PdlEnter();
 #pragma unroll
-      for (int u = 0; u < kOneGroupWarpBlocks; ++u) {
-        if (u < n) {
-          lo[u] = LoadStream(w_lo + (kb + u) * kBlockK);
-          hi[u] = LoadStream(w_hi + (kb + u) * kBlockK);
-        }
+    for (int u = 0; u < kOneGroupWarpBlocks; ++u) {
+      lo[u] = LoadStream(w_lo + (kb + u) * kBlockK);
+      hi[u] = LoadStream(w_hi + (kb + u) * kBlockK);
+    }
+    if (p.b_constant) PdlEnter();
+#pragma unroll
+    for (int h = 0; h < kOneGroupWarpBlocks / kUnroll; ++h) {
+      uint4 xv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        xv[u] =
+            token ? LoadActivations(x + (kb + h * kUnroll + u) * kBlockK) : make_uint4(0, 0, 0, 0);
       }
-      if (!waited) {
-        PdlEnter();
-        waited = true;
-      }
 #pragma unroll
-      for (int h = 0; h < kOneGroupWarpBlocks / kUnroll; ++h) {
-        uint4 xv[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = h * kUnroll + u;
-          xv[u] = token && v < n ? LoadActivations(x + (kb + v) * kBlockK) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = h * kUnroll + u;
-          if (v < n) {
-            MmaE4m3(acc, lo[v].x, hi[v].x, lo[v].y, hi[v].y, xv[u].x, xv[u].y);
-            MmaE4m3(acc, lo[v].z, hi[v].z, lo[v].w, hi[v].w, xv[u].z, xv[u].w);
-          }
-        }
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = h * kUnroll + u;
+        MmaE4m3(acc, lo[v].x, hi[v].x, lo[v].y, hi[v].y, xv[u].x, xv[u].y);
+        MmaE4m3(acc, lo[v].z, hi[v].z, lo[v].w, hi[v].w, xv[u].z, xv[u].w);
       }
     }
-    if (!waited) PdlEnter();
   } else {
     if (p.b_constant && first + kUnroll <= last) {
       uint4 lo[kUnroll], hi[kUnroll];
@@ -264,7 +250,7 @@ SmallMArgs MakeArgs(const GemmParams& p, const void* a, const void* b, const voi
 Status Launch(const SmallMArgs& args, bool swiglu, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(args.n / kRows));
   const dim3 block(kWarps * 32);
-  const bool one_group = true;  // the g4 variant: the grouped kernel at every k
+  const bool one_group = args.k == kOneGroupK;
   const cudaError_t e =
       swiglu
           ? (one_group ? LaunchPdl(SmallMGemmKernel<true, true>, grid, block, 0, stream, args)

@@ -474,7 +474,7 @@ void CheckFp8AccumulatesC(cudaStream_t stream, int64_t k,
 // Both with B read after the launch dependency resolves and with B declared constant (read
 // before it), k from one block (some warps with none, none with a first group to load early)
 // to 224 blocks (14 a warp: an early group, then the loop); 33 blocks give some warps an early
-// group and one block after it; every k runs the grouped kernel (groups of 4 blocks a warp).
+// group and one block after it; k = 4096 runs the one-group kernel (4 blocks a warp).
 TEST_F(GpuTest, SmallMFp8GemmMatchesCpuReferenceWithoutACublasPlan) {
   TP_ASSERT_OK_AND_ASSIGN(CublasLtGemm gemm, CublasLtGemm::Create("small_m"));
   for (int64_t m : {1, 2, 3, 5, 8}) {
