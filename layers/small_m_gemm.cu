@@ -69,6 +69,13 @@ __device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One 64-column block's two MMAs, from a lane's loads of it (the layout: below).
+__device__ __forceinline__ void MmaBlock(float (&acc)[4], const uint4& lo, const uint4& hi,
+                                         const uint4& xv) {
+  MmaE4m3(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+  MmaE4m3(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+}
+
 // Lane (g, t) = (lane / 4, lane % 4) loads bytes 16t .. 16t + 15 of a 64-column block of
 // weight rows g and g + 8 and of token g. MMA 1 takes bytes 0-7 of each, MMA 2 bytes 8-15: in
 // the m16n8k32 fragments lane t holds k = 4t .. 4t + 3 (registers a0/a1, b0) and
@@ -111,8 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKern
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      MmaE4m3(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
-      MmaE4m3(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
+      MmaBlock(acc, lo[u], hi[u], xv[u]);
     }
   };
   auto load = [&](uint4(&lo)[kUnroll], uint4(&hi)[kUnroll], int64_t kb) {
@@ -142,9 +148,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKern
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int v = h * kUnroll + u;
-        MmaE4m3(acc, lo[v].x, hi[v].x, lo[v].y, hi[v].y, xv[u].x, xv[u].y);
-        MmaE4m3(acc, lo[v].z, hi[v].z, lo[v].w, hi[v].w, xv[u].z, xv[u].w);
+        MmaBlock(acc, lo[h * kUnroll + u], hi[h * kUnroll + u], xv[u]);
       }
     }
   } else {
@@ -167,8 +171,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKern
       const uint4 hi = LoadStream(w_hi + kb * kBlockK);
       const uint4 xv =
           token ? *reinterpret_cast<const uint4*>(x + kb * kBlockK) : make_uint4(0, 0, 0, 0);
-      MmaE4m3(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-      MmaE4m3(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+      MmaBlock(acc, lo, hi, xv);
     }
   }
 #pragma unroll
@@ -251,12 +254,10 @@ Status Launch(const SmallMArgs& args, bool swiglu, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(args.n / kRows));
   const dim3 block(kWarps * 32);
   const bool one_group = args.k == kOneGroupK;
-  const cudaError_t e =
-      swiglu
-          ? (one_group ? LaunchPdl(SmallMGemmKernel<true, true>, grid, block, 0, stream, args)
-                       : LaunchPdl(SmallMGemmKernel<true, false>, grid, block, 0, stream, args))
-          : (one_group ? LaunchPdl(SmallMGemmKernel<false, true>, grid, block, 0, stream, args)
-                       : LaunchPdl(SmallMGemmKernel<false, false>, grid, block, 0, stream, args));
+  void (*const kernel)(SmallMArgs) =
+      swiglu ? (one_group ? SmallMGemmKernel<true, true> : SmallMGemmKernel<true, false>)
+             : (one_group ? SmallMGemmKernel<false, true> : SmallMGemmKernel<false, false>);
+  const cudaError_t e = LaunchPdl(kernel, grid, block, 0, stream, args);
   if (e != cudaSuccess) {
     return InternalError(std::string("small-m GEMM launch failed: ") + cudaGetErrorString(e));
   }
