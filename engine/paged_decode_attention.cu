@@ -12,6 +12,7 @@
 #include "engine/paged_attention_args.cuh"
 #include "engine/paged_kv_store.cuh"
 #include "engine/rope.cuh"
+#include "layers/mma_e4m3.cuh"
 #include "layers/pdl.cuh"
 
 namespace tpserve::paged_attn {
@@ -32,10 +33,13 @@ using namespace device;
 // within FP32-math error of the reference; over an E4M3 cache P is rounded to BF16 once (an
 // output is then within 2^-8 of max |v| of the reference: an E4M3 step is bound by its warps'
 // chains, and the second MMA would only refine P past the values' own precision). An E4M3
-// cache is copied as codes: each lane widens its own key fragments to BF16 (exactly) in
-// registers, reading the dims of a 32-dim slice in an order of its own (Q's fragments follow
-// the same order, so the dot products are the same sums), and each warp widens its value rows
-// into shared memory for ldmatrix's transpose, first thing in the tile so that those loads and
+// cache is copied as codes. S^T = K.Q^T then runs on the 8-bit MMA straight from the key
+// codes: each query row is scaled by a power of two (its largest |q| to [128, 256)) and split
+// into two E4M3 parts, hi = e4m3(q) and lo = e4m3(16 (q - hi)), which hold a BF16 q exactly
+// (down to 2^-13 of the row's largest |q|), and S^T = K.hi^T + K.lo^T / 16, unscaled with
+// the softmax scale; so no key code is widened, and the only change from the BF16 products is
+// the 8-bit MMA's own accumulation. Each warp widens its value rows into shared memory for
+// ldmatrix's transpose (exactly, to BF16), first thing in the tile so that those loads and
 // stores overlap the S product and the softmax.
 // A sequence's context is cut into splits on the device, from its own length (at most
 // a.splits of at least kDecodeMinSplitKeys keys each), so one graph serves every context; a
@@ -290,24 +294,81 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
       }
       __syncthreads();  // q_tile, rotated
     }
-    // B fragments of Q^T (k = dims, n = queries), two k-steps at a time. BF16 cache: in dim
-    // order, by ldmatrix. E4M3 cache: k-steps 2c and 2c + 1 of lane (g, t) take dims
-    // 32c + 8t .. 32c + 8t + 7 of query g, in the order the lane widens its keys' codes
-    // (k-step 2c: dims +0..3, 2c + 1: +4..7; low k-rows 2t, 2t + 1 first).
-    uint32_t qb[kKSteps][2];
+    // B fragments of Q^T (k = dims, n = queries). BF16 cache: two k-steps at a time in dim
+    // order, by ldmatrix. E4M3 cache: query g's two E4M3 parts (see the top), dims
+    // 64b + 16t .. 64b + 16t + 15 of 64-dim block b in the lane, the layout of MmaBlockE4m3;
+    // q_unscale[c]: 2^-e of query 2t + c, the column this lane's scores hold.
+    uint32_t qb[kFp8 ? 1 : kKSteps][2];
+    uint4 q_hi[kFp8 ? kHeadDim / 64 : 1], q_lo[kFp8 ? kHeadDim / 64 : 1];
+    float q_unscale[2] = {1.0f, 1.0f};
+    if constexpr (kFp8) {
+      static_assert(kHeadDim % 64 == 0, "64-dim blocks");
+      constexpr int kBlocks = kHeadDim / 64;
+      // Dims 64b + 16t + 8h .. + 7 of query g (read twice: for the amax, then the codes).
+      auto q_dims = [&](int b, int h, float(&f)[8]) {
+        UnpackBf16x8(*reinterpret_cast<const uint4*>(q_tile + g * kPitch + 64 * b + 16 * t + 8 * h),
+                     f);
+      };
+      float amax = 0.0f;
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ks += 2) {
-      uint32_t r[4];
-      if constexpr (kFp8) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q_tile + g * kPitch + ks * 16 + 8 * t);
-        r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
-      } else {
-        LoadMatrixX4<false>(r, q_tile + (lane & 7) * kPitch + ks * 16 + mat * 8);
+      for (int b = 0; b < kBlocks; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float f[8];
+          q_dims(b, h, f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+        }
       }
-      qb[ks][0] = r[0];
-      qb[ks][1] = r[1];
-      qb[ks + 1][0] = r[2];
-      qb[ks + 1][1] = r[3];
+      // The four lanes of a quad hold query g's whole row.
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      // 2^e with amax 2^e in [128, 256) (amax's exponent field f: amax in [2^(f-127),
+      // 2^(f-126))), e within [-126, 126] so that 2^e and 2^-e are normal floats; an all-zero
+      // row takes 2^126 and stays zero. A NaN stays NaN through both parts.
+      const int field = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu);
+      const int e = min(126, max(-126, 134 - field));
+      const float up = __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+      const float down = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+        uint32_t hw[4], lw[4];
+        float f[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          if ((w & 1) == 0) q_dims(b, w >> 1, f);
+          uint32_t hp[2], lp[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float x0 = f[4 * (w & 1) + 2 * h] * up, x1 = f[4 * (w & 1) + 2 * h + 1] * up;
+            const __nv_fp8x2_storage_t hi2 =
+                __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
+            const float2 back = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi2, __NV_E4M3)));
+            const __nv_fp8x2_storage_t lo2 =
+                __nv_cvt_float2_to_fp8x2(make_float2(16.0f * (x0 - back.x), 16.0f * (x1 - back.y)),
+                                         __NV_SATFINITE, __NV_E4M3);
+            hp[h] = hi2;
+            lp[h] = lo2;
+          }
+          hw[w] = hp[0] | (hp[1] << 16);
+          lw[w] = lp[0] | (lp[1] << 16);
+        }
+        q_hi[b] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+        q_lo[b] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+      }
+      // Query c's 2^-e from the quad of lanes 4c .. 4c + 3.
+      q_unscale[0] = __shfl_sync(0xffffffffu, down, 8 * t);
+      q_unscale[1] = __shfl_sync(0xffffffffu, down, 8 * t + 4);
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        uint32_t r[4];
+        LoadMatrixX4<false>(r, q_tile + (lane & 7) * kPitch + ks * 16 + mat * 8);
+        qb[ks][0] = r[0];
+        qb[ks][1] = r[1];
+        qb[ks + 1][0] = r[2];
+        qb[ks + 1][1] = r[3];
+      }
     }
 
     // Queries 2t and 2t + 1 (the columns this lane holds): running max (log2 units) and this
@@ -350,30 +411,36 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
         v_rows = reinterpret_cast<const uint16_t*>(st + L::kTileBytes) + 16 * warp * kPitch;
       }
       // S^T = K.Q^T: the warp's 16 keys (rows) by the 8 query columns.
-      // Two accumulators (even and odd k-steps) halve the chain of dependent MMAs.
+      // Two accumulators (BF16: even and odd k-steps; E4M3: the hi and lo parts of Q) halve
+      // the chain of dependent MMAs.
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if constexpr (kFp8) {
+        // Keys g and g + 8, dims 64b + 16t .. + 15: the cache's codes as they are.
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ks += 2) {
-        uint32_t ka[4], kb[4];
-        if constexpr (kFp8) {
-          // Keys g and g + 8, dims 16 ks + 8t .. + 7, widened in registers (see qb).
-          const uint8_t* row = st + (16 * warp + g) * L::kRowBytes + ks * 16 + 8 * t;
-          const uint4 lo = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(row));
-          const uint4 hi = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(row + 8 * L::kRowBytes));
-          ka[0] = lo.x, ka[1] = hi.x, ka[2] = lo.y, ka[3] = hi.y;
-          kb[0] = lo.z, kb[1] = hi.z, kb[2] = lo.w, kb[3] = hi.w;
-        } else {
+        for (int b = 0; b < kHeadDim / 64; ++b) {
+          const uint8_t* row = st + (16 * warp + g) * L::kRowBytes + 64 * b + 16 * t;
+          const uint4 lo = *reinterpret_cast<const uint4*>(row);
+          const uint4 hi = *reinterpret_cast<const uint4*>(row + 8 * L::kRowBytes);
+          MmaBlockE4m3(sc, lo, hi, q_hi[b]);
+          MmaBlockE4m3(sc_odd, lo, hi, q_lo[b]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[e] = fmaf(sc_odd[e], 0.0625f, sc[e]) * q_unscale[e & 1];
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ks += 2) {
+          uint32_t ka[4], kb[4];
           const uint16_t* k_rows = reinterpret_cast<const uint16_t*>(st) + 16 * warp * kPitch;
           LoadMatrixX4<false>(
               ka, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat >> 1) * 8);
           LoadMatrixX4<false>(
               kb, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + 16 + (mat >> 1) * 8);
+          MmaBf16(sc, ka, qb[ks][0], qb[ks][1]);
+          MmaBf16(sc_odd, kb, qb[ks + 1][0], qb[ks + 1][1]);
         }
-        MmaBf16(sc, ka, qb[ks][0], qb[ks][1]);
-        MmaBf16(sc_odd, kb, qb[ks + 1][0], qb[ks + 1][1]);
-      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[e] += sc_odd[e];
+        for (int e = 0; e < 4; ++e) sc[e] += sc_odd[e];
+      }
       // sc: (key g, queries 2t, 2t + 1), (key g + 8, same queries); log2 units, masked -inf.
       const bool ok_lo = ok[g] != 0, ok_hi = ok[g + 8] != 0;
       float v[4];

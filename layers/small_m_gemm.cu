@@ -8,6 +8,7 @@
 #include <string>
 
 #include "layers/fp8_divide.cuh"
+#include "layers/mma_e4m3.cuh"
 #include "layers/pdl.cuh"
 #include "layers/silu.cuh"
 
@@ -60,27 +61,8 @@ __device__ __forceinline__ uint4 LoadActivations(const uint8_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One 64-column block's two MMAs, from a lane's loads of it (the layout: below).
-__device__ __forceinline__ void MmaBlock(float (&acc)[4], const uint4& lo, const uint4& hi,
-                                         const uint4& xv) {
-  MmaE4m3(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-  MmaE4m3(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
-}
-
 // Lane (g, t) = (lane / 4, lane % 4) loads bytes 16t .. 16t + 15 of a 64-column block of
-// weight rows g and g + 8 and of token g. MMA 1 takes bytes 0-7 of each, MMA 2 bytes 8-15: in
-// the m16n8k32 fragments lane t holds k = 4t .. 4t + 3 (registers a0/a1, b0) and
-// 16 + 4t .. 16 + 4t + 3 (a2/a3, b1), so both operands see the block's columns in the same
-// order and each is multiplied with its own partner.
+// weight rows g and g + 8 and of token g, the layout of MmaBlockE4m3 (layers/mma_e4m3.cuh).
 //
 // With a constant B each warp loads its first kUnroll weight blocks before the PDL wait, so a
 // GEMM whose CTAs are resident while the kernel ahead of it runs (a norm, attention, SwiGLU:
@@ -118,7 +100,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKern
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      MmaBlock(acc, lo[u], hi[u], xv[u]);
+      MmaBlockE4m3(acc, lo[u], hi[u], xv[u]);
     }
   };
   auto load = [&](uint4(&lo)[kUnroll], uint4(&hi)[kUnroll], int64_t kb) {
@@ -148,7 +130,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKern
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        MmaBlock(acc, lo[h * kUnroll + u], hi[h * kUnroll + u], xv[u]);
+        MmaBlockE4m3(acc, lo[h * kUnroll + u], hi[h * kUnroll + u], xv[u]);
       }
     }
   } else {
@@ -171,7 +153,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOneGroup ? 2 : 0) SmallMGemmKern
       const uint4 hi = LoadStream(w_hi + kb * kBlockK);
       const uint4 xv =
           token ? *reinterpret_cast<const uint4*>(x + kb * kBlockK) : make_uint4(0, 0, 0, 0);
-      MmaBlock(acc, lo, hi, xv);
+      MmaBlockE4m3(acc, lo, hi, xv);
     }
   }
 #pragma unroll
