@@ -602,6 +602,17 @@ TEST_F(GpuGenerationOpsTest, DecodeMatchesReferenceWithSplitContexts) {
   wide.kv_range = 448.0f;
   wide.q_range = 0.002f;
   CheckPagedAttention(stream(), wide, 407);
+  // Queries outside E4M3's range either way (above 448; far below its smallest code): over an
+  // E4M3 cache the decode kernel scales each query row by a power of two before splitting it
+  // into two E4M3 parts.
+  PagedCase big_q{ctx, one, 8, 2, 128, 16, KvCacheDtype::kFloat8E4M3};
+  big_q.q_range = 600.0f;
+  big_q.kv_range = 0.02f;
+  CheckPagedAttention(stream(), big_q, 408);
+  PagedCase tiny_q = big_q;
+  tiny_q.q_range = 1e-20f;
+  tiny_q.kv_range = 1.0f;
+  CheckPagedAttention(stream(), tiny_q, 409);
 }
 
 TEST_F(GpuGenerationOpsTest, PrefillChunksStartingMidBlockMatchReference) {
