@@ -12,7 +12,6 @@
 #include "engine/paged_attention_args.cuh"
 #include "engine/paged_kv_store.cuh"
 #include "engine/rope.cuh"
-#include "layers/mma_e4m3.cuh"
 #include "layers/pdl.cuh"
 
 namespace tpserve::paged_attn {
@@ -27,21 +26,17 @@ using namespace device;
 // several tiles in flight (cp.async): a decode step is bound by the bytes it keeps in flight.
 // Warp w takes keys [16w, 16w + 16) of every tile and keeps its own online softmax (m, l)
 // and O^T accumulators in registers, without block barriers beyond the pipeline's; at the end
-// the CTA merges its warps'. Over a BF16 cache the MMAs are BF16 with FP32 accumulation (Q
-// and K are BF16 already: exact products), and for P.V P is split into its BF16 rounding and
+// the CTA merges its warps'. The MMAs are BF16 with FP32 accumulation (Q and K are BF16
+// already: exact products); for P.V over a BF16 cache, P is split into its BF16 rounding and
 // the BF16 rounding of the remainder, two MMAs, so P keeps about 16 bits and the result stays
-// within FP32-math error of the reference. An E4M3 cache is copied as codes and both products
-// run on the 8-bit MMA straight from them, so no code is widened. S^T = K.Q^T: each query row
-// is scaled by a power of two (its largest |q| to [128, 256)) and split into two E4M3 parts,
-// hi = e4m3(q) and lo = e4m3(16 (q - hi)), which hold a BF16 q exactly (down to 2^-13 of the
-// row's largest |q|), and S^T = K.hi^T + K.lo^T / 16, unscaled with the softmax scale. O^T +=
-// V^T.P^T: P (2^8 times the weights, the row sums likewise) is split the same way, hi and
-// lo = e4m3(p - hi), and one k32 MMA takes a warp's 16 keys twice, hi in the low half of k and
-// lo in the high half, so P keeps about 8 bits (within 2^-8 of the reference output, as a
-// single BF16 rounding of P would be); each lane gathers its V^T fragments from four value rows
-// with byte permutes, its own dims of O^T chosen so that it reads whole 16-byte pieces of rows.
-// Beyond the roundings of P the only difference from exact products is the 8-bit MMA's own
-// accumulation.
+// within FP32-math error of the reference; over an E4M3 cache P is rounded to BF16 once (an
+// output is then within 2^-8 of max |v| of the reference: an E4M3 step is bound by its warps'
+// chains, and the second MMA would only refine P past the values' own precision). An E4M3
+// cache is copied as codes: each lane widens its own key fragments to BF16 (exactly) in
+// registers, reading the dims of a 32-dim slice in an order of its own (Q's fragments follow
+// the same order, so the dot products are the same sums), and each warp widens its value rows
+// into shared memory for ldmatrix's transpose, first thing in the tile so that those loads and
+// stores overlap the S product and the softmax.
 // A sequence's context is cut into splits on the device, from its own length (at most
 // a.splits of at least kDecodeMinSplitKeys keys each), so one graph serves every context; a
 // split past the context writes an empty partial (m = -inf, l = 0) for the merge.
@@ -56,7 +51,7 @@ using namespace device;
 constexpr int kDecodeKeys = 16 * kAttnWarps;  // keys per tile
 
 // Dynamic shared memory of the decode kernel:
-// [stages x (K tile | V tile)] [Q tile] [key flags].
+// [stages x (K tile | V tile)] [FP8: per-warp BF16 rows] [Q tile] [key flags].
 // A step's loads wait on a loaded HBM's latency, so the bytes in flight per SM bound its speed
 // (each CTA has up to stages - 1 tiles in flight while it computes). A BF16 step moves
 // bytes near the HBM's rate with two CTAs an SM (3 stages of 34 KiB at head_dim 128); an
@@ -80,9 +75,10 @@ struct DecodeSmem {
   static constexpr int kPieces = (kFp8 ? kHeadDim : 2 * kHeadDim) / 16;  // 16 B copies a row
   static constexpr int kTileBytes = kDecodeKeys * kRowBytes;
   static constexpr int kStagesBytes = kStages * 2 * kTileBytes;
+  static constexpr int kWidenBytes = kFp8 ? kAttnWarps * 16 * kPitch * 2 : 0;
   static constexpr int kQBytes = 8 * kPitch * 2;
   static constexpr int kFlagBytes = kStages * kDecodeKeys * 4;
-  static constexpr int kBytes = kStagesBytes + kQBytes + kFlagBytes;
+  static constexpr int kBytes = kStagesBytes + kWidenBytes + kQBytes + kFlagBytes;
   // 228 KiB of shared memory an SM, 1 KiB of it reserved per CTA.
   static_assert(kCtasPerSm * (kBytes + 1024) <= 228 * 1024, "CTAs per SM");
   // The warps' merge reuses the stages once the pipeline has drained; the CTA's partial for
@@ -102,11 +98,7 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
   constexpr int kElemBytes = kFp8 ? 1 : 2;
   // P.V with P in two BF16 parts over a BF16 cache; over E4M3 values (2^-4 apart relatively)
   // P's own BF16 rounding (2^-8) is the smaller error, and one MMA a tile of dims is enough.
-  // E4M3: the dims of V^T (and O^T) a lane holds, kLaneDims g .. kLaneDims g + kLaneDims - 1;
-  // its P weights are 2^kPLog2 times the exp2 weights (at most 256, within E4M3's 448), and so
-  // are the row sums, which leaves the output as it is.
-  constexpr int kLaneDims = kHeadDim / 8;
-  constexpr float kPLog2 = kFp8 ? 8.0f : 0.0f;
+  constexpr bool kSplitP = !kFp8;
   // Each thread copies the same 16-byte piece of every kRowStep-th row of a tile.
   constexpr int kRowStep = kAttnThreads / L::kPieces;
   constexpr int kCopies = kDecodeKeys / kRowStep;
@@ -114,8 +106,9 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
   static_assert(kGroup <= 8, "the query heads of a KV head are the n8 columns of S^T");
   extern __shared__ __align__(16) uint8_t decode_smem[];
   uint8_t* stages = decode_smem;
-  uint16_t* q_tile = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes);
-  int* key_ok = reinterpret_cast<int*>(decode_smem + L::kStagesBytes + L::kQBytes);
+  uint16_t* widen = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes);
+  uint16_t* q_tile = reinterpret_cast<uint16_t*>(decode_smem + L::kStagesBytes + L::kWidenBytes);
+  int* key_ok = reinterpret_cast<int*>(decode_smem + L::kStagesBytes + L::kWidenBytes + L::kQBytes);
   // With a.context_constant the sequence metadata, the block table and the first stages' tiles
   // of keys written before this step are read before the PDL wait (see AttnArgs); otherwise
   // nothing is read before it.
@@ -297,81 +290,24 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
       }
       __syncthreads();  // q_tile, rotated
     }
-    // B fragments of Q^T (k = dims, n = queries). BF16 cache: two k-steps at a time in dim
-    // order, by ldmatrix. E4M3 cache: query g's two E4M3 parts (see the top), dims
-    // 64b + 16t .. 64b + 16t + 15 of 64-dim block b in the lane, the layout of MmaBlockE4m3;
-    // q_unscale[c]: 2^-e of query 2t + c, the column this lane's scores hold.
-    uint32_t qb[kFp8 ? 1 : kKSteps][2];
-    uint4 q_hi[kFp8 ? kHeadDim / 64 : 1], q_lo[kFp8 ? kHeadDim / 64 : 1];
-    float q_unscale[2] = {1.0f, 1.0f};
-    if constexpr (kFp8) {
-      static_assert(kHeadDim % 64 == 0, "64-dim blocks");
-      constexpr int kBlocks = kHeadDim / 64;
-      // Dims 64b + 16t + 8h .. + 7 of query g (read twice: for the amax, then the codes).
-      auto q_dims = [&](int b, int h, float(&f)[8]) {
-        UnpackBf16x8(*reinterpret_cast<const uint4*>(q_tile + g * kPitch + 64 * b + 16 * t + 8 * h),
-                     f);
-      };
-      float amax = 0.0f;
+    // B fragments of Q^T (k = dims, n = queries), two k-steps at a time. BF16 cache: in dim
+    // order, by ldmatrix. E4M3 cache: k-steps 2c and 2c + 1 of lane (g, t) take dims
+    // 32c + 8t .. 32c + 8t + 7 of query g, in the order the lane widens its keys' codes
+    // (k-step 2c: dims +0..3, 2c + 1: +4..7; low k-rows 2t, 2t + 1 first).
+    uint32_t qb[kKSteps][2];
 #pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float f[8];
-          q_dims(b, h, f);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-        }
-      }
-      // The four lanes of a quad hold query g's whole row.
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      // 2^e with amax 2^e in [128, 256) (amax's exponent field f: amax in [2^(f-127),
-      // 2^(f-126))), e within [-126, 126] so that 2^e and 2^-e are normal floats; an all-zero
-      // row takes 2^126 and stays zero. A NaN stays NaN through both parts.
-      const int field = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu);
-      const int e = min(126, max(-126, 134 - field));
-      const float up = __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
-      const float down = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
-        uint32_t hw[4], lw[4];
-        float f[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          if ((w & 1) == 0) q_dims(b, w >> 1, f);
-          uint32_t hp[2], lp[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float x0 = f[4 * (w & 1) + 2 * h] * up, x1 = f[4 * (w & 1) + 2 * h + 1] * up;
-            const __nv_fp8x2_storage_t hi2 =
-                __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
-            const float2 back = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi2, __NV_E4M3)));
-            const __nv_fp8x2_storage_t lo2 =
-                __nv_cvt_float2_to_fp8x2(make_float2(16.0f * (x0 - back.x), 16.0f * (x1 - back.y)),
-                                         __NV_SATFINITE, __NV_E4M3);
-            hp[h] = hi2;
-            lp[h] = lo2;
-          }
-          hw[w] = hp[0] | (hp[1] << 16);
-          lw[w] = lp[0] | (lp[1] << 16);
-        }
-        q_hi[b] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-        q_lo[b] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
-      }
-      // Query c's 2^-e from the quad of lanes 4c .. 4c + 3.
-      q_unscale[0] = __shfl_sync(0xffffffffu, down, 8 * t);
-      q_unscale[1] = __shfl_sync(0xffffffffu, down, 8 * t + 4);
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ks += 2) {
-        uint32_t r[4];
+    for (int ks = 0; ks < kKSteps; ks += 2) {
+      uint32_t r[4];
+      if constexpr (kFp8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q_tile + g * kPitch + ks * 16 + 8 * t);
+        r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+      } else {
         LoadMatrixX4<false>(r, q_tile + (lane & 7) * kPitch + ks * 16 + mat * 8);
-        qb[ks][0] = r[0];
-        qb[ks][1] = r[1];
-        qb[ks + 1][0] = r[2];
-        qb[ks + 1][1] = r[3];
       }
+      qb[ks][0] = r[0];
+      qb[ks][1] = r[1];
+      qb[ks + 1][0] = r[2];
+      qb[ks + 1][1] = r[3];
     }
 
     // Queries 2t and 2t + 1 (the columns this lane holds): running max (log2 units) and this
@@ -398,58 +334,46 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
       if (key_lo + i * kDecodeKeys + 16 * warp >= key_end) continue;  // warp-uniform
       const uint8_t* st = stages + stage * 2 * L::kTileBytes;
       const int* ok = key_ok + stage * kDecodeKeys + 16 * warp;
-      // E4M3: value codes for keys 4t .. 4t + 3 (of the warp's 16), dims kLaneDims g .. + kLaneDims
-      // - 1: the lane's share of V^T (loaded first, so that the loads overlap S and the softmax).
-      uint32_t vw[kFp8 ? 4 : 1][kFp8 ? kLaneDims / 4 : 1];
+      const uint16_t* v_rows;
       if constexpr (kFp8) {
+        // The warp's 16 value rows widened into its BF16 rows (read back after the softmax).
+        uint16_t* w = widen + warp * 16 * kPitch;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint8_t* row =
-              st + L::kTileBytes + (16 * warp + 4 * t + r) * L::kRowBytes + kLaneDims * g;
-          if constexpr (kLaneDims == 16) {
-            const uint4 four = *reinterpret_cast<const uint4*>(row);
-            vw[r][0] = four.x, vw[r][1] = four.y, vw[r][2] = four.z, vw[r][3] = four.w;
-          } else {
-#pragma unroll
-            for (int w = 0; w < kLaneDims / 4; w += 2) {
-              const uint2 two = *reinterpret_cast<const uint2*>(row + 4 * w);
-              vw[r][w] = two.x;
-              vw[r][w + 1] = two.y;
-            }
-          }
+        for (int e = lane; e < 16 * kQVecs; e += 32) {
+          const int r = e / kQVecs, c = e % kQVecs;
+          const uint2 raw = *reinterpret_cast<const uint2*>(st + L::kTileBytes +
+                                                            (16 * warp + r) * L::kRowBytes + c * 8);
+          *reinterpret_cast<uint4*>(w + r * kPitch + c * 8) = Fp8x8ToBf16x8(raw);
         }
+        v_rows = w;
+      } else {
+        v_rows = reinterpret_cast<const uint16_t*>(st + L::kTileBytes) + 16 * warp * kPitch;
       }
       // S^T = K.Q^T: the warp's 16 keys (rows) by the 8 query columns.
-      // Two accumulators (BF16: even and odd k-steps; E4M3: the hi and lo parts of Q) halve
-      // the chain of dependent MMAs.
+      // Two accumulators (even and odd k-steps) halve the chain of dependent MMAs.
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if constexpr (kFp8) {
-        // Keys g and g + 8, dims 64b + 16t .. + 15: the cache's codes as they are.
 #pragma unroll
-        for (int b = 0; b < kHeadDim / 64; ++b) {
-          const uint8_t* row = st + (16 * warp + g) * L::kRowBytes + 64 * b + 16 * t;
-          const uint4 lo = *reinterpret_cast<const uint4*>(row);
-          const uint4 hi = *reinterpret_cast<const uint4*>(row + 8 * L::kRowBytes);
-          MmaBlockE4m3(sc, lo, hi, q_hi[b]);
-          MmaBlockE4m3(sc_odd, lo, hi, q_lo[b]);
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[e] = fmaf(sc_odd[e], 0.0625f, sc[e]) * q_unscale[e & 1];
-      } else {
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ks += 2) {
-          uint32_t ka[4], kb[4];
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        uint32_t ka[4], kb[4];
+        if constexpr (kFp8) {
+          // Keys g and g + 8, dims 16 ks + 8t .. + 7, widened in registers (see qb).
+          const uint8_t* row = st + (16 * warp + g) * L::kRowBytes + ks * 16 + 8 * t;
+          const uint4 lo = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(row));
+          const uint4 hi = Fp8x8ToBf16x8(*reinterpret_cast<const uint2*>(row + 8 * L::kRowBytes));
+          ka[0] = lo.x, ka[1] = hi.x, ka[2] = lo.y, ka[3] = hi.y;
+          kb[0] = lo.z, kb[1] = hi.z, kb[2] = lo.w, kb[3] = hi.w;
+        } else {
           const uint16_t* k_rows = reinterpret_cast<const uint16_t*>(st) + 16 * warp * kPitch;
           LoadMatrixX4<false>(
               ka, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + (mat >> 1) * 8);
           LoadMatrixX4<false>(
               kb, k_rows + ((mat & 1) * 8 + (lane & 7)) * kPitch + ks * 16 + 16 + (mat >> 1) * 8);
-          MmaBf16(sc, ka, qb[ks][0], qb[ks][1]);
-          MmaBf16(sc_odd, kb, qb[ks + 1][0], qb[ks + 1][1]);
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[e] += sc_odd[e];
+        MmaBf16(sc, ka, qb[ks][0], qb[ks][1]);
+        MmaBf16(sc_odd, kb, qb[ks + 1][0], qb[ks + 1][1]);
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] += sc_odd[e];
       // sc: (key g, queries 2t, 2t + 1), (key g + 8, same queries); log2 units, masked -inf.
       const bool ok_lo = ok[g] != 0, ok_hi = ok[g + 8] != 0;
       float v[4];
@@ -467,8 +391,8 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
         const float m_new = fmaxf(m_run[q], mx);
         const float base = m_new == -INFINITY ? 0.0f : m_new;
         alpha[q] = Exp2Approx(m_run[q] - base);  // 0 while m_run is -inf
-        pr[q] = Exp2Approx(v[q] - (base - kPLog2));
-        pr[q + 2] = Exp2Approx(v[q + 2] - (base - kPLog2));
+        pr[q] = Exp2Approx(v[q] - base);
+        pr[q + 2] = Exp2Approx(v[q + 2] - base);
         l_run[q] = l_run[q] * alpha[q] + pr[q] + pr[q + 2];
         m_run[q] = m_new;
       }
@@ -479,82 +403,40 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
         o[mt][2] *= alpha[0];
         o[mt][3] *= alpha[1];
       }
-      if constexpr (kFp8) {
-        // P (pr: 2^8 times the exp2 weights, at most 256) as two E4M3 parts, hi = e4m3(p) and
-        // lo = e4m3(p - hi), of keys g, g + 8 (elements 0, 1 and 2, 3: queries 2t, 2t + 1):
-        // a word a key, bytes hi(2t), hi(2t + 1), lo(2t), lo(2t + 1).
-        uint32_t pk[2];
+      // P as BF16 pairs (queries 2t, 2t + 1) of keys g and g + 8: its rounding and (kSplitP)
+      // the rounding of the remainder; then moved to the P^T fragment layout.
+      uint32_t hi[2], lo[2] = {0u, 0u};
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const __nv_fp8x2_storage_t h2 = __nv_cvt_float2_to_fp8x2(
-              make_float2(pr[2 * k], pr[2 * k + 1]), __NV_SATFINITE, __NV_E4M3);
-          const float2 back = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(h2, __NV_E4M3)));
-          const __nv_fp8x2_storage_t l2 = __nv_cvt_float2_to_fp8x2(
-              make_float2(pr[2 * k] - back.x, pr[2 * k + 1] - back.y), __NV_SATFINITE, __NV_E4M3);
-          pk[k] = static_cast<uint32_t>(h2) | (static_cast<uint32_t>(l2) << 16);
-        }
-        // P^T's B fragment (k32 x n8) for query g: k slots 4t + i take hi and 16 + 4t + i lo of
-        // key 4t + i (i < 4), which lane 4 ((4t + i) % 8) + g / 2 holds as key (4t + i) / 8 in
-        // its byte g % 2 (hi) and 2 + g % 2 (lo).
-        const int key_half = t >> 1;
-        const unsigned pick = (g & 1) ? 0x7351u : 0x6240u;  // hi, hi', lo, lo' of byte g % 2
-        uint32_t two[2];
-#pragma unroll
-        for (int i = 0; i < 4; i += 2) {
-          const int src0 = 4 * (4 * (t & 1) + i) + (g >> 1), src1 = src0 + 4;
-          const uint32_t a0 = __shfl_sync(0xffffffffu, pk[0], src0);
-          const uint32_t a1 = __shfl_sync(0xffffffffu, pk[1], src0);
-          const uint32_t b0 = __shfl_sync(0xffffffffu, pk[0], src1);
-          const uint32_t b1 = __shfl_sync(0xffffffffu, pk[1], src1);
-          two[i >> 1] = __byte_perm(key_half ? a1 : a0, key_half ? b1 : b0, pick);
-        }
-        const uint32_t p_hi = __byte_perm(two[0], two[1], 0x5410u);
-        const uint32_t p_lo = __byte_perm(two[0], two[1], 0x7632u);
-        // O^T += V^T.P^T on the 8-bit MMA: m16 tile mt's rows g and g + 8 are dims
-        // kLaneDims g + 2mt and + 1 (so each lane reads whole rows of its own dims), their
-        // codes of keys 4t .. 4t + 3 gathered from the four rows by byte permutes (a 4 x 4 byte
-        // transpose a word), the same keys in the hi and the lo half of k.
-#pragma unroll
-        for (int w = 0; w < kLaneDims / 4; ++w) {
-          const uint32_t t0 = __byte_perm(vw[0][w], vw[1][w], 0x5140u);
-          const uint32_t t1 = __byte_perm(vw[2][w], vw[3][w], 0x5140u);
-          const uint32_t t2 = __byte_perm(vw[0][w], vw[1][w], 0x7362u);
-          const uint32_t t3 = __byte_perm(vw[2][w], vw[3][w], 0x7362u);
-          const uint32_t d0 = __byte_perm(t0, t1, 0x5410u), d1 = __byte_perm(t0, t1, 0x7632u);
-          const uint32_t d2 = __byte_perm(t2, t3, 0x5410u), d3 = __byte_perm(t2, t3, 0x7632u);
-          MmaE4m3(o[2 * w], d0, d1, d0, d1, p_hi, p_lo);
-          MmaE4m3(o[2 * w + 1], d2, d3, d2, d3, p_hi, p_lo);
-        }
-      } else {
-        // P as BF16 pairs (queries 2t, 2t + 1) of keys g and g + 8: its rounding and the
-        // rounding of the remainder; then moved to the P^T fragment layout.
-        uint32_t hi[2], lo[2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          hi[k] = PackBf16x2(pr[2 * k], pr[2 * k + 1]);
+      for (int k = 0; k < 2; ++k) {
+        hi[k] = PackBf16x2(pr[2 * k], pr[2 * k + 1]);
+        if constexpr (kSplitP) {
           lo[k] = PackBf16x2(pr[2 * k] - Bf16ToFloat(hi[k] & 0xFFFFu),
                              pr[2 * k + 1] - Bf16ToFloat(hi[k] >> 16));
         }
-        uint32_t ph[2], pl[2];
+      }
+      uint32_t ph[2], pl[2] = {0u, 0u};
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {  // k = 0: keys 2t, 2t + 1; k = 1: keys 2t + 8, 2t + 9
-          ph[k] = __byte_perm(__shfl_sync(0xffffffffu, hi[k], src_even),
-                              __shfl_sync(0xffffffffu, hi[k], src_odd), half_sel);
+      for (int k = 0; k < 2; ++k) {  // k = 0: keys 2t, 2t + 1; k = 1: keys 2t + 8, 2t + 9
+        ph[k] = __byte_perm(__shfl_sync(0xffffffffu, hi[k], src_even),
+                            __shfl_sync(0xffffffffu, hi[k], src_odd), half_sel);
+        if constexpr (kSplitP) {
           pl[k] = __byte_perm(__shfl_sync(0xffffffffu, lo[k], src_even),
                               __shfl_sync(0xffffffffu, lo[k], src_odd), half_sel);
         }
-        // O^T += V^T.P^T: A fragments of V^T (dims x keys) by ldmatrix.trans of the V rows.
-        const uint16_t* v_rows =
-            reinterpret_cast<const uint16_t*>(st + L::kTileBytes) + 16 * warp * kPitch;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          uint32_t va[4];
-          LoadMatrixX4<true>(
-              va, v_rows + ((mat >> 1) * 8 + (lane & 7)) * kPitch + mt * 16 + (mat & 1) * 8);
-          MmaBf16(o[mt], va, ph[0], ph[1]);
-          MmaBf16(o[mt], va, pl[0], pl[1]);
-        }
       }
+      if constexpr (kFp8) {
+        __syncwarp();  // every lane's value rows are widened before any lane reads them
+      }
+      // O^T += V^T.P^T: A fragments of V^T (dims x keys) by ldmatrix.trans of the V rows.
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        uint32_t va[4];
+        LoadMatrixX4<true>(
+            va, v_rows + ((mat >> 1) * 8 + (lane & 7)) * kPitch + mt * 16 + (mat & 1) * 8);
+        MmaBf16(o[mt], va, ph[0], ph[1]);
+        if constexpr (kSplitP) MmaBf16(o[mt], va, pl[0], pl[1]);
+      }
+      if constexpr (kFp8) __syncwarp();  // the widened rows are rewritten for the next tile
     }
     CopyAsyncWait<0>();
     __syncthreads();  // the pipeline has drained: its stages become the merge area
@@ -577,12 +459,8 @@ __global__ void __launch_bounds__(kAttnThreads, DecodeSmem<kHeadDim, kFp8, kRope
         float* row = acc_s + (warp * kGroup + qi) * kHeadDim;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          // O^T's rows g and g + 8 of tile mt: dims 16 mt + g and + 8, or (E4M3, see P.V)
-          // kLaneDims g + 2 mt and + 1.
-          const int d_lo = kFp8 ? kLaneDims * g + 2 * mt : mt * 16 + g;
-          const int d_hi = kFp8 ? d_lo + 1 : d_lo + 8;
-          row[d_lo] = o[mt][q];
-          row[d_hi] = o[mt][q + 2];
+          row[mt * 16 + g] = o[mt][q];
+          row[mt * 16 + g + 8] = o[mt][q + 2];
         }
         if (g == 0) {
           ml_s[(warp * kGroup + qi) * 2] = m_run[q];
