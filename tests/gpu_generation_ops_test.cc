@@ -603,8 +603,8 @@ TEST_F(GpuGenerationOpsTest, DecodeMatchesReferenceWithSplitContexts) {
   wide.q_range = 0.002f;
   CheckPagedAttention(stream(), wide, 407);
   // Queries outside E4M3's range either way (above 448; far below its smallest code): over an
-  // E4M3 cache the decode kernel scales each query row by a power of two before splitting it
-  // into two E4M3 parts.
+  // E4M3 cache only the keys and values are codes, and a kernel that took q to E4M3 too would
+  // have to scale it first.
   PagedCase big_q{ctx, one, 8, 2, 128, 16, KvCacheDtype::kFloat8E4M3};
   big_q.q_range = 600.0f;
   big_q.kv_range = 0.02f;
