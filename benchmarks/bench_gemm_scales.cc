@@ -38,6 +38,7 @@ struct Flags {
   int rounds = 50;
   int queue_delay_us = 100;
   int l2_flush_mib = 128;
+  std::string l2_flush_mode = "write";
   double per_token_limit = 1.05;
   double blockwise_limit = 1.15;
   int64_t judge_min_m = 2048;
@@ -196,7 +197,11 @@ Status RunCase(const Flags& f, const LayerShape& shape, int64_t m,
         LaunchGpuDelay(int64_t{f.queue_delay_us} * 1000 * static_cast<int64_t>(items), st));
     for (size_t i = 0; i < items; ++i) {
       SchemeRun& r = runs[i / 2];
-      if (flush_bytes > 0) TP_CUDA_CHECK(cudaMemsetAsync(flush.data(), i & 0xff, flush_bytes, st));
+      if (flush_bytes > 0 && f.l2_flush_mode == "read") {
+        TP_RETURN_IF_ERROR(LaunchL2FlushByReading(flush.data(), flush_bytes, st));
+      } else if (flush_bytes > 0) {
+        TP_CUDA_CHECK(cudaMemsetAsync(flush.data(), i & 0xff, flush_bytes, st));
+      }
       TP_RETURN_IF_ERROR(events[2 * i].Record(st));
       TP_RETURN_IF_ERROR((i % 2 ? r.gemm_graph : r.quantize_graph).Launch(st));
       TP_RETURN_IF_ERROR(events[2 * i + 1].Record(st));
@@ -231,7 +236,8 @@ Status RunCase(const Flags& f, const LayerShape& shape, int64_t m,
              {"gemm", gemm},
              {"quantize", quant},
              {"gemm_tflops", 2.0 * m * n * k / (gemm_med * 1e-3) / 1e12},
-             {"l2_flush_mib", f.l2_flush_mib}};
+             {"l2_flush_mib", f.l2_flush_mib},
+             {"l2_flush_mode", f.l2_flush_mode}};
     if (base != nullptr && base_ms > 0.0) {
       const double ratio = gemm_med / base_ms;
       const double limit = LimitOf(f, r.scheme);
@@ -305,8 +311,15 @@ int RunGemmScalesBench(int argc, char** argv) {
                  "GPU spin per replay before each round, so the host queues the round first")
       ->check(CLI::Range(0, 1'000'000))
       ->capture_default_str();
-  app.add_option("--l2-flush-mib", f.l2_flush_mib, "MiB written before each replay (0: off)")
+  app.add_option("--l2-flush-mib", f.l2_flush_mib,
+                 "MiB written (or read) before each replay to flush the L2 (0: off)")
       ->check(NonNegative())
+      ->capture_default_str();
+  app.add_option("--l2-flush-mode", f.l2_flush_mode,
+                 "How the flush evicts the L2: write (a memset, which leaves dirty lines that "
+                 "the timed GEMM may pay to write back) or read (a kernel that only reads the "
+                 "buffer, leaving clean lines)")
+      ->check(CLI::IsMember({"write", "read"}))
       ->capture_default_str();
   app.add_option("--per-token-limit", f.per_token_limit,
                  "Largest per_token_channel / per_tensor GEMM time ratio that passes")

@@ -108,4 +108,44 @@ Status LaunchGpuDelay(int64_t ns, cudaStream_t stream, bool let_next_start) {
   return Status::Ok();
 }
 
+namespace {
+
+// Grid-stride 16-byte loads cached in L2 only; volatile, so that unused results still load.
+// `sink` is null at every launch (the XOR of the loads only gives the results a use).
+__global__ void ReadSweepKernel(const uint4* p, size_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t a, b, c, d;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                 : "l"(p + i));
+    acc ^= a ^ b ^ c ^ d;
+  }
+  if (sink != nullptr) sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+
+}  // namespace
+
+Status LaunchL2FlushByReading(const void* buffer, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return Status::Ok();
+  if (buffer == nullptr || reinterpret_cast<uintptr_t>(buffer) % 16 != 0 || bytes % 16 != 0) {
+    return InvalidArgumentError(
+        "L2 flush by reading: the buffer must be non-null and 16-byte aligned, and bytes (" +
+        std::to_string(bytes) + ") a multiple of 16");
+  }
+  int device = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) {
+    ReadSweepKernel<<<static_cast<unsigned>(4 * sms), 512, 0, stream>>>(
+        static_cast<const uint4*>(buffer), bytes / 16, nullptr);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) {
+    return InternalError(std::string("L2 flush by reading failed: ") + cudaGetErrorString(e));
+  }
+  return Status::Ok();
+}
+
 }  // namespace tpserve

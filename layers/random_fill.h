@@ -1,5 +1,5 @@
 // Random tensors generated on the GPU (benchmarks, random-weight models):
-// (and a delay kernel for benchmarks, at the end)
+// (and a delay kernel and an L2 flush for benchmarks, at the end)
 // element i depends only on (seed, i), so every run and every launch
 // configuration gives the same tensor.
 //
@@ -31,5 +31,10 @@ Status LaunchRandomUniform(void* dst, DataType type, size_t count, uint64_t seed
 // its PDL wait while this one spins: tests put it ahead of a kernel that reads memory before
 // its wait, to show which loads wait.
 Status LaunchGpuDelay(int64_t ns, cudaStream_t stream, bool let_next_start = false);
+
+// Reads `bytes` of `buffer` (16-byte aligned, bytes a multiple of 16) into L2 and nowhere
+// else: a benchmark's L2 flush that leaves only clean lines behind, where a flush by writing
+// (cudaMemset) leaves dirty lines whose write-back the next timed kernel pays. Writes nothing.
+Status LaunchL2FlushByReading(const void* buffer, size_t bytes, cudaStream_t stream);
 
 }  // namespace tpserve
