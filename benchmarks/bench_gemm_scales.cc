@@ -182,6 +182,7 @@ Status RunCase(const Flags& f, const LayerShape& shape, int64_t m,
   // Rounds interleave the schemes (drift hits each alike); the L2 is flushed before each
   // replay, outside its timing, as a model's layers find their weights out of cache.
   const size_t flush_bytes = static_cast<size_t>(f.l2_flush_mib) << 20;
+  const bool flush_by_reading = f.l2_flush_mode == "read";
   DeviceBuffer flush;
   if (flush_bytes > 0) {
     TP_ASSIGN_OR_RETURN(flush, DeviceBuffer::Allocate(flush_bytes, "bench.l2_flush"));
@@ -197,7 +198,7 @@ Status RunCase(const Flags& f, const LayerShape& shape, int64_t m,
         LaunchGpuDelay(int64_t{f.queue_delay_us} * 1000 * static_cast<int64_t>(items), st));
     for (size_t i = 0; i < items; ++i) {
       SchemeRun& r = runs[i / 2];
-      if (flush_bytes > 0 && f.l2_flush_mode == "read") {
+      if (flush_bytes > 0 && flush_by_reading) {
         TP_RETURN_IF_ERROR(LaunchL2FlushByReading(flush.data(), flush_bytes, st));
       } else if (flush_bytes > 0) {
         TP_CUDA_CHECK(cudaMemsetAsync(flush.data(), i & 0xff, flush_bytes, st));
