@@ -20,6 +20,11 @@
 // reads 1/N of the linear layers, the LM head and the KV cache (norms whole) and does 1/N of
 // the FLOPs: the floor is one GPU's.
 //
+// --timeline traces the timed steps' kernels (CUPTI: benchmarks/cupti_timeline.h) and reports,
+// per kernel, what it adds to the step's critical path beyond the kernels started before it
+// (benchmarks/kernel_timeline.h), and the time no kernel runs. Tracing is on for the whole run
+// then, so the step times of such a run are traced ones: compare them with an untraced run.
+//
 // --unfused turns decode-step fusions off (CudaModelOptions::decode_fusions), so that one
 // build measures what each is worth (benchmarks/run_decode_ab.sh's LABEL=DIR@NAMES).
 #include <cuda_runtime_api.h>
@@ -37,6 +42,8 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/cupti_timeline.h"
+#include "benchmarks/kernel_timeline.h"
 #include "benchmarks/kernel_timing.h"
 #include "benchmarks/median.h"
 #include "comm/cuda_check.h"
@@ -76,7 +83,35 @@ struct Flags {
   std::vector<std::string> unfused;  // CudaModelOptions::decode_fusions turned off, by name
   std::vector<std::string> fused;    // and those off by default turned on
   SamplingParams sampling;           // every decode step's; default greedy
+  bool timeline = false;             // trace the timed steps' kernels (CUPTI)
 };
+
+json TimelineJson(const TimelineSummary& t, uint64_t dropped) {
+  json labels = json::array();
+  for (const LabelSummary& l : t.labels) {
+    labels.push_back(json{{"kernel", l.label},
+                          {"launches_per_step", l.launches_per_step},
+                          {"duration_us_median", l.duration_us_median},
+                          {"exposed_us_per_step", l.exposed_us_per_step},
+                          {"idle_before_us_per_step", l.idle_us_per_step}});
+  }
+  return json{{"steps", t.steps},
+              {"span_us_median", t.span_us_median},
+              {"idle_us_median", t.idle_us_median},
+              {"records_dropped", dropped},
+              {"kernels", labels}};
+}
+
+void LogTimeline(int64_t batch, const TimelineSummary& t) {
+  spdlog::info(
+      "batch {:>4} timeline of {} traced steps: span {:.1f} us, no kernel running {:.1f} us", batch,
+      t.steps, t.span_us_median, t.idle_us_median);
+  spdlog::info("  {:>9} {:>9} {:>10} {:>9}  kernel", "launches", "dur us", "exposed us", "idle us");
+  for (const LabelSummary& l : t.labels) {
+    spdlog::info("  {:>9.1f} {:>9.2f} {:>10.1f} {:>9.1f}  {}", l.launches_per_step,
+                 l.duration_us_median, l.exposed_us_per_step, l.idle_us_per_step, l.label);
+  }
+}
 
 // --unfused's names of CudaModelOptions::DecodeFusions' fields.
 constexpr const char* kFusionNames[] = {"rope", "out-fp8", "cluster-merge", "early-loads",
@@ -231,6 +266,11 @@ int Main(int argc, char** argv) {
       ->check(
           CLI::IsMember(std::vector<std::string>(std::begin(kOptInNames), std::end(kOptInNames))))
       ->delimiter(',');
+  app.add_flag("--timeline", f.timeline,
+               "Trace the timed steps' kernels with CUPTI and report, per kernel, its launches a "
+               "step, its median duration, what it adds to the step beyond the kernels started "
+               "before it (exposed) and the idle time before it; the run's step times are then "
+               "traced ones");
   AddGemmAlgoFlag(&app, &f.gemm_algo);
   app.add_option("--out", f.out, "JSON output")->capture_default_str();
   app.add_option("--commit", f.commit, "Commit id recorded in the JSON meta")
@@ -242,6 +282,10 @@ int Main(int argc, char** argv) {
     return 2;
   }
 
+  if (f.timeline && f.tp != 1) {
+    spdlog::error("--timeline traces one GPU's kernels: it needs --tp 1 (got --tp {})", f.tp);
+    return 2;
+  }
   auto config = ModelPreset(f.model);
   if (!config.ok()) {
     spdlog::error("{}", config.status().ToString());
@@ -294,6 +338,13 @@ int Main(int argc, char** argv) {
     spdlog::error("{}", group.status().ToString());
     return 1;
   }
+  if (f.timeline) {
+    // Before any graph is captured: CUPTI records the kernels of graphs made while it is on.
+    if (const Status st = StartKernelTracing(); !st.ok()) {
+      spdlog::error("--timeline: {}", st.ToString());
+      return 1;
+    }
+  }
   const auto bw = MeasureHbmBandwidth(size_t{4} << 30, 5);
   if (!bw.ok()) {
     spdlog::error("bandwidth: {}", bw.status().ToString());
@@ -328,6 +379,7 @@ int Main(int argc, char** argv) {
       const double prefill_s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
       std::vector<double> host_ms, gpu_ms;
+      std::vector<TimelineWindow> windows;
       int64_t pos = f.context;
       auto decode = [&](bool profile) -> StatusOr<std::vector<std::pair<std::string, double>>> {
         // The tokens fed back are the model's own (greedy unless --temperature); last holds
@@ -336,8 +388,10 @@ int Main(int argc, char** argv) {
                                         static_cast<uint64_t>(pos - f.context), f.sampling);
         ++pos;
         if (profile) return model->ProfileStep(step);
+        const uint64_t w0 = f.timeline ? CuptiTimestampNs() : 0;
         const auto t0 = std::chrono::steady_clock::now();
         TP_ASSIGN_OR_RETURN(StepResult got, model->Step(step));
+        if (f.timeline) windows.push_back(TimelineWindow{w0, CuptiTimestampNs()});
         host_ms.push_back(
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                 .count());
@@ -348,7 +402,17 @@ int Main(int argc, char** argv) {
       for (int i = 0; i < 1 + f.warmup; ++i) TP_RETURN_IF_ERROR(decode(false).status());
       host_ms.clear();
       gpu_ms.clear();
+      windows.clear();
       for (int i = 0; i < f.steps; ++i) TP_RETURN_IF_ERROR(decode(false).status());
+      json timeline;
+      if (f.timeline) {
+        uint64_t dropped = 0;
+        TP_ASSIGN_OR_RETURN(const std::vector<KernelRecord> kernels,
+                            CollectKernelRecords(&dropped));
+        const TimelineSummary t = SummarizeTimeline(kernels, windows);
+        if (r == 0) LogTimeline(batch, t);
+        timeline = TimelineJson(t, dropped);
+      }
       TP_ASSIGN_OR_RETURN(const auto stages, decode(true));
       if (r != 0) continue;  // every rank decodes the same tokens (the same logits and seeds)
 
@@ -389,6 +453,7 @@ int Main(int argc, char** argv) {
                {"eager_stages_ms", st},
                {"steps", f.steps},
                {"prefill_s", prefill_s}});
+      if (f.timeline) records.back()["timeline"] = timeline;
     }
     return model->Close();
   });
@@ -415,6 +480,7 @@ int Main(int argc, char** argv) {
              {"gemm_algo", f.gemm_algo},
              {"unfused", f.unfused},
              {"fused", f.fused},
+             {"timeline_traced", f.timeline},
              {"sampling",
               {{"temperature", f.sampling.temperature},
                {"top_k", f.sampling.top_k},

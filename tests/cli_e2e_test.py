@@ -528,7 +528,8 @@ class BenchmarkUsageErrors(unittest.TestCase):
                 (["--tp", "0"], "--tp"),
                 (["--overlap", "/nonexistent/overlap.yaml"], "--overlap: File does not exist"),
                 (["--batches", "0"], "--batches"),
-                (["--kv-dtype", "fp16"], "--kv-dtype: fp16 not in {bf16,fp8}")):
+                (["--kv-dtype", "fp16"], "--kv-dtype: fp16 not in {bf16,fp8}"),
+                (["--timeline", "--tp", "2"], "--timeline traces one GPU's kernels")):
             self.refused(BENCH_DECODE, args, says)
 
 
