@@ -126,17 +126,18 @@ StatusOr<std::vector<KernelRecord>> CollectKernelRecords(uint64_t* dropped) {
 
 #else  // !TPSERVE_HAVE_CUPTI
 
-Status StartKernelTracing() {
+namespace {
+Status NoCupti() {
   return UnimplementedError(
       "kernel tracing: this build has no CUPTI (the CUDA toolkit's libcupti)");
 }
+}  // namespace
+
+Status StartKernelTracing() { return NoCupti(); }
 
 uint64_t CuptiTimestampNs() { return 0; }
 
-StatusOr<std::vector<KernelRecord>> CollectKernelRecords(uint64_t*) {
-  return UnimplementedError(
-      "kernel tracing: this build has no CUPTI (the CUDA toolkit's libcupti)");
-}
+StatusOr<std::vector<KernelRecord>> CollectKernelRecords(uint64_t*) { return NoCupti(); }
 
 #endif
 

@@ -73,7 +73,6 @@ struct LabelSummary {
   double duration_us_median = 0;
   double exposed_us_per_step = 0;
   double idle_us_per_step = 0;
-  int first_position = 0;  // where the label first appears in the first step (report order)
 };
 
 struct TimelineSummary {
@@ -86,33 +85,28 @@ struct TimelineSummary {
 inline TimelineSummary SummarizeTimeline(const std::vector<KernelRecord>& records,
                                          const std::vector<TimelineWindow>& windows) {
   TimelineSummary out;
+  // Pass 1: each step's shares, and every label in first-appearance order.
+  std::vector<std::vector<KernelShare>> steps;
   std::map<std::string, size_t> index;
-  std::vector<std::vector<double>> durations, exposed, idle;
-  std::vector<double> launches;
-  std::vector<double> spans, idles;
   for (const TimelineWindow& w : windows) {
-    const std::vector<KernelShare> shares = StepShares(records, w);
+    std::vector<KernelShare> shares = StepShares(records, w);
     if (shares.empty()) continue;
-    ++out.steps;
-    std::vector<double> step_exposed(index.size(), 0.0), step_idle(index.size(), 0.0);
+    for (const KernelShare& s : shares) {
+      if (index.emplace(s.label, index.size()).second) out.labels.push_back({s.label});
+    }
+    steps.push_back(std::move(shares));
+  }
+  out.steps = static_cast<int>(steps.size());
+  if (steps.empty()) return out;
+  // Pass 2: per step, each label's exposed and idle time (0 where it did not run).
+  const size_t n = out.labels.size();
+  std::vector<std::vector<double>> durations(n), exposed(n), idle(n);
+  std::vector<double> launches(n, 0.0), spans, idles;
+  for (const std::vector<KernelShare>& shares : steps) {
+    std::vector<double> step_exposed(n, 0.0), step_idle(n, 0.0);
     double span = 0, step_idle_total = 0;
     for (const KernelShare& s : shares) {
-      auto [it, added] = index.emplace(s.label, index.size());
-      if (added) {
-        LabelSummary l;
-        l.label = s.label;
-        l.first_position = static_cast<int>(it->second);
-        out.labels.push_back(l);
-        durations.emplace_back();
-        exposed.emplace_back();
-        idle.emplace_back();
-        launches.push_back(0);
-      }
-      const size_t i = it->second;
-      if (step_exposed.size() <= i) {
-        step_exposed.resize(i + 1, 0.0);
-        step_idle.resize(i + 1, 0.0);
-      }
+      const size_t i = index.at(s.label);
       durations[i].push_back(s.duration_us);
       step_exposed[i] += s.exposed_us;
       step_idle[i] += s.idle_before_us;
@@ -120,26 +114,20 @@ inline TimelineSummary SummarizeTimeline(const std::vector<KernelRecord>& record
       span += s.exposed_us + s.idle_before_us;
       step_idle_total += s.idle_before_us;
     }
-    // A label absent from this step counts 0 for it.
-    for (size_t i = 0; i < index.size(); ++i) {
-      exposed[i].push_back(i < step_exposed.size() ? step_exposed[i] : 0.0);
-      idle[i].push_back(i < step_idle.size() ? step_idle[i] : 0.0);
+    for (size_t i = 0; i < n; ++i) {
+      exposed[i].push_back(step_exposed[i]);
+      idle[i].push_back(step_idle[i]);
     }
     spans.push_back(span);
     idles.push_back(step_idle_total);
   }
-  if (out.steps == 0) return out;
   out.span_us_median = Median(spans);
   out.idle_us_median = Median(idles);
-  for (size_t i = 0; i < out.labels.size(); ++i) {
-    // Labels first seen after step 0 lack entries for the steps before: those steps had none.
-    std::vector<double> e = exposed[i], d = idle[i];
-    e.insert(e.begin(), static_cast<size_t>(out.steps) - e.size(), 0.0);
-    d.insert(d.begin(), static_cast<size_t>(out.steps) - d.size(), 0.0);
+  for (size_t i = 0; i < n; ++i) {
     out.labels[i].launches_per_step = launches[i] / out.steps;
     out.labels[i].duration_us_median = Median(durations[i]);
-    out.labels[i].exposed_us_per_step = Median(e);
-    out.labels[i].idle_us_per_step = Median(d);
+    out.labels[i].exposed_us_per_step = Median(exposed[i]);
+    out.labels[i].idle_us_per_step = Median(idle[i]);
   }
   return out;
 }
