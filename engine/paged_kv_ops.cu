@@ -232,21 +232,33 @@ __global__ void __launch_bounds__(kAttnThreads) PagedAttentionKernel(AttnArgs a)
 // Grid (sequence, row slots, query head), one thread per output dimension; a CTA loops over
 // its sequence's rows. The first warp turns the splits' (m, l) into weights (one split per
 // lane: splits <= kMaxSplits = 32), so each dimension is one pass over the splits' partials.
+// The pass is a chain of latencies (a few KB a row): its sequence metadata is read before the
+// PDL wait where it is constant (AttnArgs::context_constant), and every split's partial of a
+// row is loaded at once, beside the (m, l) pairs, so the loads wait out one memory latency,
+// not one per few splits; the sums keep split order.
 static_assert(kMaxSplits <= 32, "the combine kernel's first warp holds one split per lane");
 template <int kHeadDim>
 __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs a) {
   __shared__ float w_s[32];
-  PdlEnter();
+  if (!a.context_constant) PdlEnter();
   const int s = blockIdx.x, head = blockIdx.z;
   int row_begin, n, ctx;
   SequenceRows(a, s, &row_begin, &n, &ctx);
+  if (a.context_constant) PdlEnter();
   if (n > a.max_rows) return;
-  const Fp8Divisor divisor = OutDivisor(a);
+  const int64_t split_stride = static_cast<int64_t>(a.tokens) * a.q_heads;
   for (int j = blockIdx.y; j < n; j += gridDim.y) {
     const int64_t tok = row_begin + j;
+    const int64_t slot0 = tok * a.q_heads + head;
+    float part[kMaxSplits];
+#pragma unroll
+    for (int sp = 0; sp < kMaxSplits; ++sp) {
+      part[sp] =
+          sp < a.splits ? a.ws_acc[(sp * split_stride + slot0) * kHeadDim + threadIdx.x] : 0.0f;
+    }
     if (threadIdx.x < 32) {
       const int sp = threadIdx.x;
-      const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
+      const int64_t slot = sp * split_stride + slot0;
       const float m = sp < a.splits ? a.ws_ml[2 * slot] : -INFINITY;
       const float l = sp < a.splits ? a.ws_ml[2 * slot + 1] : 0.0f;
       const float big = WarpMax(m);
@@ -256,11 +268,11 @@ __global__ void __launch_bounds__(kHeadDim) PagedAttentionCombineKernel(AttnArgs
     }
     __syncthreads();
     float y = 0.0f;
-    for (int sp = 0; sp < a.splits; ++sp) {
-      const int64_t slot = (static_cast<int64_t>(sp) * a.tokens + tok) * a.q_heads + head;
-      y = fmaf(w_s[sp], a.ws_acc[slot * kHeadDim + threadIdx.x], y);
+#pragma unroll
+    for (int sp = 0; sp < kMaxSplits; ++sp) {
+      if (sp < a.splits) y = fmaf(w_s[sp], part[sp], y);
     }
-    StoreOutput(a, divisor, tok, static_cast<int64_t>(head) * kHeadDim + threadIdx.x, y);
+    StoreOutput(a, OutDivisor(a), tok, static_cast<int64_t>(head) * kHeadDim + threadIdx.x, y);
     __syncthreads();  // w_s is rewritten for the next row
   }
 }
