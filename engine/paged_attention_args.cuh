@@ -54,8 +54,8 @@ struct AttnArgs {
   int block_shift;  // log2(block_size) when it is a power of two, else -1
   // PagedAttentionParams::context_constant: the decode kernel reads cu_seqlens, context_lens,
   // block_tables and its first tiles of keys below each sequence's first query row before its
-  // PDL wait (the exception layers/pdl.cuh's contract allows for memory that held its values
-  // before the kernel ahead started).
+  // PDL wait, the combine pass cu_seqlens and context_lens (the exception layers/pdl.cuh's
+  // contract allows for memory that held its values before the kernel ahead started).
   bool context_constant;
   // The decode kernel only, 1 < splits <= kDecodeMaxClusterSplits: the splits of a (sequence,
   // KV head) are one cluster and merge their partials themselves (no combine pass, no
