@@ -140,7 +140,8 @@ struct PagedAttentionParams {
   // this launch started. A generation step uploads the former before its first kernel and
   // writes only its own rows' keys and values. The decode kernel then reads those before it
   // waits for the kernel ahead (the keys of the query rows, q and everything it writes come
-  // after), so that its loads overlap that kernel. false: nothing is read before the wait.
+  // after), so that its loads overlap that kernel, and the split combine pass reads
+  // cu_seqlens and context_lens before its own wait. false: nothing is read before a wait.
   bool context_constant = false;
   // Whether the decode kernel's splits may merge in a thread-block cluster (as above); false:
   // the combine pass merges them, through the workspace (for measuring what the cluster saves;
